@@ -1,0 +1,257 @@
+"""The two-stage engine loop: submit plans, collect results, keep up to P plans in flight.
+
+All scheduler state is touched from this one asyncio loop and scheduling itself never awaits,
+so there are no locks. Plans in flight cover disjoint requests (the scheduler guarantees it);
+every stage executes plans in step order.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler.pipeline import Pipeline, PipelineError
+from services.scheduler.plan_codec import plan_to_proto, split_result
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from strata.v1 import engine_pb2
+
+log = logging.getLogger("strata.scheduler")
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code  # a grpc.StatusCode name
+        self.message = message
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_plans_in_flight: int = 0  # 0: max(2, pipeline stages)
+    enable_prefix_caching: bool = True
+    max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
+    reconnect_timeout: float = 120.0
+
+
+@dataclass
+class _Stream:
+    """Where the outputs of one request go."""
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, pipeline: Pipeline, config: SchedulerConfig):
+        self.pipeline = pipeline
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.streams: dict[str, _Stream] = {}
+        self.in_flight: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._busy_since: float | None = None
+        self._busy_seconds = 0.0
+        self._started = time.monotonic()
+        self._step_ids = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self._connect()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.pipeline.close()
+
+    async def _connect(self) -> None:
+        self._ready.clear()
+        await self.pipeline.connect(self.config.max_kv_blocks or None)
+        desc = self.pipeline.model_info
+        self.scheduler = Scheduler(
+            num_blocks=self.pipeline.num_kv_blocks,
+            block_size=desc.block_size,
+            max_model_len=desc.model.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            cache_salt=desc.model_fingerprint,
+        )
+        self._ready.set()
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.config.max_plans_in_flight or max(2, self.pipeline.num_stages)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    # ------------------------------------------------------------ requests
+
+    async def submit(self, request: Request) -> _Stream:
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.config.reconnect_timeout)
+            except asyncio.TimeoutError:
+                raise RequestFailed("UNAVAILABLE", "the worker pipeline is not available") from None
+        if request.request_id in self.streams:
+            raise RequestFailed("ALREADY_EXISTS", f"request_id {request.request_id!r} is already running")
+        stream = _Stream(prompt_tokens=len(request.prompt_token_ids))
+        self.streams[request.request_id] = stream
+        self.scheduler.add_request(request)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's blocks at once (also when it is in a plan in flight)."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return False
+        if self.scheduler is not None:
+            self.scheduler.abort(request_id)
+        stream.queue.put_nowait(engine_pb2.EngineOutput(request_id=request_id, finish_reason="abort"))
+        self._wake.set()
+        return True
+
+    # ------------------------------------------------------------ loop
+
+    async def _run(self) -> None:
+        receive: asyncio.Task | None = None
+        while True:
+            try:
+                await self._fill_pipeline()
+                if not self.in_flight:
+                    self._mark_idle()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if receive is None:
+                    receive = asyncio.create_task(self.pipeline.receive())
+                wake = asyncio.create_task(self._wake.wait())
+                done, _ = await asyncio.wait({receive, wake}, return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                self._wake.clear()
+                if receive in done:
+                    result, receive = receive.result(), None
+                    self._finish_step(result)
+            except PipelineError as e:
+                if receive is not None:
+                    receive.cancel()
+                    receive = None
+                await self._recover(e)
+
+    async def _fill_pipeline(self) -> None:
+        while len(self.in_flight) < self.max_in_flight:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return
+            self._step_ids += 1
+            msg = plan_to_proto(plan)
+            self.in_flight.append(plan)
+            self._mark_busy()
+            await self.pipeline.send(msg)
+
+    def _finish_step(self, result: engine_pb2.StepResult) -> None:
+        plan = self.in_flight.popleft()
+        if result.step_id != plan.step_id:
+            raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
+        if result.error:
+            # A failed step poisons only its own requests; the workers keep serving.
+            log.error("step %d failed: %s", plan.step_id, result.error)
+            self.scheduler.update(plan, {})
+            for seq in plan.seqs:
+                self._fail(seq.request.request_id, "INTERNAL", result.error)
+            return
+        sampled, logprobs = split_result(result)
+        seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs}
+        for upd in self.scheduler.update(plan, sampled):
+            self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)))
+
+    def _deliver(self, upd, logprob_entries) -> None:
+        req = upd.request
+        stream = self.streams.get(req.request_id)
+        if stream is None:
+            return  # aborted while its step was in flight
+        out = engine_pb2.EngineOutput(
+            request_id=req.request_id,
+            token_ids=upd.new_token_ids,
+            finish_reason=upd.finish_reason if upd.finished else "",
+            stop_reason=str(upd.stop_reason) if upd.finished and upd.stop_reason is not None else "",
+            prompt_tokens=stream.prompt_tokens,
+            cached_prompt_tokens=req.num_cached_prompt_tokens,
+        )
+        if logprob_entries and req.logprobs >= 0:
+            out.logprobs.extend(logprob_entries[: len(upd.new_token_ids)])
+        stream.queue.put_nowait(out)
+        if upd.finished:
+            del self.streams[req.request_id]
+
+    def _fail(self, request_id: str, code: str, message: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(RequestFailed(code, message))
+        if self.scheduler is not None:
+            self.scheduler.abort(request_id)
+
+    async def _recover(self, error: Exception) -> None:
+        """A stage went away: fail what was running (its KV is gone) and rebuild the pipeline."""
+        log.error("pipeline failure: %s; failing %d request(s) and reconnecting", error, len(self.streams))
+        self.in_flight.clear()
+        self._mark_idle()
+        for request_id in list(self.streams):
+            self._fail(request_id, "UNAVAILABLE", f"a pipeline stage failed: {error}")
+        self.scheduler = None
+        self._ready.clear()
+        while True:
+            try:
+                await self._connect()
+                return
+            except PipelineError as e:
+                log.error("reconnect failed: %s; retrying", e)
+                await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------ stats
+
+    def _mark_busy(self) -> None:
+        if self._busy_since is None:
+            self._busy_since = time.monotonic()
+
+    def _mark_idle(self) -> None:
+        if self._busy_since is not None:
+            self._busy_seconds += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    def stats(self) -> engine_pb2.SchedulerStats:
+        s = self.scheduler.stats() if self.scheduler else {}
+        busy = self._busy_seconds + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return engine_pb2.SchedulerStats(
+            num_kv_blocks=s.get("num_blocks", 0),
+            free_kv_blocks=s.get("free_blocks", 0),
+            cached_kv_blocks=s.get("cached_blocks", 0),
+            used_kv_blocks=s.get("used_blocks", 0),
+            peak_used_kv_blocks=s.get("peak_used_blocks", 0),
+            running=s.get("running", 0),
+            waiting=s.get("waiting", 0),
+            prefix_cache_queries=s.get("prefix_cache_queries", 0),
+            prefix_cache_hits=s.get("prefix_cache_hits", 0),
+            prefill_tokens_computed=s.get("prefill_tokens_computed", 0),
+            decode_tokens_computed=s.get("decode_tokens_computed", 0),
+            steps=s.get("steps", 0),
+            preemptions=s.get("preemptions", 0),
+            finished_requests=s.get("finished_requests", 0),
+            gpu_idle_fraction=1.0 - min(busy / wall, 1.0),
+            pipeline_stages=self.pipeline.num_stages,
+        )

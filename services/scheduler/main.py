@@ -1,0 +1,51 @@
+"""`strata scheduler`: connect to the workers, then serve the Scheduler service."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.scheduler.engine import Engine, SchedulerConfig
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.pipeline import Pipeline
+from services.scheduler.server import SchedulerServicer, publish_metrics
+from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
+from strata.v1 import engine_pb2_grpc
+
+log = logging.getLogger("strata.scheduler")
+
+
+def config_from_args(args) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_plans_in_flight=args.max_plans_in_flight,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_kv_blocks=args.max_kv_blocks,
+    )
+
+
+async def serve(args) -> None:
+    addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
+    engine = Engine(Pipeline(addresses), config_from_args(args))
+    server, health = new_server()
+    metrics = SchedulerMetrics()
+    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, metrics), server)
+    port = bind(server, args.host, args.port)
+    await server.start()  # health answers NOT_SERVING until the pipeline is up
+    await engine.start()
+    await set_serving(health, ["strata.v1.Scheduler"])
+    tasks = []
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+        tasks.append(asyncio.create_task(publish_metrics(engine, metrics)))
+    log.info("scheduler on %s:%d over %d stage(s)", args.host, port, len(addresses))
+    await wait_for_termination_signal()
+    for t in tasks:
+        t.cancel()
+    await server.stop(grace=1.0)
+    await engine.stop()
+
+
+def run(args) -> int:
+    asyncio.run(serve(args))
+    return 0

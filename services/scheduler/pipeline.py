@@ -1,0 +1,121 @@
+"""Connection to the pipeline of workers: discovery, cache set-up and the per-stage Steps streams."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from strata.grpc_util import aio_channel
+from strata.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("strata.scheduler")
+
+
+class PipelineError(Exception):
+    """A stage is unreachable, misconfigured, or failed mid-stream."""
+
+
+@dataclass
+class StageHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: engine_pb2_grpc.WorkerStub
+    description: engine_pb2.WorkerDescription
+    call: grpc.aio.StreamStreamCall | None = None
+
+
+class Pipeline:
+    """The ordered stages; sends each plan to every stage and reads results from the last one."""
+
+    def __init__(self, addresses: list[str], connect_timeout: float = 120.0):
+        if not addresses:
+            raise ValueError("at least one worker address is needed")
+        self.addresses = addresses
+        self.connect_timeout = connect_timeout
+        self.stages: list[StageHandle] = []
+        self.num_kv_blocks = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def model_info(self) -> engine_pb2.WorkerDescription:
+        return self.stages[0].description
+
+    async def connect(self, max_kv_blocks: int | None = None) -> None:
+        """Describes every stage (retrying until it is up), checks they form one pipeline,
+        sizes the KV cache to the smallest stage, and opens the Steps streams."""
+        await self.close()
+        stages = []
+        for address in self.addresses:
+            channel = aio_channel(address)
+            stub = engine_pb2_grpc.WorkerStub(channel)
+            desc = await self._describe(stub, address)
+            stages.append(StageHandle(address, channel, stub, desc))
+        self._check_topology(stages)
+        self.stages = stages
+        blocks = min(s.description.num_kv_blocks for s in stages)
+        if max_kv_blocks:
+            blocks = min(blocks, max_kv_blocks)
+        self.num_kv_blocks = blocks
+        for i, stage in enumerate(stages):
+            next_address = self.addresses[i + 1] if i + 1 < len(stages) else ""
+            await stage.stub.InitCache(
+                engine_pb2.InitCacheRequest(num_kv_blocks=blocks, next_stage_address=next_address), timeout=300)
+        for stage in stages:
+            stage.call = stage.stub.Steps()
+        log.info("pipeline of %d stage(s) ready: %d KV blocks of %d tokens", len(stages), blocks,
+                 stages[0].description.block_size)
+
+    async def _describe(self, stub, address: str) -> engine_pb2.WorkerDescription:
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.connect_timeout),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception_type(grpc.aio.AioRpcError),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await stub.Describe(engine_pb2.DescribeRequest(), timeout=5, wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"worker {address} unreachable: {e.details()}") from e
+
+    def _check_topology(self, stages: list[StageHandle]) -> None:
+        first = stages[0].description
+        for i, s in enumerate(stages):
+            d = s.description
+            if d.stage_index != i or d.num_stages != len(stages):
+                raise PipelineError(
+                    f"worker {s.address} is stage {d.stage_index} of {d.num_stages}, expected stage {i} of {len(stages)}")
+            if d.model_fingerprint != first.model_fingerprint or d.block_size != first.block_size:
+                raise PipelineError(f"worker {s.address} serves a different model or block size")
+        for a, b in zip(stages, stages[1:]):
+            if a.description.layer_end != b.description.layer_start:
+                raise PipelineError(f"layers of {a.address} and {b.address} do not join")
+
+    async def send(self, plan: engine_pb2.StepPlan) -> None:
+        try:
+            await asyncio.gather(*(s.call.write(plan) for s in self.stages))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, AttributeError) as e:
+            raise PipelineError(f"sending step {plan.step_id} failed: {e}") from e
+
+    async def receive(self) -> engine_pb2.StepResult:
+        try:
+            result = await self.stages[-1].call.read()
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"last stage failed: {e.details()}") from e
+        if result is grpc.aio.EOF:
+            raise PipelineError("last stage closed its stream")
+        return result
+
+    async def close(self) -> None:
+        for s in self.stages:
+            if s.call is not None:
+                s.call.cancel()
+            await s.channel.close()
+        self.stages = []

@@ -1,0 +1,57 @@
+"""Scheduler plans to the wire (StepPlan) and StepResults back to per-sequence tokens."""
+from __future__ import annotations
+
+import itertools
+
+from services.scheduler.plan import StepPlan
+from strata.v1 import engine_pb2, generate_pb2
+
+
+def sampling_options(req) -> engine_pb2.SamplingOptions:
+    return engine_pb2.SamplingOptions(
+        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+        seed=req.seed, logprobs=req.logprobs)
+
+
+def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
+    seqs = plan.seqs
+    msg = engine_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_sequences=[engine_pb2.NewSequence(seq_id=r.seq_id, sampling=sampling_options(r))
+                       for r in plan.new_requests],
+        released_seq_ids=plan.released_seq_ids,
+        seq_ids=[s.seq_id for s in seqs],
+        num_computed=[s.num_computed for s in seqs],
+        num_scheduled=[s.num_scheduled for s in seqs],
+        input_token_ids=list(itertools.chain.from_iterable(s.input_token_ids for s in seqs)),
+        table_keep=[s.table_keep for s in seqs],
+        table_append_counts=[len(s.table_append) for s in seqs],
+        table_append_ids=list(itertools.chain.from_iterable(s.table_append for s in seqs)),
+        sample=[s.sample for s in seqs],
+        num_draft_tokens=[s.num_draft for s in seqs],
+        copy_src_blocks=[src for src, _ in plan.copies],
+        copy_dst_blocks=[dst for _, dst in plan.copies],
+    )
+    return msg
+
+
+def split_result(result: engine_pb2.StepResult):
+    """Returns ({seq_id: [token ids]}, {seq_id: [TokenLogprob]}) from the flat arrays."""
+    sampled: dict[int, list[int]] = {}
+    logprobs: dict[int, list[generate_pb2.TokenLogprob]] = {}
+    have_logprobs = len(result.logprobs) == len(result.token_ids) and len(result.token_ids) > 0
+    pos = top_pos = 0
+    for seq_id, n in zip(result.seq_ids, result.num_tokens):
+        sampled[seq_id] = list(result.token_ids[pos:pos + n])
+        if have_logprobs:
+            entries = []
+            for t in range(pos, pos + n):
+                k = result.num_top[t] if t < len(result.num_top) else 0
+                entry = generate_pb2.TokenLogprob(token_id=result.token_ids[t], logprob=result.logprobs[t])
+                for j in range(top_pos, top_pos + k):
+                    entry.top.add(token_id=result.top_token_ids[j], logprob=result.top_logprobs[j])
+                top_pos += k
+                entries.append(entry)
+            logprobs[seq_id] = entries
+        pos += n
+    return sampled, logprobs

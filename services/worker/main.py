@@ -1,0 +1,109 @@
+"""`strata worker`: load this stage's layers, size the KV cache, serve the Worker service."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+from services.worker.attention import kv_cache_bytes_per_block
+from services.worker.model_config import ModelConfig
+from services.worker.runner import ModelRunner
+from services.worker.server import WorkerServicer
+from services.worker.weights import load_shard
+from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
+from strata.model_source import resolve_model
+from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
+
+log = logging.getLogger("strata.worker")
+GiB = 1 << 30
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but no CUDA device is available")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def attention_backend_for(device: torch.device):
+    if device.type == "cuda":
+        from services.worker.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    from services.worker.attention import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, device: torch.device, dtype: torch.dtype) -> int:
+    if args.num_kv_blocks:
+        return args.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(num_layers, args.block_size, config.num_key_value_heads,
+                                         config.head_dim, dtype)
+    if device.type != "cuda":
+        return max(1, int(args.kv_cache_memory_gb * GiB) // per_block)
+    free, total = torch.cuda.mem_get_info(device)
+    # What the step itself needs besides weights and cache: activations of the largest prefill
+    # chunk (MLP intermediates dominate) and the logits of a full decode batch, plus slack.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    activations = args.max_num_batched_tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
+    logits = args.max_num_seqs * config.vocab_size * 4 * 4
+    budget = free - (1 - args.gpu_memory_utilization) * total - activations - logits - GiB // 2
+    if budget < per_block:
+        raise SystemExit(f"no GPU memory left for the KV cache (free {free / GiB:.1f} GiB)")
+    return int(budget // per_block)
+
+
+def build(args):
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    model_path, dummy = resolve_model(args.model)
+    if not 0 <= args.stage_index < args.num_stages:
+        raise SystemExit(f"--stage-index must be in [0, {args.num_stages})")
+    shard, config = load_shard("dummy" if dummy else model_path, args.stage_index, args.num_stages, dtype,
+                               device, dummy_config=dummy, seed=args.seed,
+                               attn_backend=attention_backend_for(device))
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    runner = ModelRunner(shard, config, stage_index=args.stage_index, num_stages=args.num_stages,
+                         block_size=args.block_size, max_model_len=max_model_len, device=device, dtype=dtype,
+                         attention_backend=shard.attn_backend, max_num_seqs=max(args.max_num_seqs * 4, 1024))
+    blocks = num_kv_blocks_for(args, config, shard.num_layers, device, dtype)
+    name = Path(model_path).name if model_path else f"dummy:{dummy}"
+    description = engine_pb2.WorkerDescription(
+        stage_index=args.stage_index, num_stages=args.num_stages,
+        layer_start=shard.start_layer, layer_end=shard.end_layer,
+        num_kv_blocks=blocks, block_size=args.block_size, device=str(device),
+        model_fingerprint=shard.fingerprint,
+        model=generate_pb2.ModelInfo(
+            model_name=name, architecture=config.architecture, max_model_len=max_model_len,
+            vocab_size=config.vocab_size, eos_token_ids=config.eos_token_id,
+            dtype=str(dtype).removeprefix("torch.")),
+    )
+    return runner, description
+
+
+async def serve(args) -> None:
+    runner, description = build(args)
+    server, health = new_server()
+    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, description), server)
+    port = bind(server, args.host, args.port)
+    await server.start()
+    await set_serving(health, ["strata.v1.Worker"])
+    log.info("worker stage %d/%d (layers %d-%d, %d KV blocks, %s) listening on %s:%d",
+             args.stage_index, args.num_stages, description.layer_start, description.layer_end,
+             description.num_kv_blocks, description.device, args.host, port)
+    await wait_for_termination_signal()
+    await server.stop(grace=1.0)
+
+
+def run(args) -> int:
+    asyncio.run(serve(args))
+    return 0

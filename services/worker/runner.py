@@ -1,0 +1,243 @@
+"""ModelRunner: applies step plans to per-sequence state and runs this stage's shard.
+
+Workers keep what the scheduler already told them (block tables, sampling options), so a plan
+only carries deltas. State lives in preallocated numpy arrays indexed by a row per sequence, so
+building a step's inputs is a handful of vectorised gathers, not a loop over tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.attention import AttentionMetadata, allocate_kv_cache
+from services.worker.sampler import Sampler, SamplingTensors
+from strata.v1 import engine_pb2
+
+
+class PlanError(ValueError):
+    """A plan that does not fit this worker's state (a scheduler bug or a restarted worker)."""
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor | None  # [T] on the first stage
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: np.ndarray  # state rows of the sequences that sample
+    sample_token_index: torch.Tensor  # index in the flat batch of the token whose logits are sampled
+    sample_positions: np.ndarray  # absolute position of each sampled token
+    sample_seq_ids: list[int]
+
+
+class SequenceTable:
+    """Per-sequence worker state: a row per live sequence holding its block table and sampling options."""
+
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int):
+        self.max_blocks = max_blocks_per_seq
+        self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros(max_seqs, dtype=np.int32)
+        self.temperature = np.zeros(max_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_seqs, dtype=np.int32)
+        self.top_p = np.ones(max_seqs, dtype=np.float32)
+        self.min_p = np.zeros(max_seqs, dtype=np.float32)
+        self.seed = np.zeros(max_seqs, dtype=np.int64)
+        self.logprobs = np.full(max_seqs, -1, dtype=np.int32)
+        self.rows: dict[int, int] = {}
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+
+    def add(self, seq: engine_pb2.NewSequence) -> None:
+        if seq.seq_id in self.rows:
+            raise PlanError(f"sequence {seq.seq_id} admitted twice")
+        if not self.free_rows:
+            raise PlanError("more live sequences than this worker was sized for")
+        row = self.free_rows.pop()
+        self.rows[seq.seq_id] = row
+        s = seq.sampling
+        self.num_blocks[row] = 0
+        self.temperature[row] = s.temperature
+        self.top_k[row] = s.top_k
+        self.top_p[row] = s.top_p
+        self.min_p[row] = s.min_p
+        # Seeds are uint64 on the wire; keep their bits in int64.
+        self.seed[row] = np.uint64(s.seed).astype(np.int64)
+        self.logprobs[row] = s.logprobs
+
+    def release(self, seq_id: int) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def clear(self) -> None:
+        for seq_id in list(self.rows):
+            self.release(seq_id)
+
+    def lookup(self, seq_ids) -> np.ndarray:
+        try:
+            return np.fromiter((self.rows[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        except KeyError as e:
+            raise PlanError(f"unknown sequence {e.args[0]} (was this worker restarted?)") from None
+
+    def update_tables(self, rows: np.ndarray, keep: np.ndarray, counts: np.ndarray, ids: np.ndarray) -> None:
+        # Only sequences whose table changed need work: most decode steps touch none.
+        changed = np.nonzero((counts > 0) | (keep != self.num_blocks[rows]))[0]
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        for i in changed:
+            row, k, n = rows[i], keep[i], counts[i]
+            if k + n > self.max_blocks:
+                raise PlanError("block table longer than max_model_len allows")
+            self.block_tables[row, k : k + n] = ids[offsets[i] : offsets[i] + n]
+            self.num_blocks[row] = k + n
+
+
+class ModelRunner:
+    def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, attention_backend,
+                 max_num_seqs: int = 1024):
+        self.shard = shard
+        self.config = model_config
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.dtype = dtype
+        self.backend = attention_backend
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
+        self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
+        self.sampler = Sampler() if self.is_last else None
+
+    # ------------------------------------------------------------ cache
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []  # free the old cache before allocating the new one
+        self.kv_caches = allocate_kv_cache(
+            self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
+            self.config.head_dim, self.dtype, self.device)
+        self.num_kv_blocks = num_blocks
+        self.table.clear()
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device, dtype=torch.long)
+        d = torch.tensor(dst, device=self.device, dtype=torch.long)
+        for cache in self.kv_caches:
+            cache[:, d] = cache[:, s]
+
+    # ------------------------------------------------------------ plans
+
+    def apply_state(self, plan: engine_pb2.StepPlan) -> np.ndarray:
+        """Applies the plan's deltas to the sequence table; returns the rows of the scheduled seqs."""
+        for seq_id in plan.released_seq_ids:
+            self.table.release(seq_id)
+        for seq in plan.new_sequences:
+            self.table.add(seq)
+        rows = self.table.lookup(plan.seq_ids)
+        self.table.update_tables(
+            rows,
+            np.asarray(plan.table_keep, dtype=np.int64),
+            np.asarray(plan.table_append_counts, dtype=np.int64),
+            np.asarray(plan.table_append_ids, dtype=np.int32),
+        )
+        self._copy_blocks(list(plan.copy_src_blocks), list(plan.copy_dst_blocks))
+        return rows
+
+    def prepare_inputs(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> StepInputs:
+        num_computed = np.asarray(plan.num_computed, dtype=np.int64)
+        q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
+        if q_lens.size == 0 or (q_lens <= 0).any():
+            raise PlanError("a plan must schedule at least one token per sequence")
+        if any(plan.num_draft_tokens):
+            raise PlanError("speculative verification is not supported by this worker yet")
+        seq_lens = num_computed + q_lens
+        if seq_lens.max() > self.max_model_len:
+            raise PlanError("a sequence exceeds max_model_len")
+        qsl = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        # Position of every token: its sequence's cached length plus its offset in the chunk.
+        positions = np.repeat(num_computed - qsl[:-1], q_lens) + np.arange(total)
+        token_rows = np.repeat(rows, q_lens)
+        needed_blocks = (seq_lens + self.block_size - 1) // self.block_size
+        if (needed_blocks > self.table.num_blocks[rows]).any():
+            raise PlanError("a sequence was scheduled past the end of its block table")
+        block_ids = self.table.block_tables[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        width = int(needed_blocks.max())
+        block_tables = self.table.block_tables[rows, :width]
+
+        sample_mask = np.asarray(plan.sample, dtype=bool)
+        sample_idx = np.nonzero(sample_mask)[0]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = None
+        if self.is_first:
+            if len(plan.input_token_ids) != total:
+                raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
+            input_ids = torch.tensor(plan.input_token_ids, dtype=torch.long).to(dev)
+        return StepInputs(
+            input_ids=input_ids,
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            sample_rows=rows[sample_idx],
+            sample_token_index=torch.from_numpy(qsl[1:][sample_idx] - 1).to(dev),
+            sample_positions=seq_lens[sample_idx],
+            sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """Runs one step. Returns (hidden, residual) on a middle stage, a StepResult on the last."""
+        start = time.perf_counter()
+        rows = self.apply_state(plan)
+        inputs = self.prepare_inputs(plan, rows)
+        hidden, residual = self.shard.forward(
+            inputs.input_ids, inputs.positions, hidden, residual, self.kv_caches, inputs.meta)
+        if not self.is_last:
+            return hidden, residual
+        result = engine_pb2.StepResult(step_id=plan.step_id)
+        if inputs.sample_seq_ids:
+            idx = inputs.sample_token_index
+            logits = self.shard.compute_logits(hidden[idx], residual[idx])
+            self._sample(logits, inputs, result)
+        result.execute_seconds = time.perf_counter() - start
+        return result
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs, result: engine_pb2.StepResult) -> None:
+        t, r = self.table, inputs.sample_rows
+        num_logprobs = int(t.logprobs[r].max())
+        st = SamplingTensors.build(
+            temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
+            seeds=t.seed[r], positions=inputs.sample_positions, num_logprobs=num_logprobs,
+            device=logits.device)
+        out = self.sampler(logits, st)
+        # The one host-device synchronisation of the step.
+        token_ids = out.token_ids.cpu().tolist()
+        n = len(token_ids)
+        result.seq_ids.extend(inputs.sample_seq_ids)
+        result.num_tokens.extend([1] * n)
+        result.token_ids.extend(token_ids)
+        if num_logprobs >= 0:
+            wanted = t.logprobs[r]
+            result.logprobs.extend(out.logprobs.cpu().tolist())
+            top_ids = out.top_ids.cpu().numpy() if out.top_ids is not None else np.zeros((n, 0), np.int64)
+            top_lps = out.top_logprobs.cpu().numpy() if out.top_logprobs is not None else np.zeros((n, 0), np.float32)
+            for i in range(n):  # per sampled sequence, only when logprobs were asked
+                k = max(int(wanted[i]), 0)
+                result.num_top.append(k)
+                result.top_token_ids.extend(top_ids[i, :k].tolist())
+                result.top_logprobs.extend(top_lps[i, :k].tolist())

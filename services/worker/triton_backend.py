@@ -1,0 +1,19 @@
+"""Attention on GPUs: the Triton kernels in kernels/, behind the worker's backend interface."""
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_cache_write import write_kv_cache
+from kernels.paged_attention import paged_attention
+from services.worker.attention import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window)

@@ -1,0 +1,59 @@
+"""A small Python client for the Gateway service, and `strata generate`."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import grpc
+
+from strata.grpc_util import CHANNEL_OPTIONS
+from strata.v1 import generate_pb2, generate_pb2_grpc
+
+
+class StrataClient:
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None):
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = generate_pb2_grpc.GatewayStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+
+    def generate(self, prompt: str | list[int], timeout: float = 600.0, request_id: str = "",
+                 **params) -> Iterator[generate_pb2.GenerateResponse]:
+        """Streams responses; `params` are SamplingParams fields (max_tokens=..., temperature=...)."""
+        req = generate_pb2.GenerateRequest(request_id=request_id, params=generate_pb2.SamplingParams(**params))
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.ids.extend(prompt)
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
+
+    def model_info(self, timeout: float = 30.0) -> generate_pb2.ModelInfo:
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def generate_cli(args) -> int:
+    client = StrataClient(args.address, args.api_key)
+    params = dict(max_tokens=args.max_tokens, n=args.n, top_k=args.top_k, stop=args.stop,
+                  ignore_eos=args.ignore_eos, output_kind=generate_pb2.DELTA)
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    try:
+        for response in client.generate(args.prompt, timeout=args.timeout, **params):
+            for out in response.outputs:
+                prefix = f"[{out.index}] " if args.n > 1 else ""
+                sys.stdout.write(prefix + out.text if args.n > 1 and out.text else out.text)
+                if out.finish_reason and args.n > 1:
+                    sys.stdout.write(f"  <{out.finish_reason}>\n")
+            sys.stdout.flush()
+            if response.finished:
+                u = response.usage
+                print(f"\n[{u.prompt_tokens} prompt tokens, {u.completion_tokens} completion tokens]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0

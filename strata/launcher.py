@@ -1,0 +1,124 @@
+"""`strata serve`: scheduler, one worker per stage and the gateway as separate local processes."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from strata.grpc_util import check_health
+from strata.model_source import resolve_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Child processes of one local cluster; stops them all, in reverse order, on exit."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.gateway_address = ""
+        self.scheduler_address = ""
+        self.worker_addresses: list[str] = []
+
+    def start(self, name: str, argv: list[str]) -> None:
+        cmd = [sys.executable, "-m", "strata.cli", *argv]
+        self.procs.append((name, subprocess.Popen(cmd)))
+
+    def wait_healthy(self, address: str, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pname, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{pname} exited with code {proc.returncode} during start-up")
+            if check_health(address, timeout=1.0):
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} at {address} not healthy after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
+    argv = ["worker", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+            "--stage-index", str(stage), "--num-stages", str(args.pipeline_stages),
+            "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
+            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--num-kv-blocks", str(args.num_kv_blocks),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.device.startswith("cuda") and args.pipeline_stages > 1 and args.device == "cuda":
+        import torch
+        argv[argv.index("--device") + 1] = f"cuda:{stage % max(torch.cuda.device_count(), 1)}"
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
+    if args.pipeline_stages < 1:
+        raise SystemExit("--pipeline-stages must be at least 1")
+    model_path, dummy = resolve_model(args.model)
+    model = model_path or f"dummy:{dummy}"
+    cluster = Cluster()
+    try:
+        worker_addresses = []
+        for stage in range(args.pipeline_stages):
+            port = free_port()
+            worker_addresses.append(f"127.0.0.1:{port}")
+            cluster.start(f"worker {stage}", worker_argv(args, stage, port, model))
+        sched_port = free_port()
+        sched_argv = ["scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
+                      "--workers", ",".join(worker_addresses), "--max-num-seqs", str(args.max_num_seqs),
+                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                      "--max-plans-in-flight", str(args.max_plans_in_flight),
+                      "--metrics-port", str(args.metrics_port)]
+        cluster.start("scheduler", sched_argv)
+        cluster.worker_addresses = worker_addresses
+        cluster.scheduler_address = f"127.0.0.1:{sched_port}"
+        gateway_argv = ["gateway", "--host", args.host, "--port", str(args.port),
+                        "--scheduler-address", f"127.0.0.1:{sched_port}", "--model", model_path or ""]
+        for flag, value in (("--api-key", args.api_key), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+            if value:
+                gateway_argv += [flag, value]
+        cluster.start("gateway", gateway_argv)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        cluster.gateway_address = f"{host}:{args.port}"
+        if not args.tls_cert:
+            cluster.wait_healthy(cluster.gateway_address, "gateway", startup_timeout)
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def serve(args) -> int:
+    # Children handle SIGINT themselves; the launcher only waits and then reaps them.
+    cluster = start_cluster(args)
+    print(f"Strata is serving on {args.host}:{args.port} ({args.pipeline_stages} stage(s)). Ctrl-C stops it.",
+          flush=True)
+    try:
+        while all(proc.poll() is None for _, proc in cluster.procs):
+            time.sleep(0.5)
+        failed = [name for name, proc in cluster.procs if proc.poll() is not None]
+        print(f"{', '.join(failed)} exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()

@@ -1,0 +1,58 @@
+"""Test helpers: start a real local cluster (separate processes) and an HF oracle."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import grpc
+import torch
+
+from strata.cli import build_parser
+from strata.client import StrataClient
+from strata.launcher import free_port, start_cluster
+from strata.v1 import engine_pb2, engine_pb2_grpc
+
+
+@contextlib.contextmanager
+def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
+    args = build_parser().parse_args(
+        ["serve", "--model", str(model_dir), "--pipeline-stages", str(stages), "--port", str(free_port()),
+         "--device", "cpu", "--block-size", "4", *extra])
+    cluster = start_cluster(args, startup_timeout=180)
+    client = StrataClient(cluster.gateway_address)
+    try:
+        yield cluster, client
+    finally:
+        client.close()
+        cluster.stop()
+
+
+def scheduler_stats(cluster) -> engine_pb2.SchedulerStats:
+    with grpc.insecure_channel(cluster.scheduler_address) as ch:
+        return engine_pb2_grpc.SchedulerStub(ch).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+
+
+def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
+    """HF transformers generate(), greedy, float32, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # compared with ignore_eos=True
+    outs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_new_tokens):
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def collect(responses) -> dict[int, list[int]]:
+    """Token ids per output index from a stream of DELTA or CUMULATIVE responses."""
+    tokens: dict[int, list[int]] = {}
+    for r in responses:
+        for o in r.outputs:
+            tokens.setdefault(o.index, []).extend(o.token_ids)
+    return tokens

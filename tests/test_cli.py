@@ -1,0 +1,48 @@
+"""`strata serve` with no arguments serves the embedded default; `strata generate` streams text."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from strata.grpc_util import check_health
+from strata.launcher import free_port
+
+
+def test_help_explains_every_command():
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "--help"], capture_output=True, text=True, check=True)
+    for cmd in ("serve", "gateway", "scheduler", "worker", "generate", "health", "build-default-model"):
+        assert cmd in out.stdout
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "worker", "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "STRATA_STAGE_INDEX" in out.stdout and "--num-kv-blocks" in out.stdout
+
+
+def test_serve_default_then_generate(tmp_path):
+    port = free_port()
+    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
+    # The documented command: no arguments but the port (tests must not take the default port).
+    serve = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not check_health(f"127.0.0.1:{port}", timeout=1.0):
+            assert serve.poll() is None, serve.stdout.read()
+            assert time.monotonic() < deadline, "strata serve did not become healthy"
+            time.sleep(0.5)
+        gen = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "hello", "--address",
+                              f"127.0.0.1:{port}", "--max-tokens", "8", "--ignore-eos"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip(), "no text streamed"
+        assert "8 completion tokens" in gen.stderr
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            raise
+    assert serve.returncode == 0

@@ -1,0 +1,132 @@
+"""The public API through the whole stack: seeded sampling, cancellation, bad input, model info."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from strata.default_model import build_tiny_tokenizer
+from strata.v1 import generate_pb2
+from tests.cluster import collect, running_cluster, scheduler_stats
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=5, tokenizer=tok,
+                            num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def cluster2(model_dir):
+    with running_cluster(model_dir, 2) as (cluster, client):
+        yield cluster, client
+
+
+SEEDED = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True,
+              output_kind=generate_pb2.DELTA)
+
+
+def _sampled(client, prompt, **kw):
+    return collect(client.generate(prompt, timeout=120, **{**SEEDED, **kw}))[0]
+
+
+def test_seeded_request_is_reproducible_alone_amid_traffic_and_across_stage_counts(model_dir, cluster2):
+    cluster, client = cluster2
+    prompt = "The old lighthouse stood"
+    alone = _sampled(client, prompt)
+    assert len(alone) == 20
+    # Same request amid other traffic (different prompts, seeds, greedy and sampled).
+    results = {}
+
+    def noise(i):
+        results[i] = _sampled(client, f"traffic {i} " * (i + 1), seed=i, max_tokens=10 + i)
+
+    threads = [threading.Thread(target=noise, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    amid = _sampled(client, prompt)
+    for t in threads:
+        t.join()
+    assert amid == alone
+    assert len(results) == 6
+    # A different seed gives a different draw (20 tokens from a ~384 vocab).
+    assert _sampled(client, prompt, seed=99) != alone
+    with running_cluster(model_dir, 1) as (_, client1):
+        assert _sampled(client1, prompt) == alone
+
+
+def test_cancelled_streams_free_every_block(cluster2):
+    cluster, client = cluster2
+    streams = [client.generate(f"cancel me {i}", max_tokens=400, ignore_eos=True, temperature=0.0,
+                               output_kind=generate_pb2.DELTA, timeout=120) for i in range(8)]
+    for s in streams:
+        next(s)  # each is running and holds blocks
+    assert scheduler_stats(cluster).used_kv_blocks > 0
+    for s in streams:
+        s.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = scheduler_stats(cluster)
+        if stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0:
+            break
+        time.sleep(0.1)
+    assert stats.used_kv_blocks == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+    # Still serving.
+    assert len(_sampled(client, "after cancel")) == 20
+
+
+def _bad(client, prompt, **params):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(prompt, timeout=30, **params))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return err.value.details()
+
+
+def test_bad_input_gets_invalid_argument_and_service_survives(cluster2):
+    _, client = cluster2
+    info = client.model_info()
+    assert "prompt" in _bad(client, "")
+    assert "prompt_token_ids" in _bad(client, [5, info.vocab_size + 3])
+    assert "prompt_token_ids" in _bad(client, [5, -1])
+    assert "temperature" in _bad(client, "hi", temperature=-0.5)
+    assert "top_p" in _bad(client, "hi", top_p=1.5)
+    assert "top_p" in _bad(client, "hi", top_p=0.0)
+    assert "min_p" in _bad(client, "hi", min_p=1.5)
+    assert "max_tokens" in _bad(client, "hi", max_tokens=info.max_model_len)
+    assert "top_k" in _bad(client, "hi", top_k=-7)
+    assert "min_tokens" in _bad(client, "hi", max_tokens=4, min_tokens=8)
+    assert "stop_token_ids" in _bad(client, "hi", stop_token_ids=[info.vocab_size])
+    assert "logprobs" in _bad(client, "hi", logprobs=1000)
+    out = collect(client.generate("still alive", max_tokens=5, temperature=0.0, output_kind=generate_pb2.DELTA,
+                                  ignore_eos=True, timeout=60))
+    assert len(out[0]) == 5
+
+
+def test_model_info_and_stop_and_logprobs(cluster2):
+    _, client = cluster2
+    info = client.model_info()
+    assert info.pipeline_stages == 2 and info.num_kv_blocks > 0 and info.block_size == 4
+    assert info.architecture == "LlamaForCausalLM" and info.vocab_size > 0 and info.max_model_len > 0
+    # Final response carries text, finish reason and usage.
+    final = list(client.generate("The keeper", max_tokens=12, temperature=0.0, ignore_eos=True,
+                                 output_kind=generate_pb2.FINAL_ONLY, logprobs=3, timeout=60))
+    assert len(final) == 1 and final[0].finished
+    out = final[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert final[0].usage.completion_tokens == 12 and final[0].usage.prompt_tokens > 0
+    assert len(out.logprobs) == 12 and all(len(lp.top) == 3 for lp in out.logprobs)
+    # Greedy: the sampled token is the most likely one.
+    assert all(lp.top[0].token_id == lp.token_id for lp in out.logprobs)
+    # A stop string taken from the greedy text ends generation there, without the string.
+    text = out.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if stop.strip():
+        final2 = list(client.generate("The keeper", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
+                                      output_kind=generate_pb2.FINAL_ONLY, timeout=60))
+        o2 = final2[0].outputs[0]
+        assert o2.finish_reason == "stop" and o2.stop_reason == stop
+        assert o2.text == text[: text.index(stop)]
