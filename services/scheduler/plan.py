@@ -1,0 +1,53 @@
+"""What one engine step computes (StepPlan) and what a step's result did to a request
+(RequestUpdate). The engine loop converts StepPlan to the engine.proto StepPlan message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence in a step. Workers keep its block table and apply the delta: keep the
+    first `table_keep` entries, then append `table_append`."""
+
+    request: Request
+    seq_id: int
+    num_computed: int  # tokens already in the KV cache before this step
+    num_scheduled: int  # tokens computed this step: a prefill chunk, 1, or k + 1 (drafts)
+    input_token_ids: list[int]  # exactly num_scheduled tokens (drafts at the end)
+    table_keep: int
+    table_append: list[int]
+    sample: bool  # the last stage samples after this step
+    num_draft: int = 0
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    # Sequences admitted by this plan (first admission or re-admission after preemption):
+    # workers create their state (seq_id = request.seq_id, sampling options).
+    new_requests: list[Request]
+    # Finished, aborted or preempted since the previous plan: workers drop their state.
+    released_seq_ids: list[int]
+    seqs: list[ScheduledSeq]
+    # Copy-on-write block copies (src, dst), done by the workers before the step, in order.
+    copies: list[tuple[int, int]]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled for s in self.seqs)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What update() did to one request. new_token_ids are the first len(new_token_ids) tokens
+    the step sampled for it: tokens after a stop are dropped."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" when finished
+    stop_reason: int | None  # the stop token id that ended it (None for eos and length)

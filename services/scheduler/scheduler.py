@@ -1,0 +1,451 @@
+"""Scheduling policy: continuous batching with chunked prefill, paged KV, prefix sharing,
+preemption by recompute, several plans in flight over disjoint requests. Pure Python, no RPC.
+
+The engine loop calls schedule() to get a plan, sends it, and later hands the plan's sampled
+tokens to update(). A request is in at most one plan in flight; num_computed_tokens advances
+when a plan is built (the KV of those tokens lands before any later plan runs, as every stage
+executes plans in step order), and rejected draft tokens roll it back in update().
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Any
+
+from services.scheduler.block_manager import KVBlockManager, cdiv
+from services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
+from services.scheduler.request import Request, RequestStatus
+
+_HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        cache_salt: str = "",
+    ) -> None:
+        if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
+        if num_blocks * block_size < max_model_len:
+            # A lone request must always fit, or it could never finish.
+            raise ValueError(
+                f"{num_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}"
+            )
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, cache_salt)
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: preemption victims come from the end
+        self._requests: dict[str, Request] = {}  # unfinished, by request_id
+        self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
+        self._pending_releases: list[int] = []
+        self._num_in_flight = 0
+        self._next_seq_id = 1
+        self._next_step_id = 1
+        self._next_arrival = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._steps = 0
+        self._preemptions = 0
+        self._finished = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not req.prompt_token_ids:
+            raise ValueError("empty prompt")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        if req.max_tokens < 1 or req.min_tokens < 0:
+            raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
+        if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
+            raise ValueError("request was already scheduled")
+        req.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._requests[req.request_id] = req
+        if req.parent_id:
+            self._groups.setdefault(req.parent_id, []).append(req)
+        self.waiting.append(req)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Ends the request now and frees its blocks, even when it is in a plan in flight
+        (that plan's result for it is then ignored). False if it is unknown or finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_in_flight_requests(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def pending_released_seq_ids(self) -> tuple[int, ...]:
+        """Seq ids the next plan will release (workers still hold their state)."""
+        return tuple(self._pending_releases)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> StepPlan | None:
+        """Builds the next plan from requests not in flight, or None when none can run now."""
+        step_id = self._next_step_id
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        new_requests: list[Request] = []
+        preempted = False
+        bm = self.block_manager
+
+        # 1. Running requests first: decodes and unfinished prefill chunks, in arrival order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.in_flight:
+                i += 1
+                continue
+            num_new, num_draft = self._tokens_to_compute(req, budget)
+            end = req.num_computed_tokens + num_new
+            if num_draft and bm.blocks_needed(req, end) > bm.num_free_blocks:
+                end -= num_draft  # drafts are optional: drop them before preempting anyone
+                num_new -= num_draft
+                num_draft = 0
+            fits, evicted = self._make_room(req, end, i)
+            preempted = preempted or evicted
+            if not fits:
+                continue  # req itself was preempted; running[i] is now the next request
+            self._schedule_seq(req, end, num_draft, step_id, seqs, copies)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS. After a preemption, admitting new work would only thrash.
+        held: list[Request] = []
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not (preempted and seqs)
+        ):
+            req = self.waiting.popleft()
+            admitted = self._admit(req, step_id, budget, seqs, copies)
+            if admitted is _HOLD:
+                held.append(req)
+                continue
+            if admitted is None:
+                self.waiting.appendleft(req)  # not enough blocks: keep its place in line
+                break
+            new_requests.append(req)
+            budget -= admitted
+        self.waiting.extendleft(reversed(held))
+
+        if not seqs:
+            return None
+        plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
+        self._pending_releases = []
+        self._next_step_id += 1
+        self._steps += 1
+        return plan
+
+    def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
+        """(tokens to compute this step including drafts, drafts) for a running request."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining > 1 or not req.draft_token_ids:
+            return min(remaining, budget), 0
+        # Decode with speculation: k drafts ride behind the last sampled token, as long as even
+        # all of them accepted (plus the bonus token) stays within max_tokens and max_model_len.
+        room = min(
+            self.max_model_len - req.num_tokens,
+            req.max_tokens - len(req.output_token_ids),
+        )
+        num_draft = max(0, min(len(req.draft_token_ids), budget - 1, room - 1))
+        return 1 + num_draft, num_draft
+
+    def _make_room(self, req: Request, end: int, index: int) -> tuple[bool, bool]:
+        """Frees blocks until req can compute up to `end`, preempting the latest-arrived
+        running requests not in flight (those after `index`, then req itself).
+        Returns (req still runs, someone was preempted)."""
+        bm = self.block_manager
+        preempted = False
+        while bm.blocks_needed(req, end) > bm.num_free_blocks:
+            victim = None
+            for j in range(len(self.running) - 1, index, -1):
+                if not self.running[j].in_flight:
+                    victim = self.running[j]
+                    break
+            preempted = True
+            if victim is None:
+                self._preempt(req)
+                return False, True
+            self._preempt(victim)
+        return True, preempted
+
+    def _admit(
+        self,
+        req: Request,
+        step_id: int,
+        budget: int,
+        seqs: list[ScheduledSeq],
+        copies: list[tuple[int, int]],
+    ) -> int | object | None:
+        """Admits a waiting request and schedules its first chunk. Returns the tokens it
+        scheduled, _HOLD to wait for a sibling, or None when its blocks do not fit now."""
+        bm = self.block_manager
+        first_admission = req.num_preemptions == 0
+        shared: list[int] = []
+        num_computed = 0
+        from_sibling = False
+        if req.parent_id and first_admission:
+            source = self._sibling_source(req, step_id)
+            if source is _HOLD:
+                return _HOLD
+            if source is not None:
+                # Share the sibling's prompt KV except the last token, which this child computes
+                # itself for its own first sample (copying the shared partial block on write).
+                num_computed = req.num_prompt_tokens - 1
+                shared = source.block_ids[: cdiv(num_computed, self.block_size)]
+                from_sibling = True
+        if not from_sibling:
+            shared = bm.lookup(req)
+            num_computed = len(shared) * self.block_size
+        end = num_computed + min(req.num_tokens - num_computed, budget)
+        if bm.admission_cost(shared, num_computed, end) > bm.num_free_blocks:
+            return None
+
+        bm.acquire(req, shared)
+        req.num_hashed_blocks = 0 if from_sibling else len(shared)
+        req.num_computed_tokens = num_computed
+        if first_admission:
+            req.num_cached_prompt_tokens = num_computed
+            bm.record_prefix_query(req.num_prompt_tokens, num_computed)
+        req.seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        req.num_synced_blocks = 0
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=_arrival)
+        self._schedule_seq(req, end, 0, step_id, seqs, copies)
+        return end - num_computed
+
+    def _sibling_source(self, req: Request, step_id: int) -> Request | object | None:
+        """A running sibling whose prompt KV (but for the last token) is written by an
+        earlier plan: share it. _HOLD while a sibling is still computing it; None when no
+        sibling is running."""
+        need = req.num_prompt_tokens - 1
+        computing = False
+        for other in self._groups.get(req.parent_id, ()):
+            if other is req or other.status is not RequestStatus.RUNNING:
+                continue
+            if not (
+                other.prompt_token_ids is req.prompt_token_ids
+                or other.prompt_token_ids == req.prompt_token_ids
+            ):
+                continue
+            # Copies run before the step, so what this step adds does not count, nor a table
+            # whose block this step copies (the copy's contents do not exist yet).
+            if other.last_scheduled_step != step_id:
+                written = other.num_computed_tokens
+            elif other.last_copy_step != step_id:
+                written = other.num_computed_at_step_start
+            else:
+                written = 0
+            if written >= need:
+                return other
+            computing = True
+        return _HOLD if computing else None
+
+    def _schedule_seq(
+        self,
+        req: Request,
+        end: int,
+        num_draft: int,
+        step_id: int,
+        seqs: list[ScheduledSeq],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        bm = self.block_manager
+        start = req.num_computed_tokens
+        copy = bm.reserve(req, end)
+        if copy is not None:
+            copies.append(copy)
+            req.last_copy_step = step_id
+        confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
+        bm.register_full_blocks(req, confirmed_end)
+        tokens = req.token_slice(start, confirmed_end)
+        if num_draft:
+            tokens.extend(req.draft_token_ids[:num_draft])
+        req.draft_token_ids = []
+        keep = req.num_synced_blocks
+        seqs.append(
+            ScheduledSeq(
+                request=req,
+                seq_id=req.seq_id,
+                num_computed=start,
+                num_scheduled=end - start,
+                input_token_ids=tokens,
+                table_keep=keep,
+                table_append=req.block_ids[keep:],
+                sample=confirmed_end == req.num_tokens,
+                num_draft=num_draft,
+            )
+        )
+        req.num_synced_blocks = len(req.block_ids)
+        req.num_computed_at_step_start = start
+        req.num_computed_tokens = end
+        req.in_flight = True
+        req.last_scheduled_step = step_id
+        self._num_in_flight += 1
+        # Prefill: context (re)computed up to the last known token; decode: that token + drafts.
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        prefill = max(0, min(confirmed_end, prefill_end) - start)
+        self._prefill_tokens += prefill
+        self._decode_tokens += end - start - prefill
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop its KV; it re-enters the waiting queue at the front and
+        later recomputes prompt + output under a fresh seq_id, losing no output."""
+        self.block_manager.free(req)
+        self._release_seq(req)
+        self._remove_running(req)
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._preemptions += 1
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[RequestUpdate]:
+        """Applies a plan's result: sampled[seq_id] holds the tokens of every sequence that
+        sampled (1, or accepted drafts + 1). Sequences aborted since the plan are ignored."""
+        live = [s for s in plan.seqs if s.request.seq_id == s.seq_id and s.request.in_flight]
+        for s in live:  # validate everything before changing anything
+            if not s.sample:
+                continue
+            tokens = sampled.get(s.seq_id)
+            if tokens is None or not 1 <= len(tokens) <= s.num_draft + 1:
+                raise ValueError(
+                    f"step {plan.step_id}: seq {s.seq_id} needs 1..{s.num_draft + 1} tokens, got {tokens!r}"
+                )
+            accepted = len(tokens) - 1
+            if s.num_draft and tokens[:accepted] != s.input_token_ids[-s.num_draft :][:accepted]:
+                raise ValueError(f"step {plan.step_id}: seq {s.seq_id} accepted tokens differ from its drafts")
+
+        updates: list[RequestUpdate] = []
+        for s in live:
+            req = s.request
+            req.in_flight = False
+            self._num_in_flight -= 1
+            if not s.sample:
+                continue
+            tokens = sampled[s.seq_id]
+            rejected = s.num_draft - (len(tokens) - 1)
+            if rejected:  # roll back the unaccepted draft slots and their surplus blocks
+                req.num_computed_tokens -= rejected
+                self.block_manager.truncate(req, cdiv(req.num_computed_tokens, self.block_size))
+            updates.append(self._append_tokens(req, tokens))
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
+        out = req.output_token_ids
+        status = None
+        new: list[int] = []
+        for token in tokens:
+            can_stop = len(out) >= req.min_tokens  # min_tokens come out before any stop
+            out.append(token)
+            new.append(token)
+            if can_stop and not req.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif can_stop and token in req.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+            elif len(out) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break  # tokens after a stop are dropped
+        if status is not None:
+            self._finish(req, status)
+        return RequestUpdate(
+            request=req,
+            new_token_ids=new,
+            finished=status is not None,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=req.stop_reason,
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.block_manager.free(req)
+            self._release_seq(req)
+            self._remove_running(req)
+            if req.in_flight:
+                req.in_flight = False
+                self._num_in_flight -= 1
+        req.status = status
+        req.draft_token_ids = []
+        del self._requests[req.request_id]
+        if req.parent_id:
+            group = self._groups[req.parent_id]
+            group.remove(req)
+            if not group:
+                del self._groups[req.parent_id]
+        self._finished += 1
+
+    def _release_seq(self, req: Request) -> None:
+        self._pending_releases.append(req.seq_id)
+        req.seq_id = None
+
+    def _remove_running(self, req: Request) -> None:
+        index = bisect.bisect_left(self.running, req.arrival, key=_arrival)
+        assert self.running[index] is req
+        del self.running[index]
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_blocks": bm.num_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "cached_blocks": bm.num_cached_blocks,
+            "used_blocks": bm.num_used_blocks,
+            "peak_used_blocks": bm.peak_used_blocks,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "in_flight": self._num_in_flight,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefill_tokens_computed": self._prefill_tokens,
+            "decode_tokens_computed": self._decode_tokens,
+            "steps": self._steps,
+            "preemptions": self._preemptions,
+            "finished_requests": self._finished,
+        }

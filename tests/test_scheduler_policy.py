@@ -1,0 +1,562 @@
+"""Scheduler policy driven by fake workers that play every pipeline stage.
+
+FakeWorkers keeps what real workers keep (per-seq_id block tables built only from plan deltas)
+and a simulated KV cache holding (position, token) in every slot. For every plan it checks that
+its tables equal the scheduler's, that input tokens are exactly the right slice of prompt +
+output, and that every position a sequence attends to holds the right token; it then samples
+a deterministic token from the context it read. Plans execute when built, in step order, as
+pipeline stages do; results come back later, with up to P plans in flight.
+"""
+
+import random
+from collections import deque
+
+import pytest
+
+from services.scheduler.block_manager import cdiv
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
+
+VOCAB = 50
+
+
+def true_token(seed, context):
+    """The token a seeded sampler draws after `context` (any function of both would do)."""
+    return hash((seed, *context)) % VOCAB
+
+
+def reference_output(req, max_model_len, next_token=None):
+    """Sequential generation with the documented stop rules: what any schedule must produce."""
+    next_token = next_token or (lambda r, ctx: true_token(r.seed, ctx))
+    tokens, out = list(req.prompt_token_ids), []
+    while True:
+        token = next_token(req, tokens)
+        stop_allowed = len(out) >= req.min_tokens
+        out.append(token)
+        tokens.append(token)
+        if stop_allowed and not req.ignore_eos and token in req.eos_token_ids:
+            return out, "stop"
+        if stop_allowed and token in req.stop_token_ids:
+            return out, "stop"
+        if len(out) >= req.max_tokens or len(tokens) >= max_model_len:
+            return out, "length"
+
+
+class FakeWorkers:
+    def __init__(self, sched, next_token=None):
+        self.sched = sched
+        self.bs = sched.block_size
+        self.kv = [[None] * self.bs for _ in range(sched.block_manager.num_blocks)]
+        self.tables: dict[int, list[int]] = {}
+        self.seen_seq_ids: set[int] = set()
+        self.next_token = next_token or (lambda req, ctx: true_token(req.seed, ctx))
+        self.plans = []
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        for seq_id in plan.released_seq_ids:
+            del self.tables[seq_id]
+        for req in plan.new_requests:
+            assert req.seq_id not in self.seen_seq_ids, "seq ids are never reused"
+            self.seen_seq_ids.add(req.seq_id)
+            self.tables[req.seq_id] = []
+        new_ids = {r.seq_id for r in plan.new_requests}
+        # Copy-on-write before the step, as a vectorised worker does it: gather every source,
+        # then scatter. No copy may read a block an earlier copy of the same plan writes.
+        for i, (src, _) in enumerate(plan.copies):
+            assert src not in {dst for _, dst in plan.copies[:i]}
+        gathered = [list(self.kv[src]) for src, _ in plan.copies]
+        for (_, dst), contents in zip(plan.copies, gathered):
+            self.kv[dst] = contents
+        for s in plan.seqs:
+            table = self.tables[s.seq_id]
+            if s.seq_id in new_ids:
+                assert s.table_keep == 0
+            else:  # a delta: at most the blocks from the one written first onwards
+                first_written = s.num_computed // self.bs
+                assert len(s.table_append) <= cdiv(s.num_computed + s.num_scheduled, self.bs) - first_written
+            assert s.table_keep <= len(table)
+            del table[s.table_keep :]
+            table.extend(s.table_append)
+            assert table == s.request.block_ids, "worker table diverged from the scheduler's"
+            assert len(table) == cdiv(s.num_computed + s.num_scheduled, self.bs)
+        # Every layer writes the KV of all its tokens before attention reads.
+        for s in plan.seqs:
+            req = s.request
+            confirmed = s.num_scheduled - s.num_draft
+            assert len(s.input_token_ids) == s.num_scheduled
+            assert s.input_token_ids[:confirmed] == req.all_token_ids[s.num_computed : s.num_computed + confirmed]
+            assert s.num_computed + s.num_scheduled <= self.sched.max_model_len
+            assert s.sample == (s.num_computed + confirmed == req.num_tokens)
+            table = self.tables[s.seq_id]
+            for k, token in enumerate(s.input_token_ids):
+                pos = s.num_computed + k
+                self.kv[table[pos // self.bs]][pos % self.bs] = (pos, token)
+        sampled = {}
+        for s in plan.seqs:
+            req, table = s.request, self.tables[s.seq_id]
+            end = s.num_computed + s.num_scheduled
+            context = [self.kv[table[p // self.bs]][p % self.bs] for p in range(end)]
+            expected = req.all_token_ids[: end - s.num_draft] + s.input_token_ids[s.num_scheduled - s.num_draft :]
+            assert context == list(enumerate(expected)), f"{req.request_id} read wrong KV"
+            if s.sample:
+                sampled[s.seq_id] = self._verify(req, [t for _, t in context], s.num_draft)
+        return sampled
+
+    def _verify(self, req, context, num_draft):
+        """Greedy-style verification: drafts are accepted while they equal the true token."""
+        base = len(context) - num_draft
+        out = []
+        for i in range(num_draft + 1):
+            token = self.next_token(req, context[: base + i])
+            out.append(token)
+            if i < num_draft and context[base + i] != token:
+                break
+        return out
+
+
+class Driver:
+    """The engine loop: up to `pipeline` plans in flight over disjoint requests."""
+
+    def __init__(self, sched, pipeline=1, next_token=None):
+        self.sched = sched
+        self.workers = FakeWorkers(sched, next_token)
+        self.pipeline = pipeline
+        self.in_flight = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.max_in_flight = 0
+        self.mixed_steps = 0  # steps with both a decode and a prefill chunk
+
+    def step(self, propose=None):
+        """Schedules a plan if the pipeline has room, else collects the oldest result.
+        Returns the plan built, or None."""
+        sched = self.sched
+        if len(self.in_flight) < self.pipeline:
+            if propose:
+                propose(sched)
+            plan = sched.schedule()
+            if plan is not None:
+                self._check_plan(plan)
+                self.in_flight.append((plan, self.workers.execute(plan)))
+                self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+                return plan
+        assert self.in_flight, "nothing in flight and nothing schedulable: stalled"
+        plan, sampled = self.in_flight.popleft()
+        for update in sched.update(plan, sampled):
+            req = update.request
+            self.outputs.setdefault(req.request_id, []).extend(update.new_token_ids)
+            assert self.outputs[req.request_id] == req.output_token_ids
+            if update.finished:
+                self.finish[req.request_id] = update.finish_reason
+                assert req.is_finished and req.finish_reason == update.finish_reason
+        return None
+
+    def _check_plan(self, plan):
+        sched = self.sched
+        assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        ids = [s.request.request_id for s in plan.seqs]
+        assert len(ids) == len(set(ids))
+        busy = {s.request.request_id for p, _ in self.in_flight for s in p.seqs if not s.request.is_finished}
+        assert busy.isdisjoint(ids), "a request is in two plans in flight"
+        decodes = [s for s in plan.seqs if s.num_scheduled - s.num_draft == 1 and s.num_computed >= s.request.num_prompt_tokens]
+        if decodes and len(decodes) < len(plan.seqs):
+            self.mixed_steps += 1
+
+    def run(self, max_steps=100_000, propose=None, on_plan=None):
+        for _ in range(max_steps):
+            if not (self.sched.has_unfinished() or self.in_flight):
+                return
+            plan = self.step(propose)
+            if plan is not None and on_plan:
+                on_plan(plan)
+        raise AssertionError("did not finish")
+
+
+def assert_all_blocks_free(sched, workers=None):
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+    stats = sched.stats()
+    assert stats["used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert sched.num_in_flight_requests == 0
+    if workers is not None:  # every sequence the workers hold is released by the next plan
+        assert set(workers.tables) == set(sched.pending_released_seq_ids)
+
+
+def make_requests(rng, count, max_prompt, max_tokens, prefix=(), **kw):
+    return [
+        Request(
+            f"r{i}",
+            list(prefix) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_prompt))],
+            seed=1000 + i,
+            max_tokens=rng.randint(1, max_tokens),
+            **kw,
+        )
+        for i in range(count)
+    ]
+
+
+def assert_matches_reference(driver, requests, max_model_len):
+    for req in requests:
+        out, reason = reference_output(req, max_model_len)
+        assert driver.outputs[req.request_id] == out, req.request_id
+        assert driver.finish[req.request_id] == reason
+        assert req.output_token_ids == out
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_continuous_batching_many_requests_mixed_lengths():
+    rng = random.Random(0)
+    sched = Scheduler(num_blocks=400, block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    requests = make_requests(rng, 24, max_prompt=90, max_tokens=20)
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched)
+    running_seen = []
+    driver.run(on_plan=lambda plan: running_seen.append(len(sched.running)))
+    assert_matches_reference(driver, requests, 128)
+    assert max(running_seen) == 8  # the running cap binds, and is respected (checked per plan)
+    assert driver.mixed_steps > 0  # decodes and prefill chunks share steps
+    stats = sched.stats()
+    assert stats["preemptions"] == 0 and stats["finished_requests"] == 24
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    assert stats["prefill_tokens_computed"] + stats["prefix_cache_hits"] == prompt_tokens
+    assert stats["decode_tokens_computed"] == sum(len(r.output_token_ids) - 1 for r in requests)
+    # Continuous batching: far fewer steps than tokens.
+    assert stats["steps"] < (prompt_tokens / 64) + sum(r.max_tokens for r in requests) / 4
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_chunked_prefill_mixes_with_decodes():
+    sched = Scheduler(num_blocks=200, block_size=8, max_model_len=512, max_num_batched_tokens=32)
+    short = Request("short", list(range(5)), max_tokens=30, seed=1)
+    long = Request("long", [i % VOCAB for i in range(300)], max_tokens=3, seed=2)
+    sched.add_request(short)
+    sched.add_request(long)
+    driver = Driver(sched)
+    chunks = []
+
+    def on_plan(plan):
+        by_id = {s.request.request_id: s for s in plan.seqs}
+        if "long" in by_id and by_id["long"].num_computed < 300:
+            chunks.append((by_id["long"].num_scheduled, by_id["long"].sample, "short" in by_id))
+
+    driver.run(on_plan=on_plan)
+    # Step 1: short's prompt (5) + 27 of long's; then 1 decode + a 31-token chunk per step.
+    assert chunks[0] == (27, False, True)
+    assert all(c == (31, False, True) for c in chunks[1:-1])
+    assert sum(c[0] for c in chunks) == 300 and chunks[-1][1] is True
+    assert len(chunks) == 10
+    assert_matches_reference(driver, [short, long], 512)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_with_tiny_pool_loses_nothing(pipeline, prefix_caching):
+    rng = random.Random(1)
+    sched = Scheduler(
+        num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=48,
+        enable_prefix_caching=prefix_caching,
+    )
+    requests = make_requests(rng, 12, max_prompt=30, max_tokens=30)
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched, pipeline=pipeline)
+    driver.run()
+    stats = sched.stats()
+    assert stats["preemptions"] > 0
+    assert any(r.num_preemptions > 0 and len(r.output_token_ids) > 1 for r in requests)
+    assert stats["peak_used_blocks"] <= 16
+    # Identical to an unconstrained run (the reference is sequential, unbatched generation).
+    assert_matches_reference(driver, requests, 64)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_preemption_victim_is_latest_arrived_and_it_resumes_first():
+    sched = Scheduler(num_blocks=6, block_size=4, max_model_len=24)
+    requests = [Request(name, [i] * 7, seed=i, max_tokens=10) for i, name in enumerate("abc")]
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched)
+    order = []
+
+    def on_plan(plan):
+        for req in requests:
+            while order.count(req.request_id) < req.num_preemptions:
+                order.append(req.request_id)
+        if order and not plan.new_requests:
+            assert [r.request_id for r in sched.waiting] == sorted(r.request_id for r in sched.waiting)
+
+    driver.run(on_plan=on_plan)
+    assert order[:2] == ["c", "b"]  # c arrived last; then b, the latest left, preempts itself
+    assert "a" not in order
+    assert_matches_reference(driver, requests, 24)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_plans_in_flight_cover_disjoint_requests():
+    rng = random.Random(2)
+    sched = Scheduler(num_blocks=300, block_size=4, max_model_len=128, max_num_batched_tokens=40)
+    requests = make_requests(rng, 20, max_prompt=60, max_tokens=25)
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched, pipeline=3)  # Driver checks disjointness on every plan
+    driver.run()
+    assert driver.max_in_flight == 3
+    assert_matches_reference(driver, requests, 128)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_abort_mid_flight_frees_blocks_at_once():
+    rng = random.Random(3)
+    sched = Scheduler(num_blocks=100, block_size=4, max_model_len=128, max_num_batched_tokens=256)
+    requests = make_requests(rng, 6, max_prompt=20, max_tokens=1)
+    for req in requests:
+        req.max_tokens = 10
+    waiting_victim = Request("waiting", [1, 2, 3], max_tokens=5)
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched, pipeline=2)
+    driver.step()  # plan 1: every prompt
+    driver.step()  # plan 2: nothing schedulable (all in flight) -> collects plan 1
+    plan = driver.step()  # plan 2: decodes
+    victim = plan.seqs[0].request
+    assert victim.in_flight and victim.block_ids
+    seq_id, blocks = victim.seq_id, len(victim.block_ids)
+    free_before = sched.block_manager.num_free_blocks
+    assert sched.abort(victim.request_id)
+    assert not sched.abort(victim.request_id) and not sched.abort("nope")
+    assert victim.status is RequestStatus.FINISHED_ABORTED and victim.block_ids == []
+    assert sched.block_manager.num_free_blocks == free_before + blocks
+    assert sched.num_in_flight_requests == len(plan.seqs) - 1
+    sched.add_request(waiting_victim)
+    assert sched.abort("waiting") and not sched.waiting
+    # The in-flight plan's result for the victim is ignored; its seq id is released next.
+    outputs_before = list(victim.output_token_ids)
+    driver.step()  # collects plan 2 (plan 3 cannot run: the others are all in flight)
+    assert victim.output_token_ids == outputs_before
+    next_plan = driver.step()
+    assert seq_id in next_plan.released_seq_ids
+    driver.run()
+    assert_matches_reference(driver, [r for r in requests if r is not victim], 128)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+# ---------------------------------------------------------------------------- stop rules
+
+
+def scripted(script):
+    """Sampler emitting script[i] as the i-th output token."""
+    return lambda req, ctx: script[len(ctx) - req.num_prompt_tokens]
+
+
+@pytest.mark.parametrize(
+    "kwargs, script, expected, reason, stop_reason",
+    [
+        (dict(eos_token_ids=[2]), [5, 2, 7, 7], [5, 2], "stop", None),
+        (dict(eos_token_ids=[2], min_tokens=2), [5, 2, 2, 7], [5, 2, 2], "stop", None),
+        (dict(eos_token_ids=[2], min_tokens=1), [2, 2, 7], [2, 2], "stop", None),
+        (dict(eos_token_ids=[2], ignore_eos=True, max_tokens=4), [2, 2, 2, 2, 2], [2, 2, 2, 2], "length", None),
+        (dict(stop_token_ids=[9]), [1, 9, 3], [1, 9], "stop", 9),
+        (dict(stop_token_ids=[9], ignore_eos=True), [9], [9], "stop", 9),
+        (dict(stop_token_ids=[9], min_tokens=3), [9, 9, 9, 9], [9, 9, 9, 9], "stop", 9),
+        (dict(max_tokens=3), [1, 2, 3, 4, 5], [1, 2, 3], "length", None),
+        (dict(max_tokens=1), [4], [4], "length", None),
+        (dict(max_tokens=100), [1] * 10, [1] * 6, "length", None),  # max_model_len = 16
+    ],
+)
+def test_stop_conditions(kwargs, script, expected, reason, stop_reason):
+    sched = Scheduler(num_blocks=16, block_size=4, max_model_len=16)
+    req = Request("r", list(range(10)), **kwargs)
+    sched.add_request(req)
+    driver = Driver(sched, next_token=scripted(script))
+    driver.run()
+    assert req.output_token_ids == expected
+    assert driver.finish["r"] == reason and req.finish_reason == reason
+    assert req.stop_reason == stop_reason
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_invalid_requests_are_rejected():
+    sched = Scheduler(num_blocks=16, block_size=4, max_model_len=16)
+    with pytest.raises(ValueError):
+        sched.add_request(Request("long", list(range(16))))
+    with pytest.raises(ValueError):
+        sched.add_request(Request("empty", []))
+    with pytest.raises(ValueError):
+        sched.add_request(Request("zero", [1], max_tokens=0))
+    sched.add_request(Request("ok", [1]))
+    with pytest.raises(ValueError):
+        sched.add_request(Request("ok", [2]))
+    with pytest.raises(ValueError):
+        Scheduler(num_blocks=3, block_size=4, max_model_len=16)
+    assert sched.schedule() is not None
+
+
+# ---------------------------------------------------------------------------- sharing
+
+
+def test_prefix_cache_across_and_within_steps():
+    sched = Scheduler(num_blocks=64, block_size=4, max_model_len=64)
+    prompt = list(range(1, 19))  # 18 tokens: 4 full blocks
+    first = [Request(f"a{i}", prompt, seed=i, max_tokens=3) for i in range(3)]
+    for req in first:
+        sched.add_request(req)
+    driver = Driver(sched)
+    plan = driver.step()
+    assert [s.num_scheduled for s in plan.seqs] == [18, 2, 2]  # repeats in one step share
+    driver.run()
+    later = Request("later", prompt + [7, 7], seed=9, max_tokens=3)
+    sched.add_request(later)
+    driver.run()
+    assert later.num_cached_prompt_tokens == 16
+    assert [r.num_cached_prompt_tokens for r in first] == [0, 16, 16]
+    stats = sched.stats()
+    assert stats["prefix_cache_queries"] == 3 * 18 + 20 and stats["prefix_cache_hits"] == 48
+    assert stats["prefill_tokens_computed"] == 18 + 2 + 2 + 4
+    assert_matches_reference(driver, first + [later], 64)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_children_compute_prompt_once_and_share_blocks(pipeline, prefix_caching):
+    sched = Scheduler(num_blocks=64, block_size=8, max_model_len=128, enable_prefix_caching=prefix_caching)
+    prompt = [(7 * i) % VOCAB for i in range(37)]  # 4 full blocks + 5 tokens
+    children = [Request(f"{i}_p", prompt, seed=i, max_tokens=6, parent_id="p") for i in range(4)]
+    for child in children:
+        sched.add_request(child)
+    driver = Driver(sched, pipeline=pipeline)
+    shared_tables = []
+
+    def on_plan(plan):
+        if all(c.status is RequestStatus.RUNNING for c in children):
+            shared_tables.append([c.block_ids[:4] for c in children])
+
+    driver.run(on_plan=on_plan)
+    stats = sched.stats()
+    # The prompt is computed once; each other child computes only its last prompt token.
+    assert stats["prefill_tokens_computed"] == 37 + 3
+    assert [c.num_cached_prompt_tokens for c in children] == [0, 36, 36, 36]
+    # One copy of the full prompt blocks; a private copy of the partial block each.
+    assert shared_tables and all(t.count(t[0]) == 4 for t in shared_tables)
+    assert sum(len(p.copies) for p in driver.workers.plans) == 3
+    assert stats["peak_used_blocks"] == 4 + 4 * 2
+    assert len({tuple(c.output_token_ids) for c in children}) == 4  # different seeds
+    assert_matches_reference(driver, children, 128)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_children_with_block_aligned_prompt_need_no_copy():
+    sched = Scheduler(num_blocks=64, block_size=8, max_model_len=128)
+    prompt = list(range(33))  # position 32, the last, starts a new block
+    children = [Request(f"{i}_q", prompt, seed=i, max_tokens=4, parent_id="q") for i in range(3)]
+    for child in children:
+        sched.add_request(child)
+    driver = Driver(sched)
+    driver.run()
+    assert sched.stats()["prefill_tokens_computed"] == 33 + 2
+    assert all(not p.copies for p in driver.workers.plans)
+    assert_matches_reference(driver, children, 128)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+# ---------------------------------------------------------------------------- speculation
+
+
+def test_speculative_drafts_roll_back_rejected_slots():
+    rng = random.Random(5)
+    sched = Scheduler(num_blocks=200, block_size=4, max_model_len=96, max_num_batched_tokens=64)
+    requests = make_requests(rng, 8, max_prompt=20, max_tokens=40)
+    for req in requests:
+        sched.add_request(req)
+    driver = Driver(sched, pipeline=2)
+    rejected_steps = []
+
+    def propose(s):
+        for req in s.running:
+            if req.in_flight:
+                continue
+            # Two right guesses then a wrong one, sometimes: exercises accept and rollback.
+            ctx = req.all_token_ids
+            drafts = []
+            for _ in range(rng.randint(1, 4)):
+                token = true_token(req.seed, ctx + drafts)
+                drafts.append(token if rng.random() < 0.7 else (token + 1) % VOCAB)
+            req.draft_token_ids = drafts
+
+    original_update = sched.update
+
+    def checked_update(plan, sampled):
+        updates = original_update(plan, sampled)
+        for s in plan.seqs:
+            req = s.request
+            if s.num_draft and not req.is_finished:
+                assert len(req.block_ids) == cdiv(req.num_computed_tokens, 4)
+                assert req.num_computed_tokens == req.num_tokens - 1
+                if len(sampled[s.seq_id]) < s.num_draft + 1:
+                    rejected_steps.append(s.seq_id)
+        return updates
+
+    sched.update = checked_update
+    driver.run(propose=propose)
+    assert rejected_steps
+    assert any(s.num_draft for p in driver.workers.plans for s in p.seqs)
+    assert_matches_reference(driver, requests, 96)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+# ---------------------------------------------------------------------------- randomized
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_random_mix_leaves_every_block_free(seed):
+    rng = random.Random(seed)
+    max_model_len = 48
+    sched = Scheduler(
+        num_blocks=14, block_size=4, max_model_len=max_model_len,
+        max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 16, 32]),
+    )
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 14))] for _ in range(3)]
+    pending: list[Request] = []
+    for i in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
+        common = dict(
+            max_tokens=rng.randint(1, 25), min_tokens=rng.randint(0, 3),
+            eos_token_ids=[0], stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.random() < 0.2,
+        )
+        if rng.random() < 0.25:
+            pending += [Request(f"{j}_g{i}", prompt, seed=7 * i + j, parent_id=f"g{i}", **common) for j in range(3)]
+        else:
+            pending.append(Request(f"r{i}", prompt, seed=7 * i, **common))
+    everyone = list(pending)
+    aborted = set()
+    driver = Driver(sched, pipeline=rng.choice([1, 2, 3]))
+
+    def propose(s):
+        for req in s.running:
+            if not req.in_flight and rng.random() < 0.3:
+                req.draft_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
+
+    for _ in range(20_000):
+        while pending and rng.random() < 0.3:  # arrivals over time
+            sched.add_request(pending.pop(0))
+        if rng.random() < 0.03 and sched.has_unfinished():  # client cancellations
+            req = rng.choice([r for r in everyone if r.arrival >= 0 and not r.is_finished])
+            assert sched.abort(req.request_id)
+            aborted.add(req.request_id)
+        if not (pending or sched.has_unfinished() or driver.in_flight):
+            break
+        if sched.has_unfinished() or driver.in_flight:
+            driver.step(propose)
+    else:
+        raise AssertionError("did not finish")
+    assert aborted and sched.stats()["preemptions"] > 0
+    done = [r for r in everyone if r.request_id not in aborted]
+    assert_matches_reference(driver, done, max_model_len)
+    assert_all_blocks_free(sched, driver.workers)
