@@ -1,0 +1,367 @@
+"""One pipeline stage of a Llama / Mistral / Qwen2 decoder over a paged KV cache.
+
+The math follows Hugging Face transformers step for step (RMSNorm in float32, rotate-half
+RoPE, SiLU-gated MLP) so that float32 greedy decoding matches `generate()` token for token.
+The residual stream is carried vLLM style: each layer receives (hidden, residual), adds them
+and normalises in one step, so a stage boundary only has to pass that pair along.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .model_config import ModelConfig
+
+
+def _empty_param(*shape: int, device, dtype) -> nn.Parameter:
+    # Weights always come from a checkpoint or the dummy initialiser: skip nn.Linear's init,
+    # which would cost seconds per layer on large models.
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with uninitialised parameters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = _empty_param(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_embeddings, dim, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(hidden_size, device=device, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in float32, cast back, then scale.
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- x + residual; return (norm(residual), residual)."""
+        residual = x if residual is None else x + residual
+        return self(residual), residual
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], float32, with llama3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] == "default":
+        return inv_freq
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX) RoPE with cos/sin tables precomputed for every position."""
+
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config).to(device)
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2], as HF computes it
+        # HF casts cos/sin to the activation dtype before rotating; do the same.
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token positions [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same as HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without the concats.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window_for_layer(layer_index)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype
+        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(config, layer_index, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = MLP(config, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLMShard(nn.Module):
+    """Layers [start, end) of the model, plus embeddings (first stage) and head (last stage)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        start_layer: int,
+        end_layer: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= start_layer < end_layer <= config.num_hidden_layers:
+            raise ValueError(
+                f"bad layer range [{start_layer}, {end_layer}) for "
+                f"{config.num_hidden_layers} layers"
+            )
+        self.config = config
+        self.start_layer = start_layer
+        self.end_layer = end_layer
+        self.is_first = start_layer == 0
+        self.is_last = end_layer == config.num_hidden_layers
+        self.attn_backend: AttentionBackend = attn_backend or TorchAttentionBackend()
+
+        self.embed_tokens: Embedding | None = None
+        if self.is_first:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, dtype)
+        self.rotary = RotaryEmbedding(config, device, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, device, dtype) for i in range(start_layer, end_layer)
+        )
+        self.norm: RMSNorm | None = None
+        self.lm_head: Linear | None = None
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        self._expected_names = self._weight_names()
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    # ---- compute -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this shard's layers over a flat batch of T tokens.
+
+        First stage: input_ids [T] given, hidden/residual None. Later stages: the
+        (hidden, residual) pair [T, hidden_size] returned by the previous stage.
+        kv_caches[i] is the cache of local layer i (global layer start_layer + i).
+        """
+        if self.is_first:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            hidden, residual = self.embed_tokens(input_ids), None
+        elif hidden is None or residual is None:
+            raise ValueError("a later stage needs the previous stage's hidden and residual")
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
+        positions = positions.long()
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(
+                hidden, residual, positions, self.rotary, kv_cache, meta, self.attn_backend
+            )
+        return hidden, residual
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Last stage: final norm of (hidden + residual), lm_head; float32 [N, vocab]."""
+        if not self.is_last:
+            raise RuntimeError("compute_logits runs on the last stage only")
+        normed, _ = self.norm.add_and_norm(hidden, residual)
+        return self.lm_head(normed).float()
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether an HF checkpoint tensor name is needed by this shard."""
+        return name in self._expected_names
+
+    def weight_shape(self, name: str) -> torch.Size:
+        """Shape of HF tensor `name` as this shard stores it."""
+        return self._destination_of(name).shape
+
+    def expected_weight_names(self) -> set[str]:
+        """HF tensor names this shard needs, all of which must be loaded."""
+        return set(self._expected_names)
+
+    def _weight_names(self) -> set[str]:
+        cfg = self.config
+        names: set[str] = set()
+        if self.is_first or (self.is_last and cfg.tie_word_embeddings):
+            names.add("model.embed_tokens.weight")
+        if self.is_last:
+            names.add("model.norm.weight")
+            # A tied checkpoint may still hold lm_head.weight (a copy of the embedding): unused.
+            if not cfg.tie_word_embeddings:
+                names.add("lm_head.weight")
+        projections = [
+            ("self_attn", p, cfg.attention_bias) for p in ("q_proj", "k_proj", "v_proj")
+        ] + [("self_attn", "o_proj", cfg.o_proj_bias)] + [
+            ("mlp", p, cfg.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")
+        ]
+        for i in range(self.start_layer, self.end_layer):
+            prefix = f"model.layers.{i}."
+            names.add(prefix + "input_layernorm.weight")
+            names.add(prefix + "post_attention_layernorm.weight")
+            for module, proj, has_bias in projections:
+                names.add(f"{prefix}{module}.{proj}.weight")
+                if has_bias:
+                    names.add(f"{prefix}{module}.{proj}.bias")
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this shard, skipping names it does not own.
+
+        Returns the names that were loaded.
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in self._expected_names:
+                continue
+            dest = self._destination_of(name)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _destination_of(self, name: str) -> torch.Tensor:
+        """The parameter, or rows of a fused parameter, that receive HF tensor `name`."""
+        if name == "model.embed_tokens.weight":
+            # A tied head on a last stage without embeddings takes the embedding matrix.
+            owner = self.embed_tokens if self.embed_tokens is not None else self.lm_head
+            return owner.weight
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            return self.lm_head.weight
+        # model.layers.{i}.{norm}.weight or model.layers.{i}.{self_attn|mlp}.{proj}.{weight|bias}
+        parts = name.split(".")
+        layer = self.layers[int(parts[2]) - self.start_layer]
+        if len(parts) == 5:
+            return getattr(layer, parts[3]).weight
+        module, proj, kind = parts[3:]
+        cfg = self.config
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            q_size = cfg.num_attention_heads * cfg.head_dim
+            kv_size = cfg.num_key_value_heads * cfg.head_dim
+            start, size = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size),
+                           "v_proj": (q_size + kv_size, kv_size)}[proj]
+            return getattr(layer.self_attn.qkv_proj, kind)[start : start + size]
+        if proj in ("gate_proj", "up_proj"):
+            size = cfg.intermediate_size
+            start = 0 if proj == "gate_proj" else size
+            return getattr(layer.mlp.gate_up_proj, kind)[start : start + size]
+        owner = layer.self_attn if module == "self_attn" else layer.mlp
+        return getattr(getattr(owner, proj), kind)
