@@ -1,0 +1,244 @@
+"""Check a public GenerateRequest, resolve its defaults, and fan it out into child requests.
+
+Everything a client can get wrong is caught here, before anything reaches the scheduler, and
+reported as InvalidRequest naming the offending field (the servicer turns it into
+INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+from strata.v1 import engine_pb2, generate_pb2
+
+DEFAULT_MAX_TOKENS = 16
+# Temperatures below this are greedy (as in vLLM): dividing logits by ~0 would overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+_SEED_MODULUS = 2**64
+_OUTPUT_KINDS = frozenset(generate_pb2.OutputKind.values())
+
+
+class InvalidRequest(ValueError):
+    """A client error; `field` is the request field at fault (e.g. "params.top_p")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedParams:
+    """SamplingParams with every default resolved; what the gateway works from."""
+
+    n: int
+    temperature: float  # 0.0: greedy
+    top_p: float  # 1.0: off
+    top_k: int  # 0: off
+    min_p: float  # 0.0: off
+    seed: int | None  # the user's seed; children get seed + i
+    max_tokens: int
+    min_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None  # None: no logprobs; k: the sampled token's plus the top k
+    output_kind: int  # generate_pb2.OutputKind value
+    skip_special_tokens: bool
+
+    def child_sampling_params(self, seed: int) -> generate_pb2.SamplingParams:
+        """The SamplingParams one child (n = 1) carries to the scheduler."""
+        params = generate_pb2.SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=seed,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            output_kind=self.output_kind,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if self.logprobs is not None:
+            params.logprobs = self.logprobs
+        return params
+
+
+def _fmt(value: float) -> str:
+    # Proto floats are float32: print 1.1, not 1.100000023841858.
+    return f"{value:.7g}"
+
+
+def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise InvalidRequest(field, f"{field} must be in [0, {vocab_size}), got {bad}")
+
+
+def _check_prompt(
+    req: generate_pb2.GenerateRequest, prompt_token_ids: Sequence[int], vocab_size: int
+) -> str:
+    """Validate the prompt; return the name of the field it came in."""
+    which = req.WhichOneof("prompt_input")
+    field = "prompt_token_ids" if which == "prompt_token_ids" else "prompt"
+    if which is None:
+        raise InvalidRequest("prompt", "prompt or prompt_token_ids is required")
+    if (which == "prompt" and not req.prompt) or not prompt_token_ids:
+        raise InvalidRequest(field, f"{field} must not be empty")
+    _check_token_ids(field, prompt_token_ids, vocab_size)
+    return field
+
+
+def _resolve_max_tokens(
+    params: generate_pb2.SamplingParams, prompt_field: str, prompt_len: int, max_model_len: int
+) -> int:
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise InvalidRequest(
+            prompt_field,
+            f"{prompt_field} is {prompt_len} tokens; the model's context is {max_model_len} "
+            "tokens and at least one must remain for the output",
+        )
+    if not params.HasField("max_tokens"):
+        # An unset max_tokens is a default, not a demand: shrink it to fit (and grow it to
+        # honour min_tokens) instead of failing.
+        return min(max(DEFAULT_MAX_TOKENS, params.min_tokens), room)
+    if params.max_tokens == 0:
+        raise InvalidRequest("params.max_tokens", "params.max_tokens must be at least 1, got 0")
+    if params.max_tokens > room:
+        raise InvalidRequest(
+            "params.max_tokens",
+            f"params.max_tokens is {params.max_tokens} but the prompt is {prompt_len} tokens "
+            f"and the model's context is {max_model_len} tokens (at most {room} may be asked)",
+        )
+    return params.max_tokens
+
+
+def validate_request(
+    req: generate_pb2.GenerateRequest,
+    prompt_token_ids: Sequence[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    max_n: int = 256,
+    max_logprobs: int = 20,
+) -> ValidatedParams:
+    """Check `req` (whose prompt tokenizes to `prompt_token_ids`) and resolve its defaults.
+
+    Raises InvalidRequest naming the first bad field.
+    """
+    prompt_field = _check_prompt(req, prompt_token_ids, vocab_size)
+    p = req.params
+
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(
+            "params.temperature",
+            f"params.temperature must be finite and >= 0, got {_fmt(temperature)}",
+        )
+    if temperature < GREEDY_TEMPERATURE_EPS:
+        temperature = 0.0
+
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:  # NaN fails too
+        raise InvalidRequest("params.top_p", f"params.top_p must be in (0, 1], got {_fmt(top_p)}")
+
+    if p.top_k < -1:
+        raise InvalidRequest(
+            "params.top_k", f"params.top_k must be -1, 0 (off) or positive, got {p.top_k}"
+        )
+
+    if not 0.0 <= p.min_p <= 1.0:
+        raise InvalidRequest("params.min_p", f"params.min_p must be in [0, 1], got {_fmt(p.min_p)}")
+
+    n = p.n or 1
+    if n > max_n:
+        raise InvalidRequest("params.n", f"params.n must be at most {max_n}, got {n}")
+
+    max_tokens = _resolve_max_tokens(p, prompt_field, len(prompt_token_ids), max_model_len)
+    if p.min_tokens > max_tokens:
+        raise InvalidRequest(
+            "params.min_tokens",
+            f"params.min_tokens ({p.min_tokens}) must not exceed max_tokens ({max_tokens})",
+        )
+
+    logprobs = p.logprobs if p.HasField("logprobs") else None
+    if logprobs is not None and logprobs > max_logprobs:
+        raise InvalidRequest(
+            "params.logprobs", f"params.logprobs must be at most {max_logprobs}, got {logprobs}"
+        )
+
+    if any(s == "" for s in p.stop):
+        raise InvalidRequest("params.stop", "params.stop must not contain empty strings")
+    _check_token_ids("params.stop_token_ids", p.stop_token_ids, vocab_size)
+
+    if p.output_kind not in _OUTPUT_KINDS:
+        raise InvalidRequest(
+            "params.output_kind",
+            f"params.output_kind must be CUMULATIVE, DELTA or FINAL_ONLY, got {p.output_kind}",
+        )
+
+    return ValidatedParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(p.top_k, 0),
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=max_tokens,
+        min_tokens=p.min_tokens,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=logprobs,
+        output_kind=p.output_kind,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+def child_seeds(params: ValidatedParams, rng: random.Random | None = None) -> list[int]:
+    """One 64-bit seed per child: seed + i with a user seed (so children differ), else random.
+
+    The scheduler always needs a seed, since sampling randomness comes from (seed, position).
+    """
+    if params.seed is not None:
+        return [(params.seed + i) % _SEED_MODULUS for i in range(params.n)]
+    if rng is not None:
+        return [rng.getrandbits(64) for _ in range(params.n)]
+    return [secrets.randbits(64) for _ in range(params.n)]
+
+
+def child_requests(
+    request_id: str,
+    params: ValidatedParams,
+    prompt_token_ids: Sequence[int],
+    *,
+    rng: random.Random | None = None,
+) -> list[engine_pb2.EngineRequest]:
+    """The n scheduler requests of one public request: `{i}_{request_id}`, i = 0 .. n-1.
+
+    Every child is named this way, n = 1 included, so the merge never special-cases n.
+    `rng` makes unseeded requests reproducible in tests; by default seeds come from `secrets`.
+    """
+    prompt = list(prompt_token_ids)
+    return [
+        engine_pb2.EngineRequest(
+            request_id=child_request_id(i, request_id),
+            prompt_token_ids=prompt,
+            params=params.child_sampling_params(seed),
+            parent_id=request_id,
+        )
+        for i, seed in enumerate(child_seeds(params, rng))
+    ]
