@@ -1,0 +1,389 @@
+"""Paged attention over a mixed batch of prefill chunks and decodes, in one Triton kernel.
+
+How the work is cut:
+- A program owns (a block of BLOCK_Q query tokens of one sequence) x (one KV head). Its M
+  dimension packs those tokens with every query head of the KV head's GQA group (row r is token
+  r // GROUP, head r % GROUP), so each K/V tile is loaded once for the whole group.
+- The query blocks of all sequences are numbered back to back; sequence b owns the indices
+  [qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1), a superset of the blocks it needs, so the
+  grid (num_tokens // BLOCK_Q + num_seqs) depends only on python ints, and a program finds its
+  sequence by binary search over query_start_loc (no host sync, CUDA-graph safe).
+- Keys are walked in tiles of TILE_N positions; each position's physical block comes from the
+  block table, so a tile may span several pages (small test block sizes) or part of one.
+- Online softmax in float32, in the log2 domain (exp2 with scale * log2(e) folded in).
+
+Split-KV: for decode batches too small to fill the GPU (B * Hkv small, long contexts), each
+program's key range is cut into NUM_SPLITS parts computed in parallel; they write unnormalised
+(acc, max, sum) partials, and a second kernel merges them. The same kernel serves both paths;
+NUM_SPLITS == 1 writes the final output directly.
+
+The new tokens' keys/values must already be in kv_cache (call write_kv_cache first).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.reference import paged_attention_reference
+
+__all__ = ["AttentionLaunchConfig", "paged_attention", "paged_attention_reference", "choose_launch_config"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Tile shapes and launch knobs; choose_launch_config picks them from python ints only."""
+
+    block_q: int  # query tokens per program
+    tile_n: int  # key positions per inner-loop step (>= 16 for tl.dot)
+    num_kv_splits: int  # 1 = single pass; > 1 = split-KV + reduce
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: behave as on an H100 so heuristics are exercised the same way
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_launch_config(
+    *,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    max_seq_len: int,
+    sm_count: int,
+    num_kv_splits: int | None = None,
+) -> AttentionLaunchConfig:
+    """Shape heuristics (no autotune: launches must stay capturable and deterministic).
+
+    num_kv_splits: None = automatic, 1 = force the single-pass kernel, n > 1 = force n splits.
+    """
+    group = num_q_heads // num_kv_heads
+    # Aim for 64 rows (tokens x group heads) in the dot; a decode-only batch uses one token per
+    # program (rows padded to 16). Tiles of 64 keys, 3 stages: the K/V loads (including the
+    # block-table gather they depend on) are software-pipelined; this stays spill-free at D=128.
+    block_q = max(1, min(max_query_len, 64 // group))
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        programs = num_seqs * num_kv_heads
+        if max_query_len == 1 and programs < 2 * sm_count:
+            # Too few programs to keep every SM's loads in flight: cut each context into splits,
+            # aiming at ~4 programs per SM while keeping >= 256 keys per split.
+            want = triton.cdiv(4 * sm_count, programs)
+            most = max(1, max_seq_len // 256)
+            num_kv_splits = min(want, most, 64)
+            # Powers of two only: bounds the number of compiled variants.
+            num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)
+    assert num_kv_splits >= 1
+    return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits,
+                                 num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with (qsl[b] // BLOCK_Q + b) <= q_block: the sequence owning this query block."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 1:
+            start = start // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tile(
+    tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
+    kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N)."""
+    k_pos = tile * TILE_N + tl.arange(0, TILE_N)
+    k_valid = k_pos < kv_end
+    page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    slot_offset = page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
+    k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+    v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale_log2
+    allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# Runtime ints are not specialised (== 1, % 16): one compiled variant serves every batch.
+@triton.jit(do_not_specialize=["num_seqs", "sliding_window"])
+def _paged_attention_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    qk_scale_log2,
+    sliding_window,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    if BLOCK_Q > 1:
+        local_block = q_block - (q_begin // BLOCK_Q + seq)
+    else:
+        local_block = q_block - q_begin
+    first_token = local_block * BLOCK_Q
+    if first_token >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token_in_seq < q_len)
+    q_pos = context_len + token_in_seq
+    token = (q_begin + token_in_seq).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    # Key range this block of queries can see: causal end, sliding-window start.
+    last_token = tl.minimum(first_token + BLOCK_Q, q_len) - 1
+    kv_end = context_len + last_token + 1
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + first_token - sliding_window + 1, 0)
+    tile_begin = kv_start // TILE_N
+    tile_end = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tile_end - tile_begin, NUM_SPLITS)
+        tile_begin = tile_begin + split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, tile_end)
+
+    # The running max starts at a finite floor, not -inf: a row whose keys are all masked in a
+    # tile then gets exp2(-inf - floor) = 0 instead of NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+
+    if INTERPRETED:
+        # The interpreter (triton 3.6 + numpy 2.x) cannot take tensor bounds in range().
+        tile = tile_begin
+        while tile < tile_end:
+            m_i, l_i, acc = _attend_tile(
+                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
+            tile += 1
+    else:
+        # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
+        for tile in range(tile_begin, tile_end):
+            m_i, l_i, acc = _attend_tile(
+                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # Partials are laid out [T, Hq, NUM_SPLITS(, D)], contiguous.
+        part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_kv_splits_kernel(
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    stride_o_t,
+    stride_o_h,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PADDED)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+    base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
+    # Empty splits carry max = floor and sum = 0, so their weight below is exactly 0.
+    m = tl.load(partial_max_ptr + base + splits, mask=split_valid, other=-1.0e30)
+    l = tl.load(partial_sum_ptr + base + splits, mask=split_valid, other=0.0)
+    acc = tl.load(partial_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_valid[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    total = tl.sum(weight * l, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+# Decided at definition time, like triton.jit itself (TRITON_INTERPRET read when decorating).
+_INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
+    config: AttentionLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
+
+    max_query_len / max_seq_len are host-side upper bounds (python ints) that only shape the
+    launch; under CUDA graphs pass fixed bounds. num_kv_splits: None picks single-pass or split-KV
+    automatically, 1 forces single-pass, n > 1 forces n splits. config overrides every heuristic
+    (benchmarks, tests).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, kv_cache.shape
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1
+    assert sliding_window is None or sliding_window > 0, f"sliding_window must be None or > 0, got {sliding_window}"
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = choose_launch_config(
+            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits)
+    assert config.tile_n >= 16 and config.tile_n & (config.tile_n - 1) == 0
+    block_m = max(16, triton.next_power_of_2(config.block_q * group))
+    if config.block_q > 1:
+        num_q_blocks = num_tokens // config.block_q + num_seqs
+    else:
+        num_q_blocks = num_tokens
+    splits = config.num_kv_splits
+
+    if splits > 1:
+        partial_acc = torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        partial_max = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_acc = partial_max = partial_sum = out  # unused by the kernel
+
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, splits)](
+        query, key_cache, value_cache, out, partial_acc, partial_max, partial_sum,
+        query_start_loc, seq_lens, block_tables,
+        num_seqs, scale * _LOG2E, sliding_window if sliding_window is not None else 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=config.block_q,
+        BLOCK_M=block_m,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
+        USE_WINDOW=sliding_window is not None,
+        IEEE_DOT=query.dtype == torch.float32,
+        INTERPRETED=_INTERPRETED,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_kv_splits_kernel[(num_tokens, num_q_heads)](
+            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=splits,
+            SPLITS_PADDED=triton.next_power_of_2(splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out
