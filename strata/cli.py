@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the embedded default model (tiny Llama + BPE tokenizer) to a directory")
     p.add_argument("--output", default=None, help="target directory (default: the cache directory)")
 
+    from strata.bench_cli import add_bench_parser
+    add_bench_parser(sub, _Formatter)
     return parser
 
 
@@ -162,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "build-default-model":
         from pathlib import Path
 
-        from strata.default_model import ensure_default_model
-        print(ensure_default_model(Path(args.output) if args.output else None))
+        from strata.default_model import build_default_model, ensure_default_model
+        print(build_default_model(Path(args.output)) if args.output else ensure_default_model())
         return 0
+    if args.command == "bench":
+        from strata.bench_cli import run_bench
+        return run_bench(args)
     return 2
 
 

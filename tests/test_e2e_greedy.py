@@ -60,7 +60,7 @@ def test_greedy_matches_hf_under_preemption(tmp_path_factory, tokenizer):
     model_dir = _model(tmp_path_factory, tokenizer, "llama")
     prompts, lengths = _workload(len(tokenizer), seed=11)
     expected = hf_greedy(model_dir, prompts, lengths)
-    with running_cluster(model_dir, 2, "--num-kv-blocks", "24") as (cluster, client):
+    with running_cluster(model_dir, 2, "--num-kv-blocks", "24", "--max-model-len", "96") as (cluster, client):
         got = _run_concurrently(client, prompts, lengths)
         stats = scheduler_stats(cluster)
     assert got == expected

@@ -38,6 +38,7 @@ async def serve(args) -> None:
         port = server.add_secure_port(address, creds)
     else:
         port = bind(server, args.host, args.port)
+    await set_serving(health, service_names, serving=False)
     await server.start()
     # Serving once the scheduler answers: it only answers when its pipeline is up.
     while True:

@@ -8,7 +8,7 @@ import uuid
 
 import grpc
 
-from services.gateway.detokenizer import IncrementalDetokenizer, StopChecker
+from services.gateway.detokenizer import OutputTextStream
 from services.gateway.outputs import RequestOutputState
 from services.gateway.validation import InvalidRequest, child_requests, validate_request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -21,17 +21,6 @@ class ChildFailed(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
-
-
-class _Child:
-    """Text state of one child request: its detokenizer and stop-string matcher."""
-
-    def __init__(self, index: int, tokenizer, prompt_ids, params):
-        self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self.stops = StopChecker(params.stop, params.min_tokens)
-        self.num_tokens = 0
-        self.finished = False
 
 
 class GatewayServicer(generate_pb2_grpc.GatewayServicer):
@@ -90,7 +79,9 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
         children = child_requests(request_id, params, prompt_ids)
         state = RequestOutputState(request_id, len(children), params.output_kind,
                                    params.logprobs is not None, len(prompt_ids))
-        texts = [_Child(i, self.tokenizer, prompt_ids, params) for i in range(len(children))]
+        texts = [OutputTextStream(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                  stop=params.stop, min_tokens=params.min_tokens) for _ in children]
+        finished = [False] * len(children)
         merged: asyncio.Queue = asyncio.Queue()
         calls = [self.scheduler.Submit(child, timeout=self.request_timeout) for child in children]
         readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
@@ -100,12 +91,10 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
                 index, out = await merged.get()
                 if isinstance(out, ChildFailed):
                     await context.abort(out.code, f"child {index} of {request_id}: {out.details}")
-                child = texts[index]
-                if child.finished:
+                if finished[index]:
                     continue
-                response = self._advance(child, out, state, calls[index])
-                if child.finished:
-                    remaining -= 1
+                response, finished[index] = _advance(index, texts[index], out, state, calls[index])
+                remaining -= finished[index]
                 if response is not None:
                     yield response
         finally:
@@ -116,20 +105,20 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
             for task in readers:
                 task.cancel()
 
-    def _advance(self, child: _Child, out: engine_pb2.EngineOutput, state, call):
-        new_ids = list(out.token_ids)
-        child.num_tokens += len(new_ids)
-        text = child.detok.push(new_ids) if new_ids else ""
-        emit, matched = child.stops.push(text, child.num_tokens)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if matched is not None:
-            finish_reason, stop_reason = "stop", matched
-            call.cancel()  # stop string found here: the scheduler frees the child's blocks
-        elif finish_reason:
-            emit += child.stops.flush()
-        child.finished = bool(finish_reason)
-        return state.update(child.index, emit, new_ids, list(out.logprobs), finish_reason, stop_reason,
+
+def _advance(index: int, text_stream: OutputTextStream, out: engine_pb2.EngineOutput, state: RequestOutputState,
+             call) -> tuple[generate_pb2.GenerateResponse | None, bool]:
+    """Applies one scheduler output of child `index`; returns (response to send, child finished)."""
+    finish_reason, stop_reason = out.finish_reason, out.stop_reason
+    # The scheduler finishes with "stop" only on an EOS or stop token, which stays out of the text.
+    text, matched = text_stream.push(out.token_ids, finished=bool(finish_reason),
+                                     ends_with_stop_token=finish_reason == "stop")
+    if matched is not None:
+        finish_reason, stop_reason = "stop", matched
+        call.cancel()  # the stop string was found here: the scheduler frees the child's blocks
+    response = state.update(index, text, list(out.token_ids), list(out.logprobs), finish_reason, stop_reason,
                             out.cached_prompt_tokens)
+    return response, bool(finish_reason)
 
 
 async def _pump(index: int, call, merged: asyncio.Queue) -> None:

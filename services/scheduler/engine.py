@@ -167,16 +167,21 @@ class Engine:
         plan = self.in_flight.popleft()
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
-        if result.error:
+        try:
+            if result.error:
+                raise RuntimeError(result.error)
+            sampled, logprobs = split_result(result)
+            updates = self.scheduler.update(plan, sampled)
+        except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.
-            log.error("step %d failed: %s", plan.step_id, result.error)
-            self.scheduler.update(plan, {})
+            log.error("step %d failed: %s", plan.step_id, e)
             for seq in plan.seqs:
-                self._fail(seq.request.request_id, "INTERNAL", result.error)
+                self._fail(seq.request.request_id, "INTERNAL", f"step failed: {e}")
+            # Blocks are cached when scheduled: this step's may never have been written.
+            self.scheduler.reset_prefix_cache()
             return
-        sampled, logprobs = split_result(result)
         seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs}
-        for upd in self.scheduler.update(plan, sampled):
+        for upd in updates:
             self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)))
 
     def _deliver(self, upd, logprob_entries) -> None:

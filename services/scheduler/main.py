@@ -31,6 +31,7 @@ async def serve(args) -> None:
     metrics = SchedulerMetrics()
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, metrics), server)
     port = bind(server, args.host, args.port)
+    await set_serving(health, ["strata.v1.Scheduler"], serving=False)
     await server.start()  # health answers NOT_SERVING until the pipeline is up
     await engine.start()
     await set_serving(health, ["strata.v1.Scheduler"])

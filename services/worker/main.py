@@ -43,13 +43,16 @@ def attention_backend_for(device: torch.device):
     return TorchAttentionBackend()
 
 
-def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, device: torch.device, dtype: torch.dtype) -> int:
+def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, max_model_len: int, device: torch.device,
+                      dtype: torch.dtype) -> int:
     if args.num_kv_blocks:
         return args.num_kv_blocks
     per_block = kv_cache_bytes_per_block(num_layers, args.block_size, config.num_key_value_heads,
                                          config.head_dim, dtype)
+    # More blocks than max_num_seqs full-length sequences can use only hold cached prefixes.
+    useful = args.max_num_seqs * -(-max_model_len // args.block_size)
     if device.type != "cuda":
-        return max(1, int(args.kv_cache_memory_gb * GiB) // per_block)
+        return max(1, min(useful, int(args.kv_cache_memory_gb * GiB) // per_block))
     free, total = torch.cuda.mem_get_info(device)
     # What the step itself needs besides weights and cache: activations of the largest prefill
     # chunk (MLP intermediates dominate) and the logits of a full decode batch, plus slack.
@@ -75,7 +78,7 @@ def build(args):
     runner = ModelRunner(shard, config, stage_index=args.stage_index, num_stages=args.num_stages,
                          block_size=args.block_size, max_model_len=max_model_len, device=device, dtype=dtype,
                          attention_backend=shard.attn_backend, max_num_seqs=max(args.max_num_seqs * 4, 1024))
-    blocks = num_kv_blocks_for(args, config, shard.num_layers, device, dtype)
+    blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"
     description = engine_pb2.WorkerDescription(
         stage_index=args.stage_index, num_stages=args.num_stages,
@@ -95,6 +98,7 @@ async def serve(args) -> None:
     server, health = new_server()
     engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, description), server)
     port = bind(server, args.host, args.port)
+    await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()
     await set_serving(health, ["strata.v1.Worker"])
     log.info("worker stage %d/%d (layers %d-%d, %d KV blocks, %s) listening on %s:%d",

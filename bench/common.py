@@ -1,0 +1,438 @@
+"""What every benchmark shares: the cluster it drives, load generators, scheduler stats, output.
+
+Load is generated with grpc.aio on one event loop (hundreds of concurrent streams, no threads);
+every response is timestamped on arrival so TTFT and inter-token latency come from what the
+client actually saw.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GPU_MODEL = "dummy:llama-3.2-1b"
+# Token ids below this are the special tokens of the embedded default model (BOS, EOS);
+# random prompts stay clear of them.
+FIRST_PROMPT_TOKEN = 2
+
+
+# ---------------------------------------------------------------- device, model, environment
+
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; anything else unchanged."""
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_model(args) -> str | None:
+    """--model, else the Llama-3.2-1B-shaped dummy on GPU and the embedded default on CPU."""
+    if args.model:
+        return args.model
+    return DEFAULT_GPU_MODEL if resolve_device(args.device).startswith("cuda") else None
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+        index = torch.device(device).index or 0
+        return torch.cuda.get_device_name(index)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def git_commit() -> str:
+    """HEAD's short hash, with '+dirty' when the working tree has changes. Without git (a copy of
+    the tree on a GPU host), $STRATA_GIT_COMMIT, else 'unknown'."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("STRATA_GIT_COMMIT") or "unknown"
+
+
+def environment_info(args) -> dict:
+    import torch
+    device = resolve_device(args.device)
+    return {
+        "device": device,
+        "device_name": device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "model": resolve_model(args) or "embedded default",
+        "pipeline_stages": args.pipeline_stages,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def free_accelerator_memory() -> None:
+    """Return cached GPU memory between phases that each load a model into this process."""
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the cluster
+
+@dataclass
+class Endpoints:
+    gateway: str
+    scheduler: str | None  # None: stats are not available (--address without --scheduler-address)
+    own_cluster: bool
+
+
+def serve_argv(args, model: str | None) -> list[str]:
+    """`strata serve` arguments for the cluster a benchmark starts."""
+    from strata.launcher import free_port
+    argv = ["serve", "--port", str(free_port()), "--pipeline-stages", str(args.pipeline_stages),
+            "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--max-model-len", str(args.max_model_len)]
+    if model:
+        argv += ["--model", model]
+    if args.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+@contextlib.contextmanager
+def cluster_for(args):
+    """The running cluster named by --address, or a fresh local one stopped on exit."""
+    if args.address:
+        yield Endpoints(args.address, args.scheduler_address, own_cluster=False)
+        return
+    from strata.cli import build_parser
+    from strata.launcher import start_cluster
+    serve_args = build_parser().parse_args(serve_argv(args, resolve_model(args)))
+    # The services' INFO logs would bury the tables; they inherit this from the environment.
+    previous = os.environ.get("STRATA_LOG_LEVEL")
+    os.environ["STRATA_LOG_LEVEL"] = previous or args.service_log_level
+    try:
+        started = time.perf_counter()
+        cluster = start_cluster(serve_args, startup_timeout=args.startup_timeout)
+    finally:
+        if previous is None:
+            os.environ.pop("STRATA_LOG_LEVEL", None)
+    print(f"cluster up in {time.perf_counter() - started:.1f}s: gateway {cluster.gateway_address}, "
+          f"scheduler {cluster.scheduler_address}", flush=True)
+    try:
+        yield Endpoints(cluster.gateway_address, cluster.scheduler_address, own_cluster=True)
+    finally:
+        cluster.stop()
+
+
+# ---------------------------------------------------------------- workload
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` uniformly random token ids, clear of the special ids."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=(num, length)).tolist()
+
+
+def sampling_params(max_tokens: int, temperature: float, output_kind: int, n: int = 1,
+                    seed: int | None = None):
+    """Fixed-length generation: ignore_eos, min_tokens = max_tokens, no top-k/top-p."""
+    from strata.v1 import generate_pb2
+    params = generate_pb2.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
+                                         min_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+# ---------------------------------------------------------------- requests over grpc.aio
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    start: float = 0.0
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each response with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens it carried (all outputs)
+    completion_tokens: int = 0  # usage of the finished request (sums over n outputs)
+    cached_prompt_tokens: int = 0
+    error: str = ""
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    def inter_token_latencies(self) -> list[float]:
+        """Gap between successive token-carrying responses, per token they carried."""
+        gaps = np.diff(self.chunk_times)
+        return (gaps / np.asarray(self.chunk_tokens[1:])).tolist()
+
+
+def open_channel(address: str):
+    import grpc
+    from strata.grpc_util import CHANNEL_OPTIONS
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def send_request(stub, prompt: list[int], params, timeout: float) -> RequestRecord:
+    import grpc
+    from strata.v1 import generate_pb2
+    rec = RequestRecord(prompt_len=len(prompt))
+    request = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params)
+    rec.start = time.perf_counter()
+    try:
+        async for response in stub.Generate(request, timeout=timeout):
+            now = time.perf_counter()
+            tokens = sum(len(o.token_ids) for o in response.outputs)
+            if tokens:
+                rec.chunk_times.append(now)
+                rec.chunk_tokens.append(tokens)
+            if response.finished:
+                rec.completion_tokens = response.usage.completion_tokens
+                rec.cached_prompt_tokens = response.usage.cached_prompt_tokens
+    except grpc.aio.AioRpcError as e:
+        rec.error = f"{e.code().name}: {e.details()}"
+    rec.end = time.perf_counter()
+    if not rec.error and not rec.chunk_times:
+        rec.error = "no tokens returned"
+    return rec
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
+
+
+async def run_all_at_once(address: str, prompts, params, timeout: float, max_concurrency: int = 0,
+                          desc: str = "requests", progress: bool = True) -> list[RequestRecord]:
+    """Submit every prompt at once (at most `max_concurrency` in flight when > 0)."""
+    from strata.v1 import generate_pb2_grpc
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    async with open_channel(address) as channel:
+        stub = generate_pb2_grpc.GatewayStub(channel)
+        with _progress(len(prompts), desc, progress) as bar:
+            async def one(prompt, p):
+                async with limit:
+                    rec = await send_request(stub, prompt, p, timeout)
+                bar.update(1)
+                return rec
+            per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+            return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, per_prompt))))
+
+
+async def run_poisson(address: str, prompts, params, rate: float, timeout: float, seed: int,
+                      desc: str = "poisson", progress: bool = True) -> list[RequestRecord]:
+    """Requests arrive as a Poisson process of `rate` per second (inf: all at once)."""
+    from strata.v1 import generate_pb2_grpc
+    rng = np.random.default_rng(seed)
+    async with open_channel(address) as channel:
+        stub = generate_pb2_grpc.GatewayStub(channel)
+        with _progress(len(prompts), desc, progress) as bar:
+            async def one(prompt):
+                rec = await send_request(stub, prompt, params, timeout)
+                bar.update(1)
+                return rec
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(one(prompt)))
+                if math.isfinite(rate):
+                    await asyncio.sleep(rng.exponential(1.0 / rate))
+            return list(await asyncio.gather(*tasks))
+
+
+async def run_closed_loop(address: str, prompts, params, concurrency: int, timeout: float,
+                          desc: str = "closed loop", progress: bool = True) -> list[RequestRecord]:
+    """`concurrency` streams, each sending its next request as soon as the last one finished."""
+    from strata.v1 import generate_pb2_grpc
+    queue = list(reversed(prompts))
+    records: list[RequestRecord] = []
+    async with open_channel(address) as channel:
+        stub = generate_pb2_grpc.GatewayStub(channel)
+        with _progress(len(prompts), desc, progress) as bar:
+            async def stream():
+                while queue:
+                    records.append(await send_request(stub, queue.pop(), params, timeout))
+                    bar.update(1)
+            await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return records
+
+
+async def model_info(address: str):
+    from strata.v1 import generate_pb2, generate_pb2_grpc
+    async with open_channel(address) as channel:
+        return await generate_pb2_grpc.GatewayStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest(),
+                                                                          timeout=60)
+
+
+def failures(records: list[RequestRecord]) -> list[str]:
+    return [r.error for r in records if r.error]
+
+
+# ---------------------------------------------------------------- scheduler statistics
+
+COUNTERS = ("prefill_tokens_computed", "decode_tokens_computed", "steps", "prefix_cache_queries",
+            "prefix_cache_hits", "preemptions", "finished_requests")
+
+
+async def scheduler_stats(address: str | None):
+    if not address:
+        return None
+    from strata.v1 import engine_pb2, engine_pb2_grpc
+    async with open_channel(address) as channel:
+        return await engine_pb2_grpc.SchedulerStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=30)
+
+
+def stats_delta(before, after) -> dict:
+    """Counters over a phase, plus the pool's size and (cumulative) peak after it."""
+    if before is None or after is None:
+        return {}
+    delta = {name: getattr(after, name) - getattr(before, name) for name in COUNTERS}
+    delta.update(num_kv_blocks=after.num_kv_blocks, peak_used_kv_blocks=after.peak_used_kv_blocks,
+                 used_kv_blocks_after=after.used_kv_blocks, gpu_idle_fraction_since_start=after.gpu_idle_fraction)
+    return delta
+
+
+class StatsPoller:
+    """Samples GetStats every `interval` seconds while a phase runs (decode step timing)."""
+
+    def __init__(self, address: str | None, interval: float = 0.25):
+        self.address = address
+        self.interval = interval
+        self.samples: list[tuple[float, object]] = []
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        if self.address:
+            self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def __aexit__(self, *exc):
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _poll(self) -> None:
+        from strata.v1 import engine_pb2, engine_pb2_grpc
+        async with open_channel(self.address) as channel:
+            stub = engine_pb2_grpc.SchedulerStub(channel)
+            while True:
+                stats = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=30)
+                self.samples.append((time.perf_counter(), stats))
+                await asyncio.sleep(self.interval)
+
+
+def decode_only_timing(samples) -> dict:
+    """Step timing the scheduler saw while nothing was being prefilled.
+
+    Over the intervals between samples in which no prefill token was computed: seconds per
+    engine step, decode tokens per step, and seconds per batch step (every running sequence
+    advancing one token = running / decode-token rate), comparable to an in-process decode
+    step at that batch size. Empty when there was no such interval.
+    """
+    dt = steps = tokens = weighted_running = 0.0
+    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+        d_steps = b.steps - a.steps
+        d_tokens = b.decode_tokens_computed - a.decode_tokens_computed
+        if b.prefill_tokens_computed != a.prefill_tokens_computed or d_steps <= 0 or d_tokens <= 0:
+            continue
+        dt += t1 - t0
+        steps += d_steps
+        tokens += d_tokens
+        weighted_running += (a.running + b.running) / 2 * (t1 - t0)
+    if steps == 0:
+        return {}
+    running = weighted_running / dt
+    return {"window_seconds": dt, "steps": int(steps), "seconds_per_step": dt / steps,
+            "decode_tokens_per_step": tokens / steps, "mean_running": running,
+            "seconds_per_batch_step": running * dt / tokens}
+
+
+# ---------------------------------------------------------------- numbers and output
+
+def summarize(values, scale: float = 1000.0) -> dict:
+    """mean/p50/p90/p99/max of `values` times `scale` (seconds -> ms by default)."""
+    if len(values) == 0:
+        return {}
+    v = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99)), "max": float(v.max())}
+
+
+def ratio(numerator, denominator):
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def fmt(value, spec: str = ",.1f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def print_header(name: str, env: dict) -> None:
+    line = "=" * 78
+    print(f"\n{line}\nstrata bench {name}\n  device  {env['device_name']} ({env['device']})\n"
+          f"  model   {env['model']}, {env['pipeline_stages']} pipeline stage(s)\n"
+          f"  date    {env['date']}\n  commit  {env['commit']}\n{line}", flush=True)
+
+
+def print_section(title: str, rows: list[tuple[str, str]], note: str = "") -> None:
+    print(f"\n{title}")
+    width = max((len(k) for k, _ in rows), default=0)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    if note:
+        print(f"  ({note})")
+    print(flush=True)
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, sort_keys=False, default=_json_default) + "\n")
+    print(f"wrote {path}")
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return repr(value)
+
+
+def args_dict(args) -> dict:
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+def run(coro):
+    return asyncio.run(coro)

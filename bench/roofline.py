@@ -1,0 +1,267 @@
+"""The decode step against its floor: (weight bytes + KV bytes read) / measured copy bandwidth.
+
+The step is timed in this process on the worker's own ModelRunner (what `strata worker` builds),
+fed hand-made StepPlans: every sequence decodes one token over `context_len` cached positions.
+The KV contents do not matter for timing, so nothing is prefilled: the plan simply says the
+cache already holds context_len - 1 tokens. The same timing is the "bare model step" that the
+latency benchmark compares inter-token latency with.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+
+from bench import common
+
+
+# ---------------------------------------------------------------- the floor
+
+def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
+    """Bytes a decode step must read at least: every weight once, every cached K and V once.
+
+    The embedding table is only gathered (batch rows) unless it is also the lm_head (tied),
+    which reads it whole.
+    """
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    per_layer += (q + 2 * kv) * config.attention_bias + h * config.o_proj_bias + (2 * inter + h) * config.mlp_bias
+    head = config.vocab_size * h
+    embeddings = 0 if config.tie_word_embeddings else batch * h
+    weight_elems = layers * per_layer + h + head + embeddings
+    kv_elems = batch * context_len * layers * 2 * kv
+    return {"weight_bytes": weight_elems * itemsize, "kv_bytes": kv_elems * itemsize,
+            "total_bytes": (weight_elems + kv_elems) * itemsize}
+
+
+def measure_copy_bandwidth(device: str, nbytes: int | None = None, iters: int | None = None) -> float:
+    """Device memory bandwidth from a large device-to-device copy: 2 * bytes / time (read + write)."""
+    import torch
+    cuda = device.startswith("cuda")
+    nbytes = nbytes or ((1 << 30) if cuda else (128 << 20))
+    iters = iters or (20 if cuda else 5)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * nbytes * iters / seconds
+
+
+# ---------------------------------------------------------------- the measured step
+
+def load_runner(args, batch: int, context_len: int):
+    """The worker's ModelRunner for the whole model on one device, cache sized for the batch."""
+    from services.worker.main import build
+    from strata.cli import build_parser
+
+    block_size = args.block_size
+    blocks_per_seq = math.ceil(context_len / block_size)
+    num_blocks = batch * blocks_per_seq + 1  # block 0 left unused: tables are padded with it
+    max_model_len = (blocks_per_seq + 1) * block_size
+    model = common.resolve_model(args)
+    argv = ["worker", "--device", args.device, "--dtype", args.dtype, "--block-size", str(block_size),
+            "--max-model-len", str(max_model_len), "--num-kv-blocks", str(num_blocks),
+            "--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(batch, args.max_num_batched_tokens)),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+    if model:
+        argv += ["--model", model]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    runner, _ = build(build_parser().parse_args(argv))
+    runner.init_cache(num_blocks)
+    return runner
+
+
+def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int, temperature: float,
+                 seed: int):
+    """(admit, step): the first plan admits `batch` sequences with full block tables, the second
+    (repeated) decodes one token each at position context_len - 1."""
+    from strata.v1 import engine_pb2
+
+    blocks_per_seq = math.ceil(context_len / block_size)
+    seq_ids = list(range(1, batch + 1))
+    block_ids = np.arange(1, 1 + batch * blocks_per_seq, dtype=np.int64)
+    tokens = common.random_prompts(1, batch, vocab_size, seed)[0]
+    common_fields = dict(seq_ids=seq_ids, num_computed=[context_len - 1] * batch, num_scheduled=[1] * batch,
+                         input_token_ids=tokens, sample=[True] * batch)
+    admit = engine_pb2.StepPlan(
+        step_id=1,
+        released_seq_ids=seq_ids,  # a no-op the first time; lets the same runner be timed again
+        new_sequences=[engine_pb2.NewSequence(
+            seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0, seed=seed + s,
+                                                          logprobs=-1)) for s in seq_ids],
+        table_keep=[0] * batch, table_append_counts=[blocks_per_seq] * batch,
+        table_append_ids=block_ids.tolist(), **common_fields)
+    step = engine_pb2.StepPlan(step_id=2, table_keep=[blocks_per_seq] * batch, table_append_counts=[0] * batch,
+                               **common_fields)
+    return admit, step
+
+
+def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: int, temperature: float,
+                     seed: int = 0) -> dict:
+    """Wall time of runner.execute for a decode step of `batch` sequences (host work, the model,
+    sampling and the step's device synchronisation included: what a worker does per step)."""
+    import torch
+
+    admit, step = decode_plans(batch, context_len, runner.block_size, runner.config.vocab_size, temperature, seed)
+    cuda = runner.device.type == "cuda"
+    runner.execute(admit)
+    for _ in range(warmup):
+        runner.execute(step)
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = runner.execute(step)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        times.append(time.perf_counter() - t0)
+    if len(result.token_ids) != batch:
+        raise RuntimeError(f"decode step sampled {len(result.token_ids)} tokens for a batch of {batch}")
+    return {"batch": batch, "context_len": context_len, "steps": steps,
+            "median_s": statistics.median(times), "min_s": min(times), "mean_s": statistics.fmean(times),
+            "p90_s": float(np.percentile(times, 90))}
+
+
+def bare_decode_step(args, batch: int, context_len: int, steps: int, warmup: int = 5) -> dict:
+    """Load the model in this process, time its decode step, free it again."""
+    runner = load_runner(args, batch, context_len)
+    try:
+        return time_decode_step(runner, batch, context_len, steps, warmup, args.temperature, args.seed)
+    finally:
+        del runner
+        common.free_accelerator_memory()
+
+
+def in_process_roofline(args, batch: int, context_len: int, steps: int) -> dict:
+    """Measured decode step, copy bandwidth and the floor they imply, all in this process."""
+    import torch
+
+    runner = load_runner(args, batch, context_len)
+    try:
+        timing = time_decode_step(runner, batch, context_len, steps, warmup=5, temperature=args.temperature,
+                                  seed=args.seed)
+        itemsize = torch.empty((), dtype=runner.dtype).element_size()
+        config, device, dtype = runner.config, str(runner.device), str(runner.dtype).removeprefix("torch.")
+    finally:
+        del runner
+        common.free_accelerator_memory()
+    bandwidth = measure_copy_bandwidth(device)
+    floor = decode_bytes(config, itemsize, batch, context_len)
+    floor_s = floor["total_bytes"] / bandwidth
+    return {"batch": batch, "context_len": context_len, "dtype": dtype, "itemsize": itemsize,
+            "copy_bandwidth_GBps": bandwidth / 1e9,
+            **floor, "floor_s": floor_s, "measured": timing, "measured_over_floor": timing["median_s"] / floor_s,
+            "config": config, "bandwidth_bytes_per_s": bandwidth}
+
+
+def with_scheduler_view(result: dict, sched: dict) -> dict:
+    """Adds the step time the scheduler saw (decode-only windows) and its ratio to the floor at the
+    batch that was actually running then."""
+    if not sched:
+        return result
+    running = max(1, round(sched["mean_running"]))
+    floor = decode_bytes(result["config"], result["itemsize"], running, result["context_len"])
+    floor_s = floor["total_bytes"] / result["bandwidth_bytes_per_s"]
+    result["scheduler"] = {**sched, "floor_s_at_running": floor_s,
+                           "batch_step_over_floor": sched["seconds_per_batch_step"] / floor_s}
+    return result
+
+
+def roofline_rows(r: dict) -> list[tuple[str, str]]:
+    m = r["measured"]
+    rows = [
+        ("batch x context", f"{r['batch']} x {r['context_len']} tokens ({r['dtype']})"),
+        ("copy bandwidth", f"{r['copy_bandwidth_GBps']:,.0f} GB/s (2 x bytes / time of a device copy)"),
+        ("bytes read", f"{r['weight_bytes'] / 1e9:.3f} GB weights + {r['kv_bytes'] / 1e9:.3f} GB KV"),
+        ("floor", f"{r['floor_s'] * 1e3:.3f} ms"),
+        ("measured step", f"{m['median_s'] * 1e3:.3f} ms median (min {m['min_s'] * 1e3:.3f}, "
+                          f"p90 {m['p90_s'] * 1e3:.3f}, {m['steps']} steps, in-process ModelRunner)"),
+        ("measured / floor", f"{r['measured_over_floor']:.2f}x   (target <= 1.5x)"),
+    ]
+    s = r.get("scheduler")
+    if s:
+        rows += [
+            ("scheduler view", f"{s['seconds_per_step'] * 1e3:.3f} ms per engine step, "
+                               f"{s['decode_tokens_per_step']:.1f} decode tokens per step"),
+            ("  batch step", f"{s['seconds_per_batch_step'] * 1e3:.3f} ms for all {s['mean_running']:.1f} running "
+                             f"sequences to advance one token"),
+            ("  over floor", f"{s['batch_step_over_floor']:.2f}x (floor at that batch "
+                             f"{s['floor_s_at_running'] * 1e3:.3f} ms)"),
+        ]
+    return rows
+
+
+def json_ready(r: dict) -> dict:
+    out = {k: v for k, v in r.items() if k != "config"}
+    out["model_shape"] = {k: getattr(r["config"], k) for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    return out
+
+
+# ---------------------------------------------------------------- `strata bench roofline`
+
+async def _decode_through_stack(endpoints, args, context_len: int) -> dict:
+    """B requests at once; the scheduler's decode-only windows give its view of the step."""
+    from strata.v1 import generate_pb2
+    info = await common.model_info(endpoints.gateway)
+    prompts = common.random_prompts(args.batch, args.input_len, info.vocab_size, args.seed)
+    params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
+    async with common.StatsPoller(endpoints.scheduler) as poller:
+        records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
+                                               desc="decode batch", progress=not args.no_progress)
+    errors = common.failures(records)
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
+    return common.decode_only_timing(poller.samples)
+
+
+def run(args) -> int:
+    env = common.environment_info(args)
+    common.print_header("roofline", env)
+    context_len = args.context_len or args.input_len + args.output_len // 2
+    sched = {}
+    if args.through_stack:
+        with common.cluster_for(args) as endpoints:
+            sched = common.run(_decode_through_stack(endpoints, args, context_len))
+    result = with_scheduler_view(in_process_roofline(args, args.batch, context_len, args.steps), sched)
+    common.print_section("Decode step vs roofline", roofline_rows(result),
+                         note="floor = (weight bytes + KV bytes read) / copy bandwidth")
+    if args.through_stack and not sched:
+        print("  (the scheduler saw no decode-only interval: no stack view)")
+    row = _markdown_row(env, args, result)
+    print("RESULTS.md row:\n" + row)
+    common.write_json(args.output, {"benchmark": "roofline", "environment": env, "config": common.args_dict(args),
+                                    "roofline": json_ready(result), "markdown_row": row})
+    return 0
+
+
+def _markdown_row(env, args, r: dict) -> str:
+    f, s = common.fmt, r.get("scheduler", {})
+    cells = [env["date"][:10], env["commit"], env["device_name"], env["model"], str(args.pipeline_stages),
+             f"{r['batch']} x {r['context_len']}", f(r["copy_bandwidth_GBps"], ",.0f"), f(r["floor_s"] * 1e3, ".3f"),
+             f(r["measured"]["median_s"] * 1e3, ".3f"), f(r["measured_over_floor"], ".2f"),
+             f(s.get("seconds_per_batch_step", 0) * 1e3 or None, ".3f"), f(s.get("batch_step_over_floor"), ".2f")]
+    return "| " + " | ".join(cells) + " |"

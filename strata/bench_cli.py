@@ -1,0 +1,141 @@
+"""`strata bench`: throughput, latency, roofline and parallel-sampling benchmarks.
+
+Each command starts its own local cluster (unless --address points at a running one), prints
+tables with the comparison it is about (HF generate(), the roofline, the bare model step) and
+writes every number to --output as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DESCRIPTIONS = {
+    "throughput": "Offline throughput: every prompt submitted at once through gateway -> scheduler -> workers, "
+                  "then the same workload through HF transformers generate() on the same device, then the "
+                  "decode-step roofline; prints requests/s, tokens/s and the ratios.",
+    "latency": "Serving latency: Poisson arrivals (TTFT, inter-token latency p50/p99), then a fixed number of "
+               "streams in a closed loop, whose ITL is compared with the bare model's decode step.",
+    "roofline": "Decode step at batch B against its floor, (weight bytes + KV bytes read) / measured copy "
+                "bandwidth; also the step time the scheduler sees through the stack.",
+    "parallel-sampling": "One request of n=N against N requests of n=1 with distinct prompts and with one "
+                         "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
+}
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
+                        "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)")
+    g.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages (worker processes)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory a worker may use")
+    g.add_argument("--max-model-len", type=int, default=0, help="longest sequence (0: the model's)")
+    g.add_argument("--num-kv-blocks", type=int, default=0, help="force this many KV blocks (0: size from memory)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--address", default=None,
+                   help="gateway host:port of a running cluster (default: start one for this run)")
+    g.add_argument("--scheduler-address", default=None,
+                   help="with --address: the scheduler's host:port, for its statistics")
+    g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the cluster")
+    g.add_argument("--service-log-level", default="WARNING", help="log level of the services this run starts")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and dummy weights")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--request-timeout", type=float, default=3600.0, help="deadline of each request, in seconds")
+    g.add_argument("--warmup-requests", type=int, default=2, help="short requests sent before measuring")
+    g.add_argument("--output", default=None, help="write the results to this JSON file")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests")
+    p.add_argument("--input-len", type=int, default=input_len, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=output_len, help="generated tokens (ignore_eos)")
+
+
+def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", formatter_class=formatter_class, help="benchmarks through the full stack",
+                                  description=__doc__)
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    p = sub.add_parser("throughput", formatter_class=formatter_class, help="offline throughput vs HF and roofline",
+                       description=DESCRIPTIONS["throughput"])
+    _workload(p, 1000, 512, 128)
+    p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: all at once)")
+    p.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run HF transformers generate() (default: on when CUDA is available)")
+    p.add_argument("--hf-batch-size", type=int, default=256, help="HF generate() batch (halved on out-of-memory)")
+    p.add_argument("--hf-num-prompts", type=int, default=0,
+                   help="prompts given to HF (0: two batches); throughput is extrapolated to the rest")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the decode step in-process against its roofline")
+    p.add_argument("--roofline-batch", type=int, default=256, help="decode batch of the roofline")
+    p.add_argument("--roofline-steps", type=int, default=20, help="timed decode steps")
+    _common_flags(p)
+
+    p = sub.add_parser("latency", formatter_class=formatter_class, help="TTFT and inter-token latency",
+                       description=DESCRIPTIONS["latency"])
+    _workload(p, 200, 512, 128)
+    p.add_argument("--request-rate", type=float, default=10.0,
+                   help="Poisson arrival rate, requests/s (inf: all at once)")
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the closed-loop phase")
+    p.add_argument("--concurrency-num-prompts", type=int, default=0,
+                   help="requests of the closed-loop phase (0: 4 per stream)")
+    p.add_argument("--bare-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the bare model decode step at batch --concurrency in-process")
+    p.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps")
+    _common_flags(p)
+
+    p = sub.add_parser("roofline", formatter_class=formatter_class, help="decode step vs its memory floor",
+                       description=DESCRIPTIONS["roofline"])
+    p.add_argument("--batch", type=int, default=256, help="decode batch")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens")
+    p.add_argument("--context-len", type=int, default=0, help="cached tokens per sequence (0: input + output / 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--through-stack", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run --batch requests through a cluster for the scheduler's view of the step")
+    _common_flags(p)
+
+    p = sub.add_parser("parallel-sampling", formatter_class=formatter_class, help="n>1 vs n independent requests",
+                       description=DESCRIPTIONS["parallel-sampling"])
+    p.add_argument("-n", "--n", type=int, default=64, dest="n", help="completions per request")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per completion")
+    p.add_argument("--fresh-cluster", action=argparse.BooleanOptionalAction, default=True,
+                   help="a new cluster per phase, so each phase's peak KV blocks is its own")
+    _common_flags(p)
+    return bench
+
+
+def run_bench(args) -> int:
+    if args.bench_command == "throughput":
+        from bench import offline
+        return offline.run(args)
+    if args.bench_command == "latency":
+        from bench import serving
+        return serving.run(args)
+    if args.bench_command == "roofline":
+        from bench import roofline
+        return roofline.run(args)
+    if args.bench_command == "parallel-sampling":
+        from bench import parallel_sampling
+        return parallel_sampling.run(args)
+    raise SystemExit(f"unknown benchmark {args.bench_command!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m strata.bench_cli BENCHMARK ...`: the same as `strata bench BENCHMARK ...`."""
+    parser = argparse.ArgumentParser(prog="strata")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True),
+                     argparse.ArgumentDefaultsHelpFormatter)
+    return run_bench(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

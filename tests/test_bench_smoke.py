@@ -1,0 +1,158 @@
+"""`strata bench` end to end on CPU at tiny scale: every command runs through a real cluster and
+writes JSON whose numbers add up (tokens counted = tokens requested, positive latencies, ratios)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+from safetensors import safe_open
+
+from bench import common, roofline
+from bench.parallel_sampling import peak_block_bound
+from strata.bench_cli import add_bench_parser, run_bench
+from strata.cli import build_parser
+from strata.default_model import ensure_default_model
+from strata.launcher import start_cluster
+from strata.v1 import engine_pb2
+
+PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 16, 8
+
+
+def parse_bench(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def bench(tmp_path, name: str, *argv: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    args = parse_bench(name, "--device", "cpu", "--no-progress", "--warmup-requests", "1", "--output", str(out),
+                       *argv)
+    assert run_bench(args) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One running cluster the benchmarks reach with --address (their own-cluster path is the
+    throughput test's)."""
+    serve_args = build_parser().parse_args(common.serve_argv(parse_bench("latency", "--device", "cpu"), None))
+    running = start_cluster(serve_args, startup_timeout=180)
+    try:
+        yield ["--address", running.gateway_address, "--scheduler-address", running.scheduler_address]
+    finally:
+        running.stop()
+
+
+def assert_environment(result: dict) -> None:
+    env = result["environment"]
+    assert env["device"] == "cpu" and env["device_name"] and env["commit"] and env["date"][:2] == "20"
+    assert result["markdown_row"].startswith("| ") and env["commit"] in result["markdown_row"]
+
+
+def test_throughput_with_own_cluster_hf_and_roofline(tmp_path):
+    r = bench(tmp_path, "throughput", "--num-prompts", str(PROMPTS), "--input-len", str(INPUT_LEN),
+              "--output-len", str(OUTPUT_LEN), "--hf-baseline", "--roofline-batch", "4", "--roofline-steps", "3")
+    assert_environment(r)
+    s = r["strata"]
+    assert s["failed"] == 0 and s["all_outputs_full_length"]
+    assert s["output_tokens"] == PROMPTS * OUTPUT_LEN and s["input_tokens"] == PROMPTS * INPUT_LEN
+    assert s["total_tokens_per_s"] == pytest.approx(3 * s["output_tokens_per_s"])
+    assert s["requests_per_s"] == pytest.approx(PROMPTS / s["elapsed_s"])
+    # Scheduler deltas cover the measured prompts only (the warm-up came before).
+    assert s["scheduler"]["prefill_tokens_computed"] == PROMPTS * INPUT_LEN
+    assert r["hf"]["output_tokens"] == PROMPTS * OUTPUT_LEN and r["hf"]["output_tokens_per_s"] > 0
+    ratios = r["ratios"]
+    assert ratios["strata_over_hf_output_tokens_per_s"] == pytest.approx(
+        s["output_tokens_per_s"] / r["hf"]["output_tokens_per_s"])
+    roof = r["roofline"]
+    assert roof["batch"] == 4 and roof["context_len"] == INPUT_LEN + OUTPUT_LEN // 2
+    assert roof["floor_s"] > 0 and roof["measured"]["median_s"] > 0
+    assert ratios["decode_step_over_floor"] == pytest.approx(roof["measured"]["median_s"] / roof["floor_s"])
+
+
+def test_latency_against_running_cluster(tmp_path, cluster):
+    r = bench(tmp_path, "latency", *cluster, "--num-prompts", str(PROMPTS), "--input-len", str(INPUT_LEN),
+              "--output-len", str(OUTPUT_LEN), "--request-rate", "50", "--concurrency", "2",
+              "--concurrency-num-prompts", "4", "--bare-steps", "3")
+    assert_environment(r)
+    for phase, num in (("poisson", PROMPTS), ("closed_loop", 4)):
+        p = r[phase]
+        assert p["failed"] == 0 and p["all_outputs_full_length"] and p["output_tokens"] == num * OUTPUT_LEN
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
+            assert 0 < p[key]["p50"] <= p[key]["p99"] <= p[key]["max"], (phase, key)
+        assert p["ttft_ms"]["p50"] < p["e2e_latency_ms"]["p50"]
+    assert r["bare_step"]["batch"] == 2 and r["bare_step"]["median_s"] > 0
+    assert r["ratios"]["itl_p50_over_bare_step"] == pytest.approx(
+        r["closed_loop"]["itl_ms"]["p50"] / (r["bare_step"]["median_s"] * 1e3))
+
+
+def test_parallel_sampling_against_running_cluster(tmp_path, cluster):
+    n, prompt_len = 4, 40
+    r = bench(tmp_path, "parallel-sampling", *cluster, "-n", str(n), "--input-len", str(prompt_len),
+              "--output-len", str(OUTPUT_LEN))
+    assert_environment(r)
+    assert not r["fresh_cluster_per_phase"]  # --address: one cluster, peaks are running maxima
+    phases = r["phases"]
+    for name in ("n", "distinct", "same"):
+        assert phases[name]["failed"] == 0
+        assert phases[name]["output_tokens"] == phases[name]["expected_output_tokens"] == n * OUTPUT_LEN
+        assert phases[name]["scheduler"]["peak_used_kv_blocks"] > 0
+    # Distinct prompts share nothing: every prompt token is computed.
+    assert phases["distinct"]["scheduler"]["prefill_tokens_computed"] == n * prompt_len
+    assert phases["n"]["scheduler"]["prefill_tokens_computed"] < n * prompt_len
+    for key in ("n_over_same", "n_over_distinct"):
+        assert r["ratios"][key] > 0
+    assert r["peak_block_bound"] == peak_block_bound(n, prompt_len, OUTPUT_LEN, phases["n"]["block_size"])
+
+
+def test_roofline_through_running_cluster(tmp_path, cluster):
+    r = bench(tmp_path, "roofline", *cluster, "--batch", "4", "--input-len", str(INPUT_LEN),
+              "--output-len", str(OUTPUT_LEN), "--steps", "3")
+    assert_environment(r)
+    roof = r["roofline"]
+    shape = roof["model_shape"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    assert roof["kv_bytes"] == 4 * 20 * shape["num_hidden_layers"] * 2 * kv * 4  # float32 on CPU
+    assert roof["floor_s"] == pytest.approx(roof["total_bytes"] / roof["bandwidth_bytes_per_s"])
+    assert roof["measured_over_floor"] > 0
+
+
+def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
+    """Checked against the embedded default's checkpoint: untied, so the embedding table is not
+    read whole, only the batch's rows."""
+    from services.worker.model_config import ModelConfig
+    model_dir = ensure_default_model()
+    config = ModelConfig.from_dir(model_dir)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        numel = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}
+    batch = 3
+    expected = sum(numel.values()) - numel["model.embed_tokens.weight"] + batch * config.hidden_size
+    got = roofline.decode_bytes(config, 2, batch, context_len=10)
+    assert got["weight_bytes"] == 2 * expected
+    assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
+
+
+def _stats(t_steps, prefill, decode, running):
+    return engine_pb2.SchedulerStats(steps=t_steps, prefill_tokens_computed=prefill,
+                                     decode_tokens_computed=decode, running=running)
+
+
+def test_decode_only_timing_skips_intervals_with_prefill():
+    samples = [(0.0, _stats(0, 100, 0, 8)),
+               (1.0, _stats(10, 200, 40, 8)),   # prefill happened: ignored
+               (2.0, _stats(30, 200, 120, 8)),  # 20 steps of 4 tokens over 1 s
+               (4.0, _stats(50, 200, 200, 8))]  # 20 steps of 4 tokens over 2 s
+    t = common.decode_only_timing(samples)
+    assert t["steps"] == 40 and t["seconds_per_step"] == pytest.approx(3.0 / 40)
+    assert t["decode_tokens_per_step"] == pytest.approx(4.0)
+    # 8 sequences advancing at 160 tokens / 3 s: one batch step every 8 * 3 / 160 s.
+    assert t["seconds_per_batch_step"] == pytest.approx(8 * 3 / 160)
+    assert common.decode_only_timing(samples[:2]) == {}
+
+
+def test_peak_block_bound():
+    assert peak_block_bound(64, 1024, 256, 16) == 64 + 64 * 16
+    assert peak_block_bound(4, 40, 8, 16) == 2 + 4 * 1  # each child copies the 8-token tail block
