@@ -466,6 +466,24 @@ def test_children_with_block_aligned_prompt_need_no_copy():
     assert_all_blocks_free(sched, driver.workers)
 
 
+def test_children_rewrite_last_prompt_token_in_shared_full_block_without_copy():
+    """A prompt filling whole blocks: each child recomputes its last prompt token inside the
+    shared last block; the values equal what is there, so no child copies it."""
+    sched = Scheduler(num_blocks=64, block_size=8, max_model_len=128)
+    prompt = [(5 * i) % VOCAB for i in range(32)]  # exactly 4 full blocks
+    children = [Request(f"{i}_r", prompt, seed=i, max_tokens=8, parent_id="r") for i in range(4)]
+    for child in children:
+        sched.add_request(child)
+    driver = Driver(sched, pipeline=2)
+    driver.run()
+    stats = sched.stats()
+    assert all(not p.copies for p in driver.workers.plans)
+    # One copy of the prompt (4 blocks) plus one block of generated tokens per child.
+    assert stats["peak_used_blocks"] == 4 + 4
+    assert_matches_reference(driver, children, 128)
+    assert_all_blocks_free(sched, driver.workers)
+
+
 # ---------------------------------------------------------------------------- speculation
 
 

@@ -172,16 +172,20 @@ class KVBlockManager:
         req.block_ids.extend(blocks)
         self._note_usage()
 
-    def reserve(self, req: Request, end: int) -> tuple[int, int] | None:
+    def reserve(self, req: Request, end: int, rewrites_prompt: bool = False) -> tuple[int, int] | None:
         """Makes req's table hold tokens [0, end) with the block of its next write private.
-        Returns the (src, dst) copy when that block had to be copied on write."""
+        Returns the (src, dst) copy when that block had to be copied on write.
+
+        rewrites_prompt: the write only recomputes prompt tokens that a shared or cached block
+        already holds (a child's last prompt token, a fully cached prompt's last token): the
+        values written equal those there, so the block stays shared and nothing is copied."""
         need = self.blocks_needed(req, end)
         if need > len(self._free):
             raise RuntimeError(f"need {need} free blocks, have {len(self._free)}")
         table = req.block_ids
         copy = None
         first = req.num_computed_tokens // self.block_size
-        if req.num_computed_tokens < end and first < len(table):
+        if req.num_computed_tokens < end and first < len(table) and not rewrites_prompt:
             src = table[first]
             if self._ref[src] > 1 or self._hash[src] is not None:
                 dst = self._allocate()

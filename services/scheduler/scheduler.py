@@ -292,7 +292,7 @@ class Scheduler:
     ) -> None:
         bm = self.block_manager
         start = req.num_computed_tokens
-        copy = bm.reserve(req, end)
+        copy = bm.reserve(req, end, rewrites_prompt=end <= req.num_prompt_tokens)
         if copy is not None:
             copies.append(copy)
             req.last_copy_step = step_id
