@@ -22,12 +22,16 @@ class PlanError(ValueError):
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor | None  # [T] on the first stage
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+class HostInputs:
+    input_ids: np.ndarray | None  # [T] on the first stage
+    positions: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B]
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [B, blocks of the longest sequence]
+    max_query_len: int
     sample_rows: np.ndarray  # state rows of the sequences that sample
-    sample_token_index: torch.Tensor  # index in the flat batch of the token whose logits are sampled
+    sample_token_index: np.ndarray  # index in the flat batch of the token whose logits are sampled
     sample_positions: np.ndarray  # absolute position of each sampled token
     sample_seq_ids: list[int]
 
@@ -95,7 +99,7 @@ class SequenceTable:
 class ModelRunner:
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype, attention_backend,
-                 max_num_seqs: int = 1024):
+                 max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0):
         self.shard = shard
         self.config = model_config
         self.stage_index = stage_index
@@ -111,16 +115,21 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
         self.sampler = Sampler() if self.is_last else None
+        self.graphs = None  # DecodeGraphs once captured (CUDA only)
+        self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
 
     # ------------------------------------------------------------ cache
 
     def init_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []  # free the old cache before allocating the new one
+        self.kv_caches = []  # free the old cache (and graphs over it) before allocating the new one
+        self.graphs = None
         self.kv_caches = allocate_kv_cache(
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
             self.config.head_dim, self.dtype, self.device)
         self.num_kv_blocks = num_blocks
         self.table.clear()
+        if self.cuda_graph_max_batch:
+            self.capture_cuda_graphs(self.cuda_graph_max_batch)
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if not src:
@@ -148,7 +157,8 @@ class ModelRunner:
         self._copy_blocks(list(plan.copy_src_blocks), list(plan.copy_dst_blocks))
         return rows
 
-    def prepare_inputs(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> StepInputs:
+    def host_inputs(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> HostInputs:
+        """The step's inputs as numpy arrays: positions, slots and block tables, vectorised."""
         num_computed = np.asarray(plan.num_computed, dtype=np.int64)
         q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
         if q_lens.size == 0 or (q_lens <= 0).any():
@@ -168,35 +178,35 @@ class ModelRunner:
         if (needed_blocks > self.table.num_blocks[rows]).any():
             raise PlanError("a sequence was scheduled past the end of its block table")
         block_ids = self.table.block_tables[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-        width = int(needed_blocks.max())
-        block_tables = self.table.block_tables[rows, :width]
-
-        sample_mask = np.asarray(plan.sample, dtype=bool)
-        sample_idx = np.nonzero(sample_mask)[0]
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
         input_ids = None
         if self.is_first:
             if len(plan.input_token_ids) != total:
                 raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
-            input_ids = torch.tensor(plan.input_token_ids, dtype=torch.long).to(dev)
-        return StepInputs(
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            sample_rows=rows[sample_idx],
-            sample_token_index=torch.from_numpy(qsl[1:][sample_idx] - 1).to(dev),
-            sample_positions=seq_lens[sample_idx],
-            sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
+            input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
+        sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
+        return HostInputs(
+            input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            block_tables=self.table.block_tables[rows, : int(needed_blocks.max())],
+            max_query_len=int(q_lens.max()),
+            sample_rows=rows[sample_idx], sample_token_index=qsl[1:][sample_idx] - 1,
+            sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx])
+
+    def device_meta(self, h: HostInputs) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(h.query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(h.seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(h.block_tables)).to(dev),
+            slot_mapping=torch.from_numpy(h.slot_mapping).to(dev),
+            max_query_len=h.max_query_len,
+            max_seq_len=int(h.seq_lens.max()),
         )
+
+    def capture_cuda_graphs(self, max_batch: int) -> None:
+        from services.worker.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self, max_batch)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None,
@@ -204,20 +214,35 @@ class ModelRunner:
         """Runs one step. Returns (hidden, residual) on a middle stage, a StepResult on the last."""
         start = time.perf_counter()
         rows = self.apply_state(plan)
-        inputs = self.prepare_inputs(plan, rows)
-        hidden, residual = self.shard.forward(
-            inputs.input_ids, inputs.positions, hidden, residual, self.kv_caches, inputs.meta)
-        if not self.is_last:
-            return hidden, residual
+        h = self.host_inputs(plan, rows)
+        n = len(h.seq_lens)
+        bs = self.graphs.padded_size(n) if self.graphs and h.max_query_len == 1 else None
+        if bs is not None:  # decode-only: replay a captured graph
+            outs = self.graphs.run(bs, h.input_ids, h.positions, h.slot_mapping, h.seq_lens.astype(np.int32),
+                                   h.block_tables, hidden, residual)
+            if not self.is_last:
+                return outs
+            # Every decode token is its sequence's last: the sampled rows index the logits directly.
+            logits = outs[0][torch.from_numpy(h.sample_token_index).to(self.device)] \
+                if len(h.sample_seq_ids) != n else outs[0]
+        else:
+            input_ids = torch.from_numpy(h.input_ids).to(self.device) if h.input_ids is not None else None
+            hidden, residual = self.shard.forward(
+                input_ids, torch.from_numpy(h.positions).to(self.device), hidden, residual, self.kv_caches,
+                self.device_meta(h))
+            if not self.is_last:
+                return hidden, residual
+            logits = None
+            if h.sample_seq_ids:
+                idx = torch.from_numpy(h.sample_token_index).to(self.device)
+                logits = self.shard.compute_logits(hidden[idx], residual[idx])
         result = engine_pb2.StepResult(step_id=plan.step_id)
-        if inputs.sample_seq_ids:
-            idx = inputs.sample_token_index
-            logits = self.shard.compute_logits(hidden[idx], residual[idx])
-            self._sample(logits, inputs, result)
+        if h.sample_seq_ids:
+            self._sample(logits, h, result)
         result.execute_seconds = time.perf_counter() - start
         return result
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs, result: engine_pb2.StepResult) -> None:
+    def _sample(self, logits: torch.Tensor, inputs: HostInputs, result: engine_pb2.StepResult) -> None:
         t, r = self.table, inputs.sample_rows
         num_logprobs = int(t.logprobs[r].max())
         st = SamplingTensors.build(

@@ -1,0 +1,60 @@
+"""Where a decode step's time goes: per-phase host timings and the top GPU kernels.
+
+    python -m bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.roofline import decode_plans, load_runner
+from strata.cli import build_parser
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context-len", type=int, default=640)
+    p.add_argument("--model", default="dummy:llama-3.2-1b")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--enforce-eager", action="store_true")
+    a = p.parse_args()
+    argv = ["bench", "roofline", "--model", a.model, "--device", "cuda"]
+    if a.enforce_eager:
+        argv.append("--enforce-eager")
+    args = build_parser().parse_args(argv)
+    runner = load_runner(args, a.batch, a.context_len)
+    admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
+                               a.temperature, 0)
+    runner.execute(admit)
+    for _ in range(5):
+        runner.execute(step)
+    torch.cuda.synchronize()
+    phases = {"apply_state": 0.0, "host_inputs": 0.0, "execute(total)": 0.0}
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        rows = runner.apply_state(step)
+        t1 = time.perf_counter()
+        runner.host_inputs(step, rows)
+        t2 = time.perf_counter()
+        runner.execute(step)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        phases["apply_state"] += t1 - t0
+        phases["host_inputs"] += t2 - t1
+        phases["execute(total)"] += t3 - t2
+    for k, v in phases.items():
+        print(f"{k:>20}: {v / a.steps * 1e3:8.3f} ms/step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.execute(step)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
