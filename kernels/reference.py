@@ -86,3 +86,52 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
     return out
+
+
+# --- decode hot path: RMSNorm, rotary embedding, SiLU-gated MLP activation -------------------
+# These repeat services/worker/model.py's CPU math operation for operation, rounding to the
+# activation dtype where it does (tests check both agree exactly), so a fused kernel that
+# computes in float32 but rounds at the same points is compared against the HF-exact path.
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) with the normalisation in float32 and cast back before scaling (as HF)."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to the activation dtype."""
+    new_residual = x + residual
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hkv, D]; cos/sin caches [max_pos, D/2].
+
+    Out of place; equals HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+    """
+    cos = cos_cache[positions].unsqueeze(1)
+    sin = sin_cache[positions].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] of shape [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -8,8 +8,10 @@ and normalises in one step, so a stage boundary only has to pass that pair along
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +48,47 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+@functools.cache
+def _fused_kernels() -> SimpleNamespace:
+    # Imported on first use, not with this module: CPU-only installs may lack triton, and
+    # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
+    from kernels.activation import silu_and_mul
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import rotary_embedding_
+
+    return SimpleNamespace(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
+                           rotary_embedding_=rotary_embedding_, silu_and_mul=silu_and_mul)
+
+
+class FusedKernelSwitch:
+    """Mixin: run the fused Triton kernels on CUDA tensors, the HF-exact torch code otherwise.
+
+    `fused_kernels` None (default) decides by device; True forces the kernels (on CPU too, under
+    TRITON_INTERPRET=1 in tests), False forces the torch path. See set_fused_kernels.
+    """
+
+    fused_kernels: bool | None = None
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.fused_kernels is None else self.fused_kernels
+
+
+def set_fused_kernels(model: nn.Module, enabled: bool | None) -> None:
+    """Force the fused kernels on (True) or off (False) in every module of `model`; None: by device."""
+    for module in model.modules():
+        if isinstance(module, FusedKernelSwitch):
+            module.fused_kernels = enabled
+
+
+class RMSNorm(FusedKernelSwitch, nn.Module):
     def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
         super().__init__()
         self.weight = _empty_param(hidden_size, device=device, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_fused(x):
+            return _fused_kernels().rms_norm(x, self.weight, self.eps)
         # As HF: normalise in float32, cast back, then scale.
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
@@ -63,6 +99,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual <- x + residual; return (norm(residual), residual)."""
+        if residual is not None and self._use_fused(x):
+            return _fused_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x if residual is None else x + residual
         return self(residual), residual
 
@@ -91,7 +129,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FusedKernelSwitch, nn.Module):
     """Rotate-half (GPT-NeoX) RoPE with cos/sin tables precomputed for every position."""
 
     def __init__(self, config: ModelConfig, device, dtype) -> None:
@@ -106,7 +144,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated by their token positions [T]."""
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token positions [T].
+
+        The fused kernel rotates q and k in place (they are views of the fresh qkv projection)
+        and returns them; the torch path returns new tensors.
+        """
+        if self._use_fused(q):
+            _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -154,7 +199,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(FusedKernelSwitch, nn.Module):
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -164,6 +209,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_fused(x):
+            return self.down_proj(_fused_kernels().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

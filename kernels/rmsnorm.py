@@ -1,0 +1,98 @@
+"""RMSNorm, optionally fused with the residual add before it: one Triton program per token row.
+
+The unfused torch path (HF's math) costs ~6 kernels per norm: to(float32), pow, mean, rsqrt,
+mul, to(dtype), mul by the weight, plus the residual add. Here a row is read once, the sum of
+squares is accumulated in float32, and the results are rounded to the activation dtype at the
+same points as the torch path (the residual sum, the normalised row, the weighted output), so
+the two agree to float32 rounding of the reduction.
+
+No host synchronisation and a launch shape that only depends on the number of rows: safe to
+capture in a CUDA graph for any (padded) batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
+
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        # The torch path adds in the activation dtype: round the sum the same way.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / HIDDEN
+    # HF casts the normalised row back to the input dtype before scaling by the weight.
+    normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    assert x.dim() == 2, f"expected [T, hidden], got {tuple(x.shape)}"
+    num_rows, hidden = x.shape
+    assert weight.shape == (hidden,) and weight.stride(0) == 1, (weight.shape, hidden)
+    assert x.stride(-1) == 1, "rows must be contiguous"
+    # weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output).
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    residual_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        assert residual.stride(-1) == 1, "rows must be contiguous"
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    # ~16 elements per thread: 4 warps for hidden 2048, 16 for 8192.
+    num_warps = min(16, max(1, block // 512))
+    add = residual is not None
+    _rms_norm_kernel[(num_rows,)](
+        x, residual if add else x, weight, out, residual_out if add else out,
+        x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
+        eps,
+        HIDDEN=hidden,
+        BLOCK=block,
+        ADD_RESIDUAL=add,
+        num_warps=num_warps,
+    )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rms_normalise(x) for x [T, hidden]; float32 statistics, output in x's dtype."""
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; x and residual are left untouched."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,127 @@
+"""Rotate-half (GPT-NeoX / HF Llama) rotary embedding of queries and keys, in place, one kernel.
+
+The torch path indexes the cos/sin tables by position (2 gathers), then per tensor slices,
+multiplies, adds and concatenates (~8 kernels for q and k). Here one program per token loads its
+position's cos/sin row once and rotates every query and key head of that token where they lie,
+typically strided views of the fused qkv projection, so nothing is allocated.
+
+Each product and sum is rounded to the activation dtype as the torch ops do: with bf16 inputs the
+result equals the torch path bit for bit (products of two bf16 values are exact in float32).
+No host synchronisation: capturable in a CUDA graph for any (padded) token count. Positions are
+clamped into the table, so a padding token holding a stale or garbage position never reads out of
+bounds (the torch path would raise instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import rotary_embedding_reference
+
+__all__ = ["rotary_embedding_", "rotary_embedding_reference"]
+
+
+@triton.jit
+def _rotate_heads(
+    base_ptr,
+    stride_head,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    """(x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin) for the halves of every head of one token."""
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HALF_PADDED)
+    mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
+    first_ptrs = base_ptr + heads[:, None] * stride_head + dims[None, :]
+    x1 = tl.load(first_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    x1_cos = (x1 * cos).to(dtype).to(tl.float32)
+    x2_sin = (x2 * sin).to(dtype).to(tl.float32)
+    x2_cos = (x2 * cos).to(dtype).to(tl.float32)
+    x1_sin = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first_ptrs, (x1_cos - x2_sin).to(dtype), mask=mask)
+    tl.store(first_ptrs + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    query_ptr,
+    key_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_query_t,
+    stride_query_h,
+    stride_key_t,
+    stride_key_h,
+    stride_cos,
+    stride_sin,
+    num_positions,
+    NUM_Q_HEADS: tl.constexpr,
+    Q_HEADS_PADDED: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    position = tl.minimum(tl.maximum(position, 0), num_positions - 1)
+    dims = tl.arange(0, HALF_PADDED)
+    dim_mask = dims < HALF
+    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + position * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(query_ptr + token * stride_query_t, stride_query_h, cos, sin,
+                  NUM_Q_HEADS, Q_HEADS_PADDED, HALF, HALF_PADDED)
+    _rotate_heads(key_ptr + token * stride_key_t, stride_key_h, cos, sin,
+                  NUM_KV_HEADS, KV_HEADS_PADDED, HALF, HALF_PADDED)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by positions [T] (int32/int64).
+
+    cos_cache / sin_cache: [max_pos, D/2] in the activation dtype. query and key may be strided
+    views (e.g. of one fused qkv tensor) but must not overlap; the last dim must be contiguous.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    half = head_dim // 2
+    assert head_dim % 2 == 0 and key.shape == (num_tokens, num_kv_heads, head_dim), (query.shape, key.shape)
+    assert positions.shape == (num_tokens,), positions.shape
+    assert cos_cache.shape[1] == half and sin_cache.shape == cos_cache.shape, (cos_cache.shape, sin_cache.shape)
+    assert query.dtype == key.dtype, (query.dtype, key.dtype)
+    assert query.stride(-1) == 1 and key.stride(-1) == 1, "head dims must be contiguous"
+    assert cos_cache.stride(-1) == 1 and sin_cache.stride(-1) == 1
+    if num_tokens == 0:
+        return
+    q_heads_padded = triton.next_power_of_2(num_q_heads)
+    half_padded = triton.next_power_of_2(half)
+    # ~8 query elements per thread: 4 warps for 32 heads of 64, 8 for 64 heads of 128.
+    num_warps = min(8, max(1, q_heads_padded * half_padded // 256))
+    _rotary_kernel[(num_tokens,)](
+        positions, query, key, cos_cache, sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0],
+        NUM_Q_HEADS=num_q_heads,
+        Q_HEADS_PADDED=q_heads_padded,
+        NUM_KV_HEADS=num_kv_heads,
+        KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HALF=half,
+        HALF_PADDED=half_padded,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,362 @@
+"""Fused decode-path kernels (RMSNorm + residual add, rotary embedding, SiLU-and-mul) on CPU.
+
+As in tests/test_kernels.py, triton.jit reads TRITON_INTERPRET when a kernel is defined, so this
+process only runs what needs no interpreter (the torch references against the model's HF-exact
+CPU modules, the CPU path never touching Triton, and an sm_90 compile of every kernel without a
+GPU) and re-runs this file with TRITON_INTERPRET=1 in a fresh process, where the kernels are
+compared with their references and a whole shard forward runs through them.
+To debug one case directly:  TRITON_INTERPRET=1 python -m pytest tests/test_fused_kernels.py -k rotary
+
+The interpreter computes bfloat16 wrongly: float32 and float16 here, bf16 in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.reference import (
+    fused_add_rms_norm_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    silu_and_mul_reference,
+)
+from services.worker import model as model_module
+from services.worker.attention import allocate_kv_cache
+from services.worker.input_batch import SequenceChunk, build_step_inputs
+from services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
+from services.worker.model_config import ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KERNEL_MODULES = ("kernels.rmsnorm", "kernels.rotary", "kernels.activation")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """Llama with llama3 RoPE scaling by default; head counts that are not powers of two."""
+    fields = dict(
+        architecture="LlamaForCausalLM", hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, intermediate_size=160, vocab_size=97, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16),
+        max_position_embeddings=128,
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def random_shard(config: ModelConfig, dtype=torch.float32) -> CausalLMShard:
+    """A whole-model shard with large random weights (and norm weights that are not all ones)."""
+    shard = CausalLMShard(config, 0, config.num_hidden_layers, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in shard.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    return shard.eval()
+
+
+def _interpreted(module_name: str) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = sys.modules[module_name]
+    return all(isinstance(value, InterpretedFunction) for name, value in vars(module).items()
+               if name.startswith("_") and name.endswith("_kernel"))
+
+
+def _can_run_interpreted_here() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return all(name not in sys.modules or _interpreted(name) for name in KERNEL_MODULES)
+
+
+if not _can_run_interpreted_here():
+
+    def test_fused_kernels_under_triton_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-x", "-p", "no:cacheprovider"],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )
+        output = proc.stdout + proc.stderr
+        print(output[-3000:])
+        assert proc.returncode == 0, output[-20000:]
+        assert " passed" in output and " failed" not in output
+
+    # --- the references are the model's CPU math, exactly -------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_norm_references_equal_model_rmsnorm(dtype):
+        gen = torch.Generator().manual_seed(1)
+        norm = RMSNorm(96, 1e-5, "cpu", dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(96, generator=gen) + 0.5)
+        x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+        residual = torch.randn(7, 96, generator=gen).to(dtype)
+        assert torch.equal(norm(x), rms_norm_reference(x, norm.weight, 1e-5))
+        got, got_residual = norm.add_and_norm(x, residual)
+        want, want_residual = fused_add_rms_norm_reference(x, residual, norm.weight, 1e-5)
+        assert torch.equal(got, want) and torch.equal(got_residual, want_residual)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_rotary_reference_equals_model_rotary(dtype):
+        rotary = RotaryEmbedding(tiny_config(), "cpu", dtype)
+        gen = torch.Generator().manual_seed(2)
+        q = torch.randn(5, 6, 16, generator=gen).to(dtype)
+        k = torch.randn(5, 2, 16, generator=gen).to(dtype)
+        positions = torch.tensor([0, 3, 17, 127, 64])
+        got_q, got_k = rotary(positions, q, k)
+        want_q, want_k = rotary_embedding_reference(positions, q, k, rotary.cos, rotary.sin)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        assert not torch.equal(got_q[1:], q[1:])  # the rotation did something (position 0 is identity)
+
+    def test_silu_and_mul_reference_equals_model_mlp_activation():
+        """The reference's [gate | up] order is the MLP's fused gate_up layout."""
+        config = tiny_config()
+        mlp = MLP(config, "cpu", torch.float32)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for param in mlp.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+        x = torch.randn(4, config.hidden_size, generator=gen)
+        want = mlp.down_proj(silu_and_mul_reference(mlp.gate_up_proj(x)))
+        assert torch.equal(mlp(x), want)
+        swapped = mlp.down_proj(silu_and_mul_reference(mlp.gate_up_proj(x).roll(160, dims=-1)))
+        assert not torch.allclose(mlp(x), swapped)
+
+    def test_cpu_forward_never_touches_triton(monkeypatch):
+        """By default the CPU path is the unchanged torch code: the kernels are not even imported."""
+        def no_kernels():
+            raise AssertionError("fused kernels used on CPU")
+
+        monkeypatch.setattr(model_module, "_fused_kernels", no_kernels)
+        shard = random_shard(tiny_config())
+        inputs = build_step_inputs([SequenceChunk([5, 9, 11], 0, [0])], block_size=4)
+        caches = allocate_kv_cache(2, 4, 4, 2, 16, torch.float32, "cpu")
+        hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
+        assert torch.isfinite(shard.compute_logits(hidden, residual)).all()
+
+    # --- compiled for an H100 without a GPU -----------------------------------------------------
+
+    def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
+        """triton.compile for sm_90 with Llama-like constants; returns (registers, spill bytes)."""
+        import re
+        import tempfile
+
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        names = kernel.arg_names
+        full_signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
+                          for name in names}
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+                 if name.endswith("_ptr") or (name.startswith("stride") and name in full_signature)}
+        source = ASTSource(kernel, full_signature, attrs=attrs,
+                           constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
+            handle.write(compiled.asm["ptx"])
+        try:
+            stats = subprocess.run([ptxas, "-arch=sm_90a", "-v", handle.name, "-o", os.devnull],
+                                   capture_output=True, text=True, check=True).stderr
+        finally:
+            os.unlink(handle.name)
+        return (int(re.search(r"Used (\d+) registers", stats).group(1)),
+                int(re.search(r"(\d+) bytes spill stores", stats).group(1)))
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_fused_kernels_compile_for_sm90_without_spills(dtype):
+        assert os.environ.get("TRITON_INTERPRET") != "1"
+        from kernels import activation, rmsnorm, rotary
+
+        assert not any(_interpreted(name) for name in KERNEL_MODULES)
+        data = "*" + dtype
+        for hidden, num_warps in [(2048, 4), (8192, 16), (3584, 8)]:  # Llama 1B, 70B; Qwen2 7B
+            for add in (True, False):
+                regs, spills = _compile_sm90(
+                    rmsnorm._rms_norm_kernel,
+                    dict(x_ptr=data, residual_ptr=data, weight_ptr=data, out_ptr=data, residual_out_ptr=data,
+                         eps="fp32"),
+                    dict(HIDDEN=hidden, BLOCK=1 << (hidden - 1).bit_length(), ADD_RESIDUAL=add), num_warps)
+                assert spills == 0, (hidden, add, regs, spills)
+        for heads, kv_heads, head_dim, num_warps in [(32, 8, 64, 4), (64, 8, 128, 8), (28, 4, 128, 8)]:
+            regs, spills = _compile_sm90(
+                rotary._rotary_kernel,
+                dict(positions_ptr="*i64", query_ptr=data, key_ptr=data, cos_ptr=data, sin_ptr=data),
+                dict(NUM_Q_HEADS=heads, Q_HEADS_PADDED=1 << (heads - 1).bit_length(), NUM_KV_HEADS=kv_heads,
+                     KV_HEADS_PADDED=kv_heads, HALF=head_dim // 2, HALF_PADDED=head_dim // 2), num_warps)
+            assert spills == 0, (heads, head_dim, regs, spills)
+        regs, spills = _compile_sm90(activation._silu_and_mul_kernel,
+                                     dict(gate_up_ptr=data, out_ptr=data),
+                                     dict(INTERMEDIATE=8192, BLOCK=1024), 4)
+        assert spills == 0, (regs, spills)
+
+else:
+    from kernels.activation import silu_and_mul
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import rotary_embedding_
+
+    TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=2e-3)}
+
+    def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+        if dtype == torch.float16:
+            # Rounding at the same points as torch: all but a rare last-bit flip are identical.
+            same = (got == want).float().mean().item()
+            assert same > 0.99, f"only {same:.1%} bit-identical to the reference"
+
+    # --- RMSNorm ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("hidden", [64, 96, 2048])
+    @pytest.mark.parametrize("num_rows", [1, 7])
+    def test_fused_add_rms_norm_matches_reference(dtype, hidden, num_rows):
+        gen = torch.Generator().manual_seed(hidden + num_rows)
+        # x is a strided view (every other row of a wider tensor), like a gathered slice.
+        x_storage = (torch.randn(num_rows, 2, hidden + 8, generator=gen) * 4).to(dtype)
+        x = x_storage[:, 1, :hidden]
+        residual = torch.randn(num_rows, hidden, generator=gen).to(dtype)
+        weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        x_before, residual_before = x.clone(), residual.clone()
+        normed, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+        want_normed, want_residual = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
+        assert torch.equal(new_residual, want_residual)  # the add is rounded exactly as torch's
+        assert_matches(normed, want_normed, dtype)
+        assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("hidden", [64, 200])
+    def test_rms_norm_matches_reference(dtype, hidden):
+        gen = torch.Generator().manual_seed(hidden)
+        x = (torch.randn(5, hidden, generator=gen) * 3 + 1).to(dtype)
+        weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        got = rms_norm(x, weight, 1e-6)
+        assert_matches(got, rms_norm_reference(x, weight, 1e-6), dtype)
+        # Rows really are normalised: mean square of got / weight is ~1 per row.
+        mean_square = (got.float() / weight.float()).pow(2).mean(-1)
+        torch.testing.assert_close(mean_square, torch.ones(5), atol=1e-2, rtol=0)
+
+    def test_rms_norm_float32_weight_promotes_like_torch():
+        x = torch.randn(3, 64).to(torch.float16)
+        weight = torch.rand(64) + 0.5
+        got = rms_norm(x, weight, 1e-6)
+        want = rms_norm_reference(x, weight, 1e-6)
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    def test_zero_rows():
+        x = torch.empty(0, 64)
+        normed, residual = fused_add_rms_norm(x, x.clone(), torch.ones(64), 1e-6)
+        assert normed.shape == residual.shape == (0, 64)
+        assert silu_and_mul(torch.empty(0, 32)).shape == (0, 16)
+        rotary_embedding_(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
+                          torch.ones(4, 4), torch.zeros(4, 4))
+
+    # --- rotary -------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 64), (1, 1, 128), (5, 5, 12)])
+    @pytest.mark.parametrize("positions_dtype", [torch.int64, torch.int32])
+    def test_rotary_in_place_on_fused_qkv_views(dtype, num_q_heads, num_kv_heads, head_dim, positions_dtype):
+        gen = torch.Generator().manual_seed(num_q_heads * head_dim)
+        num_tokens, max_pos, half = 9, 300, head_dim // 2
+        q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, num_q_heads, head_dim)
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        angles = torch.rand(max_pos, half, generator=gen) * 6.3
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(positions_dtype)
+        positions[0] = max_pos - 1
+        want_q, want_k = rotary_embedding_reference(positions.long(), q, k, cos, sin)
+        v_before = v.clone()
+        rotary_embedding_(positions, q, k, cos, sin)
+        assert torch.equal(v, v_before), "wrote into the value part of qkv"
+        if dtype == torch.float16:  # same rounding points as the torch ops: bit-identical
+            assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        else:
+            assert_matches(q, want_q, dtype)
+            assert_matches(k, want_k, dtype)
+
+    def test_rotary_with_model_tables_and_garbage_padding_positions():
+        """The model's [max_pos, D/2] tables; padding tokens with out-of-table positions are clamped."""
+        config = tiny_config()
+        rotary = RotaryEmbedding(config, "cpu", torch.float32)
+        gen = torch.Generator().manual_seed(5)
+        q = torch.randn(7, 6, 16, generator=gen)
+        k = torch.randn(7, 2, 16, generator=gen)
+        positions = torch.tensor([3, 50, 127, 9, 0, -5, 10**6])
+        clamped = positions.clamp(0, config.max_position_embeddings - 1)
+        want_q, want_k = rotary_embedding_reference(clamped, q, k, rotary.cos, rotary.sin)
+        rotary_embedding_(positions, q, k, rotary.cos, rotary.sin)
+        assert_matches(q, want_q, torch.float32)
+        assert_matches(k, want_k, torch.float32)
+
+    # --- SiLU and mul -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("intermediate", [128, 300, 1500])
+    def test_silu_and_mul_matches_reference(dtype, intermediate):
+        gen = torch.Generator().manual_seed(intermediate)
+        storage = (torch.randn(4, 2 * intermediate + 16, generator=gen) * 4).to(dtype)
+        gate_up = storage[:, 16:]  # strided rows
+        want = silu_and_mul_reference(gate_up)
+        assert_matches(silu_and_mul(gate_up), want, dtype)
+        out_storage = torch.full((4, intermediate + 3), 7.0, dtype=dtype)
+        out = out_storage[:, :intermediate]
+        assert silu_and_mul(gate_up, out=out).data_ptr() == out.data_ptr()
+        assert_matches(out, want, dtype)
+        assert torch.all(out_storage[:, intermediate:] == 7.0), "wrote outside the out view"
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(200) = inf is the point
+    def test_silu_saturates_without_nan():
+        gate_up = torch.tensor([[-200.0, 100.0, 0.0, 3.0, 2.0, -1.5]])
+        got = silu_and_mul(gate_up)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, silu_and_mul_reference(gate_up))
+
+    # --- a whole shard through the kernels ----------------------------------------------------
+
+    @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+    def test_shard_forward_with_fused_kernels_matches_torch_path(arch, monkeypatch):
+        """Prefill then decode over a paged cache, fused (forced on CPU) vs the HF-exact torch path."""
+        config = tiny_config() if arch == "llama" else tiny_config(
+            architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True, rope_scaling=None)
+        shard = random_shard(config)
+        calls = {}
+        kernels = model_module._fused_kernels()
+        for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding_", "silu_and_mul"):
+            def counted(*args, _fn=getattr(kernels, name), _name=name, **kwargs):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _fn(*args, **kwargs)
+            monkeypatch.setattr(kernels, name, counted)
+
+        steps = [
+            [SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
+            [SequenceChunk([4], 5, [2, 0]), SequenceChunk([8], 3, [1, 3])],
+        ]
+        results = {}
+        for fused in (False, True):
+            set_fused_kernels(shard, fused)
+            caches = allocate_kv_cache(config.num_hidden_layers, 4, 4, config.num_key_value_heads,
+                                       config.head_dim, torch.float32, "cpu")
+            outputs = []
+            for chunks in steps:
+                inputs = build_step_inputs(chunks, block_size=4)
+                hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
+                logits = shard.compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
+                outputs += [hidden, residual, logits]
+            results[fused] = outputs + [caches[-1]]
+        # Per step: the first input norm has no residual, then 3 add+norms in the layers, 1 final.
+        assert calls == {"rms_norm": 2, "fused_add_rms_norm": 8, "rotary_embedding_": 4, "silu_and_mul": 4}
+        for got, want in zip(results[True], results[False]):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
