@@ -29,9 +29,9 @@ def main() -> None:
     runner = load_runner(args, a.batch, a.context_len)
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
                                a.temperature, 0)
-    runner.execute(admit)
+    runner.execute(admit).finish()
     for _ in range(5):
-        runner.execute(step)
+        runner.execute(step).finish()
     torch.cuda.synchronize()
     phases = {"apply_state": 0.0, "host_inputs": 0.0, "execute(total)": 0.0}
     for _ in range(a.steps):
@@ -40,7 +40,7 @@ def main() -> None:
         t1 = time.perf_counter()
         runner.host_inputs(step, rows)
         t2 = time.perf_counter()
-        runner.execute(step)
+        runner.execute(step).finish()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         phases["apply_state"] += t1 - t0
@@ -51,7 +51,7 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner.execute(step)
+            runner.execute(step).finish()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 

@@ -125,15 +125,15 @@ def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: i
 
     admit, step = decode_plans(batch, context_len, runner.block_size, runner.config.vocab_size, temperature, seed)
     cuda = runner.device.type == "cuda"
-    runner.execute(admit)
+    runner.execute(admit).finish()
     for _ in range(warmup):
-        runner.execute(step)
+        runner.execute(step).finish()
     if cuda:
         torch.cuda.synchronize(runner.device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        result = runner.execute(step)
+        result = runner.execute(step).finish()
         if cuda:
             torch.cuda.synchronize(runner.device)
         times.append(time.perf_counter() - t0)

@@ -87,6 +87,8 @@ class Engine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
             cache_salt=desc.model_fingerprint,
+            # With one stage the worker that samples also embeds: it can fill in the token itself.
+            decode_lookahead=self.pipeline.num_stages == 1,
         )
         self._ready.set()
 
@@ -259,4 +261,6 @@ class Engine:
             finished_requests=s.get("finished_requests", 0),
             gpu_idle_fraction=1.0 - min(busy / wall, 1.0),
             pipeline_stages=self.pipeline.num_stages,
+            lookahead_decodes=s.get("lookahead_decodes", 0),
+            busy_seconds=busy,
         )

@@ -23,6 +23,8 @@ _FIELDS = {
     "preemptions": "requests preempted for recompute",
     "finished_requests": "requests finished",
     "gpu_idle_fraction": "share of wall time with no plan executing",
+    "lookahead_decodes": "decodes scheduled before their input token came back (one stage)",
+    "busy_seconds": "wall time with at least one plan executing",
 }
 
 

@@ -61,7 +61,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_hashed_blocks: int = 0  # leading table entries already offered to the prefix cache
     num_synced_blocks: int = 0  # leading table entries the workers already hold
-    in_flight: bool = False  # part of a plan whose result has not come back
+    in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
+    pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1
     num_computed_at_step_start: int = 0  # num_computed_tokens before its latest scheduled step
     last_copy_step: int = -1  # latest step that copied one of its blocks on write

@@ -16,6 +16,7 @@ from typing import Any
 from services.scheduler.block_manager import KVBlockManager, cdiv
 from services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from services.scheduler.request import Request, RequestStatus
+from strata.protocol import PLACEHOLDER_TOKEN
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
 
@@ -34,7 +35,10 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         cache_salt: str = "",
+        decode_lookahead: bool = False,
     ) -> None:
+        self.decode_lookahead = decode_lookahead
+        self._lookaheads = 0
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
         if num_blocks * block_size < max_model_len:
@@ -131,6 +135,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.in_flight:
+                if self._can_look_ahead(req) and self.block_manager.blocks_needed(
+                        req, req.num_computed_tokens + 1) <= self.block_manager.num_free_blocks:
+                    self._schedule_seq(req, req.num_computed_tokens + 1, 0, step_id, seqs, copies, lookahead=True)
+                    self._lookaheads += 1
+                    budget -= 1
                 i += 1
                 continue
             num_new, num_draft = self._tokens_to_compute(req, budget)
@@ -174,6 +183,21 @@ class Scheduler:
         self._next_step_id += 1
         self._steps += 1
         return plan
+
+    def _can_look_ahead(self, req: Request) -> bool:
+        """Decode lookahead (one pipeline stage): schedule the next decode of a request whose
+        previous plan is still in flight and will sample exactly one token for it. Its input
+        token goes out as PLACEHOLDER_TOKEN; the worker, which sampled it, fills it in on the
+        device, so the GPU never waits for the scheduler. Only when that step cannot end the
+        request by length (a stop token may still end it: the extra step is then dropped)."""
+        return (
+            self.decode_lookahead
+            and req.in_flight == 1
+            and req.pending_sample
+            and req.num_computed_tokens == req.num_tokens
+            and len(req.output_token_ids) + 2 <= req.max_tokens
+            and req.num_tokens + 2 <= self.max_model_len
+        )
 
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens to compute this step including drafts, drafts) for a running request."""
@@ -289,6 +313,7 @@ class Scheduler:
         step_id: int,
         seqs: list[ScheduledSeq],
         copies: list[tuple[int, int]],
+        lookahead: bool = False,
     ) -> None:
         bm = self.block_manager
         start = req.num_computed_tokens
@@ -297,8 +322,9 @@ class Scheduler:
             copies.append(copy)
             req.last_copy_step = step_id
         confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
-        bm.register_full_blocks(req, confirmed_end)
-        tokens = req.token_slice(start, confirmed_end)
+        # A lookahead's input token is not known here yet: hash only blocks of known tokens.
+        bm.register_full_blocks(req, min(confirmed_end, req.num_tokens))
+        tokens = [PLACEHOLDER_TOKEN] if lookahead else req.token_slice(start, confirmed_end)
         if num_draft:
             tokens.extend(req.draft_token_ids[:num_draft])
         req.draft_token_ids = []
@@ -312,19 +338,20 @@ class Scheduler:
                 input_token_ids=tokens,
                 table_keep=keep,
                 table_append=req.block_ids[keep:],
-                sample=confirmed_end == req.num_tokens,
+                sample=lookahead or confirmed_end == req.num_tokens,
                 num_draft=num_draft,
             )
         )
+        req.pending_sample = seqs[-1].sample and not num_draft
         req.num_synced_blocks = len(req.block_ids)
         req.num_computed_at_step_start = start
         req.num_computed_tokens = end
-        req.in_flight = True
+        req.in_flight += 1
         req.last_scheduled_step = step_id
         self._num_in_flight += 1
         # Prefill: context (re)computed up to the last known token; decode: that token + drafts.
         prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
-        prefill = max(0, min(confirmed_end, prefill_end) - start)
+        prefill = 0 if lookahead else max(0, min(confirmed_end, prefill_end) - start)
         self._prefill_tokens += prefill
         self._decode_tokens += end - start - prefill
 
@@ -362,7 +389,7 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         for s in live:
             req = s.request
-            req.in_flight = False
+            req.in_flight -= 1
             self._num_in_flight -= 1
             if not s.sample:
                 continue
@@ -408,9 +435,8 @@ class Scheduler:
             self.block_manager.free(req)
             self._release_seq(req)
             self._remove_running(req)
-            if req.in_flight:
-                req.in_flight = False
-                self._num_in_flight -= 1
+            self._num_in_flight -= req.in_flight
+            req.in_flight = 0
         req.status = status
         req.draft_token_ids = []
         del self._requests[req.request_id]
@@ -441,6 +467,7 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "in_flight": self._num_in_flight,
+            "lookahead_decodes": self._lookaheads,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefill_tokens_computed": self._prefill_tokens,

@@ -80,7 +80,7 @@ class DecodeGraphs:
 
     def run(self, bs: int, input_ids: np.ndarray | None, positions: np.ndarray, slot_mapping: np.ndarray,
             seq_lens: np.ndarray, block_tables: np.ndarray, hidden: torch.Tensor | None,
-            residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            residual: torch.Tensor | None, resolve=None) -> tuple[torch.Tensor, ...]:
         n, width = block_tables.shape
         h = self.host_i64
         h[0, :n] = torch.from_numpy(positions)
@@ -95,6 +95,8 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(h[1, :bs], non_blocking=True)
         if input_ids is not None:
             self.input_ids[:bs].copy_(h[2, :bs], non_blocking=True)
+            if resolve is not None:
+                self.input_ids[:n] = resolve(self.input_ids[:n])
         self.seq_lens[:bs].copy_(self.host_seq_lens[:bs], non_blocking=True)
         self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         if hidden is not None:

@@ -14,6 +14,7 @@ import torch
 
 from services.worker.attention import AttentionMetadata, allocate_kv_cache
 from services.worker.sampler import Sampler, SamplingTensors
+from strata.protocol import PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
 
@@ -24,6 +25,8 @@ class PlanError(ValueError):
 @dataclass
 class HostInputs:
     input_ids: np.ndarray | None  # [T] on the first stage
+    rows: np.ndarray  # [B] state row of each scheduled sequence
+    has_placeholders: bool  # some input tokens are the sequence's last sampled one, on the device
     positions: np.ndarray  # [T]
     query_start_loc: np.ndarray  # [B+1]
     seq_lens: np.ndarray  # [B]
@@ -117,6 +120,7 @@ class ModelRunner:
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
+        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------ cache
 
@@ -185,12 +189,21 @@ class ModelRunner:
             input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         return HostInputs(
-            input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+            input_ids=input_ids, rows=rows,
+            has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()), positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             block_tables=self.table.block_tables[rows, : int(needed_blocks.max())],
             max_query_len=int(q_lens.max()),
             sample_rows=rows[sample_idx], sample_token_index=qsl[1:][sample_idx] - 1,
             sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx])
+
+    def _resolve_placeholders(self, input_ids: torch.Tensor, h: HostInputs) -> torch.Tensor:
+        """Decode lookahead: a plan sent before the previous step's token reached the scheduler
+        carries PLACEHOLDER_TOKEN; that token is still here, on the device."""
+        if not h.has_placeholders:
+            return input_ids
+        rows = torch.from_numpy(np.repeat(h.rows, h.query_start_loc[1:] - h.query_start_loc[:-1])).to(self.device)
+        return torch.where(input_ids < 0, self.last_sampled[rows], input_ids)
 
     def device_meta(self, h: HostInputs) -> AttentionMetadata:
         dev = self.device
@@ -211,7 +224,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None):
-        """Runs one step. Returns (hidden, residual) on a middle stage, a StepResult on the last."""
+        """Launches one step. Returns (hidden, residual) on a middle stage, a PendingResult on the last."""
         start = time.perf_counter()
         rows = self.apply_state(plan)
         h = self.host_inputs(plan, rows)
@@ -219,14 +232,17 @@ class ModelRunner:
         bs = self.graphs.padded_size(n) if self.graphs and h.max_query_len == 1 else None
         if bs is not None:  # decode-only: replay a captured graph
             outs = self.graphs.run(bs, h.input_ids, h.positions, h.slot_mapping, h.seq_lens.astype(np.int32),
-                                   h.block_tables, hidden, residual)
+                                   h.block_tables, hidden, residual,
+                                   resolve=lambda ids: self._resolve_placeholders(ids, h))
             if not self.is_last:
                 return outs
             # Every decode token is its sequence's last: the sampled rows index the logits directly.
             logits = outs[0][torch.from_numpy(h.sample_token_index).to(self.device)] \
                 if len(h.sample_seq_ids) != n else outs[0]
         else:
-            input_ids = torch.from_numpy(h.input_ids).to(self.device) if h.input_ids is not None else None
+            input_ids = None
+            if h.input_ids is not None:
+                input_ids = self._resolve_placeholders(torch.from_numpy(h.input_ids).to(self.device), h)
             hidden, residual = self.shard.forward(
                 input_ids, torch.from_numpy(h.positions).to(self.device), hidden, residual, self.kv_caches,
                 self.device_meta(h))
@@ -236,13 +252,11 @@ class ModelRunner:
             if h.sample_seq_ids:
                 idx = torch.from_numpy(h.sample_token_index).to(self.device)
                 logits = self.shard.compute_logits(hidden[idx], residual[idx])
-        result = engine_pb2.StepResult(step_id=plan.step_id)
-        if h.sample_seq_ids:
-            self._sample(logits, h, result)
-        result.execute_seconds = time.perf_counter() - start
-        return result
+        if not h.sample_seq_ids:
+            return PendingResult(plan.step_id, start, [], np.zeros(0), [None])
+        return self._sample(logits, h, plan.step_id, start)
 
-    def _sample(self, logits: torch.Tensor, inputs: HostInputs, result: engine_pb2.StepResult) -> None:
+    def _sample(self, logits: torch.Tensor, inputs: HostInputs, step_id: int, start: float) -> "PendingResult":
         t, r = self.table, inputs.sample_rows
         num_logprobs = int(t.logprobs[r].max())
         st = SamplingTensors.build(
@@ -250,19 +264,47 @@ class ModelRunner:
             seeds=t.seed[r], positions=inputs.sample_positions, num_logprobs=num_logprobs,
             device=logits.device)
         out = self.sampler(logits, st)
-        # The one host-device synchronisation of the step.
-        token_ids = out.token_ids.cpu().tolist()
-        n = len(token_ids)
-        result.seq_ids.extend(inputs.sample_seq_ids)
-        result.num_tokens.extend([1] * n)
-        result.token_ids.extend(token_ids)
+        # Kept on the device for the next plan's decode lookahead (placeholder input tokens).
+        self.last_sampled[torch.from_numpy(r).to(self.device)] = out.token_ids
+        tensors = [out.token_ids]
         if num_logprobs >= 0:
-            wanted = t.logprobs[r]
-            result.logprobs.extend(out.logprobs.cpu().tolist())
-            top_ids = out.top_ids.cpu().numpy() if out.top_ids is not None else np.zeros((n, 0), np.int64)
-            top_lps = out.top_logprobs.cpu().numpy() if out.top_logprobs is not None else np.zeros((n, 0), np.float32)
-            for i in range(n):  # per sampled sequence, only when logprobs were asked
-                k = max(int(wanted[i]), 0)
-                result.num_top.append(k)
-                result.top_token_ids.extend(top_ids[i, :k].tolist())
-                result.top_logprobs.extend(top_lps[i, :k].tolist())
+            tensors += [out.logprobs, out.top_ids, out.top_logprobs]
+        return PendingResult(step_id, start, inputs.sample_seq_ids, t.logprobs[r].copy(), tensors)
+
+
+class PendingResult:
+    """A step's sampled tokens on their way to the host. The copy is queued behind the step on
+    the GPU; finish() waits for it (the one host-device synchronisation of the step), so the
+    step thread can already launch the next plan."""
+
+    def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
+                 tensors: list[torch.Tensor | None]):
+        self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
+        self.host = [None if x is None else x.to("cpu", non_blocking=True) for x in tensors]
+        self.event = None
+        if tensors[0].is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def finish(self) -> engine_pb2.StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        result = engine_pb2.StepResult(step_id=self.step_id)
+        if self.seq_ids:
+            token_ids = self.host[0].tolist()
+            n = len(token_ids)
+            result.seq_ids.extend(self.seq_ids)
+            result.num_tokens.extend([1] * n)
+            result.token_ids.extend(token_ids)
+            if len(self.host) > 1:
+                _, logprobs, top_ids, top_lps = self.host
+                result.logprobs.extend(logprobs.tolist())
+                top_ids = top_ids.numpy() if top_ids is not None else np.zeros((n, 0), np.int64)
+                top_lps = top_lps.numpy() if top_lps is not None else np.zeros((n, 0), np.float32)
+                for i in range(n):  # per sampled sequence, only when logprobs were asked
+                    k = max(int(self.wanted[i]), 0)
+                    result.num_top.append(k)
+                    result.top_token_ids.extend(top_ids[i, :k].tolist())
+                    result.top_logprobs.extend(top_lps[i, :k].tolist())
+        result.execute_seconds = time.perf_counter() - self.start
+        return result

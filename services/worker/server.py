@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.grpc_util import aio_channel
 from strata.v1 import engine_pb2, engine_pb2_grpc
@@ -30,6 +30,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.description = description
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        # Waits for sampled tokens to reach the host while the step thread launches the next plan.
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
         self._activations: dict[int, asyncio.Future] = {}
         self._forward_queue: asyncio.Queue | None = None
         self._forward_task: asyncio.Task | None = None
@@ -135,15 +137,33 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def _run_plans(self, plans: asyncio.Queue, results: asyncio.Queue, session: int) -> None:
         loop = asyncio.get_running_loop()
+        pending: asyncio.Queue = asyncio.Queue()
+        finisher = asyncio.create_task(self._finish_results(pending, results))
         try:
             while (plan := await plans.get()) is not None:
                 if session != self._session:
                     break
-                await self._run_one(loop, plan, results)
+                await self._run_one(loop, plan, pending)
+        finally:
+            await pending.put(None)
+            await finisher
+
+    async def _finish_results(self, pending: asyncio.Queue, results: asyncio.Queue) -> None:
+        """Turns launched steps into StepResults, in step order."""
+        loop = asyncio.get_running_loop()
+        try:
+            while (item := await pending.get()) is not None:
+                if isinstance(item, PendingResult):
+                    try:
+                        item = await loop.run_in_executor(self.finisher, item.finish)
+                    except Exception as e:
+                        log.exception("step %d failed while fetching its result", item.step_id)
+                        item = engine_pb2.StepResult(step_id=item.step_id, error=f"{type(e).__name__}: {e}")
+                await results.put(item)
         finally:
             await results.put(None)
 
-    async def _run_one(self, loop, plan, results: asyncio.Queue) -> None:
+    async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
         runner = self.runner
         hidden = residual = None
         error = ""
@@ -163,7 +183,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
         if runner.is_last:
-            await results.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
+            await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
             return
         if error:
             msg = engine_pb2.Activations(step_id=plan.step_id, error=error)

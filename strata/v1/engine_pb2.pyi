@@ -54,7 +54,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages")
+    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class SchedulerStats(_message.Message):
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     GPU_IDLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_DECODES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     free_kv_blocks: int
     cached_kv_blocks: int
@@ -87,7 +89,9 @@ class SchedulerStats(_message.Message):
     finished_requests: int
     gpu_idle_fraction: float
     pipeline_stages: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ...) -> None: ...
+    lookahead_decodes: int
+    busy_seconds: float
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
