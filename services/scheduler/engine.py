@@ -10,7 +10,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.scheduler.pipeline import Pipeline, PipelineError
 from services.scheduler.plan_codec import plan_to_proto, split_result
@@ -38,11 +38,46 @@ class SchedulerConfig:
     reconnect_timeout: float = 120.0
 
 
-@dataclass
-class _Stream:
-    """Where the outputs of one request go."""
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prompt_tokens: int = 0
+class OutputStream:
+    """What one request has produced and its Submit call has not sent yet.
+
+    Outputs accumulate into one pending message and the sender is woken once: when the sender
+    is slower than the steps, several steps' tokens go out as one message, and a final_only
+    request sends a single message when it finishes."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.final_only = final_only
+        self.pending: engine_pb2.EngineOutput | None = None
+        self.failure: RequestFailed | None = None
+        self.ready = asyncio.Event()
+
+    def push(self, token_ids, logprobs, finish_reason: str = "", stop_reason: str = "",
+             cached_prompt_tokens: int = 0) -> None:
+        if self.pending is None:
+            self.pending = engine_pb2.EngineOutput(request_id=self.request_id, prompt_tokens=self.prompt_tokens)
+        out = self.pending
+        out.token_ids.extend(token_ids)
+        out.logprobs.extend(logprobs)
+        out.cached_prompt_tokens = cached_prompt_tokens
+        if finish_reason:
+            out.finish_reason, out.stop_reason = finish_reason, stop_reason
+        if finish_reason or not self.final_only:
+            self.ready.set()
+
+    def fail(self, failure: RequestFailed) -> None:
+        self.failure = failure
+        self.ready.set()
+
+    async def next(self) -> engine_pb2.EngineOutput:
+        """The next (merged) output; raises RequestFailed when the request failed."""
+        await self.ready.wait()
+        self.ready.clear()
+        if self.failure is not None:
+            raise self.failure
+        out, self.pending = self.pending, None
+        return out
 
 
 class Engine:
@@ -50,7 +85,7 @@ class Engine:
         self.pipeline = pipeline
         self.config = config
         self.scheduler: Scheduler | None = None
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, OutputStream] = {}
         self.in_flight: collections.deque = collections.deque()
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -102,7 +137,7 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    async def submit(self, request: Request) -> _Stream:
+    async def submit(self, request: Request, final_only: bool = False) -> OutputStream:
         if not self._ready.is_set():
             try:
                 await asyncio.wait_for(self._ready.wait(), self.config.reconnect_timeout)
@@ -110,7 +145,7 @@ class Engine:
                 raise RequestFailed("UNAVAILABLE", "the worker pipeline is not available") from None
         if request.request_id in self.streams:
             raise RequestFailed("ALREADY_EXISTS", f"request_id {request.request_id!r} is already running")
-        stream = _Stream(prompt_tokens=len(request.prompt_token_ids))
+        stream = OutputStream(request.request_id, len(request.prompt_token_ids), final_only)
         self.streams[request.request_id] = stream
         self.scheduler.add_request(request)
         self._wake.set()
@@ -123,7 +158,7 @@ class Engine:
             return False
         if self.scheduler is not None:
             self.scheduler.abort(request_id)
-        stream.queue.put_nowait(engine_pb2.EngineOutput(request_id=request_id, finish_reason="abort"))
+        stream.push((), (), finish_reason="abort")
         self._wake.set()
         return True
 
@@ -191,24 +226,18 @@ class Engine:
         stream = self.streams.get(req.request_id)
         if stream is None:
             return  # aborted while its step was in flight
-        out = engine_pb2.EngineOutput(
-            request_id=req.request_id,
-            token_ids=upd.new_token_ids,
-            finish_reason=upd.finish_reason if upd.finished else "",
-            stop_reason=str(upd.stop_reason) if upd.finished and upd.stop_reason is not None else "",
-            prompt_tokens=stream.prompt_tokens,
-            cached_prompt_tokens=req.num_cached_prompt_tokens,
-        )
-        if logprob_entries and req.logprobs >= 0:
-            out.logprobs.extend(logprob_entries[: len(upd.new_token_ids)])
-        stream.queue.put_nowait(out)
+        logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.logprobs >= 0 else ()
+        stream.push(upd.new_token_ids, logprobs,
+                    finish_reason=upd.finish_reason if upd.finished else "",
+                    stop_reason=str(upd.stop_reason) if upd.finished and upd.stop_reason is not None else "",
+                    cached_prompt_tokens=req.num_cached_prompt_tokens)
         if upd.finished:
             del self.streams[req.request_id]
 
     def _fail(self, request_id: str, code: str, message: str) -> None:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            stream.queue.put_nowait(RequestFailed(code, message))
+            stream.fail(RequestFailed(code, message))
         if self.scheduler is not None:
             self.scheduler.abort(request_id)
 

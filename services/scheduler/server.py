@@ -65,16 +65,17 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            stream = await self.engine.submit(req)
+            stream = await self.engine.submit(req, final_only=request.final_only)
         except RequestFailed as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         finished = False
         try:
             while True:
-                out = await stream.queue.get()
-                if isinstance(out, RequestFailed):
+                try:
+                    out = await stream.next()
+                except RequestFailed as e:
                     finished = True
-                    await context.abort(getattr(grpc.StatusCode, out.code), out.message)
+                    await context.abort(getattr(grpc.StatusCode, e.code), e.message)
                 yield out
                 if out.finish_reason:
                     finished = True

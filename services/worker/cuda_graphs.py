@@ -33,10 +33,11 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=dev)
         self.hidden_in = torch.zeros(self.max_batch, cfg.hidden_size, dtype=runner.dtype, device=dev)
         self.residual_in = torch.zeros_like(self.hidden_in)
-        # Pinned staging rows, so each step's inputs go up in a few asynchronous copies.
-        self.host_i64 = torch.zeros(3, self.max_batch, dtype=torch.long, pin_memory=True)
-        self.host_seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=True)
-        self.host_tables = torch.zeros(self.max_batch, width, dtype=torch.int32, pin_memory=True)
+        # Pinned staging, so each step's inputs go up in a few asynchronous copies. Two sets:
+        # the host fills one while the copies of the previous step may still wait in the stream
+        # (steps are launched ahead of the GPU), and an event guards each set before reuse.
+        self.staging = [_Staging(self.max_batch, width) for _ in range(2)]
+        self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool = None
@@ -82,25 +83,40 @@ class DecodeGraphs:
             seq_lens: np.ndarray, block_tables: np.ndarray, hidden: torch.Tensor | None,
             residual: torch.Tensor | None, resolve=None) -> tuple[torch.Tensor, ...]:
         n, width = block_tables.shape
-        h = self.host_i64
+        st = self.staging[self.step % 2]
+        self.step += 1
+        st.copied.synchronize()  # its previous copies have left the host buffers
+        h = st.i64
         h[0, :n] = torch.from_numpy(positions)
         h[1, :n] = torch.from_numpy(slot_mapping)
         h[1, n:bs] = -1
         if input_ids is not None:
             h[2, :n] = torch.from_numpy(input_ids)
-        self.host_seq_lens[:n] = torch.from_numpy(seq_lens)
-        self.host_seq_lens[n:bs] = 0
-        self.host_tables[:n, :width] = torch.from_numpy(block_tables)
+        st.seq_lens[:n] = torch.from_numpy(seq_lens)
+        st.seq_lens[n:bs] = 0
+        st.tables[:n, :width] = torch.from_numpy(block_tables)
         self.positions[:bs].copy_(h[0, :bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(h[1, :bs], non_blocking=True)
         if input_ids is not None:
-            self.input_ids[:bs].copy_(h[2, :bs], non_blocking=True)
+            # Only the real rows: staged ids may hold placeholders, and padding rows must keep
+            # valid (stale) ids for the embedding lookup.
+            self.input_ids[:n].copy_(h[2, :n], non_blocking=True)
             if resolve is not None:
                 self.input_ids[:n] = resolve(self.input_ids[:n])
-        self.seq_lens[:bs].copy_(self.host_seq_lens[:bs], non_blocking=True)
-        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.seq_lens[:bs].copy_(st.seq_lens[:bs], non_blocking=True)
+        self.block_tables[:n, :width].copy_(st.tables[:n, :width], non_blocking=True)
+        st.copied.record()
         if hidden is not None:
             self.hidden_in[:n].copy_(hidden)
             self.residual_in[:n].copy_(residual)
         self.graphs[bs].replay()
         return tuple(t[:n] for t in self.outputs[bs])
+
+
+class _Staging:
+    def __init__(self, max_batch: int, width: int):
+        self.i64 = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True)  # positions, slots, ids
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=True)
+        self.tables = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()

