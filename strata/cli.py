@@ -30,6 +30,13 @@ def _model_flags(p):
          "'dummy:llama-3-8b' for random weights of that shape; unset: the embedded default model")
 
 
+def _batch_flags(p):
+    """Shared by workers (they size buffers and CUDA graphs by them) and the scheduler."""
+    _add(p, "--max-num-seqs", "STRATA_MAX_NUM_SEQS", 256, "most sequences running at once", type=int)
+    _add(p, "--max-num-batched-tokens", "STRATA_MAX_NUM_BATCHED_TOKENS", 2048,
+         "token budget of one step (prefill chunks + decodes)", type=int)
+
+
 def _worker_flags(p):
     _add(p, "--device", "STRATA_DEVICE", "auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     _add(p, "--dtype", "STRATA_DTYPE", "auto", "float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU)")
@@ -40,19 +47,16 @@ def _worker_flags(p):
          "share of GPU memory this worker may use (weights, activations, KV cache)", type=float)
     _add(p, "--kv-cache-memory-gb", "STRATA_KV_CACHE_MEMORY_GB", 1.0, "KV cache size on CPU, in GiB", type=float)
     _add(p, "--num-kv-blocks", "STRATA_NUM_KV_BLOCKS", 0, "force this many KV blocks (0: size from memory)", type=int)
-    _add(p, "--max-num-seqs", "STRATA_MAX_NUM_SEQS", 256, "most sequences running at once", type=int)
-    _add(p, "--max-num-batched-tokens", "STRATA_MAX_NUM_BATCHED_TOKENS", 2048,
-         "token budget of one step (prefill chunks + decodes)", type=int)
+    _batch_flags(p)
     p.add_argument("--enforce-eager", action="store_true", default=_env("STRATA_ENFORCE_EAGER", False, _bool),
                    help="never capture CUDA graphs [env STRATA_ENFORCE_EAGER]")
 
 
 def _scheduler_flags(p):
-    _add(p, "--max-num-seqs", "STRATA_MAX_NUM_SEQS", 256, "most sequences running at once", type=int)
-    _add(p, "--max-num-batched-tokens", "STRATA_MAX_NUM_BATCHED_TOKENS", 2048,
-         "token budget of one step (prefill chunks + decodes)", type=int)
+    _batch_flags(p)
     _add(p, "--max-plans-in-flight", "STRATA_MAX_PLANS_IN_FLIGHT", 0,
-         "plans executing at once over disjoint requests (0: max(2, pipeline stages))", type=int)
+         "plans executing at once (0: max(2, pipeline stages)); with one stage the second "
+         "is the decode lookahead of the first's requests", type=int)
     _add(p, "--max-kv-blocks", "STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", type=int)
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=_env("STRATA_NO_PREFIX_CACHING", False, _bool),

@@ -56,3 +56,13 @@ def collect(responses) -> dict[int, list[int]]:
         for o in r.outputs:
             tokens.setdefault(o.index, []).extend(o.token_ids)
     return tokens
+
+
+def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "llama") -> Path:
+    """A tiny random HF model with its own BPE tokenizer, written once per test module."""
+    from strata.default_model import build_tiny_tokenizer
+    from tests.tiny_models import write_tiny_model
+
+    tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
+    return write_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, seed=seed, tokenizer=tok,
+                            num_hidden_layers=layers)

@@ -7,20 +7,16 @@ import urllib.request
 
 import pytest
 
-from strata.default_model import build_tiny_tokenizer
 from strata.launcher import free_port
 from strata.v1 import generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats
-from tests.tiny_models import write_tiny_model
+from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
 
 BLOCK = 4  # running_cluster's block size
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
-    return write_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=9, tokenizer=tok,
-                            num_hidden_layers=2)
+    return tiny_llama_dir(tmp_path_factory, seed=9)
 
 
 @pytest.fixture(scope="module")

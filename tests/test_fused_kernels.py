@@ -28,7 +28,7 @@ from kernels.reference import (
 )
 from services.worker import model as model_module
 from services.worker.attention import allocate_kv_cache
-from services.worker.input_batch import SequenceChunk, build_step_inputs
+from tests.paged_inputs import SequenceChunk, build_step_inputs
 from services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
 from services.worker.model_config import ModelConfig
 

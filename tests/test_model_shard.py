@@ -19,7 +19,7 @@ from services.worker.attention import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from services.worker.input_batch import SequenceChunk, build_step_inputs
+from tests.paged_inputs import SequenceChunk, build_step_inputs
 from services.worker.model import CausalLMShard
 from services.worker.model_config import ModelConfig
 from services.worker.weights import (

@@ -32,7 +32,7 @@ from kernels.reference import (  # noqa: E402
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.rotary import rotary_embedding_  # noqa: E402
 from services.worker.attention import allocate_kv_cache  # noqa: E402
-from services.worker.input_batch import SequenceChunk, build_step_inputs  # noqa: E402
+from tests.paged_inputs import SequenceChunk, build_step_inputs  # noqa: E402
 from services.worker.model import CausalLMShard, RotaryEmbedding, set_fused_kernels  # noqa: E402
 from services.worker.model_config import ModelConfig  # noqa: E402
 from services.worker.triton_backend import TritonAttentionBackend  # noqa: E402

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata
+from services.worker.attention import AttentionMetadata
 
 
 @dataclass
