@@ -578,3 +578,44 @@ def test_random_mix_leaves_every_block_free(seed):
     done = [r for r in everyone if r.request_id not in aborted]
     assert_matches_reference(driver, done, max_model_len)
     assert_all_blocks_free(sched, driver.workers)
+
+
+# ---------------------------------------------------------------------------- decode lookahead
+
+
+def test_decode_lookahead_schedules_ahead_of_results_and_drops_steps_after_a_stop():
+    from strata.protocol import PLACEHOLDER_TOKEN
+
+    sched = Scheduler(num_blocks=32, block_size=4, max_model_len=64, decode_lookahead=2)
+    req = Request("a", [3, 4, 5], max_tokens=10, eos_token_ids=frozenset({9}))
+    sched.add_request(req)
+    p1 = sched.schedule()  # the prompt, sampling its first token
+    p2 = sched.schedule()  # decode of that token, not back yet
+    p3 = sched.schedule()  # and of the next one
+    assert sched.schedule() is None  # two lookaheads at most
+    assert p1.seqs[0].input_token_ids == [3, 4, 5]
+    for plan, position in ((p2, 3), (p3, 4)):
+        seq = plan.seqs[0]
+        assert seq.input_token_ids == [PLACEHOLDER_TOKEN] and seq.sample
+        assert (seq.num_computed, seq.num_scheduled) == (position, 1)
+    assert sched.stats()["lookahead_decodes"] == 2
+    assert [u.new_token_ids for u in sched.update(p1, {p1.seqs[0].seq_id: [7]})] == [[7]]
+    # The token sampled in p2 (p2's input was p1's token, filled in by the worker) is eos.
+    (upd,) = sched.update(p2, {p2.seqs[0].seq_id: [9]})
+    assert upd.finished and upd.finish_reason == "stop" and req.output_token_ids == [7, 9]
+    assert sched.update(p3, {p3.seqs[0].seq_id: [1]}) == []  # computed past the stop: dropped
+    stats = sched.stats()
+    assert stats["used_blocks"] == 0 and stats["free_blocks"] == 32
+
+
+def test_decode_lookahead_stops_short_of_max_tokens():
+    sched = Scheduler(num_blocks=32, block_size=4, max_model_len=64, decode_lookahead=2)
+    req = Request("b", [3, 4, 5], max_tokens=2)
+    sched.add_request(req)
+    p1 = sched.schedule()
+    p2 = sched.schedule()  # computes the 2nd and last token
+    assert sched.schedule() is None  # a 3rd would only be dropped
+    sched.update(p1, {p1.seqs[0].seq_id: [7]})
+    (upd,) = sched.update(p2, {p2.seqs[0].seq_id: [8]})
+    assert upd.finished and upd.finish_reason == "length" and req.output_token_ids == [7, 8]
+    assert sched.stats()["used_blocks"] == 0

@@ -32,7 +32,7 @@ class RequestFailed(Exception):
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_plans_in_flight: int = 0  # 0: max(2, pipeline stages)
+    max_plans_in_flight: int = 0  # 0: 3 with one stage (decode lookahead), else P
     enable_prefix_caching: bool = True
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
     reconnect_timeout: float = 120.0
@@ -122,14 +122,17 @@ class Engine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
             cache_salt=desc.model_fingerprint,
-            # With one stage the worker that samples also embeds: it can fill in the token itself.
-            decode_lookahead=self.pipeline.num_stages == 1,
+            # With one stage the worker that samples also embeds: it can fill in the token itself,
+            # so every plan in flight but the first can be a lookahead of the same requests.
+            decode_lookahead=self.max_in_flight - 1 if self.pipeline.num_stages == 1 else 0,
         )
         self._ready.set()
 
     @property
     def max_in_flight(self) -> int:
-        return self.config.max_plans_in_flight or max(2, self.pipeline.num_stages)
+        # One stage: 3 plans (two decode lookaheads) leave the host two steps to turn a result
+        # into the next plan; P stages: one micro-batch per stage.
+        return self.config.max_plans_in_flight or (3 if self.pipeline.num_stages == 1 else self.pipeline.num_stages)
 
     @property
     def ready(self) -> bool:

@@ -35,9 +35,9 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         cache_salt: str = "",
-        decode_lookahead: bool = False,
+        decode_lookahead: int = 0,
     ) -> None:
-        self.decode_lookahead = decode_lookahead
+        self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
         self._lookaheads = 0
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
@@ -186,17 +186,18 @@ class Scheduler:
 
     def _can_look_ahead(self, req: Request) -> bool:
         """Decode lookahead (one pipeline stage): schedule the next decode of a request whose
-        previous plan is still in flight and will sample exactly one token for it. Its input
-        token goes out as PLACEHOLDER_TOKEN; the worker, which sampled it, fills it in on the
-        device, so the GPU never waits for the scheduler. Only when that step cannot end the
-        request by length (a stop token may still end it: the extra step is then dropped)."""
+        previous plans are still in flight and will each sample exactly one token for it. Its
+        input token goes out as PLACEHOLDER_TOKEN; the worker, which sampled it, fills it in on
+        the device (steps run in order, so it holds the previous plan's token by then), and the
+        GPU never waits for the scheduler. Only while those steps cannot end the request by
+        length (a stop token may still end it: the extra steps are then dropped)."""
+        pending = req.in_flight
         return (
-            self.decode_lookahead
-            and req.in_flight == 1
+            0 < pending <= self.decode_lookahead
             and req.pending_sample
-            and req.num_computed_tokens == req.num_tokens
-            and len(req.output_token_ids) + 2 <= req.max_tokens
-            and req.num_tokens + 2 <= self.max_model_len
+            and req.num_computed_tokens == req.num_tokens + pending - 1
+            and len(req.output_token_ids) + pending + 1 <= req.max_tokens
+            and req.num_tokens + pending + 1 <= self.max_model_len
         )
 
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
