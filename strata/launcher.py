@@ -1,7 +1,6 @@
 """`strata serve`: scheduler, one worker per stage and the gateway as separate local processes."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

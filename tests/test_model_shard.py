@@ -14,7 +14,6 @@ import torch
 
 from services.worker import weights as weights_module
 from services.worker.attention import (
-    AttentionMetadata,
     TorchAttentionBackend,
     allocate_kv_cache,
     kv_cache_bytes_per_block,

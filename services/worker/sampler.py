@@ -25,11 +25,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:  # Triton is optional: CPU-only installs sample with torch ops.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from kernels.gumbel_sampling import (
+    HAVE_TRITON,
+    gumbel_argmax,
+    gumbel_from_keys,
+    gumbel_noise,
+    gumbel_row_keys,
+    uniform_noise,
+)
 
 __all__ = [
     "GREEDY_EPSILON",
@@ -44,111 +47,6 @@ __all__ = [
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPSILON = 1e-5
-
-# ---------------------------------------------------------------------------------------------
-# Counter-based noise.
-#
-# All integer work holds 32-bit values in int64 and masks after each multiply. The multipliers
-# are below 2**31, so a product with a 32-bit value never leaves int64's range: no overflow
-# anywhere, hence bit-identical results on every device. The Triton kernel does the same
-# arithmetic in uint32, where wrapping is the definition.
-# ---------------------------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
-# A 32-bit finaliser found by Chris Wellons' hash-prospector (xorshift-multiply, low bias).
-_MIX_MUL_1 = 0x21F0AAAD
-_MIX_MUL_2 = 0x735A2D97
-# 2**32 / golden ratio, reduced below 2**31: spreads consecutive vocab ids before mixing.
-_VOCAB_STRIDE = 0x61C88647
-# Two hash lanes from different initial states give each (seed, position, salt, domain) a
-# 64-bit key. Every constant is below 2**31 so Triton reads it as a plain 32-bit literal.
-_LANE_A_INIT = 0x243F6A88
-_LANE_B_INIT = 0x13198A2E
-# Domain words keep Gumbel noise and per-row uniforms independent even for equal salts.
-_DOMAIN_GUMBEL = 0x47554D42
-_DOMAIN_UNIFORM = 0x554E4946
-_TWO_POW_M24 = 2.0**-24
-
-
-def _mix32(x):
-    """Bijective 32-bit avalanche mix of values in [0, 2**32) held in int64 tensors."""
-    x = x ^ (x >> 16)  # a new array: the in-place steps below never touch the caller's
-    x *= _MIX_MUL_1
-    x &= _M32
-    x ^= x >> 15
-    x *= _MIX_MUL_2
-    x &= _M32
-    x ^= x >> 15
-    return x
-
-
-def _row_keys(seeds: Tensor, positions: Tensor, salt: Tensor | int, domain: int) -> tuple[Tensor, Tensor]:
-    """(key_a, key_b): two 32-bit words keying a row's noise, from int64 seeds/positions/salt.
-
-    The two lanes absorb the same six words from different initial states (the Triton kernel
-    repeats this per row, _row_keys_tl).
-    """
-    seeds, positions = torch.broadcast_tensors(seeds, positions)
-    words = ((positions >> 32) & _M32, salt & _M32, domain)
-    state = torch.stack(((seeds & _M32) ^ _LANE_A_INIT, (seeds & _M32) ^ _LANE_B_INIT))
-    state = _mix32(state)
-    state = _mix32(state ^ ((seeds >> 32) & _M32))
-    state = _mix32(state ^ (positions & _M32))
-    for word in words:  # the remaining words, not a per-token loop
-        state = _mix32(state ^ word)
-    return state[0], state[1]
-
-
-def _element_hash(key_a, key_b, index):
-    """32 random bits for (row key, index); key_* and index broadcast (int64 values < 2**32)."""
-    h = _mix32((index * _VOCAB_STRIDE + key_a) & _M32)
-    return _mix32(h ^ key_b)
-
-
-def _uniform_from_hash(h: Tensor) -> Tensor:
-    """The top 24 bits as a float32 in (0, 1): m / 2**24, m = 0 folded onto 1 (never 0 or 1)."""
-    return (h >> 8).clamp_min(1).to(torch.float32) * _TWO_POW_M24
-
-
-def _gumbel_from_keys(key_a: Tensor, key_b: Tensor, vocab_size: int) -> Tensor:
-    """Gumbel noise [..., V] for rows keyed by key_a/key_b of shape [...]."""
-    index = torch.arange(vocab_size, device=key_a.device, dtype=torch.int64)
-    u = _uniform_from_hash(_element_hash(key_a.unsqueeze(-1), key_b.unsqueeze(-1), index))
-    return -torch.log(-torch.log(u))
-
-
-def _as_int64_tensor(x, device=None) -> Tensor:
-    if isinstance(x, Tensor):
-        return x.to(device=device if device is not None else x.device, dtype=torch.int64)
-    return torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)
-
-
-def gumbel_noise(seeds, positions, vocab_size: int, salt: int | Tensor = 0) -> Tensor:
-    """Standard Gumbel noise float32 [..., vocab_size], a pure function of (seed, position, salt, index).
-
-    seeds (int64 bits of a 64-bit seed), positions and salt broadcast to the row shape [...].
-    The sampler uses salt 0; other consumers (e.g. speculative resampling) pick another salt to
-    draw independent noise for the same position.
-    """
-    seeds = _as_int64_tensor(seeds)
-    positions = _as_int64_tensor(positions, seeds.device)
-    salt = _as_int64_tensor(salt, seeds.device)
-    key_a, key_b = _row_keys(seeds, positions, salt, _DOMAIN_GUMBEL)
-    return _gumbel_from_keys(key_a, key_b, vocab_size)
-
-
-def uniform_noise(seeds, positions, salt: int | Tensor = 0) -> Tensor:
-    """One float32 in (0, 1) per row (24 random bits), a pure function of (seed, position, salt).
-
-    Independent of gumbel_noise for any salt. Meant for accept/reject tests.
-    """
-    seeds = _as_int64_tensor(seeds)
-    positions = _as_int64_tensor(positions, seeds.device)
-    salt = _as_int64_tensor(salt, seeds.device)
-    key_a, key_b = _row_keys(seeds, positions, salt, _DOMAIN_UNIFORM)
-    return _uniform_from_hash(_element_hash(key_a, key_b, 0))
-
-
 # ---------------------------------------------------------------------------------------------
 # Per-step sampling settings.
 # ---------------------------------------------------------------------------------------------
@@ -230,21 +128,28 @@ class SamplingTensors:
         inv_temperature = np.float32(1.0) / np.where(greedy, np.float32(1.0), temperature)
         with np.errstate(divide="ignore", invalid="ignore"):
             min_p_offset = np.where(min_p > 0, temperature * np.log(min_p), -np.inf)
-        sample_rows = np.zeros(n, dtype=np.int64)  # padded to n so it rides in the same copy
-        num_sampled = int(sampled.sum())
-        sample_rows[:num_sampled] = np.nonzero(sampled)[0]
+        sampled_rows = np.nonzero(sampled)[0]
+        num_sampled = sampled_rows.shape[0]
 
-        # Two host-to-device copies for the whole struct.
-        floats = torch.from_numpy(np.stack(
-            [temperature, top_p, min_p, inv_temperature, min_p_offset]).astype(np.float32)).to(device)
-        ints = torch.from_numpy(np.stack(
-            [top_k, seeds, positions, greedy.astype(np.int64), sample_rows])).to(device)
+        # One host-to-device copy for the whole struct: a byte buffer holding every field,
+        # widest dtype first so each slice stays aligned for its view (m rows: never empty).
+        m = max(n, 1)
+        buffer = np.zeros(m * (3 * 8 + 5 * 4 + 4 + 1), dtype=np.uint8)
+        ints = buffer[:24 * m].view(np.int64).reshape(3, m)[:, :n]
+        ints[0], ints[1], ints[2, :num_sampled] = seeds, positions, sampled_rows
+        floats = buffer[24 * m:44 * m].view(np.float32).reshape(5, m)[:, :n]
+        floats[:] = (temperature, top_p, min_p, inv_temperature, min_p_offset)
+        buffer[44 * m:44 * m + 4 * n].view(np.int32)[:] = top_k
+        buffer[48 * m:48 * m + n] = greedy
+        on_device = torch.from_numpy(buffer).to(device)
+        ints_d = on_device[:24 * m].view(torch.int64).view(3, m)[:, :n]
+        floats_d = on_device[24 * m:44 * m].view(torch.float32).view(5, m)[:, :n]
         uses_top_p = top_p < 1
         return cls(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2], inv_temperature=floats[3],
-            min_p_offset=floats[4],
-            top_k=ints[0].to(torch.int32), seeds=ints[1], positions=ints[2], greedy=ints[3].bool(),
-            sample_rows=ints[4, :num_sampled],
+            temperature=floats_d[0], top_p=floats_d[1], min_p=floats_d[2], inv_temperature=floats_d[3],
+            min_p_offset=floats_d[4], top_k=on_device[44 * m:48 * m].view(torch.int32)[:n],
+            seeds=ints_d[0], positions=ints_d[1], sample_rows=ints_d[2, :num_sampled],
+            greedy=on_device[48 * m:48 * m + n].view(torch.bool),
             num_logprobs=int(num_logprobs),
             all_greedy=num_sampled == 0,
             any_greedy=num_sampled < n,
@@ -346,8 +251,8 @@ def _draw_torch(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
         sub_logits, inv_t = logits.index_select(0, rows), inv_t.index_select(0, rows)
         seeds, positions = seeds.index_select(0, rows), positions.index_select(0, rows)
         threshold = threshold.index_select(0, rows) if threshold is not None else None
-    key_a, key_b = _row_keys(seeds, positions, 0, _DOMAIN_GUMBEL)
-    perturbed = sub_logits * inv_t.unsqueeze(1) + _gumbel_from_keys(key_a, key_b, logits.shape[-1])
+    key_a, key_b = gumbel_row_keys(seeds, positions)
+    perturbed = sub_logits * inv_t.unsqueeze(1) + gumbel_from_keys(key_a, key_b, logits.shape[-1])
     if threshold is not None:
         perturbed = perturbed.masked_fill(sub_logits < threshold.unsqueeze(1), _NEG_INF)
     drawn = perturbed.argmax(dim=-1)
@@ -356,125 +261,9 @@ def _draw_torch(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
     return logits.argmax(dim=-1).index_copy(0, rows, drawn), log_norm
 
 
-if triton is not None:
-
-    @triton.jit
-    def _mix32_tl(x):
-        x ^= x >> 16
-        x *= 0x21F0AAAD
-        x ^= x >> 15
-        x *= 0x735A2D97
-        x ^= x >> 15
-        return x
-
-    @triton.jit
-    def _row_keys_tl(seed, position):
-        """_row_keys for one row (salt 0, Gumbel domain); seed and position are int64 scalars."""
-        seed_lo = seed.to(tl.uint32)
-        key_a = _mix32_tl(seed_lo ^ 0x243F6A88)
-        key_b = _mix32_tl(seed_lo ^ 0x13198A2E)
-        word = (seed >> 32).to(tl.uint32)
-        key_a = _mix32_tl(key_a ^ word)
-        key_b = _mix32_tl(key_b ^ word)
-        word = position.to(tl.uint32)
-        key_a = _mix32_tl(key_a ^ word)
-        key_b = _mix32_tl(key_b ^ word)
-        word = (position >> 32).to(tl.uint32)
-        key_a = _mix32_tl(key_a ^ word)
-        key_b = _mix32_tl(key_b ^ word)
-        key_a = _mix32_tl(key_a)  # salt 0
-        key_b = _mix32_tl(key_b)
-        key_a = _mix32_tl(key_a ^ 0x47554D42)  # _DOMAIN_GUMBEL
-        key_b = _mix32_tl(key_b ^ 0x47554D42)
-        return key_a, key_b
-
-    @triton.jit
-    def _gumbel_argmax_kernel(
-        logits_ptr, row_stride, seeds_ptr, positions_ptr, inv_temp_ptr, greedy_ptr, threshold_ptr,
-        best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, vocab_size, num_splits,
-        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LOG_NORM: tl.constexpr,
-    ):
-        # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and writes
-        # its best perturbed value and index (plus max and sum of exp of the raw logits when
-        # LOG_NORM); a few torch ops on [N, splits] combine the splits without a host sync.
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        key_a, key_b = _row_keys_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-        inv_t = tl.load(inv_temp_ptr + row)
-        greedy = tl.load(greedy_ptr + row)
-        threshold = float("-inf")
-        if HAS_THRESHOLD:
-            threshold = tl.load(threshold_ptr + row)
-        row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-        start = split * CHUNK
-        # Per lane running best: strict '>' keeps each lane's first maximum.
-        best_vals = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_cols = tl.full((BLOCK,), 2147483647, tl.int32)
-        run_max = tl.full((), float("-inf"), tl.float32)
-        run_sum = tl.full((), 0.0, tl.float32)
-        for offset in range(0, CHUNK, BLOCK):
-            cols = start + offset + tl.arange(0, BLOCK)
-            in_vocab = cols < vocab_size
-            x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
-            val = x
-            if greedy == 0:
-                h = _mix32_tl(cols.to(tl.uint32) * 0x61C88647 + key_a)
-                h = _mix32_tl(h ^ key_b)
-                u = tl.maximum((h >> 8).to(tl.float32), 1.0) * 5.9604644775390625e-08  # 2**-24
-                val = x * inv_t - tl.log(-tl.log(u))
-                if HAS_THRESHOLD:
-                    val = tl.where(x >= threshold, val, float("-inf"))
-            val = tl.where(in_vocab, val, float("-inf"))
-            better = val > best_vals
-            best_vals = tl.where(better, val, best_vals)
-            best_cols = tl.where(better, cols, best_cols)
-            if LOG_NORM:
-                new_max = tl.maximum(run_max, tl.max(x, axis=0))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far
-                run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-                run_max = new_max
-        best = tl.max(best_vals, axis=0)
-        # First maximum across lanes; a row (split) with nothing above -inf reports its start.
-        best_col = tl.min(tl.where(best_vals == best, best_cols, 2147483647), axis=0)
-        best_col = tl.where(best == float("-inf"), start, best_col)
-        tl.store(best_val_ptr + row * num_splits + split, best)
-        tl.store(best_idx_ptr + row * num_splits + split, best_col)
-        if LOG_NORM:
-            tl.store(max_ptr + row * num_splits + split, run_max)
-            tl.store(sum_exp_ptr + row * num_splits + split, run_sum)
-
-
-_TRITON_BLOCK = 1024
-_TRITON_CHUNK = 8192
-_TRITON_NUM_WARPS = 4
-
-
 def _draw_triton(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
                  want_log_norm: bool) -> tuple[Tensor, Tensor | None]:
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    num_rows, vocab = logits.shape
-    chunk = min(_TRITON_CHUNK, triton.cdiv(vocab, _TRITON_BLOCK) * _TRITON_BLOCK)
-    num_splits = triton.cdiv(vocab, chunk)
-    partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=logits.device,
-                          dtype=torch.float32)
-    best_idx = torch.empty((num_rows, num_splits), device=logits.device, dtype=torch.int32)
-    _gumbel_argmax_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), st.seeds, st.positions, st.inv_temperature,
-        st.greedy.view(torch.uint8), threshold if threshold is not None else st.inv_temperature,
-        partial[0], best_idx, partial[-2], partial[-1], vocab, num_splits,
-        CHUNK=chunk, BLOCK=_TRITON_BLOCK, HAS_THRESHOLD=threshold is not None,
-        LOG_NORM=want_log_norm, num_warps=_TRITON_NUM_WARPS,
-    )
-    winner = partial[0].argmax(dim=1, keepdim=True)  # first split wins ties, like torch.argmax
-    token_ids = best_idx.gather(1, winner).squeeze(1).to(torch.int64)
-    if not want_log_norm:
-        return token_ids, None
-    split_max, split_sum = partial[2], partial[3]
-    row_max = split_max.amax(dim=1, keepdim=True)
-    shift = torch.where(row_max == _NEG_INF, 0.0, row_max)
-    log_norm = (shift + (split_sum * torch.exp(split_max - shift)).sum(dim=1, keepdim=True).log()).squeeze(1)
-    return token_ids, log_norm
+    return gumbel_argmax(logits, st.seeds, st.positions, st.inv_temperature, st.greedy, threshold, want_log_norm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,13 +280,13 @@ class Sampler:
     def __init__(self, backend: str = "auto"):
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown sampler backend {backend!r}")
-        if backend == "triton" and triton is None:
+        if backend == "triton" and not HAVE_TRITON:
             raise ValueError("the triton sampler backend needs triton installed")
         self.backend = backend
 
     def _use_triton(self, logits: Tensor) -> bool:
         if self.backend == "auto":
-            return triton is not None and logits.is_cuda
+            return HAVE_TRITON and logits.is_cuda
         return self.backend == "triton"
 
     @torch.inference_mode()
