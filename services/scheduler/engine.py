@@ -93,7 +93,6 @@ class Engine:
         self._busy_since: float | None = None
         self._busy_seconds = 0.0
         self._started = time.monotonic()
-        self._step_ids = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,7 +186,9 @@ class Engine:
                 if receive in done:
                     result, receive = receive.result(), None
                     self._finish_step(result)
-            except PipelineError as e:
+            except Exception as e:  # a lost stage, or a bug: never leave requests hanging
+                if not isinstance(e, PipelineError):
+                    log.exception("engine loop failed")
                 if receive is not None:
                     receive.cancel()
                     receive = None
@@ -198,7 +199,6 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan is None:
                 return
-            self._step_ids += 1
             msg = plan_to_proto(plan)
             self.in_flight.append(plan)
             self._mark_busy()

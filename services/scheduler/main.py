@@ -5,9 +5,9 @@ import asyncio
 import logging
 
 from services.scheduler.engine import Engine, SchedulerConfig
-from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.metrics import SchedulerMetrics, publish_metrics
 from services.scheduler.pipeline import Pipeline
-from services.scheduler.server import SchedulerServicer, publish_metrics
+from services.scheduler.server import SchedulerServicer
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2_grpc
 
@@ -29,7 +29,7 @@ async def serve(args) -> None:
     engine = Engine(Pipeline(addresses), config_from_args(args))
     server, health = new_server()
     metrics = SchedulerMetrics()
-    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, metrics), server)
+    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)
     await server.start()  # health answers NOT_SERVING until the pipeline is up

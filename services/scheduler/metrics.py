@@ -1,6 +1,8 @@
 """Prometheus metrics of the scheduler, mirrored from the same statistics GetStats returns."""
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from strata.v1 import engine_pb2
@@ -40,3 +42,10 @@ class SchedulerMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+async def publish_metrics(engine, metrics: SchedulerMetrics, interval: float = 1.0) -> None:
+    """Copies the engine's statistics into the gauges every `interval` seconds."""
+    while True:
+        metrics.update(engine.stats())
+        await asyncio.sleep(interval)

@@ -1,13 +1,11 @@
 """Scheduler gRPC service: the gateway submits child requests and streams their tokens back."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
 
 from services.scheduler.engine import Engine, RequestFailed
-from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
@@ -55,9 +53,8 @@ def request_from_proto(msg: engine_pb2.EngineRequest, info: engine_pb2.WorkerDes
 
 
 class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, metrics: SchedulerMetrics | None = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.metrics = metrics
 
     async def Submit(self, request, context):
         try:
@@ -102,9 +99,3 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
 
     async def GetStats(self, request, context):
         return self.engine.stats()
-
-
-async def publish_metrics(engine: Engine, metrics: SchedulerMetrics, interval: float = 1.0) -> None:
-    while True:
-        metrics.update(engine.stats())
-        await asyncio.sleep(interval)
