@@ -31,6 +31,7 @@ from services.worker.attention import allocate_kv_cache
 from tests.paged_inputs import SequenceChunk, build_step_inputs
 from services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
 from services.worker.model_config import ModelConfig
+from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ("kernels.rmsnorm", "kernels.rotary", "kernels.activation")
@@ -70,7 +71,7 @@ def _interpreted(module_name: str) -> bool:
 
 
 def _can_run_interpreted_here() -> bool:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreter_active():
         return False
     return all(name not in sys.modules or _interpreted(name) for name in KERNEL_MODULES)
 
@@ -78,15 +79,7 @@ def _can_run_interpreted_here() -> bool:
 if not _can_run_interpreted_here():
 
     def test_fused_kernels_under_triton_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-x", "-p", "no:cacheprovider"],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )
-        output = proc.stdout + proc.stderr
-        print(output[-3000:])
-        assert proc.returncode == 0, output[-20000:]
-        assert " passed" in output and " failed" not in output
+        rerun_under_interpreter(__file__, timeout=300)
 
     # --- the references are the model's CPU math, exactly -------------------------------------
 

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _can_run_interpreted_here() -> bool:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreter_active():
         return False
     module = sys.modules.get("kernels.paged_attention")
     return module is None or module._INTERPRETED
@@ -35,15 +36,7 @@ def _can_run_interpreted_here() -> bool:
 if not _can_run_interpreted_here():
 
     def test_kernels_under_triton_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-x", "-p", "no:cacheprovider"],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540,
-        )
-        output = proc.stdout + proc.stderr
-        print(output[-3000:])
-        assert proc.returncode == 0, output[-20000:]
-        assert " passed" in output and " failed" not in output
+        rerun_under_interpreter(__file__, timeout=540)
 
     def test_kernels_compile_for_sm90_without_spills():
         """Compile every kernel variant for an H100; fails on a spill or an unpipelined K/V loop."""
