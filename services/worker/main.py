@@ -77,7 +77,7 @@ def build(args):
     max_model_len = args.max_model_len or config.max_position_embeddings
     runner = ModelRunner(shard, config, stage_index=args.stage_index, num_stages=args.num_stages,
                          block_size=args.block_size, max_model_len=max_model_len, device=device, dtype=dtype,
-                         attention_backend=shard.attn_backend, max_num_seqs=max(args.max_num_seqs * 4, 1024),
+                         max_num_seqs=max(args.max_num_seqs * 4, 1024),
                          cuda_graph_max_batch=0 if args.enforce_eager else min(args.max_num_seqs, 512))
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"

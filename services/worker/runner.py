@@ -25,7 +25,7 @@ class PlanError(ValueError):
 @dataclass
 class HostInputs:
     input_ids: np.ndarray | None  # [T] on the first stage
-    rows: np.ndarray  # [B] state row of each scheduled sequence
+    token_rows: np.ndarray  # [T] state row of each token's sequence
     has_placeholders: bool  # some input tokens are the sequence's last sampled one, on the device
     positions: np.ndarray  # [T]
     query_start_loc: np.ndarray  # [B+1]
@@ -101,7 +101,7 @@ class SequenceTable:
 
 class ModelRunner:
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype, attention_backend,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0):
         self.shard = shard
         self.config = model_config
@@ -113,7 +113,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.dtype = dtype
-        self.backend = attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
@@ -189,8 +188,9 @@ class ModelRunner:
             input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         return HostInputs(
-            input_ids=input_ids, rows=rows,
-            has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()), positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+            input_ids=input_ids, token_rows=token_rows,
+            has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()),
+            positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             block_tables=self.table.block_tables[rows, : int(needed_blocks.max())],
             max_query_len=int(q_lens.max()),
@@ -202,7 +202,7 @@ class ModelRunner:
         carries PLACEHOLDER_TOKEN; that token is still here, on the device."""
         if not h.has_placeholders:
             return input_ids
-        rows = torch.from_numpy(np.repeat(h.rows, h.query_start_loc[1:] - h.query_start_loc[:-1])).to(self.device)
+        rows = torch.from_numpy(h.token_rows).to(self.device)
         return torch.where(input_ids < 0, self.last_sampled[rows], input_ids)
 
     def device_meta(self, h: HostInputs) -> AttentionMetadata:
