@@ -61,9 +61,14 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
             "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--num-kv-blocks", str(args.num_kv_blocks),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.device.startswith("cuda") and args.pipeline_stages > 1 and args.device == "cuda":
+    if args.device in ("cuda", "auto") and args.pipeline_stages > 1:
         import torch
-        argv[argv.index("--device") + 1] = f"cuda:{stage % max(torch.cuda.device_count(), 1)}"
+        gpus = torch.cuda.device_count()
+        if gpus:
+            # Stages round-robin over the GPUs; those sharing one split its memory share.
+            argv[argv.index("--device") + 1] = f"cuda:{stage % gpus}"
+            per_gpu = -(-args.pipeline_stages // gpus)
+            argv[argv.index("--gpu-memory-utilization") + 1] = str(args.gpu_memory_utilization / per_gpu)
     if args.enforce_eager:
         argv.append("--enforce-eager")
     return argv

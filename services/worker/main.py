@@ -54,12 +54,17 @@ def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, max_model_len:
     if device.type != "cuda":
         return max(1, min(useful, int(args.kv_cache_memory_gb * GiB) // per_block))
     free, total = torch.cuda.mem_get_info(device)
+    # This worker's share of the GPU minus what it holds already (its weights): workers that
+    # share a GPU each get a share (see the launcher) and size their caches before either
+    # allocates, so the share, not the momentary free memory, decides.
+    own = torch.cuda.memory_allocated(device)
     # What the step itself needs besides weights and cache: activations of the largest prefill
     # chunk (MLP intermediates dominate) and the logits of a full decode batch, plus slack.
     itemsize = torch.empty((), dtype=dtype).element_size()
     activations = args.max_num_batched_tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
     logits = args.max_num_seqs * config.vocab_size * 4 * 4
-    budget = free - (1 - args.gpu_memory_utilization) * total - activations - logits - GiB // 2
+    available = min(args.gpu_memory_utilization * total - own, free)
+    budget = available - activations - logits - GiB // 2
     if budget < per_block:
         raise SystemExit(f"no GPU memory left for the KV cache (free {free / GiB:.1f} GiB)")
     return int(budget // per_block)
