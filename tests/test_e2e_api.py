@@ -126,3 +126,29 @@ def test_model_info_and_stop_and_logprobs(cluster2):
         o2 = final2[0].outputs[0]
         assert o2.finish_reason == "stop" and o2.stop_reason == stop
         assert o2.text == text[: text.index(stop)]
+
+
+def test_scheduler_rejects_bad_internal_requests_with_invalid_argument(cluster2):
+    """The scheduler is a service of its own: a bad EngineRequest must not reach the workers."""
+    from strata.v1 import engine_pb2, engine_pb2_grpc
+
+    cluster, client = cluster2
+    vocab = client.model_info().vocab_size
+    params = generate_pb2.SamplingParams(seed=1, max_tokens=4)
+    bad = [
+        engine_pb2.EngineRequest(request_id="e1", params=params),  # empty prompt
+        engine_pb2.EngineRequest(request_id="e2", prompt_token_ids=[3, vocab], params=params),
+        engine_pb2.EngineRequest(request_id="e3", prompt_token_ids=[3],
+                                 params=generate_pb2.SamplingParams(seed=1, max_tokens=0)),
+        engine_pb2.EngineRequest(request_id="e4", prompt_token_ids=[3], params=generate_pb2.SamplingParams()),
+    ]
+    with grpc.insecure_channel(cluster.scheduler_address) as ch:
+        stub = engine_pb2_grpc.SchedulerStub(ch)
+        for req in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Submit(req, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req.request_id, err.value.details())
+        good = list(stub.Submit(engine_pb2.EngineRequest(request_id="e5", prompt_token_ids=[3, 4], params=params),
+                                timeout=30))
+    assert sum(len(o.token_ids) for o in good) == 4 and good[-1].finish_reason
+    assert scheduler_stats(cluster).used_kv_blocks == 0

@@ -614,3 +614,18 @@ def test_final_only_waits_for_every_child():
     assert state.update(1, "b", [2]) is None
     response = state.update(1, "c", [3], finish_reason="stop")
     assert response.finished and [o.text for o in response.outputs] == ["a", "bc"]
+
+
+def test_children_are_final_only_exactly_when_nothing_needs_streaming():
+    from services.gateway.validation import child_requests, validate_request
+
+    def children(**params):
+        req = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6]),
+                                           params=generate_pb2.SamplingParams(n=2, **params))
+        validated = validate_request(req, [5, 6], vocab_size=100, max_model_len=64)
+        return child_requests("r", validated, [5, 6])
+
+    assert all(c.final_only for c in children(output_kind=generate_pb2.FINAL_ONLY))
+    assert not any(c.final_only for c in children(output_kind=generate_pb2.FINAL_ONLY, stop=["x"]))
+    assert not any(c.final_only for c in children(output_kind=generate_pb2.DELTA))
+    assert not any(c.final_only for c in children())

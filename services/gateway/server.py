@@ -77,9 +77,6 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         children = child_requests(request_id, params, prompt_ids)
-        if params.output_kind == generate_pb2.FINAL_ONLY and not params.stop:
-            for child in children:  # nothing to stream: the scheduler sends each child once
-                child.final_only = True
         state = RequestOutputState(request_id, len(children), params.output_kind,
                                    params.logprobs is not None, len(prompt_ids))
         texts = [OutputTextStream(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,

@@ -233,12 +233,16 @@ def child_requests(
     `rng` makes unseeded requests reproducible in tests; by default seeds come from `secrets`.
     """
     prompt = list(prompt_token_ids)
+    # Nothing to stream when only the final result is wanted and no stop string needs the text
+    # as it grows: the scheduler then sends each child once.
+    final_only = params.output_kind == generate_pb2.FINAL_ONLY and not params.stop
     return [
         engine_pb2.EngineRequest(
             request_id=child_request_id(i, request_id),
             prompt_token_ids=prompt,
             params=params.child_sampling_params(seed),
             parent_id=request_id,
+            final_only=final_only,
         )
         for i, seed in enumerate(child_seeds(params, rng))
     ]

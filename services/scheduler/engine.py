@@ -148,9 +148,12 @@ class Engine:
                 raise RequestFailed("UNAVAILABLE", "the worker pipeline is not available") from None
         if request.request_id in self.streams:
             raise RequestFailed("ALREADY_EXISTS", f"request_id {request.request_id!r} is already running")
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            raise RequestFailed("INVALID_ARGUMENT", str(e)) from None
         stream = OutputStream(request.request_id, len(request.prompt_token_ids), final_only)
         self.streams[request.request_id] = stream
-        self.scheduler.add_request(request)
         self._wake.set()
         return stream
 

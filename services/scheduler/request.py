@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -47,7 +46,6 @@ class Request:
     # ---- state the scheduler owns
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[Any] = field(default_factory=list)  # opaque: filled by the engine loop
     num_computed_tokens: int = 0  # tokens whose KV is written by plans issued so far
     seq_id: int | None = None  # worker-side id of the current admission; None when not admitted
     block_ids: list[int] = field(default_factory=list)  # block table (scheduler's view)

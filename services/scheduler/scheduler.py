@@ -89,9 +89,6 @@ class Scheduler:
             self._groups.setdefault(req.parent_id, []).append(req)
         self.waiting.append(req)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def abort(self, request_id: str) -> bool:
         """Ends the request now and frees its blocks, even when it is in a plan in flight
         (that plan's result for it is then ignored). False if it is unknown or finished."""

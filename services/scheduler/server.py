@@ -13,18 +13,17 @@ log = logging.getLogger("strata.scheduler")
 
 
 def request_from_proto(msg: engine_pb2.EngineRequest, info: engine_pb2.WorkerDescription) -> Request:
-    """Checks what the scheduler itself relies on (the gateway validates user input in full)."""
+    """Checks what the workers rely on (token ids in the vocabulary, a seed, sane sampling) and
+    the length contract; Scheduler.add_request checks the rest (empty prompt, max_tokens). The
+    gateway validates user input in full, with messages naming the field."""
     p = msg.params
     model = info.model
     if not msg.request_id:
         raise ValueError("request_id is empty")
-    if not msg.prompt_token_ids:
-        raise ValueError("prompt_token_ids is empty")
-    if min(msg.prompt_token_ids) < 0 or max(msg.prompt_token_ids) >= model.vocab_size:
+    ids = msg.prompt_token_ids
+    if ids and (min(ids) < 0 or max(ids) >= model.vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {model.vocab_size})")
     max_tokens = p.max_tokens if p.HasField("max_tokens") else 16
-    if max_tokens < 1:
-        raise ValueError("params.max_tokens must be at least 1")
     if len(msg.prompt_token_ids) + max_tokens > model.max_model_len:
         raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
                          f"exceeds max_model_len {model.max_model_len}")
