@@ -120,6 +120,8 @@ def sweep(name: str, batch: PagedBatch, scale: float, block_qs: list[int]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    parser.add_argument("--cases", default="decode,long,prefill",
+                        help="comma-separated subset of decode,long,prefill to run")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -128,7 +130,17 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     print(f"device copy bandwidth (torch copy of 2 GiB, read+write): {copy_gbps:.0f} GB/s\n")
 
-    # --- decode, Llama-3.2-1B, batch 256 at context 640 -----------------------------------------
+    cases = set(args.cases.split(","))
+    if "decode" in cases:
+        decode_cases(args, copy_gbps)
+    if "long" in cases:
+        long_context_cases(copy_gbps)
+    if "prefill" in cases:
+        prefill_cases(args)
+
+
+def decode_cases(args, copy_gbps: float) -> None:
+    """Llama-3.2-1B, batch 256 at context 640, then ragged contexts."""
     decode = make_paged_batch([1] * 256, [639] * 256, block_size=16, dtype=torch.bfloat16, device="cuda",
                               poison_unowned=False, **LLAMA_1B)
     error = check(decode, 0.125)
@@ -141,8 +153,18 @@ def main() -> None:
                               dtype=torch.bfloat16, device="cuda", poison_unowned=False, **LLAMA_1B)
     report_memory_bound("  ragged contexts 1..1280 (mean 640)", ragged, 0.125, copy_gbps)
     del decode, ragged
+    decode = make_paged_batch([1] * 128, [639] * 128, block_size=16, dtype=torch.bfloat16, device="cuda",
+                              poison_unowned=False, **LLAMA_8B)
+    check(decode, 128 ** -0.5)
+    print("decode 8B shape (32/8 heads, D=128) B=128 ctx=640 bf16, per layer:")
+    report_memory_bound("  paged_attention (auto)", decode, 128 ** -0.5, copy_gbps)
+    if args.sweep:
+        sweep("decode 8B B=128", decode, 128 ** -0.5, block_qs=[1])
+    del decode
 
-    # --- few sequences, long context: split-KV ----------------------------------------------------
+
+def long_context_cases(copy_gbps: float) -> None:
+    """Few sequences, long contexts: split-KV against the single pass."""
     print("\nlong-context decode, 32/8 heads, D=128, bf16 (split-KV vs single pass):")
     for num_seqs, context in [(1, 32768), (4, 16384), (16, 8192), (64, 4096)]:
         batch = make_paged_batch([1] * num_seqs, [context - 1] * num_seqs, block_size=16, dtype=torch.bfloat16,
@@ -154,7 +176,9 @@ def main() -> None:
                             num_kv_splits=1)
         del batch
 
-    # --- prefill ----------------------------------------------------------------------------------
+
+def prefill_cases(args) -> None:
+    """Prefill chunks: compute-bound, compared with torch SDPA on the dense problem."""
     print("\nprefill, bf16 (TFLOP/s counts only the causal half):")
     for label, shapes, num_seqs, q_len, context in [
         ("Llama-3.2-1B 4 x 2048 fresh prompts", LLAMA_1B, 4, 2048, 0),

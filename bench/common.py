@@ -108,7 +108,8 @@ def serve_argv(args, model: str | None) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--max-model-len", str(args.max_model_len)]
+            "--max-model-len", str(args.max_model_len),
+            "--max-plans-in-flight", str(args.max_plans_in_flight)]
     if model:
         argv += ["--model", model]
     if args.num_kv_blocks:
@@ -297,7 +298,8 @@ def failures(records: list[RequestRecord]) -> list[str]:
 # ---------------------------------------------------------------- scheduler statistics
 
 COUNTERS = ("prefill_tokens_computed", "decode_tokens_computed", "steps", "prefix_cache_queries",
-            "prefix_cache_hits", "preemptions", "finished_requests")
+            "prefix_cache_hits", "preemptions", "finished_requests", "worker_gpu_busy_seconds",
+            "worker_gpu_idle_seconds", "worker_timed_steps")
 
 
 async def scheduler_stats(address: str | None):
@@ -316,6 +318,18 @@ def stats_delta(before, after) -> dict:
     delta.update(num_kv_blocks=after.num_kv_blocks, peak_used_kv_blocks=after.peak_used_kv_blocks,
                  used_kv_blocks_after=after.used_kv_blocks, gpu_idle_fraction_since_start=after.gpu_idle_fraction)
     return delta
+
+
+def gpu_timeline_rows(delta: dict, wall_s: float) -> list[tuple[str, str]]:
+    """The last stage's CUDA-event view over a phase: GPU time in steps, idle time between them."""
+    steps = delta.get("worker_timed_steps", 0)
+    if not steps:
+        return [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]
+    busy, idle = delta["worker_gpu_busy_seconds"], delta["worker_gpu_idle_seconds"]
+    return [("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
+                                  f"{busy / wall_s:.0%} of the wall time"),
+            ("GPU idle between steps", f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
+                                       f"timeline, {idle / steps * 1e3:.3f} ms per step)")]
 
 
 class StatsPoller:
@@ -356,7 +370,7 @@ def decode_only_timing(samples) -> dict:
     advancing one token = running / decode-token rate), comparable to an in-process decode
     step at that batch size. Empty when there was no such interval.
     """
-    dt = steps = tokens = weighted_running = 0.0
+    dt = steps = tokens = weighted_running = gpu_busy = gpu_idle = gpu_steps = 0.0
     for (t0, a), (t1, b) in zip(samples, samples[1:]):
         d_steps = b.steps - a.steps
         d_tokens = b.decode_tokens_computed - a.decode_tokens_computed
@@ -366,12 +380,19 @@ def decode_only_timing(samples) -> dict:
         steps += d_steps
         tokens += d_tokens
         weighted_running += (a.running + b.running) / 2 * (t1 - t0)
+        gpu_busy += b.worker_gpu_busy_seconds - a.worker_gpu_busy_seconds
+        gpu_idle += b.worker_gpu_idle_seconds - a.worker_gpu_idle_seconds
+        gpu_steps += b.worker_timed_steps - a.worker_timed_steps
     if steps == 0:
         return {}
     running = weighted_running / dt
-    return {"window_seconds": dt, "steps": int(steps), "seconds_per_step": dt / steps,
-            "decode_tokens_per_step": tokens / steps, "mean_running": running,
-            "seconds_per_batch_step": running * dt / tokens}
+    timing = {"window_seconds": dt, "steps": int(steps), "seconds_per_step": dt / steps,
+              "decode_tokens_per_step": tokens / steps, "mean_running": running,
+              "seconds_per_batch_step": running * dt / tokens}
+    if gpu_steps:
+        timing.update(gpu_seconds_per_step=gpu_busy / gpu_steps,
+                      gpu_idle_fraction=gpu_idle / max(gpu_busy + gpu_idle, 1e-9))
+    return timing
 
 
 # ---------------------------------------------------------------- numbers and output

@@ -70,7 +70,8 @@ def run(args) -> int:
          ("total tokens/s", common.fmt(s["total_tokens_per_s"], ",.0f")),
          ("output tokens", f"{s['output_tokens']:,} (every output full length: {s['all_outputs_full_length']})"),
          ("scheduler", ", ".join(f"{k} {v:,}" for k, v in s["scheduler"].items()
-                                 if k in ("steps", "prefill_tokens_computed", "preemptions")) or "-")])
+                                 if k in ("steps", "prefill_tokens_computed", "preemptions")) or "-"),
+         *common.gpu_timeline_rows(s["scheduler"], s["elapsed_s"])])
 
     result = {"benchmark": "throughput", "environment": env, "config": common.args_dict(args), "strata": strata}
 

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -48,6 +50,17 @@ def main() -> None:
         phases["execute(total)"] += t3 - t2
     for k, v in phases.items():
         print(f"{k:>20}: {v / a.steps * 1e3:8.3f} ms/step")
+    # Host side of steps run back to back (as the worker runs them): where the Python time goes.
+    profiler = cProfile.Profile()
+    pending = runner.execute(step)
+    profiler.enable()
+    for _ in range(a.steps):
+        launched = runner.execute(step)
+        pending.finish()
+        pending = launched
+    profiler.disable()
+    pending.finish()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

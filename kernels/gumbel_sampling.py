@@ -16,6 +16,7 @@ from torch import Tensor
 try:  # Triton is optional: CPU-only installs sample with the torch reference.
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -147,6 +148,17 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _log2_approx(x, INTERPRETED: tl.constexpr):
+        """log2 with the GPU's special-function unit (lg2.approx, ~2**-22 relative error):
+        libdevice's accurate logf costs ~20 instructions, and the draw takes two logs per
+        vocabulary entry. The interpreter has no PTX, so it uses numpy's log2."""
+        if INTERPRETED:
+            return tl.log2(x)
+        else:
+            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
     def _row_keys_tl(seed, position):
         """_row_keys for one row (salt 0, Gumbel domain); seed and position are int64 scalars."""
         seed_lo = seed.to(tl.uint32)
@@ -172,6 +184,7 @@ if triton is not None:
         logits_ptr, row_stride, seeds_ptr, positions_ptr, inv_temp_ptr, greedy_ptr, threshold_ptr,
         best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, vocab_size, num_splits,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LOG_NORM: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and writes
         # its best perturbed value and index (plus max and sum of exp of the raw logits when
@@ -200,7 +213,9 @@ if triton is not None:
                 h = _mix32_tl(cols.to(tl.uint32) * 0x61C88647 + key_a)
                 h = _mix32_tl(h ^ key_b)
                 u = tl.maximum((h >> 8).to(tl.float32), 1.0) * 5.9604644775390625e-08  # 2**-24
-                val = x * inv_t - tl.log(-tl.log(u))
+                # Gumbel noise -ln(-ln u), as ln y = ln2 * log2 y.
+                exponential = -0.6931471805599453 * _log2_approx(u, INTERPRETED)
+                val = x * inv_t - 0.6931471805599453 * _log2_approx(exponential, INTERPRETED)
                 if HAS_THRESHOLD:
                     val = tl.where(x >= threshold, val, float("-inf"))
             val = tl.where(in_vocab, val, float("-inf"))
@@ -221,6 +236,10 @@ if triton is not None:
         if LOG_NORM:
             tl.store(max_ptr + row * num_splits + split, run_max)
             tl.store(sum_exp_ptr + row * num_splits + split, run_sum)
+
+
+    # Decided at definition time, like triton.jit itself (TRITON_INTERPRET read when decorating).
+    _INTERPRETED = isinstance(_gumbel_argmax_kernel, InterpretedFunction)
 
 
 _TRITON_BLOCK = 1024
@@ -246,7 +265,7 @@ def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperat
         greedy.view(torch.uint8), threshold if threshold is not None else inv_temperature,
         partial[0], best_idx, partial[-2], partial[-1], vocab, num_splits,
         CHUNK=chunk, BLOCK=_TRITON_BLOCK, HAS_THRESHOLD=threshold is not None,
-        LOG_NORM=want_log_norm, num_warps=_TRITON_NUM_WARPS,
+        LOG_NORM=want_log_norm, INTERPRETED=_INTERPRETED, num_warps=_TRITON_NUM_WARPS,
     )
     winner = partial[0].argmax(dim=1, keepdim=True)  # first split wins ties, like torch.argmax
     token_ids = best_idx.gather(1, winner).squeeze(1).to(torch.int64)

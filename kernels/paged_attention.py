@@ -91,6 +91,11 @@ def choose_launch_config(
             # Powers of two only: bounds the number of compiled variants.
             num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)
     assert num_kv_splits >= 1
+    if block_q == 1:
+        # Decode: a 16-row dot per tile, so the loads are the whole job; 2 warps per program keep
+        # more programs resident per SM (H200 sweep, bench_attention.py: 98 -> 88 us per layer at
+        # B=256 D=64, 88 -> 86 us at B=128 D=128).
+        return AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=num_kv_splits, num_warps=2, num_stages=2)
     return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits,
                                  num_warps=4, num_stages=3)
 

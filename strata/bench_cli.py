@@ -39,6 +39,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=0, help="longest sequence (0: the model's)")
     g.add_argument("--num-kv-blocks", type=int, default=0, help="force this many KV blocks (0: size from memory)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--max-plans-in-flight", type=int, default=0,
+                   help="scheduler plans in flight (0: the scheduler's default; see `strata scheduler --help`)")
     g.add_argument("--address", default=None,
                    help="gateway host:port of a running cluster (default: start one for this run)")
     g.add_argument("--scheduler-address", default=None,

@@ -29,7 +29,12 @@ def tensor_from_proto(msg: engine_pb2.Tensor, device: torch.device | str = "cpu"
         raise ValueError(f"unsupported tensor dtype {msg.dtype!r}")
     np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
     arr = np.frombuffer(msg.data, dtype=np_dtype)
-    t = torch.from_numpy(arr.copy()).reshape(tuple(msg.shape))
+    on_gpu = torch.device(device).type == "cuda"
+    # Staged in page-locked memory for a GPU: a copy from pageable memory would wait for every
+    # kernel already queued on the stream.
+    t = torch.empty(arr.shape, dtype=torch.int16 if dtype == torch.bfloat16 else dtype, pin_memory=on_gpu)
+    t.numpy()[:] = arr
+    t = t.reshape(tuple(msg.shape))
     if dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
-    return t.to(device, non_blocking=True) if str(device) != "cpu" else t
+    return t.to(device, non_blocking=True) if on_gpu else t

@@ -93,6 +93,8 @@ class Engine:
         self._busy_since: float | None = None
         self._busy_seconds = 0.0
         self._started = time.monotonic()
+        # The last stage's CUDA-event view: [busy seconds, idle seconds, timed steps].
+        self._worker_gpu = [0.0, 0.0, 0]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -211,6 +213,10 @@ class Engine:
         plan = self.in_flight.popleft()
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
+        if result.gpu_seconds > 0:
+            self._worker_gpu[0] += result.gpu_seconds
+            self._worker_gpu[1] += result.gpu_idle_seconds
+            self._worker_gpu[2] += 1
         try:
             if result.error:
                 raise RuntimeError(result.error)
@@ -299,4 +305,7 @@ class Engine:
             pipeline_stages=self.pipeline.num_stages,
             lookahead_decodes=s.get("lookahead_decodes", 0),
             busy_seconds=busy,
+            worker_gpu_busy_seconds=self._worker_gpu[0],
+            worker_gpu_idle_seconds=self._worker_gpu[1],
+            worker_timed_steps=self._worker_gpu[2],
         )

@@ -27,6 +27,9 @@ _FIELDS = {
     "gpu_idle_fraction": "share of wall time with no plan executing",
     "lookahead_decodes": "decodes scheduled before their input token came back (one stage)",
     "busy_seconds": "wall time with at least one plan executing",
+    "worker_gpu_busy_seconds": "GPU time inside steps on the last stage (CUDA events)",
+    "worker_gpu_idle_seconds": "GPU idle time between consecutive steps on the last stage (CUDA events)",
+    "worker_timed_steps": "steps timed with CUDA events on the last stage",
 }
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata, allocate_kv_cache
+from services.worker.host_to_device import upload
 from services.worker.sampler import Sampler, SamplingTensors
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
@@ -99,6 +100,32 @@ class SequenceTable:
             self.num_blocks[row] = k + n
 
 
+class GpuTimeline:
+    """The GPU's busy and idle time per step, from CUDA events (the host's clocks cannot see it).
+
+    A step's start event is recorded just before its first kernel is queued, its end event after
+    its last copy; the GPU reaches the start event when the previous step's work is done or, if
+    the host was late, when the host queued it. So end(k) -> start(k+1) is the GPU idle between
+    steps, start(k) -> end(k) the step's GPU time. Steps finish in order (one finisher thread).
+    """
+
+    def __init__(self):
+        self._last_end: torch.cuda.Event | None = None
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finished(self, start: torch.cuda.Event, end: torch.cuda.Event) -> tuple[float, float]:
+        """(busy seconds, idle seconds before the step); `end` must have completed."""
+        busy = start.elapsed_time(end) / 1e3
+        idle = max(self._last_end.elapsed_time(start) / 1e3, 0.0) if self._last_end is not None else 0.0
+        self._last_end = end
+        return busy, idle
+
+
 class ModelRunner:
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype,
@@ -120,6 +147,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.timeline = GpuTimeline() if device.type == "cuda" else None
 
     # ------------------------------------------------------------ cache
 
@@ -137,10 +165,10 @@ class ModelRunner:
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if not src:
             return
-        s = torch.tensor(src, device=self.device, dtype=torch.long)
-        d = torch.tensor(dst, device=self.device, dtype=torch.long)
+        blocks = upload({"src": np.asarray(src, dtype=np.int64), "dst": np.asarray(dst, dtype=np.int64)},
+                        self.device)
         for cache in self.kv_caches:
-            cache[:, d] = cache[:, s]
+            cache[:, blocks["dst"]] = cache[:, blocks["src"]]
 
     # ------------------------------------------------------------ plans
 
@@ -197,24 +225,27 @@ class ModelRunner:
             sample_rows=rows[sample_idx], sample_token_index=qsl[1:][sample_idx] - 1,
             sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx])
 
-    def _resolve_placeholders(self, input_ids: torch.Tensor, h: HostInputs) -> torch.Tensor:
+    def _resolve_placeholders(self, input_ids: torch.Tensor, token_rows: torch.Tensor | None) -> torch.Tensor:
         """Decode lookahead: a plan sent before the previous step's token reached the scheduler
-        carries PLACEHOLDER_TOKEN; that token is still here, on the device."""
-        if not h.has_placeholders:
+        carries PLACEHOLDER_TOKEN; that token is still here, on the device (token_rows: each
+        token's state row, on the device; None when the plan has no placeholder)."""
+        if token_rows is None:
             return input_ids
-        rows = torch.from_numpy(h.token_rows).to(self.device)
-        return torch.where(input_ids < 0, self.last_sampled[rows], input_ids)
+        return torch.where(input_ids < 0, self.last_sampled[token_rows], input_ids)
 
-    def device_meta(self, h: HostInputs) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=torch.from_numpy(h.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(h.seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(h.block_tables)).to(dev),
-            slot_mapping=torch.from_numpy(h.slot_mapping).to(dev),
-            max_query_len=h.max_query_len,
-            max_seq_len=int(h.seq_lens.max()),
-        )
+    def _upload_step_arrays(self, h: HostInputs, eager: bool) -> dict[str, torch.Tensor]:
+        """The step's index arrays on the device in one copy (the decode graphs stage their own
+        inputs; an eager step needs the attention metadata too)."""
+        arrays = {"sample_rows": h.sample_rows, "sample_token_index": h.sample_token_index}
+        if h.has_placeholders:
+            arrays["token_rows"] = h.token_rows
+        if eager:
+            arrays.update(positions=h.positions, query_start_loc=h.query_start_loc.astype(np.int32),
+                          seq_lens=h.seq_lens.astype(np.int32), block_tables=h.block_tables,
+                          slot_mapping=h.slot_mapping)
+            if h.input_ids is not None:
+                arrays["input_ids"] = h.input_ids
+        return upload(arrays, self.device)
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         from services.worker.cuda_graphs import DecodeGraphs
@@ -228,48 +259,54 @@ class ModelRunner:
         start = time.perf_counter()
         rows = self.apply_state(plan)
         h = self.host_inputs(plan, rows)
+        gpu_start = self.timeline.mark() if self.timeline else None
         n = len(h.seq_lens)
         bs = self.graphs.padded_size(n) if self.graphs and h.max_query_len == 1 else None
+        d = self._upload_step_arrays(h, eager=bs is None)
+        # The host's share of sampling comes before the model's launch: the sampler's kernels then
+        # follow the model's with no host work in between for the GPU to wait on.
+        sampling = self._sampling_tensors(h) if self.is_last and h.sample_seq_ids else None
+        token_rows = d.get("token_rows")
         if bs is not None:  # decode-only: replay a captured graph
             outs = self.graphs.run(bs, h.input_ids, h.positions, h.slot_mapping, h.seq_lens.astype(np.int32),
                                    h.block_tables, hidden, residual,
-                                   resolve=lambda ids: self._resolve_placeholders(ids, h))
+                                   resolve=None if token_rows is None
+                                   else lambda ids: self._resolve_placeholders(ids, token_rows))
             if not self.is_last:
                 return outs
             # Every decode token is its sequence's last: the sampled rows index the logits directly.
-            logits = outs[0][torch.from_numpy(h.sample_token_index).to(self.device)] \
-                if len(h.sample_seq_ids) != n else outs[0]
+            logits = outs[0][d["sample_token_index"]] if len(h.sample_seq_ids) != n else outs[0]
         else:
-            input_ids = None
-            if h.input_ids is not None:
-                input_ids = self._resolve_placeholders(torch.from_numpy(h.input_ids).to(self.device), h)
-            hidden, residual = self.shard.forward(
-                input_ids, torch.from_numpy(h.positions).to(self.device), hidden, residual, self.kv_caches,
-                self.device_meta(h))
+            input_ids = d.get("input_ids")
+            if input_ids is not None:
+                input_ids = self._resolve_placeholders(input_ids, token_rows)
+            meta = AttentionMetadata(
+                query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
+                slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()))
+            hidden, residual = self.shard.forward(input_ids, d["positions"], hidden, residual, self.kv_caches, meta)
             if not self.is_last:
                 return hidden, residual
             logits = None
             if h.sample_seq_ids:
-                idx = torch.from_numpy(h.sample_token_index).to(self.device)
+                idx = d["sample_token_index"]
                 logits = self.shard.compute_logits(hidden[idx], residual[idx])
         if not h.sample_seq_ids:
-            return PendingResult(plan.step_id, start, [], np.zeros(0), [None])
-        return self._sample(logits, h, plan.step_id, start)
-
-    def _sample(self, logits: torch.Tensor, inputs: HostInputs, step_id: int, start: float) -> "PendingResult":
-        t, r = self.table, inputs.sample_rows
-        num_logprobs = int(t.logprobs[r].max())
-        st = SamplingTensors.build(
-            temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
-            seeds=t.seed[r], positions=inputs.sample_positions, num_logprobs=num_logprobs,
-            device=logits.device)
-        out = self.sampler(logits, st)
+            return PendingResult(plan.step_id, start, [], np.zeros(0), [None], self.timeline, gpu_start)
+        out = self.sampler(logits, sampling)
         # Kept on the device for the next plan's decode lookahead (placeholder input tokens).
-        self.last_sampled[torch.from_numpy(r).to(self.device)] = out.token_ids
+        self.last_sampled[d["sample_rows"]] = out.token_ids
         tensors = [out.token_ids]
-        if num_logprobs >= 0:
+        if sampling.num_logprobs >= 0:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
-        return PendingResult(step_id, start, inputs.sample_seq_ids, t.logprobs[r].copy(), tensors)
+        return PendingResult(plan.step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows].copy(),
+                             tensors, self.timeline, gpu_start)
+
+    def _sampling_tensors(self, h: HostInputs) -> SamplingTensors:
+        t, r = self.table, h.sample_rows
+        return SamplingTensors.build(
+            temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
+            seeds=t.seed[r], positions=h.sample_positions, num_logprobs=int(t.logprobs[r].max()),
+            device=self.device)
 
 
 class PendingResult:
@@ -278,18 +315,18 @@ class PendingResult:
     step thread can already launch the next plan."""
 
     def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
-                 tensors: list[torch.Tensor | None]):
+                 tensors: list[torch.Tensor | None], timeline: GpuTimeline | None = None,
+                 gpu_start: torch.cuda.Event | None = None):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.host = [None if x is None else x.to("cpu", non_blocking=True) for x in tensors]
-        self.event = None
-        if tensors[0].is_cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
+        self.timeline, self.gpu_start = timeline, gpu_start
+        self.event = GpuTimeline.mark() if gpu_start is not None else None
 
     def finish(self) -> engine_pb2.StepResult:
+        result = engine_pb2.StepResult(step_id=self.step_id)
         if self.event is not None:
             self.event.synchronize()
-        result = engine_pb2.StepResult(step_id=self.step_id)
+            result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
         if self.seq_ids:
             token_ids = self.host[0].tolist()
             n = len(token_ids)

@@ -33,6 +33,7 @@ from kernels.gumbel_sampling import (
     gumbel_row_keys,
     uniform_noise,
 )
+from services.worker.host_to_device import upload
 
 __all__ = [
     "GREEDY_EPSILON",
@@ -131,25 +132,13 @@ class SamplingTensors:
         sampled_rows = np.nonzero(sampled)[0]
         num_sampled = sampled_rows.shape[0]
 
-        # One host-to-device copy for the whole struct: a byte buffer holding every field,
-        # widest dtype first so each slice stays aligned for its view (m rows: never empty).
-        m = max(n, 1)
-        buffer = np.zeros(m * (3 * 8 + 5 * 4 + 4 + 1), dtype=np.uint8)
-        ints = buffer[:24 * m].view(np.int64).reshape(3, m)[:, :n]
-        ints[0], ints[1], ints[2, :num_sampled] = seeds, positions, sampled_rows
-        floats = buffer[24 * m:44 * m].view(np.float32).reshape(5, m)[:, :n]
-        floats[:] = (temperature, top_p, min_p, inv_temperature, min_p_offset)
-        buffer[44 * m:44 * m + 4 * n].view(np.int32)[:] = top_k
-        buffer[48 * m:48 * m + n] = greedy
-        on_device = torch.from_numpy(buffer).to(device)
-        ints_d = on_device[:24 * m].view(torch.int64).view(3, m)[:, :n]
-        floats_d = on_device[24 * m:44 * m].view(torch.float32).view(5, m)[:, :n]
         uses_top_p = top_p < 1
+        d = upload({"temperature": temperature, "top_p": top_p, "min_p": min_p, "inv_temperature": inv_temperature,
+                    "min_p_offset": min_p_offset.astype(np.float32), "top_k": top_k.astype(np.int32),
+                    "seeds": seeds, "positions": positions, "sample_rows": sampled_rows.astype(np.int64),
+                    "greedy": greedy}, torch.device(device))
         return cls(
-            temperature=floats_d[0], top_p=floats_d[1], min_p=floats_d[2], inv_temperature=floats_d[3],
-            min_p_offset=floats_d[4], top_k=on_device[44 * m:48 * m].view(torch.int32)[:n],
-            seeds=ints_d[0], positions=ints_d[1], sample_rows=ints_d[2, :num_sampled],
-            greedy=on_device[48 * m:48 * m + n].view(torch.bool),
+            **d,
             num_logprobs=int(num_logprobs),
             all_greedy=num_sampled == 0,
             any_greedy=num_sampled < n,
@@ -293,10 +282,13 @@ class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {st.num_rows} sampling rows")
-        logits = logits.float()
         want_logprobs = st.num_logprobs >= 0
         if st.all_greedy and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)  # exact in any dtype
+        use_triton = self._use_triton(logits) and logits.shape[0] > 0
+        needs_torch_ops = want_logprobs or st.any_top_k or st.any_top_p or st.any_min_p
+        if not use_triton or needs_torch_ops:
+            logits = logits.float()  # the fused kernel upcasts as it reads; torch ops need float32
         # One torch.topk serves both the top-k/top-p cut and the top logprobs. (A per-chunk
         # tl.topk first stage measured slower than torch.topk on an H200.)
         filter_width = 0
@@ -307,7 +299,7 @@ class Sampler:
         threshold = None
         if not st.all_greedy:
             threshold = keep_threshold(logits, st, ranked[0] if ranked is not None else None)
-        draw = _draw_triton if self._use_triton(logits) and logits.shape[0] > 0 else _draw_torch
+        draw = _draw_triton if use_triton else _draw_torch
         token_ids, log_norm = draw(logits, st, threshold, want_logprobs)
         if not want_logprobs:
             return SamplerOutput(token_ids, None, None, None)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import generate_pb2 as strata_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\x1a\x18strata/v1/generate.proto\"\x8f\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x12\n\nfinal_only\x18\x05 \x01(\x08\"\xc1\x01\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xce\x03\n\x0eSchedulerStats\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13peak_used_kv_blocks\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1f\n\x17prefill_tokens_computed\x18\n \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_tokens_computed\x18\x0b \x01(\x04\x12\r\n\x05steps\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x0e \x01(\x04\x12\x19\n\x11gpu_idle_fraction\x18\x0f \x01(\x01\x12\x17\n\x0fpipeline_stages\x18\x10 \x01(\r\x12\x19\n\x11lookahead_decodes\x18\x11 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x12 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xdf\x01\n\x11WorkerDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12#\n\x05model\x18\x07 \x01(\x0b\x32\x14.strata.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\"E\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12next_stage_address\x18\x02 \x01(\t\"\x10\n\x0eInitCacheReply\"s\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.strata.v1.SamplingOptions\"\xe2\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.strata.v1.NewSequence\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_scheduled\x18\x06 \x03(\r\x12\x17\n\x0finput_token_ids\x18\x07 \x03(\x05\x12\x12\n\ntable_keep\x18\x08 \x03(\r\x12\x1b\n\x13table_append_counts\x18\t \x03(\r\x12\x18\n\x10table_append_ids\x18\n \x03(\r\x12\x0e\n\x06sample\x18\x0b \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\r\x12\x17\n\x0f\x63opy_src_blocks\x18\r \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x0e \x03(\r\"\xcd\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07num_top\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"u\n\x0b\x41\x63tivations\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.strata.v1.Tensor\x12#\n\x08residual\x18\x03 \x01(\x0b\x32\x11.strata.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x0e\n\x0c\x46orwardReply2\x8c\x02\n\tScheduler\x12=\n\x06Submit\x12\x18.strata.v1.EngineRequest\x1a\x17.strata.v1.EngineOutput0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.strata.v1.AbortRequest\x1a\x15.strata.v1.AbortReply\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1a.strata.v1.GetStatsRequest\x1a\x19.strata.v1.SchedulerStats2\x8a\x02\n\x06Worker\x12\x44\n\x08\x44\x65scribe\x12\x1a.strata.v1.DescribeRequest\x1a\x1c.strata.v1.WorkerDescription\x12\x43\n\tInitCache\x12\x1b.strata.v1.InitCacheRequest\x1a\x19.strata.v1.InitCacheReply\x12\x37\n\x05Steps\x12\x13.strata.v1.StepPlan\x1a\x15.strata.v1.StepResult(\x01\x30\x01\x12<\n\x07\x46orward\x12\x16.strata.v1.Activations\x1a\x17.strata.v1.ForwardReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\x1a\x18strata/v1/generate.proto\"\x8f\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x12\n\nfinal_only\x18\x05 \x01(\x08\"\xc1\x01\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xac\x04\n\x0eSchedulerStats\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13peak_used_kv_blocks\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1f\n\x17prefill_tokens_computed\x18\n \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_tokens_computed\x18\x0b \x01(\x04\x12\r\n\x05steps\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x0e \x01(\x04\x12\x19\n\x11gpu_idle_fraction\x18\x0f \x01(\x01\x12\x17\n\x0fpipeline_stages\x18\x10 \x01(\r\x12\x19\n\x11lookahead_decodes\x18\x11 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x12 \x01(\x01\x12\x1f\n\x17worker_gpu_busy_seconds\x18\x13 \x01(\x01\x12\x1f\n\x17worker_gpu_idle_seconds\x18\x14 \x01(\x01\x12\x1a\n\x12worker_timed_steps\x18\x15 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\xdf\x01\n\x11WorkerDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12#\n\x05model\x18\x07 \x01(\x0b\x32\x14.strata.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\"E\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12next_stage_address\x18\x02 \x01(\t\"\x10\n\x0eInitCacheReply\"s\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.strata.v1.SamplingOptions\"\xe2\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.strata.v1.NewSequence\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_scheduled\x18\x06 \x03(\r\x12\x17\n\x0finput_token_ids\x18\x07 \x03(\x05\x12\x12\n\ntable_keep\x18\x08 \x03(\r\x12\x1b\n\x13table_append_counts\x18\t \x03(\r\x12\x18\n\x10table_append_ids\x18\n \x03(\r\x12\x0e\n\x06sample\x18\x0b \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\r\x12\x17\n\x0f\x63opy_src_blocks\x18\r \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x0e \x03(\r\"\xfc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07num_top\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bgpu_seconds\x18\x0b \x01(\x01\x12\x18\n\x10gpu_idle_seconds\x18\x0c \x01(\x01\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"u\n\x0b\x41\x63tivations\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.strata.v1.Tensor\x12#\n\x08residual\x18\x03 \x01(\x0b\x32\x11.strata.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x0e\n\x0c\x46orwardReply2\x8c\x02\n\tScheduler\x12=\n\x06Submit\x12\x18.strata.v1.EngineRequest\x1a\x17.strata.v1.EngineOutput0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.strata.v1.AbortRequest\x1a\x15.strata.v1.AbortReply\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1a.strata.v1.GetStatsRequest\x1a\x19.strata.v1.SchedulerStats2\x8a\x02\n\x06Worker\x12\x44\n\x08\x44\x65scribe\x12\x1a.strata.v1.DescribeRequest\x1a\x1c.strata.v1.WorkerDescription\x12\x43\n\tInitCache\x12\x1b.strata.v1.InitCacheRequest\x1a\x19.strata.v1.InitCacheReply\x12\x37\n\x05Steps\x12\x13.strata.v1.StepPlan\x1a\x15.strata.v1.StepResult(\x01\x30\x01\x12<\n\x07\x46orward\x12\x16.strata.v1.Activations\x1a\x17.strata.v1.ForwardReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,31 +43,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=473
   _globals['_GETSTATSREQUEST']._serialized_end=490
   _globals['_SCHEDULERSTATS']._serialized_start=493
-  _globals['_SCHEDULERSTATS']._serialized_end=955
-  _globals['_DESCRIBEREQUEST']._serialized_start=957
-  _globals['_DESCRIBEREQUEST']._serialized_end=974
-  _globals['_WORKERDESCRIPTION']._serialized_start=977
-  _globals['_WORKERDESCRIPTION']._serialized_end=1200
-  _globals['_INITCACHEREQUEST']._serialized_start=1202
-  _globals['_INITCACHEREQUEST']._serialized_end=1271
-  _globals['_INITCACHEREPLY']._serialized_start=1273
-  _globals['_INITCACHEREPLY']._serialized_end=1289
-  _globals['_SAMPLINGOPTIONS']._serialized_start=1291
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1406
-  _globals['_NEWSEQUENCE']._serialized_start=1408
-  _globals['_NEWSEQUENCE']._serialized_end=1483
-  _globals['_STEPPLAN']._serialized_start=1486
-  _globals['_STEPPLAN']._serialized_end=1840
-  _globals['_STEPRESULT']._serialized_start=1843
-  _globals['_STEPRESULT']._serialized_end=2048
-  _globals['_TENSOR']._serialized_start=2050
-  _globals['_TENSOR']._serialized_end=2102
-  _globals['_ACTIVATIONS']._serialized_start=2104
-  _globals['_ACTIVATIONS']._serialized_end=2221
-  _globals['_FORWARDREPLY']._serialized_start=2223
-  _globals['_FORWARDREPLY']._serialized_end=2237
-  _globals['_SCHEDULER']._serialized_start=2240
-  _globals['_SCHEDULER']._serialized_end=2508
-  _globals['_WORKER']._serialized_start=2511
-  _globals['_WORKER']._serialized_end=2777
+  _globals['_SCHEDULERSTATS']._serialized_end=1049
+  _globals['_DESCRIBEREQUEST']._serialized_start=1051
+  _globals['_DESCRIBEREQUEST']._serialized_end=1068
+  _globals['_WORKERDESCRIPTION']._serialized_start=1071
+  _globals['_WORKERDESCRIPTION']._serialized_end=1294
+  _globals['_INITCACHEREQUEST']._serialized_start=1296
+  _globals['_INITCACHEREQUEST']._serialized_end=1365
+  _globals['_INITCACHEREPLY']._serialized_start=1367
+  _globals['_INITCACHEREPLY']._serialized_end=1383
+  _globals['_SAMPLINGOPTIONS']._serialized_start=1385
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1500
+  _globals['_NEWSEQUENCE']._serialized_start=1502
+  _globals['_NEWSEQUENCE']._serialized_end=1577
+  _globals['_STEPPLAN']._serialized_start=1580
+  _globals['_STEPPLAN']._serialized_end=1934
+  _globals['_STEPRESULT']._serialized_start=1937
+  _globals['_STEPRESULT']._serialized_end=2189
+  _globals['_TENSOR']._serialized_start=2191
+  _globals['_TENSOR']._serialized_end=2243
+  _globals['_ACTIVATIONS']._serialized_start=2245
+  _globals['_ACTIVATIONS']._serialized_end=2362
+  _globals['_FORWARDREPLY']._serialized_start=2364
+  _globals['_FORWARDREPLY']._serialized_end=2378
+  _globals['_SCHEDULER']._serialized_start=2381
+  _globals['_SCHEDULER']._serialized_end=2649
+  _globals['_WORKER']._serialized_start=2652
+  _globals['_WORKER']._serialized_end=2918
 # @@protoc_insertion_point(module_scope)
