@@ -42,7 +42,7 @@ def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
 
 def attention_bytes(batch: PagedBatch) -> int:
     """Bytes a perfect kernel moves: every context key and value once, query in, output out."""
-    _, _, _, num_kv_heads, head_dim = batch.kv_cache.shape
+    _, _, num_kv_heads, _, head_dim = batch.kv_cache.shape
     kv = int(batch.seq_lens.sum()) * num_kv_heads * head_dim * 2 * batch.kv_cache.element_size()
     return kv + 2 * batch.query.numel() * batch.query.element_size() + batch.block_tables.numel() * 4
 
@@ -74,7 +74,7 @@ def check(batch: PagedBatch, scale: float, **kwargs) -> float:
 def auto_config(batch: PagedBatch) -> AttentionLaunchConfig:
     _, num_q_heads, head_dim = batch.query.shape
     return choose_launch_config(
-        num_seqs=batch.seq_lens.shape[0], num_q_heads=num_q_heads, num_kv_heads=batch.kv_cache.shape[3],
+        num_seqs=batch.seq_lens.shape[0], num_q_heads=num_q_heads, num_kv_heads=batch.kv_cache.shape[2],
         head_dim=head_dim, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
         sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
 

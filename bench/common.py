@@ -371,10 +371,13 @@ def decode_only_timing(samples) -> dict:
     step at that batch size. Empty when there was no such interval.
     """
     dt = steps = tokens = weighted_running = gpu_busy = gpu_idle = gpu_steps = 0.0
-    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+    for i, ((t0, a), (t1, b)) in enumerate(zip(samples, samples[1:])):
         d_steps = b.steps - a.steps
         d_tokens = b.decode_tokens_computed - a.decode_tokens_computed
-        if b.prefill_tokens_computed != a.prefill_tokens_computed or d_steps <= 0 or d_tokens <= 0:
+        # Results lag their plans by the plans in flight: the interval after one that scheduled
+        # prefill may still receive a prefill step's GPU time, so it is skipped too.
+        prefill_before = i > 0 and a.prefill_tokens_computed != samples[i - 1][1].prefill_tokens_computed
+        if b.prefill_tokens_computed != a.prefill_tokens_computed or prefill_before or d_steps <= 0 or d_tokens <= 0:
             continue
         dt += t1 - t0
         steps += d_steps

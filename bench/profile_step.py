@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: per-phase host timings and the top GPU kernels.
+"""Where a step's time goes: per-phase host timings, the host's Python profile, the top GPU kernels.
 
     python -m bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
+    python -m bench.profile_step --batch 16 --prefill-len 512     # a prefill step of 16 x 512 tokens
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from bench.roofline import decode_plans, load_runner
+from bench.roofline import decode_plans, load_runner, prefill_plan
 from strata.cli import build_parser
 
 
@@ -23,14 +24,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--prefill-len", type=int, default=0,
+                   help="profile a step prefilling --batch fresh prompts of this many tokens instead of a decode")
     a = p.parse_args()
     argv = ["bench", "roofline", "--model", a.model, "--device", "cuda"]
     if a.enforce_eager:
         argv.append("--enforce-eager")
+    argv += ["--max-num-batched-tokens", str(max(2048, a.batch * a.prefill_len))]
     args = build_parser().parse_args(argv)
-    runner = load_runner(args, a.batch, a.context_len)
+    runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
                                a.temperature, 0)
+    if a.prefill_len:
+        admit = step = prefill_plan(a.batch, a.prefill_len, runner.block_size, runner.config.vocab_size,
+                                    a.temperature, 0)
     runner.execute(admit).finish()
     for _ in range(5):
         runner.execute(step).finish()

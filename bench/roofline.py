@@ -92,29 +92,46 @@ def load_runner(args, batch: int, context_len: int):
     return runner
 
 
-def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int, temperature: float,
-                 seed: int):
-    """(admit, step): the first plan admits `batch` sequences with full block tables, the second
-    (repeated) decodes one token each at position context_len - 1."""
+def _admit_plan(batch: int, num_computed: int, num_scheduled: int, block_size: int, tokens: list[int],
+                temperature: float, seed: int):
+    """A plan admitting `batch` sequences (re-admitting them if they exist) whose block tables
+    cover num_computed + num_scheduled positions, each computing num_scheduled tokens."""
     from strata.v1 import engine_pb2
 
-    blocks_per_seq = math.ceil(context_len / block_size)
+    blocks_per_seq = math.ceil((num_computed + num_scheduled) / block_size)
     seq_ids = list(range(1, batch + 1))
-    block_ids = np.arange(1, 1 + batch * blocks_per_seq, dtype=np.int64)
-    tokens = common.random_prompts(1, batch, vocab_size, seed)[0]
-    common_fields = dict(seq_ids=seq_ids, num_computed=[context_len - 1] * batch, num_scheduled=[1] * batch,
-                         input_token_ids=tokens, sample=[True] * batch)
-    admit = engine_pb2.StepPlan(
+    return engine_pb2.StepPlan(
         step_id=1,
         released_seq_ids=seq_ids,  # a no-op the first time; lets the same runner be timed again
         new_sequences=[engine_pb2.NewSequence(
             seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0, seed=seed + s,
                                                           logprobs=-1)) for s in seq_ids],
         table_keep=[0] * batch, table_append_counts=[blocks_per_seq] * batch,
-        table_append_ids=block_ids.tolist(), **common_fields)
+        table_append_ids=np.arange(1, 1 + batch * blocks_per_seq).tolist(),
+        seq_ids=seq_ids, num_computed=[num_computed] * batch, num_scheduled=[num_scheduled] * batch,
+        input_token_ids=tokens, sample=[True] * batch)
+
+
+def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int, temperature: float,
+                 seed: int):
+    """(admit, step): the first plan admits `batch` sequences with full block tables, the second
+    (repeated) decodes one token each at position context_len - 1."""
+    from strata.v1 import engine_pb2
+
+    tokens = common.random_prompts(1, batch, vocab_size, seed)[0]
+    admit = _admit_plan(batch, context_len - 1, 1, block_size, tokens, temperature, seed)
+    blocks_per_seq = math.ceil(context_len / block_size)
     step = engine_pb2.StepPlan(step_id=2, table_keep=[blocks_per_seq] * batch, table_append_counts=[0] * batch,
-                               **common_fields)
+                               seq_ids=admit.seq_ids, num_computed=admit.num_computed,
+                               num_scheduled=admit.num_scheduled, input_token_ids=tokens, sample=admit.sample)
     return admit, step
+
+
+def prefill_plan(batch: int, prompt_len: int, block_size: int, vocab_size: int, temperature: float, seed: int):
+    """A plan admitting `batch` fresh prompts of prompt_len tokens and computing them whole
+    (repeatable: it re-admits the same sequences)."""
+    tokens = common.random_prompts(batch, prompt_len, vocab_size, seed)
+    return _admit_plan(batch, 0, prompt_len, block_size, [t for p in tokens for t in p], temperature, seed)
 
 
 def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: int, temperature: float,

@@ -62,11 +62,11 @@ def write_kv_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store key/value [T, Hkv, D] at slot_mapping [T] (int64, -1 = skip) of kv_cache [2, NB, BS, Hkv, D]."""
+    """Store key/value [T, Hkv, D] at slot_mapping [T] (int64, -1 = skip) of kv_cache [2, NB, Hkv, BS, D]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
-    assert kv_cache.shape[3:] == (num_kv_heads, head_dim), (kv_cache.shape, key.shape)
+    assert kv_cache.shape[2] == num_kv_heads and kv_cache.shape[4] == head_dim, (kv_cache.shape, key.shape)
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
@@ -76,10 +76,11 @@ def write_kv_cache(
     _write_kv_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=kv_cache.shape[3],
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )

@@ -10,6 +10,9 @@ How the work is cut:
   sequence by binary search over query_start_loc (no host sync, CUDA-graph safe).
 - Keys are walked in tiles of TILE_N positions; each position's physical block comes from the
   block table, so a tile may span several pages (small test block sizes) or part of one.
+- kv_cache is [2, num_blocks, num_kv_heads, block_size, head_dim]: the page of one (block, KV
+  head) is a contiguous block_size * head_dim run. The kernel only sees block / slot / head
+  strides, so the address math does not depend on that order.
 - Online softmax in float32, in the log2 domain (exp2 with scale * log2(e) folded in).
 
 Split-KV: for decode batches too small to fill the GPU (B * Hkv small, long contexts), each
@@ -325,7 +328,7 @@ def paged_attention(
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, kv_cache.shape
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim must be a power of two >= 16, got {head_dim}"
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
@@ -367,7 +370,8 @@ def paged_attention(
         query_start_loc, seq_lens, block_tables,
         num_seqs, scale * _LOG2E, sliding_window if sliding_window is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
         HEAD_DIM=head_dim,

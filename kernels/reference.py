@@ -4,8 +4,9 @@ Plain float32 math, one sequence at a time: slow, obvious, and free of host-sync
 (they call .tolist()), so never use them on a hot path.
 
 Layout shared with the kernels:
-  kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]  (0 = keys, 1 = values)
+  kv_cache      [2, num_blocks, num_kv_heads, block_size, head_dim]  (0 = keys, 1 = values)
   slot_mapping  int64 [T]: block_id * block_size + offset of each new token, -1 = skip
+                (a (block, offset) number: a slot's heads are not adjacent in memory)
   query_start_loc int32 [B+1], seq_lens int32 [B] (cached + new tokens), block_tables int32 [B, max_blocks]
 Token i of sequence b (q_len = qsl[b+1] - qsl[b]) sits at position seq_lens[b] - q_len + i and sees
 keys at positions p with  position - sliding_window < p <= position.
@@ -23,23 +24,24 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter key/value [T, Hkv, D] into kv_cache at slot_mapping; slots < 0 are skipped."""
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.shape[3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
+    # Block and offset indices around the head slice: the indexed result is [T, Hkv, D].
+    kv_cache[0, blocks, :, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, :, offsets] = value[keep].to(kv_cache.dtype)
 
 
 def gather_sequence_kv(
     kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [seq_len, Hkv, D] of one sequence, in position order, as float32."""
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.shape[3]
     positions = torch.arange(seq_len, device=kv_cache.device)
     blocks = block_table_row.long()[positions // block_size]
     offsets = positions % block_size
-    return kv_cache[0, blocks, offsets].float(), kv_cache[1, blocks, offsets].float()
+    return kv_cache[0, blocks, :, offsets].float(), kv_cache[1, blocks, :, offsets].float()
 
 
 def paged_attention_reference(
@@ -60,7 +62,7 @@ def paged_attention_reference(
     """
     del max_query_len, max_seq_len
     num_tokens, num_q_heads, _ = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)

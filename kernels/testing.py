@@ -16,7 +16,7 @@ import torch
 @dataclass
 class PagedBatch:
     query: torch.Tensor  # [T, Hq, D]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    kv_cache: torch.Tensor  # [2, num_blocks, Hkv, block_size, D]
     query_start_loc: torch.Tensor  # int32 [B+1]
     seq_lens: torch.Tensor  # int32 [B]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
@@ -28,6 +28,11 @@ class PagedBatch:
         """Positional arguments of paged_attention / paged_attention_reference, up to max_seq_len."""
         return (self.query, self.kv_cache, self.query_start_loc, self.seq_lens, self.block_tables,
                 self.max_query_len, self.max_seq_len)
+
+
+def kv_by_slot(kv_cache: torch.Tensor) -> torch.Tensor:
+    """kv_cache [2, NB, Hkv, BS, D] as [2, NB * BS, Hkv, D], row s = slot s; a copy, for reading."""
+    return kv_cache.transpose(2, 3).reshape(2, -1, kv_cache.shape[2], kv_cache.shape[4])
 
 
 def make_paged_batch(
@@ -75,12 +80,14 @@ def make_paged_batch(
     context = torch.tensor(context_lens, dtype=torch.int64)
     slot_mapping = slots_of(*ranges(context, seq_lens))
 
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
     kv_cache = torch.randn(shape, generator=device_gen, device=device).to(dtype)
     if poison_unowned:
         owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
         owned[slots_of(*ranges(torch.zeros_like(seq_lens), seq_lens))] = True
-        kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, ~owned.to(device)] = float("nan")
+        # Slot s is (block s // block_size, offset s % block_size), in every KV head.
+        unowned = ~owned.view(1, num_blocks, 1, block_size, 1).to(device)
+        kv_cache.masked_fill_(unowned, float("nan"))
 
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, num_q_heads, head_dim, generator=device_gen, device=device).to(dtype)

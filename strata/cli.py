@@ -50,13 +50,15 @@ def _worker_flags(p):
     _batch_flags(p)
     p.add_argument("--enforce-eager", action="store_true", default=_env("STRATA_ENFORCE_EAGER", False, _bool),
                    help="never capture CUDA graphs [env STRATA_ENFORCE_EAGER]")
+    _add(p, "--profile-output", "STRATA_PROFILE_OUTPUT", None,
+         "write a torch.profiler table of the GPU work of steps 200-299 to this file (diagnostics)")
 
 
 def _scheduler_flags(p):
     _batch_flags(p)
     _add(p, "--max-plans-in-flight", "STRATA_MAX_PLANS_IN_FLIGHT", 0,
-         "plans executing at once (0: max(2, pipeline stages)); with one stage the plans after the "
-         "first are decode lookaheads of its requests", type=int)
+         "plans executing at once (0: 3 with one stage, else the number of pipeline stages); with one "
+         "stage the plans after the first are decode lookaheads of its requests", type=int)
     _add(p, "--max-kv-blocks", "STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", type=int)
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=_env("STRATA_NO_PREFIX_CACHING", False, _bool),

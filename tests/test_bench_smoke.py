@@ -135,20 +135,25 @@ def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
     assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
 
 
-def _stats(t_steps, prefill, decode, running):
+def _stats(t_steps, prefill, decode, running, gpu_busy=0.0, gpu_idle=0.0):
     return engine_pb2.SchedulerStats(steps=t_steps, prefill_tokens_computed=prefill,
-                                     decode_tokens_computed=decode, running=running)
+                                     decode_tokens_computed=decode, running=running,
+                                     worker_gpu_busy_seconds=gpu_busy, worker_gpu_idle_seconds=gpu_idle,
+                                     worker_timed_steps=t_steps)
 
 
 def test_decode_only_timing_skips_intervals_with_prefill():
-    samples = [(0.0, _stats(0, 100, 0, 8)),
-               (1.0, _stats(10, 200, 40, 8)),   # prefill happened: ignored
-               (2.0, _stats(30, 200, 120, 8)),  # 20 steps of 4 tokens over 1 s
-               (4.0, _stats(50, 200, 200, 8))]  # 20 steps of 4 tokens over 2 s
+    samples = [(0.0, _stats(0, 100, 0, 8, 0.0, 0.0)),
+               (1.0, _stats(10, 200, 40, 8, 5.0, 0.0)),    # prefill happened: ignored
+               (2.0, _stats(20, 200, 80, 8, 5.5, 0.5)),    # may still get prefill's results: ignored
+               (3.0, _stats(40, 200, 160, 8, 6.3, 0.7)),   # 20 steps of 4 tokens over 1 s
+               (5.0, _stats(60, 200, 240, 8, 7.9, 1.1))]   # 20 steps of 4 tokens over 2 s
     t = common.decode_only_timing(samples)
     assert t["steps"] == 40 and t["seconds_per_step"] == pytest.approx(3.0 / 40)
     assert t["decode_tokens_per_step"] == pytest.approx(4.0)
-    # 8 sequences advancing at 160 tokens / 3 s: one batch step every 8 * 3 / 160 s.
+    # The worker's CUDA-event view over the same two intervals: 2.4 s busy, 0.6 s idle.
+    assert t["gpu_seconds_per_step"] == pytest.approx(2.4 / 40)
+    assert t["gpu_idle_fraction"] == pytest.approx(0.6 / 3.0)
     assert t["seconds_per_batch_step"] == pytest.approx(8 * 3 / 160)
     assert common.decode_only_timing(samples[:2]) == {}
 

@@ -99,6 +99,13 @@ def test_children_get_ids_and_seeds_and_merge(tokenizer):
     assert responses[-1].usage.prompt_tokens == 3
 
 
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Waits for asynchronous cancellations to arrive (a fixed sleep is flaky on a loaded machine)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def test_a_failing_child_fails_the_parent_with_its_status_and_cancels_siblings(tokenizer):
     async def go():
         fake = FakeScheduler(fail_prefix="1_", hang=True)
@@ -107,7 +114,7 @@ def test_a_failing_child_fails_the_parent_with_its_status_and_cancels_siblings(t
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Generate(_request(3, seed=1), timeout=10):
                     pass
-            await asyncio.sleep(0.3)  # cancellations reach the fake scheduler
+            await _until(lambda: len(fake.cancelled) >= 2)  # cancellations reach the fake scheduler
         finally:
             await _close(handles)
         return fake, err.value
@@ -126,7 +133,7 @@ def test_client_cancel_aborts_every_child(tokenizer):
             call = stub.Generate(_request(4), timeout=10)
             await call.read()  # the first token of some child
             call.cancel()
-            await asyncio.sleep(0.3)
+            await _until(lambda: len(fake.cancelled) >= 4)
         finally:
             await _close(handles)
         return fake

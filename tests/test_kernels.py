@@ -51,7 +51,7 @@ else:
     from kernels.kv_cache_write import write_kv_cache
     from kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention
     from kernels.reference import paged_attention_reference, write_kv_cache_reference
-    from kernels.testing import make_paged_batch
+    from kernels.testing import kv_by_slot, make_paged_batch
 
     TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
@@ -78,7 +78,7 @@ else:
             n = end - begin
             positions = torch.arange(n)
             blocks = batch.block_tables[b, positions // 4].long()
-            keys, values = (batch.kv_cache[i, blocks, positions % 4] for i in (0, 1))
+            keys, values = (batch.kv_cache[i, blocks, :, positions % 4] for i in (0, 1))
             allowed = positions[None, :] <= positions[:, None]
             if window is not None:
                 allowed &= positions[None, :] > positions[:, None] - window
@@ -100,19 +100,19 @@ else:
         key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
         slots[[2, 7]] = -1
-        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+        cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
         expected = cache.clone()
         write_kv_cache(key, value, cache, slots)
         write_kv_cache_reference(key, value, expected, slots)
         assert torch.equal(cache, expected)
         # The written slots really changed, the skipped tokens left no trace.
-        flat = cache.view(2, -1, num_kv_heads, head_dim)
+        flat = kv_by_slot(cache)
         written = slots[slots >= 0]
         assert torch.equal(flat[0, written], key[slots >= 0])
         assert torch.equal(flat[1, written], value[slots >= 0])
         untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
         untouched[written] = False
-        original = expected.view(2, -1, num_kv_heads, head_dim)
+        original = kv_by_slot(expected)
         assert torch.equal(flat[:, untouched], original[:, untouched])
 
     def test_write_then_attend_decode_uses_the_new_token():

@@ -221,7 +221,7 @@ def test_reference_attention_matches_dense(num_q_heads, num_kv_heads, sliding_wi
     # (cached, new): a fresh prefill, decodes at and after a block boundary, chunks with context.
     shapes = [(0, 5), (3, 1), (4, 1), (7, 9), (16, 1), (0, 1), (11, 13)]
     backend = TorchAttentionBackend()
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim)
     ids = torch.randperm(num_blocks).tolist()
     keys, values, tables = [], [], []
     for cached, new in shapes:
@@ -258,10 +258,10 @@ def test_reference_attention_matches_dense(num_q_heads, num_kv_heads, sliding_wi
 
 def test_write_kv_skips_negative_slots():
     backend = TorchAttentionBackend()
-    kv_cache = torch.zeros(2, 3, 4, 2, 8)
+    kv_cache = torch.zeros(2, 3, 2, 4, 8)  # 3 blocks of 4 slots, 2 KV heads
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     backend.write_kv(key, value, kv_cache, torch.tensor([5, -1, 0]))
-    flat = kv_cache.view(2, 12, 2, 8)
+    flat = kv_cache.transpose(2, 3).reshape(2, 12, 2, 8)  # [2, slot, head, dim]
     assert torch.equal(flat[0, 5], key[0]) and torch.equal(flat[1, 5], value[0])
     assert torch.equal(flat[0, 0], key[2]) and torch.equal(flat[1, 0], value[2])
     written = torch.zeros(12, dtype=torch.bool)
@@ -272,7 +272,7 @@ def test_write_kv_skips_negative_slots():
 def test_kv_cache_allocation_and_size():
     caches = allocate_kv_cache(3, 10, 16, 8, 64, torch.bfloat16, "cpu")
     assert len(caches) == 3
-    assert caches[0].shape == (2, 10, 16, 8, 64) and caches[0].dtype == torch.bfloat16
+    assert caches[0].shape == (2, 10, 8, 16, 64) and caches[0].dtype == torch.bfloat16
     assert caches[0].data_ptr() != caches[1].data_ptr()
     per_block = kv_cache_bytes_per_block(3, 16, 8, 64, torch.bfloat16)
     assert per_block * 10 == sum(c.numel() * c.element_size() for c in caches)

@@ -1,9 +1,10 @@
 """Paged attention interface, KV-cache layout, and the torch reference backend.
 
-KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 = keys, 1 = values). A sequence's token at position p lives in block
-block_tables[b, p // block_size] at offset p % block_size, i.e. cache slot
-block_id * block_size + offset.
+KV cache of one layer: a tensor [2, num_blocks, num_kv_heads, block_size, head_dim]
+(index 0 = keys, 1 = values): one (block, KV head) page is contiguous, so attention reads
+whole pages rather than head_dim-long rows spaced num_kv_heads apart. A sequence's token at
+position p lives in block block_tables[b, p // block_size] at offset p % block_size, i.e.
+cache slot block_id * block_size + offset: a (block, offset) number, not a memory offset.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        num_heads, head_dim = kv_cache.shape[-2:]
-        flat = kv_cache.view(2, -1, num_heads, head_dim)
+        block_size = kv_cache.shape[3]
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        flat[0, slots] = key[valid].to(kv_cache.dtype)
-        flat[1, slots] = value[valid].to(kv_cache.dtype)
+        blocks, offsets = slots // block_size, slots % block_size
+        # Block and offset indices around the head slice: the indexed result is [T, Hkv, D].
+        kv_cache[0, blocks, :, offsets] = key[valid].to(kv_cache.dtype)
+        kv_cache[1, blocks, :, offsets] = value[valid].to(kv_cache.dtype)
 
     def forward(
         self,
@@ -78,7 +80,7 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:
         num_tokens, num_q_heads, head_dim = query.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         group = num_q_heads // num_kv_heads
         out = torch.empty_like(query)
 
@@ -91,10 +93,10 @@ class TorchAttentionBackend:
                 continue
             num_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[b, :num_blocks].long()
-            # [2, seq_len, Hkv, D] -> keys/values [Hkv, seq_len, D]
-            kv = kv_cache[:, blocks].reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
-            keys = kv[0, :seq_len].transpose(0, 1).float()
-            values = kv[1, :seq_len].transpose(0, 1).float()
+            # [2, blocks, Hkv, block_size, D] -> keys/values [Hkv, seq_len, D]
+            kv = kv_cache[:, blocks].transpose(1, 2).reshape(2, num_kv_heads, -1, head_dim)
+            keys = kv[0, :, :seq_len].float()
+            values = kv[1, :, :seq_len].float()
 
             # Query heads of one KV head are contiguous: [Hkv, group * q_len, D].
             q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
@@ -126,9 +128,9 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    """One zeroed [2, num_blocks, num_kv_heads, block_size, head_dim] tensor per layer."""
     return [
-        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
         for _ in range(num_layers)
     ]
 

@@ -9,6 +9,7 @@ import torch
 
 from services.worker.attention import kv_cache_bytes_per_block
 from services.worker.model_config import ModelConfig
+from services.worker.profiling import StepProfiler
 from services.worker.runner import ModelRunner
 from services.worker.server import WorkerServicer
 from services.worker.weights import load_shard
@@ -102,7 +103,8 @@ def build(args):
 async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
-    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, description), server)
+    servicer = WorkerServicer(runner, description, StepProfiler(args.profile_output))
+    engine_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from services.worker.profiling import StepProfiler
 from services.worker.runner import ModelRunner, PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.grpc_util import aio_channel
@@ -26,8 +27,10 @@ class StepFailed(Exception):
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, description: engine_pb2.WorkerDescription):
+    def __init__(self, runner: ModelRunner, description: engine_pb2.WorkerDescription,
+                 profiler: StepProfiler | None = None):
         self.runner = runner
+        self.profiler = profiler or StepProfiler(None)
         self.description = description
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         # Waits for sampled tokens to reach the host while the step thread launches the next plan.
@@ -177,6 +180,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 residual = tensor_from_proto(act.residual, runner.device).to(runner.dtype)
         out = None
         if not error:
+            self.profiler.step_launched()
             try:
                 out = await loop.run_in_executor(self.executor, runner.execute, plan, hidden, residual)
             except Exception as e:  # a failed step must not take the worker down

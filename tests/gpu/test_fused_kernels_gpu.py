@@ -161,7 +161,9 @@ def test_kernels_capture_in_cuda_graph_with_padded_batch():
         want_q, want_k = rotary_embedding_reference(positions, fresh_q, fresh_k, cos, sin)
         assert_matches(outputs[0], want_normed)
         assert torch.equal(outputs[1], want_residual)
-        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        # Closeness only, as in test_rotary_in_place_on_qkv_views: FMA contraction on the GPU.
+        assert_matches(q, want_q, min_identical=0.0)
+        assert_matches(k, want_k, min_identical=0.0)
         assert_matches(outputs[2], silu_and_mul_reference(gate_up))
 
 
@@ -236,13 +238,15 @@ def test_bf16_shard_forward_fused_matches_torch_path():
     want = run_steps(shard, config, prompts, blocks, decode_tokens)
     set_fused_kernels(shard, None)  # the default: fused because the tensors are on CUDA
     got = run_steps(shard, config, prompts, blocks, decode_tokens)
+    errors = {(step, name): relative_error(g, w) for step, (got_step, want_step) in enumerate(zip(got, want))
+              for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step)}
+    print("relative errors:", {f"{step} {name}": f"{e:.2e}" for (step, name), e in errors.items()})
     for step, (got_step, want_step) in enumerate(zip(got, want)):
         for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step):
             assert g.shape == w.shape and g.dtype == w.dtype
             assert torch.isfinite(g).all(), (step, name)
-            error = relative_error(g, w)
             # Same rounding points: only rare last-bit flips, amplified a little through 3 layers.
-            assert error < 1e-2, f"step {step} {name}: relative error {error:.2e}"
+            assert errors[step, name] < 1e-2, f"step {step} {name}: relative error {errors[step, name]:.2e}"
         # Random weights give flat logits (top-2 gaps of a few bf16 steps): allow rare greedy flips.
         agree = (got_step[2].argmax(-1) == want_step[2].argmax(-1)).float().mean().item()
         assert agree > 0.9, f"step {step}: greedy tokens agree on {agree:.1%} of sequences"

@@ -24,7 +24,7 @@ pytestmark = [
 from kernels.kv_cache_write import write_kv_cache  # noqa: E402
 from kernels.paged_attention import choose_launch_config, paged_attention  # noqa: E402
 from kernels.reference import paged_attention_reference, write_kv_cache_reference  # noqa: E402
-from kernels.testing import make_paged_batch  # noqa: E402
+from kernels.testing import kv_by_slot, make_paged_batch  # noqa: E402
 
 # bf16 inputs are identical for kernel and reference; the differences are P rounded to bf16
 # before P @ V and the bf16 output itself (relative 2^-9).
@@ -153,7 +153,7 @@ def test_large_mixed_step_llama_1b_shapes():
 def test_write_kv_cache_bf16_exact(dtype, num_kv_heads, head_dim):
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
     tokens, num_blocks, block_size = 3000, 400, 16
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, device="cuda", generator=gen).to(dtype)
     expected = cache.clone()
     key = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
     value = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
@@ -207,7 +207,7 @@ def test_decode_step_is_cuda_graph_capturable(num_kv_splits):
         value.copy_(torch.randn_like(value))
         graph.replay()
         torch.cuda.synchronize()
-        flat = batch.kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat = kv_by_slot(batch.kv_cache)
         assert torch.equal(flat[0, batch.slot_mapping], key) and torch.equal(flat[1, batch.slot_mapping], value)
         want = paged_attention_reference(batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
                                          batch.block_tables, 1, max_seq_len_bound, scale)

@@ -1,0 +1,46 @@
+"""Optional profile of a window of a worker's steps, taken inside the running service.
+
+The in-process benchmarks time the model alone; this shows where a serving worker's GPU time
+goes under real traffic (kernels, and the gaps between them that host work leaves). Enabled by
+`strata worker --profile-output PATH` (env STRATA_PROFILE_OUTPUT); the table of GPU kernels over
+steps [first, first + count) is written to PATH.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("strata.worker")
+
+
+class StepProfiler:
+    def __init__(self, output: str | None, first: int = 200, count: int = 100):
+        self.output = Path(output) if output else None
+        self.first, self.count = first, count
+        self.steps = 0
+        self._profiler = None
+        self._started = 0.0
+
+    def step_launched(self) -> None:
+        """Called once per step, before it is launched."""
+        if self.output is None:
+            return
+        if self.steps == self.first:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+            self._started = time.perf_counter()
+        elif self.steps == self.first + self.count and self._profiler is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self._started
+            self._profiler.__exit__(None, None, None)
+            table = self._profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                        max_name_column_width=70)
+            gpu = sum(e.self_device_time_total for e in self._profiler.key_averages()) / 1e6
+            self.output.write_text(f"steps {self.first}..{self.first + self.count}: wall {wall:.3f} s, "
+                                   f"GPU kernels and copies {gpu:.3f} s ({gpu / wall:.0%})\n{table}\n")
+            log.info("wrote the profile of %d steps to %s", self.count, self.output)
+            self._profiler = None
+        self.steps += 1
