@@ -79,9 +79,11 @@ def choose_launch_config(
     """
     group = num_q_heads // num_kv_heads
     # Aim for 64 rows (tokens x group heads) in the dot; a decode-only batch uses one token per
-    # program (rows padded to 16). Tiles of 64 keys, 3 stages: the K/V loads (including the
-    # block-table gather they depend on) are software-pipelined; this stays spill-free at D=128.
-    block_q = max(1, min(max_query_len, 64 // group))
+    # program (rows padded to 16). Only these two values: each block_q is a compiled variant, and
+    # one per query length would compile (for a second each) in the middle of serving. Tiles of
+    # 64 keys, 3 stages: the K/V loads (including the block-table gather they depend on) are
+    # software-pipelined; this stays spill-free at D=128.
+    block_q = 1 if max_query_len == 1 else max(1, 64 // group)
     if num_kv_splits is None:
         num_kv_splits = 1
         programs = num_seqs * num_kv_heads

@@ -132,6 +132,7 @@ def test_client_cancel_aborts_every_child(tokenizer):
         try:
             call = stub.Generate(_request(4), timeout=10)
             await call.read()  # the first token of some child
+            await _until(lambda: len(fake.submitted) == 4)  # every child reached the scheduler
             call.cancel()
             await _until(lambda: len(fake.cancelled) >= 4)
         finally:

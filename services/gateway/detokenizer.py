@@ -32,6 +32,10 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool):
         self._tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes the same text (cleanup off, below) without
+        # transformers' per-call argument conversion, which costs more than the decode itself
+        # for the few tokens of a streamed step.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-self.PROMPT_CONTEXT_TOKENS :])
         context_text = self._decode(context)
@@ -45,6 +49,8 @@ class IncrementalDetokenizer:
         self._prefix_text = context_text
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             ids,
             skip_special_tokens=self._skip_special_tokens,

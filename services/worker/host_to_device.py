@@ -11,7 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_ALIGN = 8  # bytes: every dtype used here (int64 at most) stays aligned inside the packed buffer
+# Every array starts 16-byte aligned inside the packed buffer: Triton specialises kernels on
+# whether each pointer is 16-byte aligned, so varying alignment would compile new variants of a
+# kernel mid-serving.
+_ALIGN = 16
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -32,9 +36,14 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     for name, a in arrays.items():
         host[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
     on_device = staging.to(device, non_blocking=True)
-    return {name: on_device[offsets[name]:offsets[name] + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-            for name, a in arrays.items()}
+    tensors = {}
+    for name, a in arrays.items():
+        t = on_device[offsets[name]:offsets[name] + a.nbytes].view(_torch_dtype(a.dtype))
+        tensors[name] = t if a.ndim == 1 else t.view(a.shape)  # each view costs host time
+    return tensors
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    if dtype not in _TORCH_DTYPES:
+        _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return _TORCH_DTYPES[dtype]

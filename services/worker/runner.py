@@ -161,6 +161,40 @@ class ModelRunner:
         self.table.clear()
         if self.cuda_graph_max_batch:
             self.capture_cuda_graphs(self.cuda_graph_max_batch)
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compiles now the Triton variants that serving would otherwise compile mid-traffic
+        (about a second each, stalling every request): eager steps with token counts that are
+        odd and a multiple of 16 (Triton specialises on both), every sampler variant (filters,
+        logprobs). Block 0 is read and nothing is written (slot -1)."""
+        h = self.config.hidden_size
+        for q_lens in ([3, 1, 1], [15, 1]):
+            total = sum(q_lens)
+            inputs = upload({
+                "input_ids": np.zeros(total, np.int64), "positions": np.zeros(total, np.int64),
+                "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                "seq_lens": np.asarray(q_lens, np.int32), "block_tables": np.zeros((len(q_lens), 1), np.int32),
+                "slot_mapping": np.full(total, -1, np.int64)}, self.device)
+            meta = AttentionMetadata(
+                query_start_loc=inputs["query_start_loc"], seq_lens=inputs["seq_lens"],
+                block_tables=inputs["block_tables"], slot_mapping=inputs["slot_mapping"],
+                max_query_len=max(q_lens), max_seq_len=max(q_lens))
+            hidden = residual = None
+            if not self.is_first:
+                hidden = torch.zeros(total, h, dtype=self.dtype, device=self.device)
+                residual = torch.zeros_like(hidden)
+            hidden, residual = self.shard.forward(inputs["input_ids"] if self.is_first else None,
+                                                  inputs["positions"], hidden, residual, self.kv_caches, meta)
+        if self.is_last:
+            logits = self.shard.compute_logits(hidden[:2], residual[:2])
+            for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:
+                self.sampler(logits, SamplingTensors.build(
+                    temperature=[temperature] * 2, top_k=[top_k] * 2, top_p=[1.0] * 2, min_p=[0.0] * 2,
+                    seeds=[0, 1], positions=[0, 0], num_logprobs=logprobs, device=self.device))
+        torch.cuda.synchronize(self.device)
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if not src:
@@ -233,9 +267,10 @@ class ModelRunner:
             return input_ids
         return torch.where(input_ids < 0, self.last_sampled[token_rows], input_ids)
 
-    def _upload_step_arrays(self, h: HostInputs, eager: bool) -> dict[str, torch.Tensor]:
-        """The step's index arrays on the device in one copy (the decode graphs stage their own
-        inputs; an eager step needs the attention metadata too)."""
+    def _upload_step_arrays(self, h: HostInputs, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
+        """The step's index arrays and sampling settings on the device, in one copy (the decode
+        graphs stage their own inputs; an eager step needs the attention metadata too). Built
+        before anything is launched, so the GPU never waits on host work mid-step."""
         arrays = {"sample_rows": h.sample_rows, "sample_token_index": h.sample_token_index}
         if h.has_placeholders:
             arrays["token_rows"] = h.token_rows
@@ -245,7 +280,18 @@ class ModelRunner:
                           slot_mapping=h.slot_mapping)
             if h.input_ids is not None:
                 arrays["input_ids"] = h.input_ids
-        return upload(arrays, self.device)
+        flags = None
+        if self.is_last and h.sample_seq_ids:
+            t, r = self.table, h.sample_rows
+            sampling, flags = SamplingTensors.prepare(
+                temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
+                seeds=t.seed[r], positions=h.sample_positions, num_logprobs=int(t.logprobs[r].max()))
+            arrays.update({f"sampling.{name}": a for name, a in sampling.items()})
+        d = upload(arrays, self.device)
+        if flags is None:
+            return d, None
+        fields = {name.removeprefix("sampling."): d.pop(name) for name in list(d) if name.startswith("sampling.")}
+        return d, SamplingTensors(**fields, **flags)
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         from services.worker.cuda_graphs import DecodeGraphs
@@ -262,10 +308,7 @@ class ModelRunner:
         gpu_start = self.timeline.mark() if self.timeline else None
         n = len(h.seq_lens)
         bs = self.graphs.padded_size(n) if self.graphs and h.max_query_len == 1 else None
-        d = self._upload_step_arrays(h, eager=bs is None)
-        # The host's share of sampling comes before the model's launch: the sampler's kernels then
-        # follow the model's with no host work in between for the GPU to wait on.
-        sampling = self._sampling_tensors(h) if self.is_last and h.sample_seq_ids else None
+        d, sampling = self._upload_step_arrays(h, eager=bs is None)
         token_rows = d.get("token_rows")
         if bs is not None:  # decode-only: replay a captured graph
             outs = self.graphs.run(bs, h.input_ids, h.positions, h.slot_mapping, h.seq_lens.astype(np.int32),
@@ -300,13 +343,6 @@ class ModelRunner:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
         return PendingResult(plan.step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows].copy(),
                              tensors, self.timeline, gpu_start)
-
-    def _sampling_tensors(self, h: HostInputs) -> SamplingTensors:
-        t, r = self.table, h.sample_rows
-        return SamplingTensors.build(
-            temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
-            seeds=t.seed[r], positions=h.sample_positions, num_logprobs=int(t.logprobs[r].max()),
-            device=self.device)
 
 
 class PendingResult:

@@ -103,6 +103,13 @@ class SamplingTensors:
     @classmethod
     def build(cls, temperature, top_k, top_p, min_p, seeds, positions, num_logprobs: int,
               device) -> "SamplingTensors":
+        arrays, flags = cls.prepare(temperature, top_k, top_p, min_p, seeds, positions, num_logprobs)
+        return cls(**upload(arrays, torch.device(device)), **flags)
+
+    @staticmethod
+    def prepare(temperature, top_k, top_p, min_p, seeds, positions, num_logprobs: int) -> tuple[dict, dict]:
+        """The host half of build(): (numpy arrays for the tensor fields, the host-side flags).
+        The worker uploads the arrays together with its other per-step inputs, in one copy."""
         temperature = np.asarray(temperature, dtype=np.float32).reshape(-1)
         top_k = np.asarray(top_k, dtype=np.int64).reshape(-1)
         top_p = np.asarray(top_p, dtype=np.float32).reshape(-1)
@@ -128,17 +135,14 @@ class SamplingTensors:
         temperature = np.where(greedy, np.float32(0.0), temperature)
         inv_temperature = np.float32(1.0) / np.where(greedy, np.float32(1.0), temperature)
         with np.errstate(divide="ignore", invalid="ignore"):
-            min_p_offset = np.where(min_p > 0, temperature * np.log(min_p), -np.inf)
-        sampled_rows = np.nonzero(sampled)[0]
+            min_p_offset = np.where(min_p > 0, temperature * np.log(min_p), -np.inf).astype(np.float32)
+        sampled_rows = np.nonzero(sampled)[0].astype(np.int64)
         num_sampled = sampled_rows.shape[0]
-
         uses_top_p = top_p < 1
-        d = upload({"temperature": temperature, "top_p": top_p, "min_p": min_p, "inv_temperature": inv_temperature,
-                    "min_p_offset": min_p_offset.astype(np.float32), "top_k": top_k.astype(np.int32),
-                    "seeds": seeds, "positions": positions, "sample_rows": sampled_rows.astype(np.int64),
-                    "greedy": greedy}, torch.device(device))
-        return cls(
-            **d,
+        arrays = {"temperature": temperature, "top_p": top_p, "min_p": min_p, "inv_temperature": inv_temperature,
+                  "min_p_offset": min_p_offset, "top_k": top_k.astype(np.int32), "seeds": seeds,
+                  "positions": positions, "sample_rows": sampled_rows, "greedy": greedy}
+        flags = dict(
             num_logprobs=int(num_logprobs),
             all_greedy=num_sampled == 0,
             any_greedy=num_sampled < n,
@@ -148,6 +152,7 @@ class SamplingTensors:
             max_top_k=int(top_k.max(initial=0)),
             needs_full_sort=bool((uses_top_p & (top_k == 0)).any()),
         )
+        return arrays, flags
 
 
 @dataclass

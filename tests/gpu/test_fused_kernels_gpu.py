@@ -245,8 +245,9 @@ def test_bf16_shard_forward_fused_matches_torch_path():
         for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step):
             assert g.shape == w.shape and g.dtype == w.dtype
             assert torch.isfinite(g).all(), (step, name)
-            # Same rounding points: only rare last-bit flips, amplified a little through 3 layers.
-            assert errors[step, name] < 1e-2, f"step {step} {name}: relative error {errors[step, name]:.2e}"
+            # The torch rotary rounds each bf16 product and sum, the fused kernel once in float32:
+            # ~1-ulp differences in q and k, grown through 3 random layers (H200: 1.0-1.7e-2).
+            assert errors[step, name] < 3e-2, f"step {step} {name}: relative error {errors[step, name]:.2e}"
         # Random weights give flat logits (top-2 gaps of a few bf16 steps): allow rare greedy flips.
         agree = (got_step[2].argmax(-1) == want_step[2].argmax(-1)).float().mean().item()
         assert agree > 0.9, f"step {step}: greedy tokens agree on {agree:.1%} of sequences"
