@@ -54,8 +54,11 @@ def device_name(device: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, with '+dirty' when the working tree has changes. Without git (a copy of
-    the tree on a GPU host), $STRATA_GIT_COMMIT, else 'unknown'."""
+    """$STRATA_GIT_COMMIT when set (a copy of the tree on a GPU host, whose git metadata may be
+    stale), else HEAD's short hash with '+dirty' when the working tree has changes, else 'unknown'."""
+    if os.environ.get("STRATA_GIT_COMMIT"):
+        return os.environ["STRATA_GIT_COMMIT"]
+
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -63,7 +66,7 @@ def git_commit() -> str:
         commit = git("rev-parse", "--short=12", "HEAD")
         return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("STRATA_GIT_COMMIT") or "unknown"
+        return "unknown"
 
 
 def environment_info(args) -> dict:

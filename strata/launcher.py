@@ -26,8 +26,8 @@ class Cluster:
         self.scheduler_address = ""
         self.worker_addresses: list[str] = []
 
-    def start(self, name: str, argv: list[str]) -> None:
-        cmd = [sys.executable, "-m", "strata.cli", *argv]
+    def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
+        cmd = [sys.executable, "-m", module, *argv]
         self.procs.append((name, subprocess.Popen(cmd)))
 
     def wait_healthy(self, address: str, name: str, timeout: float) -> None:

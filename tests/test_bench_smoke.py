@@ -161,3 +161,17 @@ def test_decode_only_timing_skips_intervals_with_prefill():
 def test_peak_block_bound():
     assert peak_block_bound(64, 1024, 256, 16) == 64 + 64 * 16
     assert peak_block_bound(4, 40, 8, 16) == 2 + 4 * 1  # each child copies the 8-token tail block
+
+
+def test_host_overhead_with_a_simulated_device():
+    """The real gateway and scheduler over a worker whose GPU is simulated: every request
+    completes and the step period is at least the simulated step."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "bench.host_overhead", "--num-prompts", "16", "--input-len", "8",
+                           "--output-len", "8", "--step-ms", "5"], capture_output=True, text=True, timeout=300,
+                          cwd=common.REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if "ms per step" in line)
+    per_step_ms = float(line.split("(")[1].split(" ms")[0])
+    assert per_step_ms >= 5.0 * 0.99

@@ -49,20 +49,22 @@ class OutputStream:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.final_only = final_only
-        self.pending: engine_pb2.EngineOutput | None = None
+        # Accumulated in Python lists (cheaper than growing a message every step); next() builds
+        # the message.
+        self._token_ids: list[int] = []
+        self._logprobs: list = []
+        self._cached_prompt_tokens = 0
+        self._finish = ("", "")
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
 
     def push(self, token_ids, logprobs, finish_reason: str = "", stop_reason: str = "",
              cached_prompt_tokens: int = 0) -> None:
-        if self.pending is None:
-            self.pending = engine_pb2.EngineOutput(request_id=self.request_id, prompt_tokens=self.prompt_tokens)
-        out = self.pending
-        out.token_ids.extend(token_ids)
-        out.logprobs.extend(logprobs)
-        out.cached_prompt_tokens = cached_prompt_tokens
+        self._token_ids.extend(token_ids)
+        self._logprobs.extend(logprobs)
+        self._cached_prompt_tokens = cached_prompt_tokens
         if finish_reason:
-            out.finish_reason, out.stop_reason = finish_reason, stop_reason
+            self._finish = (finish_reason, stop_reason)
         if finish_reason or not self.final_only:
             self.ready.set()
 
@@ -76,7 +78,11 @@ class OutputStream:
         self.ready.clear()
         if self.failure is not None:
             raise self.failure
-        out, self.pending = self.pending, None
+        out = engine_pb2.EngineOutput(
+            request_id=self.request_id, prompt_tokens=self.prompt_tokens, token_ids=self._token_ids,
+            logprobs=self._logprobs, cached_prompt_tokens=self._cached_prompt_tokens,
+            finish_reason=self._finish[0], stop_reason=self._finish[1])
+        self._token_ids, self._logprobs = [], []
         return out
 
 
@@ -87,6 +93,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.streams: dict[str, OutputStream] = {}
         self.in_flight: collections.deque = collections.deque()
+        self._results: collections.deque[engine_pb2.StepResult] = collections.deque()  # received, not applied
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -145,12 +152,16 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    async def submit(self, request: Request, final_only: bool = False) -> OutputStream:
+    async def wait_ready(self) -> None:
+        """Waits while the pipeline (re)connects; RequestFailed(UNAVAILABLE) after reconnect_timeout."""
         if not self._ready.is_set():
             try:
                 await asyncio.wait_for(self._ready.wait(), self.config.reconnect_timeout)
             except asyncio.TimeoutError:
                 raise RequestFailed("UNAVAILABLE", "the worker pipeline is not available") from None
+
+    async def submit(self, request: Request, final_only: bool = False) -> OutputStream:
+        await self.wait_ready()
         if request.request_id in self.streams:
             raise RequestFailed("ALREADY_EXISTS", f"request_id {request.request_id!r} is already running")
         try:
@@ -176,31 +187,40 @@ class Engine:
     # ------------------------------------------------------------ loop
 
     async def _run(self) -> None:
-        receive: asyncio.Task | None = None
+        reader: asyncio.Task | None = None
         while True:
             try:
+                if reader is None:
+                    reader = asyncio.create_task(self._read_results())
                 await self._fill_pipeline()
+                if self._results:
+                    # One result, then straight back to scheduling: the next plan goes out first.
+                    self._finish_step(self._results.popleft())
+                    continue
+                if reader.done():
+                    reader.result()  # re-raises the stage's failure
                 if not self.in_flight:
                     self._mark_idle()
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                if receive is None:
-                    receive = asyncio.create_task(self.pipeline.receive())
-                wake = asyncio.create_task(self._wake.wait())
-                done, _ = await asyncio.wait({receive, wake}, return_when=asyncio.FIRST_COMPLETED)
-                wake.cancel()
                 self._wake.clear()
-                if receive in done:
-                    result, receive = receive.result(), None
-                    self._finish_step(result)
+                await self._wake.wait()
             except Exception as e:  # a lost stage, or a bug: never leave requests hanging
                 if not isinstance(e, PipelineError):
                     log.exception("engine loop failed")
-                if receive is not None:
-                    receive.cancel()
-                    receive = None
+                if reader is not None:
+                    reader.cancel()
+                    reader = None
+                self._results.clear()
                 await self._recover(e)
+
+    async def _read_results(self) -> None:
+        """Moves the last stage's results into self._results as they arrive and wakes the loop
+        (one long-lived reader: no task per step)."""
+        try:
+            while True:
+                self._results.append(await self.pipeline.receive())
+                self._wake.set()
+        finally:
+            self._wake.set()  # a failed stream wakes the loop too, which re-raises the error
 
     async def _fill_pipeline(self) -> None:
         while len(self.in_flight) < self.max_in_flight:

@@ -40,6 +40,8 @@ def split_result(result: engine_pb2.StepResult):
     sampled: dict[int, list[int]] = {}
     logprobs: dict[int, list[generate_pb2.TokenLogprob]] = {}
     have_logprobs = len(result.logprobs) == len(result.token_ids) and len(result.token_ids) > 0
+    if not have_logprobs and len(result.token_ids) == len(result.seq_ids):  # one token each: most steps
+        return {seq_id: [token] for seq_id, token in zip(result.seq_ids, result.token_ids)}, logprobs
     pos = top_pos = 0
     for seq_id, n in zip(result.seq_ids, result.num_tokens):
         sampled[seq_id] = list(result.token_ids[pos:pos + n])

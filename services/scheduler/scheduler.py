@@ -403,16 +403,20 @@ class Scheduler:
         out = req.output_token_ids
         status = None
         new: list[int] = []
+        # Runs for every sequence of every step: plain locals, no properties.
+        can_stop_eos = not req.ignore_eos and req.eos_token_ids
+        stop_ids, min_tokens = req.stop_token_ids, req.min_tokens
+        max_out = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         for token in tokens:
-            can_stop = len(out) >= req.min_tokens  # min_tokens come out before any stop
+            can_stop = len(out) >= min_tokens  # min_tokens come out before any stop
             out.append(token)
             new.append(token)
-            if can_stop and not req.ignore_eos and token in req.eos_token_ids:
+            if can_stop and can_stop_eos and token in can_stop_eos:
                 status = RequestStatus.FINISHED_STOPPED
-            elif can_stop and token in req.stop_token_ids:
+            elif can_stop and stop_ids and token in stop_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
-            elif len(out) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(out) >= max_out:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 break  # tokens after a stop are dropped

@@ -57,6 +57,10 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request, context):
         try:
+            await self.engine.wait_ready()  # the model's limits are unknown while reconnecting
+        except RequestFailed as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        try:
             req = request_from_proto(request, self.engine.pipeline.model_info)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

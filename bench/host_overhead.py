@@ -1,0 +1,89 @@
+"""The service stack's host overhead, on any machine: gateway + scheduler + a worker whose GPU is
+simulated (bench/simulated_worker.py: real service and per-step host work, a device that takes
+--step-ms per step). A stack that never left the device waiting would run one step per step-ms;
+the device's idle share is what the host costs.
+
+    python -m bench.host_overhead                      # offline: 1000 x 512/128, all at once
+    python -m bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import time
+
+from bench import common
+from strata.default_model import ensure_default_model
+from strata.launcher import Cluster, free_port
+
+
+async def _run(gateway: str, scheduler: str, args) -> dict:
+    from strata.v1 import generate_pb2
+    info = await common.model_info(gateway)
+    prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
+    params = common.sampling_params(args.output_len, 1.0, generate_pb2.FINAL_ONLY)
+    before = await common.scheduler_stats(scheduler)
+    start = time.perf_counter()
+    records = await common.run_all_at_once(gateway, prompts, params, 600.0, desc="simulated", progress=False)
+    elapsed = time.perf_counter() - start
+    after = await common.scheduler_stats(scheduler)
+    errors = common.failures(records)
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
+    steps = after.steps - before.steps
+    return {"elapsed_s": elapsed, "steps": steps, "output_tokens": sum(r.output_tokens for r in records),
+            "device_busy_s": steps * args.step_ms / 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time per step")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-plans-in-flight", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-dir", default=None,
+                   help="also sample each service with py-spy (on PATH) into this folder (bench/spy_summary.py)")
+    args = p.parse_args()
+
+    cluster = Cluster()
+    try:
+        worker, sched, gateway = (f"127.0.0.1:{free_port()}" for _ in range(3))
+        cluster.start("worker", ["--port", worker.split(":")[1], "--step-ms", str(args.step_ms),
+                                 "--max-num-seqs", str(args.max_num_seqs)], module="bench.simulated_worker")
+        cluster.start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched.split(":")[1],
+                                    "--workers", worker, "--max-num-seqs", str(args.max_num_seqs),
+                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                    "--max-plans-in-flight", str(args.max_plans_in_flight)])
+        cluster.start("gateway", ["gateway", "--host", "127.0.0.1", "--port", gateway.split(":")[1],
+                                  "--scheduler-address", sched, "--model", str(ensure_default_model())])
+        cluster.wait_healthy(gateway, "gateway", 120.0)
+        spies = []
+        if args.profile_dir:
+            spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-d", "60",
+                                       "-f", "raw", "-p", str(proc.pid), "-o", f"{args.profile_dir}/{name}.txt"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for name, proc in cluster.procs]
+        r = common.run(_run(gateway, sched, args))
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            spy.wait()
+    finally:
+        cluster.stop()
+    idle = 1 - r["device_busy_s"] / r["elapsed_s"]
+    common.print_section(
+        f"Host overhead, simulated {args.step_ms} ms steps ({args.num_prompts} x {args.input_len}/{args.output_len})",
+        [("elapsed", f"{r['elapsed_s']:.2f} s for {r['steps']} steps ({r['elapsed_s'] / r['steps'] * 1e3:.2f} ms "
+                     f"per step)"),
+         ("device busy", f"{r['device_busy_s']:.2f} s; idle {idle:.1%} of the time"),
+         ("output tokens/s", f"{r['output_tokens'] / r['elapsed_s']:,.0f} (with no host overhead: "
+                             f"{r['output_tokens'] / r['device_busy_s']:,.0f})")])
+
+
+if __name__ == "__main__":
+    main()
