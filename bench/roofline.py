@@ -271,7 +271,8 @@ async def _decode_through_stack(endpoints, args, context_len: int) -> dict:
     info = await common.model_info(endpoints.gateway)
     prompts = common.random_prompts(args.batch, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
-    async with common.StatsPoller(endpoints.scheduler) as poller:
+    # The decode-only phase lasts ~output_len steps (well under a second): sample it finely.
+    async with common.StatsPoller(endpoints.scheduler, interval=0.1) as poller:
         records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
                                                desc="decode batch", progress=not args.no_progress)
     errors = common.failures(records)
