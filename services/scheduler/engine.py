@@ -188,29 +188,33 @@ class Engine:
 
     async def _run(self) -> None:
         reader: asyncio.Task | None = None
-        while True:
-            try:
-                if reader is None:
-                    reader = asyncio.create_task(self._read_results())
-                await self._fill_pipeline()
-                if self._results:
-                    # One result, then straight back to scheduling: the next plan goes out first.
-                    self._finish_step(self._results.popleft())
-                    continue
-                if reader.done():
-                    reader.result()  # re-raises the stage's failure
-                if not self.in_flight:
-                    self._mark_idle()
-                self._wake.clear()
-                await self._wake.wait()
-            except Exception as e:  # a lost stage, or a bug: never leave requests hanging
-                if not isinstance(e, PipelineError):
-                    log.exception("engine loop failed")
-                if reader is not None:
-                    reader.cancel()
-                    reader = None
-                self._results.clear()
-                await self._recover(e)
+        try:
+            while True:
+                try:
+                    if reader is None:
+                        reader = asyncio.create_task(self._read_results())
+                    await self._fill_pipeline()
+                    if self._results:
+                        # One result, then straight back to scheduling: the next plan goes out first.
+                        self._finish_step(self._results.popleft())
+                        continue
+                    if reader.done():
+                        reader.result()  # re-raises the stage's failure
+                    if not self.in_flight:
+                        self._mark_idle()
+                    self._wake.clear()
+                    await self._wake.wait()
+                except Exception as e:  # a lost stage, or a bug: never leave requests hanging
+                    if not isinstance(e, PipelineError):
+                        log.exception("engine loop failed")
+                    if reader is not None:
+                        reader.cancel()
+                        reader = None
+                    self._results.clear()
+                    await self._recover(e)
+        finally:  # stop() cancels the loop: the reader goes with it
+            if reader is not None:
+                reader.cancel()
 
     async def _read_results(self) -> None:
         """Moves the last stage's results into self._results as they arrive and wakes the loop

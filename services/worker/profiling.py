@@ -3,7 +3,8 @@
 The in-process benchmarks time the model alone; this shows where a serving worker's GPU time
 goes under real traffic (kernels, and the gaps between them that host work leaves). Enabled by
 `strata worker --profile-output PATH` (env STRATA_PROFILE_OUTPUT); the table of GPU kernels over
-steps [first, first + count) is written to PATH.
+steps [first, first + count) is written to PATH. Tracing and writing the table slow the worker
+(the table takes seconds to build, on the event loop): use it for profiles, not for benchmarks.
 """
 from __future__ import annotations
 
