@@ -189,12 +189,14 @@ class Scheduler:
         GPU never waits for the scheduler. Only while those steps cannot end the request by
         length (a stop token may still end it: the extra steps are then dropped)."""
         pending = req.in_flight
+        if not (0 < pending <= self.decode_lookahead and req.pending_sample):
+            return False
+        num_output = len(req.output_token_ids)  # runs per request per step: no properties
+        num_tokens = len(req.prompt_token_ids) + num_output
         return (
-            0 < pending <= self.decode_lookahead
-            and req.pending_sample
-            and req.num_computed_tokens == req.num_tokens + pending - 1
-            and len(req.output_token_ids) + pending + 1 <= req.max_tokens
-            and req.num_tokens + pending + 1 <= self.max_model_len
+            req.num_computed_tokens == num_tokens + pending - 1
+            and num_output + pending + 1 <= req.max_tokens
+            and num_tokens + pending + 1 <= self.max_model_len
         )
 
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
@@ -315,17 +317,20 @@ class Scheduler:
     ) -> None:
         bm = self.block_manager
         start = req.num_computed_tokens
-        copy = bm.reserve(req, end, rewrites_prompt=end <= req.num_prompt_tokens)
+        num_prompt = len(req.prompt_token_ids)  # runs per sequence per step: no properties
+        num_tokens = num_prompt + len(req.output_token_ids)
+        copy = bm.reserve(req, end, rewrites_prompt=end <= num_prompt)
         if copy is not None:
             copies.append(copy)
             req.last_copy_step = step_id
         confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
         # A lookahead's input token is not known here yet: hash only blocks of known tokens.
-        bm.register_full_blocks(req, min(confirmed_end, req.num_tokens))
+        bm.register_full_blocks(req, min(confirmed_end, num_tokens))
         tokens = [PLACEHOLDER_TOKEN] if lookahead else req.token_slice(start, confirmed_end)
         if num_draft:
             tokens.extend(req.draft_token_ids[:num_draft])
-        req.draft_token_ids = []
+        if req.draft_token_ids:
+            req.draft_token_ids = []
         keep = req.num_synced_blocks
         seqs.append(
             ScheduledSeq(
@@ -336,7 +341,7 @@ class Scheduler:
                 input_token_ids=tokens,
                 table_keep=keep,
                 table_append=req.block_ids[keep:],
-                sample=lookahead or confirmed_end == req.num_tokens,
+                sample=lookahead or confirmed_end == num_tokens,
                 num_draft=num_draft,
             )
         )
@@ -348,8 +353,7 @@ class Scheduler:
         req.last_scheduled_step = step_id
         self._num_in_flight += 1
         # Prefill: context (re)computed up to the last known token; decode: that token + drafts.
-        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
-        prefill = 0 if lookahead else max(0, min(confirmed_end, prefill_end) - start)
+        prefill = 0 if lookahead else max(0, min(confirmed_end, max(num_prompt, num_tokens - 1)) - start)
         self._prefill_tokens += prefill
         self._decode_tokens += end - start - prefill
 
