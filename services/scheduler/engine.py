@@ -257,6 +257,10 @@ class Engine:
             # Blocks are cached when scheduled: this step's may never have been written.
             self.scheduler.reset_prefix_cache()
             return
+        if not logprobs:  # the common case: no request asked for logprobs
+            for upd in updates:
+                self._deliver(upd, None)
+            return
         seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs}
         for upd in updates:
             self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)))
