@@ -32,14 +32,12 @@ class SimulatedDevice:
         self.step_s = step_s
         self._free_at = 0.0
         self._lock = threading.Lock()
-        self.busy_s = 0.0
 
     def launch(self) -> float:
         """Queues a step now; returns when it will have finished."""
         with self._lock:
             start = max(time.perf_counter(), self._free_at)
             self._free_at = start + self.step_s
-            self.busy_s += self.step_s
             return self._free_at
 
 

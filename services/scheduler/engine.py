@@ -257,13 +257,10 @@ class Engine:
             # Blocks are cached when scheduled: this step's may never have been written.
             self.scheduler.reset_prefix_cache()
             return
-        if not logprobs:  # the common case: no request asked for logprobs
-            for upd in updates:
-                self._deliver(upd, None)
-            return
-        seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs}
+        # Mapping requests to seq ids only when some request asked for logprobs (rarely).
+        seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs} if logprobs else {}
         for upd in updates:
-            self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)))
+            self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)) if logprobs else None)
 
     def _deliver(self, upd, logprob_entries) -> None:
         req = upd.request

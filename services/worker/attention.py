@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from kernels.reference import write_kv_cache_reference
+
 
 @dataclass
 class AttentionMetadata:
@@ -63,13 +65,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        block_size = kv_cache.shape[3]
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        blocks, offsets = slots // block_size, slots % block_size
-        # Block and offset indices around the head slice: the indexed result is [T, Hkv, D].
-        kv_cache[0, blocks, :, offsets] = key[valid].to(kv_cache.dtype)
-        kv_cache[1, blocks, :, offsets] = value[valid].to(kv_cache.dtype)
+        write_kv_cache_reference(key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
