@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class Endpoints:
     gateway: str
     scheduler: str | None  # None: stats are not available (--address without --scheduler-address)
     own_cluster: bool
+    service_pids: dict[str, int] = field(default_factory=dict)  # of a cluster this run started
 
 
 def serve_argv(args, model: str | None) -> list[str]:
@@ -143,9 +145,32 @@ def cluster_for(args):
     print(f"cluster up in {time.perf_counter() - started:.1f}s: gateway {cluster.gateway_address}, "
           f"scheduler {cluster.scheduler_address}", flush=True)
     try:
-        yield Endpoints(cluster.gateway_address, cluster.scheduler_address, own_cluster=True)
+        yield Endpoints(cluster.gateway_address, cluster.scheduler_address, own_cluster=True,
+                        service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs})
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str):
+    """While the block runs, py-spy (on PATH) samples every service's Python stacks into
+    OUT_DIR/PHASE-SERVICE.txt (summarise with `python -m bench.spy_summary OUT_DIR`): which
+    process and which code bound the step rate. Nothing without out_dir."""
+    if not out_dir or not service_pids:
+        yield
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-d", "3600",
+                               "-f", "raw", "-p", str(pid), "-o", f"{out_dir}/{phase}-{name}.txt"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in service_pids.items()]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+        for spy in spies:
+            spy.wait(timeout=120)
 
 
 # ---------------------------------------------------------------- workload

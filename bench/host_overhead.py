@@ -5,13 +5,12 @@ the device's idle share is what the host costs.
 
     python -m bench.host_overhead                      # offline: 1000 x 512/128, all at once
     python -m bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
+    python -m bench.host_overhead --streams 16 --num-prompts 64 --step-ms 1.34   # streamed ITL
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import subprocess
 import time
 
 from bench import common
@@ -23,10 +22,14 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
     from strata.v1 import generate_pb2
     info = await common.model_info(gateway)
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
-    params = common.sampling_params(args.output_len, 1.0, generate_pb2.FINAL_ONLY)
     before = await common.scheduler_stats(scheduler)
     start = time.perf_counter()
-    records = await common.run_all_at_once(gateway, prompts, params, 600.0, desc="simulated", progress=False)
+    if args.streams:
+        params = common.sampling_params(args.output_len, 1.0, generate_pb2.DELTA)
+        records = await common.run_closed_loop(gateway, prompts, params, args.streams, 600.0, progress=False)
+    else:
+        params = common.sampling_params(args.output_len, 1.0, generate_pb2.FINAL_ONLY)
+        records = await common.run_all_at_once(gateway, prompts, params, 600.0, desc="simulated", progress=False)
     elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(scheduler)
     errors = common.failures(records)
@@ -34,7 +37,8 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
     steps = after.steps - before.steps
     return {"elapsed_s": elapsed, "steps": steps, "output_tokens": sum(r.output_tokens for r in records),
-            "device_busy_s": steps * args.step_ms / 1e3}
+            "device_busy_s": steps * args.step_ms / 1e3,
+            "itl_ms": common.summarize([x for r in records for x in r.inter_token_latencies()])}
 
 
 def main() -> None:
@@ -46,6 +50,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-plans-in-flight", type=int, default=0)
+    p.add_argument("--streams", type=int, default=0,
+                   help="N > 0: N streams in a closed loop with DELTA outputs, reporting inter-token latency "
+                        "(0: every prompt at once, FINAL_ONLY)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-dir", default=None,
                    help="also sample each service with py-spy (on PATH) into this folder (bench/spy_summary.py)")
@@ -63,16 +70,8 @@ def main() -> None:
         cluster.start("gateway", ["gateway", "--host", "127.0.0.1", "--port", gateway.split(":")[1],
                                   "--scheduler-address", sched, "--model", str(ensure_default_model())])
         cluster.wait_healthy(gateway, "gateway", 120.0)
-        spies = []
-        if args.profile_dir:
-            spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-d", "60",
-                                       "-f", "raw", "-p", str(proc.pid), "-o", f"{args.profile_dir}/{name}.txt"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                     for name, proc in cluster.procs]
-        r = common.run(_run(gateway, sched, args))
-        for spy in spies:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
-            spy.wait()
+        with common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"):
+            r = common.run(_run(gateway, sched, args))
     finally:
         cluster.stop()
     idle = 1 - r["device_busy_s"] / r["elapsed_s"]
@@ -82,7 +81,9 @@ def main() -> None:
                      f"per step)"),
          ("device busy", f"{r['device_busy_s']:.2f} s; idle {idle:.1%} of the time"),
          ("output tokens/s", f"{r['output_tokens'] / r['elapsed_s']:,.0f} (with no host overhead: "
-                             f"{r['output_tokens'] / r['device_busy_s']:,.0f})")])
+                             f"{r['output_tokens'] / r['device_busy_s']:,.0f})"),
+         *([("ITL ms", f"p50 {r['itl_ms']['p50']:.3f}  p99 {r['itl_ms']['p99']:.3f}  "
+                       f"(p50 {r['itl_ms']['p50'] / args.step_ms:.2f}x the step)")] if args.streams else [])])
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
     before = await common.scheduler_stats(endpoints.scheduler)
-    async with common.StatsPoller(endpoints.scheduler) as poller:
-        start = time.perf_counter()
-        records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
-                                               args.max_concurrency, desc="strata", progress=not args.no_progress)
-        elapsed = time.perf_counter() - start
+    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "offline"):
+        async with common.StatsPoller(endpoints.scheduler) as poller:
+            start = time.perf_counter()
+            records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
+                                                   args.max_concurrency, desc="strata", progress=not args.no_progress)
+            elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(endpoints.scheduler)
     done = [r for r in records if not r.error]
     output_tokens = sum(r.output_tokens for r in done)

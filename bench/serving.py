@@ -41,21 +41,27 @@ async def _phases(endpoints, args) -> dict:
         await common.run_all_at_once(endpoints.gateway, warm, common.sampling_params(
             4, args.temperature, generate_pb2.DELTA), args.request_timeout, progress=False)
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
+    before = await common.scheduler_stats(endpoints.scheduler)
     start = time.perf_counter()
     records = await common.run_poisson(endpoints.gateway, prompts, params, args.request_rate, args.request_timeout,
                                        args.seed, desc=f"poisson {args.request_rate}/s",
                                        progress=not args.no_progress)
     poisson = _latency_summary(records, time.perf_counter() - start, args.output_len)
     poisson["request_rate"] = args.request_rate
+    after = await common.scheduler_stats(endpoints.scheduler)
+    poisson["scheduler"] = common.stats_delta(before, after)
 
     num = args.concurrency_num_prompts or 4 * args.concurrency
     prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
+    before = after
     start = time.perf_counter()
-    records = await common.run_closed_loop(endpoints.gateway, prompts, params, args.concurrency,
-                                           args.request_timeout, desc=f"{args.concurrency} streams",
-                                           progress=not args.no_progress)
+    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "closed_loop"):
+        records = await common.run_closed_loop(endpoints.gateway, prompts, params, args.concurrency,
+                                               args.request_timeout, desc=f"{args.concurrency} streams",
+                                               progress=not args.no_progress)
     closed = _latency_summary(records, time.perf_counter() - start, args.output_len)
     closed["concurrency"] = args.concurrency
+    closed["scheduler"] = common.stats_delta(before, await common.scheduler_stats(endpoints.scheduler))
     return {"poisson": poisson, "closed_loop": closed}
 
 
@@ -65,7 +71,17 @@ def _rows(s: dict) -> list[tuple[str, str]]:
     return [("requests", f"{s['num_requests'] - s['failed']} ok, {s['failed']} failed in {s['elapsed_s']:.2f} s"),
             ("throughput", f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:,.0f} output tokens/s"),
             ("TTFT ms", pct(s["ttft_ms"])), ("ITL ms", pct(s["itl_ms"])), ("TPOT ms", pct(s["tpot_ms"])),
-            ("E2E ms", pct(s["e2e_latency_ms"]))]
+            ("E2E ms", pct(s["e2e_latency_ms"])), *_step_rows(s)]
+
+
+def _step_rows(s: dict) -> list[tuple[str, str]]:
+    """Engine steps over the phase and, on a GPU, how busy the last stage's GPU was: with the
+    GPU idle between steps, host time (not the model) sets the inter-token latency."""
+    stats = s.get("scheduler")
+    if not stats or not stats["steps"]:
+        return []
+    return [("engine steps", f"{stats['steps']:,} ({s['elapsed_s'] / stats['steps'] * 1e3:.3f} ms of wall time each)"),
+            *common.gpu_timeline_rows(stats, s["elapsed_s"])]
 
 
 def run(args) -> int:

@@ -54,6 +54,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=2, help="short requests sent before measuring")
     g.add_argument("--output", default=None, help="write the results to this JSON file")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--spy-dir", default=None,
+                   help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
+                        "during the measured phases, into this folder (`python -m bench.spy_summary DIR`)")
 
 
 def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
