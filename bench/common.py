@@ -327,7 +327,7 @@ def failures(records: list[RequestRecord]) -> list[str]:
 
 COUNTERS = ("prefill_tokens_computed", "decode_tokens_computed", "steps", "prefix_cache_queries",
             "prefix_cache_hits", "preemptions", "finished_requests", "worker_gpu_busy_seconds",
-            "worker_gpu_idle_seconds", "worker_timed_steps")
+            "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds")
 
 
 async def scheduler_stats(address: str | None):
@@ -349,12 +349,18 @@ def stats_delta(before, after) -> dict:
 
 
 def gpu_timeline_rows(delta: dict, wall_s: float) -> list[tuple[str, str]]:
-    """The last stage's CUDA-event view over a phase: GPU time in steps, idle time between them."""
+    """The last stage's view over a phase: host time launching steps, and from CUDA events the GPU
+    time in steps and its idle time between them. A launch time near the GPU time per step means
+    the worker's host paces the GPU (the GPU then waits inside steps, which counts as busy)."""
+    rows = []
+    if delta.get("steps"):
+        rows.append(("worker launching", f"{delta['worker_launch_seconds'] / delta['steps'] * 1e3:.3f} ms of host "
+                                         f"time per step"))
     steps = delta.get("worker_timed_steps", 0)
     if not steps:
-        return [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]
+        return rows + [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]
     busy, idle = delta["worker_gpu_busy_seconds"], delta["worker_gpu_idle_seconds"]
-    return [("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
+    return rows + [("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
                                   f"{busy / wall_s:.0%} of the wall time"),
             ("GPU idle between steps", f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
                                        f"timeline, {idle / steps * 1e3:.3f} ms per step)")]

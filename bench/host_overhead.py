@@ -10,7 +10,6 @@ the device's idle share is what the host costs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 
 from bench import common

@@ -44,16 +44,16 @@ class SimulatedDevice:
 class SimulatedResult(PendingResult):
     """finish() waits for the simulated step, then reports its tokens."""
 
-    def __init__(self, step_id: int, seq_ids: list[int], tokens: list[int], done_at: float):
+    def __init__(self, step_id: int, seq_ids: list[int], tokens: list[int], done_at: float, launch_seconds: float):
         self.step_id, self.seq_ids, self.tokens, self.done_at = step_id, seq_ids, tokens, done_at
+        self.launch_seconds = launch_seconds
 
     def finish(self) -> engine_pb2.StepResult:
         delay = self.done_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)  # releases the GIL, as waiting on a CUDA event does
-        result = engine_pb2.StepResult(step_id=self.step_id, seq_ids=self.seq_ids,
-                                       num_tokens=[1] * len(self.seq_ids), token_ids=self.tokens)
-        return result
+        return engine_pb2.StepResult(step_id=self.step_id, seq_ids=self.seq_ids, num_tokens=[1] * len(self.seq_ids),
+                                     token_ids=self.tokens, launch_seconds=self.launch_seconds)
 
 
 class SimulatedRunner(ModelRunner):
@@ -73,11 +73,13 @@ class SimulatedRunner(ModelRunner):
         self.table.clear()
 
     def execute(self, plan, hidden=None, residual=None):
+        start = time.perf_counter()
         rows = self.apply_state(plan)
         h = self.host_inputs(plan, rows)
         # A token that depends on the sequence and position, within the vocabulary.
         tokens = ((h.sample_rows * 7919 + h.sample_positions) % (self.config.vocab_size - 2) + 2).tolist()
-        return SimulatedResult(plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch())
+        return SimulatedResult(plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch(),
+                               time.perf_counter() - start)
 
 
 def build(args) -> tuple[SimulatedRunner, engine_pb2.WorkerDescription]:

@@ -102,6 +102,7 @@ class Engine:
         self._started = time.monotonic()
         # The last stage's CUDA-event view: [busy seconds, idle seconds, timed steps].
         self._worker_gpu = [0.0, 0.0, 0]
+        self._worker_launch_seconds = 0.0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -244,6 +245,7 @@ class Engine:
             self._worker_gpu[0] += result.gpu_seconds
             self._worker_gpu[1] += result.gpu_idle_seconds
             self._worker_gpu[2] += 1
+        self._worker_launch_seconds += result.launch_seconds
         try:
             if result.error:
                 raise RuntimeError(result.error)
@@ -336,4 +338,5 @@ class Engine:
             worker_gpu_busy_seconds=self._worker_gpu[0],
             worker_gpu_idle_seconds=self._worker_gpu[1],
             worker_timed_steps=self._worker_gpu[2],
+            worker_launch_seconds=self._worker_launch_seconds,
         )

@@ -30,6 +30,7 @@ _FIELDS = {
     "worker_gpu_busy_seconds": "GPU time inside steps on the last stage (CUDA events)",
     "worker_gpu_idle_seconds": "GPU idle time between consecutive steps on the last stage (CUDA events)",
     "worker_timed_steps": "steps timed with CUDA events on the last stage",
+    "worker_launch_seconds": "host time the last stage spent launching steps",
 }
 
 

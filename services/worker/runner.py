@@ -53,6 +53,10 @@ class SequenceTable:
         self.min_p = np.zeros(max_seqs, dtype=np.float32)
         self.seed = np.zeros(max_seqs, dtype=np.int64)
         self.logprobs = np.full(max_seqs, -1, dtype=np.int32)
+        # Derived once per sequence, as SamplingTensors derives them, for the decode graphs' draw.
+        self.inv_temperature = np.ones(max_seqs, dtype=np.float32)
+        self.greedy = np.zeros(max_seqs, dtype=np.uint8)
+        self.unfiltered = np.zeros(max_seqs, dtype=bool)  # no top-k/top-p/min-p, no logprobs
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_seqs - 1, -1, -1))
 
@@ -72,6 +76,10 @@ class SequenceTable:
         # Seeds are uint64 on the wire; keep their bits in int64.
         self.seed[row] = np.uint64(s.seed).astype(np.int64)
         self.logprobs[row] = s.logprobs
+        arrays, flags = SamplingTensors.prepare([s.temperature], [s.top_k], [s.top_p], [s.min_p], [0], [0], -1)
+        self.inv_temperature[row] = arrays["inv_temperature"][0]
+        self.greedy[row] = arrays["greedy"][0]
+        self.unfiltered[row] = s.logprobs < 0 and not (flags["any_top_k"] or flags["any_top_p"] or flags["any_min_p"])
 
     def release(self, seq_id: int) -> None:
         row = self.rows.pop(seq_id, None)
@@ -146,7 +154,10 @@ class ModelRunner:
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
-        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        # The last token sampled per state row (decode lookahead), plus a scratch row that the
+        # decode graphs' padding rows write to.
+        self.scratch_row = max_num_seqs
+        self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
         self.timeline = GpuTimeline() if device.type == "cuda" else None
 
     # ------------------------------------------------------------ cache
@@ -272,9 +283,9 @@ class ModelRunner:
         graphs stage their own inputs; an eager step needs the attention metadata too). Built
         before anything is launched, so the GPU never waits on host work mid-step."""
         arrays = {"sample_rows": h.sample_rows, "sample_token_index": h.sample_token_index}
-        if h.has_placeholders:
-            arrays["token_rows"] = h.token_rows
         if eager:
+            if h.has_placeholders:
+                arrays["token_rows"] = h.token_rows
             arrays.update(positions=h.positions, query_start_loc=h.query_start_loc.astype(np.int32),
                           seq_lens=h.seq_lens.astype(np.int32), block_tables=h.block_tables,
                           slot_mapping=h.slot_mapping)
@@ -308,41 +319,63 @@ class ModelRunner:
         gpu_start = self.timeline.mark() if self.timeline else None
         n = len(h.seq_lens)
         bs = self.graphs.padded_size(n) if self.graphs and h.max_query_len == 1 else None
-        d, sampling = self._upload_step_arrays(h, eager=bs is None)
-        token_rows = d.get("token_rows")
         if bs is not None:  # decode-only: replay a captured graph
-            outs = self.graphs.run(bs, h.input_ids, h.positions, h.slot_mapping, h.seq_lens.astype(np.int32),
-                                   h.block_tables, hidden, residual,
-                                   resolve=None if token_rows is None
-                                   else lambda ids: self._resolve_placeholders(ids, token_rows))
-            if not self.is_last:
-                return outs
+            return self._execute_graph(plan, h, rows, bs, hidden, residual, start, gpu_start)
+        d, sampling = self._upload_step_arrays(h, eager=True)
+        input_ids = d.get("input_ids")
+        if input_ids is not None:
+            input_ids = self._resolve_placeholders(input_ids, d.get("token_rows"))
+        meta = AttentionMetadata(
+            query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
+            slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()))
+        hidden, residual = self.shard.forward(input_ids, d["positions"], hidden, residual, self.kv_caches, meta)
+        if not self.is_last:
+            return hidden, residual
+        logits = None
+        if h.sample_seq_ids:
+            idx = d["sample_token_index"]
+            logits = self.shard.compute_logits(hidden[idx], residual[idx])
+        return self._sample(plan.step_id, h, logits, d["sample_rows"], sampling, start, gpu_start)
+
+    def _execute_graph(self, plan, h: HostInputs, rows: np.ndarray, bs: int, hidden, residual, start: float,
+                       gpu_start):
+        """A decode step on the graph of padded size bs. When every row samples without filters or
+        logprobs, the graph's own draw is the result; otherwise the sampler runs on its logits
+        (and overwrites the graph's tokens in last_sampled)."""
+        t, graphs = self.table, self.graphs
+        n = len(h.seq_lens)
+        sampling_rows = None
+        if graphs.samples:
+            sampling_rows = {"seeds": t.seed[rows], "sample_positions": h.seq_lens,
+                             "inv_temperature": t.inv_temperature[rows], "greedy": t.greedy[rows]}
+        in_graph = graphs.samples and len(h.sample_seq_ids) == n and bool(t.unfiltered[rows].all())
+        d = sampling = None
+        if self.is_last and h.sample_seq_ids and not in_graph:
+            d, sampling = self._upload_step_arrays(h, eager=False)
+        outs = graphs.run(bs, h, rows, sampling_rows, hidden, residual)
+        if not self.is_last:
+            return outs
+        if in_graph:
+            return PendingResult(plan.step_id, start, h.sample_seq_ids, t.logprobs[h.sample_rows], [outs[1]],
+                                 self.timeline, gpu_start)
+        logits = sample_rows = None
+        if h.sample_seq_ids:
             # Every decode token is its sequence's last: the sampled rows index the logits directly.
-            logits = outs[0][d["sample_token_index"]] if len(h.sample_seq_ids) != n else outs[0]
-        else:
-            input_ids = d.get("input_ids")
-            if input_ids is not None:
-                input_ids = self._resolve_placeholders(input_ids, token_rows)
-            meta = AttentionMetadata(
-                query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
-                slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()))
-            hidden, residual = self.shard.forward(input_ids, d["positions"], hidden, residual, self.kv_caches, meta)
-            if not self.is_last:
-                return hidden, residual
-            logits = None
-            if h.sample_seq_ids:
-                idx = d["sample_token_index"]
-                logits = self.shard.compute_logits(hidden[idx], residual[idx])
+            logits = outs[0] if len(h.sample_seq_ids) == n else outs[0][d["sample_token_index"]]
+            sample_rows = d["sample_rows"]
+        return self._sample(plan.step_id, h, logits, sample_rows, sampling, start, gpu_start)
+
+    def _sample(self, step_id: int, h: HostInputs, logits, sample_rows, sampling, start: float, gpu_start):
         if not h.sample_seq_ids:
-            return PendingResult(plan.step_id, start, [], np.zeros(0), [None], self.timeline, gpu_start)
+            return PendingResult(step_id, start, [], np.zeros(0), [None], self.timeline, gpu_start)
         out = self.sampler(logits, sampling)
         # Kept on the device for the next plan's decode lookahead (placeholder input tokens).
-        self.last_sampled[d["sample_rows"]] = out.token_ids
+        self.last_sampled[sample_rows] = out.token_ids
         tensors = [out.token_ids]
         if sampling.num_logprobs >= 0:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
-        return PendingResult(plan.step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows].copy(),
-                             tensors, self.timeline, gpu_start)
+        return PendingResult(step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows], tensors,
+                             self.timeline, gpu_start)
 
 
 class PendingResult:
@@ -357,9 +390,10 @@ class PendingResult:
         self.host = [None if x is None else x.to("cpu", non_blocking=True) for x in tensors]
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = GpuTimeline.mark() if gpu_start is not None else None
+        self.launch_seconds = time.perf_counter() - start
 
     def finish(self) -> engine_pb2.StepResult:
-        result = engine_pb2.StepResult(step_id=self.step_id)
+        result = engine_pb2.StepResult(step_id=self.step_id, launch_seconds=self.launch_seconds)
         if self.event is not None:
             self.event.synchronize()
             result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)

@@ -42,6 +42,7 @@ __all__ = [
     "SamplingTensors",
     "gumbel_noise",
     "keep_threshold",
+    "sample_unfiltered",
     "sampling_logits",
     "uniform_noise",
 ]
@@ -258,6 +259,15 @@ def _draw_torch(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
 def _draw_triton(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
                  want_log_norm: bool) -> tuple[Tensor, Tensor | None]:
     return gumbel_argmax(logits, st.seeds, st.positions, st.inv_temperature, st.greedy, threshold, want_log_norm)
+
+
+def sample_unfiltered(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor,
+                      greedy: Tensor) -> Tensor:
+    """The tokens Sampler draws for rows with no top-k/top-p/min-p filter and no logprobs, from
+    device tensors alone (no host-side flags), so that a CUDA graph can capture the draw: greedy
+    rows take the first argmax, as logits.argmax does, the others the seeded Gumbel-max draw.
+    inv_temperature and greedy as SamplingTensors holds them. Needs Triton on CUDA."""
+    return gumbel_argmax(logits, seeds, positions, inv_temperature, greedy, None, False)[0]
 
 
 # ---------------------------------------------------------------------------------------------

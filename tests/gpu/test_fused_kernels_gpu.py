@@ -32,10 +32,10 @@ from kernels.reference import (  # noqa: E402
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.rotary import rotary_embedding_  # noqa: E402
 from services.worker.attention import allocate_kv_cache  # noqa: E402
+from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 from tests.paged_inputs import SequenceChunk, build_step_inputs  # noqa: E402
-from services.worker.model import CausalLMShard, RotaryEmbedding, set_fused_kernels  # noqa: E402
+from services.worker.model import RotaryEmbedding, set_fused_kernels  # noqa: E402
 from services.worker.model_config import ModelConfig  # noqa: E402
-from services.worker.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda"
 # Elementwise: one rounding step of the dtype. Bit-identical share: only a rare last-bit flip
@@ -170,30 +170,6 @@ def test_kernels_capture_in_cuda_graph_with_padded_batch():
 # --- a bf16 shard: fused kernels vs the torch path -------------------------------------------------
 
 BLOCK_SIZE = 16
-
-
-def llama_1b_like(num_layers: int = 3) -> ModelConfig:
-    """Llama-3.2-1B's layer shapes and llama3 RoPE, fewer layers and a smaller vocabulary."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=2048, num_hidden_layers=num_layers, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=8192, rms_norm_eps=1e-5,
-        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                               high_freq_factor=4.0, original_max_position_embeddings=8192),
-        max_position_embeddings=16384, tie_word_embeddings=True,
-    )
-
-
-def random_bf16_shard(config: ModelConfig) -> CausalLMShard:
-    shard = CausalLMShard(config, 0, config.num_hidden_layers, device=DEVICE, dtype=torch.bfloat16,
-                          attn_backend=TritonAttentionBackend())
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    with torch.no_grad():
-        for name, param in shard.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(torch.rand(param.shape, device=DEVICE, generator=gen) + 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, device=DEVICE, generator=gen) * 0.02)
-    return shard.eval()
 
 
 def prompts_and_blocks(num_seqs: int, seed: int):

@@ -1,0 +1,130 @@
+"""The worker's ModelRunner on a GPU: decode steps replayed from CUDA graphs that also sample and
+resolve decode-lookahead placeholders inside the graph.
+
+    python -m pytest tests/gpu/test_runner_gpu.py -q
+
+Oracles: the Sampler run eagerly on the graph's own logits (the in-graph draw must pick the same
+tokens), and a second runner given every input token explicitly (placeholders must resolve to
+the tokens the worker sampled).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
+]
+
+from services.worker.runner import ModelRunner  # noqa: E402
+from services.worker.sampler import Sampler, SamplingTensors  # noqa: E402
+from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
+from strata.v1 import engine_pb2  # noqa: E402
+from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
+
+BLOCK_SIZE = 16
+BLOCKS_PER_SEQ = 8
+MAX_SEQS = 16
+# (temperature, top_k, seed) per sequence: greedy and seeded rows side by side.
+UNFILTERED = [(0.0, 0, 11), (1.0, 0, 12), (0.7, 0, 13), (1.3, 0, 14), (0.0, 0, 15), (1.0, 0, 16)]
+
+
+@pytest.fixture(scope="module")
+def shard_and_config():
+    config = llama_1b_like(num_layers=2)
+    return random_bf16_shard(config), config
+
+
+def new_runner(shard, config) -> ModelRunner:
+    runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=BLOCK_SIZE,
+                         max_model_len=BLOCK_SIZE * BLOCKS_PER_SEQ, device=torch.device("cuda"),
+                         dtype=torch.bfloat16, max_num_seqs=MAX_SEQS, cuda_graph_max_batch=MAX_SEQS)
+    runner.init_cache(MAX_SEQS * BLOCKS_PER_SEQ)
+    return runner
+
+
+def admit_plan(settings, prompts) -> engine_pb2.StepPlan:
+    seq_ids = list(range(1, len(prompts) + 1))
+    return engine_pb2.StepPlan(
+        step_id=1,
+        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
+            temperature=t, top_k=k, top_p=1.0, seed=seed, logprobs=-1)) for s, (t, k, seed) in zip(seq_ids, settings)],
+        seq_ids=seq_ids, num_computed=[0] * len(prompts), num_scheduled=[len(p) for p in prompts],
+        input_token_ids=[t for p in prompts for t in p], table_keep=[0] * len(prompts),
+        table_append_counts=[BLOCKS_PER_SEQ] * len(prompts),
+        table_append_ids=[s * BLOCKS_PER_SEQ + b for s in range(len(prompts)) for b in range(BLOCKS_PER_SEQ)],
+        sample=[True] * len(prompts))
+
+
+def decode_plan(step_id: int, lengths: list[int], tokens: list[int]) -> engine_pb2.StepPlan:
+    n = len(lengths)
+    return engine_pb2.StepPlan(
+        step_id=step_id, seq_ids=list(range(1, n + 1)), num_computed=lengths, num_scheduled=[1] * n,
+        input_token_ids=tokens, table_keep=[BLOCKS_PER_SEQ] * n, table_append_counts=[0] * n, sample=[True] * n)
+
+
+def prompts_for(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 8192, (int(length),), generator=gen).tolist()
+            for length in torch.randint(5, 40, (n,), generator=gen)]
+
+
+def eager_sample(runner: ModelRunner, settings, lengths: list[int]) -> torch.Tensor:
+    """The Sampler on the logits the last replayed graph produced, with the rows' own settings."""
+    n = len(lengths)
+    logits = runner.graphs.outputs[runner.graphs.padded_size(n)][0][:n]
+    st = SamplingTensors.build(temperature=[t for t, _, _ in settings], top_k=[k for _, k, _ in settings],
+                               top_p=[1.0] * n, min_p=[0.0] * n, seeds=[s for _, _, s in settings],
+                               positions=[length + 1 for length in lengths], num_logprobs=-1, device="cuda")
+    return Sampler()(logits, st).token_ids.cpu()
+
+
+def test_graph_draw_and_placeholders_match_explicit_tokens_and_the_sampler(shard_and_config):
+    shard, config = shard_and_config
+    prompts = prompts_for(len(UNFILTERED), seed=1)
+    ahead, explicit = new_runner(shard, config), new_runner(shard, config)
+    first = ahead.execute(admit_plan(UNFILTERED, prompts)).finish()
+    assert list(explicit.execute(admit_plan(UNFILTERED, prompts)).finish().token_ids) == list(first.token_ids)
+    lengths = [len(p) for p in prompts]
+    tokens = list(first.token_ids)
+    # `ahead` runs like the worker under decode lookahead: each plan carries placeholders and is
+    # launched before the previous step's tokens reached the host.
+    pending = ahead.execute(decode_plan(2, lengths, [PLACEHOLDER_TOKEN] * len(prompts)))
+    for step in range(3, 9):
+        launched = ahead.execute(decode_plan(step, [x + 1 for x in lengths], [PLACEHOLDER_TOKEN] * len(prompts)))
+        got = list(pending.finish().token_ids)
+        want = list(explicit.execute(decode_plan(step - 1, lengths, tokens)).finish().token_ids)
+        assert got == want, f"step {step - 1}: placeholders resolved to other tokens than the sampled ones"
+        assert torch.equal(eager_sample(explicit, UNFILTERED, lengths), torch.tensor(got)), \
+            f"step {step - 1}: the in-graph draw differs from the Sampler on the same logits"
+        assert len(set(got)) > 1
+        lengths = [x + 1 for x in lengths]
+        tokens, pending = got, launched
+    pending.finish()
+
+
+def test_filtered_rows_are_sampled_outside_the_graph(shard_and_config):
+    """A top-k row sends the step down the eager Sampler on the graph's logits; the tokens it
+    leaves in last_sampled (over the graph's own draw) feed the next placeholder step."""
+    shard, config = shard_and_config
+    settings = UNFILTERED[:3] + [(1.0, 3, 21)] + UNFILTERED[3:]
+    prompts = prompts_for(len(settings), seed=2)
+    ahead, explicit = new_runner(shard, config), new_runner(shard, config)
+    tokens = list(ahead.execute(admit_plan(settings, prompts)).finish().token_ids)
+    explicit.execute(admit_plan(settings, prompts)).finish()
+    lengths = [len(p) for p in prompts]
+    for step in range(2, 6):
+        got = list(ahead.execute(decode_plan(step, lengths, [PLACEHOLDER_TOKEN] * len(prompts))).finish().token_ids)
+        want = list(explicit.execute(decode_plan(step, lengths, tokens)).finish().token_ids)
+        assert got == want
+        assert torch.equal(eager_sample(explicit, settings, lengths), torch.tensor(got))
+        n = len(lengths)
+        logits = explicit.graphs.outputs[explicit.graphs.padded_size(n)][0][:n].float()
+        assert got[3] in logits[3].topk(3).indices.tolist(), "the top-k row drew outside its top 3"
+        lengths = [x + 1 for x in lengths]
+        tokens = got
