@@ -364,3 +364,29 @@ def test_cuda_draws_equal_cpu_draws_without_host_syncs():
         assert torch.equal(out.token_ids.cpu(), cpu.token_ids)
         assert torch.equal(out.top_ids.cpu(), cpu.top_ids)
         torch.testing.assert_close(out.logprobs.cpu(), cpu.logprobs, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------- per-sequence settings
+
+
+def test_sequence_table_derives_the_graph_draw_settings_as_prepare_does():
+    """The decode graphs draw from settings the worker derives once per sequence; they must be
+    bit-identical to what SamplingTensors.prepare derives per step, around the greedy cut too."""
+    import itertools
+
+    from services.worker.runner import SequenceTable
+    from strata.v1 import engine_pb2
+
+    table = SequenceTable(4, 1)
+    temperatures = [0.0, 1e-6, 9.99999e-6, 1e-5, 1.00001e-5, 0.3, 0.7, 1.0, 1.3, 7.0]
+    for seq_id, (t, k, p, m, lp) in enumerate(itertools.product(temperatures, [0, 5], [1.0, 0.9], [0.0, 0.1],
+                                                                 [-1, 0])):
+        opts = engine_pb2.SamplingOptions(temperature=t, top_k=k, top_p=p, min_p=m, logprobs=lp)
+        table.add(engine_pb2.NewSequence(seq_id=seq_id, sampling=opts))
+        row = table.rows[seq_id]
+        arrays, flags = SamplingTensors.prepare([opts.temperature], [k], [opts.top_p], [opts.min_p], [0], [0], lp)
+        assert table.inv_temperature[row].tobytes() == arrays["inv_temperature"][0].tobytes(), t
+        assert bool(table.greedy[row]) == bool(arrays["greedy"][0]), t
+        filtered = flags["any_top_k"] or flags["any_top_p"] or flags["any_min_p"]
+        assert bool(table.unfiltered[row]) == (lp < 0 and not filtered), (t, k, p, m, lp)
+        table.release(seq_id)

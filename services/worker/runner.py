@@ -14,7 +14,7 @@ import torch
 
 from services.worker.attention import AttentionMetadata, allocate_kv_cache
 from services.worker.host_to_device import upload
-from services.worker.sampler import Sampler, SamplingTensors
+from services.worker.sampler import GREEDY_EPSILON, Sampler, SamplingTensors
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
@@ -76,10 +76,13 @@ class SequenceTable:
         # Seeds are uint64 on the wire; keep their bits in int64.
         self.seed[row] = np.uint64(s.seed).astype(np.int64)
         self.logprobs[row] = s.logprobs
-        arrays, flags = SamplingTensors.prepare([s.temperature], [s.top_k], [s.top_p], [s.min_p], [0], [0], -1)
-        self.inv_temperature[row] = arrays["inv_temperature"][0]
-        self.greedy[row] = arrays["greedy"][0]
-        self.unfiltered[row] = s.logprobs < 0 and not (flags["any_top_k"] or flags["any_top_p"] or flags["any_min_p"])
+        # The same float32 arithmetic as SamplingTensors.prepare, on one row (prepare's array
+        # overhead, paid per admission, showed up in the launch of prefill steps).
+        temperature = self.temperature[row]
+        greedy = bool(temperature < GREEDY_EPSILON)
+        self.greedy[row] = greedy
+        self.inv_temperature[row] = np.float32(1.0) / (np.float32(1.0) if greedy else temperature)
+        self.unfiltered[row] = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
 
     def release(self, seq_id: int) -> None:
         row = self.rows.pop(seq_id, None)
