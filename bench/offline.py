@@ -102,6 +102,9 @@ def run(args) -> int:
         common.print_section("Decode step vs roofline", roofline.roofline_rows(roof),
                              note="floor = (weight bytes + KV bytes read) / copy bandwidth")
         result["roofline"] = roofline.json_ready(roof)
+        floor = _workload_floor(args, roof, hf, s)
+        if floor:
+            result["workload_floor"] = floor
 
     ratios = {
         "strata_over_hf_output_tokens_per_s": common.ratio(s["output_tokens_per_s"],
@@ -120,6 +123,28 @@ def run(args) -> int:
     print("RESULTS.md row:\n" + result["markdown_row"])
     common.write_json(args.output, result)
     return 1 if s["failed"] else 0
+
+
+def _workload_floor(args, roof: dict, hf: dict | None, s: dict) -> dict | None:
+    """What this device allows the whole workload, beside the HF target (GPU only)."""
+    flops = roofline.measure_matmul_flops(common.resolve_device(args.device))
+    if flops is None:
+        return None
+    floor = roofline.workload_floor(roof["config"], roof["itemsize"], args.num_prompts, args.input_len,
+                                    args.output_len, args.max_num_seqs, roof["bandwidth_bytes_per_s"], flops)
+    rows = [("GEMM rate", f"{flops / 1e12:,.0f} TFLOP/s (bf16 8192^3 matmuls)"),
+            ("prefill", f"{floor['prefill_flops'] / 1e12:,.0f} TFLOP -> {floor['prefill_s']:.2f} s"),
+            ("decode", f"{floor['decode_flops'] / 1e12:,.0f} TFLOP, {floor['decode_bytes'] / 1e9:,.0f} GB at "
+                       f"batch {args.max_num_seqs} -> {floor['decode_s']:.2f} s"),
+            ("floor", f"{floor['floor_s']:.2f} s: at most {floor['max_output_tokens_per_s']:,.0f} output tokens/s"),
+            ("strata", f"{s['output_tokens_per_s'] / floor['max_output_tokens_per_s']:.0%} of that")]
+    if hf:
+        needed = TARGET_HF_RATIO * hf["output_tokens_per_s"]
+        rows.append((f"{TARGET_HF_RATIO:g}x HF", f"{needed:,.0f} output tokens/s = "
+                                                f"{needed / floor['max_output_tokens_per_s']:.0%} of the floor's rate"))
+    common.print_section("Workload floor (prefill at the GEMM rate, decode at max(compute, bytes / bandwidth))",
+                         rows)
+    return floor
 
 
 def _markdown_row(env, args, s, hf, roof, ratios) -> str:

@@ -67,6 +67,53 @@ def measure_copy_bandwidth(device: str, nbytes: int | None = None, iters: int | 
     return 2 * nbytes * iters / seconds
 
 
+def measure_matmul_flops(device: str, n: int = 8192, iters: int = 10) -> float | None:
+    """Dense bf16 GEMM rate of the device (n x n x n matmuls back to back), FLOP/s; None on CPU."""
+    import torch
+    if not device.startswith("cuda"):
+        return None
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    del a, b
+    return 2 * n ** 3 * iters / (start.elapsed_time(end) / 1000)
+
+
+def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, output_len: int, max_batch: int,
+                   bandwidth: float, flops: float) -> dict:
+    """Least time an offline batch can take on this device, whatever the engine: its prefill at the
+    measured GEMM rate, then its decode at the larger of its compute time and its bytes (every
+    weight once per step of max_batch sequences, each token's KV once per later token) over the
+    copy bandwidth. A lower bound: no engine overlaps prefill and decode work for free."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size)  # weights per token
+    head = config.vocab_size * h
+    # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each query's context.
+    prefill_context = num_prompts * input_len * (input_len + 1) / 2
+    prefill_flops = 2 * linear * num_prompts * input_len + 2 * head * num_prompts + 4 * layers * q * prefill_context
+    decode_tokens = num_prompts * (output_len - 1)  # the first output token comes with the prefill
+    decode_context = num_prompts * ((output_len - 1) * input_len + (output_len - 1) * output_len / 2)
+    decode_flops = 2 * (linear + head) * decode_tokens + 4 * layers * q * decode_context
+    steps = math.ceil(num_prompts / max_batch) * (output_len - 1)
+    weight_bytes = decode_bytes(config, itemsize, 0, 0)["weight_bytes"]
+    decode_bytes_total = steps * weight_bytes + decode_context * layers * 2 * kv * itemsize
+    prefill_s = prefill_flops / flops
+    decode_s = max(decode_flops / flops, decode_bytes_total / bandwidth)
+    return {"prefill_flops": prefill_flops, "decode_flops": decode_flops, "decode_bytes": decode_bytes_total,
+            "matmul_flops_per_s": flops, "prefill_s": prefill_s, "decode_s": decode_s,
+            "floor_s": prefill_s + decode_s, "max_output_tokens_per_s": num_prompts * output_len / (prefill_s + decode_s)}
+
+
 # ---------------------------------------------------------------- the measured step
 
 def load_runner(args, batch: int, context_len: int):
