@@ -280,3 +280,29 @@ def test_random_mix_leaves_every_block_free():
     assert bm.num_free_blocks == bm.num_blocks
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     check_consistent(bm, [])
+
+
+def test_writes_in_place_exactly_when_reserve_would_change_nothing():
+    bm = KVBlockManager(num_blocks=16, block_size=4)
+    req = make_req(range(6))
+    schedule_tokens(bm, req, 6)
+    assert bm.writes_in_place(req)  # slot 6 lies in its own partial block
+    schedule_tokens(bm, req, 8)
+    assert not bm.writes_in_place(req)  # slot 8 starts a new block
+    schedule_tokens(bm, req, 9)
+    # A sibling sharing the partial block: the write must copy it first.
+    other = make_req(range(9), "other")
+    bm.acquire(other, req.block_ids)
+    other.num_computed_tokens = 9
+    assert not bm.writes_in_place(req) and bm.blocks_needed(req, 10) == 1
+    bm.free(other)
+    assert bm.writes_in_place(req) and bm.blocks_needed(req, 10) == 0
+    # A cached (hashed) block is immutable: writing into it copies too.
+    req.num_computed_tokens = 4
+    assert not bm.writes_in_place(req) and bm.blocks_needed(req, 5) == 1
+    for end in range(5, 13):
+        req.num_computed_tokens = end - 1
+        table, refs = list(req.block_ids), [bm.ref_count(b) for b in range(16)]
+        in_place = bm.writes_in_place(req)
+        copy = bm.reserve(req, end)
+        assert in_place == (copy is None and req.block_ids == table and [bm.ref_count(b) for b in range(16)] == refs)

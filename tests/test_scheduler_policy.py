@@ -16,6 +16,7 @@ import pytest
 from services.scheduler.block_manager import cdiv
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
+from strata.protocol import PLACEHOLDER_TOKEN
 
 VOCAB = 50
 
@@ -619,3 +620,141 @@ def test_decode_lookahead_stops_short_of_max_tokens():
     (upd,) = sched.update(p2, {p2.seqs[0].seq_id: [8]})
     assert upd.finished and upd.finish_reason == "length" and req.output_token_ids == [7, 8]
     assert sched.stats()["used_blocks"] == 0
+
+
+# ---------------------------------------------------------------------------- fast paths
+
+
+def plan_fields(plan):
+    """Everything a plan says, field by field (requests by id)."""
+    if plan is None:
+        return None
+    return (
+        plan.step_id,
+        [r.request_id for r in plan.new_requests],
+        list(plan.released_seq_ids),
+        [
+            (s.request.request_id, s.seq_id, s.num_computed, s.num_scheduled, list(s.input_token_ids),
+             s.table_keep, list(s.table_append), s.sample, s.num_draft)
+            for s in plan.seqs
+        ],
+        list(plan.copies),
+    )
+
+
+def scheduler_state(sched):
+    """Every request's fields, the block manager's tables, cache and free queue, and the stats."""
+    bm = sched.block_manager
+    requests = {rid: vars(req) for rid, req in sched._requests.items()}
+    return (requests, [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+            sched.pending_released_seq_ids, sched.stats(), bm._ref, bm._hash, list(bm._free), bm._cached,
+            bm.num_cached_blocks, sched.num_in_flight_requests)
+
+
+def position_token(req, position):
+    """The token sampled at `position` of req: depends on nothing the schedule decides."""
+    return hash((req.seed, position)) % VOCAB
+
+
+def sample_plan(plan):
+    """A worker's result for plan (placeholders are never read): drafts are accepted while they
+    equal position_token, as a greedy verifier would."""
+    sampled = {}
+    for s in plan.seqs:
+        if not s.sample:
+            continue
+        base = s.num_computed + s.num_scheduled - s.num_draft  # where the first sampled token goes
+        drafts = s.input_token_ids[len(s.input_token_ids) - s.num_draft:]
+        tokens = []
+        for i in range(s.num_draft + 1):
+            tokens.append(position_token(s.request, base + i))
+            if i < s.num_draft and drafts[i] != tokens[-1]:
+                break
+        sampled[s.seq_id] = tokens
+    return sampled
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize("num_blocks", [14, 40])
+@pytest.mark.parametrize("seed", [21, 22])
+def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num_blocks, seed):
+    """Two schedulers, one with fast_paths off, get the same requests, drafts, aborts and
+    results in lockstep: every plan, update and piece of state must be identical. The workload
+    mixes decode lookaheads crossing block boundaries, prefix-cache hits, preemptions, n > 1
+    siblings sharing a prompt, speculative drafts, stop tokens and aborts while in flight."""
+    rng = random.Random(seed)
+    pipeline = lookahead + 1 if lookahead else 2
+    make = lambda: Scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, max_num_seqs=6,
+                             max_num_batched_tokens=24, decode_lookahead=lookahead)
+    fast, general = make(), make()
+    general.fast_paths = False
+    fast_decodes = []
+    real_fast_path = fast._decode_in_place
+    fast._decode_in_place = lambda req, *args: fast_decodes.append(req.request_id) or real_fast_path(req, *args)
+    general._decode_in_place = None  # the general path must never reach it
+
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 13))] for _ in range(3)]
+    pending = []  # (request_id, kwargs) in arrival order
+    for i in range(30):
+        kw = dict(
+            prompt_token_ids=rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+            max_tokens=rng.randint(1, 30), min_tokens=rng.randint(0, 2), eos_token_ids=[0],
+            stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.random() < 0.5,
+        )
+        if rng.random() < 0.25:
+            pending += [(f"{j}_g{i}", dict(kw, seed=7 * i + j, parent_id=f"g{i}")) for j in range(3)]
+        else:
+            pending.append((f"r{i}", dict(kw, seed=7 * i)))
+
+    in_flight = deque()  # (fast plan, general plan, the result for both)
+    counts = dict(aborts=0, lookahead_table_growth=0, drafts=0, copies=0, stops=0, decodes=0)
+    for _ in range(20_000):
+        while pending and rng.random() < 0.3:  # arrivals over time
+            rid, kw = pending.pop(0)
+            fast.add_request(Request(rid, **kw))
+            general.add_request(Request(rid, **kw))
+        if rng.random() < 0.02 and fast.has_unfinished():  # cancellations, also while in flight
+            rid = rng.choice(sorted(fast._requests))
+            assert fast.abort(rid) and general.abort(rid)
+            counts["aborts"] += 1
+        if not (pending or fast.has_unfinished() or in_flight):
+            break
+        plan = None
+        if len(in_flight) < pipeline:
+            for req in fast.running:  # drafts (a lookahead drops them: its input is not known)
+                if req.output_token_ids and rng.random() < 0.3:
+                    drafts = [position_token(req, req.num_tokens + j) if rng.random() < 0.7 else rng.randrange(VOCAB)
+                              for j in range(rng.randint(1, 3))]
+                    req.draft_token_ids = drafts
+                    general._requests[req.request_id].draft_token_ids = list(drafts)
+            plan, general_plan = fast.schedule(), general.schedule()
+            assert plan_fields(plan) == plan_fields(general_plan)
+            if plan is not None:
+                in_flight.append((plan, general_plan, sample_plan(plan)))
+                counts["drafts"] += sum(1 for s in plan.seqs if s.num_draft)
+                counts["copies"] += len(plan.copies)
+                counts["decodes"] += sum(1 for s in plan.seqs if s.num_scheduled == 1 and s.num_computed
+                                         >= s.request.num_prompt_tokens)
+                counts["lookahead_table_growth"] += sum(
+                    1 for s in plan.seqs if s.input_token_ids == [PLACEHOLDER_TOKEN] and s.table_append)
+        if plan is None and in_flight:
+            plan, general_plan, sampled = in_flight.popleft()
+            updates = [(u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_reason)
+                       for u in fast.update(plan, sampled)]
+            assert updates == [(u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_reason)
+                               for u in general.update(general_plan, sampled)]
+            counts["stops"] += sum(1 for u in updates if u[3] == "stop")
+        assert scheduler_state(fast) == scheduler_state(general)
+    else:
+        raise AssertionError("did not finish")
+    stats = fast.stats()
+    assert stats["prefix_cache_hits"] and counts["copies"] and counts["aborts"] and counts["stops"]
+    assert len(fast_decodes) > counts["decodes"] / 2  # the fast path did most decodes
+    if num_blocks == 14:
+        assert stats["preemptions"]
+    if lookahead:
+        assert stats["lookahead_decodes"] and counts["lookahead_table_growth"]
+    else:
+        assert counts["drafts"]
+    assert_all_blocks_free(fast)
+    assert_all_blocks_free(general)

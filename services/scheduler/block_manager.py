@@ -199,6 +199,18 @@ class KVBlockManager:
         self._note_usage()
         return copy
 
+    def writes_in_place(self, req: Request) -> bool:
+        """True when computing req's next token (at num_computed_tokens) takes no allocation:
+        its slot lies in a table block that req alone holds and nobody caches, so that
+        reserve(req, num_computed_tokens + 1) would change nothing (no new block, no copy on
+        write). The scheduler's decode fast path then skips reserve()."""
+        table = req.block_ids
+        index = req.num_computed_tokens // self.block_size
+        if index >= len(table):
+            return False  # the slot starts a new block
+        block = table[index]
+        return self._ref[block] == 1 and self._hash[block] is None
+
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Frees the table entries past the first num_blocks (speculative rollback)."""
         table = req.block_ids

@@ -64,6 +64,9 @@ class Request:
     last_scheduled_step: int = -1
     num_computed_at_step_start: int = 0  # num_computed_tokens before its latest scheduled step
     last_copy_step: int = -1  # latest step that copied one of its blocks on write
+    # Derived once by Scheduler.add_request, read every step instead of recomputed:
+    max_output_tokens: int = 0  # min(max_tokens, max_model_len - prompt tokens)
+    stop_check_ids: frozenset[int] = frozenset()  # tokens that may stop it: eos (unless ignored) and stop ids
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -39,6 +39,10 @@ class Scheduler:
     ) -> None:
         self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
         self._lookaheads = 0
+        # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
+        # that cannot stop its request). They give the same plans and outputs as the general
+        # path; False sends every step through the general path (tests compare the two).
+        self.fast_paths = True
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
         if num_blocks * block_size < max_model_len:
@@ -84,6 +88,8 @@ class Scheduler:
             raise ValueError("request was already scheduled")
         req.arrival = self._next_arrival
         self._next_arrival += 1
+        req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
         self._requests[req.request_id] = req
         if req.parent_id:
             self._groups.setdefault(req.parent_id, []).append(req)
@@ -128,15 +134,27 @@ class Scheduler:
         bm = self.block_manager
 
         # 1. Running requests first: decodes and unfinished prefill chunks, in arrival order.
+        running = self.running  # preemption shrinks it in place: its length is read every time
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             if req.in_flight:
-                if self._can_look_ahead(req) and self.block_manager.blocks_needed(
-                        req, req.num_computed_tokens + 1) <= self.block_manager.num_free_blocks:
-                    self._schedule_seq(req, req.num_computed_tokens + 1, 0, step_id, seqs, copies, lookahead=True)
-                    self._lookaheads += 1
+                if self._can_look_ahead(req) and self._schedule_lookahead(req, step_id, seqs, copies):
                     budget -= 1
+                i += 1
+                continue
+            out = req.output_token_ids
+            if (
+                self.fast_paths
+                and out
+                and not req.draft_token_ids
+                and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1
+                and bm.writes_in_place(req)
+            ):
+                # A decode of its latest token, without drafts or block work: the general path
+                # below would take no blocks (nor preempt anyone) and schedule just this.
+                self._decode_in_place(req, out[-1], step_id, seqs)
+                budget -= 1
                 i += 1
                 continue
             num_new, num_draft = self._tokens_to_compute(req, budget)
@@ -192,12 +210,55 @@ class Scheduler:
         if not (0 < pending <= self.decode_lookahead and req.pending_sample):
             return False
         num_output = len(req.output_token_ids)  # runs per request per step: no properties
-        num_tokens = len(req.prompt_token_ids) + num_output
+        # Within max_tokens and max_model_len even after this one: num_output + pending + 1 tokens.
         return (
-            req.num_computed_tokens == num_tokens + pending - 1
-            and num_output + pending + 1 <= req.max_tokens
-            and num_tokens + pending + 1 <= self.max_model_len
+            req.num_computed_tokens == len(req.prompt_token_ids) + num_output + pending - 1
+            and num_output + pending < req.max_output_tokens
         )
+
+    def _schedule_lookahead(
+        self,
+        req: Request,
+        step_id: int,
+        seqs: list[ScheduledSeq],
+        copies: list[tuple[int, int]],
+    ) -> bool:
+        """Schedules the decode lookahead of a request _can_look_ahead admits; False when the
+        free blocks do not allow it (a lookahead never preempts)."""
+        bm = self.block_manager
+        end = req.num_computed_tokens + 1
+        if self.fast_paths and bm.writes_in_place(req):
+            self._decode_in_place(req, PLACEHOLDER_TOKEN, step_id, seqs)
+        elif bm.blocks_needed(req, end) <= bm.num_free_blocks:
+            self._schedule_seq(req, end, 0, step_id, seqs, copies, lookahead=True)
+        else:
+            return False
+        self._lookaheads += 1
+        return True
+
+    def _decode_in_place(self, req: Request, input_token: int, step_id: int, seqs: list[ScheduledSeq]) -> None:
+        """Fast path of _schedule_seq(req, num_computed_tokens + 1, 0, ...): a one-token decode
+        past the prompt, without drafts (its latest token, or a lookahead's placeholder), whose
+        slot bm.writes_in_place so that reserve() would change nothing. It leaves the same plan
+        and state as the general path (tests compare the two)."""
+        start = req.num_computed_tokens
+        # Only blocks of known tokens get hashed (a lookahead's input is not known yet).
+        self.block_manager.register_full_blocks(req, len(req.prompt_token_ids) + len(req.output_token_ids))
+        table = req.block_ids
+        keep = req.num_synced_blocks
+        # Positional (keyword arguments cost twice as much): request, seq_id, num_computed,
+        # num_scheduled, input_token_ids, table_keep, table_append, sample, num_draft.
+        seqs.append(ScheduledSeq(req, req.seq_id, start, 1, [input_token], keep, table[keep:], True, 0))
+        if req.draft_token_ids:  # a lookahead's drafts are dropped, as in _schedule_seq
+            req.draft_token_ids = []
+        req.pending_sample = True
+        req.num_synced_blocks = len(table)
+        req.num_computed_at_step_start = start
+        req.num_computed_tokens = start + 1
+        req.in_flight += 1
+        req.last_scheduled_step = step_id
+        self._num_in_flight += 1
+        self._decode_tokens += 1
 
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens to compute this step including drafts, drafts) for a running request."""
@@ -206,10 +267,7 @@ class Scheduler:
             return min(remaining, budget), 0
         # Decode with speculation: k drafts ride behind the last sampled token, as long as even
         # all of them accepted (plus the bonus token) stays within max_tokens and max_model_len.
-        room = min(
-            self.max_model_len - req.num_tokens,
-            req.max_tokens - len(req.output_token_ids),
-        )
+        room = req.max_output_tokens - len(req.output_token_ids)  # to max_tokens or max_model_len
         num_draft = max(0, min(len(req.draft_token_ids), budget - 1, room - 1))
         return 1 + num_draft, num_draft
 
@@ -374,65 +432,74 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[RequestUpdate]:
         """Applies a plan's result: sampled[seq_id] holds the tokens of every sequence that
-        sampled (1, or accepted drafts + 1). Sequences aborted since the plan are ignored."""
-        live = [s for s in plan.seqs if s.request.seq_id == s.seq_id and s.request.in_flight]
-        for s in live:  # validate everything before changing anything
+        sampled (1, or accepted drafts + 1). Sequences aborted since the plan are ignored.
+        An update's new_token_ids may be the list from `sampled` itself."""
+        live: list[ScheduledSeq] = []
+        for s in plan.seqs:  # validate everything before changing anything
+            req = s.request
+            if req.seq_id != s.seq_id or not req.in_flight:
+                continue  # aborted, or finished by a stop, since the plan was built
+            live.append(s)
             if not s.sample:
                 continue
             tokens = sampled.get(s.seq_id)
-            if tokens is None or not 1 <= len(tokens) <= s.num_draft + 1:
+            num_draft = s.num_draft
+            if tokens is None or not 1 <= len(tokens) <= num_draft + 1:
                 raise ValueError(
-                    f"step {plan.step_id}: seq {s.seq_id} needs 1..{s.num_draft + 1} tokens, got {tokens!r}"
+                    f"step {plan.step_id}: seq {s.seq_id} needs 1..{num_draft + 1} tokens, got {tokens!r}"
                 )
-            accepted = len(tokens) - 1
-            if s.num_draft and tokens[:accepted] != s.input_token_ids[-s.num_draft :][:accepted]:
-                raise ValueError(f"step {plan.step_id}: seq {s.seq_id} accepted tokens differ from its drafts")
+            if num_draft:
+                accepted = len(tokens) - 1
+                if tokens[:accepted] != s.input_token_ids[-num_draft:][:accepted]:
+                    raise ValueError(f"step {plan.step_id}: seq {s.seq_id} accepted tokens differ from its drafts")
 
         updates: list[RequestUpdate] = []
+        self._num_in_flight -= len(live)
         for s in live:
             req = s.request
             req.in_flight -= 1
-            self._num_in_flight -= 1
             if not s.sample:
                 continue
             tokens = sampled[s.seq_id]
-            rejected = s.num_draft - (len(tokens) - 1)
-            if rejected:  # roll back the unaccepted draft slots and their surplus blocks
-                req.num_computed_tokens -= rejected
-                self.block_manager.truncate(req, cdiv(req.num_computed_tokens, self.block_size))
+            if s.num_draft:
+                rejected = s.num_draft - (len(tokens) - 1)
+                if rejected:  # roll back the unaccepted draft slots and their surplus blocks
+                    req.num_computed_tokens -= rejected
+                    self.block_manager.truncate(req, cdiv(req.num_computed_tokens, self.block_size))
             updates.append(self._append_tokens(req, tokens))
         return updates
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
         out = req.output_token_ids
         status = None
-        new: list[int] = []
-        # Runs for every sequence of every step: plain locals, no properties.
-        can_stop_eos = not req.ignore_eos and req.eos_token_ids
-        stop_ids, min_tokens = req.stop_token_ids, req.min_tokens
-        max_out = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        for token in tokens:
-            can_stop = len(out) >= min_tokens  # min_tokens come out before any stop
-            out.append(token)
-            new.append(token)
-            if can_stop and can_stop_eos and token in can_stop_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif can_stop and stop_ids and token in stop_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-            elif len(out) >= max_out:
+        if self.fast_paths and len(tokens) == 1 and tokens[0] not in req.stop_check_ids:
+            # One token that cannot stop the request (most steps): only the length rule applies.
+            new = tokens  # all of it is new: no copy (update() never changes the caller's lists)
+            out.append(tokens[0])
+            if len(out) >= req.max_output_tokens:
                 status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                break  # tokens after a stop are dropped
-        if status is not None:
-            self._finish(req, status)
-        return RequestUpdate(
-            request=req,
-            new_token_ids=new,
-            finished=status is not None,
-            finish_reason=status.finish_reason if status is not None else None,
-            stop_reason=req.stop_reason,
-        )
+        else:
+            new = []
+            # Runs for every sequence of every step: plain locals, no properties.
+            can_stop_eos = not req.ignore_eos and req.eos_token_ids
+            stop_ids, min_tokens, max_out = req.stop_token_ids, req.min_tokens, req.max_output_tokens
+            for token in tokens:
+                can_stop = len(out) >= min_tokens  # min_tokens come out before any stop
+                out.append(token)
+                new.append(token)
+                if can_stop and can_stop_eos and token in can_stop_eos:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif can_stop and stop_ids and token in stop_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = token
+                elif len(out) >= max_out:
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break  # tokens after a stop are dropped
+        if status is None:
+            return RequestUpdate(req, new, False, None, req.stop_reason)
+        self._finish(req, status)
+        return RequestUpdate(req, new, True, status.finish_reason, req.stop_reason)
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -1,0 +1,149 @@
+"""The scheduler's host (Python) cost per engine step in the decode steady state. CPU only,
+runs in seconds.
+
+N sequences decode with `--lookahead` + 1 plans in flight (the one-stage engine's default: 3,
+the later two decode lookaheads whose input token the worker fills in). Each step does what the
+scheduler process does for one step, with no RPC and no device:
+
+  schedule  Scheduler.schedule() (usually one plan per step: the one whose result came back)
+  encode    plan_to_proto(plan).SerializeToString() (what the Steps stream sends)
+  result    StepResult.FromString() of the oldest plan's result, then Engine._finish_step():
+            split_result, Scheduler.update and delivery into each request's OutputStream
+
+A fake worker builds each result from random tokens outside the timed sections. Requests never
+finish (ignore_eos, huge max_tokens), so every step covers all N sequences. The machine's noise
+and Python's garbage collector (see --gc-threshold) move single runs by 10-20%: compare the best
+of several repeats, on one machine.
+
+    python -m bench.scheduler_step                          # 256 and 512 sequences
+    python -m bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import gc
+import pstats
+import random
+import statistics
+import time
+
+from services.scheduler.engine import Engine, OutputStream, SchedulerConfig
+from services.scheduler.plan_codec import plan_to_proto
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from strata.v1 import engine_pb2
+
+PHASES = ("schedule", "encode", "result")
+
+
+class _NoPipeline:
+    """Engine needs a pipeline object; the benchmark sends nothing."""
+
+    num_stages = 1
+
+
+def make_engine(args, rng: random.Random) -> Engine:
+    engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=args.num_seqs))
+    max_len = args.prompt_len + args.warmup + args.repeat * args.steps + 64  # no sequence ends by length
+    engine.scheduler = Scheduler(
+        num_blocks=args.num_seqs * -(-max_len // args.block_size), block_size=args.block_size,
+        max_model_len=max_len, max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, decode_lookahead=args.lookahead)
+    for i in range(args.num_seqs):
+        req = Request(f"r{i}", [rng.randrange(100, 30000) for _ in range(args.prompt_len)],
+                      max_tokens=1_000_000, ignore_eos=True, eos_token_ids={2})
+        engine.scheduler.add_request(req)
+        engine.streams[req.request_id] = OutputStream(req.request_id, args.prompt_len, final_only=True)
+    return engine
+
+
+def fake_result(plan, rng: random.Random) -> bytes:
+    """What the last stage sends back: one random token per sampling sequence."""
+    seq_ids = [s.seq_id for s in plan.seqs if s.sample]
+    return engine_pb2.StepResult(step_id=plan.step_id, seq_ids=seq_ids, num_tokens=[1] * len(seq_ids),
+                                 token_ids=[rng.randrange(100, 30000) for _ in seq_ids]).SerializeToString()
+
+
+def run_steps(engine: Engine, results: collections.deque, steps: int, rng: random.Random,
+              totals: dict[str, float]) -> None:
+    sched, clock = engine.scheduler, time.perf_counter
+    for _ in range(steps):
+        while len(engine.in_flight) <= sched.decode_lookahead:
+            t0 = clock()
+            plan = sched.schedule()
+            t1 = clock()
+            if plan is None:
+                break
+            plan_to_proto(plan).SerializeToString()
+            t2 = clock()
+            totals["schedule"] += t1 - t0
+            totals["encode"] += t2 - t1
+            engine.in_flight.append(plan)
+            results.append(fake_result(plan, rng))
+        t0 = clock()
+        engine._finish_step(engine_pb2.StepResult.FromString(results.popleft()))
+        totals["result"] += clock() - t0
+
+
+def measure(args, num_seqs: int) -> list[dict[str, float]]:
+    """Per-repeat seconds per step, by phase."""
+    args = argparse.Namespace(**{**vars(args), "num_seqs": num_seqs})
+    rng = random.Random(args.seed)
+    engine = make_engine(args, rng)
+    results: collections.deque = collections.deque()
+    run_steps(engine, results, args.warmup, rng, dict.fromkeys(PHASES, 0.0))  # prefill, then steady state
+    if len(engine.scheduler.running) != num_seqs:
+        raise RuntimeError("not every sequence is running: raise --max-num-batched-tokens or the block pool")
+    runs = []
+    for _ in range(args.repeat):
+        totals = dict.fromkeys(PHASES, 0.0)
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler:
+            profiler.enable()
+        run_steps(engine, results, args.steps, rng, totals)
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile_lines)
+        runs.append({k: v / args.steps for k, v in totals.items()})
+    return runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[256, 512],
+                   help="running decode sequences (one measurement per value)")
+    p.add_argument("--steps", type=int, default=300, help="timed engine steps per repeat")
+    p.add_argument("--warmup", type=int, default=40, help="untimed steps first (prefill and the first decodes)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repeats; the best and the median are printed")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--lookahead", type=int, default=2,
+                   help="decode lookahead: plans in flight beyond the first (the one-stage engine uses 2; "
+                        "0: one plan in flight, each decode scheduled after its token came back)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
+    p.add_argument("--profile", action="store_true",
+                   help="run the timed steps under cProfile and print the top functions (slows every step)")
+    p.add_argument("--profile-lines", type=int, default=25, help="functions printed with --profile")
+    p.add_argument("--gc-threshold", type=int, default=0,
+                   help="first-generation threshold of Python's garbage collector (0: Python's default, 700); "
+                        "a plan holds several collected objects per sequence, so collections cost a share of "
+                        "every step that grows with N")
+    args = p.parse_args()
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+
+    for n in args.num_seqs:
+        runs = measure(args, n)
+        totals = [sum(r.values()) for r in runs]
+        best = min(range(len(runs)), key=totals.__getitem__)
+        median = statistics.median(totals)
+        phases = ", ".join(f"{k} {runs[best][k] * 1e3:.3f}" for k in PHASES)
+        print(f"N={n}: {totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
+              f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}")
+
+
+if __name__ == "__main__":
+    main()
