@@ -33,6 +33,7 @@ from services.scheduler.engine import Engine, OutputStream, SchedulerConfig
 from services.scheduler.plan_codec import plan_to_proto
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from strata.gc_tuning import SERVING_GEN0_THRESHOLD
 from strata.v1 import engine_pb2
 
 PHASES = ("schedule", "encode", "result")
@@ -127,8 +128,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="run the timed steps under cProfile and print the top functions (slows every step)")
     p.add_argument("--profile-lines", type=int, default=25, help="functions printed with --profile")
-    p.add_argument("--gc-threshold", type=int, default=0,
-                   help="first-generation threshold of Python's garbage collector (0: Python's default, 700); "
+    p.add_argument("--gc-threshold", type=int, default=SERVING_GEN0_THRESHOLD,
+                   help="first-generation threshold of Python's garbage collector (default: what the scheduler "
+                        "process sets, strata/gc_tuning.py; 0: Python's default, 700); "
                         "a plan holds several collected objects per sequence, so collections cost a share of "
                         "every step that grows with N")
     args = p.parse_args()

@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
 from services.gateway.server import GatewayServicer
+from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -48,6 +49,7 @@ async def serve(args) -> None:
         except grpc.aio.AioRpcError as e:
             log.info("waiting for the scheduler at %s: %s", args.scheduler_address, e.code().name)
             await asyncio.sleep(1.0)
+    tune_for_serving()
     await set_serving(health, service_names)
     log.info("gateway on %s:%d (model %s)", args.host, port, name)
     await wait_for_termination_signal()

@@ -8,6 +8,7 @@ from services.scheduler.engine import Engine, SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics, publish_metrics
 from services.scheduler.pipeline import Pipeline
 from services.scheduler.server import SchedulerServicer
+from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2_grpc
 
@@ -34,6 +35,7 @@ async def serve(args) -> None:
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)
     await server.start()  # health answers NOT_SERVING until the pipeline is up
     await engine.start()
+    tune_for_serving()
     await set_serving(health, ["strata.v1.Scheduler"])
     tasks = []
     if args.metrics_port:

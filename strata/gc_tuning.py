@@ -1,0 +1,22 @@
+"""Garbage-collector settings for the long-lived service processes.
+
+The scheduler's step loop (and the gateway's streams) allocate many short-lived objects that the
+collector tracks (plans, per-sequence records, token lists) and that almost never form cycles.
+With Python's default first-generation threshold (700) the collector runs several times per
+engine step and walks every live prompt and output list each time it reaches the older
+generations: `python -m bench.scheduler_step` measured 0.79 -> 0.61 ms per step at 256 running
+decodes and 1.93 -> 1.26-1.44 ms at 512 with the threshold below. What start-up allocated
+(modules, the model description, tokenizer) is frozen so that full collections skip it.
+"""
+from __future__ import annotations
+
+import gc
+
+SERVING_GEN0_THRESHOLD = 50_000
+
+
+def tune_for_serving() -> None:
+    """Call once start-up is done."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(SERVING_GEN0_THRESHOLD, *gc.get_threshold()[1:])
