@@ -158,8 +158,11 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-# Runtime ints are not specialised (== 1, % 16): one compiled variant serves every batch.
-@triton.jit(do_not_specialize=["num_seqs", "sliding_window"])
+# Runtime ints are not specialised (== 1, % 16): one compiled variant serves every batch. That
+# includes the block-table row stride, which follows the step's longest sequence in eager steps:
+# specialised, widths of 1, of a multiple of 16 and of anything else each compiled a variant,
+# about a second each, mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "sliding_window", "stride_block_table"])
 def _paged_attention_kernel(
     query_ptr,
     key_cache_ptr,

@@ -40,24 +40,24 @@ def shard_and_config():
     return random_bf16_shard(config), config
 
 
-def new_runner(shard, config) -> ModelRunner:
+def new_runner(shard, config, blocks_per_seq: int = BLOCKS_PER_SEQ) -> ModelRunner:
     runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=BLOCK_SIZE,
-                         max_model_len=BLOCK_SIZE * BLOCKS_PER_SEQ, device=torch.device("cuda"),
+                         max_model_len=BLOCK_SIZE * blocks_per_seq, device=torch.device("cuda"),
                          dtype=torch.bfloat16, max_num_seqs=MAX_SEQS, cuda_graph_max_batch=MAX_SEQS)
-    runner.init_cache(MAX_SEQS * BLOCKS_PER_SEQ)
+    runner.init_cache(MAX_SEQS * blocks_per_seq)
     return runner
 
 
-def admit_plan(settings, prompts) -> engine_pb2.StepPlan:
-    seq_ids = list(range(1, len(prompts) + 1))
+def admit_plan(settings, prompts, first_seq_id: int = 1, blocks_per_seq: int = BLOCKS_PER_SEQ) -> engine_pb2.StepPlan:
+    seq_ids = list(range(first_seq_id, first_seq_id + len(prompts)))
     return engine_pb2.StepPlan(
         step_id=1,
         new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
             temperature=t, top_k=k, top_p=1.0, seed=seed, logprobs=-1)) for s, (t, k, seed) in zip(seq_ids, settings)],
         seq_ids=seq_ids, num_computed=[0] * len(prompts), num_scheduled=[len(p) for p in prompts],
         input_token_ids=[t for p in prompts for t in p], table_keep=[0] * len(prompts),
-        table_append_counts=[BLOCKS_PER_SEQ] * len(prompts),
-        table_append_ids=[s * BLOCKS_PER_SEQ + b for s in range(len(prompts)) for b in range(BLOCKS_PER_SEQ)],
+        table_append_counts=[blocks_per_seq] * len(prompts),
+        table_append_ids=[(s - 1) * blocks_per_seq + b for s in seq_ids for b in range(blocks_per_seq)],
         sample=[True] * len(prompts))
 
 
@@ -128,3 +128,37 @@ def test_filtered_rows_are_sampled_outside_the_graph(shard_and_config):
         assert got[3] in logits[3].topk(3).indices.tolist(), "the top-k row drew outside its top 3"
         lengths = [x + 1 for x in lengths]
         tokens = got
+
+
+def _compiled_variants() -> dict[str, int]:
+    """Compiled variants of every Triton kernel in kernels/, by name."""
+    import importlib
+    import pkgutil
+
+    import kernels
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction):
+                counts[f"{info.name}.{name}"] = sum(len(cache[0]) for cache in obj.device_caches.values())
+    return counts
+
+
+def test_serving_compiles_no_kernel_after_warm_up(shard_and_config):
+    """Eager steps whose shapes differ from the warm-up's (prompt lengths, block-table widths of
+    1, of a multiple of 16 and of neither, decodes beside prefill chunks, filtered sampling) run
+    on kernels compiled at cache init: a compile mid-serving stalls every request ~1 s."""
+    shard, config = shard_and_config
+    runner = new_runner(shard, config, blocks_per_seq=40)
+    before = _compiled_variants()
+    gen = torch.Generator().manual_seed(3)
+    seq_id = 1
+    for length in (5, 16 * 16, 16 * 33 + 3, 16 * 7):  # block-table widths 1, 16, 34, 7
+        settings = [(1.0, 0, seq_id), (0.0, 0, seq_id + 1), (0.8, 5, seq_id + 2)]
+        prompts = [torch.randint(3, 8192, (n,), generator=gen).tolist() for n in (length, 3, length // 2 + 1)]
+        runner.execute(admit_plan(settings, prompts, first_seq_id=seq_id, blocks_per_seq=40)).finish()
+        seq_id += 3
+    assert _compiled_variants() == before
