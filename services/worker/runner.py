@@ -14,6 +14,7 @@ import torch
 
 from services.worker.attention import AttentionMetadata, allocate_kv_cache
 from services.worker.host_to_device import upload
+from services.worker.late_compiles import warn_on_late_compiles
 from services.worker.sampler import GREEDY_EPSILON, Sampler, SamplingTensors
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
@@ -177,6 +178,7 @@ class ModelRunner:
             self.capture_cuda_graphs(self.cuda_graph_max_batch)
         if self.device.type == "cuda":
             self.warm_up()
+            warn_on_late_compiles()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
