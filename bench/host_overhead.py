@@ -43,16 +43,17 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time per step")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-plans-in-flight", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="as `strata bench throughput`")
+    p.add_argument("--max-plans-in-flight", type=int, default=0,
+                   help="scheduler plans in flight (0: the scheduler's default)")
     p.add_argument("--streams", type=int, default=0,
                    help="N > 0: N streams in a closed loop with DELTA outputs, reporting inter-token latency "
                         "(0: every prompt at once, FINAL_ONLY)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--profile-dir", default=None,
                    help="also sample each service with py-spy (on PATH) into this folder (bench/spy_summary.py)")
     args = p.parse_args()
