@@ -20,6 +20,16 @@ def test_help_explains_every_command():
     assert "STRATA_STAGE_INDEX" in out.stdout and "--num-kv-blocks" in out.stdout
 
 
+def test_benchmarks_default_step_budgets():
+    """The throughput benchmark's own budget must win over the common flag's default."""
+    from strata.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["bench", "throughput"]).max_num_batched_tokens == 16384
+    assert parse(["bench", "throughput", "--max-num-batched-tokens", "4096"]).max_num_batched_tokens == 4096
+    assert parse(["bench", "latency"]).max_num_batched_tokens == 2048
+
+
 def test_serve_default_then_generate(tmp_path):
     port = free_port()
     env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
