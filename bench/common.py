@@ -349,21 +349,23 @@ def stats_delta(before, after) -> dict:
 
 
 def gpu_timeline_rows(delta: dict, wall_s: float) -> list[tuple[str, str]]:
-    """The last stage's view over a phase: host time launching steps, and from CUDA events the GPU
-    time in steps and its idle time between them. A launch time near the GPU time per step means
-    the worker's host paces the GPU (the GPU then waits inside steps, which counts as busy)."""
+    """The last stage's view over a phase: host time from each plan to its step's last launch
+    (waits for the GPU included, when the worker runs ahead), and from CUDA events the GPU time in
+    steps and its idle time between them. GPU time in steps counts the GPU waiting inside a step
+    for launches the host has not made yet: a launch time near it can mean the host paces the GPU."""
     rows = []
     if delta.get("steps"):
-        rows.append(("worker launching", f"{delta['worker_launch_seconds'] / delta['steps'] * 1e3:.3f} ms of host "
-                                         f"time per step"))
+        launch = delta["worker_launch_seconds"] / delta["steps"]
+        rows.append(("worker launching", f"{launch * 1e3:.3f} ms of host time per step"))
     steps = delta.get("worker_timed_steps", 0)
     if not steps:
         return rows + [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]
     busy, idle = delta["worker_gpu_busy_seconds"], delta["worker_gpu_idle_seconds"]
-    return rows + [("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
-                                  f"{busy / wall_s:.0%} of the wall time"),
-            ("GPU idle between steps", f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
-                                       f"timeline, {idle / steps * 1e3:.3f} ms per step)")]
+    return rows + [
+        ("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
+                              f"{busy / wall_s:.0%} of the wall time"),
+        ("GPU idle between steps", f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
+                                   f"timeline, {idle / steps * 1e3:.3f} ms per step)")]
 
 
 class StatsPoller:

@@ -19,6 +19,7 @@ import torch
 
 from kernels.gumbel_sampling import HAVE_TRITON
 from services.worker.attention import AttentionMetadata
+from services.worker.host_to_device import ALIGN, torch_dtype
 from services.worker.sampler import sample_unfiltered
 
 
@@ -38,13 +39,12 @@ _ROW_FIELDS = (
 # What padding rows hold: no KV read (seq_len 0) or written (slot -1), a greedy draw.
 _PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seeds": 0, "sample_positions": 0,
             "inv_temperature": 1.0, "seq_lens": 0, "greedy": 1}
-_ALIGN = 16  # Triton specialises on 16-byte aligned pointers
 
 
 def _layout(max_batch: int) -> tuple[dict[str, tuple[int, np.dtype]], int]:
     offsets, total = {}, 0
     for name, dtype in _ROW_FIELDS:
-        total = -(-total // _ALIGN) * _ALIGN
+        total = -(-total // ALIGN) * ALIGN
         offsets[name] = (total, np.dtype(dtype))
         total += max_batch * np.dtype(dtype).itemsize
     return offsets, total
@@ -74,7 +74,7 @@ class DecodeGraphs:
         width = runner.table.max_blocks
         layout, total = _layout(self.max_batch)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=dev)
-        self.rows = {name: self.flat[off:off + self.max_batch * dt.itemsize].view(_TORCH[dt])
+        self.rows = {name: self.flat[off:off + self.max_batch * dt.itemsize].view(torch_dtype(dt))
                      for name, (off, dt) in layout.items()}
         self.block_tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=dev)
@@ -175,6 +175,3 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return tuple(t[:n] for t in self.outputs[bs])
 
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
-          np.dtype(np.uint8): torch.uint8}

@@ -14,7 +14,7 @@ import torch
 # Every array starts 16-byte aligned inside the packed buffer: Triton specialises kernels on
 # whether each pointer is 16-byte aligned, so varying alignment would compile new variants of a
 # kernel mid-serving.
-_ALIGN = 16
+ALIGN = 16
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
 
 
@@ -28,7 +28,7 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
         return {name: torch.from_numpy(a) for name, a in arrays.items()}
     offsets, total = {}, 0
     for name, a in arrays.items():
-        total = -(-total // _ALIGN) * _ALIGN
+        total = -(-total // ALIGN) * ALIGN
         offsets[name] = total
         total += a.nbytes
     staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
@@ -38,12 +38,13 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     on_device = staging.to(device, non_blocking=True)
     tensors = {}
     for name, a in arrays.items():
-        t = on_device[offsets[name]:offsets[name] + a.nbytes].view(_torch_dtype(a.dtype))
+        t = on_device[offsets[name]:offsets[name] + a.nbytes].view(torch_dtype(a.dtype))
         tensors[name] = t if a.ndim == 1 else t.view(a.shape)  # each view costs host time
     return tensors
 
 
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (cached: torch.from_numpy on an empty array each time costs)."""
     if dtype not in _TORCH_DTYPES:
         _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     return _TORCH_DTYPES[dtype]
