@@ -19,6 +19,14 @@ from bench import common
 
 # ---------------------------------------------------------------- the floor
 
+def _layer_matmul_weights(config) -> int:
+    """Weights one decoder layer multiplies each token by: qkv, o, gate_up and down projections."""
+    h = config.hidden_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+
+
 def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
     """Bytes a decode step must read at least: every weight once, every cached K and V once.
 
@@ -28,7 +36,7 @@ def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    per_layer = _layer_matmul_weights(config) + 2 * h  # and the two norms' weights
     per_layer += (q + 2 * kv) * config.attention_bias + h * config.o_proj_bias + (2 * inter + h) * config.mlp_bias
     head = config.vocab_size * h
     embeddings = 0 if config.tie_word_embeddings else batch * h
@@ -96,7 +104,7 @@ def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, outp
     h, layers = config.hidden_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size)  # weights per token
+    linear = layers * _layer_matmul_weights(config)  # weights per token
     head = config.vocab_size * h
     # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each query's context.
     prefill_context = num_prompts * input_len * (input_len + 1) / 2
