@@ -73,6 +73,8 @@ COPY protos /tmp/src/protos
 COPY strata /tmp/src/strata
 COPY services /tmp/src/services
 COPY kernels /tmp/src/kernels
+# strata.bench: `strata bench` runs inside the image too.
+COPY bench /tmp/src/bench
 # The embedded default model, so a container needs nothing at run time; compose mounts
 # another model directory over /models when one is given.
 RUN pip install --no-deps --no-build-isolation /tmp/src \

@@ -24,9 +24,9 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention  # noqa: E402
-from kernels.reference import paged_attention_reference  # noqa: E402
-from kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
+from strata.kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention  # noqa: E402
+from strata.kernels.reference import paged_attention_reference  # noqa: E402
+from strata.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
 
 # Llama-3.2-1B attention: 32 query heads, 8 KV heads, head_dim 64, 16 layers.
 LLAMA_1B = dict(num_q_heads=32, num_kv_heads=8, head_dim=64)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from strata.flags import service_args
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GPU_MODEL = "dummy:llama-3.2-1b"
 # Token ids below this are the special tokens of the embedded default model (BOS, EOS);
@@ -130,9 +132,8 @@ def cluster_for(args):
     if args.address:
         yield Endpoints(args.address, args.scheduler_address, own_cluster=False)
         return
-    from strata.cli import build_parser
     from strata.launcher import start_cluster
-    serve_args = build_parser().parse_args(serve_argv(args, resolve_model(args)))
+    serve_args = service_args(serve_argv(args, resolve_model(args)))
     # The services' INFO logs would bury the tables; they inherit this from the environment.
     previous = os.environ.get("STRATA_LOG_LEVEL")
     os.environ["STRATA_LOG_LEVEL"] = previous or args.service_log_level
@@ -154,7 +155,7 @@ def cluster_for(args):
 @contextlib.contextmanager
 def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str):
     """While the block runs, py-spy (on PATH) samples every service's Python stacks into
-    OUT_DIR/PHASE-SERVICE.txt (summarise with `python -m bench.spy_summary OUT_DIR`): which
+    OUT_DIR/PHASE-SERVICE.txt (summarise with `python -m strata.bench.spy_summary OUT_DIR`): which
     process and which code bound the step rate. Nothing without out_dir."""
     if not out_dir or not service_pids:
         yield

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
-from bench import common
+from strata.bench import common
 
 
 def _dtype(args, device: str):
-    from services.worker.main import pick_dtype
+    from strata.services.worker.main import pick_dtype
     import torch
     return pick_dtype(args.dtype, torch.device(device))
 
@@ -41,7 +41,7 @@ def build_hf_model(args):
 
 def _random_llama(preset: str, dtype, device: str, seed: int):
     import torch
-    from services.worker.weights import DUMMY_STD, dummy_config
+    from strata.services.worker.weights import DUMMY_STD, dummy_config
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = dummy_config(preset)

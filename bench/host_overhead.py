@@ -3,16 +3,16 @@ simulated (bench/simulated_worker.py: real service and per-step host work, a dev
 --step-ms per step). A stack that never left the device waiting would run one step per step-ms;
 the device's idle share is what the host costs.
 
-    python -m bench.host_overhead                      # offline: 1000 x 512/128, all at once
-    python -m bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
-    python -m bench.host_overhead --streams 16 --num-prompts 64 --step-ms 1.34   # streamed ITL
+    python -m strata.bench.host_overhead                      # offline: 1000 x 512/128, all at once
+    python -m strata.bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
+    python -m strata.bench.host_overhead --streams 16 --num-prompts 64 --step-ms 1.34   # streamed ITL
 """
 from __future__ import annotations
 
 import argparse
 import time
 
-from bench import common
+from strata.bench import common
 from strata.default_model import ensure_default_model
 from strata.launcher import Cluster, free_port
 
@@ -62,7 +62,7 @@ def main() -> None:
     try:
         worker, sched, gateway = (f"127.0.0.1:{free_port()}" for _ in range(3))
         cluster.start("worker", ["--port", worker.split(":")[1], "--step-ms", str(args.step_ms),
-                                 "--max-num-seqs", str(args.max_num_seqs)], module="bench.simulated_worker")
+                                 "--max-num-seqs", str(args.max_num_seqs)], module="strata.bench.simulated_worker")
         cluster.start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched.split(":")[1],
                                     "--workers", worker, "--max-num-seqs", str(args.max_num_seqs),
                                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),

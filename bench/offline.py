@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from bench import common, roofline
-from bench.hf_baseline import run_hf_baseline
+from strata.bench import common, roofline
+from strata.bench.hf_baseline import run_hf_baseline
 
 TARGET_HF_RATIO = 8.0
 TARGET_OUTPUT_TOKENS_PER_S = 25_000

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from bench import common
+from strata.bench import common
 
 TARGET_OVER_SAME = 0.95
 TARGET_OVER_DISTINCT = 1.5

@@ -1,7 +1,7 @@
 """Where a step's time goes: per-phase host timings, the host's Python profile, the top GPU kernels.
 
-    python -m bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
-    python -m bench.profile_step --batch 16 --prefill-len 512     # a prefill step of 16 x 512 tokens
+    python -m strata.bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
+    python -m strata.bench.profile_step --batch 16 --prefill-len 512     # a prefill step of 16 x 512 tokens
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from bench.roofline import decode_plans, load_runner, prefill_plan
-from strata.cli import build_parser
+from strata.bench.roofline import decode_plans, load_runner, prefill_plan
+from strata.flags import service_args
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     if a.enforce_eager:
         argv.append("--enforce-eager")
     argv += ["--max-num-batched-tokens", str(max(2048, a.batch * a.prefill_len))]
-    args = build_parser().parse_args(argv)
+    args = service_args(argv)
     runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
                                a.temperature, 0)

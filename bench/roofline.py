@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from bench import common
+from strata.bench import common
+from strata.flags import service_args
 
 
 # ---------------------------------------------------------------- the floor
@@ -126,8 +127,7 @@ def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, outp
 
 def load_runner(args, batch: int, context_len: int):
     """The worker's ModelRunner for the whole model on one device, cache sized for the batch."""
-    from services.worker.main import build
-    from strata.cli import build_parser
+    from strata.services.worker.main import build
 
     block_size = args.block_size
     blocks_per_seq = math.ceil(context_len / block_size)
@@ -142,7 +142,7 @@ def load_runner(args, batch: int, context_len: int):
         argv += ["--model", model]
     if args.enforce_eager:
         argv.append("--enforce-eager")
-    runner, _ = build(build_parser().parse_args(argv))
+    runner, _ = build(service_args(argv))
     runner.init_cache(num_blocks)
     return runner
 

@@ -15,8 +15,8 @@ finish (ignore_eos, huge max_tokens), so every step covers all N sequences. The 
 and Python's garbage collector (see --gc-threshold) move single runs by 10-20%: compare the best
 of several repeats, on one machine.
 
-    python -m bench.scheduler_step                          # 256 and 512 sequences
-    python -m bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
+    python -m strata.bench.scheduler_step                          # 256 and 512 sequences
+    python -m strata.bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import random
 import statistics
 import time
 
-from services.scheduler.engine import Engine, OutputStream, SchedulerConfig
-from services.scheduler.plan_codec import plan_to_proto
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
+from strata.services.scheduler.plan_codec import plan_to_proto
+from strata.services.scheduler.request import Request
+from strata.services.scheduler.scheduler import Scheduler
 from strata.gc_tuning import SERVING_GEN0_THRESHOLD
 from strata.v1 import engine_pb2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 
-from bench import common, roofline
+from strata.bench import common, roofline
 
 TARGET_ITL_OVER_STEP = 1.3
 

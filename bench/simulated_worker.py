@@ -4,9 +4,9 @@ takes a fixed time per step and executes steps in order, like a CUDA stream.
 
 It isolates the service stack's host overhead from the model: with a simulated step of S ms, a
 stack that kept the device busy would run one step every S ms, so the measured step period over
-S is the host's share. Used by `python -m bench.host_overhead` (runs on any CPU machine).
+S is the host's share. Used by `python -m strata.bench.host_overhead` (runs on any CPU machine).
 
-    python -m bench.simulated_worker --port 50061 --step-ms 2.8
+    python -m strata.bench.simulated_worker --port 50061 --step-ms 2.8
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from services.worker.model_config import ModelConfig
-from services.worker.runner import ModelRunner, PendingResult
-from services.worker.server import WorkerServicer
+from strata.services.worker.model_config import ModelConfig
+from strata.services.worker.runner import ModelRunner, PendingResult
+from strata.services.worker.server import WorkerServicer
 from strata.default_model import ensure_default_model
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2

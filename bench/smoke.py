@@ -1,6 +1,6 @@
 """Start a cluster, send a burst of concurrent requests, print the first failure's status in full.
 
-    python -m bench.smoke --model dummy:llama-3.2-1b --requests 64 --input-len 64 --output-len 32
+    python -m strata.bench.smoke --model dummy:llama-3.2-1b --requests 64 --input-len 64 --output-len 32
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from strata.cli import build_parser
+from strata.flags import service_args
 from strata.client import StrataClient
 from strata.launcher import free_port, start_cluster
 from strata.v1 import generate_pb2
@@ -25,7 +25,7 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("extra", nargs="*", help="more `strata serve` flags")
     a = p.parse_args()
-    args = build_parser().parse_args(["serve", "--model", a.model, "--pipeline-stages", str(a.stages),
+    args = service_args(["serve", "--model", a.model, "--pipeline-stages", str(a.stages),
                                       "--port", str(free_port()), *a.extra])
     cluster = start_cluster(args)
     try:

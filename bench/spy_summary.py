@@ -1,7 +1,7 @@
 """Summarises py-spy folded stacks (bench/spy_services.sh): share of samples per thread and the
 functions with the most self time, per process.
 
-    python -m bench.spy_summary OUTDIR
+    python -m strata.bench.spy_summary OUTDIR
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import silu_and_mul_reference
+from strata.kernels.reference import silu_and_mul_reference
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference"]
 

@@ -6,8 +6,8 @@ when compiling. Triton ships ptxas, so the whole pipeline runs on CPU. Pointer a
 arguments are declared 16-divisible, as Triton specialises them at run time for contiguous
 tensors.
 
-    python -m kernels.compile_check            # table for Llama-like shapes
-    python -m kernels.compile_check --strict   # exit 1 on a spill or an unpipelined loop
+    python -m strata.kernels.compile_check            # table for Llama-like shapes
+    python -m strata.kernels.compile_check --strict   # exit 1 on a spill or an unpipelined loop
 
 Must run without TRITON_INTERPRET (the kernels must be real JITFunctions).
 """
@@ -26,8 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels.kv_cache_write as kv_cache_write
-import kernels.paged_attention as paged_attention
+import strata.kernels.kv_cache_write as kv_cache_write
+import strata.kernels.paged_attention as paged_attention
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _INT_POINTERS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import write_kv_cache_reference
+from strata.kernels.reference import write_kv_cache_reference
 
 __all__ = ["write_kv_cache", "write_kv_cache_reference"]
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.reference import paged_attention_reference
+from strata.kernels.reference import paged_attention_reference
 
 __all__ = ["AttentionLaunchConfig", "paged_attention", "paged_attention_reference", "choose_launch_config"]
 

@@ -56,7 +56,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as kernels.paged_attention.paged_attention, computed in float32 per sequence.
+    """Same contract as strata.kernels.paged_attention.paged_attention, computed in float32 per sequence.
 
     max_query_len / max_seq_len are accepted for signature parity and not needed here.
     """

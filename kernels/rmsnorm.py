@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
+from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import rotary_embedding_reference
+from strata.kernels.reference import rotary_embedding_reference
 
 __all__ = ["rotary_embedding_", "rotary_embedding_reference"]
 

@@ -56,7 +56,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--spy-dir", default=None,
                    help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
-                        "during the measured phases, into this folder (`python -m bench.spy_summary DIR`)")
+                        "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)")
 
 
 def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
@@ -127,16 +127,16 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
 
 def run_bench(args) -> int:
     if args.bench_command == "throughput":
-        from bench import offline
+        from strata.bench import offline
         return offline.run(args)
     if args.bench_command == "latency":
-        from bench import serving
+        from strata.bench import serving
         return serving.run(args)
     if args.bench_command == "roofline":
-        from bench import roofline
+        from strata.bench import roofline
         return roofline.run(args)
     if args.bench_command == "parallel-sampling":
-        from bench import parallel_sampling
+        from strata.bench import parallel_sampling
         return parallel_sampling.run(args)
     raise SystemExit(f"unknown benchmark {args.bench_command!r}")
 

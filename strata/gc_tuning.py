@@ -4,7 +4,7 @@ The scheduler's step loop (and the gateway's streams) allocate many short-lived 
 collector tracks (plans, per-sequence records, token lists) and that almost never form cycles.
 With Python's default first-generation threshold (700) the collector runs several times per
 engine step and walks every live prompt and output list each time it reaches the older
-generations: `python -m bench.scheduler_step` measured 0.79 -> 0.61 ms per step at 256 running
+generations: `python -m strata.bench.scheduler_step` measured 0.79 -> 0.61 ms per step at 256 running
 decodes and 1.93 -> 1.26-1.44 ms at 512 with the threshold below. What start-up allocated
 (modules, the model description, tokenizer) is frozen so that full collections skip it.
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.attention import AttentionMetadata
+from strata.services.worker.attention import AttentionMetadata
 
 
 @dataclass

@@ -9,8 +9,8 @@ import math
 import pytest
 from safetensors import safe_open
 
-from bench import common, roofline
-from bench.parallel_sampling import peak_block_bound
+from strata.bench import common, roofline
+from strata.bench.parallel_sampling import peak_block_bound
 from strata.bench_cli import add_bench_parser, run_bench
 from strata.cli import build_parser
 from strata.default_model import ensure_default_model
@@ -123,7 +123,7 @@ def test_roofline_through_running_cluster(tmp_path, cluster):
 def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
     """Checked against the embedded default's checkpoint: untied, so the embedding table is not
     read whole, only the batch's rows."""
-    from services.worker.model_config import ModelConfig
+    from strata.services.worker.model_config import ModelConfig
     model_dir = ensure_default_model()
     config = ModelConfig.from_dir(model_dir)
     with safe_open(model_dir / "model.safetensors", framework="pt") as f:
@@ -168,7 +168,7 @@ def test_host_overhead_with_a_simulated_device():
     completes and the step period is at least the simulated step."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "bench.host_overhead", "--num-prompts", "16", "--input-len", "8",
+    proc = subprocess.run([sys.executable, "-m", "strata.bench.host_overhead", "--num-prompts", "16", "--input-len", "8",
                            "--output-len", "8", "--step-ms", "5"], capture_output=True, text=True, timeout=300,
                           cwd=common.REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from services.scheduler.block_manager import KVBlockManager, hash_block, root_hash
-from services.scheduler.request import Request
+from strata.services.scheduler.block_manager import KVBlockManager, hash_block, root_hash
+from strata.services.scheduler.request import Request
 
 
 def make_req(tokens, rid="r"):

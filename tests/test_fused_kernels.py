@@ -20,21 +20,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.reference import (
+from strata.kernels.reference import (
     fused_add_rms_norm_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
 )
-from services.worker import model as model_module
-from services.worker.attention import allocate_kv_cache
+from strata.services.worker import model as model_module
+from strata.services.worker.attention import allocate_kv_cache
 from tests.paged_inputs import SequenceChunk, build_step_inputs
-from services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
-from services.worker.model_config import ModelConfig
+from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
+from strata.services.worker.model_config import ModelConfig
 from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("kernels.rmsnorm", "kernels.rotary", "kernels.activation")
+KERNEL_MODULES = ("strata.kernels.rmsnorm", "strata.kernels.rotary", "strata.kernels.activation")
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -167,7 +167,7 @@ if not _can_run_interpreted_here():
     @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
     def test_fused_kernels_compile_for_sm90_without_spills(dtype):
         assert os.environ.get("TRITON_INTERPRET") != "1"
-        from kernels import activation, rmsnorm, rotary
+        from strata.kernels import activation, rmsnorm, rotary
 
         assert not any(_interpreted(name) for name in KERNEL_MODULES)
         data = "*" + dtype
@@ -192,9 +192,9 @@ if not _can_run_interpreted_here():
         assert spills == 0, (regs, spills)
 
 else:
-    from kernels.activation import silu_and_mul
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
-    from kernels.rotary import rotary_embedding_
+    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from strata.kernels.rotary import rotary_embedding_
 
     TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=2e-3)}
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from services.gateway.detokenizer import IncrementalDetokenizer, OutputTextStream, StopChecker
-from services.gateway.outputs import RequestOutputState
-from services.gateway.validation import (
+from strata.services.gateway.detokenizer import IncrementalDetokenizer, OutputTextStream, StopChecker
+from strata.services.gateway.outputs import RequestOutputState
+from strata.services.gateway.validation import (
     InvalidRequest,
     ValidatedParams,
     child_requests,
@@ -617,7 +617,7 @@ def test_final_only_waits_for_every_child():
 
 
 def test_children_are_final_only_exactly_when_nothing_needs_streaming():
-    from services.gateway.validation import child_requests, validate_request
+    from strata.services.gateway.validation import child_requests, validate_request
 
     def children(**params):
         req = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6]),

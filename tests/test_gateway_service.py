@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.gateway.server import GatewayServicer
+from strata.services.gateway.server import GatewayServicer
 from strata.default_model import build_tiny_tokenizer
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 

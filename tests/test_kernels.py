@@ -1,7 +1,7 @@
 """Triton kernels vs their torch references, on CPU under Triton's interpreter.
 
 Why a subprocess: triton.jit reads TRITON_INTERPRET when a kernel is *defined* (at import of
-kernels.paged_attention), and the choice sticks for the life of the process. Setting the variable
+strata.kernels.paged_attention), and the choice sticks for the life of the process. Setting the variable
 from this module would either come too late (another test already imported the kernels for the
 GPU) or leak into every module imported after it. So, unless this process was started with
 TRITON_INTERPRET=1 and has not yet defined the kernels otherwise, this module only holds two
@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def _can_run_interpreted_here() -> bool:
     if not interpreter_active():
         return False
-    module = sys.modules.get("kernels.paged_attention")
+    module = sys.modules.get("strata.kernels.paged_attention")
     return module is None or module._INTERPRETED
 
 
@@ -41,17 +41,17 @@ if not _can_run_interpreted_here():
     def test_kernels_compile_for_sm90_without_spills():
         """Compile every kernel variant for an H100; fails on a spill or an unpipelined K/V loop."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--strict"],
+        proc = subprocess.run([sys.executable, "-m", "strata.kernels.compile_check", "--strict"],
                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
         print(proc.stdout)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
         assert "attention bf16 D=128" in proc.stdout
 
 else:
-    from kernels.kv_cache_write import write_kv_cache
-    from kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention
-    from kernels.reference import paged_attention_reference, write_kv_cache_reference
-    from kernels.testing import kv_by_slot, make_paged_batch
+    from strata.kernels.kv_cache_write import write_kv_cache
+    from strata.kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention
+    from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference
+    from strata.kernels.testing import kv_by_slot, make_paged_batch
 
     TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 

@@ -12,16 +12,16 @@ import random
 import pytest
 import torch
 
-from services.worker import weights as weights_module
-from services.worker.attention import (
+from strata.services.worker import weights as weights_module
+from strata.services.worker.attention import (
     TorchAttentionBackend,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
 from tests.paged_inputs import SequenceChunk, build_step_inputs
-from services.worker.model import CausalLMShard
-from services.worker.model_config import ModelConfig
-from services.worker.weights import (
+from strata.services.worker.model import CausalLMShard
+from strata.services.worker.model_config import ModelConfig
+from strata.services.worker.weights import (
     dummy_config,
     iter_checkpoint_tensors,
     load_shard,

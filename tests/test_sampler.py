@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.sampler import (
+from strata.services.worker.sampler import (
     Sampler,
     SamplingTensors,
     gumbel_noise,
@@ -300,7 +300,7 @@ def test_build_rejects_invalid_settings():
 
 TRITON_VS_TORCH = textwrap.dedent("""
     import numpy as np, torch
-    from services.worker.sampler import Sampler, SamplingTensors
+    from strata.services.worker.sampler import Sampler, SamplingTensors
     n, vocab = 6, 9000  # three splits of 4096, the last one ragged
     rng = np.random.default_rng(0)
     for case in range(4):
@@ -336,7 +336,7 @@ def test_triton_kernel_matches_torch_under_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_draws_equal_cpu_draws_without_host_syncs():
-    from kernels.gumbel_sampling import _DOMAIN_GUMBEL, _element_hash, _row_keys
+    from strata.kernels.gumbel_sampling import _DOMAIN_GUMBEL, _element_hash, _row_keys
 
     n, vocab = 64, 32000
     rng = np.random.default_rng(1)
@@ -374,7 +374,7 @@ def test_sequence_table_derives_the_graph_draw_settings_as_prepare_does():
     bit-identical to what SamplingTensors.prepare derives per step, around the greedy cut too."""
     import itertools
 
-    from services.worker.runner import SequenceTable
+    from strata.services.worker.runner import SequenceTable
     from strata.v1 import engine_pb2
 
     table = SequenceTable(4, 1)

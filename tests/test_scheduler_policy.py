@@ -13,9 +13,9 @@ from collections import deque
 
 import pytest
 
-from services.scheduler.block_manager import cdiv
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.block_manager import cdiv
+from strata.services.scheduler.request import Request, RequestStatus
+from strata.services.scheduler.scheduler import Scheduler
 from strata.protocol import PLACEHOLDER_TOKEN
 
 VOCAB = 50

@@ -9,7 +9,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
-from services.gateway.server import GatewayServicer
+from strata.services.gateway.server import GatewayServicer
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model

@@ -8,9 +8,9 @@ import uuid
 
 import grpc
 
-from services.gateway.detokenizer import OutputTextStream
-from services.gateway.outputs import RequestOutputState
-from services.gateway.validation import InvalidRequest, child_requests, validate_request
+from strata.services.gateway.detokenizer import OutputTextStream
+from strata.services.gateway.outputs import RequestOutputState
+from strata.services.gateway.validation import InvalidRequest, child_requests, validate_request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("strata.gateway")

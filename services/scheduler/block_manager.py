@@ -12,7 +12,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.scheduler.request import Request
+from strata.services.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

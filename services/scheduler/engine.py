@@ -12,10 +12,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.scheduler.pipeline import Pipeline, PipelineError
-from services.scheduler.plan_codec import plan_to_proto, split_result
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.pipeline import Pipeline, PipelineError
+from strata.services.scheduler.plan_codec import plan_to_proto, split_result
+from strata.services.scheduler.request import Request
+from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.scheduler.engine import Engine, SchedulerConfig
-from services.scheduler.metrics import SchedulerMetrics, publish_metrics
-from services.scheduler.pipeline import Pipeline
-from services.scheduler.server import SchedulerServicer
+from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.metrics import SchedulerMetrics, publish_metrics
+from strata.services.scheduler.pipeline import Pipeline
+from strata.services.scheduler.server import SchedulerServicer
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2_grpc

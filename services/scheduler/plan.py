@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.request import Request
+from strata.services.scheduler.request import Request
 
 
 @dataclass(slots=True)

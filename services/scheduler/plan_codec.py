@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from services.scheduler.plan import StepPlan
+from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2, generate_pb2
 
 

@@ -13,9 +13,9 @@ import bisect
 from collections import deque
 from typing import Any
 
-from services.scheduler.block_manager import KVBlockManager, cdiv
-from services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
-from services.scheduler.request import Request, RequestStatus
+from strata.services.scheduler.block_manager import KVBlockManager, cdiv
+from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
+from strata.services.scheduler.request import Request, RequestStatus
 from strata.protocol import PLACEHOLDER_TOKEN
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again

@@ -5,8 +5,8 @@ import logging
 
 import grpc
 
-from services.scheduler.engine import Engine, RequestFailed
-from services.scheduler.request import Request
+from strata.services.scheduler.engine import Engine, RequestFailed
+from strata.services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.scheduler")

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.reference import write_kv_cache_reference
+from strata.kernels.reference import write_kv_cache_reference
 
 
 @dataclass

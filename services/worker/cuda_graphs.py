@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.gumbel_sampling import HAVE_TRITON
-from services.worker.attention import AttentionMetadata
-from services.worker.host_to_device import ALIGN, torch_dtype
-from services.worker.sampler import sample_unfiltered
+from strata.kernels.gumbel_sampling import HAVE_TRITON
+from strata.services.worker.attention import AttentionMetadata
+from strata.services.worker.host_to_device import ALIGN, torch_dtype
+from strata.services.worker.sampler import sample_unfiltered
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

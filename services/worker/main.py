@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from services.worker.attention import kv_cache_bytes_per_block
-from services.worker.model_config import ModelConfig
-from services.worker.profiling import StepProfiler
-from services.worker.runner import ModelRunner
-from services.worker.server import WorkerServicer
-from services.worker.weights import load_shard
+from strata.services.worker.attention import kv_cache_bytes_per_block
+from strata.services.worker.model_config import ModelConfig
+from strata.services.worker.profiling import StepProfiler
+from strata.services.worker.runner import ModelRunner
+from strata.services.worker.server import WorkerServicer
+from strata.services.worker.weights import load_shard
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
@@ -38,9 +38,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def attention_backend_for(device: torch.device):
     if device.type == "cuda":
-        from services.worker.triton_backend import TritonAttentionBackend
+        from strata.services.worker.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
-    from services.worker.attention import TorchAttentionBackend
+    from strata.services.worker.attention import TorchAttentionBackend
     return TorchAttentionBackend()
 
 

@@ -52,9 +52,9 @@ class Embedding(nn.Module):
 def _fused_kernels() -> SimpleNamespace:
     # Imported on first use, not with this module: CPU-only installs may lack triton, and
     # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
-    from kernels.activation import silu_and_mul
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
-    from kernels.rotary import rotary_embedding_
+    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from strata.kernels.rotary import rotary_embedding_
 
     return SimpleNamespace(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
                            rotary_embedding_=rotary_embedding_, silu_and_mul=silu_and_mul)

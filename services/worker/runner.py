@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionMetadata, allocate_kv_cache
-from services.worker.host_to_device import upload
-from services.worker.late_compiles import warn_on_late_compiles
-from services.worker.sampler import GREEDY_EPSILON, Sampler, SamplingTensors
+from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
+from strata.services.worker.host_to_device import upload
+from strata.services.worker.late_compiles import warn_on_late_compiles
+from strata.services.worker.sampler import GREEDY_EPSILON, Sampler, SamplingTensors
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
@@ -310,7 +310,7 @@ class ModelRunner:
         return d, SamplingTensors(**fields, **flags)
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
-        from services.worker.cuda_graphs import DecodeGraphs
+        from strata.services.worker.cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, max_batch)
         self.graphs.capture()
 

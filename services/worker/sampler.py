@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.gumbel_sampling import (
+from strata.kernels.gumbel_sampling import (
     HAVE_TRITON,
     gumbel_argmax,
     gumbel_from_keys,
@@ -33,7 +33,7 @@ from kernels.gumbel_sampling import (
     gumbel_row_keys,
     uniform_noise,
 )
-from services.worker.host_to_device import upload
+from strata.services.worker.host_to_device import upload
 
 __all__ = [
     "GREEDY_EPSILON",

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from services.worker.profiling import StepProfiler
-from services.worker.runner import ModelRunner, PendingResult
+from strata.services.worker.profiling import StepProfiler
+from strata.services.worker.runner import ModelRunner, PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.grpc_util import aio_channel
 from strata.v1 import engine_pb2, engine_pb2_grpc

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_cache_write import write_kv_cache
-from kernels.paged_attention import paged_attention
-from services.worker.attention import AttentionMetadata
+from strata.kernels.kv_cache_write import write_kv_cache
+from strata.kernels.paged_attention import paged_attention
+from strata.services.worker.attention import AttentionMetadata
 
 
 class TritonAttentionBackend:

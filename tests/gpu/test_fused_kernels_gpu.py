@@ -22,20 +22,20 @@ pytestmark = [
                        reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
 ]
 
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.reference import (  # noqa: E402
+from strata.kernels.activation import silu_and_mul  # noqa: E402
+from strata.kernels.reference import (  # noqa: E402
     fused_add_rms_norm_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
 )
-from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rotary import rotary_embedding_  # noqa: E402
-from services.worker.attention import allocate_kv_cache  # noqa: E402
+from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
+from strata.kernels.rotary import rotary_embedding_  # noqa: E402
+from strata.services.worker.attention import allocate_kv_cache  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 from tests.paged_inputs import SequenceChunk, build_step_inputs  # noqa: E402
-from services.worker.model import RotaryEmbedding, set_fused_kernels  # noqa: E402
-from services.worker.model_config import ModelConfig  # noqa: E402
+from strata.services.worker.model import RotaryEmbedding, set_fused_kernels  # noqa: E402
+from strata.services.worker.model_config import ModelConfig  # noqa: E402
 
 DEVICE = "cuda"
 # Elementwise: one rounding step of the dtype. Bit-identical share: only a rare last-bit flip

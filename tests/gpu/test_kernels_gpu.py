@@ -21,10 +21,10 @@ pytestmark = [
                        reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
 ]
 
-from kernels.kv_cache_write import write_kv_cache  # noqa: E402
-from kernels.paged_attention import choose_launch_config, paged_attention  # noqa: E402
-from kernels.reference import paged_attention_reference, write_kv_cache_reference  # noqa: E402
-from kernels.testing import kv_by_slot, make_paged_batch  # noqa: E402
+from strata.kernels.kv_cache_write import write_kv_cache  # noqa: E402
+from strata.kernels.paged_attention import choose_launch_config, paged_attention  # noqa: E402
+from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference  # noqa: E402
+from strata.kernels.testing import kv_by_slot, make_paged_batch  # noqa: E402
 
 # bf16 inputs are identical for kernel and reference; the differences are P rounded to bf16
 # before P @ V and the bf16 output itself (relative 2^-9).

@@ -21,8 +21,8 @@ pytestmark = [
                        reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
 ]
 
-from services.worker.runner import ModelRunner  # noqa: E402
-from services.worker.sampler import Sampler, SamplingTensors  # noqa: E402
+from strata.services.worker.runner import ModelRunner  # noqa: E402
+from strata.services.worker.sampler import Sampler, SamplingTensors  # noqa: E402
 from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
@@ -135,12 +135,12 @@ def _compiled_variants() -> dict[str, int]:
     import importlib
     import pkgutil
 
-    import kernels
+    from strata import kernels
     from triton.runtime.jit import JITFunction
 
     counts = {}
     for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"strata.kernels.{info.name}")
         for name, obj in vars(module).items():
             if isinstance(obj, JITFunction):
                 counts[f"{info.name}.{name}"] = sum(len(cache[0]) for cache in obj.device_caches.values())

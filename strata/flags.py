@@ -1,0 +1,125 @@
+"""Command-line flags shared by the CLI and the benchmarks: each service's flags, defined once.
+
+Every service flag can also come from an environment variable (shown in --help), so the same
+command works in containers. `strata.cli` builds the whole `strata` command from these;
+`strata.bench` builds the service arguments of the clusters it starts with `service_args`,
+without importing the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def env(name: str, default=None, cast=str):
+    value = os.environ.get(name)
+    return cast(value) if value not in (None, "") else default
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def add_flag(p: argparse.ArgumentParser, flag: str, env_var: str, default, help: str, type=str, **kw):
+    """A flag whose default comes from env_var when that is set."""
+    p.add_argument(flag, default=env(env_var, default, type), type=type, help=f"{help} [env {env_var}]", **kw)
+
+
+def _model_flags(p):
+    add_flag(p, "--model", "STRATA_MODEL", None,
+             "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:llama-3.2-1b' / "
+             "'dummy:llama-3-8b' for random weights of that shape; unset: the embedded default model")
+
+
+def _batch_flags(p):
+    """Shared by workers (they size buffers and CUDA graphs by them) and the scheduler."""
+    add_flag(p, "--max-num-seqs", "STRATA_MAX_NUM_SEQS", 256, "most sequences running at once", type=int)
+    add_flag(p, "--max-num-batched-tokens", "STRATA_MAX_NUM_BATCHED_TOKENS", 2048,
+             "token budget of one step (prefill chunks + decodes)", type=int)
+
+
+def _worker_flags(p):
+    add_flag(p, "--device", "STRATA_DEVICE", "auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    add_flag(p, "--dtype", "STRATA_DTYPE", "auto", "float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU)")
+    add_flag(p, "--block-size", "STRATA_BLOCK_SIZE", 16, "tokens per KV cache block", type=int)
+    add_flag(p, "--max-model-len", "STRATA_MAX_MODEL_LEN", 0,
+             "longest sequence (prompt + output); 0: the model's max_position_embeddings", type=int)
+    add_flag(p, "--gpu-memory-utilization", "STRATA_GPU_MEMORY_UTILIZATION", 0.9,
+             "share of GPU memory this worker may use (weights, activations, KV cache)", type=float)
+    add_flag(p, "--kv-cache-memory-gb", "STRATA_KV_CACHE_MEMORY_GB", 1.0, "KV cache size on CPU, in GiB", type=float)
+    add_flag(p, "--num-kv-blocks", "STRATA_NUM_KV_BLOCKS", 0, "force this many KV blocks (0: size from memory)", type=int)
+    _batch_flags(p)
+    p.add_argument("--enforce-eager", action="store_true", default=env("STRATA_ENFORCE_EAGER", False, _bool),
+                   help="never capture CUDA graphs [env STRATA_ENFORCE_EAGER]")
+    add_flag(p, "--profile-output", "STRATA_PROFILE_OUTPUT", None,
+             "write a torch.profiler table of the GPU work of steps 200-299 to this file (diagnostics)")
+
+
+def _scheduler_flags(p):
+    _batch_flags(p)
+    add_flag(p, "--max-plans-in-flight", "STRATA_MAX_PLANS_IN_FLIGHT", 0,
+             "plans executing at once (0: 3 with one stage, else the number of pipeline stages); with one "
+             "stage the plans after the first are decode lookaheads of its requests", type=int)
+    add_flag(p, "--max-kv-blocks", "STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", type=int)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
+                   help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
+    add_flag(p, "--metrics-port", "STRATA_METRICS_PORT", 0, "serve Prometheus metrics on this port (0: off)", type=int)
+
+
+def _bool(v: str) -> bool:
+    return v.lower() in ("1", "true", "yes", "on")
+
+
+def _gateway_flags(p):
+    add_flag(p, "--api-key", "STRATA_API_KEY", None, "require 'authorization: Bearer KEY' metadata on every call")
+    add_flag(p, "--tls-cert", "STRATA_TLS_CERT", None, "PEM certificate chain: serve TLS")
+    add_flag(p, "--tls-key", "STRATA_TLS_KEY", None, "PEM private key for --tls-cert")
+
+
+
+def add_service_parsers(sub, formatter_class=Formatter) -> None:
+    """Registers `serve`, `gateway`, `scheduler` and `worker` on a subparsers object."""
+    p = sub.add_parser("serve", formatter_class=formatter_class,
+                       help="start scheduler, workers and gateway on this host as separate processes",
+                       description="Starts the scheduler, one worker per pipeline stage and the gateway as separate "
+                                   "processes, waits until all are healthy, prints the gateway address, and stops "
+                                   "them all on Ctrl-C.")
+    _model_flags(p)
+    add_flag(p, "--pipeline-stages", "STRATA_PIPELINE_STAGES", 1, "number of pipeline stages (one worker process each)", type=int)
+    add_flag(p, "--host", "STRATA_HOST", "127.0.0.1", "gateway bind address")
+    add_flag(p, "--port", "STRATA_PORT", 50051, "gateway port", type=int)
+    _worker_flags(p)
+    p.add_argument("--max-plans-in-flight", type=int, default=0, help="see `strata scheduler --help`")
+    p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0: off)")
+    _gateway_flags(p)
+
+    p = sub.add_parser("gateway", formatter_class=formatter_class, help="run the public gateway service")
+    _model_flags(p)
+    add_flag(p, "--host", "STRATA_HOST", "0.0.0.0", "bind address")
+    add_flag(p, "--port", "STRATA_PORT", 50051, "port", type=int)
+    add_flag(p, "--scheduler-address", "STRATA_SCHEDULER_ADDRESS", "127.0.0.1:50052", "scheduler host:port")
+    _gateway_flags(p)
+
+    p = sub.add_parser("scheduler", formatter_class=formatter_class, help="run the scheduler service")
+    add_flag(p, "--host", "STRATA_HOST", "0.0.0.0", "bind address")
+    add_flag(p, "--port", "STRATA_PORT", 50052, "port", type=int)
+    add_flag(p, "--workers", "STRATA_WORKERS", "127.0.0.1:50061",
+             "comma-separated worker addresses, in pipeline-stage order")
+    _scheduler_flags(p)
+
+    p = sub.add_parser("worker", formatter_class=formatter_class, help="run one pipeline-stage worker")
+    _model_flags(p)
+    add_flag(p, "--host", "STRATA_HOST", "0.0.0.0", "bind address")
+    add_flag(p, "--port", "STRATA_PORT", 50061, "port", type=int)
+    add_flag(p, "--stage-index", "STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", type=int)
+    add_flag(p, "--num-stages", "STRATA_NUM_STAGES", 1, "number of pipeline stages", type=int)
+    add_flag(p, "--seed", "STRATA_SEED", 0, "seed of dummy weights", type=int)
+    _worker_flags(p)
+
+
+def service_args(argv: list[str]) -> argparse.Namespace:
+    """Parses `serve|gateway|scheduler|worker ...` arguments, as `strata` would."""
+    parser = argparse.ArgumentParser(prog="strata")
+    add_service_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
