@@ -3,3 +3,8 @@
 # An input token of a StepPlan that the scheduler does not know yet (decode lookahead): the token
 # the worker sampled last for that sequence, which it still holds on the device.
 PLACEHOLDER_TOKEN = -1
+
+# Temperatures below this sample greedily (as in vLLM): dividing logits by ~0 would overflow. The
+# gateway resolves such a temperature to 0; the last stage applies the same rule to whatever it
+# is sent.
+GREEDY_TEMPERATURE = 1e-5

@@ -15,8 +15,8 @@ import torch
 from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.late_compiles import warn_on_late_compiles
-from strata.services.worker.sampler import GREEDY_EPSILON, Sampler, SamplingTensors
-from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.sampler import Sampler, SamplingTensors
+from strata.protocol import GREEDY_TEMPERATURE, PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
 
@@ -80,7 +80,7 @@ class SequenceTable:
         # The same float32 arithmetic as SamplingTensors.prepare, on one row (prepare's array
         # overhead, paid per admission, showed up in the launch of prefill steps).
         temperature = self.temperature[row]
-        greedy = bool(temperature < GREEDY_EPSILON)
+        greedy = bool(temperature < GREEDY_TEMPERATURE)
         self.greedy[row] = greedy
         self.inv_temperature[row] = np.float32(1.0) / (np.float32(1.0) if greedy else temperature)
         self.unfiltered[row] = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))

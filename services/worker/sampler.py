@@ -33,10 +33,10 @@ from strata.kernels.gumbel_sampling import (
     gumbel_row_keys,
     uniform_noise,
 )
+from strata.protocol import GREEDY_TEMPERATURE
 from strata.services.worker.host_to_device import upload
 
 __all__ = [
-    "GREEDY_EPSILON",
     "Sampler",
     "SamplerOutput",
     "SamplingTensors",
@@ -46,9 +46,6 @@ __all__ = [
     "sampling_logits",
     "uniform_noise",
 ]
-
-# Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
-GREEDY_EPSILON = 1e-5
 # ---------------------------------------------------------------------------------------------
 # Per-step sampling settings.
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +124,7 @@ class SamplingTensors:
         if not np.all((min_p >= 0) & (min_p <= 1)):
             raise ValueError("min_p must be in [0, 1]")
 
-        greedy = temperature < GREEDY_EPSILON
+        greedy = temperature < GREEDY_TEMPERATURE
         sampled = ~greedy
         # Filters only matter on sampled rows; turning them off elsewhere avoids needless sorts.
         top_k = np.where(sampled & (top_k > 0), top_k, 0)
