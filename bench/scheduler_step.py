@@ -54,6 +54,7 @@ def make_engine(args, rng: random.Random) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens, decode_lookahead=args.lookahead)
     for i in range(args.num_seqs):
         req = Request(f"r{i}", [rng.randrange(100, 30000) for _ in range(args.prompt_len)],
+                      engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=i, logprobs=-1),
                       max_tokens=1_000_000, ignore_eos=True, eos_token_ids={2})
         engine.scheduler.add_request(req)
         engine.streams[req.request_id] = OutputStream(req.request_id, args.prompt_len, final_only=True)

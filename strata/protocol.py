@@ -8,3 +8,7 @@ PLACEHOLDER_TOKEN = -1
 # gateway resolves such a temperature to 0; the last stage applies the same rule to whatever it
 # is sent.
 GREEDY_TEMPERATURE = 1e-5
+
+# Most top logprobs a request may ask for per token (vLLM's default max_logprobs): the last stage
+# ranks that many tokens per row.
+MAX_LOGPROBS = 20

@@ -8,10 +8,11 @@ import pytest
 
 from strata.services.scheduler.block_manager import KVBlockManager, hash_block, root_hash
 from strata.services.scheduler.request import Request
+from strata.v1 import engine_pb2
 
 
 def make_req(tokens, rid="r"):
-    return Request(rid, list(tokens))
+    return Request(rid, list(tokens), engine_pb2.SamplingOptions(top_p=1.0), max_tokens=1)
 
 
 def schedule_tokens(bm, req, end):
@@ -25,8 +26,7 @@ def schedule_tokens(bm, req, end):
 def admit(bm, req):
     """Admission through the prefix cache; returns the number of cached tokens."""
     hits = bm.lookup(req)
-    bm.acquire(req, hits)
-    req.num_hashed_blocks = len(hits)
+    bm.acquire(req, hits, cached=True)
     req.num_computed_tokens = len(hits) * bm.block_size
     return req.num_computed_tokens
 
@@ -144,7 +144,7 @@ def test_copy_on_write_of_shared_partial_block():
     x, y = leader.block_ids
     children = [make_req(range(6), f"c{i}") for i in range(2)]
     for child in children:  # share the prompt but for its last token
-        bm.acquire(child, leader.block_ids)
+        bm.acquire(child, leader.block_ids, cached=False)
         child.num_computed_tokens = 5
     assert bm.ref_count(y) == 3
     # A child writing position 5 into the shared block copies it first.
@@ -171,7 +171,7 @@ def test_cached_block_is_immutable_even_for_its_only_holder():
     a = make_req(range(4), "a")
     schedule_tokens(bm, a, 4)
     b = make_req(range(4), "b")
-    bm.acquire(b, a.block_ids)
+    bm.acquire(b, a.block_ids, cached=False)
     b.num_computed_tokens = 3
     bm.free(a)
     (block,) = b.block_ids
@@ -187,9 +187,8 @@ def test_truncate_frees_surplus_blocks():
     bm = KVBlockManager(num_blocks=8, block_size=4)
     req = make_req(range(3))
     schedule_tokens(bm, req, 14)  # e.g. a step with draft tokens
-    req.num_synced_blocks = 4
     bm.truncate(req, 2)
-    assert len(req.block_ids) == 2 and req.num_synced_blocks == 2
+    assert len(req.block_ids) == 2
     assert bm.num_free_blocks == 6
     check_consistent(bm, [req])
 
@@ -256,7 +255,7 @@ def test_random_mix_leaves_every_block_free():
             src = rng.choice(live)
             child = make_req(src.all_token_ids, f"c{step}")
             need = child.num_tokens - 1
-            bm.acquire(child, src.block_ids[: -(-need // 4)])
+            bm.acquire(child, src.block_ids[: -(-need // 4)], cached=False)
             child.num_computed_tokens = need
             if bm.blocks_needed(child, need + 1) <= bm.num_free_blocks:
                 copies += schedule_tokens(bm, child, need + 1) is not None
@@ -292,7 +291,7 @@ def test_writes_in_place_exactly_when_reserve_would_change_nothing():
     schedule_tokens(bm, req, 9)
     # A sibling sharing the partial block: the write must copy it first.
     other = make_req(range(9), "other")
-    bm.acquire(other, req.block_ids)
+    bm.acquire(other, req.block_ids, cached=False)
     other.num_computed_tokens = 9
     assert not bm.writes_in_place(req) and bm.blocks_needed(req, 10) == 1
     bm.free(other)

@@ -124,23 +124,38 @@ def test_model_info_and_stop_and_logprobs(cluster2):
         final2 = list(client.generate("The keeper", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
                                       output_kind=generate_pb2.FINAL_ONLY, timeout=60))
         o2 = final2[0].outputs[0]
-        assert o2.finish_reason == "stop" and o2.stop_reason == stop
+        assert o2.finish_reason == "stop" and o2.stop_string == stop
         assert o2.text == text[: text.index(stop)]
 
 
-def test_scheduler_rejects_bad_internal_requests_with_invalid_argument(cluster2):
-    """The scheduler is a service of its own: a bad EngineRequest must not reach the workers."""
+def test_scheduler_serves_hand_built_requests_and_rejects_bad_ones(cluster2):
+    """The scheduler is a service of its own: an EngineRequest built by hand, with no gateway, runs
+    as the gateway's would, and a bad one gets INVALID_ARGUMENT before it reaches the workers."""
     from strata.v1 import engine_pb2, engine_pb2_grpc
 
     cluster, client = cluster2
-    vocab = client.model_info().vocab_size
-    params = generate_pb2.SamplingParams(seed=1, max_tokens=4)
+    info = client.model_info()
+    vocab = info.vocab_size
+    greedy = engine_pb2.SamplingOptions(temperature=0.0, top_p=1.0, seed=1, logprobs=-1)
+    stop = engine_pb2.StopCriteria(max_tokens=6, ignore_eos=True)
+
+    def request(rid, prompt=(3, 4), sampling=greedy, stop=stop):
+        return engine_pb2.EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, stop=stop)
+
+    def sampling(**kw):
+        return engine_pb2.SamplingOptions(**{**dict(temperature=1.0, top_p=1.0, seed=1, logprobs=-1), **kw})
+
     bad = [
-        engine_pb2.EngineRequest(request_id="e1", params=params),  # empty prompt
-        engine_pb2.EngineRequest(request_id="e2", prompt_token_ids=[3, vocab], params=params),
-        engine_pb2.EngineRequest(request_id="e3", prompt_token_ids=[3],
-                                 params=generate_pb2.SamplingParams(seed=1, max_tokens=0)),
-        engine_pb2.EngineRequest(request_id="e4", prompt_token_ids=[3], params=generate_pb2.SamplingParams()),
+        request("e1", prompt=()),  # empty prompt
+        request("e2", prompt=(3, vocab)),
+        request("e3", stop=engine_pb2.StopCriteria(max_tokens=0)),
+        request("e4", stop=engine_pb2.StopCriteria(max_tokens=info.max_model_len)),
+        request("e5", sampling=sampling(temperature=float("nan"))),
+        request("e6", sampling=sampling(top_p=0.0)),
+        request("e7", sampling=sampling(min_p=1.5)),
+        request("e8", sampling=sampling(top_k=-2)),
+        request("e9", sampling=sampling(logprobs=2**31 - 1)),
+        request("e10", stop=engine_pb2.StopCriteria(max_tokens=4, stop_token_ids=[vocab])),
     ]
     with grpc.insecure_channel(cluster.scheduler_address) as ch:
         stub = engine_pb2_grpc.SchedulerStub(ch)
@@ -148,7 +163,10 @@ def test_scheduler_rejects_bad_internal_requests_with_invalid_argument(cluster2)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Submit(req, timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req.request_id, err.value.details())
-        good = list(stub.Submit(engine_pb2.EngineRequest(request_id="e5", prompt_token_ids=[3, 4], params=params),
-                                timeout=30))
-    assert sum(len(o.token_ids) for o in good) == 4 and good[-1].finish_reason
+        good = list(stub.Submit(request("ok"), timeout=30))
+    tokens = [t for o in good for t in o.token_ids]
+    assert good[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    via_gateway = collect(client.generate([3, 4], max_tokens=6, temperature=0.0, ignore_eos=True,
+                                          output_kind=generate_pb2.DELTA, timeout=60))
+    assert tokens == via_gateway[0] and len(tokens) == 6
     assert scheduler_stats(cluster).used_kv_blocks == 0

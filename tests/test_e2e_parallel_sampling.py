@@ -126,10 +126,13 @@ def test_prometheus_metrics(cluster):
     deadline = time.monotonic() + 5
     while True:
         body = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=5).read().decode()
-        line = [ln for ln in body.splitlines() if ln.startswith("strata_scheduler_prefill_tokens_computed ")]
+        line = [ln for ln in body.splitlines() if ln.startswith("strata_scheduler_prefill_tokens_computed_total ")]
         if line and float(line[0].split()[1]) > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert line and float(line[0].split()[1]) > 0
-    for name in ("prefix_cache_hits", "free_kv_blocks", "used_kv_blocks", "prefix_cache_queries"):
+    # Counters carry Prometheus' _total suffix and their TYPE; gauges keep the plain name.
+    for name in ("prefix_cache_hits_total", "prefix_cache_queries_total", "free_kv_blocks", "used_kv_blocks"):
         assert f"strata_scheduler_{name} " in body
+    assert "# TYPE strata_scheduler_preemptions_total counter" in body
+    assert "# TYPE strata_scheduler_used_kv_blocks gauge" in body

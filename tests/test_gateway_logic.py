@@ -8,13 +8,8 @@ import random
 import pytest
 
 from strata.services.gateway.detokenizer import IncrementalDetokenizer, OutputTextStream, StopChecker
-from strata.services.gateway.outputs import RequestOutputState
-from strata.services.gateway.validation import (
-    InvalidRequest,
-    ValidatedParams,
-    child_requests,
-    validate_request,
-)
+from strata.services.gateway.fanout import RequestOutputState, child_requests
+from strata.services.gateway.validation import InvalidRequest, ValidatedParams, validate_request
 from strata.default_model import build_tiny_tokenizer
 from strata.v1 import generate_pb2
 
@@ -181,31 +176,31 @@ def test_children_of_a_seeded_request_get_seed_plus_index():
     children = child_requests("req", params, [4, 5, 6])
     assert [c.request_id for c in children] == ["0_req", "1_req", "2_req"]
     assert all(c.parent_id == "req" for c in children)
-    assert [c.params.seed for c in children] == [41, 42, 43]
+    assert [c.sampling.seed for c in children] == [41, 42, 43]
     for child in children:
         assert list(child.prompt_token_ids) == [4, 5, 6]
-        assert child.params.n == 1 and child.params.top_k == 0
-        assert child.params.HasField("logprobs") and child.params.logprobs == 2
-        assert child.params.max_tokens == 16 and list(child.params.stop) == ["x"]
+        assert child.sampling.top_k == 0 and child.sampling.temperature == 1.0 and child.sampling.top_p == 1.0
+        assert child.sampling.logprobs == 2
+        # The defaults are resolved once, here; stop strings stay with the gateway.
+        assert child.stop.max_tokens == 16 and child.stop.min_tokens == 0
 
 
 def test_child_seeds_wrap_at_64_bits():
     params = validate(make_request(n=3, seed=2**64 - 2))
-    assert [c.params.seed for c in child_requests("r", params, [1])] == [2**64 - 2, 2**64 - 1, 0]
+    assert [c.sampling.seed for c in child_requests("r", params, [1])] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_unseeded_children_get_independent_seeds():
     params = validate(make_request(n=8))
     children = child_requests("r", params, [1])
-    seeds = [c.params.seed for c in children]
-    assert all(c.params.HasField("seed") for c in children)
+    seeds = [c.sampling.seed for c in children]
     assert len(set(seeds)) == 8
-    again = [c.params.seed for c in child_requests("r", params, [1])]
+    again = [c.sampling.seed for c in child_requests("r", params, [1])]
     assert again != seeds  # fresh randomness per request
-    assert not children[0].params.HasField("logprobs")
+    assert children[0].sampling.logprobs == -1  # none asked
     # An explicit rng makes it reproducible (tests, offline batches).
-    a = [c.params.seed for c in child_requests("r", params, [1], rng=random.Random(7))]
-    b = [c.params.seed for c in child_requests("r", params, [1], rng=random.Random(7))]
+    a = [c.sampling.seed for c in child_requests("r", params, [1], rng=random.Random(7))]
+    b = [c.sampling.seed for c in child_requests("r", params, [1], rng=random.Random(7))]
     assert a == b and len(set(a)) == 8
 
 
@@ -416,12 +411,24 @@ def test_text_stream_cuts_at_stop_string_across_tokens(tokenizer):
     stream = OutputTextStream(tokenizer, [0], skip_special_tokens=True, stop=["stood at"])
     out, matched = [], None
     for token in ids:
-        text, matched = stream.push([token])
+        text, matched, kept = stream.push([token])
         out.append(text)
         if matched:
             break
-    assert "".join(out) == "The old lighthouse " and matched == "stood at"
-    assert stream.stopped and stream.push(ids[:2]) == ("", None)
+    assert "".join(out) == "The old lighthouse " and matched == "stood at" and kept == 1
+    assert stream.stopped and stream.push(ids[:2]) == ("", None, 0)
+
+
+def test_text_stream_keeps_the_tokens_up_to_the_stop_string(tokenizer):
+    # Several tokens in one push (speculation, or steps merged while the gateway was busy): the
+    # output keeps exactly the tokens a token-by-token stream would have kept.
+    ids = encode(tokenizer, "The old lighthouse stood at the edge of the harbour")
+    one_by_one = OutputTextStream(tokenizer, [0], skip_special_tokens=True, stop=["stood at"])
+    kept_single = next(i + 1 for i, t in enumerate(ids) if one_by_one.push([t])[1])
+    stream = OutputTextStream(tokenizer, [0], skip_special_tokens=True, stop=["stood at"])
+    text, matched, kept = stream.push(ids)
+    assert (text, matched, kept) == ("The old lighthouse ", "stood at", kept_single)
+    assert kept < len(ids)
 
 
 def test_text_stream_min_tokens_split_inside_one_push(tokenizer):
@@ -437,7 +444,7 @@ def test_text_stream_min_tokens_split_inside_one_push(tokenizer):
         )
         pieces, pos = [], 0
         for size in chunks:
-            text, matched = stream.push(ids[pos : pos + size], finished=pos + size == len(ids))
+            text, matched, _ = stream.push(ids[pos : pos + size], finished=pos + size == len(ids))
             pieces.append(text)
             pos += size
             if matched:
@@ -449,15 +456,15 @@ def test_text_stream_min_tokens_split_inside_one_push(tokenizer):
 def test_text_stream_keeps_stop_token_out_of_text(tokenizer):
     ids = encode(tokenizer, " harbour") + [tokenizer.eos_token_id]
     stream = OutputTextStream(tokenizer, [0], skip_special_tokens=False)
-    assert stream.push(ids, finished=True, ends_with_stop_token=True) == (" harbour", None)
+    assert stream.push(ids, finished=True, ends_with_stop_token=True) == (" harbour", None, len(ids))
     assert stream.num_tokens == len(ids)
 
 
 def test_text_stream_flushes_held_text_at_finish(tokenizer):
     ids = encode(tokenizer, "bread and wat")
     stream = OutputTextStream(tokenizer, [0], skip_special_tokens=True, stop=["water"])
-    first, _ = stream.push(ids)
-    rest, matched = stream.push([], finished=True)
+    first, _, _ = stream.push(ids)
+    rest, matched, _ = stream.push([], finished=True)
     assert first + rest == "bread and wat" and matched is None
     assert first != "bread and wat"  # "wat" was held as a possible start of "water"
 
@@ -466,14 +473,14 @@ def test_text_stream_flushes_held_text_at_finish(tokenizer):
 
 
 def child_script(rng):
-    """Random updates for one child: (text, token_ids, logprobs, finish_reason, stop_reason)."""
+    """Random updates for one child: (text, token_ids, logprobs, finish_reason, stop_reason oneof)."""
     updates = []
     for _ in range(rng.randint(1, 6)):
         ids = [rng.randrange(100) for _ in range(rng.randint(0, 3))]
         text = "".join(rng.choice("xyz ") for _ in range(rng.randint(0, 4)))
         logprobs = [generate_pb2.TokenLogprob(token_id=t, logprob=-rng.random()) for t in ids]
-        updates.append([text, ids, logprobs, "", ""])
-    finish = rng.choice([("stop", "."), ("length", ""), ("stop", "")])
+        updates.append([text, ids, logprobs, "", {}])
+    finish = rng.choice([("stop", {"stop_string": "."}), ("length", {}), ("stop", {}), ("stop", {"stop_token_id": 9})])
     if rng.random() < 0.5:
         updates.append(["", [], [], *finish])  # finishes with nothing new
     else:
@@ -508,7 +515,8 @@ def as_tuple(output):
         list(output.token_ids),
         [(lp.token_id, lp.logprob) for lp in output.logprobs],
         output.finish_reason,
-        output.stop_reason,
+        {} if output.WhichOneof("stop_reason") is None
+        else {output.WhichOneof("stop_reason"): getattr(output, output.WhichOneof("stop_reason"))},
     )
 
 
@@ -524,7 +532,7 @@ def test_delta_final_and_cumulative_agree(seed):
     assert [o.index for o in final[0].outputs] == [0, 1, 2]
     assert [as_tuple(o) for o in cumulative[-1].outputs] == final_outputs
 
-    joined = {i: ["", [], [], "", ""] for i in range(3)}
+    joined = {i: ["", [], [], "", {}] for i in range(3)}
     for response in delta:
         for output in response.outputs:
             text, ids, lps, finish, stop = as_tuple(output)
@@ -573,10 +581,10 @@ def test_delta_sends_only_what_advanced():
 
 def test_late_updates_after_finish_are_ignored():
     state = RequestOutputState("r", 2, generate_pb2.CUMULATIVE, False, prompt_tokens=1)
-    state.update(0, "a", [1], finish_reason="stop", stop_reason="\n")
+    state.update(0, "a", [1], finish_reason="stop", stop={"stop_string": "\n"})
     assert state.update(0, "late", [2]) is None
     assert state.update(0, "", [], finish_reason="length") is None
-    assert as_tuple(state.snapshot().outputs[0]) == ("a", [1], [], "stop", "\n")
+    assert as_tuple(state.snapshot().outputs[0]) == ("a", [1], [], "stop", {"stop_string": "\n"})
 
 
 def test_logprobs_only_when_asked():
@@ -585,27 +593,6 @@ def test_logprobs_only_when_asked():
     assert len(without.update(0, "a", [3], lp).outputs[0].logprobs) == 0
     with_lp = RequestOutputState("r", 1, generate_pb2.CUMULATIVE, True, prompt_tokens=1)
     assert with_lp.update(0, "a", [3], lp).outputs[0].logprobs[0].logprob == -0.5
-
-
-@pytest.mark.parametrize(
-    "kind", [generate_pb2.CUMULATIVE, generate_pb2.DELTA, generate_pb2.FINAL_ONLY]
-)
-def test_abort_finishes_every_running_child(kind):
-    state = RequestOutputState("r", 3, kind, False, prompt_tokens=4)
-    state.update(0, "done", [1], finish_reason="stop")
-    state.update(1, "partial", [2, 3])
-    response = state.finish_all_aborted()
-    assert response.finished and state.finished
-    by_index = {o.index: o for o in response.outputs}
-    if kind == generate_pb2.DELTA:
-        assert sorted(by_index) == [1, 2]
-        assert by_index[1].text == ""  # already sent
-    else:
-        assert sorted(by_index) == [0, 1, 2]
-        assert (by_index[0].finish_reason, by_index[1].text) == ("stop", "partial")
-    assert by_index[1].finish_reason == by_index[2].finish_reason == "abort"
-    assert response.usage.completion_tokens == 3
-    assert state.finish_all_aborted() is None
 
 
 def test_final_only_waits_for_every_child():
@@ -617,8 +604,6 @@ def test_final_only_waits_for_every_child():
 
 
 def test_children_are_final_only_exactly_when_nothing_needs_streaming():
-    from strata.services.gateway.validation import child_requests, validate_request
-
     def children(**params):
         req = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6]),
                                            params=generate_pb2.SamplingParams(n=2, **params))

@@ -34,7 +34,7 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
                     await asyncio.sleep(3600)
                 yield engine_pb2.EngineOutput(request_id=request.request_id, token_ids=[10 + i],
                                               prompt_tokens=len(request.prompt_token_ids),
-                                              finish_reason="length" if i == 2 else "")
+                                              finish_reason=engine_pb2.FINISH_REASON_LENGTH if i == 2 else 0)
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
@@ -88,8 +88,11 @@ def test_children_get_ids_and_seeds_and_merge(tokenizer):
 
     fake, responses = asyncio.run(go())
     assert sorted(r.request_id for r in fake.submitted) == ["0_p", "1_p", "2_p"]
-    assert sorted(r.params.seed for r in fake.submitted) == [41, 42, 43]
+    assert sorted(r.sampling.seed for r in fake.submitted) == [41, 42, 43]
     assert all(r.parent_id == "p" for r in fake.submitted)
+    # Defaults arrive resolved, as internal messages: the scheduler reads nothing public.
+    assert all(r.stop.max_tokens == 3 and list(r.stop.eos_token_ids) == [1] and r.sampling.top_p == 1.0
+               for r in fake.submitted)
     tokens = {}
     for r in responses:
         for o in r.outputs:
@@ -141,4 +144,4 @@ def test_client_cancel_aborts_every_child(tokenizer):
 
     fake = asyncio.run(go())
     assert sorted(fake.cancelled) == ["0_p", "1_p", "2_p", "3_p"]
-    assert len({r.params.seed for r in fake.submitted}) == 4  # unseeded: independent seeds
+    assert len({r.sampling.seed for r in fake.submitted}) == 4  # unseeded: independent seeds

@@ -13,10 +13,27 @@ from collections import deque
 
 import pytest
 
-from strata.services.scheduler.block_manager import cdiv
-from strata.services.scheduler.request import Request, RequestStatus
-from strata.services.scheduler.scheduler import Scheduler
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.scheduler.block_manager import cdiv
+from strata.services.scheduler.request import Request as SchedulerRequest
+from strata.services.scheduler.request import RequestStatus
+from strata.services.scheduler.scheduler import Scheduler
+from strata.v1 import engine_pb2
+
+STOP, LENGTH = engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH
+TEST_MAX_TOKENS = 16
+
+
+def Request(request_id, prompt_token_ids, *, seed=0, max_tokens=TEST_MAX_TOKENS, **stop):
+    """A scheduler request as the gateway sends it: the fake workers draw from its seed."""
+    sampling = engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=seed, logprobs=-1)
+    return SchedulerRequest(request_id, prompt_token_ids, sampling, max_tokens=max_tokens, **stop)
+
+
+def stats_of(sched) -> engine_pb2.SchedulerStats:
+    stats = engine_pb2.SchedulerStats()
+    sched.fill_stats(stats)
+    return stats
 
 VOCAB = 50
 
@@ -28,7 +45,7 @@ def true_token(seed, context):
 
 def reference_output(req, max_model_len, next_token=None):
     """Sequential generation with the documented stop rules: what any schedule must produce."""
-    next_token = next_token or (lambda r, ctx: true_token(r.seed, ctx))
+    next_token = next_token or (lambda r, ctx: true_token(r.sampling.seed, ctx))
     tokens, out = list(req.prompt_token_ids), []
     while True:
         token = next_token(req, tokens)
@@ -36,11 +53,11 @@ def reference_output(req, max_model_len, next_token=None):
         out.append(token)
         tokens.append(token)
         if stop_allowed and not req.ignore_eos and token in req.eos_token_ids:
-            return out, "stop"
+            return out, STOP
         if stop_allowed and token in req.stop_token_ids:
-            return out, "stop"
+            return out, STOP
         if len(out) >= req.max_tokens or len(tokens) >= max_model_len:
-            return out, "length"
+            return out, LENGTH
 
 
 class FakeWorkers:
@@ -50,7 +67,7 @@ class FakeWorkers:
         self.kv = [[None] * self.bs for _ in range(sched.block_manager.num_blocks)]
         self.tables: dict[int, list[int]] = {}
         self.seen_seq_ids: set[int] = set()
-        self.next_token = next_token or (lambda req, ctx: true_token(req.seed, ctx))
+        self.next_token = next_token or (lambda req, ctx: true_token(req.sampling.seed, ctx))
         self.plans = []
 
     def execute(self, plan):
@@ -125,7 +142,7 @@ class Driver:
         self.pipeline = pipeline
         self.in_flight = deque()
         self.outputs: dict[str, list[int]] = {}
-        self.finish: dict[str, str] = {}
+        self.finish: dict[str, int] = {}
         self.max_in_flight = 0
         self.mixed_steps = 0  # steps with both a decode and a prefill chunk
 
@@ -179,8 +196,8 @@ def assert_all_blocks_free(sched, workers=None):
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
-    stats = sched.stats()
-    assert stats["used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    stats = stats_of(sched)
+    assert stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0
     assert sched.num_in_flight_requests == 0
     if workers is not None:  # every sequence the workers hold is released by the next plan
         assert set(workers.tables) == set(sched.pending_released_seq_ids)
@@ -222,13 +239,13 @@ def test_continuous_batching_many_requests_mixed_lengths():
     assert_matches_reference(driver, requests, 128)
     assert max(running_seen) == 8  # the running cap binds, and is respected (checked per plan)
     assert driver.mixed_steps > 0  # decodes and prefill chunks share steps
-    stats = sched.stats()
-    assert stats["preemptions"] == 0 and stats["finished_requests"] == 24
+    stats = stats_of(sched)
+    assert stats.preemptions == 0 and stats.finished_requests == 24
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
-    assert stats["prefill_tokens_computed"] + stats["prefix_cache_hits"] == prompt_tokens
-    assert stats["decode_tokens_computed"] == sum(len(r.output_token_ids) - 1 for r in requests)
+    assert stats.prefill_tokens_computed + stats.prefix_cache_hits == prompt_tokens
+    assert stats.decode_tokens_computed == sum(len(r.output_token_ids) - 1 for r in requests)
     # Continuous batching: far fewer steps than tokens.
-    assert stats["steps"] < (prompt_tokens / 64) + sum(r.max_tokens for r in requests) / 4
+    assert stats.steps < (prompt_tokens / 64) + sum(r.max_tokens for r in requests) / 4
     assert_all_blocks_free(sched, driver.workers)
 
 
@@ -269,10 +286,10 @@ def test_preemption_with_tiny_pool_loses_nothing(pipeline, prefix_caching):
         sched.add_request(req)
     driver = Driver(sched, pipeline=pipeline)
     driver.run()
-    stats = sched.stats()
-    assert stats["preemptions"] > 0
+    stats = stats_of(sched)
+    assert stats.preemptions > 0
     assert any(r.num_preemptions > 0 and len(r.output_token_ids) > 1 for r in requests)
-    assert stats["peak_used_blocks"] <= 16
+    assert stats.peak_used_kv_blocks <= 16
     # Identical to an unconstrained run (the reference is sequential, unbatched generation).
     assert_matches_reference(driver, requests, 64)
     assert_all_blocks_free(sched, driver.workers)
@@ -359,16 +376,16 @@ def scripted(script):
 @pytest.mark.parametrize(
     "kwargs, script, expected, reason, stop_reason",
     [
-        (dict(eos_token_ids=[2]), [5, 2, 7, 7], [5, 2], "stop", None),
-        (dict(eos_token_ids=[2], min_tokens=2), [5, 2, 2, 7], [5, 2, 2], "stop", None),
-        (dict(eos_token_ids=[2], min_tokens=1), [2, 2, 7], [2, 2], "stop", None),
-        (dict(eos_token_ids=[2], ignore_eos=True, max_tokens=4), [2, 2, 2, 2, 2], [2, 2, 2, 2], "length", None),
-        (dict(stop_token_ids=[9]), [1, 9, 3], [1, 9], "stop", 9),
-        (dict(stop_token_ids=[9], ignore_eos=True), [9], [9], "stop", 9),
-        (dict(stop_token_ids=[9], min_tokens=3), [9, 9, 9, 9], [9, 9, 9, 9], "stop", 9),
-        (dict(max_tokens=3), [1, 2, 3, 4, 5], [1, 2, 3], "length", None),
-        (dict(max_tokens=1), [4], [4], "length", None),
-        (dict(max_tokens=100), [1] * 10, [1] * 6, "length", None),  # max_model_len = 16
+        (dict(eos_token_ids=[2]), [5, 2, 7, 7], [5, 2], STOP, None),
+        (dict(eos_token_ids=[2], min_tokens=2), [5, 2, 2, 7], [5, 2, 2], STOP, None),
+        (dict(eos_token_ids=[2], min_tokens=1), [2, 2, 7], [2, 2], STOP, None),
+        (dict(eos_token_ids=[2], ignore_eos=True, max_tokens=4), [2, 2, 2, 2, 2], [2, 2, 2, 2], LENGTH, None),
+        (dict(stop_token_ids=[9]), [1, 9, 3], [1, 9], STOP, 9),
+        (dict(stop_token_ids=[9], ignore_eos=True), [9], [9], STOP, 9),
+        (dict(stop_token_ids=[9], min_tokens=3), [9, 9, 9, 9], [9, 9, 9, 9], STOP, 9),
+        (dict(max_tokens=3), [1, 2, 3, 4, 5], [1, 2, 3], LENGTH, None),
+        (dict(max_tokens=1), [4], [4], LENGTH, None),
+        (dict(max_tokens=100), [1] * 10, [1] * 6, LENGTH, None),  # max_model_len = 16
     ],
 )
 def test_stop_conditions(kwargs, script, expected, reason, stop_reason):
@@ -379,7 +396,7 @@ def test_stop_conditions(kwargs, script, expected, reason, stop_reason):
     driver.run()
     assert req.output_token_ids == expected
     assert driver.finish["r"] == reason and req.finish_reason == reason
-    assert req.stop_reason == stop_reason
+    assert req.stop_token_id == stop_reason
     assert_all_blocks_free(sched, driver.workers)
 
 
@@ -417,9 +434,9 @@ def test_prefix_cache_across_and_within_steps():
     driver.run()
     assert later.num_cached_prompt_tokens == 16
     assert [r.num_cached_prompt_tokens for r in first] == [0, 16, 16]
-    stats = sched.stats()
-    assert stats["prefix_cache_queries"] == 3 * 18 + 20 and stats["prefix_cache_hits"] == 48
-    assert stats["prefill_tokens_computed"] == 18 + 2 + 2 + 4
+    stats = stats_of(sched)
+    assert stats.prefix_cache_queries == 3 * 18 + 20 and stats.prefix_cache_hits == 48
+    assert stats.prefill_tokens_computed == 18 + 2 + 2 + 4
     assert_matches_reference(driver, first + [later], 64)
     assert_all_blocks_free(sched, driver.workers)
 
@@ -440,14 +457,14 @@ def test_n_children_compute_prompt_once_and_share_blocks(pipeline, prefix_cachin
             shared_tables.append([c.block_ids[:4] for c in children])
 
     driver.run(on_plan=on_plan)
-    stats = sched.stats()
+    stats = stats_of(sched)
     # The prompt is computed once; each other child computes only its last prompt token.
-    assert stats["prefill_tokens_computed"] == 37 + 3
+    assert stats.prefill_tokens_computed == 37 + 3
     assert [c.num_cached_prompt_tokens for c in children] == [0, 36, 36, 36]
     # One copy of the full prompt blocks; a private copy of the partial block each.
     assert shared_tables and all(t.count(t[0]) == 4 for t in shared_tables)
     assert sum(len(p.copies) for p in driver.workers.plans) == 3
-    assert stats["peak_used_blocks"] == 4 + 4 * 2
+    assert stats.peak_used_kv_blocks == 4 + 4 * 2
     assert len({tuple(c.output_token_ids) for c in children}) == 4  # different seeds
     assert_matches_reference(driver, children, 128)
     assert_all_blocks_free(sched, driver.workers)
@@ -461,7 +478,7 @@ def test_children_with_block_aligned_prompt_need_no_copy():
         sched.add_request(child)
     driver = Driver(sched)
     driver.run()
-    assert sched.stats()["prefill_tokens_computed"] == 33 + 2
+    assert stats_of(sched).prefill_tokens_computed == 33 + 2
     assert all(not p.copies for p in driver.workers.plans)
     assert_matches_reference(driver, children, 128)
     assert_all_blocks_free(sched, driver.workers)
@@ -477,10 +494,10 @@ def test_children_rewrite_last_prompt_token_in_shared_full_block_without_copy():
         sched.add_request(child)
     driver = Driver(sched, pipeline=2)
     driver.run()
-    stats = sched.stats()
+    stats = stats_of(sched)
     assert all(not p.copies for p in driver.workers.plans)
     # One copy of the prompt (4 blocks) plus one block of generated tokens per child.
-    assert stats["peak_used_blocks"] == 4 + 4
+    assert stats.peak_used_kv_blocks == 4 + 4
     assert_matches_reference(driver, children, 128)
     assert_all_blocks_free(sched, driver.workers)
 
@@ -505,7 +522,7 @@ def test_speculative_drafts_roll_back_rejected_slots():
             ctx = req.all_token_ids
             drafts = []
             for _ in range(rng.randint(1, 4)):
-                token = true_token(req.seed, ctx + drafts)
+                token = true_token(req.sampling.seed, ctx + drafts)
                 drafts.append(token if rng.random() < 0.7 else (token + 1) % VOCAB)
             req.draft_token_ids = drafts
 
@@ -575,7 +592,7 @@ def test_random_mix_leaves_every_block_free(seed):
             driver.step(propose)
     else:
         raise AssertionError("did not finish")
-    assert aborted and sched.stats()["preemptions"] > 0
+    assert aborted and stats_of(sched).preemptions > 0
     done = [r for r in everyone if r.request_id not in aborted]
     assert_matches_reference(driver, done, max_model_len)
     assert_all_blocks_free(sched, driver.workers)
@@ -599,14 +616,14 @@ def test_decode_lookahead_schedules_ahead_of_results_and_drops_steps_after_a_sto
         seq = plan.seqs[0]
         assert seq.input_token_ids == [PLACEHOLDER_TOKEN] and seq.sample
         assert (seq.num_computed, seq.num_scheduled) == (position, 1)
-    assert sched.stats()["lookahead_decodes"] == 2
+    assert stats_of(sched).lookahead_decodes == 2
     assert [u.new_token_ids for u in sched.update(p1, {p1.seqs[0].seq_id: [7]})] == [[7]]
     # The token sampled in p2 (p2's input was p1's token, filled in by the worker) is eos.
     (upd,) = sched.update(p2, {p2.seqs[0].seq_id: [9]})
-    assert upd.finished and upd.finish_reason == "stop" and req.output_token_ids == [7, 9]
+    assert upd.finished and upd.finish_reason == STOP and req.output_token_ids == [7, 9]
     assert sched.update(p3, {p3.seqs[0].seq_id: [1]}) == []  # computed past the stop: dropped
-    stats = sched.stats()
-    assert stats["used_blocks"] == 0 and stats["free_blocks"] == 32
+    stats = stats_of(sched)
+    assert stats.used_kv_blocks == 0 and stats.free_kv_blocks == 32
 
 
 def test_decode_lookahead_stops_short_of_max_tokens():
@@ -618,8 +635,8 @@ def test_decode_lookahead_stops_short_of_max_tokens():
     assert sched.schedule() is None  # a 3rd would only be dropped
     sched.update(p1, {p1.seqs[0].seq_id: [7]})
     (upd,) = sched.update(p2, {p2.seqs[0].seq_id: [8]})
-    assert upd.finished and upd.finish_reason == "length" and req.output_token_ids == [7, 8]
-    assert sched.stats()["used_blocks"] == 0
+    assert upd.finished and upd.finish_reason == LENGTH and req.output_token_ids == [7, 8]
+    assert stats_of(sched).used_kv_blocks == 0
 
 
 # ---------------------------------------------------------------------------- fast paths
@@ -645,15 +662,16 @@ def plan_fields(plan):
 def scheduler_state(sched):
     """Every request's fields, the block manager's tables, cache and free queue, and the stats."""
     bm = sched.block_manager
-    requests = {rid: vars(req) for rid, req in sched._requests.items()}
+    requests = {rid: {**vars(req), "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed)}
+                for rid, req in sched._requests.items()}
     return (requests, [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
-            sched.pending_released_seq_ids, sched.stats(), bm._ref, bm._hash, list(bm._free), bm._cached,
+            sched.pending_released_seq_ids, stats_of(sched), bm._ref, bm._hash, list(bm._free), bm._cached,
             bm.num_cached_blocks, sched.num_in_flight_requests)
 
 
 def position_token(req, position):
     """The token sampled at `position` of req: depends on nothing the schedule decides."""
-    return hash((req.seed, position)) % VOCAB
+    return hash((req.sampling.seed, position)) % VOCAB
 
 
 def sample_plan(plan):
@@ -739,21 +757,21 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
                     1 for s in plan.seqs if s.input_token_ids == [PLACEHOLDER_TOKEN] and s.table_append)
         if plan is None and in_flight:
             plan, general_plan, sampled = in_flight.popleft()
-            updates = [(u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_reason)
+            updates = [(u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_token_id)
                        for u in fast.update(plan, sampled)]
-            assert updates == [(u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_reason)
+            assert updates == [(u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_token_id)
                                for u in general.update(general_plan, sampled)]
-            counts["stops"] += sum(1 for u in updates if u[3] == "stop")
+            counts["stops"] += sum(1 for u in updates if u[3] == STOP)
         assert scheduler_state(fast) == scheduler_state(general)
     else:
         raise AssertionError("did not finish")
-    stats = fast.stats()
-    assert stats["prefix_cache_hits"] and counts["copies"] and counts["aborts"] and counts["stops"]
+    stats = stats_of(fast)
+    assert stats.prefix_cache_hits and counts["copies"] and counts["aborts"] and counts["stops"]
     assert len(fast_decodes) > counts["decodes"] / 2  # the fast path did most decodes
     if num_blocks == 14:
-        assert stats["preemptions"]
+        assert stats.preemptions
     if lookahead:
-        assert stats["lookahead_decodes"] and counts["lookahead_table_growth"]
+        assert stats.lookahead_decodes and counts["lookahead_table_growth"]
     else:
         assert counts["drafts"]
     assert_all_blocks_free(fast)

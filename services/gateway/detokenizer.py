@@ -159,9 +159,11 @@ class StopChecker:
 class OutputTextStream:
     """The text of one child request: detokenize, then apply stop strings and min_tokens.
 
-    push() takes each EngineOutput's new token ids and returns (text, matched stop string).
-    On a match the caller finishes the output with finish_reason "stop", stop_reason = the
-    string, and aborts the child in the scheduler; later pushes return ("", None).
+    push() takes each EngineOutput's new token ids and returns (text, matched stop string, tokens
+    kept). On a match the caller finishes the output with finish_reason "stop" and the stop
+    string, keeps only the tokens up to the one that completed it (what a token-by-token stream
+    would have kept, however many tokens a step brought), and aborts the child in the scheduler;
+    later pushes return ("", None, 0).
     """
 
     def __init__(
@@ -176,7 +178,6 @@ class OutputTextStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop_checker = StopChecker(stop, min_tokens)
         self._has_stops = bool(stop)
-        self._min_tokens = min_tokens
         self.num_tokens = 0
 
     @property
@@ -189,31 +190,31 @@ class OutputTextStream:
         *,
         finished: bool = False,
         ends_with_stop_token: bool = False,
-    ) -> tuple[str, str | None]:
+    ) -> tuple[str, str | None, int]:
         """Add new output tokens. `finished`: the scheduler finished this child, so flush.
 
         `ends_with_stop_token`: the last id is the EOS or stop token that finished it; as in
         vLLM it counts as a token but is kept out of the text.
         """
         if self.stopped:
-            return "", None
+            return "", None, 0
         ids = list(new_token_ids)
         text_ids = ids[:-1] if ends_with_stop_token and ids else ids
-        before = self.num_tokens
-        self.num_tokens += len(ids)
         pieces: list[str] = []
-        # Stop strings start to apply at token number min_tokens; when one push crosses that
-        # point (several tokens per step with speculation), check the two parts separately.
-        split = self._min_tokens - 1 - before
-        if self._has_stops and 0 < split < len(text_ids):
-            early = self._detokenizer.push(text_ids[:split])
-            # Below min_tokens, so this part can never match.
-            pieces.append(self._stop_checker.check(early, before + split)[0])
-            text_ids = text_ids[split:]
-        text, matched = self._stop_checker.check(
-            self._detokenizer.push(text_ids, finished=finished), self.num_tokens
-        )
-        pieces.append(text)
-        if matched is None and finished:
+        # With stop strings, one token at a time: a match ends the output at the token that
+        # completed it, and min_tokens applies from the right token on.
+        chunks = [(t,) for t in text_ids] if self._has_stops else [text_ids]
+        for i, chunk in enumerate(chunks):
+            self.num_tokens += len(chunk)
+            text, matched = self._stop_checker.check(self._detokenizer.push(chunk), self.num_tokens)
+            pieces.append(text)
+            if matched is not None:
+                return "".join(pieces), matched, i + 1
+        self.num_tokens += len(ids) - len(text_ids)
+        if finished:
+            text, matched = self._stop_checker.check(self._detokenizer.flush(), self.num_tokens)
+            pieces.append(text)
+            if matched is not None:
+                return "".join(pieces), matched, len(ids)
             pieces.append(self._stop_checker.flush())
-        return "".join(pieces), matched
+        return "".join(pieces), None, len(ids)

@@ -1,26 +1,17 @@
-"""Gateway service: the public API. Tokenizes, validates, fans n > 1 out into child requests,
-merges their streams, detokenizes incrementally and applies stop strings."""
+"""Gateway service: the public API. Authorises, tokenizes and validates a request, then runs it
+through the n > 1 fan-out (fanout.py), which streams merged, detokenized outputs back."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 
 import grpc
 
-from strata.services.gateway.detokenizer import OutputTextStream
-from strata.services.gateway.outputs import RequestOutputState
-from strata.services.gateway.validation import InvalidRequest, child_requests, validate_request
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
+from strata.services.gateway.fanout import ChildFailed, merged_responses
+from strata.services.gateway.validation import InvalidRequest, validate_request
+from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("strata.gateway")
-
-
-class ChildFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class GatewayServicer(generate_pb2_grpc.GatewayServicer):
@@ -75,58 +66,12 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
                                       max_model_len=info.max_model_len)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-        children = child_requests(request_id, params, prompt_ids)
-        state = RequestOutputState(request_id, len(children), params.output_kind,
-                                   params.logprobs is not None, len(prompt_ids))
-        texts = [OutputTextStream(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                  stop=params.stop, min_tokens=params.min_tokens) for _ in children]
-        finished = [False] * len(children)
-        merged: asyncio.Queue = asyncio.Queue()
-        calls = [self.scheduler.Submit(child, timeout=self.request_timeout) for child in children]
-        readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
+        responses = merged_responses(self.scheduler, request_id, params, prompt_ids, info.eos_token_ids,
+                                     self.tokenizer, self.request_timeout)
         try:
-            remaining = len(children)
-            while remaining:
-                index, out = await merged.get()
-                if isinstance(out, ChildFailed):
-                    await context.abort(out.code, f"child {index} of {request_id}: {out.details}")
-                if finished[index]:
-                    continue
-                response, finished[index] = _advance(index, texts[index], out, state, calls[index])
-                remaining -= finished[index]
-                if response is not None:
-                    yield response
+            async for response in responses:
+                yield response
+        except ChildFailed as e:
+            await context.abort(e.code, f"child {e.index} of {request_id}: {e.details}")
         finally:
-            # Client gone, a child failed, or all done: cancelling a child aborts it in the
-            # scheduler, which frees its blocks at once.
-            for call in calls:
-                call.cancel()
-            for task in readers:
-                task.cancel()
-
-
-def _advance(index: int, text_stream: OutputTextStream, out: engine_pb2.EngineOutput, state: RequestOutputState,
-             call) -> tuple[generate_pb2.GenerateResponse | None, bool]:
-    """Applies one scheduler output of child `index`; returns (response to send, child finished)."""
-    finish_reason, stop_reason = out.finish_reason, out.stop_reason
-    # The scheduler finishes with "stop" only on an EOS or stop token, which stays out of the text.
-    text, matched = text_stream.push(out.token_ids, finished=bool(finish_reason),
-                                     ends_with_stop_token=finish_reason == "stop")
-    if matched is not None:
-        finish_reason, stop_reason = "stop", matched
-        call.cancel()  # the stop string was found here: the scheduler frees the child's blocks
-    response = state.update(index, text, list(out.token_ids), list(out.logprobs), finish_reason, stop_reason,
-                            out.cached_prompt_tokens)
-    return response, bool(finish_reason)
-
-
-async def _pump(index: int, call, merged: asyncio.Queue) -> None:
-    try:
-        async for out in call:
-            merged.put_nowait((index, out))
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.CANCELLED:
-            merged.put_nowait((index, ChildFailed(e.code(), e.details())))
-    except asyncio.CancelledError:
-        pass
+            await responses.aclose()  # the client went away: cancel every child

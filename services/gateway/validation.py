@@ -1,24 +1,24 @@
-"""Check a public GenerateRequest, resolve its defaults, and fan it out into child requests.
+"""Check a public GenerateRequest and resolve its defaults, once, for the whole system.
 
 Everything a client can get wrong is caught here, before anything reaches the scheduler, and
 reported as InvalidRequest naming the offending field (the servicer turns it into
-INVALID_ARGUMENT).
+INVALID_ARGUMENT). The result, ValidatedParams, is what the gateway works from; it builds the
+internal messages the scheduler and the workers read (SamplingOptions, StopCriteria).
 """
 
 from __future__ import annotations
 
 import math
-import random
-import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
+from strata.protocol import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from strata.v1 import engine_pb2, generate_pb2
 
+# The public API's defaults (as vLLM's SamplingParams), defined here only.
 DEFAULT_MAX_TOKENS = 16
-# Temperatures below this are greedy (as in vLLM): dividing logits by ~0 would overflow.
-GREEDY_TEMPERATURE_EPS = 1e-5
-_SEED_MODULUS = 2**64
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
 _OUTPUT_KINDS = frozenset(generate_pb2.OutputKind.values())
 
 
@@ -50,26 +50,17 @@ class ValidatedParams:
     output_kind: int  # generate_pb2.OutputKind value
     skip_special_tokens: bool
 
-    def child_sampling_params(self, seed: int) -> generate_pb2.SamplingParams:
-        """The SamplingParams one child (n = 1) carries to the scheduler."""
-        params = generate_pb2.SamplingParams(
-            n=1,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=seed,
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            output_kind=self.output_kind,
-            skip_special_tokens=self.skip_special_tokens,
-        )
-        if self.logprobs is not None:
-            params.logprobs = self.logprobs
-        return params
+    def sampling_options(self, seed: int) -> engine_pb2.SamplingOptions:
+        """What the last stage needs to sample one child (seed: the child's own)."""
+        return engine_pb2.SamplingOptions(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
+            logprobs=-1 if self.logprobs is None else self.logprobs)
+
+    def stop_criteria(self, eos_token_ids: Sequence[int]) -> engine_pb2.StopCriteria:
+        """When the scheduler ends a child (stop strings stay with the gateway)."""
+        return engine_pb2.StopCriteria(
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            eos_token_ids=eos_token_ids, ignore_eos=self.ignore_eos)
 
 
 def _fmt(value: float) -> str:
@@ -129,7 +120,7 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     max_n: int = 256,
-    max_logprobs: int = 20,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> ValidatedParams:
     """Check `req` (whose prompt tokenizes to `prompt_token_ids`) and resolve its defaults.
 
@@ -138,16 +129,16 @@ def validate_request(
     prompt_field = _check_prompt(req, prompt_token_ids, vocab_size)
     p = req.params
 
-    temperature = p.temperature if p.HasField("temperature") else 1.0
+    temperature = p.temperature if p.HasField("temperature") else DEFAULT_TEMPERATURE
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(
             "params.temperature",
             f"params.temperature must be finite and >= 0, got {_fmt(temperature)}",
         )
-    if temperature < GREEDY_TEMPERATURE_EPS:
+    if temperature < GREEDY_TEMPERATURE:
         temperature = 0.0
 
-    top_p = p.top_p if p.HasField("top_p") else 1.0
+    top_p = p.top_p if p.HasField("top_p") else DEFAULT_TOP_P
     if not 0.0 < top_p <= 1.0:  # NaN fails too
         raise InvalidRequest("params.top_p", f"params.top_p must be in (0, 1], got {_fmt(top_p)}")
 
@@ -202,47 +193,3 @@ def validate_request(
         output_kind=p.output_kind,
         skip_special_tokens=p.skip_special_tokens,
     )
-
-
-def child_request_id(index: int, request_id: str) -> str:
-    return f"{index}_{request_id}"
-
-
-def child_seeds(params: ValidatedParams, rng: random.Random | None = None) -> list[int]:
-    """One 64-bit seed per child: seed + i with a user seed (so children differ), else random.
-
-    The scheduler always needs a seed, since sampling randomness comes from (seed, position).
-    """
-    if params.seed is not None:
-        return [(params.seed + i) % _SEED_MODULUS for i in range(params.n)]
-    if rng is not None:
-        return [rng.getrandbits(64) for _ in range(params.n)]
-    return [secrets.randbits(64) for _ in range(params.n)]
-
-
-def child_requests(
-    request_id: str,
-    params: ValidatedParams,
-    prompt_token_ids: Sequence[int],
-    *,
-    rng: random.Random | None = None,
-) -> list[engine_pb2.EngineRequest]:
-    """The n scheduler requests of one public request: `{i}_{request_id}`, i = 0 .. n-1.
-
-    Every child is named this way, n = 1 included, so the merge never special-cases n.
-    `rng` makes unseeded requests reproducible in tests; by default seeds come from `secrets`.
-    """
-    prompt = list(prompt_token_ids)
-    # Nothing to stream when only the final result is wanted and no stop string needs the text
-    # as it grows: the scheduler then sends each child once.
-    final_only = params.output_kind == generate_pb2.FINAL_ONLY and not params.stop
-    return [
-        engine_pb2.EngineRequest(
-            request_id=child_request_id(i, request_id),
-            prompt_token_ids=prompt,
-            params=params.child_sampling_params(seed),
-            parent_id=request_id,
-            final_only=final_only,
-        )
-        for i, seed in enumerate(child_seeds(params, rng))
-    ]

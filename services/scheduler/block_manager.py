@@ -1,5 +1,9 @@
 """Paged KV block manager: free queue, reference counts, block tables, prefix cache, copy-on-write.
 
+The block manager owns every request's block table (BlockTable: block ids in position order and
+the chained hashes of its full blocks); the scheduler reads it and never writes it. What the
+workers already hold of a table is the scheduler's bookkeeping, not this module's.
+
 A block is free when nobody references it. Free blocks that hold a full, hashed block of
 tokens stay findable in the prefix cache; they sit in an LRU free queue and lose their
 contents only when a fresh block is needed and they reach its front.
@@ -11,8 +15,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from strata.services.scheduler.request import Request
+if TYPE_CHECKING:
+    from strata.services.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,6 +34,19 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block. A cryptographic hash, so that no client can craft a
     prompt whose block collides with another client's block and read its cached KV."""
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class BlockTable:
+    """One request's KV blocks, written only by KVBlockManager."""
+
+    __slots__ = ("block_ids", "hashes", "num_hashed")
+
+    def __init__(self) -> None:
+        self.block_ids: list[int] = []  # the block of positions [i * block_size, (i + 1) * block_size)
+        # Chained hashes of the request's full blocks of tokens. Tokens are only ever appended, so
+        # they stay valid for the request's life (after a preemption too).
+        self.hashes: list[bytes] = []
+        self.num_hashed = 0  # leading entries of block_ids already offered to the prefix cache
 
 
 class KVBlockManager:
@@ -84,9 +103,8 @@ class KVBlockManager:
     # ------------------------------------------------------------------ prefix cache
 
     def compute_block_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
-        """Extends (and returns) req.block_hashes to its first num_full_blocks blocks.
-        Tokens only ever get appended, so the hashes of a request never change."""
-        hashes = req.block_hashes
+        """Extends (and returns) req's block hashes to its first num_full_blocks blocks."""
+        hashes = req.blocks.hashes
         bs = self.block_size
         parent = hashes[-1] if hashes else self._root
         for i in range(len(hashes), num_full_blocks):
@@ -117,18 +135,19 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = num_tokens // self.block_size
-        if num_full <= req.num_hashed_blocks:
+        blocks = req.blocks
+        if num_full <= blocks.num_hashed:
             return
         hashes = self.compute_block_hashes(req, num_full)
-        table = req.block_ids
-        for i in range(req.num_hashed_blocks, num_full):
+        table = blocks.block_ids
+        for i in range(blocks.num_hashed, num_full):
             block, h = table[i], hashes[i]
             # A block already hashed (shared from a hit or a sibling) holds these same tokens;
             # a duplicate of a block already in the cache stays unregistered.
             if self._hash[block] is None and h not in self._cached:
                 self._hash[block] = h
                 self._cached[h] = block
-        req.num_hashed_blocks = num_full
+        blocks.num_hashed = num_full
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (e.g. after a failed step whose KV writes never landed).
@@ -152,7 +171,7 @@ class KVBlockManager:
 
     def blocks_needed(self, req: Request, end: int) -> int:
         """Free blocks that computing req's tokens [num_computed, end) would take."""
-        return self._needed(req.block_ids, req.num_computed_tokens, end, holding=True)
+        return self._needed(req.blocks.block_ids, req.num_computed_tokens, end, holding=True)
 
     def admission_cost(self, shared: Sequence[int], num_computed: int, end: int) -> int:
         """Free blocks that admitting a request on top of `shared` (cache hits or a sibling's
@@ -161,15 +180,18 @@ class KVBlockManager:
         taken = sum(1 for b in shared if self._ref[b] == 0)
         return taken + self._needed(shared, num_computed, end, holding=False)
 
-    def acquire(self, req: Request, blocks: Sequence[int]) -> None:
-        """Appends existing blocks (prefix hits, a sibling's prompt blocks) to req's table."""
+    def acquire(self, req: Request, blocks: Sequence[int], cached: bool) -> None:
+        """Appends existing blocks to req's table: its prefix-cache hits (cached: already in the
+        cache) or a sibling's prompt blocks (offered to the cache again as req fills them)."""
         for block in blocks:
             if self._ref[block] == 0:
                 del self._free[block]
                 if self._hash[block] is not None:
                     self._num_cached_free -= 1
             self._ref[block] += 1
-        req.block_ids.extend(blocks)
+        req.blocks.block_ids.extend(blocks)
+        if cached:
+            req.blocks.num_hashed = len(req.blocks.block_ids)
         self._note_usage()
 
     def reserve(self, req: Request, end: int, rewrites_prompt: bool = False) -> tuple[int, int] | None:
@@ -182,7 +204,8 @@ class KVBlockManager:
         need = self.blocks_needed(req, end)
         if need > len(self._free):
             raise RuntimeError(f"need {need} free blocks, have {len(self._free)}")
-        table = req.block_ids
+        blocks = req.blocks
+        table = blocks.block_ids
         copy = None
         first = req.num_computed_tokens // self.block_size
         if req.num_computed_tokens < end and first < len(table) and not rewrites_prompt:
@@ -191,8 +214,7 @@ class KVBlockManager:
                 dst = self._allocate()
                 table[first] = dst
                 self._release(src)
-                req.num_synced_blocks = min(req.num_synced_blocks, first)
-                req.num_hashed_blocks = min(req.num_hashed_blocks, first)
+                blocks.num_hashed = min(blocks.num_hashed, first)
                 copy = (src, dst)
         for _ in range(cdiv(end, self.block_size) - len(table)):
             table.append(self._allocate())
@@ -204,7 +226,7 @@ class KVBlockManager:
         its slot lies in a table block that req alone holds and nobody caches, so that
         reserve(req, num_computed_tokens + 1) would change nothing (no new block, no copy on
         write). The scheduler's decode fast path then skips reserve()."""
-        table = req.block_ids
+        table = req.blocks.block_ids
         index = req.num_computed_tokens // self.block_size
         if index >= len(table):
             return False  # the slot starts a new block
@@ -213,12 +235,12 @@ class KVBlockManager:
 
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Frees the table entries past the first num_blocks (speculative rollback)."""
-        table = req.block_ids
+        blocks = req.blocks
+        table = blocks.block_ids
         for block in reversed(table[num_blocks:]):
             self._release(block)
         del table[num_blocks:]
-        req.num_synced_blocks = min(req.num_synced_blocks, num_blocks)
-        req.num_hashed_blocks = min(req.num_hashed_blocks, num_blocks)
+        blocks.num_hashed = min(blocks.num_hashed, num_blocks)
 
     def free(self, req: Request) -> None:
         """Drops all of req's references. Tail blocks go first so that, among cached blocks,

@@ -19,6 +19,7 @@ from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")
+_RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class RequestFailed(Exception):
@@ -54,17 +55,18 @@ class OutputStream:
         self._token_ids: list[int] = []
         self._logprobs: list = []
         self._cached_prompt_tokens = 0
-        self._finish = ("", "")
+        self._finish_reason = _RUNNING
+        self._stop_token_id: int | None = None
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
 
-    def push(self, token_ids, logprobs, finish_reason: str = "", stop_reason: str = "",
+    def push(self, token_ids, logprobs, finish_reason: int = _RUNNING, stop_token_id: int | None = None,
              cached_prompt_tokens: int = 0) -> None:
         self._token_ids.extend(token_ids)
         self._logprobs.extend(logprobs)
         self._cached_prompt_tokens = cached_prompt_tokens
         if finish_reason:
-            self._finish = (finish_reason, stop_reason)
+            self._finish_reason, self._stop_token_id = finish_reason, stop_token_id
         if finish_reason or not self.final_only:
             self.ready.set()
 
@@ -81,7 +83,7 @@ class OutputStream:
         out = engine_pb2.EngineOutput(
             request_id=self.request_id, prompt_tokens=self.prompt_tokens, token_ids=self._token_ids,
             logprobs=self._logprobs, cached_prompt_tokens=self._cached_prompt_tokens,
-            finish_reason=self._finish[0], stop_reason=self._finish[1])
+            finish_reason=self._finish_reason, stop_token_id=self._stop_token_id)
         self._token_ids, self._logprobs = [], []
         return out
 
@@ -181,7 +183,7 @@ class Engine:
             return False
         if self.scheduler is not None:
             self.scheduler.abort(request_id)
-        stream.push((), (), finish_reason="abort")
+        stream.push((), (), finish_reason=engine_pb2.FINISH_REASON_ABORT)
         self._wake.set()
         return True
 
@@ -269,11 +271,8 @@ class Engine:
         stream = self.streams.get(req.request_id)
         if stream is None:
             return  # aborted while its step was in flight
-        logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.logprobs >= 0 else ()
-        stream.push(upd.new_token_ids, logprobs,
-                    finish_reason=upd.finish_reason if upd.finished else "",
-                    stop_reason=str(upd.stop_reason) if upd.finished and upd.stop_reason is not None else "",
-                    cached_prompt_tokens=req.num_cached_prompt_tokens)
+        logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.sampling.logprobs >= 0 else ()
+        stream.push(upd.new_token_ids, logprobs, upd.finish_reason, upd.stop_token_id, req.num_cached_prompt_tokens)
         if upd.finished:
             del self.streams[req.request_id]
 
@@ -313,30 +312,14 @@ class Engine:
             self._busy_since = None
 
     def stats(self) -> engine_pb2.SchedulerStats:
-        s = self.scheduler.stats() if self.scheduler else {}
+        stats = engine_pb2.SchedulerStats()
+        if self.scheduler is not None:
+            self.scheduler.fill_stats(stats)
         busy = self._busy_seconds + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
         wall = max(time.monotonic() - self._started, 1e-9)
-        return engine_pb2.SchedulerStats(
-            num_kv_blocks=s.get("num_blocks", 0),
-            free_kv_blocks=s.get("free_blocks", 0),
-            cached_kv_blocks=s.get("cached_blocks", 0),
-            used_kv_blocks=s.get("used_blocks", 0),
-            peak_used_kv_blocks=s.get("peak_used_blocks", 0),
-            running=s.get("running", 0),
-            waiting=s.get("waiting", 0),
-            prefix_cache_queries=s.get("prefix_cache_queries", 0),
-            prefix_cache_hits=s.get("prefix_cache_hits", 0),
-            prefill_tokens_computed=s.get("prefill_tokens_computed", 0),
-            decode_tokens_computed=s.get("decode_tokens_computed", 0),
-            steps=s.get("steps", 0),
-            preemptions=s.get("preemptions", 0),
-            finished_requests=s.get("finished_requests", 0),
-            gpu_idle_fraction=1.0 - min(busy / wall, 1.0),
-            pipeline_stages=self.pipeline.num_stages,
-            lookahead_decodes=s.get("lookahead_decodes", 0),
-            busy_seconds=busy,
-            worker_gpu_busy_seconds=self._worker_gpu[0],
-            worker_gpu_idle_seconds=self._worker_gpu[1],
-            worker_timed_steps=self._worker_gpu[2],
-            worker_launch_seconds=self._worker_launch_seconds,
-        )
+        stats.gpu_idle_fraction = 1.0 - min(busy / wall, 1.0)
+        stats.pipeline_stages = self.pipeline.num_stages
+        stats.busy_seconds = busy
+        stats.worker_gpu_busy_seconds, stats.worker_gpu_idle_seconds, stats.worker_timed_steps = self._worker_gpu
+        stats.worker_launch_seconds = self._worker_launch_seconds
+        return stats

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from strata.services.scheduler.engine import Engine, SchedulerConfig
-from strata.services.scheduler.metrics import SchedulerMetrics, publish_metrics
+from strata.services.scheduler.metrics import serve_metrics
 from strata.services.scheduler.pipeline import Pipeline
 from strata.services.scheduler.server import SchedulerServicer
 from strata.gc_tuning import tune_for_serving
@@ -29,7 +29,6 @@ async def serve(args) -> None:
     addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
     engine = Engine(Pipeline(addresses), config_from_args(args))
     server, health = new_server()
-    metrics = SchedulerMetrics()
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)
@@ -37,14 +36,10 @@ async def serve(args) -> None:
     await engine.start()
     tune_for_serving()
     await set_serving(health, ["strata.v1.Scheduler"])
-    tasks = []
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
-        tasks.append(asyncio.create_task(publish_metrics(engine, metrics)))
+        serve_metrics(engine.stats, args.metrics_port, args.host)
     log.info("scheduler on %s:%d over %d stage(s)", args.host, port, len(addresses))
     await wait_for_termination_signal()
-    for t in tasks:
-        t.cancel()
     await server.stop(grace=1.0)
     await engine.stop()
 

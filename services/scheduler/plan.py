@@ -49,5 +49,5 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" when finished
-    stop_reason: int | None  # the stop token id that ended it (None for eos and length)
+    finish_reason: int  # engine_pb2.FinishReason (FINISH_REASON_UNSPECIFIED while running)
+    stop_token_id: int | None  # the stop_token_ids entry that ended it (None for eos and length)

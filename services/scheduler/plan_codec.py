@@ -7,18 +7,11 @@ from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2, generate_pb2
 
 
-def sampling_options(req) -> engine_pb2.SamplingOptions:
-    return engine_pb2.SamplingOptions(
-        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-        seed=req.seed, logprobs=req.logprobs)
-
-
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     seqs = plan.seqs
     msg = engine_pb2.StepPlan(
         step_id=plan.step_id,
-        new_sequences=[engine_pb2.NewSequence(seq_id=r.seq_id, sampling=sampling_options(r))
-                       for r in plan.new_requests],
+        new_sequences=[engine_pb2.NewSequence(seq_id=r.seq_id, sampling=r.sampling) for r in plan.new_requests],
         released_seq_ids=plan.released_seq_ids,
         seq_ids=[s.seq_id for s in seqs],
         num_computed=[s.num_computed for s in seqs],

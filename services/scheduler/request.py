@@ -1,41 +1,45 @@
-"""One (child) generation request as the scheduler tracks it: settings, tokens and KV state."""
+"""One (child) generation request as the scheduler tracks it: what to sample, when to stop, and
+its tokens and KV state.
+
+The gateway resolved every default before the request got here (EngineRequest): the sampling
+options travel to the workers as they came, and the stop criteria are plain fields the step loop
+reads without touching a message.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
+from strata.services.scheduler.block_manager import BlockTable
+from strata.v1 import engine_pb2
+
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    # Finished statuses are valued by their engine_pb2.FinishReason; the others never clash with one.
+    WAITING = -2
+    RUNNING = -1
+    FINISHED_STOPPED = engine_pb2.FINISH_REASON_STOP
+    FINISHED_LENGTH = engine_pb2.FINISH_REASON_LENGTH
+    FINISHED_ABORTED = engine_pb2.FINISH_REASON_ABORT
 
     @property
     def is_finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
     @property
-    def finish_reason(self) -> str | None:
-        """"stop", "length" or "abort" once finished, else None."""
-        return self.value if self.is_finished else None
+    def finish_reason(self) -> int:
+        """The engine_pb2.FinishReason: FINISH_REASON_UNSPECIFIED while not finished."""
+        return self.value if self.is_finished else engine_pb2.FINISH_REASON_UNSPECIFIED
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets, deques and dicts
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    # Sampling options, sent to the workers once per admitted sequence.
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob + top k
-    # Stop conditions, applied by the scheduler.
-    max_tokens: int = 16
+    sampling: engine_pb2.SamplingOptions  # forwarded to the workers unchanged
+    # Stop criteria (EngineRequest.stop), applied by the scheduler.
+    max_tokens: int
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
@@ -48,17 +52,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is written by plans issued so far
     seq_id: int | None = None  # worker-side id of the current admission; None when not admitted
-    block_ids: list[int] = field(default_factory=list)  # block table (scheduler's view)
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the cache at first admission
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    stop_token_id: int | None = None  # the stop_token_ids entry that ended it, if any
     # Speculative tokens proposed for the next step (set by a proposer, consumed by schedule()).
     draft_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-
-    # ---- bookkeeping shared by the scheduler and the block manager
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
-    num_hashed_blocks: int = 0  # leading table entries already offered to the prefix cache
-    num_synced_blocks: int = 0  # leading table entries the workers already hold
+    num_synced_blocks: int = 0  # leading block-table entries the workers already hold
     in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
     pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1
@@ -68,10 +67,32 @@ class Request:
     max_output_tokens: int = 0  # min(max_tokens, max_model_len - prompt tokens)
     stop_check_ids: frozenset[int] = frozenset()  # tokens that may stop it: eos (unless ignored) and stop ids
 
+    # ---- owned by the block manager (the scheduler only reads it)
+    blocks: BlockTable = field(default_factory=BlockTable)
+
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.stop_token_ids = frozenset(self.stop_token_ids)
         self.eos_token_ids = frozenset(self.eos_token_ids)
+
+    @classmethod
+    def from_proto(cls, msg: engine_pb2.EngineRequest) -> Request:
+        stop = msg.stop
+        return cls(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling=msg.sampling,
+            max_tokens=stop.max_tokens,
+            min_tokens=stop.min_tokens,
+            stop_token_ids=frozenset(stop.stop_token_ids),
+            eos_token_ids=frozenset(stop.eos_token_ids),
+            ignore_eos=stop.ignore_eos,
+            parent_id=msg.parent_id,
+        )
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.blocks.block_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,5 +120,5 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> int:
         return self.status.finish_reason

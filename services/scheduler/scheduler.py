@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Any
 
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from strata.services.scheduler.request import Request, RequestStatus
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.v1 import engine_pb2
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
+_RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def _arrival(req: Request) -> int:
@@ -83,7 +84,7 @@ class Scheduler:
                 f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
             )
         if req.max_tokens < 1 or req.min_tokens < 0:
-            raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
+            raise ValueError("stop.max_tokens must be >= 1 and stop.min_tokens >= 0")
         if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
             raise ValueError("request was already scheduled")
         req.arrival = self._next_arrival
@@ -322,8 +323,7 @@ class Scheduler:
         if bm.admission_cost(shared, num_computed, end) > bm.num_free_blocks:
             return None
 
-        bm.acquire(req, shared)
-        req.num_hashed_blocks = 0 if from_sibling else len(shared)
+        bm.acquire(req, shared, cached=not from_sibling)
         req.num_computed_tokens = num_computed
         if first_admission:
             req.num_cached_prompt_tokens = num_computed
@@ -378,9 +378,10 @@ class Scheduler:
         num_prompt = len(req.prompt_token_ids)  # runs per sequence per step: no properties
         num_tokens = num_prompt + len(req.output_token_ids)
         copy = bm.reserve(req, end, rewrites_prompt=end <= num_prompt)
-        if copy is not None:
+        if copy is not None:  # the block at `start` was replaced: the workers must get it anew
             copies.append(copy)
             req.last_copy_step = step_id
+            req.num_synced_blocks = min(req.num_synced_blocks, start // self.block_size)
         confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
         # A lookahead's input token is not known here yet: hash only blocks of known tokens.
         bm.register_full_blocks(req, min(confirmed_end, num_tokens))
@@ -465,7 +466,9 @@ class Scheduler:
                 rejected = s.num_draft - (len(tokens) - 1)
                 if rejected:  # roll back the unaccepted draft slots and their surplus blocks
                     req.num_computed_tokens -= rejected
-                    self.block_manager.truncate(req, cdiv(req.num_computed_tokens, self.block_size))
+                    kept = cdiv(req.num_computed_tokens, self.block_size)
+                    self.block_manager.truncate(req, kept)
+                    req.num_synced_blocks = min(req.num_synced_blocks, kept)
             updates.append(self._append_tokens(req, tokens))
         return updates
 
@@ -491,15 +494,15 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 elif can_stop and stop_ids and token in stop_ids:
                     status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = token
+                    req.stop_token_id = token
                 elif len(out) >= max_out:
                     status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break  # tokens after a stop are dropped
         if status is None:
-            return RequestUpdate(req, new, False, None, req.stop_reason)
+            return RequestUpdate(req, new, False, _RUNNING, None)
         self._finish(req, status)
-        return RequestUpdate(req, new, True, status.finish_reason, req.stop_reason)
+        return RequestUpdate(req, new, True, status.value, req.stop_token_id)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -529,23 +532,21 @@ class Scheduler:
         assert self.running[index] is req
         del self.running[index]
 
-    def stats(self) -> dict[str, Any]:
+    def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
+        """Writes the scheduler's part of the statistics (declared in engine.proto)."""
         bm = self.block_manager
-        return {
-            "num_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks,
-            "cached_blocks": bm.num_cached_blocks,
-            "used_blocks": bm.num_used_blocks,
-            "peak_used_blocks": bm.peak_used_blocks,
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "in_flight": self._num_in_flight,
-            "lookahead_decodes": self._lookaheads,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefill_tokens_computed": self._prefill_tokens,
-            "decode_tokens_computed": self._decode_tokens,
-            "steps": self._steps,
-            "preemptions": self._preemptions,
-            "finished_requests": self._finished,
-        }
+        stats.num_kv_blocks = bm.num_blocks
+        stats.free_kv_blocks = bm.num_free_blocks
+        stats.cached_kv_blocks = bm.num_cached_blocks
+        stats.used_kv_blocks = bm.num_used_blocks
+        stats.peak_used_kv_blocks = bm.peak_used_blocks
+        stats.running = len(self.running)
+        stats.waiting = len(self.waiting)
+        stats.lookahead_decodes = self._lookaheads
+        stats.prefix_cache_queries = bm.prefix_cache_queries
+        stats.prefix_cache_hits = bm.prefix_cache_hits
+        stats.prefill_tokens_computed = self._prefill_tokens
+        stats.decode_tokens_computed = self._decode_tokens
+        stats.steps = self._steps
+        stats.preemptions = self._preemptions
+        stats.finished_requests = self._finished

@@ -2,53 +2,49 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
 
 from strata.services.scheduler.engine import Engine, RequestFailed
+from strata.protocol import MAX_LOGPROBS
 from strata.services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.scheduler")
 
 
-def request_from_proto(msg: engine_pb2.EngineRequest, info: engine_pb2.WorkerDescription) -> Request:
-    """Checks what the workers rely on (token ids in the vocabulary, a seed, sane sampling) and
-    the length contract; Scheduler.add_request checks the rest (empty prompt, max_tokens). The
-    gateway validates user input in full, with messages naming the field."""
-    p = msg.params
-    model = info.model
+def request_from_proto(msg: engine_pb2.EngineRequest, model: generate_pb2.ModelInfo) -> Request:
+    """Checks everything the scheduler and the workers rely on; Scheduler.add_request checks the
+    rest (empty prompt, length). The gateway resolved every default and validated the user's
+    input with messages naming the public fields: this guards the internal boundary."""
     if not msg.request_id:
         raise ValueError("request_id is empty")
-    ids = msg.prompt_token_ids
-    if ids and (min(ids) < 0 or max(ids) >= model.vocab_size):
-        raise ValueError(f"prompt_token_ids must be in [0, {model.vocab_size})")
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else 16
-    if len(msg.prompt_token_ids) + max_tokens > model.max_model_len:
-        raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
+    vocab = model.vocab_size
+    _check_ids("prompt_token_ids", msg.prompt_token_ids, vocab)
+    s = msg.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise ValueError(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+    if s.top_k < 0:
+        raise ValueError(f"sampling.top_k must be >= 0, got {s.top_k}")
+    if not -1 <= s.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"sampling.logprobs must be in [-1, {MAX_LOGPROBS}], got {s.logprobs}")
+    stop = msg.stop
+    if len(msg.prompt_token_ids) + stop.max_tokens > model.max_model_len:
+        raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus stop.max_tokens ({stop.max_tokens}) "
                          f"exceeds max_model_len {model.max_model_len}")
-    if not p.HasField("seed"):
-        raise ValueError("params.seed must be set (the gateway assigns one)")
-    temperature = p.temperature if p.HasField("temperature") else 1.0
-    top_p = p.top_p if p.HasField("top_p") else 1.0
-    if temperature < 0 or not (0 < top_p <= 1) or not (0 <= p.min_p <= 1) or p.top_k < -1:
-        raise ValueError("sampling parameters out of range")
-    return Request(
-        request_id=msg.request_id,
-        prompt_token_ids=list(msg.prompt_token_ids),
-        temperature=temperature,
-        top_k=max(p.top_k, 0),
-        top_p=top_p,
-        min_p=p.min_p,
-        seed=p.seed,
-        logprobs=p.logprobs if p.HasField("logprobs") else -1,
-        max_tokens=max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=set(p.stop_token_ids),
-        eos_token_ids=set(model.eos_token_ids),
-        ignore_eos=p.ignore_eos,
-        parent_id=msg.parent_id,
-    )
+    _check_ids("stop.stop_token_ids", stop.stop_token_ids, vocab)
+    _check_ids("stop.eos_token_ids", stop.eos_token_ids, vocab)
+    return Request.from_proto(msg)
+
+
+def _check_ids(field: str, ids, vocab_size: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"{field} must be in [0, {vocab_size})")
 
 
 class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
@@ -61,7 +57,7 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         except RequestFailed as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         try:
-            req = request_from_proto(request, self.engine.pipeline.model_info)
+            req = request_from_proto(request, self.engine.pipeline.model_info.model)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -84,10 +80,6 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
             # The client went away (or the gateway cancelled on a stop string): free at once.
             if not finished:
                 self.engine.abort(request.request_id)
-
-    async def Abort(self, request, context):
-        n = sum(self.engine.abort(rid) for rid in request.request_ids)
-        return engine_pb2.AbortReply(aborted=n)
 
     async def GetModelInfo(self, request, context):
         if not self.engine.ready:

@@ -22,52 +22,99 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 from strata.v1 import generate_pb2 as strata_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\x1a\x18strata/v1/generate.proto\"\x8f\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x12\n\nfinal_only\x18\x05 \x01(\x08\"\xc1\x01\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xcb\x04\n\x0eSchedulerStats\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13peak_used_kv_blocks\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1f\n\x17prefill_tokens_computed\x18\n \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_tokens_computed\x18\x0b \x01(\x04\x12\r\n\x05steps\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x0e \x01(\x04\x12\x19\n\x11gpu_idle_fraction\x18\x0f \x01(\x01\x12\x17\n\x0fpipeline_stages\x18\x10 \x01(\r\x12\x19\n\x11lookahead_decodes\x18\x11 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x12 \x01(\x01\x12\x1f\n\x17worker_gpu_busy_seconds\x18\x13 \x01(\x01\x12\x1f\n\x17worker_gpu_idle_seconds\x18\x14 \x01(\x01\x12\x1a\n\x12worker_timed_steps\x18\x15 \x01(\x04\x12\x1d\n\x15worker_launch_seconds\x18\x16 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xdf\x01\n\x11WorkerDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12#\n\x05model\x18\x07 \x01(\x0b\x32\x14.strata.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\"E\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12next_stage_address\x18\x02 \x01(\t\"\x10\n\x0eInitCacheReply\"s\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.strata.v1.SamplingOptions\"\xe2\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.strata.v1.NewSequence\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_scheduled\x18\x06 \x03(\r\x12\x17\n\x0finput_token_ids\x18\x07 \x03(\x05\x12\x12\n\ntable_keep\x18\x08 \x03(\r\x12\x1b\n\x13table_append_counts\x18\t \x03(\r\x12\x18\n\x10table_append_ids\x18\n \x03(\r\x12\x0e\n\x06sample\x18\x0b \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\r\x12\x17\n\x0f\x63opy_src_blocks\x18\r \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x0e \x03(\r\"\x94\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07num_top\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bgpu_seconds\x18\x0b \x01(\x01\x12\x18\n\x10gpu_idle_seconds\x18\x0c \x01(\x01\x12\x16\n\x0elaunch_seconds\x18\r \x01(\x01\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"u\n\x0b\x41\x63tivations\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.strata.v1.Tensor\x12#\n\x08residual\x18\x03 \x01(\x0b\x32\x11.strata.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x0e\n\x0c\x46orwardReply2\x8c\x02\n\tScheduler\x12=\n\x06Submit\x12\x18.strata.v1.EngineRequest\x1a\x17.strata.v1.EngineOutput0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.strata.v1.AbortRequest\x1a\x15.strata.v1.AbortReply\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1a.strata.v1.GetStatsRequest\x1a\x19.strata.v1.SchedulerStats2\x8a\x02\n\x06Worker\x12\x44\n\x08\x44\x65scribe\x12\x1a.strata.v1.DescribeRequest\x1a\x1c.strata.v1.WorkerDescription\x12\x43\n\tInitCache\x12\x1b.strata.v1.InitCacheRequest\x1a\x19.strata.v1.InitCacheReply\x12\x37\n\x05Steps\x12\x13.strata.v1.StepPlan\x1a\x15.strata.v1.StepResult(\x01\x30\x01\x12<\n\x07\x46orward\x12\x16.strata.v1.Activations\x1a\x17.strata.v1.ForwardReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\x1a google/protobuf/descriptor.proto\x1a\x18strata/v1/generate.proto\"s\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\"y\n\x0cStopCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xb9\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.strata.v1.SamplingOptions\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x17.strata.v1.StopCriteria\x12\x11\n\tparent_id\x18\x05 \x01(\t\x12\x12\n\nfinal_only\x18\x06 \x01(\x08\"\xf3\x01\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\rB\x10\n\x0e_stop_token_id\"\x11\n\x0fGetStatsRequest\"+\n\nMetricSpec\x12\x0c\n\x04help\x18\x01 \x01(\t\x12\x0f\n\x07\x63ounter\x18\x02 \x01(\x08\"\xc0\x0c\n\x0eSchedulerStats\x12\x38\n\rnum_kv_blocks\x18\x01 \x01(\rB!\xa2\xbb\x18\x1d\n\x1bKV cache blocks in the pool\x12P\n\x0e\x66ree_kv_blocks\x18\x02 \x01(\rB8\xa2\xbb\x18\x34\n2KV blocks nobody references (cached ones included)\x12N\n\x10\x63\x61\x63hed_kv_blocks\x18\x03 \x01(\rB4\xa2\xbb\x18\x30\n.free KV blocks that still hold a cached prefix\x12>\n\x0eused_kv_blocks\x18\x04 \x01(\rB&\xa2\xbb\x18\"\n KV blocks referenced by requests\x12\x44\n\x13peak_used_kv_blocks\x18\x05 \x01(\rB\'\xa2\xbb\x18#\n!most KV blocks referenced at once\x12\'\n\x07running\x18\x06 \x01(\rB\x16\xa2\xbb\x18\x12\n\x10requests running\x12\'\n\x07waiting\x18\x07 \x01(\rB\x16\xa2\xbb\x18\x12\n\x10requests waiting\x12Q\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x42\x33\xa2\xbb\x18/\n+prompt tokens looked up in the prefix cache\x10\x01\x12J\n\x11prefix_cache_hits\x18\t \x01(\x04\x42/\xa2\xbb\x18+\n\'prompt tokens found in the prefix cache\x10\x01\x12P\n\x17prefill_tokens_computed\x18\n \x01(\x04\x42/\xa2\xbb\x18+\n\'prompt (and recomputed) tokens computed\x10\x01\x12>\n\x16\x64\x65\x63ode_tokens_computed\x18\x0b \x01(\x04\x42\x1e\xa2\xbb\x18\x1a\n\x16\x64\x65\x63ode tokens computed\x10\x01\x12,\n\x05steps\x18\x0c \x01(\x04\x42\x1d\xa2\xbb\x18\x19\n\x15\x65ngine steps executed\x10\x01\x12=\n\x0bpreemptions\x18\r \x01(\x04\x42(\xa2\xbb\x18$\n requests preempted for recompute\x10\x01\x12\x34\n\x11\x66inished_requests\x18\x0e \x01(\x04\x42\x19\xa2\xbb\x18\x15\n\x11requests finished\x10\x01\x12J\n\x11gpu_idle_fraction\x18\x0f \x01(\x01\x42/\xa2\xbb\x18+\n)share of wall time with no plan executing\x12.\n\x0fpipeline_stages\x18\x10 \x01(\rB\x15\xa2\xbb\x18\x11\n\x0fpipeline stages\x12\x63\n\x11lookahead_decodes\x18\x11 \x01(\x04\x42H\xa2\xbb\x18\x44\n@decodes scheduled before their input token came back (one stage)\x10\x01\x12H\n\x0c\x62usy_seconds\x18\x12 \x01(\x01\x42\x32\xa2\xbb\x18.\n*wall time with at least one plan executing\x10\x01\x12^\n\x17worker_gpu_busy_seconds\x18\x13 \x01(\x01\x42=\xa2\xbb\x18\x39\n5GPU time inside steps on the last stage (CUDA events)\x10\x01\x12p\n\x17worker_gpu_idle_seconds\x18\x14 \x01(\x01\x42O\xa2\xbb\x18K\nGGPU idle time between consecutive steps on the last stage (CUDA events)\x10\x01\x12R\n\x12worker_timed_steps\x18\x15 \x01(\x04\x42\x36\xa2\xbb\x18\x32\n.steps timed with CUDA events on the last stage\x10\x01\x12U\n\x15worker_launch_seconds\x18\x16 \x01(\x01\x42\x36\xa2\xbb\x18\x32\n.host time the last stage spent launching steps\x10\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xdf\x01\n\x11WorkerDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12#\n\x05model\x18\x07 \x01(\x0b\x32\x14.strata.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\"E\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12next_stage_address\x18\x02 \x01(\t\"\x10\n\x0eInitCacheReply\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.strata.v1.SamplingOptions\"\xe2\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.strata.v1.NewSequence\x12\x18\n\x10released_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_scheduled\x18\x06 \x03(\r\x12\x17\n\x0finput_token_ids\x18\x07 \x03(\x05\x12\x12\n\ntable_keep\x18\x08 \x03(\r\x12\x1b\n\x13table_append_counts\x18\t \x03(\r\x12\x18\n\x10table_append_ids\x18\n \x03(\r\x12\x0e\n\x06sample\x18\x0b \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\r\x12\x17\n\x0f\x63opy_src_blocks\x18\r \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x0e \x03(\r\"\x94\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07num_top\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bgpu_seconds\x18\x0b \x01(\x01\x12\x18\n\x10gpu_idle_seconds\x18\x0c \x01(\x01\x12\x16\n\x0elaunch_seconds\x18\r \x01(\x01\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"u\n\x0b\x41\x63tivations\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.strata.v1.Tensor\x12#\n\x08residual\x18\x03 \x01(\x0b\x32\x11.strata.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x0e\n\x0c\x46orwardReply*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd3\x01\n\tScheduler\x12=\n\x06Submit\x12\x18.strata.v1.EngineRequest\x1a\x17.strata.v1.EngineOutput0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1a.strata.v1.GetStatsRequest\x1a\x19.strata.v1.SchedulerStats2\x8a\x02\n\x06Worker\x12\x44\n\x08\x44\x65scribe\x12\x1a.strata.v1.DescribeRequest\x1a\x1c.strata.v1.WorkerDescription\x12\x43\n\tInitCache\x12\x1b.strata.v1.InitCacheRequest\x1a\x19.strata.v1.InitCacheReply\x12\x37\n\x05Steps\x12\x13.strata.v1.StepPlan\x1a\x15.strata.v1.StepResult(\x01\x30\x01\x12<\n\x07\x46orward\x12\x16.strata.v1.Activations\x1a\x17.strata.v1.ForwardReply(\x01:F\n\x06metric\x12\x1d.google.protobuf.FieldOptions\x18\xb4\x87\x03 \x01(\x0b\x32\x15.strata.v1.MetricSpecb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'strata.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEREQUEST']._serialized_start=64
-  _globals['_ENGINEREQUEST']._serialized_end=207
-  _globals['_ENGINEOUTPUT']._serialized_start=210
-  _globals['_ENGINEOUTPUT']._serialized_end=403
-  _globals['_ABORTREQUEST']._serialized_start=405
-  _globals['_ABORTREQUEST']._serialized_end=440
-  _globals['_ABORTREPLY']._serialized_start=442
-  _globals['_ABORTREPLY']._serialized_end=471
-  _globals['_GETSTATSREQUEST']._serialized_start=473
-  _globals['_GETSTATSREQUEST']._serialized_end=490
-  _globals['_SCHEDULERSTATS']._serialized_start=493
-  _globals['_SCHEDULERSTATS']._serialized_end=1080
-  _globals['_DESCRIBEREQUEST']._serialized_start=1082
-  _globals['_DESCRIBEREQUEST']._serialized_end=1099
-  _globals['_WORKERDESCRIPTION']._serialized_start=1102
-  _globals['_WORKERDESCRIPTION']._serialized_end=1325
-  _globals['_INITCACHEREQUEST']._serialized_start=1327
-  _globals['_INITCACHEREQUEST']._serialized_end=1396
-  _globals['_INITCACHEREPLY']._serialized_start=1398
-  _globals['_INITCACHEREPLY']._serialized_end=1414
-  _globals['_SAMPLINGOPTIONS']._serialized_start=1416
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1531
-  _globals['_NEWSEQUENCE']._serialized_start=1533
-  _globals['_NEWSEQUENCE']._serialized_end=1608
-  _globals['_STEPPLAN']._serialized_start=1611
-  _globals['_STEPPLAN']._serialized_end=1965
-  _globals['_STEPRESULT']._serialized_start=1968
-  _globals['_STEPRESULT']._serialized_end=2244
-  _globals['_TENSOR']._serialized_start=2246
-  _globals['_TENSOR']._serialized_end=2298
-  _globals['_ACTIVATIONS']._serialized_start=2300
-  _globals['_ACTIVATIONS']._serialized_end=2417
-  _globals['_FORWARDREPLY']._serialized_start=2419
-  _globals['_FORWARDREPLY']._serialized_end=2433
-  _globals['_SCHEDULER']._serialized_start=2436
-  _globals['_SCHEDULER']._serialized_end=2704
-  _globals['_WORKER']._serialized_start=2707
-  _globals['_WORKER']._serialized_end=2973
+  _globals['_SCHEDULERSTATS'].fields_by_name['num_kv_blocks']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['num_kv_blocks']._serialized_options = b'\242\273\030\035\n\033KV cache blocks in the pool'
+  _globals['_SCHEDULERSTATS'].fields_by_name['free_kv_blocks']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['free_kv_blocks']._serialized_options = b'\242\273\0304\n2KV blocks nobody references (cached ones included)'
+  _globals['_SCHEDULERSTATS'].fields_by_name['cached_kv_blocks']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['cached_kv_blocks']._serialized_options = b'\242\273\0300\n.free KV blocks that still hold a cached prefix'
+  _globals['_SCHEDULERSTATS'].fields_by_name['used_kv_blocks']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['used_kv_blocks']._serialized_options = b'\242\273\030\"\n KV blocks referenced by requests'
+  _globals['_SCHEDULERSTATS'].fields_by_name['peak_used_kv_blocks']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['peak_used_kv_blocks']._serialized_options = b'\242\273\030#\n!most KV blocks referenced at once'
+  _globals['_SCHEDULERSTATS'].fields_by_name['running']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['running']._serialized_options = b'\242\273\030\022\n\020requests running'
+  _globals['_SCHEDULERSTATS'].fields_by_name['waiting']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['waiting']._serialized_options = b'\242\273\030\022\n\020requests waiting'
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefix_cache_queries']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefix_cache_queries']._serialized_options = b'\242\273\030/\n+prompt tokens looked up in the prefix cache\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefix_cache_hits']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefix_cache_hits']._serialized_options = b'\242\273\030+\n\'prompt tokens found in the prefix cache\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefill_tokens_computed']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['prefill_tokens_computed']._serialized_options = b'\242\273\030+\n\'prompt (and recomputed) tokens computed\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['decode_tokens_computed']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['decode_tokens_computed']._serialized_options = b'\242\273\030\032\n\026decode tokens computed\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['steps']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['steps']._serialized_options = b'\242\273\030\031\n\025engine steps executed\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['preemptions']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['preemptions']._serialized_options = b'\242\273\030$\n requests preempted for recompute\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['finished_requests']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['finished_requests']._serialized_options = b'\242\273\030\025\n\021requests finished\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['gpu_idle_fraction']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['gpu_idle_fraction']._serialized_options = b'\242\273\030+\n)share of wall time with no plan executing'
+  _globals['_SCHEDULERSTATS'].fields_by_name['pipeline_stages']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['pipeline_stages']._serialized_options = b'\242\273\030\021\n\017pipeline stages'
+  _globals['_SCHEDULERSTATS'].fields_by_name['lookahead_decodes']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['lookahead_decodes']._serialized_options = b'\242\273\030D\n@decodes scheduled before their input token came back (one stage)\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['busy_seconds']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['busy_seconds']._serialized_options = b'\242\273\030.\n*wall time with at least one plan executing\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_gpu_busy_seconds']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_gpu_busy_seconds']._serialized_options = b'\242\273\0309\n5GPU time inside steps on the last stage (CUDA events)\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_gpu_idle_seconds']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_gpu_idle_seconds']._serialized_options = b'\242\273\030K\nGGPU idle time between consecutive steps on the last stage (CUDA events)\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_timed_steps']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_timed_steps']._serialized_options = b'\242\273\0302\n.steps timed with CUDA events on the last stage\020\001'
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_launch_seconds']._loaded_options = None
+  _globals['_SCHEDULERSTATS'].fields_by_name['worker_launch_seconds']._serialized_options = b'\242\273\0302\n.host time the last stage spent launching steps\020\001'
+  _globals['_FINISHREASON']._serialized_start=3674
+  _globals['_FINISHREASON']._serialized_end=3794
+  _globals['_SAMPLINGOPTIONS']._serialized_start=97
+  _globals['_SAMPLINGOPTIONS']._serialized_end=212
+  _globals['_STOPCRITERIA']._serialized_start=214
+  _globals['_STOPCRITERIA']._serialized_end=335
+  _globals['_ENGINEREQUEST']._serialized_start=338
+  _globals['_ENGINEREQUEST']._serialized_end=523
+  _globals['_ENGINEOUTPUT']._serialized_start=526
+  _globals['_ENGINEOUTPUT']._serialized_end=769
+  _globals['_GETSTATSREQUEST']._serialized_start=771
+  _globals['_GETSTATSREQUEST']._serialized_end=788
+  _globals['_METRICSPEC']._serialized_start=790
+  _globals['_METRICSPEC']._serialized_end=833
+  _globals['_SCHEDULERSTATS']._serialized_start=836
+  _globals['_SCHEDULERSTATS']._serialized_end=2436
+  _globals['_DESCRIBEREQUEST']._serialized_start=2438
+  _globals['_DESCRIBEREQUEST']._serialized_end=2455
+  _globals['_WORKERDESCRIPTION']._serialized_start=2458
+  _globals['_WORKERDESCRIPTION']._serialized_end=2681
+  _globals['_INITCACHEREQUEST']._serialized_start=2683
+  _globals['_INITCACHEREQUEST']._serialized_end=2752
+  _globals['_INITCACHEREPLY']._serialized_start=2754
+  _globals['_INITCACHEREPLY']._serialized_end=2770
+  _globals['_NEWSEQUENCE']._serialized_start=2772
+  _globals['_NEWSEQUENCE']._serialized_end=2847
+  _globals['_STEPPLAN']._serialized_start=2850
+  _globals['_STEPPLAN']._serialized_end=3204
+  _globals['_STEPRESULT']._serialized_start=3207
+  _globals['_STEPRESULT']._serialized_end=3483
+  _globals['_TENSOR']._serialized_start=3485
+  _globals['_TENSOR']._serialized_end=3537
+  _globals['_ACTIVATIONS']._serialized_start=3539
+  _globals['_ACTIVATIONS']._serialized_end=3656
+  _globals['_FORWARDREPLY']._serialized_start=3658
+  _globals['_FORWARDREPLY']._serialized_end=3672
+  _globals['_SCHEDULER']._serialized_start=3797
+  _globals['_SCHEDULER']._serialized_end=4008
+  _globals['_WORKER']._serialized_start=4011
+  _globals['_WORKER']._serialized_end=4277
 # @@protoc_insertion_point(module_scope)

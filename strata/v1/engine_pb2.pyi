@@ -1,5 +1,7 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from strata.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,53 +9,94 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+METRIC_FIELD_NUMBER: _ClassVar[int]
+metric: _descriptor.FieldDescriptor
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class StopCriteria(_message.Message):
+    __slots__ = ("max_tokens", "min_tokens", "stop_token_ids", "eos_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "parent_id", "final_only")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "parent_id", "final_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: _generate_pb2.SamplingParams
+    sampling: SamplingOptions
+    stop: StopCriteria
     parent_id: str
     final_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_tokens", "cached_prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "prompt_tokens", "cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
-    finish_reason: str
-    stop_reason: str
+    finish_reason: FinishReason
+    stop_token_id: int
     prompt_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
-
-class AbortRequest(_message.Message):
-    __slots__ = ("request_ids",)
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class AbortReply(_message.Message):
-    __slots__ = ("aborted",)
-    ABORTED_FIELD_NUMBER: _ClassVar[int]
-    aborted: int
-    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MetricSpec(_message.Message):
+    __slots__ = ("help", "counter")
+    HELP_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    help: str
+    counter: bool
+    def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds")
@@ -140,22 +183,6 @@ class InitCacheRequest(_message.Message):
 class InitCacheReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "sampling")

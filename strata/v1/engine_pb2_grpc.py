@@ -42,11 +42,6 @@ class SchedulerStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.EngineOutput.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/strata.v1.Scheduler/Abort',
-                request_serializer=strata_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=strata_dot_v1_dot_engine__pb2.AbortReply.FromString,
-                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/strata.v1.Scheduler/GetModelInfo',
                 request_serializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
@@ -65,15 +60,10 @@ class SchedulerServicer:
     """
 
     def Submit(self, request, context):
-        """Runs one (child) request; streams its tokens as they are sampled.
-        Cancelling the call aborts the request and frees its KV blocks.
+        """Runs one (child) request; streams its tokens as they are sampled. The gateway has resolved
+        every default: the scheduler receives only what it reads. Cancelling the call aborts the
+        request and frees its KV blocks at once.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -97,11 +87,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.EngineRequest.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.EngineOutput.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=strata_dot_v1_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=strata_dot_v1_dot_engine__pb2.AbortReply.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -143,33 +128,6 @@ class Scheduler:
             '/strata.v1.Scheduler/Submit',
             strata_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
             strata_dot_v1_dot_engine__pb2.EngineOutput.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/strata.v1.Scheduler/Abort',
-            strata_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
-            strata_dot_v1_dot_engine__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18strata/v1/generate.proto\x12\tstrata.v1\"\x80\x03\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12*\n\x0boutput_kind\x18\r \x01(\x0e\x32\x15.strata.v1.OutputKind\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParamsB\x0e\n\x0cprompt_input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.strata.v1.TopLogprob\"\x99\x01\n\x10\x43ompletionOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x87\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.strata.v1.CompletionOutput\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fpipeline_stages\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t*7\n\nOutputKind\x12\x0e\n\nCUMULATIVE\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\x0e\n\nFINAL_ONLY\x10\x02\x32\x96\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18strata/v1/generate.proto\x12\tstrata.v1\"\x80\x03\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12*\n\x0boutput_kind\x18\r \x01(\x0e\x32\x15.strata.v1.OutputKind\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParamsB\x0e\n\x0cprompt_input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.strata.v1.TopLogprob\"\xc3\x01\n\x10\x43ompletionOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x87\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.strata.v1.CompletionOutput\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fpipeline_stages\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t*7\n\nOutputKind\x12\x0e\n\nCUMULATIVE\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\x0e\n\nFINAL_ONLY\x10\x02\x32\x96\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.strata.v1.GetModelInfoRequest\x1a\x14.strata.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'strata.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=1379
-  _globals['_OUTPUTKIND']._serialized_end=1434
+  _globals['_OUTPUTKIND']._serialized_start=1421
+  _globals['_OUTPUTKIND']._serialized_end=1476
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=424
   _globals['_GENERATEREQUEST']._serialized_start=427
@@ -44,15 +44,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=681
   _globals['_TOKENLOGPROB']._serialized_end=766
   _globals['_COMPLETIONOUTPUT']._serialized_start=769
-  _globals['_COMPLETIONOUTPUT']._serialized_end=922
-  _globals['_USAGE']._serialized_start=924
-  _globals['_USAGE']._serialized_end=1011
-  _globals['_GENERATERESPONSE']._serialized_start=1014
-  _globals['_GENERATERESPONSE']._serialized_end=1149
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1151
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1172
-  _globals['_MODELINFO']._serialized_start=1175
-  _globals['_MODELINFO']._serialized_end=1377
-  _globals['_GATEWAY']._serialized_start=1437
-  _globals['_GATEWAY']._serialized_end=1587
+  _globals['_COMPLETIONOUTPUT']._serialized_end=964
+  _globals['_USAGE']._serialized_start=966
+  _globals['_USAGE']._serialized_end=1053
+  _globals['_GENERATERESPONSE']._serialized_start=1056
+  _globals['_GENERATERESPONSE']._serialized_end=1191
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1193
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1214
+  _globals['_MODELINFO']._serialized_start=1217
+  _globals['_MODELINFO']._serialized_end=1419
+  _globals['_GATEWAY']._serialized_start=1479
+  _globals['_GATEWAY']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

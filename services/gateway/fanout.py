@@ -1,0 +1,301 @@
+"""n > 1 in one place: a public request fans out into n child requests, and their streams merge
+back into public GenerateResponses.
+
+Children are named `{i}_{request_id}` (n = 1 included, so nothing special-cases n) and get seed
++ i when the request has a seed, else independent random seeds: sampling randomness comes from
+(seed, position), so the scheduler always needs one.
+
+Output kinds of the merged stream:
+- CUMULATIVE: each response holds every output (all n) whole so far.
+- DELTA: each response holds only the outputs that advanced, and only their new part; an
+  output that finishes appears once more with its finish_reason even when nothing is new.
+- FINAL_ONLY: a single response, once every child has finished.
+
+Whatever the kind, the text of each index concatenated over the DELTA responses equals the
+FINAL_ONLY text, which equals the last CUMULATIVE response's.
+
+Usage: prompt_tokens counts the prompt once; completion_tokens sums the children's tokens;
+cached_prompt_tokens is the largest count any child found in the prefix cache. The children
+share one prompt, so this is the parent's cached prompt, reported once as vLLM does, whether
+the first child or a later one (after its siblings filled the cache) found it.
+Every response carries usage so far, not just the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+
+from strata.services.gateway.detokenizer import OutputTextStream
+from strata.services.gateway.validation import ValidatedParams
+from strata.v1 import engine_pb2, generate_pb2
+
+_SEED_MODULUS = 2**64
+# The public finish_reason strings (vLLM's) of the internal enum.
+FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class ChildFailed(Exception):
+    """A child request failed in the scheduler; the whole request fails with its status."""
+
+    def __init__(self, index: int, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.index = index
+        self.code = code
+        self.details = details
+
+
+# ---------------------------------------------------------------------------------- fan out
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+def child_seeds(params: ValidatedParams, rng: random.Random | None = None) -> list[int]:
+    """One 64-bit seed per child: seed + i with a user seed (so children differ), else random."""
+    if params.seed is not None:
+        return [(params.seed + i) % _SEED_MODULUS for i in range(params.n)]
+    if rng is not None:
+        return [rng.getrandbits(64) for _ in range(params.n)]
+    return [secrets.randbits(64) for _ in range(params.n)]
+
+
+def child_requests(
+    request_id: str,
+    params: ValidatedParams,
+    prompt_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int] = (),
+    *,
+    rng: random.Random | None = None,
+) -> list[engine_pb2.EngineRequest]:
+    """The n scheduler requests of one public request, i = 0 .. n-1.
+
+    `rng` makes unseeded requests reproducible in tests; by default seeds come from `secrets`.
+    """
+    prompt = list(prompt_token_ids)
+    stop = params.stop_criteria(eos_token_ids)
+    # Nothing to stream when only the final result is wanted and no stop string needs the text
+    # as it grows: the scheduler then sends each child once.
+    final_only = params.output_kind == generate_pb2.FINAL_ONLY and not params.stop
+    return [
+        engine_pb2.EngineRequest(
+            request_id=child_request_id(i, request_id),
+            prompt_token_ids=prompt,
+            sampling=params.sampling_options(seed),
+            stop=stop,
+            parent_id=request_id,
+            final_only=final_only,
+        )
+        for i, seed in enumerate(child_seeds(params, rng))
+    ]
+
+
+# ---------------------------------------------------------------------------------- merge
+
+
+async def merged_responses(
+    scheduler, request_id: str, params: ValidatedParams, prompt_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int], tokenizer, timeout: float,
+) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """Submits the request's children to the scheduler and yields the merged responses.
+
+    Raises ChildFailed when a child fails. However it ends (finished, a failure, or the caller
+    closing the generator when its client went away), every child still running is cancelled,
+    which aborts it in the scheduler and frees its blocks at once.
+    """
+    children = child_requests(request_id, params, prompt_token_ids, eos_token_ids)
+    state = RequestOutputState(request_id, len(children), params.output_kind, params.logprobs is not None,
+                               len(prompt_token_ids))
+    texts = [OutputTextStream(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                              stop=params.stop, min_tokens=params.min_tokens) for _ in children]
+    merged: asyncio.Queue = asyncio.Queue()
+    calls = [scheduler.Submit(child, timeout=timeout) for child in children]
+    readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
+    try:
+        while not state.finished:
+            index, out = await merged.get()
+            if isinstance(out, ChildFailed):
+                raise out
+            if state.child_finished(index):
+                continue  # outputs that were already on their way after a stop string
+            response = _advance(index, texts[index], out, state, calls[index])
+            if response is not None:
+                yield response
+    finally:
+        for call in calls:
+            call.cancel()
+        for task in readers:
+            task.cancel()
+
+
+def _advance(index: int, text_stream: OutputTextStream, out: engine_pb2.EngineOutput,
+             state: RequestOutputState, call) -> generate_pb2.GenerateResponse | None:
+    """Applies one scheduler output of child `index`; returns the response to send, if any."""
+    finish_reason = FINISH_REASONS.get(out.finish_reason, "")
+    # The scheduler finishes with "stop" only on an EOS or stop token, which stays out of the text.
+    text, matched, num_tokens = text_stream.push(out.token_ids, finished=bool(finish_reason),
+                                                 ends_with_stop_token=finish_reason == "stop")
+    token_ids, logprobs = list(out.token_ids[:num_tokens]), list(out.logprobs[:num_tokens])
+    stop = {}
+    if matched is not None:
+        finish_reason, stop = "stop", {"stop_string": matched}
+        call.cancel()  # the stop string was found here: the scheduler frees the child's blocks
+    elif out.HasField("stop_token_id"):
+        stop = {"stop_token_id": out.stop_token_id}
+    return state.update(index, text, token_ids, logprobs, finish_reason, stop, out.cached_prompt_tokens)
+
+
+async def _pump(index: int, call, merged: asyncio.Queue) -> None:
+    try:
+        async for out in call:
+            merged.put_nowait((index, out))
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.CANCELLED:
+            merged.put_nowait((index, ChildFailed(index, e.code(), e.details())))
+    except asyncio.CancelledError:
+        pass
+
+
+ABORT = "abort"
+
+
+@dataclass
+class _ChildOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    stop: dict = field(default_factory=dict)  # the stop_reason oneof: {"stop_string": s} or {"stop_token_id": t}
+    cached_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+
+class RequestOutputState:
+    """The merged outputs of one public request, fed one child update at a time."""
+
+    def __init__(
+        self,
+        request_id: str,
+        n: int,
+        output_kind: int,
+        want_logprobs: bool,
+        prompt_tokens: int,
+    ):
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if output_kind not in generate_pb2.OutputKind.values():
+            raise ValueError(f"unknown output kind {output_kind}")
+        self.request_id = request_id
+        self.output_kind = output_kind
+        self.want_logprobs = want_logprobs
+        self.prompt_tokens = prompt_tokens
+        self._children = [_ChildOutput(i) for i in range(n)]
+        self._num_unfinished = n
+
+    @property
+    def finished(self) -> bool:
+        return self._num_unfinished == 0
+
+    def child_finished(self, index: int) -> bool:
+        return self._children[index].finished
+
+    def update(
+        self,
+        index: int,
+        new_text: str = "",
+        new_token_ids: Sequence[int] = (),
+        new_logprobs: Sequence[generate_pb2.TokenLogprob] = (),
+        finish_reason: str = "",
+        stop: dict | None = None,
+        cached_prompt_tokens: int = 0,
+    ) -> generate_pb2.GenerateResponse | None:
+        """Record child `index`'s progress; return the response to send now, if any.
+
+        Updates to a child that already finished (late outputs after a stop string, say) are
+        ignored.
+        """
+        child = self._children[index]
+        if child.finished:
+            return None
+        child.cached_prompt_tokens = max(child.cached_prompt_tokens, cached_prompt_tokens)
+        if not (new_text or new_token_ids or finish_reason):
+            return None
+        child.text += new_text
+        child.token_ids.extend(new_token_ids)
+        if self.want_logprobs:
+            child.logprobs.extend(new_logprobs)
+        if finish_reason:
+            self._finish(child, finish_reason, stop or {})
+        delta = self._completion(
+            child, new_text, new_token_ids, new_logprobs if self.want_logprobs else ()
+        )
+        return self._respond([delta])
+
+    def snapshot(self) -> generate_pb2.GenerateResponse:
+        """Every output whole so far, whatever the output kind."""
+        return self._response([self._whole(child) for child in self._children])
+
+    def usage(self) -> generate_pb2.Usage:
+        return generate_pb2.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=sum(len(child.token_ids) for child in self._children),
+            cached_prompt_tokens=max(child.cached_prompt_tokens for child in self._children),
+        )
+
+    def _finish(self, child: _ChildOutput, finish_reason: str, stop: dict) -> None:
+        child.finish_reason = finish_reason
+        child.stop = stop
+        self._num_unfinished -= 1
+
+    def _respond(
+        self, deltas: list[generate_pb2.CompletionOutput]
+    ) -> generate_pb2.GenerateResponse | None:
+        if self.output_kind == generate_pb2.DELTA:
+            return self._response(deltas)
+        if self.output_kind == generate_pb2.FINAL_ONLY and not self.finished:
+            return None
+        return self.snapshot()
+
+    def _response(
+        self, outputs: list[generate_pb2.CompletionOutput]
+    ) -> generate_pb2.GenerateResponse:
+        return generate_pb2.GenerateResponse(
+            request_id=self.request_id,
+            outputs=outputs,
+            finished=self.finished,
+            usage=self.usage(),
+        )
+
+    def _whole(self, child: _ChildOutput) -> generate_pb2.CompletionOutput:
+        return self._completion(child, child.text, child.token_ids, child.logprobs)
+
+    @staticmethod
+    def _completion(
+        child: _ChildOutput,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[generate_pb2.TokenLogprob],
+    ) -> generate_pb2.CompletionOutput:
+        return generate_pb2.CompletionOutput(
+            index=child.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=child.finish_reason,
+            logprobs=logprobs,
+            **child.stop,
+        )
