@@ -30,6 +30,10 @@ def Request(request_id, prompt_token_ids, *, seed=0, max_tokens=TEST_MAX_TOKENS,
     return SchedulerRequest(request_id, prompt_token_ids, sampling, max_tokens=max_tokens, **stop)
 
 
+def all_tokens(req) -> list[int]:
+    return req.prompt_token_ids + req.output_token_ids
+
+
 def stats_of(sched) -> engine_pb2.SchedulerStats:
     stats = engine_pb2.SchedulerStats()
     sched.fill_stats(stats)
@@ -103,7 +107,7 @@ class FakeWorkers:
             req = s.request
             confirmed = s.num_scheduled - s.num_draft
             assert len(s.input_token_ids) == s.num_scheduled
-            assert s.input_token_ids[:confirmed] == req.all_token_ids[s.num_computed : s.num_computed + confirmed]
+            assert s.input_token_ids[:confirmed] == all_tokens(req)[s.num_computed : s.num_computed + confirmed]
             assert s.num_computed + s.num_scheduled <= self.sched.max_model_len
             assert s.sample == (s.num_computed + confirmed == req.num_tokens)
             table = self.tables[s.seq_id]
@@ -115,7 +119,7 @@ class FakeWorkers:
             req, table = s.request, self.tables[s.seq_id]
             end = s.num_computed + s.num_scheduled
             context = [self.kv[table[p // self.bs]][p % self.bs] for p in range(end)]
-            expected = req.all_token_ids[: end - s.num_draft] + s.input_token_ids[s.num_scheduled - s.num_draft :]
+            expected = all_tokens(req)[: end - s.num_draft] + s.input_token_ids[s.num_scheduled - s.num_draft :]
             assert context == list(enumerate(expected)), f"{req.request_id} read wrong KV"
             if s.sample:
                 sampled[s.seq_id] = self._verify(req, [t for _, t in context], s.num_draft)
@@ -172,7 +176,7 @@ class Driver:
 
     def _check_plan(self, plan):
         sched = self.sched
-        assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert sum(s.num_scheduled for s in plan.seqs) <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         ids = [s.request.request_id for s in plan.seqs]
         assert len(ids) == len(set(ids))
@@ -184,7 +188,7 @@ class Driver:
 
     def run(self, max_steps=100_000, propose=None, on_plan=None):
         for _ in range(max_steps):
-            if not (self.sched.has_unfinished() or self.in_flight):
+            if not (bool(self.sched._requests) or self.in_flight):
                 return
             plan = self.step(propose)
             if plan is not None and on_plan:
@@ -195,12 +199,12 @@ class Driver:
 def assert_all_blocks_free(sched, workers=None):
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+    assert all(bm._ref[b] == 0 for b in range(bm.num_blocks))
     stats = stats_of(sched)
     assert stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0
-    assert sched.num_in_flight_requests == 0
+    assert sched._num_in_flight == 0
     if workers is not None:  # every sequence the workers hold is released by the next plan
-        assert set(workers.tables) == set(sched.pending_released_seq_ids)
+        assert set(workers.tables) == set(tuple(sched._pending_releases))
 
 
 def make_requests(rng, count, max_prompt, max_tokens, prefix=(), **kw):
@@ -351,7 +355,7 @@ def test_abort_mid_flight_frees_blocks_at_once():
     assert not sched.abort(victim.request_id) and not sched.abort("nope")
     assert victim.status is RequestStatus.FINISHED_ABORTED and victim.block_ids == []
     assert sched.block_manager.num_free_blocks == free_before + blocks
-    assert sched.num_in_flight_requests == len(plan.seqs) - 1
+    assert sched._num_in_flight == len(plan.seqs) - 1
     sched.add_request(waiting_victim)
     assert sched.abort("waiting") and not sched.waiting
     # The in-flight plan's result for the victim is ignored; its seq id is released next.
@@ -519,7 +523,7 @@ def test_speculative_drafts_roll_back_rejected_slots():
             if req.in_flight:
                 continue
             # Two right guesses then a wrong one, sometimes: exercises accept and rollback.
-            ctx = req.all_token_ids
+            ctx = all_tokens(req)
             drafts = []
             for _ in range(rng.randint(1, 4)):
                 token = true_token(req.sampling.seed, ctx + drafts)
@@ -582,13 +586,13 @@ def test_random_mix_leaves_every_block_free(seed):
     for _ in range(20_000):
         while pending and rng.random() < 0.3:  # arrivals over time
             sched.add_request(pending.pop(0))
-        if rng.random() < 0.03 and sched.has_unfinished():  # client cancellations
+        if rng.random() < 0.03 and bool(sched._requests):  # client cancellations
             req = rng.choice([r for r in everyone if r.arrival >= 0 and not r.is_finished])
             assert sched.abort(req.request_id)
             aborted.add(req.request_id)
-        if not (pending or sched.has_unfinished() or driver.in_flight):
+        if not (pending or bool(sched._requests) or driver.in_flight):
             break
-        if sched.has_unfinished() or driver.in_flight:
+        if bool(sched._requests) or driver.in_flight:
             driver.step(propose)
     else:
         raise AssertionError("did not finish")
@@ -665,8 +669,8 @@ def scheduler_state(sched):
     requests = {rid: {**vars(req), "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed)}
                 for rid, req in sched._requests.items()}
     return (requests, [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
-            sched.pending_released_seq_ids, stats_of(sched), bm._ref, bm._hash, list(bm._free), bm._cached,
-            bm.num_cached_blocks, sched.num_in_flight_requests)
+            tuple(sched._pending_releases), stats_of(sched), bm._ref, bm._hash, list(bm._free), bm._cached,
+            bm.num_cached_blocks, sched._num_in_flight)
 
 
 def position_token(req, position):
@@ -731,11 +735,11 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
             rid, kw = pending.pop(0)
             fast.add_request(Request(rid, **kw))
             general.add_request(Request(rid, **kw))
-        if rng.random() < 0.02 and fast.has_unfinished():  # cancellations, also while in flight
+        if rng.random() < 0.02 and bool(fast._requests):  # cancellations, also while in flight
             rid = rng.choice(sorted(fast._requests))
             assert fast.abort(rid) and general.abort(rid)
             counts["aborts"] += 1
-        if not (pending or fast.has_unfinished() or in_flight):
+        if not (pending or bool(fast._requests) or in_flight):
             break
         plan = None
         if len(in_flight) < pipeline:

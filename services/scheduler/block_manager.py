@@ -90,12 +90,6 @@ class KVBlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
-
-    def block_hash(self, block_id: int) -> bytes | None:
-        return self._hash[block_id]
-
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens

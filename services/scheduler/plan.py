@@ -36,10 +36,6 @@ class StepPlan:
     # Copy-on-write block copies (src, dst), done by the workers before the step, in order.
     copies: list[tuple[int, int]]
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled for s in self.seqs)
-
 
 @dataclass(slots=True)
 class RequestUpdate:

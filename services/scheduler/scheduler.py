@@ -107,18 +107,6 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
-    def has_unfinished(self) -> bool:
-        return bool(self._requests)
-
-    @property
-    def num_in_flight_requests(self) -> int:
-        return self._num_in_flight
-
-    @property
-    def pending_released_seq_ids(self) -> tuple[int, ...]:
-        """Seq ids the next plan will release (workers still hold their state)."""
-        return tuple(self._pending_releases)
-
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
