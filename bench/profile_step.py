@@ -42,18 +42,18 @@ def main() -> None:
     for _ in range(5):
         runner.execute(step).finish()
     torch.cuda.synchronize()
-    phases = {"apply_state": 0.0, "host_inputs": 0.0, "execute(total)": 0.0}
+    phases = {"apply_plan": 0.0, "build_inputs": 0.0, "execute(total)": 0.0}
     for _ in range(a.steps):
         t0 = time.perf_counter()
-        rows = runner.apply_state(step)
+        rows = runner.apply_plan(step)
         t1 = time.perf_counter()
-        runner.host_inputs(step, rows)
+        runner.inputs.build(step, rows)
         t2 = time.perf_counter()
         runner.execute(step).finish()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        phases["apply_state"] += t1 - t0
-        phases["host_inputs"] += t2 - t1
+        phases["apply_plan"] += t1 - t0
+        phases["build_inputs"] += t2 - t1
         phases["execute(total)"] += t3 - t2
     for k, v in phases.items():
         print(f"{k:>20}: {v / a.steps * 1e3:8.3f} ms/step")

@@ -18,8 +18,9 @@ import time
 import torch
 
 from strata.services.worker.model_config import ModelConfig
-from strata.services.worker.runner import ModelRunner, PendingResult
+from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
+from strata.services.worker.step_results import PendingResult
 from strata.default_model import ensure_default_model
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
@@ -68,14 +69,13 @@ class SimulatedRunner(ModelRunner):
         self.sampler = None
 
     def init_cache(self, num_blocks: int) -> None:
-        self.num_kv_blocks = num_blocks
         self.kv_caches = [None]  # "initialised": the service only checks that it is non-empty
         self.table.clear()
 
     def execute(self, plan, hidden=None, residual=None):
         start = time.perf_counter()
-        rows = self.apply_state(plan)
-        h = self.host_inputs(plan, rows)
+        rows = self.table.apply(plan)  # no KV cache, so no block copies
+        h = self.inputs.build(plan, rows)
         # A token that depends on the sequence and position, within the vocabulary.
         tokens = ((h.sample_rows * 7919 + h.sample_positions) % (self.config.vocab_size - 2) + 2).tolist()
         return SimulatedResult(plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch(),

@@ -374,7 +374,7 @@ def test_sequence_table_derives_the_graph_draw_settings_as_prepare_does():
     bit-identical to what SamplingTensors.prepare derives per step, around the greedy cut too."""
     import itertools
 
-    from strata.services.worker.runner import SequenceTable
+    from strata.services.worker.sequence_table import SequenceTable
     from strata.v1 import engine_pb2
 
     table = SequenceTable(4, 1)

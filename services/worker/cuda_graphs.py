@@ -10,17 +10,19 @@ so each one is a chance to stall the launch behind them (measured on an H200 at 
 ~2 ms of host time per step with ~80 torch calls, against a 1.3 ms GPU step).
 
 Padding rows get seq_len 0 and slot -1, so they read and write no KV; their sampled token goes
-to a scratch row of the runner's `last_sampled`.
+to a scratch row of the worker's `last_sampled`.
 """
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 import torch
 
-from strata.kernels.gumbel_sampling import HAVE_TRITON
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype
 from strata.services.worker.sampler import sample_unfiltered
+from strata.services.worker.step_inputs import HostInputs, resolve_placeholders
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -32,7 +34,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 # rows go up in a single copy (the block tables, 2-D, in a second).
 _ROW_FIELDS = (
     ("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
-    ("state_rows", np.int64),  # the runner's per-sequence row: placeholder lookup, last_sampled
+    ("state_rows", np.int64),  # the sequence table's row: placeholder lookup, last_sampled
     ("seeds", np.int64), ("sample_positions", np.int64), ("inv_temperature", np.float32),
     ("seq_lens", np.int32), ("greedy", np.uint8),
 )
@@ -64,25 +66,35 @@ class _HostInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int):
-        self.runner = runner
+    """The decode graphs of one stage, one per padded batch size up to max_batch.
+
+    last_sampled: the worker's token per state row (decode lookahead), which the graphs read for
+    placeholders and, when they sample, write; scratch_row: its row for padding rows.
+    """
+
+    def __init__(self, shard, kv_caches: list[torch.Tensor], *, max_batch: int, last_sampled: torch.Tensor,
+                 scratch_row: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
+                 max_blocks_per_seq: int, max_model_len: int, first_stage: bool, last_stage: bool,
+                 samples: bool):
+        self.shard, self.kv_caches = shard, kv_caches
+        self.last_sampled, self.scratch_row = last_sampled, scratch_row
+        self.device = device
+        self.max_model_len = max_model_len
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self.samples = samples  # the last stage draws unfiltered rows in the graph (needs Triton)
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.samples = runner.is_last and HAVE_TRITON
-        dev = runner.device
-        cfg = runner.config
-        width = runner.table.max_blocks
         layout, total = _layout(self.max_batch)
-        self.flat = torch.zeros(total, dtype=torch.uint8, device=dev)
+        self.flat = torch.zeros(total, dtype=torch.uint8, device=device)
         self.rows = {name: self.flat[off:off + self.max_batch * dt.itemsize].view(torch_dtype(dt))
                      for name, (off, dt) in layout.items()}
-        self.block_tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=dev)
-        self.hidden_in = torch.zeros(self.max_batch, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self.hidden_in = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=device)
         self.residual_in = torch.zeros_like(self.hidden_in)
         # Two host sets: the host fills one while the other's copy may still wait in the stream
         # (steps are launched ahead of the GPU); an event guards each set before reuse.
-        self.host = [_HostInputs(layout, total, self.max_batch, width) for _ in range(2)]
+        self.host = [_HostInputs(layout, total, self.max_batch, max_blocks_per_seq) for _ in range(2)]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -92,57 +104,51 @@ class DecodeGraphs:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.rows["seq_lens"][:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.rows["slot_mapping"][:bs],
-            max_query_len=1, max_seq_len=self.runner.max_model_len)
+            max_query_len=1, max_seq_len=self.max_model_len)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
-        r, rows = self.runner, self.rows
-        input_ids = None
-        if r.is_first:
-            # Decode lookahead: a placeholder (< 0) is the token this worker sampled last for the row.
-            ids = rows["input_ids"][:bs]
-            input_ids = torch.where(ids < 0, r.last_sampled[rows["state_rows"][:bs]], ids)
-        first = r.is_first
-        hidden, residual = r.shard.forward(
+        rows, first = self.rows, self.first_stage
+        state_rows = rows["state_rows"][:bs]
+        input_ids = resolve_placeholders(rows["input_ids"][:bs], state_rows, self.last_sampled) if first else None
+        hidden, residual = self.shard.forward(
             input_ids, rows["positions"][:bs], None if first else self.hidden_in[:bs],
-            None if first else self.residual_in[:bs], r.kv_caches, self._meta(bs))
-        if not r.is_last:
+            None if first else self.residual_in[:bs], self.kv_caches, self._meta(bs))
+        if not self.last_stage:
             return hidden, residual
-        logits = r.shard.compute_logits(hidden, residual)
+        logits = self.shard.compute_logits(hidden, residual)
         if not self.samples:
             return (logits,)
         tokens = sample_unfiltered(logits, rows["seeds"][:bs], rows["sample_positions"][:bs],
                                    rows["inv_temperature"][:bs], rows["greedy"][:bs])
-        r.last_sampled[rows["state_rows"][:bs]] = tokens
+        self.last_sampled[state_rows] = tokens
         return logits, tokens
 
     @torch.inference_mode()
     def capture(self) -> None:
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         self._fill_padding()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             self._forward(bs)  # compiles the Triton kernels outside the capture
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
 
     def _fill_padding(self) -> None:
         """Device rows start as padding (what capture runs on) with the scratch state row."""
-        scratch = self.runner.scratch_row
-        for name, value in {**_PADDING, "state_rows": scratch}.items():
+        for name, value in {**_PADDING, "state_rows": self.scratch_row}.items():
             self.rows[name].fill_(value)
 
     def padded_size(self, batch: int) -> int | None:
-        for s in self.sizes:
-            if s >= batch:
-                return s
-        return None
+        """The smallest captured size that holds `batch` rows; None when none does."""
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, bs: int, h, state_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
+    def run(self, bs: int, h: HostInputs, state_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
             hidden: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """Replays the graph of padded size bs on the step's HostInputs `h`; sampling: the
         per-row seeds, positions, inverse temperatures and greedy flags (last stage). Returns
@@ -164,7 +170,7 @@ class DecodeGraphs:
                 rows[name][:n] = values
         for name, value in _PADDING.items():
             rows[name][n:bs] = value
-        rows["state_rows"][n:bs] = self.runner.scratch_row
+        rows["state_rows"][n:bs] = self.scratch_row
         host.tables[:n, :width] = h.block_tables
         self.flat.copy_(host.flat, non_blocking=True)
         self.block_tables[:n, :width].copy_(host.tables_t[:n, :width], non_blocking=True)

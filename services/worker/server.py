@@ -14,7 +14,8 @@ import grpc
 import torch
 
 from strata.services.worker.profiling import StepProfiler
-from strata.services.worker.runner import ModelRunner, PendingResult
+from strata.services.worker.runner import ModelRunner
+from strata.services.worker.step_results import PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.grpc_util import aio_channel
 from strata.v1 import engine_pb2, engine_pb2_grpc

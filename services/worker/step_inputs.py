@@ -1,0 +1,123 @@
+"""A step's inputs: from a plan and the sequence table to the arrays the model and sampler read.
+
+Built on the host with numpy, vectorised over the batch (no loop over tokens), then sent to the
+device in one copy through pinned memory (host_to_device.upload). Each torch call on this path
+releases and retakes the GIL that the worker's gRPC and result threads contend for, so the host
+side stays in numpy and the device side is one upload per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.host_to_device import upload
+from strata.services.worker.sampler import SamplingTensors
+from strata.services.worker.sequence_table import PlanError, SequenceTable
+from strata.v1 import engine_pb2
+
+
+@dataclass
+class HostInputs:
+    input_ids: np.ndarray | None  # [T] on the first stage
+    token_rows: np.ndarray  # [T] state row of each token's sequence
+    has_placeholders: bool  # some input tokens are the sequence's last sampled one, on the device
+    positions: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B]
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [B, blocks of the longest sequence]
+    max_query_len: int
+    sample_rows: np.ndarray  # state rows of the sequences that sample
+    sample_token_index: np.ndarray  # index in the flat batch of the token whose logits are sampled
+    sample_positions: np.ndarray  # absolute position of each sampled token
+    sample_seq_ids: list[int]
+
+
+def resolve_placeholders(input_ids: torch.Tensor, token_rows: torch.Tensor,
+                         last_sampled: torch.Tensor) -> torch.Tensor:
+    """Decode lookahead: a plan sent before the previous step's token reached the scheduler
+    carries a placeholder (< 0) for it; that token is still here, in `last_sampled` at the
+    sequence's state row (token_rows: each input token's row). On the device, so it runs
+    inside a captured decode graph as well as in an eager step."""
+    return torch.where(input_ids < 0, last_sampled[token_rows], input_ids)
+
+
+class StepInputBuilder:
+    """Turns plans into HostInputs for this stage, and HostInputs into device tensors."""
+
+    def __init__(self, table: SequenceTable, *, block_size: int, max_model_len: int, first_stage: bool,
+                 last_stage: bool, device: torch.device):
+        self.table = table
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.first_stage = first_stage
+        self.last_stage = last_stage
+        self.device = device
+
+    def build(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> HostInputs:
+        """The step's inputs as numpy arrays: positions, slots and block tables, vectorised.
+        rows: the state rows of the plan's sequences (SequenceTable.apply)."""
+        num_computed = np.asarray(plan.num_computed, dtype=np.int64)
+        q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
+        if q_lens.size == 0 or (q_lens <= 0).any():
+            raise PlanError("a plan must schedule at least one token per sequence")
+        if any(plan.num_draft_tokens):
+            raise PlanError("speculative verification is not supported by this worker yet")
+        seq_lens = num_computed + q_lens
+        if seq_lens.max() > self.max_model_len:
+            raise PlanError("a sequence exceeds max_model_len")
+        qsl = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        # Position of every token: its sequence's cached length plus its offset in the chunk.
+        positions = np.repeat(num_computed - qsl[:-1], q_lens) + np.arange(total)
+        token_rows = np.repeat(rows, q_lens)
+        table, block_size = self.table, self.block_size
+        needed_blocks = (seq_lens + block_size - 1) // block_size
+        if (needed_blocks > table.num_blocks[rows]).any():
+            raise PlanError("a sequence was scheduled past the end of its block table")
+        block_ids = table.block_tables[token_rows, positions // block_size].astype(np.int64)
+        input_ids = None
+        if self.first_stage:
+            if len(plan.input_token_ids) != total:
+                raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
+            input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
+        sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
+        return HostInputs(
+            input_ids=input_ids, token_rows=token_rows,
+            has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()),
+            positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=block_ids * block_size + positions % block_size,
+            block_tables=table.block_tables[rows, : int(needed_blocks.max())],
+            max_query_len=int(q_lens.max()),
+            sample_rows=rows[sample_idx], sample_token_index=qsl[1:][sample_idx] - 1,
+            sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx])
+
+    def upload(self, h: HostInputs, *, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
+        """The step's index arrays and sampling settings on the device, in one copy (the decode
+        graphs stage their own inputs; an eager step needs the attention metadata too). Called
+        before anything is launched, so the GPU never waits on host work mid-step."""
+        arrays = {"sample_rows": h.sample_rows, "sample_token_index": h.sample_token_index}
+        if eager:
+            if h.has_placeholders:
+                arrays["token_rows"] = h.token_rows
+            arrays.update(positions=h.positions, query_start_loc=h.query_start_loc.astype(np.int32),
+                          seq_lens=h.seq_lens.astype(np.int32), block_tables=h.block_tables,
+                          slot_mapping=h.slot_mapping)
+            if h.input_ids is not None:
+                arrays["input_ids"] = h.input_ids
+        flags = None
+        if self.last_stage and h.sample_seq_ids:
+            t, r = self.table, h.sample_rows
+            sampling, flags = SamplingTensors.prepare(
+                temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
+                seeds=t.seed[r], positions=h.sample_positions, num_logprobs=int(t.logprobs[r].max()))
+            arrays.update({f"sampling.{name}": a for name, a in sampling.items()})
+        d = upload(arrays, self.device)
+        if flags is None:
+            return d, None
+        fields = {name.removeprefix("sampling."): d.pop(name) for name in list(d) if name.startswith("sampling.")}
+        return d, SamplingTensors(**fields, **flags)

@@ -1,0 +1,82 @@
+"""A launched step's result on its way back: sampled tokens copied to the host behind the step,
+the StepResult proto they become, and the step's GPU time from CUDA events.
+
+The step thread launches a step and moves on to the next plan; a finisher thread waits here for
+the copy (the step's one host-device synchronisation) and encodes the proto, so the wait never
+delays the next launch.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from strata.v1 import engine_pb2
+
+
+class GpuTimeline:
+    """The GPU's busy and idle time per step, from CUDA events (the host's clocks cannot see it).
+
+    A step's start event is recorded just before its first kernel is queued, its end event after
+    its last copy; the GPU reaches the start event when the previous step's work is done or, if
+    the host was late, when the host queued it. So end(k) -> start(k+1) is the GPU idle between
+    steps, start(k) -> end(k) the step's GPU time. Steps finish in order (one finisher thread).
+    """
+
+    def __init__(self):
+        self._last_end: torch.cuda.Event | None = None
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finished(self, start: torch.cuda.Event, end: torch.cuda.Event) -> tuple[float, float]:
+        """(busy seconds, idle seconds before the step); `end` must have completed."""
+        busy = start.elapsed_time(end) / 1e3
+        idle = max(self._last_end.elapsed_time(start) / 1e3, 0.0) if self._last_end is not None else 0.0
+        self._last_end = end
+        return busy, idle
+
+
+class PendingResult:
+    """A step's sampled tokens on their way to the host. The copy is queued behind the step on
+    the GPU; finish() waits for it, so the step thread can already launch the next plan.
+
+    tensors: [token_ids], plus [logprobs, top_ids, top_logprobs] when some row asked for
+    logprobs (the Sampler's outputs); none when nothing was sampled. wanted_logprobs: each
+    row's own top count (the tensors hold the largest)."""
+
+    def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
+                 tensors: list[torch.Tensor], timeline: GpuTimeline | None = None,
+                 gpu_start: torch.cuda.Event | None = None):
+        self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
+        self.host = [x.to("cpu", non_blocking=True) for x in tensors]
+        self.timeline, self.gpu_start = timeline, gpu_start
+        self.event = GpuTimeline.mark() if gpu_start is not None else None
+        self.launch_seconds = time.perf_counter() - start
+
+    def finish(self) -> engine_pb2.StepResult:
+        result = engine_pb2.StepResult(step_id=self.step_id, launch_seconds=self.launch_seconds)
+        if self.event is not None:
+            self.event.synchronize()
+            result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
+        if self.seq_ids:
+            token_ids = self.host[0].tolist()
+            n = len(token_ids)
+            result.seq_ids.extend(self.seq_ids)
+            result.num_tokens.extend([1] * n)
+            result.token_ids.extend(token_ids)
+            if len(self.host) > 1:
+                _, logprobs, top_ids, top_lps = self.host
+                result.logprobs.extend(logprobs.tolist())
+                top_ids, top_lps = top_ids.numpy(), top_lps.numpy()
+                for i in range(n):  # per sampled sequence, only when logprobs were asked
+                    k = max(int(self.wanted[i]), 0)
+                    result.num_top.append(k)
+                    result.top_token_ids.extend(top_ids[i, :k].tolist())
+                    result.top_logprobs.extend(top_lps[i, :k].tolist())
+        result.execute_seconds = time.perf_counter() - self.start
+        return result
