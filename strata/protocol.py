@@ -12,3 +12,7 @@ GREEDY_TEMPERATURE = 1e-5
 # Most top logprobs a request may ask for per token (vLLM's default max_logprobs): the last stage
 # ranks that many tokens per row.
 MAX_LOGPROBS = 20
+
+# A draft token the draft model has not proposed yet: the scheduler's plan holds it until the
+# draft worker's tokens replace it, before the plan goes out.
+DRAFT_PLACEHOLDER = -2

@@ -220,9 +220,9 @@ def make_requests(rng, count, max_prompt, max_tokens, prefix=(), **kw):
     ]
 
 
-def assert_matches_reference(driver, requests, max_model_len):
+def assert_matches_reference(driver, requests, max_model_len, next_token=None):
     for req in requests:
-        out, reason = reference_output(req, max_model_len)
+        out, reason = reference_output(req, max_model_len, next_token)
         assert driver.outputs[req.request_id] == out, req.request_id
         assert driver.finish[req.request_id] == reason
         assert req.output_token_ids == out

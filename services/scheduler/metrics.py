@@ -27,7 +27,14 @@ class SchedulerStatsCollector(Collector):
         stats = self._read_stats()
         for name, spec in self._fields:
             family = CounterMetricFamily if spec.counter else GaugeMetricFamily
-            yield family(PREFIX + name, spec.help, value=getattr(stats, name))
+            metric_name = spec.name or PREFIX + name
+            if not spec.label:
+                yield family(metric_name, spec.help, value=getattr(stats, name))
+                continue
+            metric = family(metric_name, spec.help, labels=[spec.label])
+            for index, value in enumerate(getattr(stats, name)):
+                metric.add_metric([str(index)], value)
+            yield metric
 
 
 def serve_metrics(read_stats, port: int, host: str) -> CollectorRegistry:

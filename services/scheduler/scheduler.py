@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import dataclass
 
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
+from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from strata.services.scheduler.request import Request, RequestStatus
-from strata.protocol import PLACEHOLDER_TOKEN
+from strata.protocol import DRAFT_PLACEHOLDER, PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
@@ -24,6 +26,23 @@ _RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
 
 def _arrival(req: Request) -> int:
     return req.arrival
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes, how many tokens, and up to which batch it pays."""
+
+    method: str  # "ngram" (prompt lookup, here) or "draft" (a draft model's worker)
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    max_batch: int = 32  # running requests above this decode without drafts
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.method!r}")
+        if self.num_speculative_tokens < 1 or self.max_batch < 0:
+            raise ValueError("num_speculative_tokens >= 1 and max_batch >= 0")
 
 
 class Scheduler:
@@ -37,8 +56,18 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         cache_salt: str = "",
         decode_lookahead: int = 0,
+        speculation: SpeculativeConfig | None = None,
     ) -> None:
         self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
+        self.speculation = speculation
+        # ngram drafts come from here; a draft model's drafts are DRAFT_PLACEHOLDERs that the engine
+        # fills in from the draft worker before it sends the plan (all k or none, so that one
+        # call of k steps serves every sequence).
+        self._ngram = None
+        if speculation is not None and speculation.method == "ngram":
+            self._ngram = NgramProposer(speculation.num_speculative_tokens, speculation.ngram_min,
+                                        speculation.ngram_max)
+        self.draft_releases: list[int] = []  # seq ids the draft worker may drop (draft method)
         self._lookaheads = 0
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
         # that cannot stop its request). They give the same plans and outputs as the general
@@ -71,6 +100,9 @@ class Scheduler:
         self._steps = 0
         self._preemptions = 0
         self._finished = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted = [0] * (speculation.num_speculative_tokens if speculation else 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -124,6 +156,8 @@ class Scheduler:
 
         # 1. Running requests first: decodes and unfinished prefill chunks, in arrival order.
         running = self.running  # preemption shrinks it in place: its length is read every time
+        spec = self.speculation
+        speculate = spec is not None and len(running) <= spec.max_batch
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -133,6 +167,8 @@ class Scheduler:
                 i += 1
                 continue
             out = req.output_token_ids
+            if speculate and out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1:
+                self._propose(req)
             if (
                 self.fast_paths
                 and out
@@ -249,15 +285,27 @@ class Scheduler:
         self._num_in_flight += 1
         self._decode_tokens += 1
 
+    def _propose(self, req: Request) -> None:
+        """Drafts for a request about to decode its latest token, as long as even all of them
+        accepted (plus the bonus token) stays within max_tokens and max_model_len."""
+        room = req.max_output_tokens - len(req.output_token_ids) - 1
+        if self._ngram is not None:
+            req.draft_token_ids = self._ngram.propose(req, room)
+        elif room >= self.speculation.num_speculative_tokens:
+            req.draft_token_ids = [DRAFT_PLACEHOLDER] * self.speculation.num_speculative_tokens
+
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens to compute this step including drafts, drafts) for a running request."""
         remaining = req.num_tokens - req.num_computed_tokens
-        if remaining > 1 or not req.draft_token_ids:
+        drafts = req.draft_token_ids
+        if remaining > 1 or not drafts:
             return min(remaining, budget), 0
-        # Decode with speculation: k drafts ride behind the last sampled token, as long as even
+        # Decode with speculation: the drafts ride behind the last sampled token, as long as even
         # all of them accepted (plus the bonus token) stays within max_tokens and max_model_len.
-        room = req.max_output_tokens - len(req.output_token_ids)  # to max_tokens or max_model_len
-        num_draft = max(0, min(len(req.draft_token_ids), budget - 1, room - 1))
+        room = req.max_output_tokens - len(req.output_token_ids)
+        num_draft = max(0, min(len(drafts), budget - 1, room - 1))
+        if num_draft < len(drafts) and drafts[0] == DRAFT_PLACEHOLDER:
+            num_draft = 0  # a draft model proposes k tokens or none
         return 1 + num_draft, num_draft
 
     def _make_room(self, req: Request, end: int, index: int) -> tuple[bool, bool]:
@@ -369,7 +417,11 @@ class Scheduler:
         if copy is not None:  # the block at `start` was replaced: the workers must get it anew
             copies.append(copy)
             req.last_copy_step = step_id
-            req.num_synced_blocks = min(req.num_synced_blocks, start // self.block_size)
+            block = start // self.block_size
+            req.num_synced_blocks = min(req.num_synced_blocks, block)
+            # The draft's copy of that block is not copied: it recomputes the block's tokens.
+            req.draft_synced_blocks = min(req.draft_synced_blocks, block)
+            req.draft_computed = min(req.draft_computed, block * self.block_size)
         confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
         # A lookahead's input token is not known here yet: hash only blocks of known tokens.
         bm.register_full_blocks(req, min(confirmed_end, num_tokens))
@@ -457,6 +509,14 @@ class Scheduler:
                     kept = cdiv(req.num_computed_tokens, self.block_size)
                     self.block_manager.truncate(req, kept)
                     req.num_synced_blocks = min(req.num_synced_blocks, kept)
+                    req.draft_synced_blocks = min(req.draft_synced_blocks, kept)
+                accepted = len(tokens) - 1
+                self._spec_drafts += 1
+                self._spec_draft_tokens += s.num_draft
+                if accepted > len(self._spec_accepted):
+                    self._spec_accepted.extend([0] * (accepted - len(self._spec_accepted)))
+                for position in range(accepted):
+                    self._spec_accepted[position] += 1
             updates.append(self._append_tokens(req, tokens))
         return updates
 
@@ -503,6 +563,8 @@ class Scheduler:
             req.in_flight = 0
         req.status = status
         req.draft_token_ids = []
+        if self._ngram is not None:
+            self._ngram.forget(req)
         del self._requests[req.request_id]
         if req.parent_id:
             group = self._groups[req.parent_id]
@@ -513,6 +575,9 @@ class Scheduler:
 
     def _release_seq(self, req: Request) -> None:
         self._pending_releases.append(req.seq_id)
+        if req.draft_seq_id is not None:
+            self.draft_releases.append(req.draft_seq_id)
+            req.draft_seq_id = None
         req.seq_id = None
 
     def _remove_running(self, req: Request) -> None:
@@ -538,3 +603,9 @@ class Scheduler:
         stats.steps = self._steps
         stats.preemptions = self._preemptions
         stats.finished_requests = self._finished
+        stats.spec_decode_drafts = self._spec_drafts
+        stats.spec_decode_draft_tokens = self._spec_draft_tokens
+        stats.spec_decode_accepted_tokens = sum(self._spec_accepted)
+        stats.spec_decode_accepted_per_position.extend(self._spec_accepted)
+        if self._spec_draft_tokens:
+            stats.spec_decode_acceptance_rate = sum(self._spec_accepted) / self._spec_draft_tokens

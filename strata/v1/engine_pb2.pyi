@@ -91,15 +91,19 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MetricSpec(_message.Message):
-    __slots__ = ("help", "counter")
+    __slots__ = ("help", "counter", "name", "label")
     HELP_FIELD_NUMBER: _ClassVar[int]
     COUNTER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     help: str
     counter: bool
-    def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ...) -> None: ...
+    name: str
+    label: str
+    def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ..., name: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds")
+    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +126,11 @@ class SchedulerStats(_message.Message):
     WORKER_GPU_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_TIMED_STEPS_FIELD_NUMBER: _ClassVar[int]
     WORKER_LAUNCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     free_kv_blocks: int
     cached_kv_blocks: int
@@ -144,14 +153,19 @@ class SchedulerStats(_message.Message):
     worker_gpu_idle_seconds: float
     worker_timed_steps: int
     worker_launch_seconds: float
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ...) -> None: ...
+    spec_decode_drafts: int
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
+    spec_decode_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    spec_decode_acceptance_rate: float
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +175,7 @@ class WorkerDescription(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -170,7 +185,8 @@ class WorkerDescription(_message.Message):
     model: _generate_pb2.ModelInfo
     device: str
     model_fingerprint: str
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    draft: bool
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_kv_blocks", "next_stage_address")
@@ -193,7 +209,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks")
+    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +224,7 @@ class StepPlan(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPY_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -222,7 +239,8 @@ class StepPlan(_message.Message):
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     copy_src_blocks: _containers.RepeatedScalarFieldContainer[int]
     copy_dst_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    propose_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds")
