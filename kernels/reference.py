@@ -1,7 +1,8 @@
-"""Torch references for the Triton kernels in this package: the oracle their tests compare against.
+"""Torch references for the Triton kernels in this package: the oracle their tests compare against,
+and the worker's CPU path (its torch attention backend and the model's torch code call them).
 
-Plain float32 math, one sequence at a time: slow, obvious, and free of host-sync concerns
-(they call .tolist()), so never use them on a hot path.
+Plain math (attention in float32, one sequence at a time): slow, obvious, and free of host-sync
+concerns (they call .tolist()), so never use them on the GPU's hot path.
 
 Layout shared with the kernels:
   kv_cache      [2, num_blocks, num_kv_heads, block_size, head_dim]  (0 = keys, 1 = values)
@@ -36,12 +37,12 @@ def write_kv_cache_reference(
 def gather_sequence_kv(
     kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [seq_len, Hkv, D] of one sequence, in position order, as float32."""
-    block_size = kv_cache.shape[3]
-    positions = torch.arange(seq_len, device=kv_cache.device)
-    blocks = block_table_row.long()[positions // block_size]
-    offsets = positions % block_size
-    return kv_cache[0, blocks, :, offsets].float(), kv_cache[1, blocks, :, offsets].float()
+    """Keys and values [Hkv, seq_len, D] of one sequence, in position order, as float32."""
+    num_kv_heads, block_size, head_dim = kv_cache.shape[2:]
+    blocks = block_table_row[: -(-seq_len // block_size)].long()
+    # Whole pages, then the tail of the last one cut: [2, blocks, Hkv, block_size, D] -> [2, Hkv, S, D].
+    kv = kv_cache[:, blocks].transpose(1, 2).reshape(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].float()
+    return kv[0], kv[1]
 
 
 def paged_attention_reference(
@@ -61,39 +62,41 @@ def paged_attention_reference(
     max_query_len / max_seq_len are accepted for signature parity and not needed here.
     """
     del max_query_len, max_seq_len
-    num_tokens, num_q_heads, _ = query.shape
+    num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
+    for b, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_begin
         if q_len == 0:
             continue
         keys, values = gather_sequence_kv(kv_cache, block_tables[b], seq_len)
-        # GQA: query head h reads kv head h // group.
-        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = values.repeat_interleave(group, dim=1)
-        q = query[q_begin:q_end].float()  # [q_len, Hq, D]
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        # GQA: query head h reads KV head h // group. The group's heads are contiguous, so one
+        # batched matmul per KV head covers them (faster on CPU than repeating K and V per head):
+        # q [Hkv, group * q_len, D].
+        q = query[q_begin:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # [Hkv, group * q_len, S]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, seq_len)
+        o = torch.bmm(probs, values).view(num_kv_heads, group, q_len, head_dim)
+        out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
 
 
 # --- decode hot path: RMSNorm, rotary embedding, SiLU-gated MLP activation -------------------
-# These repeat services/worker/model.py's CPU math operation for operation, rounding to the
-# activation dtype where it does (tests check both agree exactly), so a fused kernel that
-# computes in float32 but rounds at the same points is compared against the HF-exact path.
+# services/worker/model.py's torch path (CPU) is these functions, which follow HF transformers
+# operation for operation, rounding to the activation dtype where it does: float32 greedy
+# decoding equals HF's generate() (tests/test_model_shard.py), and a fused kernel that computes
+# in float32 but rounds at the same points is compared against the HF-exact path.
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,17 +123,17 @@ def rotary_embedding_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of query [T, Hq, D] and key [T, Hkv, D]; cos/sin caches [max_pos, D/2].
 
-    Out of place; equals HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+    Out of place; equals HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without the concats.
     """
     cos = cos_cache[positions].unsqueeze(1)
     sin = sin_cache[positions].unsqueeze(1)
+    return _rotate_half(query, cos, sin), _rotate_half(key, cos, sin)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    return rotate(query), rotate(key)
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

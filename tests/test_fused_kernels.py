@@ -1,10 +1,10 @@
 """Fused decode-path kernels (RMSNorm + residual add, rotary embedding, SiLU-and-mul) on CPU.
 
 As in tests/test_kernels.py, triton.jit reads TRITON_INTERPRET when a kernel is defined, so this
-process only runs what needs no interpreter (the torch references against the model's HF-exact
-CPU modules, the CPU path never touching Triton, and an sm_90 compile of every kernel without a
-GPU) and re-runs this file with TRITON_INTERPRET=1 in a fresh process, where the kernels are
-compared with their references and a whole shard forward runs through them.
+process only runs what needs no interpreter (the model's HF-exact CPU modules against the torch
+references they call, the CPU path never touching Triton, and an sm_90 compile of every kernel
+without a GPU) and re-runs this file with TRITON_INTERPRET=1 in a fresh process, where the
+kernels are compared with their references and a whole shard forward runs through them.
 To debug one case directly:  TRITON_INTERPRET=1 python -m pytest tests/test_fused_kernels.py -k rotary
 
 The interpreter computes bfloat16 wrongly: float32 and float16 here, bf16 in tests/gpu/.
@@ -81,7 +81,9 @@ if not _can_run_interpreted_here():
     def test_fused_kernels_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=300)
 
-    # --- the references are the model's CPU math, exactly -------------------------------------
+    # --- the model's torch path is the references, exactly (bf16 rounding points included) ------
+    # model.py calls kernels/reference.py rather than keeping a copy; these check its wiring
+    # (weights, eps, cos/sin tables, the [gate | up] layout) and catch a copy creeping back.
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_norm_references_equal_model_rmsnorm(dtype):
@@ -123,7 +125,7 @@ if not _can_run_interpreted_here():
         assert not torch.allclose(mlp(x), swapped)
 
     def test_cpu_forward_never_touches_triton(monkeypatch):
-        """By default the CPU path is the unchanged torch code: the kernels are not even imported."""
+        """By default the CPU path is the torch references: the kernels are not even imported."""
         def no_kernels():
             raise AssertionError("fused kernels used on CPU")
 

@@ -1,4 +1,4 @@
-"""Paged attention interface, KV-cache layout, and the torch reference backend.
+"""Paged attention interface, KV-cache layout, and the CPU backend (the torch references).
 
 KV cache of one layer: a tensor [2, num_blocks, num_kv_heads, block_size, head_dim]
 (index 0 = keys, 1 = values): one (block, KV head) page is contiguous, so attention reads
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from strata.kernels.reference import write_kv_cache_reference
+from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference
 
 
 @dataclass
@@ -56,7 +56,7 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Reference backend: plain torch, float32 softmax; the oracle for the Triton kernels."""
+    """The CPU backend: kernels/reference.py, the Triton kernels' oracle, behind this interface."""
 
     def write_kv(
         self,
@@ -75,44 +75,8 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        num_tokens, num_q_heads, head_dim = query.shape
-        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-        group = num_q_heads // num_kv_heads
-        out = torch.empty_like(query)
-
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for b, seq_len in enumerate(seq_lens):
-            q_start, q_end = starts[b], starts[b + 1]
-            q_len = q_end - q_start
-            if q_len == 0:
-                continue
-            num_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[b, :num_blocks].long()
-            # [2, blocks, Hkv, block_size, D] -> keys/values [Hkv, seq_len, D]
-            kv = kv_cache[:, blocks].transpose(1, 2).reshape(2, num_kv_heads, -1, head_dim)
-            keys = kv[0, :, :seq_len].float()
-            values = kv[1, :, :seq_len].float()
-
-            # Query heads of one KV head are contiguous: [Hkv, group * q_len, D].
-            q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
-            q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-            scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # [Hkv, group*q_len, seq_len]
-
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            allowed = k_pos[None, :] <= q_pos[:, None]
-            if sliding_window is not None:
-                allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-            scores = scores.view(num_kv_heads, group, q_len, seq_len)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, seq_len)
-
-            o = torch.bmm(probs, values).view(num_kv_heads, group, q_len, head_dim)
-            out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(
-                query.dtype
-            )
-        return out
+        return paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                         meta.max_query_len, meta.max_seq_len, scale, sliding_window)
 
 
 def allocate_kv_cache(

@@ -1,7 +1,9 @@
 """One pipeline stage of a Llama / Mistral / Qwen2 decoder over a paged KV cache.
 
 The math follows Hugging Face transformers step for step (RMSNorm in float32, rotate-half
-RoPE, SiLU-gated MLP) so that float32 greedy decoding matches `generate()` token for token.
+RoPE, SiLU-gated MLP) so that float32 greedy decoding matches `generate()` token for token. On
+CUDA tensors the fused Triton kernels run; elsewhere the torch references in
+kernels/reference.py, which are those kernels' oracle.
 The residual stream is carried vLLM style: each layer receives (hidden, residual), adds them
 and normalises in one step, so a stage boundary only has to pass that pair along.
 """
@@ -16,6 +18,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from strata.kernels.reference import (
+    fused_add_rms_norm_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    silu_and_mul_reference,
+)
 
 from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .model_config import ModelConfig
@@ -89,20 +98,17 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_fused(x):
             return _fused_kernels().rms_norm(x, self.weight, self.eps)
-        # As HF: normalise in float32, cast back, then scale.
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual <- x + residual; return (norm(residual), residual)."""
-        if residual is not None and self._use_fused(x):
+        if residual is None:  # the first layer of the first stage
+            return self(x), x
+        if self._use_fused(x):
             return _fused_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
-        residual = x if residual is None else x + residual
-        return self(residual), residual
+        return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -152,16 +158,7 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         if self._use_fused(q):
             _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin)
             return q, k
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same as HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without the concats.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotary_embedding_reference(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -202,17 +199,14 @@ class Attention(nn.Module):
 class MLP(FusedKernelSwitch, nn.Module):
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_fused(x):
-            return self.down_proj(_fused_kernels().silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = _fused_kernels().silu_and_mul if self._use_fused(x) else silu_and_mul_reference
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
