@@ -65,6 +65,30 @@ def _scheduler_flags(p):
                    default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
                    help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
     add_flag(p, "--metrics-port", "STRATA_METRICS_PORT", 0, "serve Prometheus metrics on this port (0: off)", type=int)
+    _speculative_flags(p)
+    add_flag(p, "--draft-worker", "STRATA_DRAFT_WORKER", None,
+             "host:port of the draft worker (`strata worker --role draft`), with --speculative-method draft")
+
+
+def _speculative_flags(p):
+    """Shared by `serve` and the scheduler: who proposes drafts and how many."""
+    add_flag(p, "--speculative-method", "STRATA_SPECULATIVE_METHOD", None,
+             "speculative decoding: 'ngram' (prompt lookup in the scheduler) or 'draft' (a draft model's "
+             "worker); unset: off. Either way every request gets the tokens it would get without it",
+             choices=["ngram", "draft"])
+    add_flag(p, "--num-speculative-tokens", "STRATA_NUM_SPECULATIVE_TOKENS", 4,
+             "draft tokens proposed per step and sequence (k; the target verifies k + 1 positions)", type=int)
+    add_flag(p, "--ngram-min", "STRATA_NGRAM_MIN", 1, "shortest suffix the n-gram proposer matches", type=int)
+    add_flag(p, "--ngram-max", "STRATA_NGRAM_MAX", 4, "longest suffix the n-gram proposer matches", type=int)
+    add_flag(p, "--speculative-max-batch", "STRATA_SPECULATIVE_MAX_BATCH", 32,
+             "running requests above which steps decode without drafts (verifying costs more than it "
+             "gains on large batches)", type=int)
+
+
+def _draft_model_flags(p):
+    add_flag(p, "--draft-num-layers", "STRATA_DRAFT_NUM_LAYERS", 0,
+             "a draft model made of the target's first N layers plus its final norm and lm_head "
+             "(with --role draft, or --speculative-method draft without --draft-model); 0: not used", type=int)
 
 
 def _bool(v: str) -> bool:
@@ -92,6 +116,11 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     _worker_flags(p)
     p.add_argument("--max-plans-in-flight", type=int, default=0, help="see `strata scheduler --help`")
     p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0: off)")
+    _speculative_flags(p)
+    add_flag(p, "--draft-model", "STRATA_DRAFT_MODEL", None,
+             "HF model directory of a smaller model with the target's tokenizer, served by a draft worker "
+             "(implies --speculative-method draft)")
+    _draft_model_flags(p)
     _gateway_flags(p)
 
     p = sub.add_parser("gateway", formatter_class=formatter_class, help="run the public gateway service")
@@ -115,6 +144,10 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     add_flag(p, "--stage-index", "STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", type=int)
     add_flag(p, "--num-stages", "STRATA_NUM_STAGES", 1, "number of pipeline stages", type=int)
     add_flag(p, "--seed", "STRATA_SEED", 0, "seed of dummy weights", type=int)
+    add_flag(p, "--role", "STRATA_ROLE", "target",
+             "'target': a stage of the served model; 'draft': the whole draft model of speculative decoding, "
+             "proposing k tokens per call", choices=["target", "draft"])
+    _draft_model_flags(p)
     _worker_flags(p)
 
 

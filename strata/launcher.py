@@ -74,6 +74,44 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
     return argv
 
 
+# A draft worker shares stage 0's GPU: it gets this part of the memory share (its KV pool needs
+# as many blocks as the target's, at a fraction of the bytes per block).
+DRAFT_MEMORY_SHARE = 0.2
+
+
+def draft_model_of(args, target_model: str) -> str | None:
+    """The draft worker's --model, or None when speculation uses no draft model."""
+    if args.draft_model:
+        return args.draft_model
+    if args.speculative_method == "draft":
+        if not args.draft_num_layers:
+            raise SystemExit("--speculative-method draft needs --draft-model DIR or --draft-num-layers N")
+        return target_model
+    return None
+
+
+def draft_worker_argv(args, port: int, model: str) -> list[str]:
+    argv = worker_argv(args, 0, port, model)
+    argv[argv.index("--num-stages") + 1] = "1"
+    utilization = argv.index("--gpu-memory-utilization") + 1
+    argv[utilization] = str(float(argv[utilization]) * DRAFT_MEMORY_SHARE)
+    argv += ["--role", "draft"]
+    if not args.draft_model:  # the target's own first layers
+        argv += ["--draft-num-layers", str(args.draft_num_layers)]
+    return argv
+
+
+def speculation_argv(args, draft_address: str | None) -> list[str]:
+    """The scheduler's speculative-decoding flags."""
+    method = "draft" if args.draft_model else args.speculative_method
+    if not method:
+        return []
+    argv = ["--speculative-method", method, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
+            "--speculative-max-batch", str(args.speculative_max_batch)]
+    return argv + (["--draft-worker", draft_address] if draft_address else [])
+
+
 def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
     if args.pipeline_stages < 1:
         raise SystemExit("--pipeline-stages must be at least 1")
@@ -82,16 +120,26 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
     cluster = Cluster()
     try:
         worker_addresses = []
+        draft = draft_model_of(args, model)
+        share = args.gpu_memory_utilization
+        if draft:  # the target's stages keep the rest of the share
+            args.gpu_memory_utilization = share * (1 - DRAFT_MEMORY_SHARE)
         for stage in range(args.pipeline_stages):
             port = free_port()
             worker_addresses.append(f"127.0.0.1:{port}")
             cluster.start(f"worker {stage}", worker_argv(args, stage, port, model))
+        args.gpu_memory_utilization = share
+        draft_address = None
+        if draft:
+            port = free_port()
+            draft_address = f"127.0.0.1:{port}"
+            cluster.start("draft worker", draft_worker_argv(args, port, draft))
         sched_port = free_port()
         sched_argv = ["scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
                       "--workers", ",".join(worker_addresses), "--max-num-seqs", str(args.max_num_seqs),
                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--max-plans-in-flight", str(args.max_plans_in_flight),
-                      "--metrics-port", str(args.metrics_port)]
+                      "--metrics-port", str(args.metrics_port), *speculation_argv(args, draft_address)]
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"

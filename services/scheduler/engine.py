@@ -12,10 +12,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_result
 from strata.services.scheduler.request import Request
-from strata.services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")
@@ -37,6 +38,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
     reconnect_timeout: float = 120.0
+    speculation: SpeculativeConfig | None = None
 
 
 class OutputStream:
@@ -136,6 +138,7 @@ class Engine:
             # With one stage the worker that samples also embeds: it can fill in the token itself,
             # so every plan in flight but the first can be a lookahead of the same requests.
             decode_lookahead=self.max_in_flight - 1 if self.pipeline.num_stages == 1 else 0,
+            speculation=self.config.speculation,
         )
         self._ready.set()
 
@@ -234,10 +237,19 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan is None:
                 return
+            if self.pipeline.draft is not None:
+                await self._propose_drafts(plan)
             msg = plan_to_proto(plan)
             self.in_flight.append(plan)
             self._mark_busy()
             await self.pipeline.send(msg)
+
+    async def _propose_drafts(self, plan) -> None:
+        """The draft model's tokens for the plan's speculating sequences, before it goes out."""
+        k = self.config.speculation.num_speculative_tokens
+        msg = draft_plan(plan, k, self.scheduler.draft_releases)
+        if msg is not None:
+            fill_drafts(plan, await self.pipeline.propose(msg), k)
 
     def _finish_step(self, result: engine_pb2.StepResult) -> None:
         plan = self.in_flight.popleft()

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.scheduler import SpeculativeConfig
 from strata.services.scheduler.metrics import serve_metrics
 from strata.services.scheduler.pipeline import Pipeline
 from strata.services.scheduler.server import SchedulerServicer
@@ -15,8 +16,21 @@ from strata.v1 import engine_pb2_grpc
 log = logging.getLogger("strata.scheduler")
 
 
+def speculation_from_args(args) -> SpeculativeConfig | None:
+    if not args.speculative_method:
+        return None
+    if args.speculative_method == "draft" and not args.draft_worker:
+        raise SystemExit("--speculative-method draft needs --draft-worker HOST:PORT")
+    try:
+        return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min,
+                                 args.ngram_max, args.speculative_max_batch)
+    except ValueError as e:
+        raise SystemExit(f"speculative decoding: {e}") from None
+
+
 def config_from_args(args) -> SchedulerConfig:
     return SchedulerConfig(
+        speculation=speculation_from_args(args),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_plans_in_flight=args.max_plans_in_flight,
@@ -27,7 +41,9 @@ def config_from_args(args) -> SchedulerConfig:
 
 async def serve(args) -> None:
     addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
-    engine = Engine(Pipeline(addresses), config_from_args(args))
+    config = config_from_args(args)
+    draft = args.draft_worker if config.speculation and config.speculation.method == "draft" else None
+    engine = Engine(Pipeline(addresses, draft_address=draft), config)
     server, health = new_server()
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     port = bind(server, args.host, args.port)

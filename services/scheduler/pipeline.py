@@ -28,14 +28,17 @@ class StageHandle:
 
 
 class Pipeline:
-    """The ordered stages; sends each plan to every stage and reads results from the last one."""
+    """The ordered stages; sends each plan to every stage and reads results from the last one.
+    With a draft worker (speculative decoding), also the draft model's proposals."""
 
-    def __init__(self, addresses: list[str], connect_timeout: float = 120.0):
+    def __init__(self, addresses: list[str], connect_timeout: float = 120.0, draft_address: str | None = None):
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
+        self.draft_address = draft_address
         self.connect_timeout = connect_timeout
         self.stages: list[StageHandle] = []
+        self.draft: StageHandle | None = None
         self.num_kv_blocks = 0
 
     @property
@@ -50,26 +53,32 @@ class Pipeline:
         """Describes every stage (retrying until it is up), checks they form one pipeline,
         sizes the KV cache to the smallest stage, and opens the Steps streams."""
         await self.close()
-        stages = []
-        for address in self.addresses:
-            channel = aio_channel(address)
-            stub = engine_pb2_grpc.WorkerStub(channel)
-            desc = await self._describe(stub, address)
-            stages.append(StageHandle(address, channel, stub, desc))
+        stages = [await self._open(address) for address in self.addresses]
         self._check_topology(stages)
         self.stages = stages
-        blocks = min(s.description.num_kv_blocks for s in stages)
+        every = list(stages)
+        if self.draft_address:
+            self.draft = await self._open(self.draft_address)
+            self._check_draft(self.draft, stages[0].description)
+            every.append(self.draft)
+        # One block table per sequence serves the target and the draft: the smallest pool wins.
+        blocks = min(s.description.num_kv_blocks for s in every)
         if max_kv_blocks:
             blocks = min(blocks, max_kv_blocks)
         self.num_kv_blocks = blocks
-        for i, stage in enumerate(stages):
+        for i, stage in enumerate(every):
             next_address = self.addresses[i + 1] if i + 1 < len(stages) else ""
             await stage.stub.InitCache(
                 engine_pb2.InitCacheRequest(num_kv_blocks=blocks, next_stage_address=next_address), timeout=300)
-        for stage in stages:
+        for stage in every:
             stage.call = stage.stub.Steps()
         log.info("pipeline of %d stage(s) ready: %d KV blocks of %d tokens", len(stages), blocks,
                  stages[0].description.block_size)
+
+    async def _open(self, address: str) -> StageHandle:
+        channel = aio_channel(address)
+        stub = engine_pb2_grpc.WorkerStub(channel)
+        return StageHandle(address, channel, stub, await self._describe(stub, address))
 
     async def _describe(self, stub, address: str) -> engine_pb2.WorkerDescription:
         retrying = AsyncRetrying(
@@ -97,6 +106,18 @@ class Pipeline:
         for a, b in zip(stages, stages[1:]):
             if a.description.layer_end != b.description.layer_start:
                 raise PipelineError(f"layers of {a.address} and {b.address} do not join")
+        if any(s.description.draft for s in stages):
+            raise PipelineError("a draft worker is not a pipeline stage: pass it as the draft")
+
+    @staticmethod
+    def _check_draft(draft: StageHandle, target: engine_pb2.WorkerDescription) -> None:
+        d = draft.description
+        if not d.draft or d.num_stages != 1:
+            raise PipelineError(f"worker {draft.address} is not a draft worker (strata worker --role draft)")
+        if d.model.vocab_size != target.model.vocab_size or d.block_size != target.block_size:
+            raise PipelineError(f"draft worker {draft.address}: vocabulary or block size differs from the target's")
+        if d.model.max_model_len < target.model.max_model_len:
+            raise PipelineError(f"draft worker {draft.address}: max_model_len below the target's")
 
     async def send(self, plan: engine_pb2.StepPlan) -> None:
         try:
@@ -113,9 +134,21 @@ class Pipeline:
             raise PipelineError("last stage closed its stream")
         return result
 
+    async def propose(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
+        """Runs a draft plan on the draft worker; its result holds propose_tokens tokens per sequence."""
+        try:
+            await self.draft.call.write(plan)
+            result = await self.draft.call.read()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise PipelineError(f"draft worker failed: {e}") from e
+        if result is grpc.aio.EOF:
+            raise PipelineError("draft worker closed its stream")
+        return result
+
     async def close(self) -> None:
-        for s in self.stages:
+        for s in self.stages + ([self.draft] if self.draft else []):
             if s.call is not None:
                 s.call.cancel()
             await s.channel.close()
         self.stages = []
+        self.draft = None
