@@ -1,4 +1,5 @@
-"""Flatten one step's sequences into model inputs and paged-attention metadata."""
+"""Running a model shard directly in tests: one step's sequences flattened into model inputs and
+paged-attention metadata, and the switch between the shard's fused kernels and its torch path."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from strata.services.worker.attention import AttentionMetadata
+from strata.services.worker.model import FusedKernelSwitch
 
 
 @dataclass
@@ -73,3 +76,10 @@ def build_step_inputs(
         meta=meta,
         logits_indices=(query_start_loc[1:] - 1).to(device),
     )
+
+
+def set_fused_kernels(model: nn.Module, enabled: bool | None) -> None:
+    """Force the fused kernels on (True) or off (False) in every module of `model`; None: by device."""
+    for module in model.modules():
+        if isinstance(module, FusedKernelSwitch):
+            module.fused_kernels = enabled

@@ -28,8 +28,8 @@ from strata.kernels.reference import (
 )
 from strata.services.worker import model as model_module
 from strata.services.worker.attention import allocate_kv_cache
-from tests.paged_inputs import SequenceChunk, build_step_inputs
-from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding, set_fused_kernels
+from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
+from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
 from strata.services.worker.model_config import ModelConfig
 from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
 

@@ -12,16 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from strata.services.worker.sampler import (
-    Sampler,
-    SamplingTensors,
-    gumbel_noise,
-    keep_threshold,
-    sampling_logits,
-    uniform_noise,
-)
+from strata.kernels.gumbel_sampling import gumbel_noise, uniform_noise
+from strata.services.worker.sampler import Sampler, SamplingTensors, keep_threshold
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def sampling_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The logits a sampled row draws from: logits / T, filtered tokens at -inf (softmax of a
+    row is its sampling distribution); greedy rows come back raw."""
+    logits = logits.float()
+    scaled = logits * st.inv_temperature.unsqueeze(1)
+    threshold = keep_threshold(logits, st)
+    if threshold is not None:
+        scaled = scaled.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+    return scaled
 
 
 def build(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None,

@@ -72,21 +72,14 @@ def _fused_kernels() -> SimpleNamespace:
 class FusedKernelSwitch:
     """Mixin: run the fused Triton kernels on CUDA tensors, the HF-exact torch code otherwise.
 
-    `fused_kernels` None (default) decides by device; True forces the kernels (on CPU too, under
-    TRITON_INTERPRET=1 in tests), False forces the torch path. See set_fused_kernels.
+    `fused_kernels` None (default) decides by device; tests force the kernels with True (on CPU
+    too, under TRITON_INTERPRET=1) or the torch path with False.
     """
 
     fused_kernels: bool | None = None
 
     def _use_fused(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.fused_kernels is None else self.fused_kernels
-
-
-def set_fused_kernels(model: nn.Module, enabled: bool | None) -> None:
-    """Force the fused kernels on (True) or off (False) in every module of `model`; None: by device."""
-    for module in model.modules():
-        if isinstance(module, FusedKernelSwitch):
-            module.fused_kernels = enabled
 
 
 class RMSNorm(FusedKernelSwitch, nn.Module):

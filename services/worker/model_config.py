@@ -139,10 +139,6 @@ class ModelConfig:
 
     # ---- derived values ----------------------------------------------------------------
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def sliding_window_for_layer(self, layer_index: int) -> int | None:
         if self.sliding_window is None:
             return None

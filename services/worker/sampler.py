@@ -25,27 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from strata.kernels.gumbel_sampling import (
-    HAVE_TRITON,
-    gumbel_argmax,
-    gumbel_from_keys,
-    gumbel_noise,
-    gumbel_row_keys,
-    uniform_noise,
-)
+from strata.kernels.gumbel_sampling import HAVE_TRITON, gumbel_argmax, gumbel_from_keys, gumbel_row_keys
 from strata.protocol import GREEDY_TEMPERATURE
 from strata.services.worker.host_to_device import upload
 
-__all__ = [
-    "Sampler",
-    "SamplerOutput",
-    "SamplingTensors",
-    "gumbel_noise",
-    "keep_threshold",
-    "sample_unfiltered",
-    "sampling_logits",
-    "uniform_noise",
-]
+__all__ = ["Sampler", "SamplerOutput", "SamplingTensors", "keep_threshold", "sample_unfiltered"]
+
 # ---------------------------------------------------------------------------------------------
 # Per-step sampling settings.
 # ---------------------------------------------------------------------------------------------
@@ -208,21 +193,6 @@ def keep_threshold(logits: Tensor, st: SamplingTensors, ranked: Tensor | None = 
         cut = max_logit + st.min_p_offset  # -inf where min-p is off
         threshold = cut if threshold is None else torch.maximum(threshold, cut)
     return threshold
-
-
-def sampling_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """The logits a sampled row draws from: logits / T, filtered tokens at -inf.
-
-    softmax of a row is its sampling distribution. Greedy rows come back raw (they take the
-    argmax). Materialises [N, V]: for consumers such as speculative verification, not the
-    sampler's own path.
-    """
-    logits = logits.float()
-    scaled = logits * st.inv_temperature.unsqueeze(1)
-    threshold = keep_threshold(logits, st)
-    if threshold is not None:
-        scaled = scaled.masked_fill(logits < threshold.unsqueeze(1), _NEG_INF)
-    return scaled
 
 
 # ---------------------------------------------------------------------------------------------
