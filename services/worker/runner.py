@@ -24,6 +24,8 @@ from strata.v1 import engine_pb2
 
 
 class ModelRunner:
+    """This stage's shard, KV cache, sequence table and (last stage) sampler, driven by plans."""
+
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0):

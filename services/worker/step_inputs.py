@@ -21,6 +21,8 @@ from strata.v1 import engine_pb2
 
 @dataclass
 class HostInputs:
+    """One step's inputs on the host (numpy), in plan order; T tokens of B sequences."""
+
     input_ids: np.ndarray | None  # [T] on the first stage
     token_rows: np.ndarray  # [T] state row of each token's sequence
     has_placeholders: bool  # some input tokens are the sequence's last sampled one, on the device
