@@ -13,7 +13,7 @@ import time
 import torch
 
 from strata.bench.roofline import decode_plans, load_runner, prefill_plan
-from strata.flags import service_args
+from strata.bench_cli import add_bench_parser
 
 
 def main() -> None:
@@ -31,7 +31,9 @@ def main() -> None:
     if a.enforce_eager:
         argv.append("--enforce-eager")
     argv += ["--max-num-batched-tokens", str(max(2048, a.batch * a.prefill_len))]
-    args = service_args(argv)
+    parser = argparse.ArgumentParser(prog="strata")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)  # the roofline benchmark's flags: load_runner reads them
     runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
                                a.temperature, 0)
