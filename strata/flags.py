@@ -149,6 +149,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
              "proposing k tokens per call", choices=["target", "draft"])
     _draft_model_flags(p)
     _worker_flags(p)
+    _speculative_flags(p)  # sizes the verification (or, on a draft worker, decode) graphs
 
 
 def service_args(argv: list[str]) -> argparse.Namespace:

@@ -71,7 +71,7 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
             argv[argv.index("--gpu-memory-utilization") + 1] = str(args.gpu_memory_utilization / per_gpu)
     if args.enforce_eager:
         argv.append("--enforce-eager")
-    return argv
+    return argv + speculation_argv(args, None)  # the workers size their graphs by it
 
 
 # A draft worker shares stage 0's GPU: it gets this part of the memory share (its KV pool needs

@@ -125,3 +125,24 @@ def test_draft_model_slots_are_k_or_nothing_and_leave_no_blocks():
     assert list(stats.spec_decode_accepted_per_position)[:2] == [stats.spec_decode_drafts] * 2
     assert_all_blocks_free(sched, driver.workers)
     assert sorted(sched.draft_releases) == []  # nothing reached a draft worker in this test
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
+    """Drafts that are right and hold the stop token before their end: the request stops at it
+    (once min_tokens allow), and what followed it in the step is dropped."""
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    sched = Scheduler(num_blocks=40, block_size=4, max_model_len=64, speculation=spec)
+    script = [4, 5, 6, 3] * 4  # the output repeats 4 5 6 3; 6 is a stop token from output 4 on
+
+    def next_token(req, context):
+        return script[len(context) - req.num_prompt_tokens]
+
+    req = Request("r", [1, 3, 4, 5, 6, 3, 4, 5, 6, 2, 3], max_tokens=14, stop_token_ids=[6], min_tokens=3)
+    sched.add_request(req)
+    driver = Driver(sched, next_token=next_token)
+    driver.run()
+    assert req.output_token_ids == [4, 5, 6, 3, 4, 5, 6] and req.stop_token_id == 6
+    last = [s for p in driver.workers.plans for s in p.seqs if s.num_draft][-1]
+    drafts = last.input_token_ids[-last.num_draft:]
+    assert drafts[:3] == [4, 5, 6] and len(drafts) == 4  # the stop token came as an accepted draft
+    assert_all_blocks_free(sched, driver.workers)

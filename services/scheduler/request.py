@@ -62,6 +62,7 @@ class Request:
     draft_seq_id: int | None = None  # the seq_id the draft worker holds state for
     draft_synced_blocks: int = 0  # leading block-table entries the draft worker holds
     draft_computed: int = 0  # positions whose draft KV is valid (its tokens never changed since)
+    spec_retry_at: int = 0  # output tokens before it speculates again (after a proposal found nothing)
     in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
     pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1

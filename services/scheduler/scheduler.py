@@ -22,6 +22,9 @@ from strata.v1 import engine_pb2
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
 _RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
+# After a prompt lookup finds nothing, the request decodes this many tokens (pipelined with decode
+# lookahead) before it looks again.
+NGRAM_RETRY_TOKENS = 8
 
 
 def _arrival(req: Request) -> int:
@@ -161,13 +164,16 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            out = req.output_token_ids
+            # A request due to speculate gets no decode lookahead: it must come back from its plan
+            # in flight, so that a proposal can follow its latest token.
+            spec_due = speculate and len(out) >= req.spec_retry_at
             if req.in_flight:
-                if self._can_look_ahead(req) and self._schedule_lookahead(req, step_id, seqs, copies):
+                if not spec_due and self._can_look_ahead(req) and self._schedule_lookahead(req, step_id, seqs, copies):
                     budget -= 1
                 i += 1
                 continue
-            out = req.output_token_ids
-            if speculate and out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1:
+            if spec_due and out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1:
                 self._propose(req)
             if (
                 self.fast_paths
@@ -291,6 +297,8 @@ class Scheduler:
         room = req.max_output_tokens - len(req.output_token_ids) - 1
         if self._ngram is not None:
             req.draft_token_ids = self._ngram.propose(req, room)
+            if not req.draft_token_ids:  # nothing to look up: decode (with lookahead) for a while
+                req.spec_retry_at = len(req.output_token_ids) + NGRAM_RETRY_TOKENS
         elif room >= self.speculation.num_speculative_tokens:
             req.draft_token_ids = [DRAFT_PLACEHOLDER] * self.speculation.num_speculative_tokens
 

@@ -1,6 +1,8 @@
-"""CUDA graphs for decode steps: the shard's forward captured once per padded batch size and
-replayed with new inputs written into static buffers. On the last stage the graph also samples
-(rows without top-k/top-p/min-p or logprobs, the common case) and keeps the tokens on the device
+"""CUDA graphs for decode and verification steps: the shard's forward captured once per padded
+batch size and replayed with new inputs written into static buffers. Every sequence of a graph
+computes the same number of tokens: 1 for a decode, d + 1 for a speculative verification of d
+drafts (query_len). On the last stage the graph also samples every token's row (rows without
+top-k/top-p/min-p or logprobs, the common case); a decode graph keeps the tokens on the device
 for the next plan's decode lookahead.
 
 A decode step launches a few hundred small kernels; replaying a graph turns that host work into
@@ -9,8 +11,8 @@ torch call releases and retakes the GIL, which the worker's gRPC and result thre
 so each one is a chance to stall the launch behind them (measured on an H200 at 16 streams:
 ~2 ms of host time per step with ~80 torch calls, against a 1.3 ms GPU step).
 
-Padding rows get seq_len 0 and slot -1, so they read and write no KV; their sampled token goes
-to a scratch row of the worker's `last_sampled`.
+Padding sequences get seq_len 0 and slot -1, so they read and write no KV; their sampled token
+goes to a scratch row of the worker's `last_sampled`.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-# Per-row inputs of a decode graph. They live at fixed offsets in one device buffer, so a step's
-# rows go up in a single copy (the block tables, 2-D, in a second).
+# Per-token inputs of a graph (seq_lens: per sequence). They live at fixed offsets in one device
+# buffer, so a step's rows go up in a single copy (the block tables, 2-D, in a second).
 _ROW_FIELDS = (
     ("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
     ("state_rows", np.int64),  # the sequence table's row: placeholder lookup, last_sampled
@@ -55,10 +57,10 @@ def _layout(max_batch: int) -> tuple[dict[str, tuple[int, np.dtype]], int]:
 class _HostInputs:
     """Pinned host twin of the graph inputs, written through numpy views."""
 
-    def __init__(self, layout, total: int, max_batch: int, width: int):
+    def __init__(self, layout, total: int, max_tokens: int, max_batch: int, width: int):
         self.flat = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         flat = self.flat.numpy()
-        self.rows = {name: flat[off:off + max_batch * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
+        self.rows = {name: flat[off:off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
         self.tables_t = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
         self.tables = self.tables_t.numpy()
         self.copied = torch.cuda.Event()
@@ -66,35 +68,37 @@ class _HostInputs:
 
 
 class DecodeGraphs:
-    """The decode graphs of one stage, one per padded batch size up to max_batch.
+    """The graphs of one stage for one query length, one per padded batch size up to max_batch.
 
     last_sampled: the worker's token per state row (decode lookahead), which the graphs read for
-    placeholders and, when they sample, write; scratch_row: its row for padding rows.
+    placeholders and, when decode graphs sample, write; scratch_row: its row for padding rows.
     """
 
     def __init__(self, shard, kv_caches: list[torch.Tensor], *, max_batch: int, last_sampled: torch.Tensor,
                  scratch_row: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
                  max_blocks_per_seq: int, max_model_len: int, first_stage: bool, last_stage: bool,
-                 samples: bool):
+                 samples: bool, query_len: int = 1):
         self.shard, self.kv_caches = shard, kv_caches
         self.last_sampled, self.scratch_row = last_sampled, scratch_row
         self.device = device
         self.max_model_len = max_model_len
         self.first_stage, self.last_stage = first_stage, last_stage
         self.samples = samples  # the last stage draws unfiltered rows in the graph (needs Triton)
+        self.query_len = q = query_len
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        layout, total = _layout(self.max_batch)
+        max_tokens = self.max_batch * q
+        layout, total = _layout(max_tokens)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=device)
-        self.rows = {name: self.flat[off:off + self.max_batch * dt.itemsize].view(torch_dtype(dt))
+        self.rows = {name: self.flat[off:off + max_tokens * dt.itemsize].view(torch_dtype(dt))
                      for name, (off, dt) in layout.items()}
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self.hidden_in = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=device)
+        self.query_start_loc = torch.arange(0, (self.max_batch + 1) * q, q, dtype=torch.int32, device=device)
+        self.hidden_in = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.residual_in = torch.zeros_like(self.hidden_in)
         # Two host sets: the host fills one while the other's copy may still wait in the stream
         # (steps are launched ahead of the GPU); an event guards each set before reuse.
-        self.host = [_HostInputs(layout, total, self.max_batch, max_blocks_per_seq) for _ in range(2)]
+        self.host = [_HostInputs(layout, total, max_tokens, self.max_batch, max_blocks_per_seq) for _ in range(2)]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -103,24 +107,25 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.rows["seq_lens"][:bs],
-            block_tables=self.block_tables[:bs], slot_mapping=self.rows["slot_mapping"][:bs],
-            max_query_len=1, max_seq_len=self.max_model_len)
+            block_tables=self.block_tables[:bs], slot_mapping=self.rows["slot_mapping"][: bs * self.query_len],
+            max_query_len=self.query_len, max_seq_len=self.max_model_len)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
-        rows, first = self.rows, self.first_stage
-        state_rows = rows["state_rows"][:bs]
-        input_ids = resolve_placeholders(rows["input_ids"][:bs], state_rows, self.last_sampled) if first else None
+        rows, first, t = self.rows, self.first_stage, bs * self.query_len
+        state_rows = rows["state_rows"][:t]
+        input_ids = resolve_placeholders(rows["input_ids"][:t], state_rows, self.last_sampled) if first else None
         hidden, residual = self.shard.forward(
-            input_ids, rows["positions"][:bs], None if first else self.hidden_in[:bs],
-            None if first else self.residual_in[:bs], self.kv_caches, self._meta(bs))
+            input_ids, rows["positions"][:t], None if first else self.hidden_in[:t],
+            None if first else self.residual_in[:t], self.kv_caches, self._meta(bs))
         if not self.last_stage:
             return hidden, residual
         logits = self.shard.compute_logits(hidden, residual)
         if not self.samples:
             return (logits,)
-        tokens = sample_unfiltered(logits, rows["seeds"][:bs], rows["sample_positions"][:bs],
-                                   rows["inv_temperature"][:bs], rows["greedy"][:bs])
-        self.last_sampled[state_rows] = tokens
+        tokens = sample_unfiltered(logits, rows["seeds"][:t], rows["sample_positions"][:t],
+                                   rows["inv_temperature"][:t], rows["greedy"][:t])
+        if self.query_len == 1:  # after a verification the scheduler sends real tokens, never a placeholder
+            self.last_sampled[state_rows] = tokens
         return logits, tokens
 
     @torch.inference_mode()
@@ -148,36 +153,39 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, batch)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, bs: int, h: HostInputs, state_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
+    def run(self, bs: int, h: HostInputs, token_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
             hidden: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Replays the graph of padded size bs on the step's HostInputs `h`; sampling: the
-        per-row seeds, positions, inverse temperatures and greedy flags (last stage). Returns
-        the outputs' first n rows: (logits, tokens) on the last stage ((logits,) without
+        """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
+        query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
+        sample position, inverse temperature and greedy flag (last stage). Returns the outputs'
+        rows of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
         Triton), else (hidden, residual)."""
         n, width = h.block_tables.shape
+        t, padded = n * self.query_len, bs * self.query_len
         host = self.host[self.step % 2]
         self.step += 1
         host.copied.synchronize()  # its previous copy has left the host buffers
         rows = host.rows
         if h.input_ids is not None:
-            rows["input_ids"][:n] = h.input_ids
-        rows["positions"][:n] = h.positions
-        rows["slot_mapping"][:n] = h.slot_mapping
-        rows["seq_lens"][:n] = h.seq_lens
-        rows["state_rows"][:n] = state_rows
+            rows["input_ids"][:t] = h.input_ids
+        rows["positions"][:t] = h.positions
+        rows["slot_mapping"][:t] = h.slot_mapping
+        rows["state_rows"][:t] = token_rows
         if sampling is not None:
             for name, values in sampling.items():
-                rows[name][:n] = values
+                rows[name][:t] = values
         for name, value in _PADDING.items():
-            rows[name][n:bs] = value
-        rows["state_rows"][n:bs] = self.scratch_row
+            rows[name][t:padded] = value
+        rows["seq_lens"][:n] = h.seq_lens
+        rows["seq_lens"][n:bs] = 0
+        rows["state_rows"][t:padded] = self.scratch_row
         host.tables[:n, :width] = h.block_tables
         self.flat.copy_(host.flat, non_blocking=True)
         self.block_tables[:n, :width].copy_(host.tables_t[:n, :width], non_blocking=True)
         host.copied.record()
         if hidden is not None:
-            self.hidden_in[:n].copy_(hidden)
-            self.residual_in[:n].copy_(residual)
+            self.hidden_in[:t].copy_(hidden)
+            self.residual_in[:t].copy_(residual)
         self.graphs[bs].replay()
-        return tuple(t[:n] for t in self.outputs[bs])
+        return tuple(out[:t] for out in self.outputs[bs])
 

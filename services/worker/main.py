@@ -77,21 +77,30 @@ def build(args):
     model_path, dummy = resolve_model(args.model)
     if not 0 <= args.stage_index < args.num_stages:
         raise SystemExit(f"--stage-index must be in [0, {args.num_stages})")
+    draft = args.role == "draft"
+    if draft and args.num_stages != 1:
+        raise SystemExit("a draft worker holds the whole draft model: --num-stages 1")
     shard, config = load_shard("dummy" if dummy else model_path, args.stage_index, args.num_stages, dtype,
                                device, dummy_config=dummy, seed=args.seed,
-                               attn_backend=attention_backend_for(device))
+                               attn_backend=attention_backend_for(device), first_layers=args.draft_num_layers)
     max_model_len = args.max_model_len or config.max_position_embeddings
+    speculate = bool(args.speculative_method)
+    # A draft worker runs batches of speculating sequences only; a target captures verification
+    # graphs for them as well as its decode graphs.
+    graph_batch = min(args.speculative_max_batch if draft else args.max_num_seqs, 512)
     runner = ModelRunner(shard, config, stage_index=args.stage_index, num_stages=args.num_stages,
                          block_size=args.block_size, max_model_len=max_model_len, device=device, dtype=dtype,
                          max_num_seqs=max(args.max_num_seqs * 4, 1024),
-                         cuda_graph_max_batch=0 if args.enforce_eager else min(args.max_num_seqs, 512))
+                         cuda_graph_max_batch=0 if args.enforce_eager else graph_batch,
+                         num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
+                         speculative_max_batch=args.speculative_max_batch)
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"
     description = engine_pb2.WorkerDescription(
         stage_index=args.stage_index, num_stages=args.num_stages,
         layer_start=shard.start_layer, layer_end=shard.end_layer,
         num_kv_blocks=blocks, block_size=args.block_size, device=str(device),
-        model_fingerprint=shard.fingerprint,
+        model_fingerprint=shard.fingerprint, draft=draft,
         model=generate_pb2.ModelInfo(
             model_name=name, architecture=config.architecture, max_model_len=max_model_len,
             vocab_size=config.vocab_size, eos_token_ids=config.eos_token_id,

@@ -72,6 +72,14 @@ class ModelConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError("layer_types must have one entry per layer")
 
+    def first_layers(self, num_layers: int) -> "ModelConfig":
+        """The model cut to its first num_layers layers (with its final norm and lm_head): a draft
+        model that shares the target's weights and tokenizer."""
+        if not 1 <= num_layers <= self.num_hidden_layers:
+            raise ValueError(f"a draft of {num_layers} layers: the model has {self.num_hidden_layers}")
+        layer_types = self.layer_types[:num_layers] if self.layer_types is not None else None
+        return dataclasses.replace(self, num_hidden_layers=num_layers, layer_types=layer_types)
+
     # ---- construction ------------------------------------------------------------------
 
     @classmethod

@@ -28,7 +28,8 @@ class ModelRunner:
 
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0):
+                 max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0, num_speculative_tokens: int = 0,
+                 speculative_max_batch: int = 0):
         self.shard = shard
         self.config = model_config
         self.stage_index = stage_index
@@ -45,6 +46,10 @@ class ModelRunner:
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
+        # Verification graphs, by query length (2 .. k + 1), for batches up to the speculative limit.
+        self.verify_graphs: dict[int, object] = {}
+        self.verify_query_lens = range(2, num_speculative_tokens + 2) if self.cuda_graph_max_batch else range(0)
+        self.verify_max_batch = min(speculative_max_batch, self.cuda_graph_max_batch)
         # The last token sampled per state row (decode lookahead), plus a scratch row that the
         # decode graphs' padding rows write to.
         self.scratch_row = max_num_seqs
@@ -56,6 +61,7 @@ class ModelRunner:
     def init_cache(self, num_blocks: int) -> None:
         self.kv_caches = []  # free the old cache (and graphs over it) before allocating the new one
         self.graphs = None
+        self.verify_graphs = {}
         self.kv_caches = allocate_kv_cache(
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
             self.config.head_dim, self.dtype, self.device)
@@ -69,13 +75,20 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         from strata.services.worker.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(
-            self.shard, self.kv_caches, max_batch=self.cuda_graph_max_batch, last_sampled=self.last_sampled,
-            scratch_row=self.scratch_row, device=self.device, dtype=self.dtype,
-            hidden_size=self.config.hidden_size, max_blocks_per_seq=self.table.max_blocks,
-            max_model_len=self.max_model_len, first_stage=self.is_first, last_stage=self.is_last,
-            samples=self.is_last and HAVE_TRITON)
-        self.graphs.capture()
+
+        def capture(max_batch: int, query_len: int) -> DecodeGraphs:
+            graphs = DecodeGraphs(
+                self.shard, self.kv_caches, max_batch=max_batch, last_sampled=self.last_sampled,
+                scratch_row=self.scratch_row, device=self.device, dtype=self.dtype,
+                hidden_size=self.config.hidden_size, max_blocks_per_seq=self.table.max_blocks,
+                max_model_len=self.max_model_len, first_stage=self.is_first, last_stage=self.is_last,
+                samples=self.is_last and HAVE_TRITON, query_len=query_len)
+            graphs.capture()
+            return graphs
+
+        self.graphs = capture(self.cuda_graph_max_batch, 1)
+        if self.verify_max_batch:
+            self.verify_graphs = {q: capture(self.verify_max_batch, q) for q in self.verify_query_lens}
 
     def _copy_blocks(self, src, dst) -> None:
         """Copy-on-write of shared partial blocks, in every layer's cache."""
@@ -101,9 +114,10 @@ class ModelRunner:
         rows = self.apply_plan(plan)
         h = self.inputs.build(plan, rows)
         gpu_start = self.timeline.mark() if self.timeline else None
-        bs = self.graphs.padded_size(len(h.seq_lens)) if self.graphs and h.max_query_len == 1 else None
-        if bs is not None:  # decode-only: replay a captured graph
-            return self._execute_graph(plan, h, rows, bs, hidden, residual, start, gpu_start)
+        graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
+        bs = graphs.padded_size(len(h.seq_lens)) if graphs is not None else None
+        if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
+            return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
         d, sampling = self.inputs.upload(h, eager=True)
         input_ids = d.get("input_ids")
         if "token_rows" in d:  # the plan has placeholders
@@ -120,31 +134,31 @@ class ModelRunner:
             logits = self.shard.compute_logits(hidden[idx], residual[idx])
         return self._sample(plan.step_id, h, logits, d["sample_rows"], sampling, start, gpu_start)
 
-    def _execute_graph(self, plan, h: HostInputs, rows: np.ndarray, bs: int, hidden, residual, start: float,
-                       gpu_start):
-        """A decode step on the graph of padded size bs. When every row samples without filters or
-        logprobs, the graph's own draw is the result; otherwise the sampler runs on its logits
-        (and overwrites the graph's tokens in last_sampled)."""
-        t, graphs = self.table, self.graphs
-        n = len(h.seq_lens)
+    def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, hidden, residual, start: float, gpu_start):
+        """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
+        draws the token after it, from (seed, position + 1)); when every token is a sample row
+        without filters or logprobs, that draw is the result. Otherwise the sampler runs on the
+        graph's logits (and overwrites a decode graph's tokens in last_sampled)."""
+        t, token_rows = self.table, h.token_rows
+        num_tokens = len(token_rows)
         sampling_rows = None
         if graphs.samples:
-            sampling_rows = {"seeds": t.seed[rows], "sample_positions": h.seq_lens,
-                             "inv_temperature": t.inv_temperature[rows], "greedy": t.greedy[rows]}
-        in_graph = graphs.samples and len(h.sample_seq_ids) == n and bool(t.unfiltered[rows].all())
+            sampling_rows = {"seeds": t.seed[token_rows], "sample_positions": h.positions + 1,
+                             "inv_temperature": t.inv_temperature[token_rows], "greedy": t.greedy[token_rows]}
+        all_rows = len(h.sample_rows) == num_tokens
+        in_graph = graphs.samples and all_rows and bool(t.unfiltered[token_rows].all())
         d = sampling = None
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
-        outs = graphs.run(bs, h, rows, sampling_rows, hidden, residual)
+        outs = graphs.run(bs, h, token_rows, sampling_rows, hidden, residual)
         if not self.is_last:
             return outs
         if in_graph:
             return PendingResult(plan.step_id, start, h.sample_seq_ids, t.logprobs[h.sample_rows], [outs[1]],
-                                 self.timeline, gpu_start)
+                                 self.timeline, gpu_start, h.verify)
         logits = sample_rows = None
         if h.sample_seq_ids:
-            # Every decode token is its sequence's last: the sampled rows index the logits directly.
-            logits = outs[0] if len(h.sample_seq_ids) == n else outs[0][d["sample_token_index"]]
+            logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
             sample_rows = d["sample_rows"]
         return self._sample(plan.step_id, h, logits, sample_rows, sampling, start, gpu_start)
 
@@ -159,4 +173,4 @@ class ModelRunner:
         if sampling.num_logprobs >= 0:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
         return PendingResult(step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows], tensors,
-                             self.timeline, gpu_start)
+                             self.timeline, gpu_start, h.verify)

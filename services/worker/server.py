@@ -15,6 +15,7 @@ import torch
 
 from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
+from strata.services.worker.draft_steps import DraftProposal, propose
 from strata.services.worker.step_results import PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.grpc_util import aio_channel
@@ -157,7 +158,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         try:
             while (item := await pending.get()) is not None:
-                if isinstance(item, PendingResult):
+                if isinstance(item, (PendingResult, DraftProposal)):
                     try:
                         item = await loop.run_in_executor(self.finisher, item.finish)
                     except Exception as e:
@@ -183,7 +184,10 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         if not error:
             self.profiler.step_launched()
             try:
-                out = await loop.run_in_executor(self.executor, runner.execute, plan, hidden, residual)
+                if plan.propose_tokens:  # a draft worker's proposal: k steps
+                    out = await loop.run_in_executor(self.executor, propose, runner, plan)
+                else:
+                    out = await loop.run_in_executor(self.executor, runner.execute, plan, hidden, residual)
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"

@@ -32,10 +32,22 @@ class HostInputs:
     slot_mapping: np.ndarray  # [T]
     block_tables: np.ndarray  # [B, blocks of the longest sequence]
     max_query_len: int
-    sample_rows: np.ndarray  # state rows of the sequences that sample
-    sample_token_index: np.ndarray  # index in the flat batch of the token whose logits are sampled
-    sample_positions: np.ndarray  # absolute position of each sampled token
-    sample_seq_ids: list[int]
+    uniform_query_len: int  # every sequence's query length when they are all equal, else 0
+    # Sample rows: one per sequence that samples, or d + 1 for one verifying d drafts.
+    sample_rows: np.ndarray  # [R] state row of each sample row's sequence
+    sample_token_index: np.ndarray  # [R] index in the flat batch of the token whose logits it samples
+    sample_positions: np.ndarray  # [R] absolute position of the token it samples
+    sample_seq_ids: list[int]  # [S] the sequences that sample
+    verify: Verification | None  # set when some sequence verifies drafts
+
+
+@dataclass
+class Verification:
+    """Speculative verification rows: which sample rows belong to which sequence, and the draft
+    token each row's draw is compared with (-1 for a sequence's last row, the bonus draw)."""
+
+    rows_per_seq: np.ndarray  # [S] d + 1 for a sequence verifying d drafts, else 1
+    drafts: np.ndarray  # [R]
 
 
 def resolve_placeholders(input_ids: torch.Tensor, token_rows: torch.Tensor,
@@ -66,8 +78,6 @@ class StepInputBuilder:
         q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
         if q_lens.size == 0 or (q_lens <= 0).any():
             raise PlanError("a plan must schedule at least one token per sequence")
-        if any(plan.num_draft_tokens):
-            raise PlanError("speculative verification is not supported by this worker yet")
         seq_lens = num_computed + q_lens
         if seq_lens.max() > self.max_model_len:
             raise PlanError("a sequence exceeds max_model_len")
@@ -88,15 +98,44 @@ class StepInputBuilder:
                 raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
             input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
-        return HostInputs(
+        last_token = qsl[1:] - 1
+        h = HostInputs(
             input_ids=input_ids, token_rows=token_rows,
             has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()),
             positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
             slot_mapping=block_ids * block_size + positions % block_size,
             block_tables=table.block_tables[rows, : int(needed_blocks.max())],
-            max_query_len=int(q_lens.max()),
-            sample_rows=rows[sample_idx], sample_token_index=qsl[1:][sample_idx] - 1,
-            sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx])
+            max_query_len=int(q_lens.max()), uniform_query_len=int(q_lens[0]) if (q_lens == q_lens[0]).all() else 0,
+            sample_rows=rows[sample_idx], sample_token_index=last_token[sample_idx],
+            sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
+            verify=None)
+        if any(plan.num_draft_tokens):
+            self._add_verification(h, plan, q_lens, sample_idx, rows)
+        return h
+
+    def _add_verification(self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray,
+                          sample_idx: np.ndarray, rows: np.ndarray) -> None:
+        """A sequence verifying d drafts (its last d input tokens) samples d + 1 rows: the token
+        before each draft and the last one. Row j draws the token at position seq_len - d + j,
+        from (seed, that position) as a plain decode there would, and is compared with draft j."""
+        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64)
+        sampling = np.zeros(len(q_lens), dtype=bool)
+        sampling[sample_idx] = True
+        if drafts.shape != q_lens.shape or (drafts >= q_lens).any() or (drafts[~sampling] > 0).any():
+            raise PlanError("num_draft_tokens must be below num_scheduled, and only on sampling sequences")
+        d = drafts[sample_idx]
+        counts = d + 1
+        first_row = np.cumsum(counts) - counts
+        offset = np.arange(int(counts.sum())) - np.repeat(first_row, counts)  # j = 0 .. d per sequence
+        start = np.repeat(h.sample_token_index - d, counts)
+        h.sample_token_index = start + offset
+        h.sample_positions = np.repeat(h.sample_positions - d, counts) + offset
+        h.sample_rows = np.repeat(rows[sample_idx], counts)
+        tokens = np.asarray(plan.input_token_ids, dtype=np.int64)
+        if tokens.shape[0] != int(h.query_start_loc[-1]):
+            raise PlanError("a plan with drafts must carry every input token")
+        following = np.minimum(h.sample_token_index + 1, tokens.shape[0] - 1)
+        h.verify = Verification(counts, np.where(offset < np.repeat(d, counts), tokens[following], -1))
 
     def upload(self, h: HostInputs, *, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
         """The step's index arrays and sampling settings on the device, in one copy (the decode

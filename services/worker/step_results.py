@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from strata.services.worker.step_inputs import Verification
 from strata.v1 import engine_pb2
 
 
@@ -46,13 +47,15 @@ class PendingResult:
     the GPU; finish() waits for it, so the step thread can already launch the next plan.
 
     tensors: [token_ids], plus [logprobs, top_ids, top_logprobs] when some row asked for
-    logprobs (the Sampler's outputs); none when nothing was sampled. wanted_logprobs: each
-    row's own top count (the tensors hold the largest)."""
+    logprobs (the Sampler's outputs), one per sample row; none when nothing was sampled.
+    wanted_logprobs: each row's own top count (the tensors hold the largest). verify: the rows
+    of sequences that verify drafts (step_inputs.Verification)."""
 
     def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
                  tensors: list[torch.Tensor], timeline: GpuTimeline | None = None,
-                 gpu_start: torch.cuda.Event | None = None):
+                 gpu_start: torch.cuda.Event | None = None, verify: Verification | None = None):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
+        self.verify = verify
         self.host = [x.to("cpu", non_blocking=True) for x in tensors]
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = GpuTimeline.mark() if gpu_start is not None else None
@@ -64,19 +67,49 @@ class PendingResult:
             self.event.synchronize()
             result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
         if self.seq_ids:
-            token_ids = self.host[0].tolist()
-            n = len(token_ids)
             result.seq_ids.extend(self.seq_ids)
-            result.num_tokens.extend([1] * n)
-            result.token_ids.extend(token_ids)
+            if self.verify is None:  # one token per sequence (most steps)
+                token_ids = self.host[0].tolist()
+                result.num_tokens.extend([1] * len(token_ids))
+                result.token_ids.extend(token_ids)
+                emitted = None
+            else:
+                tokens = self.host[0].numpy()
+                num_tokens, emitted = accepted_rows(tokens, self.verify)
+                result.num_tokens.extend(num_tokens.tolist())
+                result.token_ids.extend(tokens[emitted].tolist())
             if len(self.host) > 1:
-                _, logprobs, top_ids, top_lps = self.host
-                result.logprobs.extend(logprobs.tolist())
-                top_ids, top_lps = top_ids.numpy(), top_lps.numpy()
-                for i in range(n):  # per sampled sequence, only when logprobs were asked
-                    k = max(int(self.wanted[i]), 0)
-                    result.num_top.append(k)
-                    result.top_token_ids.extend(top_ids[i, :k].tolist())
-                    result.top_logprobs.extend(top_lps[i, :k].tolist())
+                self._add_logprobs(result, emitted)
         result.execute_seconds = time.perf_counter() - self.start
         return result
+
+    def _add_logprobs(self, result: engine_pb2.StepResult, emitted: np.ndarray | None) -> None:
+        """Logprobs of the emitted rows (all rows without verification); only when asked."""
+        _, logprobs, top_ids, top_lps = (x.numpy() for x in self.host)
+        wanted = self.wanted
+        if emitted is not None:
+            logprobs, top_ids, top_lps, wanted = logprobs[emitted], top_ids[emitted], top_lps[emitted], wanted[emitted]
+        result.logprobs.extend(logprobs.tolist())
+        for i in range(len(wanted)):  # per emitted token, only when logprobs were asked
+            k = max(int(wanted[i]), 0)
+            result.num_top.append(k)
+            result.top_token_ids.extend(top_ids[i, :k].tolist())
+            result.top_logprobs.extend(top_lps[i, :k].tolist())
+
+
+def accepted_rows(tokens: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:
+    """Speculative verification of one step's draws: a sequence's drafts are accepted left to
+    right while each equals the target's own draw at its position, and the draw at the first
+    mismatch (or the bonus draw after every draft) is emitted too. Since each draw comes from
+    (seed, position), the tokens are those plain decoding would give.
+
+    Returns (tokens emitted per sequence, the emitted rows in order)."""
+    counts = verify.rows_per_seq
+    width = int(counts.max())
+    first_row = np.cumsum(counts) - counts
+    index = first_row[:, None] + np.arange(width)  # [S, width]
+    valid = np.arange(width) < counts[:, None]
+    match = np.zeros(index.shape, dtype=bool)
+    match[valid] = tokens[index[valid]] == verify.drafts[index[valid]]  # the bonus row's draft is -1
+    num_tokens = np.cumprod(match, axis=1).sum(axis=1) + 1
+    return num_tokens, index[np.arange(width) < num_tokens[:, None]]

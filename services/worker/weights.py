@@ -85,11 +85,13 @@ def load_shard(
     dummy_config: ModelConfig | str | None = None,
     seed: int = 0,
     attn_backend: AttentionBackend | None = None,
+    first_layers: int = 0,
 ) -> tuple[CausalLMShard, ModelConfig]:
     """The shard of pipeline stage `stage_index` out of `num_stages`, and the model config.
 
     `model` is an HF checkpoint directory (config.json + *.safetensors) or "dummy", which
-    builds random weights for `dummy_config` (a ModelConfig or a preset name).
+    builds random weights for `dummy_config` (a ModelConfig or a preset name). first_layers: only
+    the model's first layers (plus its final norm and lm_head), as a draft model.
     """
     dtype = _as_dtype(dtype)
     is_dummy = str(model) == DUMMY
@@ -99,6 +101,8 @@ def load_shard(
         config = _preset(dummy_config) if isinstance(dummy_config, str) else dummy_config
     else:
         config = ModelConfig.from_dir(model)
+    if first_layers:
+        config = config.first_layers(first_layers)
     start, end = config.layer_range(stage_index, num_stages)
     shard = CausalLMShard(config, start, end, device=device, dtype=dtype, attn_backend=attn_backend)
 

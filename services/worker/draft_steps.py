@@ -1,0 +1,59 @@
+"""The draft worker's proposal: k autoregressive steps of the draft model in one call.
+
+The scheduler's plan catches each sequence's draft KV up to its last token and draws the first
+draft token; k - 1 decode steps follow, each fed the token just drawn. Those inputs are decode
+placeholders, resolved on the device from the tokens the previous step sampled, so the steps
+launch back to back (on CUDA graphs) without waiting for the host. Draws use the request's own
+(seed, position) noise and filters: where the draft's distribution agrees with the target's,
+it proposes exactly the token the target will draw, and verification accepts it.
+"""
+from __future__ import annotations
+
+from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.sequence_table import PlanError
+from strata.services.worker.step_results import PendingResult
+from strata.v1 import engine_pb2
+
+MAX_PROPOSE_TOKENS = 32
+
+
+class DraftProposal:
+    """The k launched steps of one proposal; finish() gathers k tokens per sequence."""
+
+    def __init__(self, step_id: int, steps: list[PendingResult]):
+        self.step_id = step_id
+        self.steps = steps
+
+    def finish(self) -> engine_pb2.StepResult:
+        results = [step.finish() for step in self.steps]
+        first = results[0]
+        k = len(results)
+        proposal = engine_pb2.StepResult(
+            step_id=self.step_id, seq_ids=first.seq_ids, num_tokens=[k] * len(first.seq_ids),
+            launch_seconds=sum(r.launch_seconds for r in results),
+            execute_seconds=max(r.execute_seconds for r in results),
+            gpu_seconds=sum(r.gpu_seconds for r in results))
+        for i in range(len(first.seq_ids)):  # one sequence's k tokens, in draft order
+            proposal.token_ids.extend(r.token_ids[i] for r in results)
+        return proposal
+
+
+def propose(runner, plan: engine_pb2.StepPlan) -> DraftProposal:
+    """Launches the plan's step and plan.propose_tokens - 1 decode steps on the draft runner."""
+    k = plan.propose_tokens
+    n = len(plan.seq_ids)
+    if not 1 <= k <= MAX_PROPOSE_TOKENS:
+        raise PlanError(f"propose_tokens must be in [1, {MAX_PROPOSE_TOKENS}]")
+    if list(plan.sample) != [True] * n or any(plan.num_draft_tokens):
+        raise PlanError("a draft plan samples every sequence and verifies none")
+    steps = [runner.execute(plan)]
+    seq_lens = [c + s for c, s in zip(plan.num_computed, plan.num_scheduled)]
+    table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
+    for _ in range(k - 1):
+        decode = engine_pb2.StepPlan(
+            step_id=plan.step_id, seq_ids=plan.seq_ids, num_computed=seq_lens, num_scheduled=[1] * n,
+            input_token_ids=[PLACEHOLDER_TOKEN] * n, table_keep=table_lens, table_append_counts=[0] * n,
+            sample=[True] * n)
+        steps.append(runner.execute(decode))
+        seq_lens = [length + 1 for length in seq_lens]
+    return DraftProposal(plan.step_id, steps)

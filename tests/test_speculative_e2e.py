@@ -1,0 +1,124 @@
+"""Speculative decoding through the whole stack, on CPU in float32: every request gets the tokens
+it gets without speculation, whichever proposer, stage count, sampling or stop rule.
+
+One workload runs on a cluster without speculation and on clusters with it (n-gram and draft
+model, 1 and 2 stages, a cache small enough to preempt); every output is compared token for
+token, and each speculating run must have verified and accepted drafts."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from strata.v1 import generate_pb2
+from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=11)
+PROMPTS = ["the cat the cat the cat the", "one two three one two three one", "hello there", "a b a b a b"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, seed=5, layers=2)
+
+
+def _tokens(client, prompt, **kw):
+    responses = list(client.generate(prompt, timeout=120, output_kind=generate_pb2.DELTA,
+                                     **{"max_tokens": 60, "ignore_eos": True, **kw}))
+    outs = {}
+    for r in responses:
+        for o in r.outputs:
+            entry = outs.setdefault(o.index, [[], "", "", None])
+            entry[0] += o.token_ids
+            entry[1] += o.text
+            if o.finish_reason:
+                entry[2] = o.finish_reason
+                entry[3] = o.WhichOneof("stop_reason") and getattr(o, o.WhichOneof("stop_reason"))
+    return [tuple(outs[i][:2]) + tuple(outs[i][2:]) for i in sorted(outs)]
+
+
+def workload(client, stops):
+    """Every kind of request the issue names; `stops` gives stop tokens and strings taken from
+    the plain run's outputs, so that they fall inside (accepted) drafts."""
+    results = {}
+    for i, prompt in enumerate(PROMPTS):
+        results[f"greedy{i}"] = _tokens(client, prompt, max_tokens=80, **GREEDY)
+        results[f"sampled{i}"] = _tokens(client, prompt, **SAMPLED)
+    results["n4"] = _tokens(client, PROMPTS[0], n=4, **SAMPLED)
+    for name, (token_ids, strings) in stops.items():
+        results[f"stop_tokens_{name}"] = _tokens(client, PROMPTS[0], stop_token_ids=token_ids, **GREEDY)
+        results[f"stop_strings_{name}"] = _tokens(client, PROMPTS[1], stop=strings, **SAMPLED)
+
+    def one(i):  # 16 at once: greedy and sampled, short and long
+        kw = GREEDY if i % 2 else dict(SAMPLED, seed=100 + i)
+        results[f"concurrent{i}"] = _tokens(client, PROMPTS[i % len(PROMPTS)] * (1 + i % 3),
+                                            max_tokens=20 + 5 * i, **kw)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def stop_rules(plain):
+    """Stop tokens at several positions of a greedy output, stop strings cut from a sampled one."""
+    greedy = plain["greedy0"][0][0]
+    text = plain["sampled1"][0][1]
+    cuts = [int(len(text) * f) for f in (0.1, 0.4, 0.7)]
+    assert len(greedy) > 33 and len(text) > 20
+    return {f"at{k}": ([greedy[k]], [text[cut:cut + 3]]) for k, cut in zip((5, 17, 33), cuts)}
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    with running_cluster(model_dir, 1) as (_, client):
+        first = workload(client, {})
+        stops = stop_rules(first)
+        return stops, {**first, **workload(client, stops)}
+
+
+CASES = {
+    "ngram-1": (1, "--speculative-method", "ngram", "--ngram-max", "3"),
+    "ngram-2": (2, "--speculative-method", "ngram", "--num-speculative-tokens", "3"),
+    "draft-1": (1, "--speculative-method", "draft", "--draft-num-layers", "1"),
+    "draft-2": (2, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-speculative-tokens", "3"),
+    # 40 blocks of 4 tokens, one request's worth: 16 concurrent requests preempt each other.
+    "ngram-preempting": (1, "--speculative-method", "ngram", "--num-kv-blocks", "40", "--max-model-len", "160"),
+    "draft-preempting": (1, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-kv-blocks", "40",
+                         "--max-model-len", "160"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculation_gives_every_request_the_plain_tokens(model_dir, plain, case):
+    stops, expected = plain
+    stages, *flags = CASES[case]
+    with running_cluster(model_dir, stages, *flags) as (cluster, client):
+        got = workload(client, stops)
+        stats = scheduler_stats(cluster)
+    different = sorted(name for name in expected if got[name] != expected[name])
+    assert not different, (different[:3], [(got[n], expected[n]) for n in different[:1]])
+    assert stats.spec_decode_drafts > 0 and stats.spec_decode_accepted_tokens > 0
+    if "preempting" in case:
+        assert stats.preemptions > 0
+    assert stats.used_kv_blocks == 0
+
+
+def test_cancelled_speculating_streams_free_every_block(model_dir):
+    with running_cluster(model_dir, 1, "--speculative-method", "draft", "--draft-num-layers", "1") as (c, client):
+        streams = [client.generate(f"cancel {i} " * 3, max_tokens=300, ignore_eos=True, temperature=0.0)
+                   for i in range(8)]
+        for stream in streams:
+            next(stream)
+        for stream in streams:
+            stream.cancel()
+            with pytest.raises(grpc.RpcError):
+                list(stream)
+        assert collect(client.generate("after", max_tokens=10, ignore_eos=True, temperature=0.0))
+        stats = scheduler_stats(c)
+        assert stats.spec_decode_drafts > 0
+        assert stats.used_kv_blocks == 0 and stats.running == 0
