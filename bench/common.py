@@ -107,6 +107,12 @@ class Endpoints:
     service_pids: dict[str, int] = field(default_factory=dict)  # of a cluster this run started
 
 
+def with_overrides(args, **overrides):
+    """A copy of the argparse namespace with some values replaced."""
+    import argparse
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
 def serve_argv(args, model: str | None) -> list[str]:
     """`strata serve` arguments for the cluster a benchmark starts."""
     from strata.launcher import free_port
@@ -123,6 +129,12 @@ def serve_argv(args, model: str | None) -> list[str]:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if getattr(args, "speculative_method", None):
+        argv += ["--speculative-method", args.speculative_method,
+                 "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        for flag in ("ngram_min", "ngram_max", "speculative_max_batch", "draft_num_layers", "draft_model"):
+            if getattr(args, flag, None):
+                argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return argv
 
 

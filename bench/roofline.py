@@ -125,8 +125,9 @@ def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, outp
 
 # ---------------------------------------------------------------- the measured step
 
-def load_runner(args, batch: int, context_len: int):
-    """The worker's ModelRunner for the whole model on one device, cache sized for the batch."""
+def load_runner(args, batch: int, context_len: int, extra: list[str] = ()):
+    """The worker's ModelRunner for the whole model on one device, cache sized for the batch;
+    `extra`: more `strata worker` flags."""
     from strata.services.worker.main import build
 
     block_size = args.block_size
@@ -142,7 +143,7 @@ def load_runner(args, batch: int, context_len: int):
         argv += ["--model", model]
     if args.enforce_eager:
         argv.append("--enforce-eager")
-    runner, _ = build(service_args(argv))
+    runner, _ = build(service_args(argv + list(extra)))
     runner.init_cache(num_blocks)
     return runner
 

@@ -19,6 +19,11 @@ DESCRIPTIONS = {
                 "bandwidth; also the step time the scheduler sees through the stack.",
     "parallel-sampling": "One request of n=N against N requests of n=1 with distinct prompts and with one "
                          "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
+    "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
+                   "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
+                   "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
+                   "checked against the plain run. With a draft model, also the step costs and the speedups "
+                   "they predict.",
 }
 
 
@@ -122,7 +127,34 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     p.add_argument("--fresh-cluster", action=argparse.BooleanOptionalAction, default=True,
                    help="a new cluster per phase, so each phase's peak KV blocks is its own")
     _common_flags(p)
+    _speculative_parser(sub, formatter_class)
     return bench
+
+
+def _batches(value: str) -> list[int]:
+    return [int(b) for b in value.split(",") if b.strip()]
+
+
+def _speculative_parser(sub, formatter_class) -> None:
+    p = sub.add_parser("speculative", formatter_class=formatter_class, help="with and without speculative decoding",
+                       description=DESCRIPTIONS["speculative"])
+    p.add_argument("--method", choices=["ngram", "draft"], default="ngram", help="the proposer")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
+    p.add_argument("--speculative-max-batch", type=int, default=64,
+                   help="running requests above which the server stops speculating (the server's default is 32)")
+    p.add_argument("--draft-model", default=None, help="HF directory of the draft model (--method draft)")
+    p.add_argument("--draft-num-layers", type=int, default=0,
+                   help="the draft: the target's first N layers (--method draft without --draft-model)")
+    p.add_argument("--batches", type=_batches, default=[1, 16, 64], help="concurrencies, comma-separated")
+    p.add_argument("--output-len", type=int, default=256, help="most tokens generated per request")
+    p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the target's decode and verify steps and the draft's step in process, and print the "
+                        "speedups they predict (default: with --method draft)")
+    p.add_argument("--cost-context-len", type=int, default=512, help="context of the cost model's steps")
+    _common_flags(p)
+    p.set_defaults(temperature=0.0)
 
 
 def run_bench(args) -> int:
@@ -138,6 +170,9 @@ def run_bench(args) -> int:
     if args.bench_command == "parallel-sampling":
         from strata.bench import parallel_sampling
         return parallel_sampling.run(args)
+    if args.bench_command == "speculative":
+        from strata.bench import speculative
+        return speculative.run(args)
     raise SystemExit(f"unknown benchmark {args.bench_command!r}")
 
 
