@@ -227,6 +227,16 @@ class KVBlockManager:
         block = table[index]
         return self._ref[block] == 1 and self._hash[block] is None
 
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Holds a reference to blocks someone holds already (a prefix group's prefix)."""
+        for block in blocks:
+            assert self._ref[block] > 0, "only blocks in use can be pinned"
+            self._ref[block] += 1
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        for block in reversed(blocks):
+            self._release(block)
+
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Frees the table entries past the first num_blocks (speculative rollback)."""
         blocks = req.blocks

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.services.scheduler.request import Request
 
@@ -35,6 +35,10 @@ class StepPlan:
     seqs: list[ScheduledSeq]
     # Copy-on-write block copies (src, dst), done by the workers before the step, in order.
     copies: list[tuple[int, int]]
+    # Shared prefixes for cascade attention (scheduler.group_shared_prefixes): per sequence its
+    # group's index + 1 (0: none), per group its prefix in tokens. Empty when nothing is shared.
+    shared_prefix_group: list[int] = field(default_factory=list)
+    shared_prefix_lens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

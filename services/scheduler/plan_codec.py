@@ -24,6 +24,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         num_draft_tokens=[s.num_draft for s in seqs],
         copy_src_blocks=[src for src, _ in plan.copies],
         copy_dst_blocks=[dst for _, dst in plan.copies],
+        shared_prefix_group=plan.shared_prefix_group,
+        shared_prefix_lens=plan.shared_prefix_lens,
     )
     return msg
 

@@ -44,7 +44,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    parent_id: str = ""  # children of one n > 1 request share it (and the prompt)
+    parent_id: str = ""  # requests sharing a prefix (n > 1 children, a prefix group's members)
+    shared_prefix_len: int = 0  # with parent_id: prompt tokens shared with the others (0: all but the last)
+    group_size: int = 0  # a prefix group's member count (0: not a prefix group)
     arrival: int = -1  # set by Scheduler.add_request: FCFS order and preemption victim order
 
     # ---- state the scheduler owns
@@ -63,6 +65,8 @@ class Request:
     draft_synced_blocks: int = 0  # leading block-table entries the draft worker holds
     draft_computed: int = 0  # positions whose draft KV is valid (its tokens never changed since)
     spec_retry_at: int = 0  # output tokens before it speculates again (after a proposal found nothing)
+    num_shared_blocks: int = 0  # leading full blocks it took from others at its latest admission
+    reserved_blocks: int = 0  # blocks its started prefix group holds for its admission
     in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
     pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1
@@ -93,11 +97,18 @@ class Request:
             eos_token_ids=frozenset(stop.eos_token_ids),
             ignore_eos=stop.ignore_eos,
             parent_id=msg.parent_id,
+            shared_prefix_len=msg.shared_prefix_len,
+            group_size=msg.group_size,
         )
 
     @property
     def block_ids(self) -> list[int]:
         return self.blocks.block_ids
+
+    @property
+    def shared_len(self) -> int:
+        """Prompt tokens shared with the requests of the same parent_id."""
+        return self.shared_prefix_len or len(self.prompt_token_ids) - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
@@ -29,6 +29,51 @@ NGRAM_RETRY_TOKENS = 8
 
 def _arrival(req: Request) -> int:
     return req.arrival
+
+
+def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
+    """Finds the plan's sequences that share leading KV blocks, so attention reads each shared
+    prefix once per group (cascade attention), and makes each group's members consecutive.
+
+    Sequences that share blocks share their first one: they are grouped by it. A sequence that
+    took its leading blocks from others (a sibling, a prefix group's pin, prefix-cache hits)
+    knows how many it took; the sequence that computed them shares all of them. So the group's
+    prefix is the fewest any follower took, and its members are the sequences whose queries all
+    lie past that prefix."""
+    by_first_block: dict[int, list[ScheduledSeq]] = {}
+    for s in plan.seqs:
+        table = s.request.blocks.block_ids
+        if table:
+            by_first_block.setdefault(table[0], []).append(s)
+    grouped: list[ScheduledSeq] = []
+    group_of: dict[int, int] = {}  # seq_id -> group index + 1
+    lens: list[int] = []
+    for candidates in by_first_block.values():
+        taken = [s.request.num_shared_blocks for s in candidates if s.request.num_shared_blocks]
+        if len(candidates) < 2 or not taken:
+            continue
+        prefix = min(taken) * block_size
+        members = [s for s in candidates if s.num_computed >= prefix]
+        if len(members) < 2:
+            continue
+        lens.append(prefix)
+        for s in members:
+            group_of[s.seq_id] = len(lens)
+        grouped.extend(members)
+    if not lens:
+        return
+    plan.seqs = [s for s in plan.seqs if s.seq_id not in group_of] + grouped
+    plan.shared_prefix_group = [group_of.get(s.seq_id, 0) for s in plan.seqs]
+    plan.shared_prefix_lens = lens
+
+
+@dataclass
+class PrefixGroup:
+    """An explicit prefix group (EngineRequest.group_size): admitted together, prefix pinned."""
+
+    size: int  # members still expected to run (aborted ones before the start no longer count)
+    started: bool = False
+    pinned: list[int] = field(default_factory=list)  # full prefix blocks held until the last member ends
 
 
 @dataclass(frozen=True)
@@ -92,7 +137,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: preemption victims come from the end
         self._requests: dict[str, Request] = {}  # unfinished, by request_id
-        self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
+        self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children or group members
+        self._prefix_groups: dict[str, PrefixGroup] = {}  # explicit prefix groups, by parent_id
+        self._reserved_blocks = 0  # promised to members of started groups not admitted yet
         self._pending_releases: list[int] = []
         self._num_in_flight = 0
         self._next_seq_id = 1
@@ -124,12 +171,36 @@ class Scheduler:
             raise ValueError("request was already scheduled")
         req.arrival = self._next_arrival
         self._next_arrival += 1
+        if req.parent_id:
+            self._check_sibling(req)
         req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
         self._requests[req.request_id] = req
         if req.parent_id:
             self._groups.setdefault(req.parent_id, []).append(req)
+            if req.group_size and req.parent_id not in self._prefix_groups:
+                self._prefix_groups[req.parent_id] = PrefixGroup(req.group_size)
         self.waiting.append(req)
+
+    def _check_sibling(self, req: Request) -> None:
+        """Requests that share a parent share their first shared_len tokens: checked once here,
+        so admission can take a sibling's blocks without comparing tokens."""
+        if req.shared_prefix_len >= req.num_prompt_tokens:
+            raise ValueError("shared_prefix_len must leave at least one prompt token of the request's own")
+        if req.group_size and not req.shared_prefix_len:
+            raise ValueError("a prefix group's members need shared_prefix_len")
+        siblings = self._groups.get(req.parent_id)
+        if not siblings:
+            return
+        first = siblings[0]
+        n = req.shared_len
+        if (n != first.shared_len or req.group_size != first.group_size
+                or req.prompt_token_ids[:n] != first.prompt_token_ids[:n]):
+            raise ValueError(f"requests of {req.parent_id!r} must share their first {first.shared_len} tokens "
+                             f"and group_size {first.group_size}")
+        group = self._prefix_groups.get(req.parent_id)
+        if group is not None and (group.started or len(siblings) >= group.size):
+            raise ValueError(f"prefix group {req.parent_id!r} already has its {group.size} members")
 
     def abort(self, request_id: str) -> bool:
         """Ends the request now and frees its blocks, even when it is in a plan in flight
@@ -225,6 +296,8 @@ class Scheduler:
         if not seqs:
             return None
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
+        if any(s.request.num_shared_blocks for s in seqs):
+            group_shared_prefixes(plan, self.block_size)
         self._pending_releases = []
         self._next_step_id += 1
         self._steps += 1
@@ -344,30 +417,34 @@ class Scheduler:
         copies: list[tuple[int, int]],
     ) -> int | object | None:
         """Admits a waiting request and schedules its first chunk. Returns the tokens it
-        scheduled, _HOLD to wait for a sibling, or None when its blocks do not fit now."""
+        scheduled, _HOLD to wait for a sibling (or a prefix group's other members), or None when
+        its blocks do not fit now."""
         bm = self.block_manager
+        group = self._prefix_groups.get(req.parent_id) if req.group_size else None
+        if group is not None and not group.started:
+            verdict = self._start_group(req.parent_id, group)
+            if verdict is not True:
+                return verdict
         first_admission = req.num_preemptions == 0
-        shared: list[int] = []
-        num_computed = 0
-        from_sibling = False
-        if req.parent_id and first_admission:
-            source = self._sibling_source(req, step_id)
-            if source is _HOLD:
+        shared, num_computed, from_cache = [], 0, True
+        if req.parent_id:
+            found = self._shared_prefix(req, step_id, first_admission, group)
+            if found is _HOLD:
                 return _HOLD
-            if source is not None:
-                # Share the sibling's prompt KV except the last token, which this child computes
-                # itself for its own first sample (copying the shared partial block on write).
-                num_computed = req.num_prompt_tokens - 1
-                shared = source.block_ids[: cdiv(num_computed, self.block_size)]
-                from_sibling = True
-        if not from_sibling:
+            if found is not None:
+                (shared, num_computed), from_cache = found, False
+        if from_cache:
             shared = bm.lookup(req)
             num_computed = len(shared) * self.block_size
         end = num_computed + min(req.num_tokens - num_computed, budget)
-        if bm.admission_cost(shared, num_computed, end) > bm.num_free_blocks:
+        free = bm.num_free_blocks - (self._reserved_blocks - req.reserved_blocks)
+        if bm.admission_cost(shared, num_computed, end) > free:
             return None
 
-        bm.acquire(req, shared, cached=not from_sibling)
+        bm.acquire(req, shared, cached=from_cache)
+        self._reserved_blocks -= req.reserved_blocks
+        req.reserved_blocks = 0
+        req.num_shared_blocks = num_computed // self.block_size  # full blocks it did not compute
         req.num_computed_tokens = num_computed
         if first_admission:
             req.num_cached_prompt_tokens = num_computed
@@ -380,19 +457,29 @@ class Scheduler:
         self._schedule_seq(req, end, 0, step_id, seqs, copies)
         return end - num_computed
 
-    def _sibling_source(self, req: Request, step_id: int) -> Request | object | None:
-        """A running sibling whose prompt KV (but for the last token) is written by an
-        earlier plan: share it. _HOLD while a sibling is still computing it; None when no
-        sibling is running."""
-        need = req.num_prompt_tokens - 1
+    def _shared_prefix(self, req: Request, step_id: int, first_admission: bool,
+                       group: PrefixGroup | None) -> tuple[list[int], int] | object | None:
+        """The blocks and token count req takes from its siblings instead of computing them:
+        a running sibling's, once an earlier plan wrote them (copying the shared partial block on
+        write), else a prefix group's pinned full blocks. _HOLD while a sibling is still
+        computing them; None when req must compute them itself."""
+        need = req.shared_len
+        if first_admission:
+            source = self._sibling_source(req, need, step_id)
+            if isinstance(source, Request):
+                return source.blocks.block_ids[: cdiv(need, self.block_size)], need
+            if source is _HOLD and not (group and group.pinned):
+                return _HOLD
+        if group is not None and group.pinned:
+            return list(group.pinned), len(group.pinned) * self.block_size
+        return None
+
+    def _sibling_source(self, req: Request, need: int, step_id: int) -> Request | object | None:
+        """A running sibling whose shared prefix (need tokens) is written by an earlier plan:
+        share it. _HOLD while a sibling is still computing it; None when no sibling is running."""
         computing = False
         for other in self._groups.get(req.parent_id, ()):
             if other is req or other.status is not RequestStatus.RUNNING:
-                continue
-            if not (
-                other.prompt_token_ids is req.prompt_token_ids
-                or other.prompt_token_ids == req.prompt_token_ids
-            ):
                 continue
             # Copies run before the step, so what this step adds does not count, nor a table
             # whose block this step copies (the copy's contents do not exist yet).
@@ -403,9 +490,39 @@ class Scheduler:
             else:
                 written = 0
             if written >= need:
+                group = self._prefix_groups.get(req.parent_id)
+                if group is not None and not group.pinned:
+                    self._pin(group, other.blocks.block_ids[: need // self.block_size])
                 return other
             computing = True
         return _HOLD if computing else None
+
+    # ------------------------------------------------------------------ prefix groups
+
+    def _start_group(self, parent_id: str, group: PrefixGroup) -> bool | object | None:
+        """A prefix group starts once all of its members arrived and its prefix plus every
+        member's own first blocks fit beside what started groups hold in reserve. True: start
+        (the blocks of the members admitted later are reserved); _HOLD: members are missing;
+        None: not enough free blocks yet."""
+        members = self._groups[parent_id]
+        if len(members) < group.size:
+            return _HOLD
+        bs = self.block_size
+        shared_blocks = members[0].shared_len // bs
+        own = [cdiv(m.num_prompt_tokens, bs) - shared_blocks for m in members]
+        if shared_blocks + sum(own) > self.block_manager.num_free_blocks - self._reserved_blocks:
+            return None
+        group.started = True
+        for member, blocks in zip(members, own):
+            member.reserved_blocks = blocks
+            self._reserved_blocks += blocks
+        return True
+
+    def _pin(self, group: PrefixGroup, blocks: list[int]) -> None:
+        """Keeps the group's full prefix blocks out of the free queue until its last member ends."""
+        if blocks:
+            self.block_manager.pin(blocks)
+            group.pinned = list(blocks)
 
     def _schedule_seq(
         self,
@@ -421,7 +538,9 @@ class Scheduler:
         start = req.num_computed_tokens
         num_prompt = len(req.prompt_token_ids)  # runs per sequence per step: no properties
         num_tokens = num_prompt + len(req.output_token_ids)
-        copy = bm.reserve(req, end, rewrites_prompt=end <= num_prompt)
+        # Recomputing prompt tokens into a shared block leaves it as it was only when they are the
+        # tokens it holds: not for a prefix-group member's own tokens after the shared prefix.
+        copy = bm.reserve(req, end, rewrites_prompt=end <= num_prompt and not req.shared_prefix_len)
         if copy is not None:  # the block at `start` was replaced: the workers must get it anew
             copies.append(copy)
             req.last_copy_step = step_id
@@ -574,11 +693,19 @@ class Scheduler:
         if self._ngram is not None:
             self._ngram.forget(req)
         del self._requests[req.request_id]
+        self._reserved_blocks -= req.reserved_blocks
+        req.reserved_blocks = 0
         if req.parent_id:
-            group = self._groups[req.parent_id]
-            group.remove(req)
-            if not group:
+            siblings = self._groups[req.parent_id]
+            siblings.remove(req)
+            group = self._prefix_groups.get(req.parent_id)
+            if group is not None and not group.started:
+                group.size -= 1  # cancelled before the start: the others no longer wait for it
+            if not siblings:
                 del self._groups[req.parent_id]
+                if group is not None:
+                    self.block_manager.unpin(group.pinned)
+                    del self._prefix_groups[req.parent_id]
         self._finished += 1
 
     def _release_seq(self, req: Request) -> None:

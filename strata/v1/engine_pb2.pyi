@@ -53,20 +53,24 @@ class StopCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "parent_id", "final_only")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "parent_id", "final_only", "shared_prefix_len", "group_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     stop: StopCriteria
     parent_id: str
     final_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ...) -> None: ...
+    shared_prefix_len: int
+    group_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ..., shared_prefix_len: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "prompt_tokens", "cached_prompt_tokens")

@@ -1,0 +1,155 @@
+"""Prefix groups in the scheduler: admitted together once every member arrived and fits, the
+prefix computed once and pinned until the last member ends, nothing leaked on cancellation or
+preemption; and the plans' shared-prefix groups that cascade attention reads."""
+
+import random
+
+from strata.services.scheduler.scheduler import Scheduler
+from tests.test_scheduler_policy import (
+    VOCAB,
+    Driver,
+    Request,
+    assert_all_blocks_free,
+    assert_matches_reference,
+    stats_of,
+)
+
+BS = 4
+
+
+def group(name, prefix, suffixes, max_tokens=6, seed=0):
+    return [Request(f"{name}/{i}", prefix + suffix, seed=seed + i, max_tokens=max_tokens, parent_id=name,
+                    shared_prefix_len=len(prefix), group_size=len(suffixes)) for i, suffix in enumerate(suffixes)]
+
+
+def suffixes(rng, count, low=1, high=9):
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def test_the_prefix_is_computed_once_and_every_member_gets_its_own_output():
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(10)]  # ends mid-block
+    members = group("g", prefix, suffixes(rng, 5))
+    sched = Scheduler(num_blocks=64, block_size=BS, max_model_len=64, enable_prefix_caching=False)
+    for req in members:
+        sched.add_request(req)
+    driver = Driver(sched)
+    driver.run()
+    assert_matches_reference(driver, members, 64)
+    own = sum(r.num_prompt_tokens - len(prefix) for r in members)
+    assert stats_of(sched).prefill_tokens_computed == len(prefix) + own
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_members_wait_for_each_other():
+    rng = random.Random(1)
+    members = group("g", [1, 2, 3, 4, 5, 6], suffixes(rng, 3))
+    sched = Scheduler(num_blocks=64, block_size=BS, max_model_len=64)
+    for req in members[:2]:
+        sched.add_request(req)
+    assert sched.schedule() is None  # the third member has not arrived
+    sched.add_request(members[2])
+    driver = Driver(sched)
+    driver.run()
+    assert_matches_reference(driver, members, 64)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_a_group_starts_only_when_its_prefix_and_members_fit_and_kv_stays_bounded():
+    rng = random.Random(2)
+    prefix_a, prefix_b = [rng.randrange(VOCAB) for _ in range(16)], [rng.randrange(VOCAB) for _ in range(16)]
+    a = group("a", prefix_a, suffixes(rng, 4, 4, 4), max_tokens=4, seed=10)
+    b = group("b", prefix_b, suffixes(rng, 4, 4, 4), max_tokens=4, seed=20)
+    # A group starts at 4 prefix blocks + 4 members x 1 own block = 8 of the 12 blocks, and grows
+    # to 12 with its outputs: the second group must wait for the first, and nobody is preempted.
+    sched = Scheduler(num_blocks=12, block_size=BS, max_model_len=32)
+    for req in a + b:
+        sched.add_request(req)
+    driver = Driver(sched)
+    running_groups = []
+    driver.run(on_plan=lambda plan: running_groups.append({r.parent_id for r in sched.running}))
+    assert all(len(g) <= 1 for g in running_groups) and {"b"} in running_groups  # b started after a
+    assert stats_of(sched).preemptions == 0
+    assert_matches_reference(driver, a + b, 32)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_the_prefix_stays_pinned_while_later_members_wait():
+    """Two members at a time: the first two finish before the last are admitted, and the prefix
+    they computed is still there for them (no prefix cache to fall back on)."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(VOCAB) for _ in range(12)]
+    members = group("g", prefix, suffixes(rng, 6))
+    sched = Scheduler(num_blocks=64, block_size=BS, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
+    for req in members:
+        sched.add_request(req)
+    driver = Driver(sched)
+    driver.run()
+    assert_matches_reference(driver, members, 64)
+    own = sum(r.num_prompt_tokens - len(prefix) for r in members)
+    assert stats_of(sched).prefill_tokens_computed == len(prefix) + own
+    assert_all_blocks_free(sched, driver.workers)  # unpinned with the last member
+
+
+def test_cancelled_and_preempted_members_leak_nothing():
+    rng = random.Random(4)
+    everyone = []
+    sched = Scheduler(num_blocks=40, block_size=BS, max_model_len=40)
+    driver = Driver(sched, pipeline=2)
+    for g in range(6):
+        prefix = [rng.randrange(VOCAB) for _ in range(rng.randint(5, 14))]
+        members = group(f"g{g}", prefix, suffixes(rng, rng.randint(1, 5)), max_tokens=rng.randint(3, 12), seed=g * 10)
+        everyone += members
+        for req in members:
+            sched.add_request(req)
+    aborted = set()
+    for _ in range(100_000):
+        if not (sched._requests or driver.in_flight):
+            break
+        if rng.random() < 0.05 and sched._requests:
+            rid = rng.choice(sorted(sched._requests))
+            sched.abort(rid)
+            aborted.add(rid)
+        driver.step()
+    assert aborted and not sched._prefix_groups and sched._reserved_blocks == 0
+    done = [r for r in everyone if r.request_id not in aborted]
+    assert_matches_reference(driver, done, 40)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_plans_name_the_groups_that_share_a_prefix():
+    """Members past the prefix form a group whose prefix is the full blocks they share; n > 1
+    children and requests hitting the same cached blocks are grouped the same way."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(VOCAB) for _ in range(10)]
+    members = group("g", prefix, suffixes(rng, 3), max_tokens=8)
+    children = [Request(f"{i}_p", [7, 8, 9, 1, 2, 3, 4, 5, 6], seed=i, max_tokens=8, parent_id="p") for i in range(3)]
+    alone = Request("alone", [5, 5, 5, 5, 5], max_tokens=8)
+    sched = Scheduler(num_blocks=80, block_size=BS, max_model_len=64)
+    for req in members + children + [alone]:
+        sched.add_request(req)
+    driver = Driver(sched)
+    seen = []
+
+    def check(plan):
+        if not plan.shared_prefix_lens:
+            return
+        groups = {}
+        for s, g in zip(plan.seqs, plan.shared_prefix_group):
+            if g:
+                groups.setdefault(g, []).append(s)
+        assert sorted(groups) == list(range(1, len(plan.shared_prefix_lens) + 1))
+        order = [g for g in plan.shared_prefix_group if g]
+        assert order == sorted(order)  # members are consecutive
+        for g, seqs in groups.items():
+            prefix_len = plan.shared_prefix_lens[g - 1]
+            blocks = prefix_len // BS
+            assert len(seqs) >= 2 and prefix_len % BS == 0 and blocks > 0
+            assert len({tuple(s.request.block_ids[:blocks]) for s in seqs}) == 1  # the same physical blocks
+            assert all(s.num_computed >= prefix_len for s in seqs)
+            seen.append({s.request.parent_id for s in seqs})
+        assert all(s.request is not alone for s in plan.seqs if plan.shared_prefix_group[plan.seqs.index(s)])
+
+    driver.run(on_plan=check)
+    assert {"g"} in seen and {"p"} in seen
+    assert_matches_reference(driver, members + children + [alone], 64)
