@@ -162,3 +162,58 @@ def test_serving_compiles_no_kernel_after_warm_up(shard_and_config):
         runner.execute(admit_plan(settings, prompts, first_seq_id=seq_id, blocks_per_seq=40)).finish()
         seq_id += 3
     assert _compiled_variants() == before
+
+
+def verify_plan(step_id: int, lengths: list[int], last: list[int], drafts: list[list[int]]) -> engine_pb2.StepPlan:
+    """Each sequence computes its last token and its drafts; lengths: tokens before the last."""
+    n = len(lengths)
+    return engine_pb2.StepPlan(
+        step_id=step_id, seq_ids=list(range(1, n + 1)), num_computed=lengths,
+        num_scheduled=[1 + len(d) for d in drafts], input_token_ids=[t for x, d in zip(last, drafts) for t in [x, *d]],
+        table_keep=[BLOCKS_PER_SEQ] * n, table_append_counts=[0] * n, sample=[True] * n,
+        num_draft_tokens=[len(d) for d in drafts])
+
+
+def test_verification_graphs_accept_the_plain_decode_tokens(shard_and_config):
+    """Drafts equal to what plain decode steps drew are accepted (verify rows draw from the same
+    (seed, position)); a wrong draft is cut at its position with the target's own draw. Uniform
+    draft counts replay verification graphs, mixed ones run eagerly: both give the same tokens.
+    In bf16 a verify row need not round like the decode step; a divergence must be a near-tie."""
+    shard, config = shard_and_config
+    k = 3
+    settings = UNFILTERED[:4]
+    prompts = prompts_for(len(settings), seed=4)
+    plain, spec = new_runner(shard, config), new_runner(shard, config)
+    spec.verify_query_lens, spec.verify_max_batch = range(2, k + 2), MAX_SEQS
+    spec.init_cache(MAX_SEQS * BLOCKS_PER_SEQ)  # captures the verification graphs too
+    assert sorted(spec.verify_graphs) == [2, 3, 4]
+    first = list(plain.execute(admit_plan(settings, prompts)).finish().token_ids)
+    assert list(spec.execute(admit_plan(settings, prompts)).finish().token_ids) == first
+    lengths, out = [len(p) for p in prompts], [[t] for t in first]
+    for step in range(2, 2 + 2 * k):  # the plain run: 2k more tokens per sequence
+        out_step = plain.execute(decode_plan(step, [x + len(o) - 1 for x, o in zip(lengths, out)],
+                                             [o[-1] for o in out])).finish().token_ids
+        for o, t in zip(out, out_step):
+            o.append(t)
+    # Round 1, uniform (graphs): drafts are the plain run's next k tokens, the last one wrong for seq 2.
+    drafts = [o[1:1 + k] for o in out]
+    drafts[2] = drafts[2][:2] + [(drafts[2][2] + 1) % config.vocab_size]
+    result = spec.execute(verify_plan(10, lengths, [o[0] for o in out], drafts)).finish()
+    # Round 2, mixed draft counts (eager).
+    emitted = _split(result)
+    agree = sum(e == o[1:1 + len(e)] for e, o in zip(emitted, out))
+    assert [len(e) for e in emitted][2] <= 3 and agree >= 3, (emitted, out)
+    nxt = [len(e) for e in emitted]
+    mixed = [o[1 + m:1 + m + d] for o, m, d in zip(out, nxt, (0, 1, 2, 1))]
+    result = spec.execute(verify_plan(11, [x + m for x, m in zip(lengths, nxt)],
+                                      [o[m] for o, m in zip(out, nxt)], mixed)).finish()
+    for e, o, m in zip(_split(result), out, nxt):
+        assert e == o[1 + m:1 + m + len(e)] or len(e) == 1
+
+
+def _split(result) -> list[list[int]]:
+    tokens, pos, out = list(result.token_ids), 0, []
+    for n in result.num_tokens:
+        out.append(tokens[pos:pos + n])
+        pos += n
+    return out
