@@ -71,15 +71,26 @@ def child_seeds(params: ValidatedParams, rng: random.Random | None = None) -> li
     return [secrets.randbits(64) for _ in range(params.n)]
 
 
+@dataclass(frozen=True)
+class GroupMembership:
+    """A request that is a member of a prefix group (prefix_groups.py): its children join it."""
+
+    group_id: str
+    prefix_len: int  # prompt tokens shared with the other members
+    size: int  # the group's children in all
+
+
 def child_requests(
     request_id: str,
     params: ValidatedParams,
     prompt_token_ids: Sequence[int],
     eos_token_ids: Sequence[int] = (),
     *,
+    group: GroupMembership | None = None,
     rng: random.Random | None = None,
 ) -> list[engine_pb2.EngineRequest]:
-    """The n scheduler requests of one public request, i = 0 .. n-1.
+    """The n scheduler requests of one public request, i = 0 .. n-1: siblings sharing their
+    whole prompt, or members of the prefix group `group` sharing its prefix.
 
     `rng` makes unseeded requests reproducible in tests; by default seeds come from `secrets`.
     """
@@ -88,14 +99,17 @@ def child_requests(
     # Nothing to stream when only the final result is wanted and no stop string needs the text
     # as it grows: the scheduler then sends each child once.
     final_only = params.output_kind == generate_pb2.FINAL_ONLY and not params.stop
+    sharing = {"parent_id": request_id}
+    if group is not None:
+        sharing = {"parent_id": group.group_id, "shared_prefix_len": group.prefix_len, "group_size": group.size}
     return [
         engine_pb2.EngineRequest(
             request_id=child_request_id(i, request_id),
             prompt_token_ids=prompt,
             sampling=params.sampling_options(seed),
             stop=stop,
-            parent_id=request_id,
             final_only=final_only,
+            **sharing,
         )
         for i, seed in enumerate(child_seeds(params, rng))
     ]
@@ -106,7 +120,7 @@ def child_requests(
 
 async def merged_responses(
     scheduler, request_id: str, params: ValidatedParams, prompt_token_ids: Sequence[int],
-    eos_token_ids: Sequence[int], tokenizer, timeout: float,
+    eos_token_ids: Sequence[int], tokenizer, timeout: float, group: GroupMembership | None = None,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Submits the request's children to the scheduler and yields the merged responses.
 
@@ -114,7 +128,7 @@ async def merged_responses(
     closing the generator when its client went away), every child still running is cancelled,
     which aborts it in the scheduler and frees its blocks at once.
     """
-    children = child_requests(request_id, params, prompt_token_ids, eos_token_ids)
+    children = child_requests(request_id, params, prompt_token_ids, eos_token_ids, group=group)
     state = RequestOutputState(request_id, len(children), params.output_kind, params.logprobs is not None,
                                len(prompt_token_ids))
     texts = [OutputTextStream(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,

@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from strata.services.gateway.fanout import ChildFailed, merged_responses
+from strata.services.gateway.prefix_groups import GroupRunner
 from strata.services.gateway.validation import InvalidRequest, validate_request
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
@@ -75,3 +76,16 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
             await context.abort(e.code, f"child {e.index} of {request_id}: {e.details}")
         finally:
             await responses.aclose()  # the client went away: cancel every child
+
+    async def GenerateGroups(self, request_iterator, context):
+        await self._authorize(context)
+        try:
+            info = await self.model_info()
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}")
+        responses = GroupRunner(self.scheduler, self.tokenizer, info, self.request_timeout).run(request_iterator)
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            await responses.aclose()  # the client went away: cancel every member

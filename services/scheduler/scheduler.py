@@ -157,6 +157,32 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, req: Request) -> None:
+        try:
+            self._check_request(req)
+        except ValueError:
+            self._member_rejected(req)
+            raise
+        req.arrival = self._next_arrival
+        self._next_arrival += 1
+        req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
+        self._requests[req.request_id] = req
+        if req.parent_id:
+            self._groups.setdefault(req.parent_id, []).append(req)
+            if req.group_size and req.parent_id not in self._prefix_groups:
+                self._prefix_groups[req.parent_id] = PrefixGroup(req.group_size)
+        self.waiting.append(req)
+
+    def _member_rejected(self, req: Request) -> None:
+        """A prefix group's other members no longer wait for a member that was rejected."""
+        if not req.group_size or req.parent_id in self._groups and req in self._groups[req.parent_id]:
+            return
+        group = self._prefix_groups.setdefault(req.parent_id, PrefixGroup(req.group_size))
+        group.size -= 1
+        if group.size <= 0 and req.parent_id not in self._groups:
+            del self._prefix_groups[req.parent_id]
+
+    def _check_request(self, req: Request) -> None:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not req.prompt_token_ids:
@@ -169,18 +195,8 @@ class Scheduler:
             raise ValueError("stop.max_tokens must be >= 1 and stop.min_tokens >= 0")
         if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
             raise ValueError("request was already scheduled")
-        req.arrival = self._next_arrival
-        self._next_arrival += 1
         if req.parent_id:
             self._check_sibling(req)
-        req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
-        req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
-        self._requests[req.request_id] = req
-        if req.parent_id:
-            self._groups.setdefault(req.parent_id, []).append(req)
-            if req.group_size and req.parent_id not in self._prefix_groups:
-                self._prefix_groups[req.parent_id] = PrefixGroup(req.group_size)
-        self.waiting.append(req)
 
     def _check_sibling(self, req: Request) -> None:
         """Requests that share a parent share their first shared_len tokens: checked once here,

@@ -126,6 +126,34 @@ class GenerateResponse(_message.Message):
     usage: Usage
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
+class PrefixGroup(_message.Message):
+    __slots__ = ("prefix", "prefix_token_ids", "members")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    prefix_token_ids: TokenIds
+    members: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, prefix: _Optional[str] = ..., prefix_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., members: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GroupResponse(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: GenerateResponse
+    error: MemberError
+    def __init__(self, response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[MemberError, _Mapping]] = ...) -> None: ...
+
+class MemberError(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

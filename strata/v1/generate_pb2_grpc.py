@@ -44,6 +44,11 @@ class GatewayStub:
                 request_serializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GenerateGroups = channel.stream_stream(
+                '/strata.v1.Gateway/GenerateGroups',
+                request_serializer=strata_dot_v1_dot_generate__pb2.PrefixGroup.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_generate__pb2.GroupResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -63,6 +68,16 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateGroups(self, request_iterator, context):
+        """Offline batches that share prefixes. The client streams groups in (a file of a million
+        requests never has to fit in one message) and gets every member's responses back as they are
+        produced, each under the member's own request_id. A member that is invalid or fails gets its
+        own error; the rest of its group runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=strata_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'GenerateGroups': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateGroups,
+                    request_deserializer=strata_dot_v1_dot_generate__pb2.PrefixGroup.FromString,
+                    response_serializer=strata_dot_v1_dot_generate__pb2.GroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +151,33 @@ class Gateway:
             '/strata.v1.Gateway/GetModelInfo',
             strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             strata_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateGroups(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Gateway/GenerateGroups',
+            strata_dot_v1_dot_generate__pb2.PrefixGroup.SerializeToString,
+            strata_dot_v1_dot_generate__pb2.GroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,138 @@
+"""Offline batches that share prefixes (Gateway.GenerateGroups).
+
+The client streams PrefixGroups in; each member's prompt is the group's prefix followed by the
+member's own tokens. Valid members go to the scheduler as one prefix group (fanout.py's
+GroupMembership: admitted together, the prefix computed once and pinned until the last member
+ends); an invalid or failing member gets a MemberError of its own and the rest run. Responses of
+all members stream back as they come, each under its member's request_id.
+
+Back-pressure: the next group is read only while fewer than max_in_flight members run, so a
+stream of a million requests holds a bounded number of them in memory and in the scheduler.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from strata.services.gateway.fanout import ChildFailed, GroupMembership, merged_responses
+from strata.services.gateway.validation import InvalidRequest, ValidatedParams, validate_request
+from strata.v1 import generate_pb2
+
+log = logging.getLogger("strata.gateway")
+
+MAX_MEMBERS_IN_FLIGHT = 4096
+
+
+class GroupRunner:
+    def __init__(self, scheduler, tokenizer, info: generate_pb2.ModelInfo, timeout: float,
+                 max_in_flight: int = MAX_MEMBERS_IN_FLIGHT):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.info = info
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+
+    async def run(self, groups: AsyncIterator[generate_pb2.PrefixGroup]) -> AsyncIterator[generate_pb2.GroupResponse]:
+        out: asyncio.Queue = asyncio.Queue()
+        room = asyncio.Condition()
+        running: set[asyncio.Task] = set()
+        in_flight = 0
+
+        async def member(request_id: str, params: ValidatedParams, prompt: list[int], group: GroupMembership | None):
+            nonlocal in_flight
+            responses = merged_responses(self.scheduler, request_id, params, prompt, self.info.eos_token_ids,
+                                         self.tokenizer, self.timeout, group)
+            try:
+                async for response in responses:
+                    out.put_nowait(generate_pb2.GroupResponse(response=response))
+            except ChildFailed as e:
+                out.put_nowait(_error(request_id, e.code, e.details))
+            finally:
+                await responses.aclose()
+                async with room:
+                    in_flight -= 1
+                    room.notify_all()
+
+        async def read_groups():
+            nonlocal in_flight
+            async for group in groups:
+                members, errors = self._prepare(group)
+                for error in errors:
+                    out.put_nowait(error)
+                async with room:  # wait for room, but never refuse a group larger than the limit
+                    await room.wait_for(lambda: in_flight == 0 or in_flight + len(members) <= self.max_in_flight)
+                    in_flight += len(members)
+                for args in members:
+                    task = asyncio.create_task(member(*args))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+
+        reader = asyncio.create_task(read_groups())
+        try:
+            while True:
+                if out.empty() and reader.done() and not running:
+                    reader.result()  # a broken input stream ends the call with its error
+                    break
+                getter = asyncio.ensure_future(out.get())
+                await asyncio.wait([getter, reader, *running], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+        finally:  # the client went away, or all is done: nothing a member started is left running
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    def _prepare(self, group: generate_pb2.PrefixGroup):
+        """(members to run: (request_id, params, prompt ids, membership), their errors)."""
+        errors, valid = [], []
+        try:
+            prefix = self._prefix_ids(group)
+        except InvalidRequest as e:
+            return [], [_error(m.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)) for m in group.members]
+        for m in group.members:
+            request_id = m.request_id or uuid.uuid4().hex
+            try:
+                prompt = prefix + self._own_ids(m)
+                params = validate_request(m, prompt, vocab_size=self.info.vocab_size,
+                                          max_model_len=self.info.max_model_len)
+            except InvalidRequest as e:
+                errors.append(_error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+                continue
+            valid.append((request_id, params, prompt))
+        membership = None
+        if prefix and valid:
+            size = sum(params.n for _, params, _ in valid)
+            membership = GroupMembership(f"group-{uuid.uuid4().hex}", len(prefix), size)
+        return [(rid, params, prompt, membership) for rid, params, prompt in valid], errors
+
+    def _prefix_ids(self, group: generate_pb2.PrefixGroup) -> list[int]:
+        which = group.WhichOneof("prefix_input")
+        if which == "prefix_token_ids":
+            ids = list(group.prefix_token_ids.ids)
+        elif which == "prefix":
+            ids = self.tokenizer.encode(group.prefix)
+        else:
+            return []
+        if ids and (min(ids) < 0 or max(ids) >= self.info.vocab_size):
+            raise InvalidRequest("prefix_token_ids", f"prefix_token_ids must be in [0, {self.info.vocab_size})")
+        return ids
+
+    def _own_ids(self, member: generate_pb2.GenerateRequest) -> list[int]:
+        """The member's tokens after the prefix: its ids, or its text tokenized on its own."""
+        which = member.WhichOneof("prompt_input")
+        if which == "prompt_token_ids":
+            return list(member.prompt_token_ids.ids)
+        if which == "prompt" and member.prompt:
+            return self.tokenizer.encode(member.prompt, add_special_tokens=False)
+        raise InvalidRequest("prompt", "a member needs its own prompt or prompt_token_ids after the prefix")
+
+
+def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GroupResponse:
+    return generate_pb2.GroupResponse(error=generate_pb2.MemberError(
+        request_id=request_id, code=code.value[0], message=message))
