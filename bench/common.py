@@ -129,6 +129,8 @@ def serve_argv(args, model: str | None) -> list[str]:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if getattr(args, "no_prefix_caching", False):
+        argv.append("--no-prefix-caching")
     if getattr(args, "speculative_method", None):
         argv += ["--speculative-method", args.speculative_method,
                  "--num-speculative-tokens", str(args.num_speculative_tokens)]

@@ -19,6 +19,10 @@ DESCRIPTIONS = {
                 "bandwidth; also the step time the scheduler sees through the stack.",
     "parallel-sampling": "One request of n=N against N requests of n=1 with distinct prompts and with one "
                          "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
+    "prefix-groups": "An offline batch whose requests share prefixes, as prefix groups (GenerateGroups), as plain "
+                     "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
+                     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
+                     "a group batch (cascade and paged) against its floor.",
     "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
                    "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
                    "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
@@ -128,6 +132,7 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
                    help="a new cluster per phase, so each phase's peak KV blocks is its own")
     _common_flags(p)
     _speculative_parser(sub, formatter_class)
+    _prefix_groups_parser(sub, formatter_class)
     return bench
 
 
@@ -157,6 +162,21 @@ def _speculative_parser(sub, formatter_class) -> None:
     p.set_defaults(temperature=0.0)
 
 
+def _prefix_groups_parser(sub, formatter_class) -> None:
+    p = sub.add_parser("prefix-groups", formatter_class=formatter_class, help="shared-prefix groups vs plain requests",
+                       description=DESCRIPTIONS["prefix-groups"])
+    p.add_argument("--num-groups", type=int, default=32, help="prefix groups")
+    p.add_argument("--group-size", type=int, default=16, help="requests per group")
+    p.add_argument("--prefix-len", type=int, default=2000, help="tokens every request of a group shares")
+    p.add_argument("--suffix-len", type=int, default=200, help="tokens of each request's own")
+    p.add_argument("--output-len", type=int, default=100, help="generated tokens (ignore_eos)")
+    p.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, time a group batch's decode attention against its floor in process")
+    _common_flags(p)
+    # All 512 requests run at once (vLLM's offline budget, as for the throughput benchmark).
+    p.set_defaults(max_num_seqs=512, max_num_batched_tokens=16384)
+
+
 def run_bench(args) -> int:
     if args.bench_command == "throughput":
         from strata.bench import offline
@@ -170,6 +190,9 @@ def run_bench(args) -> int:
     if args.bench_command == "parallel-sampling":
         from strata.bench import parallel_sampling
         return parallel_sampling.run(args)
+    if args.bench_command == "prefix-groups":
+        from strata.bench import prefix_groups
+        return prefix_groups.run(args)
     if args.bench_command == "speculative":
         from strata.bench import speculative
         return speculative.run(args)

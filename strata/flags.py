@@ -116,6 +116,8 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     _worker_flags(p)
     p.add_argument("--max-plans-in-flight", type=int, default=0, help="see `strata scheduler --help`")
     p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0: off)")
+    p.add_argument("--no-prefix-caching", action="store_true", default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
+                   help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
     _speculative_flags(p)
     add_flag(p, "--draft-model", "STRATA_DRAFT_MODEL", None,
              "HF model directory of a smaller model with the target's tokenizer, served by a draft worker "

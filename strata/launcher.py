@@ -140,6 +140,8 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--max-plans-in-flight", str(args.max_plans_in_flight),
                       "--metrics-port", str(args.metrics_port), *speculation_argv(args, draft_address)]
+        if args.no_prefix_caching:
+            sched_argv.append("--no-prefix-caching")
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"

@@ -1,0 +1,130 @@
+"""`strata bench prefix-groups`: an offline batch whose requests share prefixes, three ways in one
+run, each on a fresh cluster:
+
+  groups    Gateway.GenerateGroups: each group's prefix computed once, pinned, read once per step
+  cache     the same requests one by one (Generate), with the automatic prefix cache
+  no cache  the same requests with the prefix cache off
+
+Default workload (issue 12): 32 groups of 16 requests, each group sharing a 2,000-token prefix,
+each request 200 tokens of its own and 100 generated. It prints req/s, output tok/s, prefill
+tokens computed and peak KV blocks of each way, and the ratios. On a GPU it then times the decode
+attention of a group batch (cascade against paged) against its floor, in process
+(strata.bench.cascade_attention).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from strata.bench import common
+
+TARGET_OVER_CACHE = 1.35
+TARGET_OVER_NO_CACHE = 3.5
+WAYS = ("groups", "cache", "no cache")
+
+
+def workload(args, vocab_size: int) -> list[tuple[list[int], list[list[int]]]]:
+    """(prefix, members' own tokens) per group, random ids clear of the special tokens."""
+    rng = np.random.default_rng(args.seed)
+    return [(rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, args.prefix_len).tolist(),
+             rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, (args.group_size, args.suffix_len)).tolist())
+            for _ in range(args.num_groups)]
+
+
+async def _as_groups(endpoints, args, groups) -> tuple[int, int]:
+    """(output tokens, failed members) through GenerateGroups."""
+    from strata.v1 import generate_pb2, generate_pb2_grpc
+    params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY, seed=args.seed)
+
+    def messages():
+        for g, (prefix, members) in enumerate(groups):
+            yield generate_pb2.PrefixGroup(
+                prefix_token_ids=generate_pb2.TokenIds(ids=prefix),
+                members=[generate_pb2.GenerateRequest(request_id=f"g{g}m{m}", params=params,
+                                                      prompt_token_ids=generate_pb2.TokenIds(ids=own))
+                         for m, own in enumerate(members)])
+
+    tokens = failed = 0
+    total = sum(len(members) for _, members in groups)
+    async with common.open_channel(endpoints.gateway) as channel:
+        stub = generate_pb2_grpc.GatewayStub(channel)
+        with common._progress(total, "groups", not args.no_progress) as bar:
+            async for response in stub.GenerateGroups(messages(), timeout=args.request_timeout):
+                if response.HasField("error"):
+                    failed += 1
+                    bar.update(1)
+                elif response.response.finished:
+                    tokens += response.response.usage.completion_tokens
+                    bar.update(1)
+    return tokens, failed
+
+
+async def _as_requests(endpoints, args, groups) -> tuple[int, int]:
+    from strata.v1 import generate_pb2
+    prompts = [prefix + own for prefix, members in groups for own in members]
+    params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY, seed=args.seed)
+    records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
+                                           desc="requests", progress=not args.no_progress)
+    return sum(r.output_tokens for r in records), len(common.failures(records))
+
+
+async def _phase(endpoints, args, way: str) -> dict:
+    from strata.v1 import generate_pb2
+    info = await common.model_info(endpoints.gateway)
+    if args.warmup_requests:
+        warm = common.random_prompts(args.warmup_requests, 8, info.vocab_size, args.seed + 99)
+        await common.run_all_at_once(endpoints.gateway, warm, common.sampling_params(
+            4, args.temperature, generate_pb2.FINAL_ONLY), args.request_timeout, progress=False)
+    groups = workload(args, info.vocab_size)
+    before = await common.scheduler_stats(endpoints.scheduler)
+    start = time.perf_counter()
+    tokens, failed = await (_as_groups if way == "groups" else _as_requests)(endpoints, args, groups)
+    elapsed = time.perf_counter() - start
+    after = await common.scheduler_stats(endpoints.scheduler)
+    requests = args.num_groups * args.group_size
+    return {"requests": requests, "failed": failed, "elapsed_s": elapsed, "requests_per_s": requests / elapsed,
+            "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "scheduler": common.stats_delta(before, after)}
+
+
+def run(args) -> int:
+    env = common.environment_info(args)
+    common.print_header("prefix-groups", env)
+    phases = {}
+    for way in WAYS:
+        with common.cluster_for(common.with_overrides(args, no_prefix_caching=way == "no cache")) as endpoints:
+            phases[way] = common.run(_phase(endpoints, args, way))
+    for way in WAYS:
+        p, s = phases[way], phases[way]["scheduler"]
+        common.print_section(way, [
+            ("requests", f"{p['requests'] - p['failed']} ok, {p['failed']} failed in {p['elapsed_s']:.2f} s"),
+            ("req/s", f"{p['requests_per_s']:,.1f} ({p['output_tokens_per_s']:,.0f} output tok/s)"),
+            ("prefill tokens computed", common.fmt(s.get("prefill_tokens_computed"), ",")),
+            ("peak KV blocks", common.fmt(s.get("peak_used_kv_blocks"), ",")),
+        ])
+    rps = {way: phases[way]["requests_per_s"] for way in WAYS}
+    ratios = {"groups_over_cache": rps["groups"] / rps["cache"], "groups_over_no_cache": rps["groups"] / rps["no cache"]}
+    common.print_section(f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
+                         f"own {args.suffix_len}, output {args.output_len}", [
+        ("groups / prefix cache", f"{ratios['groups_over_cache']:.2f}x   (target >= {TARGET_OVER_CACHE:g}x)"),
+        ("groups / no prefix cache", f"{ratios['groups_over_no_cache']:.2f}x   (target >= {TARGET_OVER_NO_CACHE:g}x)"),
+    ])
+    attention = None
+    if args.attention and common.resolve_device(args.device).startswith("cuda"):
+        from strata.bench import cascade_attention
+        attention = cascade_attention.measure(num_groups=args.num_groups, group_size=args.group_size,
+                                              prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                                              block_size=args.block_size)
+    result = {"benchmark": "prefix-groups", "environment": env, "config": common.args_dict(args),
+              "phases": phases, "ratios": ratios, "decode_attention": attention}
+    cells = [env["date"][:10], env["commit"], env["device_name"], env["model"],
+             f"{args.num_groups} x {args.group_size}, {args.prefix_len} + {args.suffix_len} / {args.output_len}",
+             " / ".join(f"{rps[way]:,.1f}" for way in WAYS),
+             f"{ratios['groups_over_cache']:.2f}", f"{ratios['groups_over_no_cache']:.2f}",
+             " / ".join(common.fmt(phases[way]["scheduler"].get("prefill_tokens_computed"), ",") for way in WAYS)]
+    result["markdown_row"] = "| " + " | ".join(cells) + " |"
+    print("RESULTS.md row:\n" + result["markdown_row"])
+    common.write_json(args.output, result)
+    return 1 if any(phases[way]["failed"] for way in WAYS) else 0
