@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from strata.bench import common
+from strata.openai_format import chat_prompt_ids
 
 PASSAGES = [
     '''def moving_average(values, window):
@@ -100,8 +101,7 @@ def prompt_sets(model_dir: str) -> dict[str, list[list[int]]]:
 
     def encode(text: str) -> list[int]:
         if tokenizer.chat_template:
-            return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=True))
+            return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
         return tokenizer.encode(text)
 
     lookup = [encode(task.format(p)) for p in PASSAGES for task in TASKS]

@@ -33,6 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, in seconds")
 
+    p = sub.add_parser("batch", formatter_class=Formatter, help="run an OpenAI batch file (JSONL) with shared prefixes",
+                       description="Runs an OpenAI batch file (the format `vllm run-batch` reads) against a gateway, or a "
+                                   "local cluster it starts: shared prefixes are found over token ids and sent as prefix "
+                                   "groups; one output line per input line, written as requests finish; a rerun skips "
+                                   "the custom_ids OUTPUT already answers.")
+    p.add_argument("input", help="input JSONL: {custom_id, method, url, body} per line")
+    p.add_argument("output", help="output JSONL: one line per input line (appended; answered custom_ids are skipped)")
+    add_flag(p, "--address", "STRATA_ADDRESS", None, "gateway host:port (unset: start a local cluster from --model)")
+    p.add_argument("--model", default=None, help="model directory: the local cluster's model and the tokenizer "
+                                                  "(unset: the embedded default)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, with --address (default: --model's)")
+    add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
+    p.add_argument("--device", default="auto", help="the local cluster's device")
+    p.add_argument("--max-num-seqs", type=int, default=512, help="the local cluster's most sequences at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the local cluster's step budget")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     p = sub.add_parser("health", formatter_class=Formatter,
                        help="exit 0 when the gRPC health service at ADDRESS answers SERVING")
     p.add_argument("address", help="host:port")
@@ -65,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from strata.client import generate_cli
         return generate_cli(args)
+    if args.command == "batch":
+        from strata.batch import batch_cli
+        return batch_cli(args)
     if args.command == "health":
         from strata.grpc_util import check_health
         return 0 if check_health(args.address, args.timeout) else 1

@@ -1,0 +1,134 @@
+"""OpenAI's API shapes over Strata's: request bodies of /v1/completions and /v1/chat/completions
+to SamplingParams and prompts, and finished GenerateResponses to OpenAI response bodies.
+
+Shared by every front that speaks OpenAI's format (`strata batch`'s batch files, the HTTP API).
+Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids); a bad field raises BadField naming it.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from strata.v1 import generate_pb2
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+# What both endpoints accept beyond the prompt, and the SamplingParams field each sets.
+_NUMBERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "seed": "seed", "min_tokens": "min_tokens", "n": "n"}
+
+
+class BadField(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def sampling_params(body: dict, chat: bool, output_kind: int = generate_pb2.FINAL_ONLY) -> generate_pb2.SamplingParams:
+    """SamplingParams of a request body; unset fields keep the gateway's defaults (OpenAI's:
+    temperature 1, top_p 1, max_tokens 16)."""
+    params = generate_pb2.SamplingParams(output_kind=output_kind)
+    for name, field in _NUMBERS.items():
+        if body.get(name) is not None:
+            value = body[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise BadField(name, f"must be a number, got {value!r}")
+            if field in ("top_k", "seed", "min_tokens", "n") and value != int(value):
+                raise BadField(name, f"must be an integer, got {value!r}")
+            if field == "n" and value < 1:
+                raise BadField(name, f"must be at least 1, got {value!r}")
+            if field in ("seed", "min_tokens") and value < 0:
+                raise BadField(name, f"must be >= 0, got {value!r}")
+            setattr(params, field, int(value) if field in ("top_k", "seed", "min_tokens", "n") else float(value))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadField("max_tokens", f"must be a positive integer, got {max_tokens!r}")
+        params.max_tokens = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise BadField("stop", "must be a string or a list of strings")
+        params.stop.extend(stops)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadField("stop_token_ids", "must be a list of integers")
+        params.stop_token_ids.extend(ids)
+    if body.get("ignore_eos") is not None:
+        params.ignore_eos = bool(body["ignore_eos"])
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: logprobs = k top tokens; chat: logprobs true plus top_logprobs = k."""
+    if chat:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs", 0)
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise BadField("top_logprobs", f"must be an integer >= 0, got {top!r}")
+        return top
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadField("logprobs", f"must be an integer >= 0, got {value!r}")
+    return value
+
+
+def prompt_ids(body: dict, chat: bool, tokenizer) -> list[int]:
+    """The prompt's token ids: a completion's prompt (text or ids), or chat messages through the
+    tokenizer's chat template (with the assistant's turn opened)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadField("messages", "must be a non-empty list of {role, content} objects with string content")
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadField("messages", "the model's tokenizer has no chat template")
+        return chat_prompt_ids(tokenizer, messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise BadField("prompt", "must be a non-empty string or list of token ids")
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages through the tokenizer's chat template, the assistant's turn opened. The
+    template writes every special token itself, so the text is tokenized without adding any."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: str) -> dict:
+    """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response."""
+    choices = []
+    for out in response.outputs:
+        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        stop = out.WhichOneof("stop_reason")
+        choice["stop_reason"] = getattr(out, stop) if stop else None  # vLLM's extra field
+        choices.append(choice)
+    u = response.usage
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                  "total_tokens": u.prompt_tokens + u.completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}},
+    }

@@ -1,0 +1,140 @@
+"""`strata batch`: OpenAI batch files through prefix groups. Every line gets exactly one answer
+(also across an interruption), bad lines get error lines, each shared prefix is computed once,
+and every answer equals the same request sent alone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from strata.batch import Item, shared_prefix_groups
+from strata.openai_format import chat_prompt_ids
+from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CONTEXTS = ["The old lighthouse stood at the edge of the harbour for more than two hundred years, and every "
+            "evening the keeper climbed the steps, trimmed the wick and polished the brass. ",
+            "Bread is one of the oldest prepared foods: flour, water, salt and yeast are mixed into a dough, "
+            "kneaded until smooth and left in a warm place to rise before it is shaped and baked. "]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tiny_llama_dir(tmp_path_factory, seed=13)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE  # the tiny tokenizer has none: give it one
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    with running_cluster(model_dir, 1) as (c, client):
+        yield c, client
+
+
+def lines(max_tokens=5):
+    out = []
+    for c, context in enumerate(CONTEXTS):
+        for q in range(4):
+            out.append({"custom_id": f"c{c}q{q}", "method": "POST", "url": "/v1/completions",
+                        "body": {"prompt": context + f"Question {q}: what happens next?", "max_tokens": max_tokens,
+                                 "temperature": 0, "ignore_eos": True}})
+        out.append({"custom_id": f"chat{c}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "system", "content": context},
+                                          {"role": "user", "content": f"Summarise it, {c}."}],
+                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+    return out
+
+
+def write_input(path, entries, extra=()):
+    with open(path, "w") as f:
+        for entry in entries:
+            f.write(json.dumps(entry) + "\n")
+        for raw in extra:
+            f.write(raw + "\n")
+
+
+def run_batch(c, model_dir, tmp_path, name="out.jsonl", **kw):
+    return subprocess.run([sys.executable, "-m", "strata.cli", "batch", str(tmp_path / "in.jsonl"),
+                           str(tmp_path / name), "--address", c.gateway_address, "--tokenizer", str(model_dir),
+                           "--no-progress"], capture_output=True, text=True, timeout=300, **kw)
+
+
+def read_output(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_every_line_answered_once_each_prefix_computed_once_and_answers_equal_alone(cluster, model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    c, client = cluster
+    bad = ['{"custom_id": "broken", "url": ', json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}}),
+           json.dumps({"custom_id": "bad-temp", "url": "/v1/completions", "body": {"prompt": "x", "temperature": "hot"}}),
+           json.dumps(lines()[0])]  # a repeated custom_id
+    write_input(tmp_path / "in.jsonl", lines(), bad)
+    before = scheduler_stats(c)
+    done = run_batch(c, model_dir, tmp_path)
+    assert done.returncode == 0, done.stderr
+    after = scheduler_stats(c)
+    out = read_output(tmp_path / "out.jsonl")
+    by_id = {}
+    for line in out:
+        assert line["custom_id"] not in by_id or line["custom_id"] == "c0q0"
+        by_id.setdefault(line["custom_id"], []).append(line)
+    assert len(by_id["c0q0"]) == 2 and sum(1 for x in by_id["c0q0"] if x["error"]) == 1  # the duplicate
+    errors = {line["custom_id"]: line["error"] for line in out if line["error"]}
+    assert set(errors) == {"line-11", "bad-url", "bad-temp", "c0q0"}
+    assert "temperature" in errors["bad-temp"]["message"] and "url" in errors["bad-url"]["message"]
+    # Each shared prefix once: the prefill the scheduler did is at most the groups' prefixes plus
+    # every request's own tokens (the client's grouping, recomputed here; the prefix cache may find
+    # more), against every prompt whole without groups.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    items = []
+    for entry in lines():
+        body = entry["body"]
+        prompt = (chat_prompt_ids(tokenizer, body["messages"]) if "messages" in body
+                  else tokenizer.encode(body["prompt"]))
+        items.append(Item(entry["custom_id"], "messages" in body, list(prompt), None))
+    groups = shared_prefix_groups(items)
+    assert sum(1 for prefix, members in groups if prefix and len(members) > 1) >= 2
+    expected = sum(prefix + sum(len(m.prompt) - prefix for m in members) for prefix, members in groups)
+    computed = after.prefill_tokens_computed - before.prefill_tokens_computed
+    assert computed <= expected < sum(len(i.prompt) for i in items)
+    for entry in lines():
+        (answer,) = [x for x in by_id[entry["custom_id"]] if not x["error"]]
+        body = answer["response"]["body"]
+        text = body["choices"][0]["message"]["content"] if "messages" in entry["body"] else body["choices"][0]["text"]
+        alone = next(i for i in items if i.custom_id == entry["custom_id"]).prompt
+        want = "".join(o.text for r in client.generate(alone, max_tokens=5, temperature=0.0, ignore_eos=True)
+                       for o in r.outputs if r.finished)
+        assert text == want, entry["custom_id"]
+        assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == len(alone)
+    assert scheduler_stats(c).used_kv_blocks == 0
+
+
+def test_a_rerun_after_an_interruption_answers_every_line_exactly_once(cluster, model_dir, tmp_path):
+    c, _ = cluster
+    entries = [dict(e, custom_id=f"{e['custom_id']}-{k}") for k in range(6) for e in lines(max_tokens=60)]
+    write_input(tmp_path / "in.jsonl", entries)
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "batch", str(tmp_path / "in.jsonl"),
+                             str(tmp_path / "out.jsonl"), "--address", c.gateway_address, "--tokenizer",
+                             str(model_dir), "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (tmp_path / "out.jsonl").exists() and len(open(tmp_path / "out.jsonl").read().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.kill()  # mid-batch, maybe mid-line
+    proc.wait()
+    first = len(open(tmp_path / "out.jsonl").read().splitlines())
+    assert 3 <= first < len(entries)
+    done = run_batch(c, model_dir, tmp_path)
+    assert done.returncode == 0, done.stderr
+    ids = [line["custom_id"] for line in read_output(tmp_path / "out.jsonl")]
+    assert sorted(ids) == sorted(e["custom_id"] for e in entries)  # each exactly once
+    assert all(line["error"] is None for line in read_output(tmp_path / "out.jsonl"))
