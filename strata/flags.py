@@ -57,6 +57,18 @@ def _worker_flags(p):
 
 def _scheduler_flags(p):
     _batch_flags(p)
+    _engine_flags(p)
+    add_flag(p, "--draft-worker", "STRATA_DRAFT_WORKER", None,
+             "host:port of the draft worker (`strata worker --role draft`), with --speculative-method draft")
+
+
+# The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
+ENGINE_FLAGS = ("max_plans_in_flight", "max_kv_blocks", "no_prefix_caching", "metrics_port",
+                "stage_recovery_timeout", "step_timeout")
+
+
+def _engine_flags(p):
+    """The scheduler's engine, on `strata scheduler` and `strata serve` (ENGINE_FLAGS)."""
     add_flag(p, "--max-plans-in-flight", "STRATA_MAX_PLANS_IN_FLIGHT", 0,
              "plans executing at once (0: 3 with one stage, else the number of pipeline stages); with one "
              "stage the plans after the first are decode lookaheads of its requests", type=int)
@@ -65,9 +77,13 @@ def _scheduler_flags(p):
                    default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
                    help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
     add_flag(p, "--metrics-port", "STRATA_METRICS_PORT", 0, "serve Prometheus metrics on this port (0: off)", type=int)
+    add_flag(p, "--stage-recovery-timeout", "STRATA_STAGE_RECOVERY_TIMEOUT", 60.0,
+             "seconds requests wait for a lost pipeline stage to come back (the same address, or a replacement) "
+             "before they fail with UNAVAILABLE; until then they pause and resume by recompute", type=float)
+    add_flag(p, "--step-timeout", "STRATA_STEP_TIMEOUT", 30.0,
+             "seconds a step of --max-num-batched-tokens tokens may take before its stage counts as hung (and lost); "
+             "smaller steps get a proportional share, at least a tenth", type=float)
     _speculative_flags(p)
-    add_flag(p, "--draft-worker", "STRATA_DRAFT_WORKER", None,
-             "host:port of the draft worker (`strata worker --role draft`), with --speculative-method draft")
 
 
 def _speculative_flags(p):
@@ -114,11 +130,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     add_flag(p, "--host", "STRATA_HOST", "127.0.0.1", "gateway bind address")
     add_flag(p, "--port", "STRATA_PORT", 50051, "gateway port", type=int)
     _worker_flags(p)
-    p.add_argument("--max-plans-in-flight", type=int, default=0, help="see `strata scheduler --help`")
-    p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0: off)")
-    p.add_argument("--no-prefix-caching", action="store_true", default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
-                   help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
-    _speculative_flags(p)
+    _engine_flags(p)
     add_flag(p, "--draft-model", "STRATA_DRAFT_MODEL", None,
              "HF model directory of a smaller model with the target's tokenizer, served by a draft worker "
              "(implies --speculative-method draft)")

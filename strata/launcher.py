@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from strata.flags import ENGINE_FLAGS
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
@@ -79,6 +80,18 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
 DRAFT_MEMORY_SHARE = 0.2
 
 
+def forwarded_flags(args, names) -> list[str]:
+    """`--flag value` for each of names as args holds it (a true switch: `--flag`)."""
+    argv = []
+    for name in names:
+        value = getattr(args, name)
+        if value is True:
+            argv.append("--" + name.replace("_", "-"))
+        elif value is not False and value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def draft_model_of(args, target_model: str) -> str | None:
     """The draft worker's --model, or None when speculation uses no draft model."""
     if args.draft_model:
@@ -138,10 +151,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         sched_argv = ["scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
                       "--workers", ",".join(worker_addresses), "--max-num-seqs", str(args.max_num_seqs),
                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      "--max-plans-in-flight", str(args.max_plans_in_flight),
-                      "--metrics-port", str(args.metrics_port), *speculation_argv(args, draft_address)]
-        if args.no_prefix_caching:
-            sched_argv.append("--no-prefix-caching")
+                      *forwarded_flags(args, ENGINE_FLAGS), *speculation_argv(args, draft_address)]
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"

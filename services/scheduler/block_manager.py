@@ -62,6 +62,7 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_salt = cache_salt
         self._root = root_hash(cache_salt)
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
@@ -89,6 +90,11 @@ class KVBlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    def carry_counters(self, old: KVBlockManager) -> None:
+        """Running totals survive a pool rebuilt after a lost stage."""
+        self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits
+        self.peak_used_blocks = old.peak_used_blocks
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens

@@ -37,8 +37,13 @@ class SchedulerConfig:
     max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else P
     enable_prefix_caching: bool = True
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
-    reconnect_timeout: float = 120.0
+    reconnect_timeout: float = 120.0  # how long a new request waits for the pipeline
     speculation: SpeculativeConfig | None = None
+    # A lost stage: requests wait this long for the pipeline to come back, then fail.
+    stage_recovery_timeout: float = 60.0
+    # A step of max_num_batched_tokens tokens that takes longer means a hung stage (smaller steps
+    # get a proportional share, at least a tenth).
+    step_timeout: float = 30.0
 
 
 class OutputStream:
@@ -91,14 +96,17 @@ class OutputStream:
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, config: SchedulerConfig):
+    def __init__(self, pipeline: Pipeline, config: SchedulerConfig, on_serving=None):
         self.pipeline = pipeline
         self.config = config
+        self._on_serving = on_serving  # async (bool) -> None: health follows the pipeline
         self.scheduler: Scheduler | None = None
         self.streams: dict[str, OutputStream] = {}
         self.in_flight: collections.deque = collections.deque()
         self._results: collections.deque[engine_pb2.StepResult] = collections.deque()  # received, not applied
         self._wake = asyncio.Event()
+        self._deadlines: collections.deque[float] = collections.deque()  # seconds each plan in flight may take
+        self._last_result = 0.0
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._busy_since: float | None = None
@@ -123,10 +131,18 @@ class Engine:
                 pass
         await self.pipeline.close()
 
-    async def _connect(self) -> None:
+    async def _connect(self, timeout: float | None = None) -> None:
         self._ready.clear()
-        await self.pipeline.connect(self.config.max_kv_blocks or None)
+        await self.pipeline.connect(self.config.max_kv_blocks or None, timeout)
         desc = self.pipeline.model_info
+        old = self.scheduler
+        if old is not None and (desc.block_size, desc.model.max_model_len, desc.model_fingerprint) == \
+                (old.block_size, old.max_model_len, old.block_manager.cache_salt):
+            # The pipeline is back (the same workers, or replacements of the same model): the
+            # requests resume by recompute on the fresh caches.
+            old.reset_kv(self.pipeline.num_kv_blocks)
+            self._ready.set()
+            return
         self.scheduler = Scheduler(
             num_blocks=self.pipeline.num_kv_blocks,
             block_size=desc.block_size,
@@ -209,7 +225,7 @@ class Engine:
                     if not self.in_flight:
                         self._mark_idle()
                     self._wake.clear()
-                    await self._wake.wait()
+                    await self._wait_for_results()
                 except Exception as e:  # a lost stage, or a bug: never leave requests hanging
                     if not isinstance(e, PipelineError):
                         log.exception("engine loop failed")
@@ -221,6 +237,21 @@ class Engine:
         finally:  # stop() cancels the loop: the reader goes with it
             if reader is not None:
                 reader.cancel()
+
+    async def _wait_for_results(self) -> None:
+        """Waits for a result (or a request) until the oldest plan in flight is overdue: a stage
+        that misses a step's deadline is treated as lost."""
+        if not self.in_flight:
+            await self._wake.wait()
+            return
+        # Plans run one after another: the oldest started when the previous result came back.
+        started = max(self.in_flight[0].sent_at, self._last_result)
+        timeout = started + self._deadlines[0] - time.monotonic()
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            raise PipelineError(f"step {self.in_flight[0].step_id} missed its {self._deadlines[0]:.1f} s deadline "
+                                "(a hung stage)") from None
 
     async def _read_results(self) -> None:
         """Moves the last stage's results into self._results as they arrive and wakes the loop
@@ -240,7 +271,11 @@ class Engine:
             if self.pipeline.draft is not None:
                 await self._propose_drafts(plan)
             msg = plan_to_proto(plan)
+            plan.sent_at = time.monotonic()
             self.in_flight.append(plan)
+            budget = self.config.max_num_batched_tokens
+            tokens = sum(s.num_scheduled for s in plan.seqs)
+            self._deadlines.append(self.config.step_timeout * max(0.1, tokens / budget))
             self._mark_busy()
             await self.pipeline.send(msg)
 
@@ -249,10 +284,16 @@ class Engine:
         k = self.config.speculation.num_speculative_tokens
         msg = draft_plan(plan, k, self.scheduler.draft_releases)
         if msg is not None:
-            fill_drafts(plan, await self.pipeline.propose(msg), k)
+            try:
+                result = await asyncio.wait_for(self.pipeline.propose(msg), self.config.step_timeout)
+            except asyncio.TimeoutError:
+                raise PipelineError(f"the draft worker missed its {self.config.step_timeout:.0f} s deadline") from None
+            fill_drafts(plan, result, k)
 
     def _finish_step(self, result: engine_pb2.StepResult) -> None:
         plan = self.in_flight.popleft()
+        self._deadlines.popleft()
+        self._last_result = time.monotonic()
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
         if result.gpu_seconds > 0:
@@ -296,21 +337,40 @@ class Engine:
             self.scheduler.abort(request_id)
 
     async def _recover(self, error: Exception) -> None:
-        """A stage went away: fail what was running (its KV is gone) and rebuild the pipeline."""
-        log.error("pipeline failure: %s; failing %d request(s) and reconnecting", error, len(self.streams))
+        """A stage went away (or the loop hit a bug). A lost or hung stage: the requests pause
+        while the pipeline reconnects (the same workers back, or replacements) and then resume by
+        recompute, drawing the tokens they would have drawn; only past stage_recovery_timeout do
+        they fail with UNAVAILABLE. A bug: the running requests fail, so it cannot repeat."""
+        lost_stage = isinstance(error, PipelineError)
+        log.error("%s: %s; %s %d request(s)", "pipeline failure" if lost_stage else "engine failure", error,
+                  "pausing" if lost_stage else "failing", len(self.streams))
         self.in_flight.clear()
+        self._deadlines.clear()
         self._mark_idle()
-        for request_id in list(self.streams):
-            self._fail(request_id, "UNAVAILABLE", f"a pipeline stage failed: {error}")
-        self.scheduler = None
+        if not lost_stage:
+            for request_id in list(self.streams):
+                self._fail(request_id, "INTERNAL", f"the engine failed: {error}")
         self._ready.clear()
+        await self._set_serving(False)
+        give_up = time.monotonic() + self.config.stage_recovery_timeout
         while True:
             try:
-                await self._connect()
-                return
+                await self._connect(timeout=5.0)  # short tries: the give-up time is checked between them
+                break
             except PipelineError as e:
-                log.error("reconnect failed: %s; retrying", e)
-                await asyncio.sleep(1.0)
+                if self.streams and time.monotonic() > give_up:
+                    log.error("the pipeline is still down after %.0f s: failing %d request(s)",
+                              self.config.stage_recovery_timeout, len(self.streams))
+                    for request_id in list(self.streams):
+                        self._fail(request_id, "UNAVAILABLE", f"a pipeline stage is lost: {error}")
+                log.warning("reconnect failed: %s; retrying", e)
+                await asyncio.sleep(0.5)
+        log.info("pipeline back: %d request(s) resume", len(self.streams))
+        await self._set_serving(True)
+
+    async def _set_serving(self, serving: bool) -> None:
+        if self._on_serving is not None:
+            await self._on_serving(serving)
 
     # ------------------------------------------------------------ stats
 

@@ -36,6 +36,8 @@ def config_from_args(args) -> SchedulerConfig:
         max_plans_in_flight=args.max_plans_in_flight,
         enable_prefix_caching=not args.no_prefix_caching,
         max_kv_blocks=args.max_kv_blocks,
+        stage_recovery_timeout=args.stage_recovery_timeout,
+        step_timeout=args.step_timeout,
     )
 
 
@@ -43,8 +45,12 @@ async def serve(args) -> None:
     addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
     config = config_from_args(args)
     draft = args.draft_worker if config.speculation and config.speculation.method == "draft" else None
-    engine = Engine(Pipeline(addresses, draft_address=draft), config)
     server, health = new_server()
+
+    async def on_serving(serving: bool) -> None:  # NOT_SERVING while a stage is down
+        await set_serving(health, ["strata.v1.Scheduler"], serving=serving)
+
+    engine = Engine(Pipeline(addresses, draft_address=draft), config, on_serving=on_serving)
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)

@@ -49,16 +49,17 @@ class Pipeline:
     def model_info(self) -> engine_pb2.WorkerDescription:
         return self.stages[0].description
 
-    async def connect(self, max_kv_blocks: int | None = None) -> None:
+    async def connect(self, max_kv_blocks: int | None = None, timeout: float | None = None) -> None:
         """Describes every stage (retrying until it is up), checks they form one pipeline,
         sizes the KV cache to the smallest stage, and opens the Steps streams."""
         await self.close()
-        stages = [await self._open(address) for address in self.addresses]
+        timeout = self.connect_timeout if timeout is None else timeout
+        stages = [await self._open(address, timeout) for address in self.addresses]
         self._check_topology(stages)
         self.stages = stages
         every = list(stages)
         if self.draft_address:
-            self.draft = await self._open(self.draft_address)
+            self.draft = await self._open(self.draft_address, timeout)
             self._check_draft(self.draft, stages[0].description)
             every.append(self.draft)
         # One block table per sequence serves the target and the draft: the smallest pool wins.
@@ -75,14 +76,18 @@ class Pipeline:
         log.info("pipeline of %d stage(s) ready: %d KV blocks of %d tokens", len(stages), blocks,
                  stages[0].description.block_size)
 
-    async def _open(self, address: str) -> StageHandle:
+    async def _open(self, address: str, timeout: float) -> StageHandle:
         channel = aio_channel(address)
         stub = engine_pb2_grpc.WorkerStub(channel)
-        return StageHandle(address, channel, stub, await self._describe(stub, address))
+        try:
+            return StageHandle(address, channel, stub, await self._describe(stub, address, timeout))
+        except BaseException:
+            await channel.close()
+            raise
 
-    async def _describe(self, stub, address: str) -> engine_pb2.WorkerDescription:
+    async def _describe(self, stub, address: str, timeout: float) -> engine_pb2.WorkerDescription:
         retrying = AsyncRetrying(
-            stop=stop_after_delay(self.connect_timeout),
+            stop=stop_after_delay(timeout),
             wait=wait_exponential(multiplier=0.2, max=2.0),
             retry=retry_if_exception_type(grpc.aio.AioRpcError),
             reraise=True,
@@ -90,7 +95,8 @@ class Pipeline:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await stub.Describe(engine_pb2.DescribeRequest(), timeout=5, wait_for_ready=True)
+                    return await stub.Describe(engine_pb2.DescribeRequest(), timeout=min(5.0, max(timeout, 0.5)),
+                                               wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise PipelineError(f"worker {address} unreachable: {e.details()}") from e
 

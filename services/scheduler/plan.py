@@ -39,6 +39,7 @@ class StepPlan:
     # group's index + 1 (0: none), per group its prefix in tokens. Empty when nothing is shared.
     shared_prefix_group: list[int] = field(default_factory=list)
     shared_prefix_lens: list[int] = field(default_factory=list)
+    sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from strata.services.scheduler.block_manager import KVBlockManager, cdiv
+from strata.services.scheduler.block_manager import BlockTable, KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from strata.services.scheduler.request import Request, RequestStatus
@@ -611,6 +611,34 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         self._preemptions += 1
+
+    def reset_kv(self, num_blocks: int) -> None:
+        """The workers lost their KV caches (a stage was lost and the pipeline rebuilt, maybe
+        with another block count): every running request is preempted at once, keeping what it
+        generated, and a fresh pool replaces the old one. Each resumes by recompute and, as
+        sampling derives from (seed, position), draws the tokens it would have drawn."""
+        resumed = sorted(self.running, key=_arrival)
+        for req in resumed:
+            req.status = RequestStatus.WAITING
+            req.num_preemptions += 1
+        self.waiting.extendleft(reversed(resumed))
+        for req in self._requests.values():  # nothing of the old pool or the old workers is left
+            req.blocks = BlockTable()
+            req.seq_id = req.draft_seq_id = None
+            req.num_computed_tokens = req.num_synced_blocks = req.draft_synced_blocks = req.draft_computed = 0
+            req.in_flight = 0
+            req.pending_sample = False
+            req.draft_token_ids = []
+        for group in self._prefix_groups.values():
+            group.pinned = []
+        self.running = []
+        self._num_in_flight = 0
+        self._pending_releases = []
+        self.draft_releases = []
+        self._preemptions += len(resumed)
+        old = self.block_manager
+        self.block_manager = KVBlockManager(num_blocks, self.block_size, old.enable_prefix_caching, old.cache_salt)
+        self.block_manager.carry_counters(old)
 
     # ------------------------------------------------------------------ update
 

@@ -1,0 +1,125 @@
+"""A lost or hung pipeline stage: requests pause, resume by recompute when the stage is back,
+and finish with exactly the tokens of an uninterrupted run; health says NOT_SERVING meanwhile;
+past the recovery timeout they fail with UNAVAILABLE; every KV block ends free."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+from strata.grpc_util import check_health
+from strata.v1 import generate_pb2
+from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, seed=21)
+
+
+def requests():
+    """16 requests: greedy and seeded sampled, some with n = 2."""
+    out = []
+    for i in range(16):
+        kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=generate_pb2.DELTA)
+        kw.update(temperature=0.0) if i % 2 else kw.update(temperature=0.9, top_p=0.95, seed=1000 + i)
+        if i % 4 == 1:
+            kw.update(n=2, temperature=0.8, seed=50 + i)
+        out.append((f"request {i} " * (1 + i % 3), kw))
+    return out
+
+
+def run_all(client, work, started: threading.Barrier | None = None):
+    results, errors = {}, {}
+
+    def one(i, prompt, kw):
+        try:
+            stream = client.generate(prompt, timeout=300, **kw)
+            first = next(stream)
+            if started is not None:
+                started.wait()
+            results[i] = collect([first, *stream])
+        except grpc.RpcError as e:
+            errors[i] = e.code()
+
+    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(work)]
+    for t in threads:
+        t.start()
+    return threads, results, errors
+
+
+def worker(cluster, name):
+    return next(proc for pname, proc in cluster.procs if pname == name)
+
+
+def test_a_killed_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir):
+    work = requests()
+    with running_cluster(model_dir, 2, "--stage-recovery-timeout", "60") as (cluster, client):
+        threads, plain, errors = run_all(client, work)
+        for t in threads:
+            t.join()
+        assert not errors and len(plain) == 16
+        started = threading.Barrier(len(work) + 1)
+        threads, resumed, errors = run_all(client, work, started)
+        started.wait(timeout=60)  # every request has streamed tokens: kill one stage mid-stream
+        victim = worker(cluster, "worker 1")
+        argv = victim.args
+        victim.kill()
+        victim.wait()
+        time.sleep(1.0)
+        assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
+        replacement = subprocess.Popen(argv)
+        cluster.procs.append(("worker 1 (restarted)", replacement))
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert resumed == plain
+        stats = scheduler_stats(cluster)
+        assert stats.used_kv_blocks == 0 and stats.preemptions > 0
+        assert check_health(cluster.scheduler_address)
+
+
+def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(model_dir):
+    work = requests()[:6]
+    with running_cluster(model_dir, 2, "--step-timeout", "10") as (cluster, client):
+        threads, plain, errors = run_all(client, work)
+        for t in threads:
+            t.join()
+        started = threading.Barrier(len(work) + 1)
+        threads, resumed, errors = run_all(client, work, started)
+        started.wait(timeout=60)
+        victim = worker(cluster, "worker 0")
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while check_health(cluster.scheduler_address) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not check_health(cluster.scheduler_address), "the hung stage was not noticed"
+            time.sleep(2)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert resumed == plain
+        assert scheduler_stats(cluster).used_kv_blocks == 0
+
+
+def test_requests_fail_with_unavailable_past_the_recovery_timeout(model_dir):
+    with running_cluster(model_dir, 1, "--stage-recovery-timeout", "2") as (cluster, client):
+        started = threading.Barrier(2)
+        threads, results, errors = run_all(client, [("too late", dict(max_tokens=400, ignore_eos=True,
+                                                                      temperature=0.0))], started)
+        started.wait(timeout=60)
+        victim = worker(cluster, "worker 0")
+        victim.kill()
+        victim.wait()
+        threads[0].join(timeout=60)
+        assert errors == {0: grpc.StatusCode.UNAVAILABLE}
