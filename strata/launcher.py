@@ -12,6 +12,31 @@ from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when the launcher dies, however it
+    dies (SIGKILL included), so no service outlives `strata serve`."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Stopped(Exception):
+    """SIGTERM (or SIGINT) reached `strata serve`."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,7 +54,7 @@ class Cluster:
 
     def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
         cmd = [sys.executable, "-m", module, *argv]
-        self.procs.append((name, subprocess.Popen(cmd)))
+        self.procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
 
     def wait_healthy(self, address: str, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -172,17 +197,26 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
 
 
 def serve(args) -> int:
-    # Children handle SIGINT themselves; the launcher only waits and then reaps them.
-    cluster = start_cluster(args)
-    print(f"Strata is serving on {args.host}:{args.port} ({args.pipeline_stages} stage(s)). Ctrl-C stops it.",
-          flush=True)
+    """Runs the cluster until SIGTERM or SIGINT (or a service exits), then stops every child."""
+    if port_in_use(args.host, args.port):
+        print(f"strata serve: port {args.port} on {args.host} is in use", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_stopped)
+    cluster = None
     try:
+        cluster = start_cluster(args)
+        print(f"Strata is serving on {args.host}:{args.port} ({args.pipeline_stages} stage(s)). Ctrl-C stops it.",
+              flush=True)
         while all(proc.poll() is None for _, proc in cluster.procs):
             time.sleep(0.5)
         failed = [name for name, proc in cluster.procs if proc.poll() is not None]
         print(f"{', '.join(failed)} exited; stopping the cluster", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except Stopped:
         return 0
     finally:
-        cluster.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second signal during the stop kills at once
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if cluster is not None:
+            cluster.stop()
