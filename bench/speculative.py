@@ -210,13 +210,13 @@ def run(args) -> int:
     args = common.with_overrides(args, model=model)
     sets = prompt_sets(model)
     common.print_header("speculative", env)
-    print(f"{args.method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
+    print(f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
           f"{args.output_len} tokens at most, temperature {args.temperature}", flush=True)
-    spec = _cluster_runs(args, sets, args.method)
+    spec = _cluster_runs(args, sets, args.speculative_method)
     plain = _cluster_runs(args, sets, None, spec=spec)
     rows = _table(spec, plain)
     cost = None
-    if args.cost_model if args.cost_model is not None else args.method == "draft":
+    if args.cost_model if args.cost_model is not None else args.speculative_method == "draft":
         cost = cost_model(args, model)
     common.write_json(args.output, {"environment": env, "rows": rows, "cost_model": cost})
     return 0

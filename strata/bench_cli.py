@@ -63,6 +63,16 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=2, help="short requests sent before measuring")
     g.add_argument("--output", default=None, help="write the results to this JSON file")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = p.add_argument_group("speculative decoding (off unless --speculative-method)")
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None, help="the proposer")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
+    g.add_argument("--speculative-max-batch", type=int, default=32,
+                   help="running requests above which the server stops speculating")
+    g.add_argument("--draft-model", default=None, help="HF directory of the draft model (method draft)")
+    g.add_argument("--draft-num-layers", type=int, default=0,
+                   help="the draft: the target's first N layers (method draft without --draft-model)")
     g.add_argument("--spy-dir", default=None,
                    help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
                         "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)")
@@ -143,15 +153,6 @@ def _batches(value: str) -> list[int]:
 def _speculative_parser(sub, formatter_class) -> None:
     p = sub.add_parser("speculative", formatter_class=formatter_class, help="with and without speculative decoding",
                        description=DESCRIPTIONS["speculative"])
-    p.add_argument("--method", choices=["ngram", "draft"], default="ngram", help="the proposer")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
-    p.add_argument("--speculative-max-batch", type=int, default=64,
-                   help="running requests above which the server stops speculating (the server's default is 32)")
-    p.add_argument("--draft-model", default=None, help="HF directory of the draft model (--method draft)")
-    p.add_argument("--draft-num-layers", type=int, default=0,
-                   help="the draft: the target's first N layers (--method draft without --draft-model)")
     p.add_argument("--batches", type=_batches, default=[1, 16, 64], help="concurrencies, comma-separated")
     p.add_argument("--output-len", type=int, default=256, help="most tokens generated per request")
     p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
@@ -159,7 +160,8 @@ def _speculative_parser(sub, formatter_class) -> None:
                         "speedups they predict (default: with --method draft)")
     p.add_argument("--cost-context-len", type=int, default=512, help="context of the cost model's steps")
     _common_flags(p)
-    p.set_defaults(temperature=0.0)
+    # Speculation on in the speculating run (the plain run turns it off), up to batch 64.
+    p.set_defaults(temperature=0.0, speculative_method="ngram", speculative_max_batch=64)
 
 
 def _prefix_groups_parser(sub, formatter_class) -> None:
