@@ -40,6 +40,7 @@ class StepPlan:
     shared_prefix_group: list[int] = field(default_factory=list)
     shared_prefix_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
+    verifies: bool = False  # some sequence verifies drafts
 
 
 @dataclass(slots=True)

@@ -142,6 +142,7 @@ class Scheduler:
         self._reserved_blocks = 0  # promised to members of started groups not admitted yet
         self._pending_releases: list[int] = []
         self._num_in_flight = 0
+        self._verifying_plans = 0  # plans in flight that verify drafts
         self._next_seq_id = 1
         self._next_step_id = 1
         self._next_arrival = 0
@@ -248,6 +249,11 @@ class Scheduler:
         running = self.running  # preemption shrinks it in place: its length is read every time
         spec = self.speculation
         speculate = spec is not None and len(running) <= spec.max_batch
+        # One stage keeps several plans in flight for decode lookahead, which speculating requests
+        # do not get. Scheduled as they come back, requests would split into cohorts, one per
+        # plan, each paying a whole step; instead, while a verification is in flight, every decode
+        # waits for it (no lookahead either), and the next plan holds them all.
+        merge_cohorts = speculate and self.decode_lookahead > 0 and self._verifying_plans > 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -256,11 +262,16 @@ class Scheduler:
             # in flight, so that a proposal can follow its latest token.
             spec_due = speculate and len(out) >= req.spec_retry_at
             if req.in_flight:
-                if not spec_due and self._can_look_ahead(req) and self._schedule_lookahead(req, step_id, seqs, copies):
+                if (not spec_due and not merge_cohorts and self._can_look_ahead(req)
+                        and self._schedule_lookahead(req, step_id, seqs, copies)):
                     budget -= 1
                 i += 1
                 continue
-            if spec_due and out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1:
+            decoding = out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1
+            if decoding and merge_cohorts:
+                i += 1  # joins the next plan with the requests verifying now: one step for all
+                continue
+            if spec_due and decoding:
                 self._propose(req)
             if (
                 self.fast_paths
@@ -312,6 +323,8 @@ class Scheduler:
         if not seqs:
             return None
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
+        plan.verifies = any(s.num_draft for s in seqs)
+        self._verifying_plans += plan.verifies
         if any(s.request.num_shared_blocks for s in seqs):
             group_shared_prefixes(plan, self.block_size)
         self._pending_releases = []
@@ -633,6 +646,7 @@ class Scheduler:
             group.pinned = []
         self.running = []
         self._num_in_flight = 0
+        self._verifying_plans = 0
         self._pending_releases = []
         self.draft_releases = []
         self._preemptions += len(resumed)
@@ -667,6 +681,7 @@ class Scheduler:
 
         updates: list[RequestUpdate] = []
         self._num_in_flight -= len(live)
+        self._verifying_plans -= plan.verifies
         for s in live:
             req = s.request
             req.in_flight -= 1
