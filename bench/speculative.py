@@ -213,9 +213,11 @@ def run(args) -> int:
     common.print_header("speculative", env)
     print(f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
           f"{args.output_len} tokens at most, temperature {args.temperature}", flush=True)
-    spec = _cluster_runs(args, sets, args.speculative_method)
-    plain = _cluster_runs(args, sets, None, spec=spec)
-    rows = _table(spec, plain, near_tie_margin(args))
+    rows = []
+    if args.through_stack:
+        spec = _cluster_runs(args, sets, args.speculative_method)
+        plain = _cluster_runs(args, sets, None, spec=spec)
+        rows = _table(spec, plain, near_tie_margin(args))
     cost = None
     if args.cost_model if args.cost_model is not None else args.speculative_method == "draft":
         cost = cost_model(args, model)
@@ -287,42 +289,46 @@ def cost_model(args, model: str) -> list[dict]:
         pairs.append(("dummy 8B target, dummy 1B draft", "dummy:llama-3-8b", "dummy:llama-3.2-1b", 0))
     rows = []
     for name, target, draft, layers in pairs:
-        print(f"\ncost model: {name}")
-        print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'draft ms':>10}"
+        costs = _step_costs(args, target, draft, layers)
+        print(f"\ncost model: {name} (k={args.num_speculative_tokens}, context {args.cost_context_len})")
+        print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'draft ms':>10}{'draft/decode':>14}"
               + "".join(f"{f'@{a}':>9}" for a in ACCEPTANCE_RATES))
-        for batch in args.batches:
-            t = _step_costs(args, target, draft, layers, batch)
+        for batch, t in costs.items():
             speedups = [predicted_speedup(a, args.num_speculative_tokens, t["decode_s"], t["verify_s"], t["draft_s"])
                         for a in ACCEPTANCE_RATES]
             rows.append({"pair": name, "batch": batch, **t, "predicted_speedup": dict(zip(ACCEPTANCE_RATES, speedups))})
             print(f"{batch:>6}{t['decode_s'] * 1e3:>11.3f}{t['verify_s'] * 1e3:>11.3f}{t['draft_s'] * 1e3:>10.3f}"
-                  + "".join(f"{s:>8.2f}x" for s in speedups))
+                  f"{t['draft_s'] / t['decode_s']:>14.2f}" + "".join(f"{s:>8.2f}x" for s in speedups))
     return rows
 
 
-def _step_costs(args, target: str, draft: str, draft_layers: int, batch: int) -> dict:
-    """Decode, verify (k + 1 positions) and draft decode step times at `batch`, in process. Decode
+def _step_costs(args, target: str, draft: str, draft_layers: int) -> dict[int, dict]:
+    """Per batch: decode, verify (k + 1 positions) and draft decode step times, in process. Decode
     and draft steps as they run back to back (the worker's pipelined rate: plain decoding runs
     that way, and so do a proposal's k draft steps); the verify step alone, launch to tokens on
-    the host, as each round waits for it."""
+    the host, as each round waits for it. One runner per model, sized for the largest batch."""
     from strata.bench.roofline import load_runner, time_decode_step
-    k, context = args.num_speculative_tokens, args.cost_context_len
-    spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(k), "--speculative-max-batch", str(batch)]
-    runner = load_runner(common.with_overrides(args, model=target), batch, context + k + 1, extra=spec)
+    k, context, largest = args.num_speculative_tokens, args.cost_context_len, max(args.batches)
+    spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(k),
+            "--speculative-max-batch", str(largest)]
+    costs = {b: {} for b in args.batches}
+    runner = load_runner(common.with_overrides(args, model=target), largest, context + k + 1, extra=spec)
     try:
-        decode = time_decode_step(runner, batch, context, 20, 5, 0.0, args.seed)["median_s"]
-        verify = _time_verify_step(runner, batch, context, k, args.seed)
+        for b in args.batches:
+            costs[b]["decode_s"] = time_decode_step(runner, b, context, 20, 5, 0.0, args.seed)["median_s"]
+            costs[b]["verify_s"] = _time_verify_step(runner, b, context, k, args.seed)
     finally:
         del runner
         common.free_accelerator_memory()
     extra = ["--role", "draft"] + (["--draft-num-layers", str(draft_layers)] if draft_layers else [])
-    runner = load_runner(common.with_overrides(args, model=draft), batch, context + k + 1, extra=extra)
+    runner = load_runner(common.with_overrides(args, model=draft), largest, context + k + 1, extra=extra)
     try:
-        draft_s = time_decode_step(runner, batch, context, 20, 5, 0.0, args.seed)["median_s"]
+        for b in args.batches:
+            costs[b]["draft_s"] = time_decode_step(runner, b, context, 20, 5, 0.0, args.seed)["median_s"]
     finally:
         del runner
         common.free_accelerator_memory()
-    return {"decode_s": decode, "verify_s": verify, "draft_s": draft_s}
+    return costs
 
 
 def _time_verify_step(runner, batch: int, context: int, k: int, seed: int, steps: int = 20) -> float:

@@ -159,6 +159,9 @@ def _speculative_parser(sub, formatter_class) -> None:
                    help="time the target's decode and verify steps and the draft's step in process, and print the "
                         "speedups they predict (default: with --method draft)")
     p.add_argument("--cost-context-len", type=int, default=512, help="context of the cost model's steps")
+    p.add_argument("--through-stack", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the requests through clusters with and without speculation (--no-through-stack: "
+                        "only the cost model)")
     _common_flags(p)
     # Speculation on in the speculating run (the plain run turns it off), up to batch 64.
     p.set_defaults(temperature=0.0, speculative_method="ngram", speculative_max_batch=64)
