@@ -70,3 +70,47 @@ def _distribution(logits: torch.Tensor, temperature: float, filters: dict) -> to
         probs = torch.where(kept, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     return probs
+
+
+def _cpu_runner(shard, config):
+    from strata.services.worker.runner import ModelRunner
+    runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=4, max_model_len=64,
+                         device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=8)
+    runner.init_cache(64)
+    return runner
+
+
+def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path):
+    """Mixed draft counts run on a verification graph of one query length by padding each
+    sequence (pad_queries): its real rows must not change. Checked on CPU through the eager path
+    with the padded inputs."""
+    from strata.services.worker.weights import load_shard
+    from strata.v1 import engine_pb2
+    from tests.tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", seed=3)
+    shard, config = load_shard(model, 0, 1, torch.float32, "cpu")
+    plain, padded = _cpu_runner(shard, config), _cpu_runner(shard, config)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
+    admit = engine_pb2.StepPlan(
+        step_id=1, seq_ids=[1, 2, 3], num_computed=[0, 0, 0], num_scheduled=[len(p) for p in prompts],
+        input_token_ids=[t for p in prompts for t in p], table_keep=[0, 0, 0], table_append_counts=[4, 4, 4],
+        table_append_ids=list(range(12)), sample=[True] * 3,
+        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
+            temperature=t, top_p=1.0, seed=s, logprobs=-1)) for s, t in ((1, 0.0), (2, 0.9), (3, 0.0))])
+    first = plain.execute(admit).finish()
+    assert padded.execute(admit).finish().token_ids == first.token_ids
+    drafts = [[7, 7, 7], [], [1]]  # mixed: 3 drafts, none, 1
+    verify = engine_pb2.StepPlan(
+        step_id=2, seq_ids=[1, 2, 3], num_computed=[len(p) for p in prompts],
+        num_scheduled=[1 + len(d) for d in drafts],
+        input_token_ids=[t for last, d in zip(first.token_ids, drafts) for t in [last, *d]],
+        table_keep=[4, 4, 4], table_append_counts=[0, 0, 0], sample=[True] * 3,
+        num_draft_tokens=[len(d) for d in drafts])
+    build = padded.inputs.build
+    padded.inputs.build = lambda plan, rows: padded.inputs.pad_queries(build(plan, rows), 4)
+    want, got = plain.execute(verify).finish(), padded.execute(verify).finish()
+    assert (list(got.num_tokens), list(got.token_ids)) == (list(want.num_tokens), list(want.token_ids))
+    assert len(got.token_ids) >= 3
+    for cache_a, cache_b in zip(plain.kv_caches, padded.kv_caches):  # the pads wrote no KV
+        torch.testing.assert_close(cache_a, cache_b, rtol=1e-5, atol=1e-5)

@@ -115,6 +115,10 @@ class ModelRunner:
         h = self.inputs.build(plan, rows)
         gpu_start = self.timeline.mark() if self.timeline else None
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
+        if graphs is None and h.verify is not None and h.max_query_len in self.verify_graphs:
+            padded = self.inputs.pad_queries(h, h.max_query_len)  # mixed draft counts: pad to one length
+            if padded is not None:
+                h, graphs = padded, self.verify_graphs[h.max_query_len]
         bs = graphs.padded_size(len(h.seq_lens)) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
@@ -146,16 +150,17 @@ class ModelRunner:
             sampling_rows = {"seeds": t.seed[token_rows], "sample_positions": h.positions + 1,
                              "inv_temperature": t.inv_temperature[token_rows], "greedy": t.greedy[token_rows]}
         all_rows = len(h.sample_rows) == num_tokens
-        in_graph = graphs.samples and all_rows and bool(t.unfiltered[token_rows].all())
+        padded = not all_rows and h.verify is not None  # pad_queries: every real token samples
+        in_graph = graphs.samples and (all_rows or padded) and bool(t.unfiltered[token_rows].all())
         d = sampling = None
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
         outs = graphs.run(bs, h, token_rows, sampling_rows, hidden, residual)
         if not self.is_last:
             return outs
-        if in_graph:
+        if in_graph:  # the graph drew every row (pads too): keep the sample rows'
             return PendingResult(plan.step_id, start, h.sample_seq_ids, t.logprobs[h.sample_rows], [outs[1]],
-                                 self.timeline, gpu_start, h.verify)
+                                 self.timeline, gpu_start, h.verify, take=h.sample_token_index if padded else None)
         logits = sample_rows = None
         if h.sample_seq_ids:
             logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]

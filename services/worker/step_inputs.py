@@ -137,6 +137,37 @@ class StepInputBuilder:
         following = np.minimum(h.sample_token_index + 1, tokens.shape[0] - 1)
         h.verify = Verification(counts, np.where(offset < np.repeat(d, counts), tokens[following], -1))
 
+    def pad_queries(self, h: HostInputs, q: int) -> HostInputs | None:
+        """A verification step whose sequences compute different numbers of tokens (1 + their
+        drafts), padded to q tokens each so that a verification graph of query length q runs it.
+        A sequence's pad tokens follow its real ones: they write no KV (slot -1), sit at its last
+        real position, and nothing samples them, so its real rows compute exactly what they would
+        unpadded (causal attention never reads a later position). None when the step cannot be
+        padded: a sequence that does not sample every token, or one that would pass max_model_len."""
+        qsl, n = h.query_start_loc, len(h.seq_lens)
+        q_lens = np.diff(qsl)
+        num_computed = h.seq_lens - q_lens
+        if (h.verify is None or len(h.sample_rows) != int(qsl[-1]) or q_lens.max() > q
+                or (num_computed + q > self.max_model_len).any()):
+            return None
+        offset = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], q_lens)  # each token's index in its sequence
+        seq_of = np.repeat(np.arange(n), q_lens)
+        index = seq_of * q + offset  # where each real token goes
+        total = n * q
+        last = np.repeat(h.seq_lens - 1, q)  # every pad sits at its sequence's last real position
+        positions, slots, token_rows = last.copy(), np.full(total, -1, np.int64), np.repeat(h.token_rows[qsl[:-1]], q)
+        positions[index], slots[index] = h.positions, h.slot_mapping
+        input_ids = None
+        if h.input_ids is not None:
+            input_ids = np.zeros(total, np.int64)
+            input_ids[index] = h.input_ids
+        return HostInputs(
+            input_ids=input_ids, token_rows=token_rows, has_placeholders=h.has_placeholders, positions=positions,
+            query_start_loc=np.arange(0, (n + 1) * q, q, dtype=np.int64), seq_lens=num_computed + q,
+            slot_mapping=slots, block_tables=h.block_tables, max_query_len=q, uniform_query_len=q,
+            sample_rows=h.sample_rows, sample_token_index=index[h.sample_token_index],
+            sample_positions=h.sample_positions, sample_seq_ids=h.sample_seq_ids, verify=h.verify)
+
     def upload(self, h: HostInputs, *, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
         """The step's index arrays and sampling settings on the device, in one copy (the decode
         graphs stage their own inputs; an eager step needs the attention metadata too). Called

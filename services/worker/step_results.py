@@ -53,9 +53,11 @@ class PendingResult:
 
     def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
                  tensors: list[torch.Tensor], timeline: GpuTimeline | None = None,
-                 gpu_start: torch.cuda.Event | None = None, verify: Verification | None = None):
+                 gpu_start: torch.cuda.Event | None = None, verify: Verification | None = None,
+                 take: np.ndarray | None = None):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
+        self.take = take  # the sample rows among the tokens drawn (a padded verification graph)
         self.host = [x.to("cpu", non_blocking=True) for x in tensors]
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = GpuTimeline.mark() if gpu_start is not None else None
@@ -75,6 +77,8 @@ class PendingResult:
                 emitted = None
             else:
                 tokens = self.host[0].numpy()
+                if self.take is not None:
+                    tokens = tokens[self.take]
                 num_tokens, emitted = accepted_rows(tokens, self.verify)
                 result.num_tokens.extend(num_tokens.tolist())
                 result.token_ids.extend(tokens[emitted].tolist())
