@@ -209,12 +209,12 @@ def run(args) -> int:
     env = common.environment_info(args)
     model = common.resolve_model(args) or _default_model()
     args = common.with_overrides(args, model=model)
-    sets = prompt_sets(model)
     common.print_header("speculative", env)
     print(f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
           f"{args.output_len} tokens at most, temperature {args.temperature}", flush=True)
     rows = []
     if args.through_stack:
+        sets = prompt_sets(model)
         spec = _cluster_runs(args, sets, args.speculative_method)
         plain = _cluster_runs(args, sets, None, spec=spec)
         rows = _table(spec, plain, near_tie_margin(args))
@@ -320,7 +320,8 @@ def _step_costs(args, target: str, draft: str, draft_layers: int) -> dict[int, d
     finally:
         del runner
         common.free_accelerator_memory()
-    extra = ["--role", "draft"] + (["--draft-num-layers", str(draft_layers)] if draft_layers else [])
+    extra = ["--role", "draft", "--speculative-max-batch", str(largest)]  # graphs up to the largest batch
+    extra += ["--draft-num-layers", str(draft_layers)] if draft_layers else []
     runner = load_runner(common.with_overrides(args, model=draft), largest, context + k + 1, extra=extra)
     try:
         for b in args.batches:
