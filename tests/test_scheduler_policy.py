@@ -666,7 +666,9 @@ def plan_fields(plan):
 def scheduler_state(sched):
     """Every request's fields, the block manager's tables, cache and free queue, and the stats."""
     bm = sched.block_manager
-    requests = {rid: {**vars(req), "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed)}
+    clocks = ("arrival_time", "queue_seconds")  # wall-clock readings, not scheduling state
+    requests = {rid: {**{k: v for k, v in vars(req).items() if k not in clocks},
+                      "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed)}
                 for rid, req in sched._requests.items()}
     return (requests, [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
             tuple(sched._pending_releases), stats_of(sched), bm._ref, bm._hash, list(bm._free), bm._cached,

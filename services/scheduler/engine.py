@@ -62,16 +62,18 @@ class OutputStream:
         self._token_ids: list[int] = []
         self._logprobs: list = []
         self._cached_prompt_tokens = 0
+        self._queue_seconds = 0.0
         self._finish_reason = _RUNNING
         self._stop_token_id: int | None = None
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
 
     def push(self, token_ids, logprobs, finish_reason: int = _RUNNING, stop_token_id: int | None = None,
-             cached_prompt_tokens: int = 0) -> None:
+             cached_prompt_tokens: int = 0, queue_seconds: float = 0.0) -> None:
         self._token_ids.extend(token_ids)
         self._logprobs.extend(logprobs)
         self._cached_prompt_tokens = cached_prompt_tokens
+        self._queue_seconds = queue_seconds
         if finish_reason:
             self._finish_reason, self._stop_token_id = finish_reason, stop_token_id
         if finish_reason or not self.final_only:
@@ -90,6 +92,7 @@ class OutputStream:
         out = engine_pb2.EngineOutput(
             request_id=self.request_id, prompt_tokens=self.prompt_tokens, token_ids=self._token_ids,
             logprobs=self._logprobs, cached_prompt_tokens=self._cached_prompt_tokens,
+            queue_seconds=self._queue_seconds,
             finish_reason=self._finish_reason, stop_token_id=self._stop_token_id)
         self._token_ids, self._logprobs = [], []
         return out
@@ -330,7 +333,8 @@ class Engine:
         if stream is None:
             return  # aborted while its step was in flight
         logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.sampling.logprobs >= 0 else ()
-        stream.push(upd.new_token_ids, logprobs, upd.finish_reason, upd.stop_token_id, req.num_cached_prompt_tokens)
+        stream.push(upd.new_token_ids, logprobs, upd.finish_reason, upd.stop_token_id, req.num_cached_prompt_tokens,
+                    req.queue_seconds)
         if upd.finished:
             del self.streams[req.request_id]
 

@@ -48,6 +48,8 @@ class Request:
     shared_prefix_len: int = 0  # with parent_id: prompt tokens shared with the others (0: all but the last)
     group_size: int = 0  # a prefix group's member count (0: not a prefix group)
     arrival: int = -1  # set by Scheduler.add_request: FCFS order and preemption victim order
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    queue_seconds: float = 0.0  # arrival to first admission
 
     # ---- state the scheduler owns
     status: RequestStatus = RequestStatus.WAITING

@@ -10,6 +10,7 @@ executes plans in step order), and rejected draft tokens roll it back in update(
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -164,6 +165,7 @@ class Scheduler:
             self._member_rejected(req)
             raise
         req.arrival = self._next_arrival
+        req.arrival_time = time.monotonic()
         self._next_arrival += 1
         req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
@@ -477,6 +479,7 @@ class Scheduler:
         req.num_computed_tokens = num_computed
         if first_admission:
             req.num_cached_prompt_tokens = num_computed
+            req.queue_seconds = time.monotonic() - req.arrival_time
             bm.record_prefix_query(req.num_prompt_tokens, num_computed)
         req.seq_id = self._next_seq_id
         self._next_seq_id += 1
