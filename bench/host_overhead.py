@@ -13,7 +13,7 @@ import argparse
 import time
 
 from strata.bench import common
-from strata.default_model import ensure_default_model
+from strata.default_model import ensure_tiny_model
 from strata.launcher import Cluster, free_port
 
 
@@ -68,7 +68,7 @@ def main() -> None:
                                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                     "--max-plans-in-flight", str(args.max_plans_in_flight)])
         cluster.start("gateway", ["gateway", "--host", "127.0.0.1", "--port", gateway.split(":")[1],
-                                  "--scheduler-address", sched, "--model", str(ensure_default_model())])
+                                  "--scheduler-address", sched, "--model", str(ensure_tiny_model())])
         cluster.wait_healthy(gateway, "gateway", 120.0)
         with common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"):
             r = common.run(_run(gateway, sched, args))

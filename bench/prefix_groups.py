@@ -13,7 +13,6 @@ attention of a group batch (cascade against paged) against its floor, in process
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 import numpy as np

@@ -21,7 +21,7 @@ from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.step_results import PendingResult
-from strata.default_model import ensure_default_model
+from strata.default_model import ensure_tiny_model
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
@@ -83,7 +83,7 @@ class SimulatedRunner(ModelRunner):
 
 
 def build(args) -> tuple[SimulatedRunner, engine_pb2.WorkerDescription]:
-    model_dir = ensure_default_model()
+    model_dir = ensure_tiny_model()
     config = ModelConfig.from_dir(model_dir)
     runner = SimulatedRunner(config, SimulatedDevice(args.step_ms / 1e3), args.block_size, args.max_model_len,
                              max(4 * args.max_num_seqs, 1024))

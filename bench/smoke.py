@@ -25,7 +25,7 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("extra", nargs="*", help="more `strata serve` flags")
     a = p.parse_args()
-    args = service_args(["serve", "--model", a.model, "--pipeline-stages", str(a.stages),
+    args = service_args(["serve", "--model", a.model, "--http-port", "0", "--pipeline-stages", str(a.stages),
                                       "--port", str(free_port()), *a.extra])
     cluster = start_cluster(args)
     try:

@@ -18,7 +18,6 @@ target's first --draft-num-layers layers, and a dummy 8B target with a dummy 1B 
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 

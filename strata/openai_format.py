@@ -109,26 +109,74 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: str) -> dict:
+def logprobs_body(output: generate_pb2.CompletionOutput, chat: bool, token_text) -> dict | None:
+    """An output's logprobs in OpenAI's shape (completions: parallel lists; chat: per-token
+    objects with bytes); token_text(id) -> the token as text. None when none were asked."""
+    if not output.logprobs:
+        return None
+    if chat:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+                            for lp in output.logprobs]}
+    tokens = [token_text(lp.token_id) for lp in output.logprobs]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in output.logprobs],
+            "top_logprobs": [{token_text(t.token_id): t.logprob for t in lp.top} for lp in output.logprobs],
+            "text_offset": offsets}
+
+
+def _stop_reason(out: generate_pb2.CompletionOutput):
+    stop = out.WhichOneof("stop_reason")
+    return getattr(out, stop) if stop else None  # vLLM's extra field
+
+
+def usage_body(usage: generate_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def response_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: str, token_text=None) -> dict:
     """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response."""
     choices = []
     for out in response.outputs:
-        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "logprobs": None}
+        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "stop_reason": _stop_reason(out),
+                  "logprobs": logprobs_body(out, chat, token_text) if token_text else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        stop = out.WhichOneof("stop_reason")
-        choice["stop_reason"] = getattr(out, stop) if stop else None  # vLLM's extra field
         choices.append(choice)
-    u = response.usage
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                  "total_tokens": u.prompt_tokens + u.completion_tokens,
-                  "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}},
-    }
+    return {"id": response_id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_body(response.usage)}
+
+
+def chunk_body(response: generate_pb2.GenerateResponse, chat: bool, model: str, rid: str, created: int,
+               started: set[int], token_text) -> dict:
+    """A streamed chunk of a DELTA response: each advanced output's new text (chat: as a delta,
+    the first one opening the assistant's turn; `started` holds the indices that began)."""
+    choices = []
+    for out in response.outputs:
+        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "stop_reason": _stop_reason(out),
+                  "logprobs": logprobs_body(out, chat, token_text)}
+        if chat:
+            delta = {"content": out.text}
+            if out.index not in started:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = out.text
+        started.add(out.index)
+        choices.append(choice)
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices}

@@ -17,6 +17,7 @@ from strata.v1 import engine_pb2, engine_pb2_grpc
 def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
     args = build_parser().parse_args(
         ["serve", "--model", str(model_dir), "--pipeline-stages", str(stages), "--port", str(free_port()),
+         "--http-port", str(free_port()),
          "--device", "cpu", "--block-size", "4", *extra])
     cluster = start_cluster(args, startup_timeout=180)
     client = StrataClient(cluster.gateway_address)

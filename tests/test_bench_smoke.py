@@ -13,7 +13,7 @@ from strata.bench import common, roofline
 from strata.bench.parallel_sampling import peak_block_bound
 from strata.bench_cli import add_bench_parser, run_bench
 from strata.cli import build_parser
-from strata.default_model import ensure_default_model
+from strata.default_model import ensure_tiny_model
 from strata.launcher import start_cluster
 from strata.v1 import engine_pb2
 
@@ -29,7 +29,7 @@ def parse_bench(*argv: str) -> argparse.Namespace:
 def bench(tmp_path, name: str, *argv: str) -> dict:
     out = tmp_path / f"{name}.json"
     args = parse_bench(name, "--device", "cpu", "--no-progress", "--warmup-requests", "1", "--output", str(out),
-                       *argv)
+                       "--model", str(ensure_tiny_model()), *argv)
     assert run_bench(args) == 0
     return json.loads(out.read_text())
 
@@ -38,7 +38,8 @@ def bench(tmp_path, name: str, *argv: str) -> dict:
 def cluster():
     """One running cluster the benchmarks reach with --address (their own-cluster path is the
     throughput test's)."""
-    serve_args = build_parser().parse_args(common.serve_argv(parse_bench("latency", "--device", "cpu"), None))
+    serve_args = build_parser().parse_args(common.serve_argv(parse_bench("latency", "--device", "cpu"),
+                                                             str(ensure_tiny_model())))
     running = start_cluster(serve_args, startup_timeout=180)
     try:
         yield ["--address", running.gateway_address, "--scheduler-address", running.scheduler_address]
@@ -124,7 +125,7 @@ def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
     """Checked against the embedded default's checkpoint: untied, so the embedding table is not
     read whole, only the batch's rows."""
     from strata.services.worker.model_config import ModelConfig
-    model_dir = ensure_default_model()
+    model_dir = ensure_tiny_model()
     config = ModelConfig.from_dir(model_dir)
     with safe_open(model_dir / "model.safetensors", framework="pt") as f:
         numel = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}

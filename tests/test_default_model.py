@@ -14,9 +14,9 @@ import torch
 
 from strata import default_model
 from strata.default_model import (
-    DEFAULT_MODEL_NAME,
-    build_default_model,
-    ensure_default_model,
+    TINY_MODEL_DIR,
+    build_tiny_random_model,
+    ensure_tiny_model,
     write_tiny_tokenizer,
 )
 
@@ -33,13 +33,13 @@ def digests(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("cache"))
+    return ensure_tiny_model(tmp_path_factory.mktemp("cache"))
 
 
 def test_builds_into_the_cache_and_loads_in_transformers(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert model_dir.name == DEFAULT_MODEL_NAME
+    assert model_dir.name == TINY_MODEL_DIR
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer.convert_ids_to_tokens([tokenizer.bos_token_id, tokenizer.eos_token_id]) == [
         "<|begin_of_text|>",
@@ -91,13 +91,13 @@ def test_tokenizer_round_trips_any_text(model_dir):
 
 def test_second_call_reuses_the_build(model_dir):
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
-    assert ensure_default_model(model_dir.parent) == model_dir
+    assert ensure_tiny_model(model_dir.parent) == model_dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
-    assert [p.name for p in model_dir.parent.iterdir()] == [DEFAULT_MODEL_NAME]
+    assert [p.name for p in model_dir.parent.iterdir()] == [TINY_MODEL_DIR]
 
 
 def test_every_build_has_the_same_bytes(model_dir, tmp_path):
-    rebuilt = build_default_model(tmp_path / "again")
+    rebuilt = build_tiny_random_model(tmp_path / "again")
     assert digests(rebuilt) == digests(model_dir)
     assert set(digests(rebuilt)) == {
         "config.json",
@@ -131,7 +131,7 @@ def test_small_custom_tokenizer(tmp_path):
 
 def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path, model_dir):
     monkeypatch.setenv("STRATA_CACHE_DIR", str(model_dir.parent))
-    assert ensure_default_model() == model_dir
+    assert ensure_tiny_model() == model_dir
     monkeypatch.delenv("STRATA_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_model.default_cache_root() == tmp_path / ".cache" / "strata"
@@ -140,18 +140,18 @@ def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path, model_dir):
 def test_racing_builders_both_succeed(monkeypatch, tmp_path, model_dir):
     # Both builders finish building before either renames, so one rename must lose.
     barrier = threading.Barrier(2, timeout=60)
-    real_build = default_model.build_default_model
+    real_build = default_model.build_tiny_random_model
 
     def build_then_wait(path):
         real_build(path)
         barrier.wait()
 
-    monkeypatch.setattr(default_model, "build_default_model", build_then_wait)
+    monkeypatch.setattr(default_model, "build_tiny_random_model", build_then_wait)
     results, errors = [], []
 
     def worker():
         try:
-            results.append(ensure_default_model(tmp_path))
+            results.append(ensure_tiny_model(tmp_path))
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -161,16 +161,16 @@ def test_racing_builders_both_succeed(monkeypatch, tmp_path, model_dir):
     for thread in threads:
         thread.join()
     assert errors == []
-    assert results == [tmp_path / DEFAULT_MODEL_NAME] * 2
+    assert results == [tmp_path / TINY_MODEL_DIR] * 2
     assert digests(results[0]) == digests(model_dir)
-    assert [p.name for p in tmp_path.iterdir()] == [DEFAULT_MODEL_NAME]  # no staging left
+    assert [p.name for p in tmp_path.iterdir()] == [TINY_MODEL_DIR]  # no staging left
 
 
 def test_incomplete_directory_is_set_aside_and_rebuilt(tmp_path):
-    target = tmp_path / DEFAULT_MODEL_NAME
+    target = tmp_path / TINY_MODEL_DIR
     target.mkdir()
     (target / "config.json").write_text("{}")
-    assert ensure_default_model(tmp_path) == target
+    assert ensure_tiny_model(tmp_path) == target
     assert (target / "model.safetensors").is_file()
-    broken = [p for p in tmp_path.iterdir() if p.name.startswith(f".{DEFAULT_MODEL_NAME}.broken-")]
+    broken = [p for p in tmp_path.iterdir() if p.name.startswith(f".{TINY_MODEL_DIR}.broken-")]
     assert len(broken) == 1 and (broken[0] / "config.json").read_text() == "{}"

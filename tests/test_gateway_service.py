@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from strata.services.gateway.server import GatewayServicer
+from strata.services.gateway.server import Gateway, GatewayServicer
 from strata.default_model import build_tiny_tokenizer
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
@@ -53,7 +53,7 @@ async def _serve(fake: FakeScheduler, tokenizer):
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sched_port}")
     gw_server = grpc.aio.server()
     generate_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(engine_pb2_grpc.SchedulerStub(channel), tokenizer, "fake"), gw_server)
+        GatewayServicer(Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, "fake")), gw_server)
     gw_port = gw_server.add_insecure_port("127.0.0.1:0")
     await gw_server.start()
     client_channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw_port}")

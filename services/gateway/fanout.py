@@ -121,12 +121,14 @@ def child_requests(
 async def merged_responses(
     scheduler, request_id: str, params: ValidatedParams, prompt_token_ids: Sequence[int],
     eos_token_ids: Sequence[int], tokenizer, timeout: float, group: GroupMembership | None = None,
+    on_queued=None,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Submits the request's children to the scheduler and yields the merged responses.
 
     Raises ChildFailed when a child fails. However it ends (finished, a failure, or the caller
     closing the generator when its client went away), every child still running is cancelled,
-    which aborts it in the scheduler and frees its blocks at once.
+    which aborts it in the scheduler and frees its blocks at once. on_queued(seconds): each
+    child's time in the scheduler's queue, once it is known.
     """
     children = child_requests(request_id, params, prompt_token_ids, eos_token_ids, group=group)
     state = RequestOutputState(request_id, len(children), params.output_kind, params.logprobs is not None,
@@ -136,11 +138,15 @@ async def merged_responses(
     merged: asyncio.Queue = asyncio.Queue()
     calls = [scheduler.Submit(child, timeout=timeout) for child in children]
     readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
+    queued = [False] * len(children)
     try:
         while not state.finished:
             index, out = await merged.get()
             if isinstance(out, ChildFailed):
                 raise out
+            if on_queued is not None and not queued[index]:
+                queued[index] = True
+                on_queued(out.queue_seconds)
             if state.child_finished(index):
                 continue  # outputs that were already on their way after a stop string
             response = _advance(index, texts[index], out, state, calls[index])

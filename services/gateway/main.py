@@ -6,10 +6,12 @@ import logging
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
-from strata.services.gateway.server import GatewayServicer
+from strata.services.gateway.http_api import http_server
+from strata.services.gateway.server import Gateway, GatewayError, GatewayServicer
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
@@ -28,9 +30,9 @@ def load_tokenizer(model: str | None):
 async def serve(args) -> None:
     tokenizer, name = load_tokenizer(args.model)
     channel = aio_channel(args.scheduler_address)
-    servicer = GatewayServicer(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key)
+    gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key)
     server, health = new_server()
-    generate_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    generate_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
     service_names = [generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
     address = f"{args.host}:{args.port}"
@@ -39,22 +41,46 @@ async def serve(args) -> None:
         port = server.add_secure_port(address, creds)
     else:
         port = bind(server, args.host, args.port)
+    http = http_server(gateway, args.host, args.http_port) if args.http_port else None
     await set_serving(health, service_names, serving=False)
     await server.start()
+    http_task = asyncio.create_task(http.serve(), name="http") if http else None
     # Serving once the scheduler answers: it only answers when its pipeline is up.
     while True:
         try:
-            await servicer.model_info()
+            await gateway.model_info()
             break
-        except grpc.aio.AioRpcError as e:
-            log.info("waiting for the scheduler at %s: %s", args.scheduler_address, e.code().name)
+        except GatewayError as e:
+            log.info("waiting for the scheduler at %s: %s", args.scheduler_address, e.message)
             await asyncio.sleep(1.0)
     tune_for_serving()
-    await set_serving(health, service_names)
-    log.info("gateway on %s:%d (model %s)", args.host, port, name)
+    watch = asyncio.create_task(follow_scheduler_health(channel, health, service_names), name="health")
+    log.info("gateway on %s:%d%s (model %s)", args.host, port,
+             f", OpenAI-compatible HTTP on {args.host}:{args.http_port}" if http else "", name)
     await wait_for_termination_signal()
+    watch.cancel()
+    if http is not None:
+        http.should_exit = True
+        await http_task
     await server.stop(grace=2.0)
     await channel.close()
+
+
+async def follow_scheduler_health(channel, health, service_names: list[str], interval: float = 1.0) -> None:
+    """SERVING exactly while the scheduler says it is (it says so only while its pipeline is up)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = None
+    while True:
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=interval)
+            now = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            now = False
+        if now != serving:
+            serving = now
+            await set_serving(health, service_names, serving=now)
+            log.log(logging.INFO if now else logging.WARNING, "scheduler %s", "serving" if now else "NOT serving")
+        await asyncio.sleep(interval)
 
 
 def run(args) -> int:

@@ -1,13 +1,20 @@
-"""Gateway service: the public API. Authorises, tokenizes and validates a request, then runs it
-through the n > 1 fan-out (fanout.py), which streams merged, detokenized outputs back."""
+"""The gateway: one generation path for both public fronts.
+
+Gateway (the core) authorises, tokenizes and validates a request, then runs it through the n > 1
+fan-out (fanout.py), which streams merged, detokenized outputs back; it records the serving
+metrics. GatewayServicer is the gRPC front over it (the primary contract); http_api.py is the
+OpenAI-compatible HTTP front over the same object, in the same process and event loop.
+"""
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
 from strata.services.gateway.fanout import ChildFailed, merged_responses
+from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
 from strata.services.gateway.validation import InvalidRequest, validate_request
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -15,38 +22,44 @@ from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 log = logging.getLogger("strata.gateway")
 
 
-class GatewayServicer(generate_pb2_grpc.GatewayServicer):
+class GatewayError(Exception):
+    """A request that cannot be served: a gRPC status and a message (naming the field at fault
+    for bad input)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class Gateway:
     def __init__(self, scheduler_stub: engine_pb2_grpc.SchedulerStub, tokenizer, model_name: str,
-                 api_key: str | None = None, request_timeout: float = 3600.0):
+                 api_key: str | None = None, request_timeout: float = 3600.0,
+                 metrics: GatewayMetrics | None = None):
         self.scheduler = scheduler_stub
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.request_timeout = request_timeout
+        self.metrics = metrics or GatewayMetrics()
         self._model_info: generate_pb2.ModelInfo | None = None
+
+    def authorized(self, authorization: str | None) -> bool:
+        """The `authorization` metadata or header: `Bearer KEY` when an API key is set."""
+        return self.api_key is None or authorization == f"Bearer {self.api_key}"
 
     async def model_info(self) -> generate_pb2.ModelInfo:
         if self._model_info is None:
-            info = await self.scheduler.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+            try:
+                info = await self.scheduler.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+            except grpc.aio.AioRpcError as e:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}") from None
             info.model_name = self.model_name
             self._model_info = info
         return self._model_info
 
-    async def _authorize(self, context) -> None:
-        if self.api_key is None:
-            return
-        meta = dict(context.invocation_metadata() or ())
-        if meta.get("authorization") != f"Bearer {self.api_key}":
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-    async def GetModelInfo(self, request, context):
-        await self._authorize(context)
-        try:
-            return await self.model_info()
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}")
-
-    def _prompt_ids(self, request) -> list[int]:
+    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt_input")
         if which == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
@@ -54,38 +67,72 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
             return self.tokenizer.encode(request.prompt)
         raise InvalidRequest("prompt", "prompt is empty: set prompt or prompt_token_ids")
 
-    async def Generate(self, request, context):
-        await self._authorize(context)
-        try:
-            info = await self.model_info()
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}")
+    async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The request's responses, in its output kind. Raises GatewayError. Closing the
+        generator early (the client went away) cancels every child, freeing its KV blocks."""
+        info = await self.model_info()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids = self._prompt_ids(request)
-            params = validate_request(request, prompt_ids, vocab_size=info.vocab_size,
-                                      max_model_len=info.max_model_len)
+            params = validate_request(request, prompt_ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        timer = RequestTimer(self.metrics)
         responses = merged_responses(self.scheduler, request_id, params, prompt_ids, info.eos_token_ids,
-                                     self.tokenizer, self.request_timeout)
+                                     self.tokenizer, self.request_timeout, on_queued=timer.queued)
+        try:
+            async for response in responses:
+                timer.response(response)
+                yield response
+        except ChildFailed as e:
+            raise GatewayError(e.code, f"child {e.index} of {request_id}: {e.details}") from None
+        finally:
+            await responses.aclose()
+
+    async def generate_groups(self, groups) -> AsyncIterator[generate_pb2.GroupResponse]:
+        responses = GroupRunner(self.scheduler, self.tokenizer, await self.model_info(), self.request_timeout).run(groups)
         try:
             async for response in responses:
                 yield response
-        except ChildFailed as e:
-            await context.abort(e.code, f"child {e.index} of {request_id}: {e.details}")
+        finally:
+            await responses.aclose()
+
+
+class GatewayServicer(generate_pb2_grpc.GatewayServicer):
+    """The gRPC front: maps GatewayError to the call's status."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def _authorize(self, context) -> None:
+        if not self.gateway.authorized(dict(context.invocation_metadata() or ()).get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def GetModelInfo(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.gateway.model_info()
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def Generate(self, request, context):
+        await self._authorize(context)
+        responses = self.gateway.generate(request)
+        try:
+            async for response in responses:
+                yield response
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
         finally:
             await responses.aclose()  # the client went away: cancel every child
 
     async def GenerateGroups(self, request_iterator, context):
         await self._authorize(context)
-        try:
-            info = await self.model_info()
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}")
-        responses = GroupRunner(self.scheduler, self.tokenizer, info, self.request_timeout).run(request_iterator)
+        responses = self.gateway.generate_groups(request_iterator)
         try:
             async for response in responses:
                 yield response
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
         finally:
             await responses.aclose()  # the client went away: cancel every member

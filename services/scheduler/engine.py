@@ -37,7 +37,9 @@ class SchedulerConfig:
     max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else P
     enable_prefix_caching: bool = True
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
-    reconnect_timeout: float = 120.0  # how long a new request waits for the pipeline
+    # A new request waits this long for a pipeline that is reconnecting, then gets UNAVAILABLE (503
+    # over HTTP) so that clients retry elsewhere; requests already running pause until it is back.
+    reconnect_timeout: float = 2.0
     speculation: SpeculativeConfig | None = None
     # A lost stage: requests wait this long for the pipeline to come back, then fail.
     stage_recovery_timeout: float = 60.0

@@ -164,7 +164,9 @@ def strata_image(docker_engine):
             run(["bash", str(HERE / "build_base_image.sh"), BASE_IMAGE], timeout=1200,
                 env={**docker_engine.env, "DOCKER": docker_engine.client})
     with _timed("project image: docker build"), _torch_build_args() as torch_args:
-        docker_engine.docker("build", "-t", IMAGE, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *torch_args,
+        # The tiny model in the image (no download): the cluster mounts the host-built one anyway.
+        docker_engine.docker("build", "-t", IMAGE, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+                             "--build-arg", "DEFAULT_MODEL=tiny-random", *torch_args,
                              str(REPO_ROOT), timeout=1800)
     return IMAGE
 
@@ -174,7 +176,7 @@ def strata_image(docker_engine):
 def host_model_dir(tmp_path_factory) -> Path:
     """The default model built on the host; mounted into the containers, so both sides share weights."""
     out = tmp_path_factory.mktemp("strata-model") / "model"
-    run([sys.executable, "-m", "strata.cli", "build-default-model", "--output", str(out)], timeout=300, cwd=REPO_ROOT)
+    run([sys.executable, "-m", "strata.cli", "build-model", "tiny-random", "--output", str(out)], timeout=300, cwd=REPO_ROOT)
     # The services run as an unprivileged user in the containers.
     for root, dirs, files in os.walk(out):
         for name in dirs + files + [""]:
@@ -194,6 +196,7 @@ def compose_cluster(docker_engine, strata_image, host_model_dir, tmp_path_factor
         "STRATA_MODEL_DIR": str(host_model_dir),
         "STRATA_GATEWAY_BIND": "127.0.0.1",
         "STRATA_GATEWAY_PORT": str(port),
+        "STRATA_HTTP_PORT": str(free_port()),
     })
     cluster.gateway_address = f"127.0.0.1:{port}"
     try:

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client and by plain HTTP:
+the same tokens as the gRPC API, streamed deltas that join to the whole text, n = 3 as three
+seeds, usage, OpenAI's error shape and statuses, and a client that disconnects freeing its KV."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from strata.openai_format import chat_prompt_ids
+from strata.v1 import generate_pb2
+from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tiny_llama_dir(tmp_path_factory, seed=17)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE  # the tiny tokenizer has none
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    with running_cluster(model_dir, 1) as (c, client):
+        yield c, client
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    c, _ = cluster
+    return openai.OpenAI(base_url=c.http_address + "/v1", api_key="unused", max_retries=0)
+
+
+def grpc_text(client, prompt, **params) -> tuple[str, list[int]]:
+    text, ids = "", []
+    for r in client.generate(prompt, output_kind=generate_pb2.DELTA, timeout=60, **params):
+        for o in r.outputs:
+            text += o.text
+            ids += o.token_ids
+    return text, ids
+
+
+def test_models_health_and_metrics(cluster, oai):
+    c, client = cluster
+    (model,) = oai.models.list().data
+    assert model.id == client.model_info().model_name
+    assert httpx.get(c.http_address + "/health").status_code == 200
+    before = httpx.get(c.http_address + "/metrics").text
+    oai.completions.create(model=model.id, prompt="metrics", max_tokens=3, temperature=0)
+    body = httpx.get(c.http_address + "/metrics").text
+
+    def count(text, name):
+        line = next((ln for ln in text.splitlines() if ln.startswith(name + " ")), None)
+        return float(line.split()[1]) if line else 0.0
+    for histogram in ("strata_time_to_first_token_seconds", "strata_e2e_request_latency_seconds",
+                      "strata_request_queue_time_seconds"):
+        assert count(body, histogram + "_count") == count(before, histogram + "_count") + 1
+    assert count(body, "strata_generation_tokens_total") >= count(before, "strata_generation_tokens_total") + 3
+    assert 'strata_request_success_total{finished_reason="length"}' in body
+
+
+def test_greedy_completion_and_chat_equal_grpc(cluster, model_dir, oai):
+    from transformers import AutoTokenizer
+
+    _, client = cluster
+    prompt = "The old lighthouse stood"
+    got = oai.completions.create(model="llama0", prompt=prompt, max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    text, ids = grpc_text(client, prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert got.choices[0].text == text and got.usage.completion_tokens == len(ids) == 12
+    assert got.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(model_dir).encode(prompt))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour."}]
+    chat = oai.chat.completions.create(model="llama0", messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), messages)
+    text, ids = grpc_text(client, prompt_ids, max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert chat.choices[0].message.content == text and chat.choices[0].message.role == "assistant"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt_ids), 10)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_join_to_the_whole_text(oai, chat):
+    kw = dict(model="llama0", max_tokens=16, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+    if chat:
+        messages = [{"role": "user", "content": "Tell me about bread."}]
+        whole = oai.chat.completions.create(messages=messages, **kw).choices[0].message.content
+        chunks = list(oai.chat.completions.create(messages=messages, stream=True,
+                                                  stream_options={"include_usage": True}, **kw))
+        joined = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        whole = oai.completions.create(prompt="Bread is", **kw).choices[0].text
+        chunks = list(oai.completions.create(prompt="Bread is", stream=True,
+                                             stream_options={"include_usage": True}, **kw))
+        joined = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert joined == whole and whole
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_sse_ends_with_done(cluster):
+    c, _ = cluster
+    with httpx.stream("POST", c.http_address + "/v1/completions",
+                      json={"prompt": "one two", "max_tokens": 4, "stream": True, "temperature": 0}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_n3_with_a_seed_equals_three_seeds(oai):
+    kw = dict(model="llama0", prompt="The market square", max_tokens=10, temperature=0.8,
+              extra_body={"ignore_eos": True})
+    three = oai.completions.create(n=3, seed=40, **kw)
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    by_index = {c.index: c.text for c in three.choices}
+    for i in range(3):
+        assert oai.completions.create(seed=40 + i, **kw).choices[0].text == by_index[i]
+    assert three.usage.completion_tokens == 30
+
+
+def test_logprobs_in_openai_shape(oai):
+    got = oai.completions.create(model="llama0", prompt="A river", max_tokens=4, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    chat = oai.chat.completions.create(model="llama0", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.token == t.top_logprobs[0].token for t in content)  # greedy draws the top token
+
+
+BAD = [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 2}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 10 ** 7]}, "prompt_token_ids"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [10 ** 7]}, "stop_token_ids"),
+    ({"prompt": "x", "min_p": 3}, "min_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "seed": "s"}, "seed"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 9}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD)
+def test_bad_input_gets_400_naming_the_field(cluster, body, field):
+    c, _ = cluster
+    for stream in (False, True):
+        r = httpx.post(c.http_address + "/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == field and field in error["message"]
+
+
+def test_other_errors(cluster):
+    c, _ = cluster
+    r = httpx.post(c.http_address + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(c.http_address + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(c.http_address + "/v1/completions", json={"prompt": "x", "model": "gpt-5"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def _left_early(c, before, full: int):
+    """Waits for every block to be free; the request computed far fewer tokens than it asked."""
+    deadline = time.monotonic() + 10
+    while (stats := scheduler_stats(c)).used_kv_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats.used_kv_blocks == 0 and stats.running == 0
+    assert stats.decode_tokens_computed - before.decode_tokens_computed < full / 2, "it ran to the end"
+
+
+def test_a_disconnect_mid_stream_frees_the_requests_blocks(cluster):
+    c, _ = cluster
+    before = scheduler_stats(c)
+    with httpx.stream("POST", c.http_address + "/v1/completions", timeout=30,
+                      json={"prompt": "long story", "max_tokens": 400, "n": 16, "stream": True, "ignore_eos": True,
+                            "temperature": 0.5}) as r:
+        next(r.iter_lines())
+    _left_early(c, before, 16 * 400)
+
+
+def test_a_disconnect_before_a_whole_answer_frees_its_blocks(cluster):
+    c, _ = cluster
+    before = scheduler_stats(c)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(c.http_address + "/v1/completions", timeout=0.3,
+                   json={"prompt": "long story", "max_tokens": 400, "n": 16, "ignore_eos": True, "temperature": 0.5})
+    _left_early(c, before, 16 * 400)
+
+
+def test_api_key_and_503_while_the_pipeline_is_down(model_dir):
+    with running_cluster(model_dir, 1, "--api-key", "sesame", "--stage-recovery-timeout", "30") as (c, _):
+        url = c.http_address + "/v1/completions"
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        auth = {"Authorization": "Bearer sesame"}
+        assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers=auth, timeout=30).status_code == 200
+        worker = next(proc for name, proc in c.procs if name == "worker 0")
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 15
+        while httpx.get(c.http_address + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(c.http_address + "/health").status_code == 503
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers=auth, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
