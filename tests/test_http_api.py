@@ -48,23 +48,65 @@ def grpc_text(client, prompt, **params) -> tuple[str, list[int]]:
     return text, ids
 
 
-def test_models_health_and_metrics(cluster, oai):
+def metric_values(c) -> dict[str, float]:
+    """The gateway's /metrics as {sample name with labels: value}."""
+    text = httpx.get(c.http_address + "/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+class MetricDelta:
+    """How much each gateway metric grew since the snapshot."""
+
+    def __init__(self, c):
+        self.c, self.before = c, metric_values(c)
+
+    def __call__(self, name: str) -> float:
+        return metric_values(self.c).get(name, 0.0) - self.before.get(name, 0.0)
+
+
+TTFT, ITL, E2E, QUEUE = ("strata_time_to_first_token_seconds", "strata_inter_token_latency_seconds",
+                         "strata_e2e_request_latency_seconds", "strata_request_queue_time_seconds")
+
+
+def test_models_and_health(cluster, oai):
     c, client = cluster
     (model,) = oai.models.list().data
     assert model.id == client.model_info().model_name
     assert httpx.get(c.http_address + "/health").status_code == 200
-    before = httpx.get(c.http_address + "/metrics").text
-    oai.completions.create(model=model.id, prompt="metrics", max_tokens=3, temperature=0)
-    body = httpx.get(c.http_address + "/metrics").text
 
-    def count(text, name):
-        line = next((ln for ln in text.splitlines() if ln.startswith(name + " ")), None)
-        return float(line.split()[1]) if line else 0.0
-    for histogram in ("strata_time_to_first_token_seconds", "strata_e2e_request_latency_seconds",
-                      "strata_request_queue_time_seconds"):
-        assert count(body, histogram + "_count") == count(before, histogram + "_count") + 1
-    assert count(body, "strata_generation_tokens_total") >= count(before, "strata_generation_tokens_total") + 3
-    assert 'strata_request_success_total{finished_reason="length"}' in body
+
+def test_metrics_count_every_request_of_both_fronts(cluster, oai):
+    c, client = cluster
+    kw = dict(model="llama0", temperature=0.5, seed=3, extra_body={"ignore_eos": True})
+    grew = MetricDelta(c)
+    list(oai.completions.create(prompt="one stream", max_tokens=20, stream=True, **kw))
+    assert (grew(TTFT + "_count"), grew(E2E + "_count"), grew(QUEUE + "_count")) == (1, 1, 1)
+    # Every token after the first is one gap (fewer when a slow reader gets two steps in one message).
+    assert 10 <= grew(ITL + "_count") <= 19
+    assert 0 < grew(TTFT + "_sum") < grew(E2E + "_sum")
+    assert grew("strata_generation_tokens_total") == 20
+    assert grew('strata_request_success_total{finished_reason="length"}') == 1
+
+    # n = 2: gaps are measured within each output, not between siblings that step together.
+    grew = MetricDelta(c)
+    list(oai.completions.create(prompt="two streams", max_tokens=20, n=2, stream=True, **kw))
+    assert (grew(TTFT + "_count"), grew(E2E + "_count"), grew(QUEUE + "_count")) == (1, 1, 2)
+    assert 20 <= grew(ITL + "_count") <= 2 * 19
+    assert grew('strata_request_success_total{finished_reason="length"}') == 2
+
+    # Not streamed: the scheduler sends each output once, finished, which says nothing about when
+    # its first token came; the request counts everywhere else.
+    grew = MetricDelta(c)
+    got = oai.completions.create(prompt="whole answers", max_tokens=6, n=2, **kw)
+    assert (grew(E2E + "_count"), grew(QUEUE + "_count"), grew(TTFT + "_count"), grew(ITL + "_count")) == (1, 2, 0, 0)
+    assert grew("strata_generation_tokens_total") == 12
+    assert grew("strata_prompt_tokens_total") == got.usage.prompt_tokens
+
+    # The gRPC front goes through the same path and the same metrics.
+    grew = MetricDelta(c)
+    grpc_text(client, "over grpc", max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert (grew(TTFT + "_count"), grew(E2E + "_count"), grew("strata_generation_tokens_total")) == (1, 1, 5)
 
 
 def test_greedy_completion_and_chat_equal_grpc(cluster, model_dir, oai):
@@ -189,11 +231,14 @@ def _left_early(c, before, full: int):
 def test_a_disconnect_mid_stream_frees_the_requests_blocks(cluster):
     c, _ = cluster
     before = scheduler_stats(c)
+    grew = MetricDelta(c)
     with httpx.stream("POST", c.http_address + "/v1/completions", timeout=30,
                       json={"prompt": "long story", "max_tokens": 400, "n": 16, "stream": True, "ignore_eos": True,
                             "temperature": 0.5}) as r:
         next(r.iter_lines())
     _left_early(c, before, 16 * 400)
+    assert grew('strata_request_success_total{finished_reason="abort"}') == 16  # each output, once
+    assert grew(E2E + "_count") == 0
 
 
 def test_a_disconnect_before_a_whole_answer_frees_its_blocks(cluster):
@@ -211,7 +256,8 @@ def test_api_key_and_503_while_the_pipeline_is_down(model_dir):
         r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         auth = {"Authorization": "Bearer sesame"}
-        assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers=auth, timeout=30).status_code == 200
+        ok = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
+        assert httpx.post(url, json=ok, headers=auth, timeout=30).status_code == 200
         worker = next(proc for name, proc in c.procs if name == "worker 0")
         worker.kill()
         worker.wait()
@@ -221,3 +267,16 @@ def test_api_key_and_503_while_the_pipeline_is_down(model_dir):
         assert httpx.get(c.http_address + "/health").status_code == 503
         r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers=auth, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        # A replacement worker: the pipeline comes back and the gateway's metrics go on counting
+        # from where they were (they live in the gateway, not in the pipeline that was rebuilt).
+        served = metric_values(c)
+        assert served[E2E + "_count"] == 1 and served["strata_generation_tokens_total"] == 2
+        assert served['strata_request_success_total{finished_reason="error"}'] == 1  # the 503
+        c.start("worker 0 (restarted)", worker.args[3:])  # python -m strata.cli ARGS
+        deadline = time.monotonic() + 60
+        while httpx.get(c.http_address + "/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = httpx.post(url, json=ok, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        after = metric_values(c)
+        assert after[E2E + "_count"] == 2 and after["strata_generation_tokens_total"] == 4

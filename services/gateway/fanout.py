@@ -71,6 +71,13 @@ def child_seeds(params: ValidatedParams, rng: random.Random | None = None) -> li
     return [secrets.randbits(64) for _ in range(params.n)]
 
 
+def scheduler_streams(params: ValidatedParams) -> bool:
+    """Whether the scheduler streams a child's tokens as they are sampled. Not when only the
+    final result is wanted and no stop string needs the text as it grows: the scheduler then
+    sends each child once, when it has finished."""
+    return params.output_kind != generate_pb2.FINAL_ONLY or bool(params.stop)
+
+
 @dataclass(frozen=True)
 class GroupMembership:
     """A request that is a member of a prefix group (prefix_groups.py): its children join it."""
@@ -96,9 +103,7 @@ def child_requests(
     """
     prompt = list(prompt_token_ids)
     stop = params.stop_criteria(eos_token_ids)
-    # Nothing to stream when only the final result is wanted and no stop string needs the text
-    # as it grows: the scheduler then sends each child once.
-    final_only = params.output_kind == generate_pb2.FINAL_ONLY and not params.stop
+    final_only = not scheduler_streams(params)
     sharing = {"parent_id": request_id}
     if group is not None:
         sharing = {"parent_id": group.group_id, "shared_prefix_len": group.prefix_len, "group_size": group.size}
@@ -121,14 +126,14 @@ def child_requests(
 async def merged_responses(
     scheduler, request_id: str, params: ValidatedParams, prompt_token_ids: Sequence[int],
     eos_token_ids: Sequence[int], tokenizer, timeout: float, group: GroupMembership | None = None,
-    on_queued=None,
+    on_output=None,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Submits the request's children to the scheduler and yields the merged responses.
 
     Raises ChildFailed when a child fails. However it ends (finished, a failure, or the caller
     closing the generator when its client went away), every child still running is cancelled,
-    which aborts it in the scheduler and frees its blocks at once. on_queued(seconds): each
-    child's time in the scheduler's queue, once it is known.
+    which aborts it in the scheduler and frees its blocks at once. on_output(index, output): each
+    scheduler output of child `index` as it arrives (the serving metrics' clock).
     """
     children = child_requests(request_id, params, prompt_token_ids, eos_token_ids, group=group)
     state = RequestOutputState(request_id, len(children), params.output_kind, params.logprobs is not None,
@@ -138,17 +143,15 @@ async def merged_responses(
     merged: asyncio.Queue = asyncio.Queue()
     calls = [scheduler.Submit(child, timeout=timeout) for child in children]
     readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
-    queued = [False] * len(children)
     try:
         while not state.finished:
             index, out = await merged.get()
             if isinstance(out, ChildFailed):
                 raise out
-            if on_queued is not None and not queued[index]:
-                queued[index] = True
-                on_queued(out.queue_seconds)
             if state.child_finished(index):
                 continue  # outputs that were already on their way after a stop string
+            if on_output is not None:
+                on_output(index, out)
             response = _advance(index, texts[index], out, state, calls[index])
             if response is not None:
                 yield response

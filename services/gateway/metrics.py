@@ -21,13 +21,13 @@ class GatewayMetrics:
         r = self.registry
         self.ttft = Histogram("strata_time_to_first_token_seconds", "request arrival to its first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("strata_inter_token_latency_seconds", "gap between a request's tokens",
+        self.itl = Histogram("strata_inter_token_latency_seconds", "gap between consecutive tokens of one output",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("strata_e2e_request_latency_seconds", "request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("strata_request_queue_time_seconds", "waiting in the scheduler before admission",
                                buckets=_LATENCY_BUCKETS, registry=r)
-        self.finished = Counter("strata_request_success", "outputs finished, by finish reason",
+        self.finished = Counter("strata_request_success", "outputs finished, by finish reason (stop, length, abort, error)",
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "tokens generated", registry=r)
@@ -39,31 +39,52 @@ class GatewayMetrics:
 
 
 class RequestTimer:
-    """One request's timeline: feed every response (and each child's queue time) as it goes."""
+    """One public request's timeline. Each child's scheduler outputs, as they arrive, time the
+    queue, the first token and the gaps between that child's tokens (output(), so n > 1 siblings
+    that step together do not look n times faster); the merged responses count tokens, finish
+    reasons and the end-to-end latency (response()); close() counts outputs that never finished.
 
-    def __init__(self, metrics: GatewayMetrics):
+    A child the scheduler sends once, when it has finished (FINAL_ONLY without stop strings,
+    e.g. a non-streamed HTTP request), tells nothing about when its tokens came: `timed` is then
+    False and the request counts in every metric but TTFT and ITL, rather than adding its whole
+    latency as a time to first token.
+    """
+
+    def __init__(self, metrics: GatewayMetrics, num_outputs: int, timed: bool):
         self.metrics = metrics
+        self.timed = timed
         self.start = time.perf_counter()
-        self.last_token: float | None = None
+        self.first_token_seen = False
+        self.last_token: list[float | None] = [None] * num_outputs  # each child's latest token
+        self.admitted = [False] * num_outputs
         self.tokens = 0
         self.finished: set[int] = set()  # output indices counted (CUMULATIVE repeats finished ones)
+        self.done = False
 
-    def queued(self, seconds: float) -> None:
-        self.metrics.queue.observe(seconds)
+    def output(self, index: int, out) -> None:
+        """A scheduler output (EngineOutput) of child `index`, as it arrives."""
+        now = time.perf_counter()
+        if not self.admitted[index]:  # its first output comes after its admission
+            self.admitted[index] = True
+            self.metrics.queue.observe(out.queue_seconds)
+        new = len(out.token_ids)
+        if not self.timed or not new:
+            return
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.metrics.ttft.observe(now - self.start)
+        last = self.last_token[index]
+        if last is not None:
+            gap = (now - last) / new  # tokens that arrived together (speculation) share the gap
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self.last_token[index] = now
 
     def response(self, response) -> None:
-        """Counts new tokens from usage (so far, in every output kind) rather than from outputs,
-        which CUMULATIVE responses repeat."""
-        now = time.perf_counter()
+        """A merged response. Counts new tokens from usage (so far, in every output kind) rather
+        than from outputs, which CUMULATIVE responses repeat."""
         new = response.usage.completion_tokens - self.tokens
         if new > 0:
-            if self.last_token is None:
-                self.metrics.ttft.observe(now - self.start)
-            else:
-                gap = (now - self.last_token) / new  # tokens that arrived together share the gap
-                for _ in range(new):
-                    self.metrics.itl.observe(gap)
-            self.last_token = now
             self.tokens += new
             self.metrics.generation_tokens.inc(new)
         for output in response.outputs:
@@ -71,6 +92,17 @@ class RequestTimer:
                 self.finished.add(output.index)
                 self.metrics.finished.labels(output.finish_reason).inc()
         if response.finished:
-            self.metrics.e2e.observe(now - self.start)
+            self.done = True
+            self.metrics.e2e.observe(time.perf_counter() - self.start)
             self.metrics.prompt_tokens.inc(response.usage.prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(response.usage.cached_prompt_tokens)
+
+    def close(self, reason: str = "abort") -> None:
+        """However the request ended: outputs that did not finish count under `reason` ("abort":
+        the client went away; "error": the request failed)."""
+        if self.done:
+            return
+        self.done = True
+        for index in range(len(self.last_token)):
+            if index not in self.finished:
+                self.metrics.finished.labels(reason).inc()

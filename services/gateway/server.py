@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from strata.services.gateway.fanout import ChildFailed, merged_responses
+from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
 from strata.services.gateway.validation import InvalidRequest, validate_request
@@ -77,16 +77,18 @@ class Gateway:
             params = validate_request(request, prompt_ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
-        timer = RequestTimer(self.metrics)
+        timer = RequestTimer(self.metrics, params.n, timed=scheduler_streams(params))
         responses = merged_responses(self.scheduler, request_id, params, prompt_ids, info.eos_token_ids,
-                                     self.tokenizer, self.request_timeout, on_queued=timer.queued)
+                                     self.tokenizer, self.request_timeout, on_output=timer.output)
         try:
             async for response in responses:
                 timer.response(response)
                 yield response
         except ChildFailed as e:
+            timer.close("error")
             raise GatewayError(e.code, f"child {e.index} of {request_id}: {e.details}") from None
         finally:
+            timer.close()  # the client went away: its unfinished outputs count as aborted
             await responses.aclose()
 
     async def generate_groups(self, groups) -> AsyncIterator[generate_pb2.GroupResponse]:
