@@ -335,8 +335,8 @@ def default_cache_root() -> Path:
 
 # name -> (directory in the cache, builder function name, files that mark a finished build)
 MODELS = {
-    # -v2: a plain HF checkpoint (v1 kept the GGUF loader's quantization_config in config.json).
-    DEFAULT_MODEL: ("smollm2-135m-instruct-v2", "build_smollm2",
+    # The directory's name is the model's name on both APIs (ModelInfo.model_name, /v1/models).
+    DEFAULT_MODEL: ("SmolLM2-135M-Instruct", "build_smollm2",
                     ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")),
     TINY_MODEL: (TINY_MODEL_DIR, "build_tiny_random_model", _REQUIRED_FILES),
 }

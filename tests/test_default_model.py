@@ -201,6 +201,7 @@ def test_smollm2_is_a_plain_hf_directory_with_its_chat_template(smollm2_dir):
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
+    assert smollm2_dir.name == "SmolLM2-135M-Instruct"  # its name on both APIs
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
@@ -231,6 +232,7 @@ def test_strata_greedy_equals_transformers_on_smollm2(smollm2_dir):
                chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])]
     expected = hf_greedy(smollm2_dir, prompts, [12, 12])
     with running_cluster(smollm2_dir, 1) as (_, client):
+        assert client.model_info().model_name == "SmolLM2-135M-Instruct"
         got = [collect(client.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True,
                                        output_kind=generate_pb2.DELTA, timeout=120))[0] for ids in prompts]
     assert got == expected
