@@ -69,16 +69,16 @@ TTFT, ITL, E2E, QUEUE = ("strata_time_to_first_token_seconds", "strata_inter_tok
                          "strata_e2e_request_latency_seconds", "strata_request_queue_time_seconds")
 
 
-def test_models_and_health(cluster, oai):
+def test_models_and_health(cluster, model_dir, oai):
     c, client = cluster
     (model,) = oai.models.list().data
-    assert model.id == client.model_info().model_name
+    assert model.id == client.model_info().model_name == model_dir.name  # the name every request uses
     assert httpx.get(c.http_address + "/health").status_code == 200
 
 
-def test_metrics_count_every_request_of_both_fronts(cluster, oai):
+def test_metrics_count_every_request_of_both_fronts(cluster, model_dir, oai):
     c, client = cluster
-    kw = dict(model="llama0", temperature=0.5, seed=3, extra_body={"ignore_eos": True})
+    kw = dict(model=model_dir.name, temperature=0.5, seed=3, extra_body={"ignore_eos": True})
     grew = MetricDelta(c)
     list(oai.completions.create(prompt="one stream", max_tokens=20, stream=True, **kw))
     assert (grew(TTFT + "_count"), grew(E2E + "_count"), grew(QUEUE + "_count")) == (1, 1, 1)
@@ -114,13 +114,13 @@ def test_greedy_completion_and_chat_equal_grpc(cluster, model_dir, oai):
 
     _, client = cluster
     prompt = "The old lighthouse stood"
-    got = oai.completions.create(model="llama0", prompt=prompt, max_tokens=12, temperature=0,
+    got = oai.completions.create(model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0,
                                  extra_body={"ignore_eos": True})
     text, ids = grpc_text(client, prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
     assert got.choices[0].text == text and got.usage.completion_tokens == len(ids) == 12
     assert got.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(model_dir).encode(prompt))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour."}]
-    chat = oai.chat.completions.create(model="llama0", messages=messages, max_tokens=10, temperature=0,
+    chat = oai.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True})
     prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), messages)
     text, ids = grpc_text(client, prompt_ids, max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -129,8 +129,8 @@ def test_greedy_completion_and_chat_equal_grpc(cluster, model_dir, oai):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_streamed_deltas_join_to_the_whole_text(oai, chat):
-    kw = dict(model="llama0", max_tokens=16, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+def test_streamed_deltas_join_to_the_whole_text(model_dir, oai, chat):
+    kw = dict(model=model_dir.name, max_tokens=16, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
     if chat:
         messages = [{"role": "user", "content": "Tell me about bread."}]
         whole = oai.chat.completions.create(messages=messages, **kw).choices[0].message.content
@@ -157,8 +157,8 @@ def test_sse_ends_with_done(cluster):
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
-def test_n3_with_a_seed_equals_three_seeds(oai):
-    kw = dict(model="llama0", prompt="The market square", max_tokens=10, temperature=0.8,
+def test_n3_with_a_seed_equals_three_seeds(model_dir, oai):
+    kw = dict(model=model_dir.name, prompt="The market square", max_tokens=10, temperature=0.8,
               extra_body={"ignore_eos": True})
     three = oai.completions.create(n=3, seed=40, **kw)
     assert sorted(c.index for c in three.choices) == [0, 1, 2]
@@ -168,13 +168,13 @@ def test_n3_with_a_seed_equals_three_seeds(oai):
     assert three.usage.completion_tokens == 30
 
 
-def test_logprobs_in_openai_shape(oai):
-    got = oai.completions.create(model="llama0", prompt="A river", max_tokens=4, temperature=0, logprobs=2,
+def test_logprobs_in_openai_shape(model_dir, oai):
+    got = oai.completions.create(model=model_dir.name, prompt="A river", max_tokens=4, temperature=0, logprobs=2,
                                  extra_body={"ignore_eos": True})
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
-    chat = oai.chat.completions.create(model="llama0", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+    chat = oai.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
