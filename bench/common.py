@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import signal
 import subprocess
 import time
@@ -25,6 +26,9 @@ import numpy as np
 from strata.flags import service_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The clusters a benchmark starts and the scheduler calls it makes share one cluster token (with
+# --address, the running cluster's, from the environment).
+os.environ.setdefault("STRATA_CLUSTER_TOKEN", secrets.token_hex(16))
 DEFAULT_GPU_MODEL = "dummy:llama-3.2-1b"
 # Token ids below this are the special tokens of the embedded default model (BOS, EOS);
 # random prompts stay clear of them.
@@ -239,6 +243,12 @@ class RequestRecord:
         return (gaps / np.asarray(self.chunk_tokens[1:])).tolist()
 
 
+def scheduler_channel(address: str):
+    """A channel to a scheduler: internal, so its calls carry the cluster token."""
+    from strata.grpc_util import aio_channel, cluster_token
+    return aio_channel(address, cluster_token())
+
+
 def open_channel(address: str):
     import grpc
     from strata.grpc_util import CHANNEL_OPTIONS
@@ -350,7 +360,7 @@ async def scheduler_stats(address: str | None):
     if not address:
         return None
     from strata.v1 import engine_pb2, engine_pb2_grpc
-    async with open_channel(address) as channel:
+    async with scheduler_channel(address) as channel:
         return await engine_pb2_grpc.SchedulerStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=30)
 
 
@@ -406,7 +416,7 @@ class StatsPoller:
 
     async def _poll(self) -> None:
         from strata.v1 import engine_pb2, engine_pb2_grpc
-        async with open_channel(self.address) as channel:
+        async with scheduler_channel(self.address) as channel:
             stub = engine_pb2_grpc.SchedulerStub(channel)
             while True:
                 stats = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=30)

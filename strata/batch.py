@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from strata import openai_format
+from strata.client import gateway_channel
 from strata.v1 import generate_pb2, generate_pb2_grpc
 
 # Shorter shared prefixes are not worth a group (a block or two of KV).
@@ -162,13 +163,13 @@ _STATUS = {grpc.StatusCode.INVALID_ARGUMENT.value[0]: 400, grpc.StatusCode.UNAUT
 
 
 def run_batch(input_path: Path, output_path: Path, address: str, tokenizer, api_key: str | None = None,
-              progress: bool = True, timeout: float = 7 * 24 * 3600.0) -> int:
+              progress: bool = True, timeout: float = 7 * 24 * 3600.0, tls_ca: str | None = None) -> int:
     """Runs the batch against the gateway at `address`; returns the number of error lines."""
     from tqdm import tqdm
 
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     done = answered(output_path)
-    with grpc.insecure_channel(address, options=_channel_options()) as channel:
+    with gateway_channel(address, tls_ca) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=60, metadata=metadata)
         items, errors = read_items(input_path, done, tokenizer, info.max_model_len)
@@ -195,11 +196,6 @@ def run_batch(input_path: Path, output_path: Path, address: str, tokenizer, api_
     return failed
 
 
-def _channel_options():
-    from strata.grpc_util import CHANNEL_OPTIONS
-    return CHANNEL_OPTIONS
-
-
 def batch_cli(args) -> int:
     from transformers import AutoTokenizer
 
@@ -216,7 +212,8 @@ def batch_cli(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     progress = not args.no_progress
     if args.address:
-        failed = run_batch(input_path, output_path, args.address, tokenizer, args.api_key, progress)
+        failed = run_batch(input_path, output_path, args.address, tokenizer, args.api_key, progress,
+                           tls_ca=args.tls_ca)
     else:
         failed = _with_local_cluster(args, input_path, output_path, tokenizer, progress)
     print(f"{output_path}: done, {failed} error line(s)", file=sys.stderr)

@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
+    add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, in seconds")
 
     p = sub.add_parser("batch", formatter_class=Formatter, help="run an OpenAI batch file (JSONL) with shared prefixes",
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(unset: the embedded default)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, with --address (default: --model's)")
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
+    add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
     p.add_argument("--device", default="auto", help="the local cluster's device")
     p.add_argument("--max-num-seqs", type=int, default=512, help="the local cluster's most sequences at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the local cluster's step budget")

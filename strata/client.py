@@ -10,9 +10,17 @@ from strata.grpc_util import CHANNEL_OPTIONS
 from strata.v1 import generate_pb2, generate_pb2_grpc
 
 
+def gateway_channel(address: str, tls_ca: str | None = None) -> grpc.Channel:
+    """A channel to a gateway: TLS verified against the CA bundle `tls_ca` when given."""
+    if tls_ca:
+        credentials = grpc.ssl_channel_credentials(root_certificates=open(tls_ca, "rb").read())
+        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
 class StrataClient:
-    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
+        self.channel = gateway_channel(address, tls_ca)
         self.stub = generate_pb2_grpc.GatewayStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
 
@@ -34,7 +42,7 @@ class StrataClient:
 
 
 def generate_cli(args) -> int:
-    client = StrataClient(args.address, args.api_key)
+    client = StrataClient(args.address, args.api_key, args.tls_ca)
     params = dict(max_tokens=args.max_tokens, n=args.n, top_k=args.top_k, stop=args.stop,
                   ignore_eos=args.ignore_eos, output_kind=generate_pb2.DELTA)
     for name in ("temperature", "top_p", "seed"):

@@ -25,6 +25,12 @@ def add_flag(p: argparse.ArgumentParser, flag: str, env_var: str, default, help:
     p.add_argument(flag, default=env(env_var, default, type), type=type, help=f"{help} [env {env_var}]", **kw)
 
 
+def _cluster_token_flag(p):
+    add_flag(p, "--cluster-token", "STRATA_CLUSTER_TOKEN", None,
+             "token every internal RPC carries and every internal service requires ('authorization: Bearer TOKEN'); "
+             "strata serve generates one for the processes it starts")
+
+
 def _model_flags(p):
     add_flag(p, "--model", "STRATA_MODEL", None,
              "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:llama-3.2-1b' / "
@@ -111,7 +117,20 @@ def _bool(v: str) -> bool:
     return v.lower() in ("1", "true", "yes", "on")
 
 
+# The gateway's own flags, which `strata serve` forwards to the gateway it starts.
+GATEWAY_FLAGS = ("api_key", "tls_cert", "tls_key", "max_request_bytes", "max_prompt_chars", "max_stop_strings",
+                 "max_stop_length")
+
+
 def _gateway_flags(p):
+    add_flag(p, "--max-request-bytes", "STRATA_MAX_REQUEST_BYTES", 16 << 20,
+             "largest gRPC request message the gateway takes, in bytes (larger: RESOURCE_EXHAUSTED)", type=int)
+    add_flag(p, "--max-prompt-chars", "STRATA_MAX_PROMPT_CHARS", 0,
+             "longest prompt text, checked before it is tokenized (0: 32 characters per token of the model's context)",
+             type=int)
+    add_flag(p, "--max-stop-strings", "STRATA_MAX_STOP_STRINGS", 32, "most stop strings (and stop token ids) per request",
+             type=int)
+    add_flag(p, "--max-stop-length", "STRATA_MAX_STOP_LENGTH", 1024, "longest stop string, in characters", type=int)
     add_flag(p, "--http-port", "STRATA_HTTP_PORT", 8000,
              "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
              "/metrics) on the gateway's host; 0: off", type=int)
@@ -145,6 +164,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     add_flag(p, "--host", "STRATA_HOST", "0.0.0.0", "bind address")
     add_flag(p, "--port", "STRATA_PORT", 50051, "port", type=int)
     add_flag(p, "--scheduler-address", "STRATA_SCHEDULER_ADDRESS", "127.0.0.1:50052", "scheduler host:port")
+    _cluster_token_flag(p)
     _gateway_flags(p)
 
     p = sub.add_parser("scheduler", formatter_class=formatter_class, help="run the scheduler service")
@@ -152,6 +172,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     add_flag(p, "--port", "STRATA_PORT", 50052, "port", type=int)
     add_flag(p, "--workers", "STRATA_WORKERS", "127.0.0.1:50061",
              "comma-separated worker addresses, in pipeline-stage order")
+    _cluster_token_flag(p)
     _scheduler_flags(p)
 
     p = sub.add_parser("worker", formatter_class=formatter_class, help="run one pipeline-stage worker")
@@ -159,6 +180,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     add_flag(p, "--host", "STRATA_HOST", "0.0.0.0", "bind address")
     add_flag(p, "--port", "STRATA_PORT", 50061, "port", type=int)
     add_flag(p, "--stage-index", "STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", type=int)
+    _cluster_token_flag(p)
     add_flag(p, "--num-stages", "STRATA_NUM_STAGES", 1, "number of pipeline stages", type=int)
     add_flag(p, "--seed", "STRATA_SEED", 0, "seed of dummy weights", type=int)
     add_flag(p, "--role", "STRATA_ROLE", "target",

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 # Activations of a large prefill step exceed gRPC's 4 MiB default.
@@ -31,13 +34,120 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
 log = logging.getLogger("strata")
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def cluster_token() -> str | None:
+    """The token every internal RPC carries and every internal service requires: --cluster-token,
+    or $STRATA_CLUSTER_TOKEN (`strata serve` generates one for the processes it starts)."""
+    return os.environ.get("STRATA_CLUSTER_TOKEN") or None
 
 
-def new_server() -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An aio server with the standard health service registered (NOT_SERVING until ready)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+def bearer(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+class _WithMetadata:
+    """Adds metadata (the cluster token) to every call of a channel. grpc.aio files each
+    interceptor under the first call type it implements, so there is one subclass per type."""
+
+    def __init__(self, metadata: list[tuple[str, str]]):
+        self.metadata = metadata
+
+    async def _intercept(self, continuation, details, request):
+        details = details._replace(metadata=grpc.aio.Metadata(*list(details.metadata or ()), *self.metadata))
+        return await continuation(details, request)
+
+
+class _UnaryUnaryMetadata(_WithMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _WithMetadata._intercept
+
+
+class _UnaryStreamMetadata(_WithMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _WithMetadata._intercept
+
+
+class _StreamUnaryMetadata(_WithMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _WithMetadata._intercept
+
+
+class _StreamStreamMetadata(_WithMetadata, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _WithMetadata._intercept
+
+
+def aio_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """A channel to an internal service; every call carries the cluster token when one is set."""
+    interceptors = None
+    if token:
+        interceptors = [kind(bearer(token)) for kind in (_UnaryUnaryMetadata, _UnaryStreamMetadata,
+                                                          _StreamUnaryMetadata, _StreamStreamMetadata)]
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def add_service(server: grpc.aio.Server, servicer, service, token: str | None = None) -> None:
+    """Registers servicer's methods for `service` (a ServiceDescriptor) and, unlike the generated
+    add_*_to_server, parses requests itself: an undecodable message gets INVALID_ARGUMENT (not
+    UNKNOWN), and with `token` every call must carry `authorization: Bearer TOKEN`
+    (UNAUTHENTICATED otherwise)."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(servicer, method.name)
+        factory = {(False, False): grpc.unary_unary_rpc_method_handler,
+                   (False, True): grpc.unary_stream_rpc_method_handler,
+                   (True, False): grpc.stream_unary_rpc_method_handler,
+                   (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
+        handler = _checked(behavior, request_cls, method.client_streaming, method.server_streaming, token)
+        handlers[method.name] = factory(handler, request_deserializer=None,
+                                        response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None):
+    expected = f"Bearer {token}" if token else None
+
+    async def authorize(context) -> None:
+        if expected and dict(context.invocation_metadata() or ()).get("authorization") != expected:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    async def parse(raw: bytes, context):
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {request_cls.__name__}: {e}")
+
+    async def requests(raw_iterator, context):
+        async for raw in raw_iterator:
+            yield await parse(raw, context)
+
+    if client_streaming and server_streaming:
+        async def handler(raw_iterator, context):
+            await authorize(context)
+            async for response in behavior(requests(raw_iterator, context), context):
+                yield response
+    elif client_streaming:
+        async def handler(raw_iterator, context):
+            await authorize(context)
+            return await behavior(requests(raw_iterator, context), context)
+    elif server_streaming:
+        async def handler(raw: bytes, context):
+            await authorize(context)
+            async for response in behavior(await parse(raw, context), context):
+                yield response
+    else:
+        async def handler(raw: bytes, context):
+            await authorize(context)
+            return await behavior(await parse(raw, context), context)
+    return handler
+
+
+def new_server(max_receive_bytes: int | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An aio server with the standard health service registered (NOT_SERVING until ready).
+    max_receive_bytes: the largest request message it takes (a public server's limit; internal
+    ones take activations of large steps)."""
+    options = SERVER_OPTIONS
+    if max_receive_bytes:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer

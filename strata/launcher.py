@@ -1,13 +1,15 @@
 """`strata serve`: scheduler, one worker per stage and the gateway as separate local processes."""
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-from strata.flags import ENGINE_FLAGS
+from strata.flags import ENGINE_FLAGS, GATEWAY_FLAGS
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
@@ -50,12 +52,15 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.gateway_address = ""
         self.http_address = ""  # the OpenAI-compatible HTTP front, when on
+        # Every internal RPC carries it: $STRATA_CLUSTER_TOKEN, or a fresh one for this cluster.
+        self.cluster_token = os.environ.get("STRATA_CLUSTER_TOKEN") or secrets.token_hex(16)
         self.scheduler_address = ""
         self.worker_addresses: list[str] = []
 
     def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
         cmd = [sys.executable, "-m", module, *argv]
-        self.procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+        env = {**os.environ, "STRATA_CLUSTER_TOKEN": self.cluster_token}
+        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
     def wait_healthy(self, address: str, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -183,9 +188,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"
         gateway_argv = ["gateway", "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                         "--scheduler-address", f"127.0.0.1:{sched_port}", "--model", model_path or ""]
-        for flag, value in (("--api-key", args.api_key), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
-            if value:
-                gateway_argv += [flag, value]
+        gateway_argv += forwarded_flags(args, GATEWAY_FLAGS)
         cluster.start("gateway", gateway_argv)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         cluster.gateway_address = f"{host}:{args.port}"

@@ -9,6 +9,7 @@ import torch
 
 from strata.cli import build_parser
 from strata.client import StrataClient
+from strata.grpc_util import bearer
 from strata.launcher import free_port, start_cluster
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
@@ -30,7 +31,8 @@ def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
 
 def scheduler_stats(cluster) -> engine_pb2.SchedulerStats:
     with grpc.insecure_channel(cluster.scheduler_address) as ch:
-        return engine_pb2_grpc.SchedulerStub(ch).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+        return engine_pb2_grpc.SchedulerStub(ch).GetStats(engine_pb2.GetStatsRequest(), timeout=10,
+                                                          metadata=bearer(cluster.cluster_token))
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:

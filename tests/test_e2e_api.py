@@ -131,6 +131,7 @@ def test_model_info_and_stop_and_logprobs(cluster2):
 def test_scheduler_serves_hand_built_requests_and_rejects_bad_ones(cluster2):
     """The scheduler is a service of its own: an EngineRequest built by hand, with no gateway, runs
     as the gateway's would, and a bad one gets INVALID_ARGUMENT before it reaches the workers."""
+    from strata.grpc_util import bearer
     from strata.v1 import engine_pb2, engine_pb2_grpc
 
     cluster, client = cluster2
@@ -161,9 +162,16 @@ def test_scheduler_serves_hand_built_requests_and_rejects_bad_ones(cluster2):
         stub = engine_pb2_grpc.SchedulerStub(ch)
         for req in bad:
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Submit(req, timeout=30))
+                list(stub.Submit(req, timeout=30, metadata=bearer(cluster.cluster_token)))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req.request_id, err.value.details())
-        good = list(stub.Submit(request("ok"), timeout=30))
+        good = list(stub.Submit(request("ok"), timeout=30, metadata=bearer(cluster.cluster_token)))
+        # The internal services require the cluster token: without it, UNAUTHENTICATED.
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Submit(request("no-token"), timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetStats(engine_pb2.GetStatsRequest(), timeout=30, metadata=bearer("wrong"))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     tokens = [t for o in good for t in o.token_ids]
     assert good[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
     via_gateway = collect(client.generate([3, 4], max_tokens=6, temperature=0.0, ignore_eos=True,

@@ -102,8 +102,6 @@ class StopChecker:
         self._stops = tuple(dict.fromkeys(stop_strings))
         self._min_tokens = min_tokens
         # Every proper prefix of a stop string: a tail equal to one of these must wait.
-        self._prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._max_prefix_len = max((len(p) for p in self._prefixes), default=0)
         self._held = ""
         self.matched: str | None = None
 
@@ -150,10 +148,19 @@ class StopChecker:
         return None if best is None else (best[1], best[2])
 
     def _undecided_tail_len(self, text: str) -> int:
-        for length in range(min(len(text), self._max_prefix_len), 0, -1):
-            if text[-length:] in self._prefixes:
-                return length
-        return 0
+        """The longest end of `text` that is a proper prefix of a stop string. Only positions
+        where a stop string's first character occurs are tried, each with one C-level compare,
+        and no prefix is ever built (a long stop string costs its length, not its square)."""
+        longest = 0
+        for stop in self._stops:
+            tail = text[len(text) - min(len(text), len(stop) - 1):]
+            start = tail.find(stop[0])
+            while start >= 0 and len(tail) - start > longest:
+                if stop.startswith(tail[start:]):
+                    longest = len(tail) - start
+                    break
+                start = tail.find(stop[0], start + 1)
+        return longest
 
 
 class OutputTextStream:

@@ -93,7 +93,7 @@ def build_app(gateway: Gateway) -> Starlette:
             stream = bool(body.get("stream", False))
             kind = generate_pb2.DELTA if stream else generate_pb2.FINAL_ONLY
             params = openai_format.sampling_params(body, chat, kind)
-            prompt = openai_format.prompt_ids(body, chat, gateway.tokenizer)
+            prompt = await _prompt(body, chat, info.max_model_len)
         except openai_format.BadField as e:
             return error_response(400, str(e), e.field)
         except GatewayError as e:
@@ -107,6 +107,23 @@ def build_app(gateway: Gateway) -> Starlette:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _streamed(responses, chat, info.model_name, usage, request)
         return await _whole(responses, chat, info.model_name, request)
+
+    async def _prompt(body: dict, chat: bool, max_model_len: int) -> list[int]:
+        """The prompt's ids; its text's length is checked first, and a long one is tokenized on a
+        thread (as Gateway.encode does), so a huge body never stalls the event loop."""
+        text = body.get("prompt") if not chat else None
+        if chat and isinstance(body.get("messages"), list):
+            size = sum(len(m.get("content", "")) for m in body["messages"] if isinstance(m, dict)
+                       and isinstance(m.get("content"), str))
+        else:
+            size = len(text) if isinstance(text, str) else 0
+        limit = gateway.limits.prompt_chars(max_model_len)
+        if size > limit:
+            field = "messages" if chat else "prompt"
+            raise openai_format.BadField(field, f"has {size:,} characters; at most {limit:,}")
+        if size < 4096:
+            return openai_format.prompt_ids(body, chat, gateway.tokenizer)
+        return await asyncio.to_thread(openai_format.prompt_ids, body, chat, gateway.tokenizer)
 
     def token_text(token_id: int) -> str:
         return gateway.tokenizer.decode([token_id])

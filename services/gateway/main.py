@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from strata.services.gateway.http_api import http_server
 from strata.services.gateway.server import Gateway, GatewayError, GatewayServicer
+from strata.services.gateway.validation import Limits
 from strata.gc_tuning import tune_for_serving
-from strata.grpc_util import aio_channel, bind, new_server, set_serving, wait_for_termination_signal
+from strata.grpc_util import add_service, aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
-from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
+from strata.v1 import engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.gateway")
 
@@ -29,10 +30,11 @@ def load_tokenizer(model: str | None):
 
 async def serve(args) -> None:
     tokenizer, name = load_tokenizer(args.model)
-    channel = aio_channel(args.scheduler_address)
-    gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key)
-    server, health = new_server()
-    generate_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
+    channel = aio_channel(args.scheduler_address, args.cluster_token)
+    limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
+    gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
+    server, health = new_server(max_receive_bytes=args.max_request_bytes)
+    add_service(server, GatewayServicer(gateway), generate_pb2.DESCRIPTOR.services_by_name["Gateway"])
     service_names = [generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
     address = f"{args.host}:{args.port}"

@@ -28,12 +28,9 @@ MAX_MEMBERS_IN_FLIGHT = 4096
 
 
 class GroupRunner:
-    def __init__(self, scheduler, tokenizer, info: generate_pb2.ModelInfo, timeout: float,
-                 max_in_flight: int = MAX_MEMBERS_IN_FLIGHT):
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
+    def __init__(self, gateway, info: generate_pb2.ModelInfo, max_in_flight: int = MAX_MEMBERS_IN_FLIGHT):
+        self.gateway = gateway  # server.Gateway: the scheduler, the tokenizer, the limits
         self.info = info
-        self.timeout = timeout
         self.max_in_flight = max_in_flight
 
     async def run(self, groups: AsyncIterator[generate_pb2.PrefixGroup]) -> AsyncIterator[generate_pb2.GroupResponse]:
@@ -44,8 +41,9 @@ class GroupRunner:
 
         async def member(request_id: str, params: ValidatedParams, prompt: list[int], group: GroupMembership | None):
             nonlocal in_flight
-            responses = merged_responses(self.scheduler, request_id, params, prompt, self.info.eos_token_ids,
-                                         self.tokenizer, self.timeout, group)
+            gw = self.gateway
+            responses = merged_responses(gw.scheduler, request_id, params, prompt, self.info.eos_token_ids,
+                                         gw.tokenizer, gw.request_timeout, group)
             try:
                 async for response in responses:
                     out.put_nowait(generate_pb2.GroupResponse(response=response))
@@ -60,7 +58,7 @@ class GroupRunner:
         async def read_groups():
             nonlocal in_flight
             async for group in groups:
-                members, errors = self._prepare(group)
+                members, errors = await self._prepare(group)
                 for error in errors:
                     out.put_nowait(error)
                 async with room:  # wait for room, but never refuse a group larger than the limit
@@ -88,19 +86,22 @@ class GroupRunner:
             for task in list(running):
                 task.cancel()
 
-    def _prepare(self, group: generate_pb2.PrefixGroup):
+    async def _prepare(self, group: generate_pb2.PrefixGroup):
         """(members to run: (request_id, params, prompt ids, membership), their errors)."""
         errors, valid = [], []
+        limits = self.gateway.limits
         try:
-            prefix = self._prefix_ids(group)
+            prefix = await self._prefix_ids(group)
         except InvalidRequest as e:
             return [], [_error(m.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)) for m in group.members]
         for m in group.members:
             request_id = m.request_id or uuid.uuid4().hex
             try:
-                prompt = prefix + self._own_ids(m)
+                prompt = prefix + await self._own_ids(m)
                 params = validate_request(m, prompt, vocab_size=self.info.vocab_size,
-                                          max_model_len=self.info.max_model_len)
+                                          max_model_len=self.info.max_model_len,
+                                          max_stop_strings=limits.max_stop_strings,
+                                          max_stop_length=limits.max_stop_length)
             except InvalidRequest as e:
                 errors.append(_error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
@@ -111,25 +112,25 @@ class GroupRunner:
             membership = GroupMembership(f"group-{uuid.uuid4().hex}", len(prefix), size)
         return [(rid, params, prompt, membership) for rid, params, prompt in valid], errors
 
-    def _prefix_ids(self, group: generate_pb2.PrefixGroup) -> list[int]:
+    async def _prefix_ids(self, group: generate_pb2.PrefixGroup) -> list[int]:
         which = group.WhichOneof("prefix_input")
         if which == "prefix_token_ids":
             ids = list(group.prefix_token_ids.ids)
         elif which == "prefix":
-            ids = self.tokenizer.encode(group.prefix)
+            ids = await self.gateway.encode(group.prefix, "prefix")
         else:
             return []
         if ids and (min(ids) < 0 or max(ids) >= self.info.vocab_size):
             raise InvalidRequest("prefix_token_ids", f"prefix_token_ids must be in [0, {self.info.vocab_size})")
         return ids
 
-    def _own_ids(self, member: generate_pb2.GenerateRequest) -> list[int]:
+    async def _own_ids(self, member: generate_pb2.GenerateRequest) -> list[int]:
         """The member's tokens after the prefix: its ids, or its text tokenized on its own."""
         which = member.WhichOneof("prompt_input")
         if which == "prompt_token_ids":
             return list(member.prompt_token_ids.ids)
         if which == "prompt" and member.prompt:
-            return self.tokenizer.encode(member.prompt, add_special_tokens=False)
+            return await self.gateway.encode(member.prompt, special_tokens=False)
         raise InvalidRequest("prompt", "a member needs its own prompt or prompt_token_ids after the prefix")
 
 

@@ -7,6 +7,7 @@ OpenAI-compatible HTTP front over the same object, in the same process and event
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ import grpc
 from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
-from strata.services.gateway.validation import InvalidRequest, validate_request
+from strata.services.gateway.validation import InvalidRequest, Limits, validate_request
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("strata.gateway")
@@ -36,8 +37,9 @@ class GatewayError(Exception):
 class Gateway:
     def __init__(self, scheduler_stub: engine_pb2_grpc.SchedulerStub, tokenizer, model_name: str,
                  api_key: str | None = None, request_timeout: float = 3600.0,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, limits: Limits | None = None):
         self.scheduler = scheduler_stub
+        self.limits = limits or Limits()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key
@@ -59,12 +61,23 @@ class Gateway:
             self._model_info = info
         return self._model_info
 
-    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+    async def encode(self, text: str, field: str = "prompt", special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt's text. Its length is checked before it is tokenized, and a long
+        one is tokenized on a thread, so a huge prompt is cheap to reject and never stalls the
+        event loop (every other call, health checks included)."""
+        limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
+        if len(text) > limit:
+            raise InvalidRequest(field, f"{field} has {len(text):,} characters; at most {limit:,}")
+        if len(text) < 4096:
+            return self.tokenizer.encode(text, add_special_tokens=special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special_tokens)
+
+    async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt_input")
         if which == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
         if which == "prompt" and request.prompt:
-            return self.tokenizer.encode(request.prompt)
+            return await self.encode(request.prompt)
         raise InvalidRequest("prompt", "prompt is empty: set prompt or prompt_token_ids")
 
     async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -73,8 +86,10 @@ class Gateway:
         info = await self.model_info()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            prompt_ids = self._prompt_ids(request)
-            params = validate_request(request, prompt_ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+            prompt_ids = await self._prompt_ids(request)
+            params = validate_request(request, prompt_ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                                      max_stop_strings=self.limits.max_stop_strings,
+                                      max_stop_length=self.limits.max_stop_length)
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         timer = RequestTimer(self.metrics, params.n, timed=scheduler_streams(params))
@@ -92,7 +107,7 @@ class Gateway:
             await responses.aclose()
 
     async def generate_groups(self, groups) -> AsyncIterator[generate_pb2.GroupResponse]:
-        responses = GroupRunner(self.scheduler, self.tokenizer, await self.model_info(), self.request_timeout).run(groups)
+        responses = GroupRunner(self, await self.model_info()).run(groups)
         try:
             async for response in responses:
                 yield response

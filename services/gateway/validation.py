@@ -22,6 +22,19 @@ DEFAULT_TOP_P = 1.0
 _OUTPUT_KINDS = frozenset(generate_pb2.OutputKind.values())
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, each a `strata gateway` flag: rejected with a clear
+    INVALID_ARGUMENT before it costs much (a prompt's length is checked before it is tokenized)."""
+
+    max_prompt_chars: int = 0  # 0: 32 characters per token of the model's context
+    max_stop_strings: int = 32
+    max_stop_length: int = 1024
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or 32 * max_model_len
+
+
 class InvalidRequest(ValueError):
     """A client error; `field` is the request field at fault (e.g. "params.top_p")."""
 
@@ -121,6 +134,8 @@ def validate_request(
     max_model_len: int,
     max_n: int = 256,
     max_logprobs: int = MAX_LOGPROBS,
+    max_stop_strings: int = 32,
+    max_stop_length: int = 1024,
 ) -> ValidatedParams:
     """Check `req` (whose prompt tokenizes to `prompt_token_ids`) and resolve its defaults.
 
@@ -169,6 +184,12 @@ def validate_request(
 
     if any(s == "" for s in p.stop):
         raise InvalidRequest("params.stop", "params.stop must not contain empty strings")
+    if len(p.stop) > max_stop_strings:
+        raise InvalidRequest("params.stop", f"params.stop holds {len(p.stop)} strings; at most {max_stop_strings}")
+    if any(len(s) > max_stop_length for s in p.stop):
+        raise InvalidRequest("params.stop", f"params.stop strings must be at most {max_stop_length} characters")
+    if len(p.stop_token_ids) > max_stop_strings:
+        raise InvalidRequest("params.stop_token_ids", f"params.stop_token_ids holds at most {max_stop_strings} ids")
     _check_token_ids("params.stop_token_ids", p.stop_token_ids, vocab_size)
 
     if p.output_kind not in _OUTPUT_KINDS:

@@ -10,8 +10,8 @@ from strata.services.scheduler.metrics import serve_metrics
 from strata.services.scheduler.pipeline import Pipeline
 from strata.services.scheduler.server import SchedulerServicer
 from strata.gc_tuning import tune_for_serving
-from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
-from strata.v1 import engine_pb2_grpc
+from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
+from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")
 
@@ -50,8 +50,10 @@ async def serve(args) -> None:
     async def on_serving(serving: bool) -> None:  # NOT_SERVING while a stage is down
         await set_serving(health, ["strata.v1.Scheduler"], serving=serving)
 
-    engine = Engine(Pipeline(addresses, draft_address=draft), config, on_serving=on_serving)
-    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
+    engine = Engine(Pipeline(addresses, draft_address=draft, token=args.cluster_token), config,
+                    on_serving=on_serving)
+    add_service(server, SchedulerServicer(engine), engine_pb2.DESCRIPTOR.services_by_name["Scheduler"],
+                token=args.cluster_token)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)
     await server.start()  # health answers NOT_SERVING until the pipeline is up

@@ -31,7 +31,9 @@ class Pipeline:
     """The ordered stages; sends each plan to every stage and reads results from the last one.
     With a draft worker (speculative decoding), also the draft model's proposals."""
 
-    def __init__(self, addresses: list[str], connect_timeout: float = 120.0, draft_address: str | None = None):
+    def __init__(self, addresses: list[str], connect_timeout: float = 120.0, draft_address: str | None = None,
+                 token: str | None = None):
+        self.token = token  # the cluster token every call to a worker carries
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
@@ -77,7 +79,7 @@ class Pipeline:
                  stages[0].description.block_size)
 
     async def _open(self, address: str, timeout: float) -> StageHandle:
-        channel = aio_channel(address)
+        channel = aio_channel(address, self.token)
         stub = engine_pb2_grpc.WorkerStub(channel)
         try:
             return StageHandle(address, channel, stub, await self._describe(stub, address, timeout))

@@ -13,9 +13,9 @@ from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.weights import load_shard
-from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
+from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
+from strata.v1 import engine_pb2, generate_pb2
 
 log = logging.getLogger("strata.worker")
 GiB = 1 << 30
@@ -112,8 +112,8 @@ def build(args):
 async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
-    servicer = WorkerServicer(runner, description, StepProfiler(args.profile_output))
-    engine_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    servicer = WorkerServicer(runner, description, StepProfiler(args.profile_output), token=args.cluster_token)
+    add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Worker"], token=args.cluster_token)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()

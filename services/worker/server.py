@@ -22,6 +22,8 @@ from strata.grpc_util import aio_channel
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
+# Steps whose activations may wait for their plan: far more than the plans in flight (one per stage).
+MAX_PENDING_ACTIVATIONS = 64
 
 
 class StepFailed(Exception):
@@ -30,7 +32,8 @@ class StepFailed(Exception):
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, description: engine_pb2.WorkerDescription,
-                 profiler: StepProfiler | None = None):
+                 profiler: StepProfiler | None = None, token: str | None = None):
+        self.token = token  # the cluster token, for the stream to the next stage
         self.runner = runner
         self.profiler = profiler or StepProfiler(None)
         self.description = description
@@ -74,7 +77,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     return
                 yield msg
 
-        async with aio_channel(address) as channel:
+        async with aio_channel(address, self.token) as channel:
             stub = engine_pb2_grpc.WorkerStub(channel)
             try:
                 await stub.Forward(messages())
@@ -109,6 +112,11 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def Forward(self, request_iterator, context):
         async for msg in request_iterator:
+            if msg.step_id not in self._activations and len(self._activations) >= MAX_PENDING_ACTIVATIONS:
+                # Activations of steps no plan has asked for yet: a sender running far ahead of the
+                # plans (or sending step ids that never come) must not grow this without bound.
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"more than {MAX_PENDING_ACTIVATIONS} steps' activations waiting for their plans")
             fut = self._activation_future(msg.step_id)
             if not fut.done():
                 fut.set_result(msg)

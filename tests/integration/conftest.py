@@ -197,6 +197,7 @@ def compose_cluster(docker_engine, strata_image, host_model_dir, tmp_path_factor
         "STRATA_GATEWAY_BIND": "127.0.0.1",
         "STRATA_GATEWAY_PORT": str(port),
         "STRATA_HTTP_PORT": str(free_port()),
+        "STRATA_CLUSTER_TOKEN": secrets.token_hex(16),
     })
     cluster.gateway_address = f"127.0.0.1:{port}"
     try:
