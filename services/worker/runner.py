@@ -42,7 +42,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
         self.inputs = StepInputBuilder(self.table, block_size=block_size, max_model_len=max_model_len,
-                                       first_stage=self.is_first, last_stage=self.is_last, device=device)
+                                       first_stage=self.is_first, last_stage=self.is_last, device=device,
+                                       vocab_size=model_config.vocab_size)
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
@@ -66,6 +67,7 @@ class ModelRunner:
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
             self.config.head_dim, self.dtype, self.device)
         self.table.clear()
+        self.table.num_kv_blocks = num_blocks
         if self.cuda_graph_max_batch:
             self._capture_graphs()
         if self.device.type == "cuda":

@@ -7,9 +7,11 @@ gathers by row, never a loop over tokens.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from strata.protocol import GREEDY_TEMPERATURE
+from strata.protocol import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from strata.v1 import engine_pb2
 
 
@@ -36,6 +38,7 @@ class SequenceTable:
         self.unfiltered = np.zeros(max_seqs, dtype=bool)  # no top-k/top-p/min-p, no logprobs
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.num_kv_blocks = 0  # block ids must be below it (set with the cache)
 
     def apply(self, plan: engine_pb2.StepPlan) -> np.ndarray:
         """Applies the plan's releases, admissions and block-table deltas; returns the rows of
@@ -58,9 +61,10 @@ class SequenceTable:
             raise PlanError(f"sequence {seq.seq_id} admitted twice")
         if not self.free_rows:
             raise PlanError("more live sequences than this worker was sized for")
+        s = seq.sampling
+        _check_sampling(s)
         row = self.free_rows.pop()
         self.rows[seq.seq_id] = row
-        s = seq.sampling
         self.num_blocks[row] = 0
         self.temperature[row] = s.temperature
         self.top_k[row] = s.top_k
@@ -94,6 +98,14 @@ class SequenceTable:
 
     def update_tables(self, rows: np.ndarray, keep: np.ndarray, counts: np.ndarray, ids: np.ndarray) -> None:
         # Only sequences whose table changed need work: most decode steps touch none.
+        if not len(keep) == len(counts) == len(rows) or (keep < 0).any() or (counts < 0).any():
+            raise PlanError("table_keep and table_append_counts need one non-negative entry per sequence")
+        if counts.sum() != len(ids):
+            raise PlanError(f"table_append_ids holds {len(ids)} ids for {counts.sum()} appended")
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_kv_blocks):
+            raise PlanError(f"block ids must be in [0, {self.num_kv_blocks})")
+        if (keep > self.num_blocks[rows]).any():
+            raise PlanError("table_keep exceeds a sequence's block table")
         changed = np.nonzero((counts > 0) | (keep != self.num_blocks[rows]))[0]
         offsets = np.concatenate(([0], np.cumsum(counts)))
         for i in changed:
@@ -102,3 +114,11 @@ class SequenceTable:
                 raise PlanError("block table longer than max_model_len allows")
             self.block_tables[row, k : k + n] = ids[offsets[i] : offsets[i] + n]
             self.num_blocks[row] = k + n
+
+
+def _check_sampling(s: engine_pb2.SamplingOptions) -> None:
+    """The scheduler checked these; a worker checks again so that a bad plan fails with a clear
+    PlanError instead of NaNs or an out-of-range read on the device."""
+    if not (math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and 0 <= s.min_p <= 1
+            and s.top_k >= 0 and -1 <= s.logprobs <= MAX_LOGPROBS):
+        raise PlanError(f"invalid sampling options: {s}".replace("\n", " "))

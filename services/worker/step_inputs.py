@@ -63,8 +63,9 @@ class StepInputBuilder:
     """Turns plans into HostInputs for this stage, and HostInputs into device tensors."""
 
     def __init__(self, table: SequenceTable, *, block_size: int, max_model_len: int, first_stage: bool,
-                 last_stage: bool, device: torch.device):
+                 last_stage: bool, device: torch.device, vocab_size: int):
         self.table = table
+        self.vocab_size = vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.first_stage = first_stage
@@ -78,6 +79,8 @@ class StepInputBuilder:
         q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
         if q_lens.size == 0 or (q_lens <= 0).any():
             raise PlanError("a plan must schedule at least one token per sequence")
+        if not len(num_computed) == len(q_lens) == len(rows) == len(plan.sample) or (num_computed < 0).any():
+            raise PlanError("num_computed, num_scheduled and sample need one entry per sequence, num_computed >= 0")
         seq_lens = num_computed + q_lens
         if seq_lens.max() > self.max_model_len:
             raise PlanError("a sequence exceeds max_model_len")
@@ -97,6 +100,8 @@ class StepInputBuilder:
             if len(plan.input_token_ids) != total:
                 raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
             input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
+            if ((input_ids < 0) & (input_ids != PLACEHOLDER_TOKEN)).any() or (input_ids >= self.vocab_size).any():
+                raise PlanError(f"input token ids must be in [0, {self.vocab_size})")
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         last_token = qsl[1:] - 1
         h = HostInputs(
