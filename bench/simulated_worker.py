@@ -70,7 +70,7 @@ class SimulatedRunner(ModelRunner):
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_caches = [None]  # "initialised": the service only checks that it is non-empty
-        self.table.clear()
+        self.table.reset(num_blocks)
 
     def execute(self, plan, hidden=None, residual=None):
         start = time.perf_counter()

@@ -3,17 +3,20 @@ and finish with exactly the tokens of an uninterrupted run; health says NOT_SERV
 past the recovery timeout they fail with UNAVAILABLE; every KV block ends free."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from strata.grpc_util import check_health
-from strata.v1 import generate_pb2
+from strata.services.scheduler.pipeline import Pipeline, PipelineError, StageHandle
+from strata.v1 import engine_pb2, generate_pb2
 from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
 
 MAX_TOKENS = 160
@@ -59,7 +62,10 @@ def worker(cluster, name):
     return next(proc for pname, proc in cluster.procs if pname == name)
 
 
-def test_a_killed_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop):
+    """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
+    scheduler must treat both as a lost stage, never as an engine failure."""
     work = requests()
     with running_cluster(model_dir, 2, "--stage-recovery-timeout", "60") as (cluster, client):
         threads, plain, errors = run_all(client, work)
@@ -71,7 +77,7 @@ def test_a_killed_worker_restarted_within_seconds_loses_no_request_and_changes_n
         started.wait(timeout=60)  # every request has streamed tokens: kill one stage mid-stream
         victim = worker(cluster, "worker 1")
         argv = victim.args
-        victim.kill()
+        victim.send_signal(stop)
         victim.wait()
         time.sleep(1.0)
         assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
@@ -123,3 +129,18 @@ def test_requests_fail_with_unavailable_past_the_recovery_timeout(model_dir):
         victim.wait()
         threads[0].join(timeout=60)
         assert errors == {0: grpc.StatusCode.UNAVAILABLE}
+
+
+@pytest.mark.parametrize("error", [asyncio.InvalidStateError("RPC already finished."), grpc.aio.UsageError("closed")])
+def test_a_write_to_a_finished_stage_stream_is_a_lost_stage(error):
+    """Through the cluster-token interceptor, writing to a stream the stage already ended raises
+    InvalidStateError instead of the call's status: that is a lost stage (requests pause and
+    resume), never an engine failure (requests fail with INTERNAL)."""
+    async def write(plan):
+        raise error
+
+    pipeline = Pipeline(["stage0:1"])
+    pipeline.stages = [StageHandle("stage0:1", channel=None, stub=None, description=None,
+                                   call=SimpleNamespace(write=write))]
+    with pytest.raises(PipelineError, match="sending step 7 failed"):
+        asyncio.run(pipeline.send(engine_pb2.StepPlan(step_id=7)))

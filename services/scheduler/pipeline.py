@@ -130,7 +130,9 @@ class Pipeline:
     async def send(self, plan: engine_pb2.StepPlan) -> None:
         try:
             await asyncio.gather(*(s.call.write(plan) for s in self.stages))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, AttributeError) as e:
+        # An intercepted call (the cluster token) reports a write after the stream ended as
+        # InvalidStateError rather than the call's status: either way the stage is gone.
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:
             raise PipelineError(f"sending step {plan.step_id} failed: {e}") from e
 
     async def receive(self) -> engine_pb2.StepResult:
@@ -147,7 +149,7 @@ class Pipeline:
         try:
             await self.draft.call.write(plan)
             result = await self.draft.call.read()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             raise PipelineError(f"draft worker failed: {e}") from e
         if result is grpc.aio.EOF:
             raise PipelineError("draft worker closed its stream")

@@ -66,8 +66,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
             self.config.head_dim, self.dtype, self.device)
-        self.table.clear()
-        self.table.num_kv_blocks = num_blocks
+        self.table.reset(num_blocks)
         if self.cuda_graph_max_batch:
             self._capture_graphs()
         if self.device.type == "cuda":

@@ -86,9 +86,11 @@ class SequenceTable:
         if row is not None:
             self.free_rows.append(row)
 
-    def clear(self) -> None:
+    def reset(self, num_kv_blocks: int) -> None:
+        """Forgets every sequence: a new KV cache of num_kv_blocks blocks was allocated."""
         for seq_id in list(self.rows):
             self.release(seq_id)
+        self.num_kv_blocks = num_kv_blocks
 
     def lookup(self, seq_ids) -> np.ndarray:
         try:

@@ -178,20 +178,19 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
         runner = self.runner
-        hidden = residual = None
-        error = ""
+        act = None
         if not runner.is_first:
             act = await self._activation_future(plan.step_id)
             self._activations.pop(plan.step_id, None)
-            if act.error:
-                error = act.error
-            else:
-                hidden = tensor_from_proto(act.hidden, runner.device).to(runner.dtype)
-                residual = tensor_from_proto(act.residual, runner.device).to(runner.dtype)
+        error = act.error if act is not None else ""
         out = None
         if not error:
             self.profiler.step_launched()
             try:
+                hidden = residual = None
+                if act is not None:  # a malformed tensor fails this step, not the worker
+                    hidden = tensor_from_proto(act.hidden, runner.device).to(runner.dtype)
+                    residual = tensor_from_proto(act.residual, runner.device).to(runner.dtype)
                 if plan.propose_tokens:  # a draft worker's proposal: k steps
                     out = await loop.run_in_executor(self.executor, propose, runner, plan)
                 else:
