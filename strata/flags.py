@@ -88,7 +88,8 @@ def _engine_flags(p):
              "before they fail with UNAVAILABLE; until then they pause and resume by recompute", type=float)
     add_flag(p, "--step-timeout", "STRATA_STEP_TIMEOUT", 30.0,
              "seconds a step of --max-num-batched-tokens tokens may take before its stage counts as hung (and lost); "
-             "smaller steps get a proportional share, at least a tenth", type=float)
+             "smaller steps get a proportional share, at least a tenth, and every step at least 4x the slowest "
+             "of the last 64", type=float)
     _speculative_flags(p)
 
 

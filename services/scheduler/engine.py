@@ -44,8 +44,13 @@ class SchedulerConfig:
     # A lost stage: requests wait this long for the pipeline to come back, then fail.
     stage_recovery_timeout: float = 60.0
     # A step of max_num_batched_tokens tokens that takes longer means a hung stage (smaller steps
-    # get a proportional share, at least a tenth).
+    # get a proportional share, at least a tenth, and never less than a few times the slowest
+    # recent step: a loaded CPU worker is slow, not hung).
     step_timeout: float = 30.0
+
+
+# A step may take this many times the slowest of the last 64 before its stage counts as hung.
+SLOW_STEP_MARGIN = 4.0
 
 
 class OutputStream:
@@ -112,6 +117,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._deadlines: collections.deque[float] = collections.deque()  # seconds each plan in flight may take
         self._last_result = 0.0
+        self._recent_step_seconds: collections.deque[float] = collections.deque(maxlen=64)
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._busy_since: float | None = None
@@ -283,11 +289,14 @@ class Engine:
                           len(self.in_flight))
             plan.sent_at = time.monotonic()
             self.in_flight.append(plan)
-            budget = self.config.max_num_batched_tokens
-            tokens = sum(s.num_scheduled for s in plan.seqs)
-            self._deadlines.append(self.config.step_timeout * max(0.1, tokens / budget))
+            self._deadlines.append(self._step_deadline(sum(s.num_scheduled for s in plan.seqs)))
             self._mark_busy()
             await self.pipeline.send(msg)
+
+    def _step_deadline(self, tokens: int) -> float:
+        """Seconds a step of `tokens` tokens may take before its stage counts as hung."""
+        scaled = self.config.step_timeout * max(0.1, tokens / self.config.max_num_batched_tokens)
+        return max(scaled, SLOW_STEP_MARGIN * max(self._recent_step_seconds, default=0.0))
 
     async def _propose_drafts(self, plan) -> None:
         """The draft model's tokens for the plan's speculating sequences, before it goes out."""
@@ -303,7 +312,9 @@ class Engine:
     def _finish_step(self, result: engine_pb2.StepResult) -> None:
         plan = self.in_flight.popleft()
         self._deadlines.popleft()
-        self._last_result = time.monotonic()
+        now = time.monotonic()
+        self._recent_step_seconds.append(now - max(plan.sent_at, self._last_result))
+        self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
         if result.gpu_seconds > 0:
