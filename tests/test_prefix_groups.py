@@ -91,6 +91,24 @@ def test_the_prefix_stays_pinned_while_later_members_wait():
     assert_all_blocks_free(sched, driver.workers)  # unpinned with the last member
 
 
+def test_a_group_larger_than_the_whole_cache_still_runs_with_its_prefix_computed_once():
+    """20 members x 2 own blocks + 2 prefix blocks = 42 blocks of a 16-block cache: it could never
+    start with every member's blocks reserved, so it starts holding only its prefix."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(VOCAB) for _ in range(8)]
+    members = group("g", prefix, suffixes(rng, 20, 5, 8), max_tokens=1)  # no growth: no preemption
+    sched = Scheduler(num_blocks=16, block_size=BS, max_model_len=32, enable_prefix_caching=False)
+    for req in members:
+        sched.add_request(req)
+    driver = Driver(sched)
+    driver.run()
+    assert_matches_reference(driver, members, 32)
+    own = sum(r.num_prompt_tokens - len(prefix) for r in members)
+    stats = stats_of(sched)
+    assert stats.preemptions == 0 and stats.prefill_tokens_computed == len(prefix) + own
+    assert_all_blocks_free(sched, driver.workers)
+
+
 def test_cancelled_and_preempted_members_leak_nothing():
     rng = random.Random(4)
     everyone = []

@@ -542,6 +542,10 @@ class Scheduler:
         bs = self.block_size
         shared_blocks = members[0].shared_len // bs
         own = [cdiv(m.num_prompt_tokens, bs) - shared_blocks for m in members]
+        if shared_blocks + sum(own) > self.block_manager.num_blocks:
+            # More than the whole cache: with every member's blocks reserved it could never start.
+            # Only its prefix is held; its members compete for blocks as other requests do.
+            own = [0] * len(own)
         if shared_blocks + sum(own) > self.block_manager.num_free_blocks - self._reserved_blocks:
             return None
         group.started = True
@@ -745,6 +749,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
+            self._keep_group_prefix(req)
             self.block_manager.free(req)
             self._release_seq(req)
             self._remove_running(req)
@@ -769,6 +774,17 @@ class Scheduler:
                     self.block_manager.unpin(group.pinned)
                     del self._prefix_groups[req.parent_id]
         self._finished += 1
+
+    def _keep_group_prefix(self, req: Request) -> None:
+        """A prefix group's member that ends before anyone pinned the prefix (one that finishes in
+        its prefill step, or the only one running when the group is larger than the cache) pins
+        the prefix blocks it computed for the members still to run."""
+        group = self._prefix_groups.get(req.parent_id) if req.group_size else None
+        if group is None or group.pinned or len(self._groups[req.parent_id]) < 2:
+            return
+        full = req.shared_len // self.block_size
+        if req.num_computed_tokens >= full * self.block_size:
+            self._pin(group, req.blocks.block_ids[:full])
 
     def _release_seq(self, req: Request) -> None:
         self._pending_releases.append(req.seq_id)
