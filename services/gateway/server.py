@@ -76,8 +76,10 @@ class Gateway:
         which = request.WhichOneof("prompt_input")
         if which == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
-        if which == "prompt" and request.prompt:
-            return await self.encode(request.prompt)
+        if which == "prompt":
+            prompt = request.prompt  # each read copies the whole text out of the message: once
+            if prompt:
+                return await self.encode(prompt)
         raise InvalidRequest("prompt", "prompt is empty: set prompt or prompt_token_ids")
 
     async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
