@@ -119,11 +119,14 @@ def _bool(v: str) -> bool:
 
 
 # The gateway's own flags, which `strata serve` forwards to the gateway it starts.
-GATEWAY_FLAGS = ("api_key", "tls_cert", "tls_key", "max_request_bytes", "max_prompt_chars", "max_stop_strings",
-                 "max_stop_length")
+GATEWAY_FLAGS = ("served_model_name", "api_key", "tls_cert", "tls_key", "max_request_bytes", "max_prompt_chars",
+                 "max_stop_strings", "max_stop_length")
 
 
 def _gateway_flags(p):
+    add_flag(p, "--served-model-name", "STRATA_SERVED_MODEL_NAME", None,
+             "the model's name on both APIs (ModelInfo.model_name, /v1/models, OpenAI's model field); "
+             "unset: the model directory's name")
     add_flag(p, "--max-request-bytes", "STRATA_MAX_REQUEST_BYTES", 16 << 20,
              "largest gRPC request message the gateway takes, in bytes (larger: RESOURCE_EXHAUSTED)", type=int)
     add_flag(p, "--max-prompt-chars", "STRATA_MAX_PROMPT_CHARS", 0,

@@ -30,6 +30,7 @@ def load_tokenizer(model: str | None):
 
 async def serve(args) -> None:
     tokenizer, name = load_tokenizer(args.model)
+    name = args.served_model_name or name
     channel = aio_channel(args.scheduler_address, args.cluster_token)
     limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
     gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
