@@ -169,29 +169,34 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
                 if spec is None:
                     continue
                 diverged = _divergences(spec[(name, batch)]["outputs"], phase["outputs"])
-                cases = [(phase["prompts"][i], position) for i, position in diverged]
+                cases = [(phase["prompts"][i], position, phase["outputs"][i]) for i, position in diverged]
                 margins = common.run(_margins(endpoints, args, cases)) if cases else []
-                phase["divergences"] = [(i, pos, margin) for (i, pos), margin in zip(diverged, margins)]
+                phase["divergences"] = [(i, pos, *m) for (i, pos), m in zip(diverged, margins)]
     return results
 
 
-async def _margins(endpoints, args, divergent: list[tuple[list[int], int]]) -> list[float]:
-    """The plain run's top-2 logprob gap at each (prompt, position) divergence."""
+async def _margins(endpoints, args, divergent: list[tuple[list[int], int, list[int]]]) -> list[tuple[float, bool]]:
+    """At each (prompt, position, plain tokens) divergence: the top-2 logprob gap there when the
+    plain cluster reruns the prompt alone, and whether that rerun already differs from the plain
+    run's tokens before it (the batched run drifted: a batch-size rounding effect, and the gap
+    belongs to another context)."""
     from strata.v1 import generate_pb2, generate_pb2_grpc
     margins = []
     async with common.open_channel(endpoints.gateway) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
-        for prompt, position in divergent:
+        for prompt, position, plain_tokens in divergent:
             params = _params(args)
             params.logprobs = 2
             params.max_tokens = position + 1
             request = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params)
-            logprobs = []
+            logprobs, tokens = [], []
             async for response in stub.Generate(request, timeout=args.request_timeout):
                 for output in response.outputs:
                     logprobs.extend(output.logprobs)
+                    tokens.extend(output.token_ids)
             top = logprobs[position].top if position < len(logprobs) else []
-            margins.append(top[0].logprob - top[1].logprob if len(top) > 1 else float("inf"))
+            margin = top[0].logprob - top[1].logprob if len(top) > 1 else float("inf")
+            margins.append((margin, tokens[:position] != list(plain_tokens[:position])))
     return margins
 
 
@@ -256,8 +261,11 @@ def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
                 rows_ = common.gpu_timeline_rows(stats, phase["elapsed_s"])
                 print(f"    {run}: {steps:,} steps, {phase['output_tokens'] / steps:.2f} output tokens per step; "
                       + "; ".join(f"{k}: {v}" for k, v in rows_))
-        for i, position, margin in diverged:
-            verdict = "near-tie (rounding)" if margin <= tie else "CLEAR MARGIN (a bug, or drift of earlier tokens)"
+        for i, position, margin, drifted in diverged:
+            if drifted:
+                verdict = "the plain run alone differs earlier (batch-size rounding): margin of another context"
+            else:
+                verdict = "near-tie (rounding)" if margin <= tie else "CLEAR MARGIN (a bug)"
             print(f"    request {i}: first divergence at token {position}, target logit margin {margin:.4f}: {verdict}")
     return rows
 
