@@ -109,6 +109,8 @@ async def serve(args) -> None:
 
 
 def main() -> None:
+    from strata.launcher import die_with_launcher
+    die_with_launcher()  # started by bench.host_overhead's Cluster
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, required=True, help="port to serve the Worker service on (127.0.0.1)")
     p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time of every step")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from strata.flags import Formatter, add_flag, add_service_parsers, env
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "STRATA_LAUNCHER_PID" in os.environ:  # a service `strata serve` started
+        from strata.launcher import die_with_launcher
+        die_with_launcher()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":

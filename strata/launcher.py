@@ -14,12 +14,22 @@ from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel sends it SIGTERM when the launcher dies, however it
-    dies (SIGKILL included), so no service outlives `strata serve`."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Set by the launcher in each service it starts: the launcher's pid.
+PARENT_ENV = "STRATA_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """In a service the launcher started (`strata.cli` calls it first): the kernel sends it
+    SIGTERM when the launcher dies, however it dies (SIGKILL included), so no service outlives
+    `strata serve`. Done here, not between fork and exec (preexec_fn): a child forked from a
+    process with gRPC threads (a test run, `strata bench`) could abort there."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the launcher died before the line above took effect
+        sys.exit(1)
 
 
 class Stopped(Exception):
@@ -59,8 +69,8 @@ class Cluster:
 
     def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
         cmd = [sys.executable, "-m", module, *argv]
-        env = {**os.environ, "STRATA_CLUSTER_TOKEN": self.cluster_token}
-        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+        env = {**os.environ, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
+        self.procs.append((name, subprocess.Popen(cmd, env=env)))
 
     def wait_healthy(self, address: str, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
