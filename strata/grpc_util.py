@@ -87,11 +87,14 @@ def aio_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
-def add_service(server: grpc.aio.Server, servicer, service, token: str | None = None) -> None:
+def add_service(server: grpc.aio.Server, servicer, service, token: str | None = None, prechecks=None) -> None:
     """Registers servicer's methods for `service` (a ServiceDescriptor) and, unlike the generated
     add_*_to_server, parses requests itself: an undecodable message gets INVALID_ARGUMENT (not
     UNKNOWN), and with `token` every call must carry `authorization: Bearer TOKEN`
-    (UNAUTHENTICATED otherwise)."""
+    (UNAUTHENTICATED otherwise). prechecks: method name -> async check of a request's raw bytes
+    before it is parsed, returning an INVALID_ARGUMENT message or None (refuses a huge message
+    without parsing it)."""
+    prechecks = prechecks or {}
     handlers = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
@@ -101,13 +104,15 @@ def add_service(server: grpc.aio.Server, servicer, service, token: str | None = 
                    (False, True): grpc.unary_stream_rpc_method_handler,
                    (True, False): grpc.stream_unary_rpc_method_handler,
                    (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
-        handler = _checked(behavior, request_cls, method.client_streaming, method.server_streaming, token)
+        handler = _checked(behavior, request_cls, method.client_streaming, method.server_streaming, token,
+                           prechecks.get(method.name))
         handlers[method.name] = factory(handler, request_deserializer=None,
                                         response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None):
+def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None,
+             precheck=None):
     expected = f"Bearer {token}" if token else None
 
     async def authorize(context) -> None:
@@ -115,6 +120,8 @@ def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bo
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
 
     async def parse(raw: bytes, context):
+        if precheck is not None and (problem := await precheck(raw)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             return request_cls.FromString(raw)
         except DecodeError as e:

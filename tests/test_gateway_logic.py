@@ -614,3 +614,19 @@ def test_children_are_final_only_exactly_when_nothing_needs_streaming():
     assert not any(c.final_only for c in children(output_kind=generate_pb2.FINAL_ONLY, stop=["x"]))
     assert not any(c.final_only for c in children(output_kind=generate_pb2.DELTA))
     assert not any(c.final_only for c in children())
+
+
+def test_top_level_field_size_reads_the_prompt_length_from_the_wire_format():
+    from strata.services.gateway.validation import top_level_field_size
+    from strata.v1 import generate_pb2
+
+    prompt = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+    msg = generate_pb2.GenerateRequest(request_id="r", prompt="é" * 300,
+                                       params=generate_pb2.SamplingParams(max_tokens=5, stop=["x"], seed=2**63))
+    raw = msg.SerializeToString()
+    assert top_level_field_size(raw, prompt) == 600  # bytes, not characters
+    assert top_level_field_size(raw[:8], prompt) == 600  # a truncated message still tells its claim
+    ids = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[1, 2, 3])).SerializeToString()
+    assert top_level_field_size(ids, prompt) == 0
+    twice = generate_pb2.GenerateRequest(prompt="ab").SerializeToString() + raw  # the last occurrence wins
+    assert top_level_field_size(twice, prompt) == 600

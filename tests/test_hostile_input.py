@@ -187,8 +187,7 @@ def _latency(client, i: int) -> float:
 
 def _bare_server_rejection_seconds(request: generate_pb2.GenerateRequest, times: int = 3) -> float:
     """The fastest a gRPC server on this machine can turn this request away: one that aborts as
-    soon as the message arrived. Moving 10 MB through gRPC alone takes 20-200 ms on a loaded
-    2-core machine; the gateway's own part is what comes on top."""
+    soon as the message arrived (15-60 ms for 10 MB on a loaded 2-core machine)."""
     from concurrent import futures
 
     def reject(_request, context):
@@ -243,6 +242,7 @@ def test_a_huge_stop_string_and_prompt_are_rejected_at_once_and_delay_no_one(clu
                     list(hostile.generate(prompt, max_tokens=4, timeout=30, **params))
                 rejections[name].append(time.perf_counter() - start)
                 assert err.value.code() == INVALID, err.value.details()
+                assert ("stop" if "stop" in name else "prompt") in err.value.details()
     finally:
         done.set()
         thread.join(timeout=60)
@@ -252,11 +252,10 @@ def test_a_huge_stop_string_and_prompt_are_rejected_at_once_and_delay_no_one(clu
     print(f"rejected in {', '.join(f'{n}: {t * 1000:.1f} ms' for n, t in fastest.items())} "
           f"(a bare gRPC server: {transport * 1000:.1f} ms for the 10 MB); small requests {baseline * 1000:.0f} ms "
           f"alone, {moved * 1000:+.1f} ms meanwhile (median of {len(during)})")
-    # The issue's target is 100 ms for both and for the small requests' delay. Met for the stop
-    # string; the 10 MB prompt costs the gateway's event loop three copies of the message (gRPC's
-    # receive, the parse, the text), 30-50 ms each on the 2-core CI machine, so it is bounded here
-    # at 250 ms beyond the bare transport (before the limits: 9-13 s).
+    # 100 ms each (before the limits: 9-13 s). The 10 MB prompt is refused from the wire format,
+    # unparsed; what remains is moving it through gRPC, so a machine slower at that than 50 ms
+    # gets the difference.
     assert fastest["1 MB stop string"] < 0.1
-    assert fastest["10 MB prompt"] < transport + 0.25
-    assert during and moved < 0.25
+    assert fastest["10 MB prompt"] < max(0.1, transport + 0.05)
+    assert during and moved < 0.1
     assert scheduler_stats(cluster).used_kv_blocks == 0

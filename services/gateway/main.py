@@ -35,7 +35,8 @@ async def serve(args) -> None:
     limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
     gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
     server, health = new_server(max_receive_bytes=args.max_request_bytes)
-    add_service(server, GatewayServicer(gateway), generate_pb2.DESCRIPTOR.services_by_name["Gateway"])
+    add_service(server, GatewayServicer(gateway), generate_pb2.DESCRIPTOR.services_by_name["Gateway"],
+                prechecks={"Generate": gateway.refuse_huge_prompt})
     service_names = [generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
     address = f"{args.host}:{args.port}"

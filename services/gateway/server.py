@@ -17,8 +17,10 @@ import grpc
 from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
-from strata.services.gateway.validation import InvalidRequest, Limits, validate_request
+from strata.services.gateway.validation import InvalidRequest, Limits, top_level_field_size, validate_request
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
+
+PROMPT_FIELD = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
 
 log = logging.getLogger("strata.gateway")
 
@@ -71,6 +73,19 @@ class Gateway:
         if len(text) < 4096:
             return self.tokenizer.encode(text, add_special_tokens=special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special_tokens)
+
+    async def refuse_huge_prompt(self, raw: bytes) -> str | None:
+        """Generate's check before parsing: a prompt of more than 4 bytes per allowed character is
+        too long whatever its text (UTF-8 takes at most 4), and refusing it from the wire format
+        spares the event loop the parse and the text's copy (about 80 ms for 10 MB on 2 cores)."""
+        try:
+            limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
+        except GatewayError:
+            return None  # the scheduler is away: Generate itself says so
+        size = top_level_field_size(raw, PROMPT_FIELD)
+        if size > 4 * limit:
+            return f"prompt has more than {limit:,} characters ({size:,} bytes); at most {limit:,}"
+        return None
 
     async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt_input")

@@ -214,3 +214,41 @@ def validate_request(
         output_kind=p.output_kind,
         skip_special_tokens=p.skip_special_tokens,
     )
+
+
+def top_level_field_size(raw: bytes, field_number: int) -> int:
+    """The size in bytes of length-delimited field `field_number` (its last occurrence) of a
+    serialized message, read from the wire format without parsing the message; 0 when absent.
+    Walks only the top-level fields: a handful, each skipped by its length."""
+    size, i, n = 0, 0, len(raw)
+    try:
+        while i < n:
+            tag, i = _varint(raw, i)
+            wire_type = tag & 7
+            if wire_type == 0:
+                _, i = _varint(raw, i)
+            elif wire_type == 1:
+                i += 8
+            elif wire_type == 5:
+                i += 4
+            elif wire_type == 2:
+                length, i = _varint(raw, i)
+                if tag >> 3 == field_number:
+                    size = length
+                i += length
+            else:
+                return size  # groups (wire types 3, 4) or garbage: the parser will judge
+    except IndexError:
+        pass  # truncated: the parser will refuse it
+    return size
+
+
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80 or shift > 63:
+            return value, i
+        shift += 7
