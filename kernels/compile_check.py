@@ -26,12 +26,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import strata.kernels.cascade_attention as cascade_attention
 import strata.kernels.kv_cache_write as kv_cache_write
 import strata.kernels.paged_attention as paged_attention
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _INT_POINTERS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
-                 "slot_mapping_ptr": "*i64"}
+                 "slot_mapping_ptr": "*i64", "seq_prefix_lens_ptr": "*i32", "token_start_ptr": "*i32",
+                 "prefix_lens_ptr": "*i32", "table_rows_ptr": "*i32"}
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr"}
 _FLOAT_ARGS = {"qk_scale_log2"}
 
@@ -106,7 +108,8 @@ def compile_attention(
     constexprs = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
-        NUM_SPLITS=config.num_kv_splits, USE_WINDOW=sliding_window, IEEE_DOT=dtype == "fp32", INTERPRETED=False)
+        NUM_SPLITS=config.num_kv_splits, USE_WINDOW=sliding_window, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
+        PREFIX_SLOTS=0)
     name = (f"attention {dtype} D={head_dim} G={group} q<={max_query_len} splits={num_kv_splits}"
             f"{' window' if sliding_window else ''}")
     reports = [_compile(name, paged_attention._paged_attention_kernel, dtype, constexprs,
@@ -117,6 +120,33 @@ def compile_attention(
         reports.append(_compile(f"merge splits {dtype} D={head_dim} splits={config.num_kv_splits}",
                                 paged_attention._merge_kv_splits_kernel, dtype, merge, 4, 1))
     return reports
+
+
+def compile_cascade(*, dtype: str, head_dim: int, num_q_heads: int, num_kv_heads: int, max_query_len: int,
+                    prefix_splits: int = 2, block_size: int = 16) -> list[CompileReport]:
+    """The cascade's two kernels: the paged kernel with prefix parts, and the shared-prefix kernel."""
+    group = num_q_heads // num_kv_heads
+    config = paged_attention.choose_launch_config(
+        num_seqs=256, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        max_query_len=max_query_len, max_seq_len=4096, sm_count=132)
+    own = dict(
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
+        NUM_SPLITS=config.num_kv_splits, USE_WINDOW=False, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
+        PREFIX_SLOTS=prefix_splits)
+    prefix_config = cascade_attention.choose_prefix_config(
+        num_groups=16, max_grouped_tokens=256, max_prefix_len=2048, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, sm_count=132, prefix_splits=prefix_splits)
+    shared = dict(
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_T=prefix_config.block_t, BLOCK_M=max(16, triton.next_power_of_2(prefix_config.block_t * group)),
+        TILE_N=prefix_config.tile_n, FIRST_PART=config.num_kv_splits,
+        NUM_PARTS=config.num_kv_splits + prefix_splits, IEEE_DOT=dtype == "fp32", INTERPRETED=False)
+    shape = f"{dtype} D={head_dim} G={group} q<={max_query_len} prefix splits={prefix_splits}"
+    return [_compile(f"attention (cascade own keys) {shape}", paged_attention._paged_attention_kernel, dtype, own,
+                     config.num_warps, config.num_stages),
+            _compile(f"attention (cascade shared prefix) {shape}", cascade_attention._shared_prefix_kernel, dtype,
+                     shared, prefix_config.num_warps, prefix_config.num_stages)]
 
 
 def compile_kv_write(*, dtype: str, head_dim: int, num_kv_heads: int, block_size: int = 16) -> CompileReport:
@@ -137,6 +167,10 @@ def default_reports() -> list[CompileReport]:
                                      max_query_len=512, sliding_window=head_dim == 128)
     reports += compile_attention(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, max_query_len=1,
                                  num_kv_splits=16)
+    for dtype, head_dim, heads, kv_heads in [("bf16", 64, 32, 8), ("bf16", 128, 32, 8), ("bf16", 64, 9, 3)]:
+        for max_query_len in (1, 512):
+            reports += compile_cascade(dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads,
+                                       max_query_len=max_query_len)
     reports.append(compile_kv_write(dtype="bf16", head_dim=64, num_kv_heads=8))
     reports.append(compile_kv_write(dtype="fp16", head_dim=128, num_kv_heads=2))
     return reports

@@ -106,13 +106,14 @@ def choose_launch_config(
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest b with (qsl[b] // BLOCK_Q + b) <= q_block: the sequence owning this query block."""
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr, base=0):
+    """Largest b with ((qsl[b] - base) // BLOCK_Q + b) <= q_block: the sequence owning this query
+    block (base: the first token of the numbered range; cascade_attention numbers groups so)."""
     lo = 0
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        start = tl.load(query_start_loc_ptr + mid)
+        start = tl.load(query_start_loc_ptr + mid) - base
         if BLOCK_Q > 1:
             start = start // BLOCK_Q + mid
         if start <= q_block:
@@ -124,13 +125,17 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_tile(
-    tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
+    tile, q, m_i, l_i, acc, row_valid, q_pos, kv_begin, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
     kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SKIP_BEFORE: tl.constexpr = False,
 ):
-    """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N)."""
+    """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N), those
+    below kv_end (and, with SKIP_BEFORE, from kv_begin: a cascade's suffix skips the prefix)."""
     k_pos = tile * TILE_N + tl.arange(0, TILE_N)
     k_valid = k_pos < kv_end
+    if SKIP_BEFORE:
+        k_valid = k_valid & (k_pos >= kv_begin)
     page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
     slot_offset = page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
     k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
@@ -174,6 +179,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    seq_prefix_lens_ptr,
     num_seqs,
     qk_scale_log2,
     sliding_window,
@@ -196,6 +202,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PREFIX_SLOTS: tl.constexpr = 0,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -225,12 +232,16 @@ def _paged_attention_kernel(
     q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
                 mask=row_valid[:, None], other=0.0)
 
-    # Key range this block of queries can see: causal end, sliding-window start.
+    # Key range this block of queries can see: causal end, sliding-window start, and in a
+    # cascade (PREFIX_SLOTS > 0) the end of the sequence's shared prefix, which
+    # cascade_attention's prefix kernel attends once for the whole group.
     last_token = tl.minimum(first_token + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_token + 1
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + first_token - sliding_window + 1, 0)
+    if PREFIX_SLOTS > 0:
+        kv_start = tl.load(seq_prefix_lens_ptr + seq)
     tile_begin = kv_start // TILE_N
     tile_end = tl.cdiv(kv_end, TILE_N)
     if NUM_SPLITS > 1:
@@ -251,28 +262,40 @@ def _paged_attention_kernel(
         tile = tile_begin
         while tile < tile_end:
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_SLOTS > 0)
             tile += 1
     else:
         # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
         for tile in range(tile_begin, tile_end):
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_SLOTS > 0)
 
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and PREFIX_SLOTS == 0:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        # Partials are laid out [T, Hq, NUM_SPLITS(, D)], contiguous.
-        part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        # Partials are laid out [T, Hq, NUM_SPLITS + PREFIX_SLOTS(, D)], contiguous; the last
+        # PREFIX_SLOTS are the shared prefix's, which a sequence outside any group leaves empty
+        # (max = floor, sum = 0: weight exactly 0 in the merge).
+        row_part = (token * NUM_Q_HEADS + head) * (NUM_SPLITS + PREFIX_SLOTS)
+        part = row_part + split
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        if PREFIX_SLOTS > 0:
+            if (split == 0) & (kv_start == 0):
+                for j in tl.static_range(PREFIX_SLOTS):
+                    slot = NUM_SPLITS + j
+                    tl.store(partial_max_ptr + row_part + slot, tl.full([BLOCK_M], -1.0e30, tl.float32),
+                             mask=row_valid)
+                    tl.store(partial_sum_ptr + row_part + slot, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
+                    tl.store(partial_acc_ptr + (row_part + slot)[:, None] * HEAD_DIM + dims[None, :],
+                             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -331,48 +354,86 @@ def paged_attention(
     automatically, 1 forces single-pass, n > 1 forces n splits. config overrides every heuristic
     (benchmarks, tests).
     """
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = seq_lens.shape[0]
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, kv_cache.shape
-    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim must be a power of two >= 16, got {head_dim}"
-    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
-    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    check_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1
     assert sliding_window is None or sliding_window > 0, f"sliding_window must be None or > 0, got {sliding_window}"
-    if num_tokens == 0 or num_seqs == 0:
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-
-    group = num_q_heads // num_kv_heads
     if config is None:
         config = choose_launch_config(
-            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            num_seqs=seq_lens.shape[0], num_q_heads=query.shape[1], num_kv_heads=kv_cache.shape[2],
+            head_dim=query.shape[2], max_query_len=max_query_len, max_seq_len=max_seq_len,
             sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits)
+    partials = Partials.allocate(query, config.num_kv_splits) if config.num_kv_splits > 1 else None
+    launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
+                           sliding_window=sliding_window)
+    if partials is not None:
+        merge_partials(partials, out)
+    return out
+
+
+def check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    num_seqs = seq_lens.shape[0]
+    head_dim = query.shape[2]
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, kv_cache.shape
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert query.shape[1] % kv_cache.shape[2] == 0, (query.shape, kv_cache.shape)
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+
+
+@dataclass
+class Partials:
+    """Unnormalised softmax partials of each (token, query head) over several key ranges: split-KV
+    parts and, in a cascade, the shared prefix's. merge_partials combines them by log-sum-exp."""
+
+    acc: torch.Tensor  # float32 [T, Hq, parts, D]: sum of exp2(score - max) * value
+    max: torch.Tensor  # float32 [T, Hq, parts]: running max of the scores (log2 domain)
+    sum: torch.Tensor  # float32 [T, Hq, parts]: sum of exp2(score - max)
+
+    @staticmethod
+    def allocate(query: torch.Tensor, parts: int) -> Partials:
+        num_tokens, num_q_heads, head_dim = query.shape
+        stats = torch.empty((num_tokens, num_q_heads, parts), dtype=torch.float32, device=query.device)
+        return Partials(torch.empty((num_tokens, num_q_heads, parts, head_dim), dtype=torch.float32,
+                                    device=query.device), stats, torch.empty_like(stats))
+
+    @property
+    def parts(self) -> int:
+        return self.max.shape[2]
+
+
+def launch_paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, config: AttentionLaunchConfig, out: torch.Tensor,
+    partials: Partials | None, *, sliding_window: int | None = None, seq_prefix_lens: torch.Tensor | None = None,
+) -> None:
+    """The attention kernel alone: into out, or into the first num_kv_splits parts of partials.
+    seq_prefix_lens [B] (cascade): each sequence skips its first keys and leaves the partials'
+    remaining parts, which the prefix kernel fills, empty when its prefix length is 0."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
     assert config.tile_n >= 16 and config.tile_n & (config.tile_n - 1) == 0
+    splits = config.num_kv_splits
+    prefix_slots = 0 if partials is None else partials.parts - splits
+    assert (partials is None) == (splits == 1 and seq_prefix_lens is None), "split-KV and cascades write partials"
+    assert (seq_prefix_lens is None) == (prefix_slots == 0) and not (seq_prefix_lens is not None and sliding_window)
     block_m = max(16, triton.next_power_of_2(config.block_q * group))
     if config.block_q > 1:
         num_q_blocks = num_tokens // config.block_q + num_seqs
     else:
         num_q_blocks = num_tokens
-    splits = config.num_kv_splits
-
-    if splits > 1:
-        partial_acc = torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32,
-                                  device=query.device)
-        partial_max = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
-        partial_sum = torch.empty_like(partial_max)
-    else:
-        partial_acc = partial_max = partial_sum = out  # unused by the kernel
-
+    part_acc, part_max, part_sum = (out, out, out) if partials is None else (partials.acc, partials.max, partials.sum)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, splits)](
-        query, key_cache, value_cache, out, partial_acc, partial_max, partial_sum,
-        query_start_loc, seq_lens, block_tables,
+        query, key_cache, value_cache, out, part_acc, part_max, part_sum,
+        query_start_loc, seq_lens, block_tables, seq_lens if seq_prefix_lens is None else seq_prefix_lens,
         num_seqs, scale * _LOG2E, sliding_window if sliding_window is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
@@ -388,16 +449,20 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=query.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
+        PREFIX_SLOTS=prefix_slots,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
-        _merge_kv_splits_kernel[(num_tokens, num_q_heads)](
-            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=splits,
-            SPLITS_PADDED=triton.next_power_of_2(splits),
-            num_warps=4 if head_dim >= 128 else 2,
-        )
-    return out
+
+
+def merge_partials(partials: Partials, out: torch.Tensor) -> None:
+    """out[t, h] = the softmax-weighted sum over all of partials' key ranges (log-sum-exp merge)."""
+    num_tokens, num_q_heads, parts, head_dim = partials.acc.shape
+    _merge_kv_splits_kernel[(num_tokens, num_q_heads)](
+        out, partials.acc, partials.max, partials.sum, out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=parts,
+        SPLITS_PADDED=triton.next_power_of_2(parts),
+        num_warps=4 if head_dim >= 128 else 2,
+    )

@@ -92,6 +92,79 @@ def paged_attention_reference(
     return out
 
 
+def _attend_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T) v, logsumexp(q k^T)) for q [Hkv, R, D] over keys/values [Hkv, S, D]."""
+    scores = torch.bmm(q, keys.transpose(1, 2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), values), torch.logsumexp(scores, dim=-1)
+
+
+def cascade_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    groups,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """strata.kernels.cascade_attention's contract, computed as it is cut: each group's shared
+    prefix attended once for all its queries (through one member's block table), each sequence's
+    own keys past its prefix causally, the two merged by log-sum-exp. Equals
+    paged_attention_reference when the groups are what they claim to be."""
+    del max_query_len, max_seq_len
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+
+    def heads_first(q: torch.Tensor) -> torch.Tensor:  # [n, Hq, D] -> [Hkv, group * n, D]
+        n = q.shape[0]
+        return q.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
+
+    def tokens_first(o: torch.Tensor, n: int) -> torch.Tensor:  # the inverse, for [Hkv, group * n, ...]
+        o = o.reshape(num_kv_heads, group, n, -1).permute(2, 0, 1, 3)
+        return o.reshape(n, num_q_heads, -1)
+
+    device = query.device
+    own = torch.zeros(num_tokens, num_q_heads, head_dim, device=device)
+    own_lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=device)
+    starts, prefixes = query_start_loc.tolist(), groups.seq_prefix_lens.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_begin, q_end, prefix = starts[b], starts[b + 1], prefixes[b]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        keys, values = gather_sequence_kv(kv_cache, block_tables[b], seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        allowed = (torch.arange(prefix, seq_len, device=device)[None, :] <= q_pos[:, None]).repeat(group, 1)
+        o, lse = _attend_with_lse(heads_first(query[q_begin:q_end]), keys[:, prefix:], values[:, prefix:], scale,
+                                  allowed)
+        own[q_begin:q_end] = tokens_first(o, q_len)
+        own_lse[q_begin:q_end] = tokens_first(lse[..., None], q_len)[..., 0]
+
+    merged = own
+    token_start, rows = groups.token_start.tolist(), groups.table_rows.tolist()
+    for g, prefix in enumerate(groups.prefix_lens.tolist()):
+        begin, end = token_start[g], token_start[g + 1]
+        if end == begin or prefix == 0:
+            continue
+        keys, values = gather_sequence_kv(kv_cache, block_tables[rows[g]], prefix)
+        o, lse = _attend_with_lse(heads_first(query[begin:end]), keys, values, scale)
+        o, lse = tokens_first(o, end - begin), tokens_first(lse[..., None], end - begin)[..., 0]
+        total = torch.logaddexp(own_lse[begin:end], lse)
+        merged[begin:end] = (own[begin:end] * (own_lse[begin:end] - total).exp()[..., None]
+                             + o * (lse - total).exp()[..., None])
+    if out is None:
+        out = torch.empty_like(query)
+    out.copy_(merged)
+    return out
+
+
 # --- decode hot path: RMSNorm, rotary embedding, SiLU-gated MLP activation -------------------
 # services/worker/model.py's torch path (CPU) is these functions, which follow HF transformers
 # operation for operation, rounding to the activation dtype where it does: float32 greedy

@@ -103,3 +103,42 @@ def make_paged_batch(
         max_query_len=max(query_lens, default=0),
         max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
     )
+
+
+def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[int], first_seq: int = 0):
+    """Makes the batch's sequences from first_seq on, in consecutive groups of group_sizes[g], share
+    their first prefix_lens[g] keys as the server does: whole blocks through the block table, and
+    the block the prefix ends in (if it ends mid-block) as a copy of the first member's, so only
+    the keys before prefix_len are alike. Every member must have at least prefix_lens[g] cached
+    keys. Returns the cascade's SharedPrefixGroups for the batch."""
+    from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+
+    block_size = batch.kv_cache.shape[3]
+    qsl = batch.query_start_loc.tolist()
+    seq_lens, q_lens = batch.seq_lens.tolist(), (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    tables = batch.block_tables.cpu()
+    seq_prefix = [0] * len(seq_lens)
+    token_start, table_rows = [qsl[first_seq]], []
+    seq = first_seq
+    for size, prefix in zip(group_sizes, prefix_lens):
+        leader, full = seq, prefix // block_size
+        for member in range(seq, seq + size):
+            assert seq_lens[member] - q_lens[member] >= prefix, "a member's queries must lie past its prefix"
+            tables[member, :full] = tables[leader, :full]
+            if prefix % block_size and member != leader:
+                src, dst = int(tables[leader, full]), int(tables[member, full])
+                batch.kv_cache[:, dst, :, : prefix % block_size] = batch.kv_cache[:, src, :, : prefix % block_size]
+            seq_prefix[member] = prefix
+        seq += size
+        token_start.append(qsl[seq])
+        table_rows.append(leader)
+    batch.block_tables.copy_(tables)
+    device = batch.query.device
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return SharedPrefixGroups(
+        token_start=ints(token_start), prefix_lens=ints(list(prefix_lens)), table_rows=ints(table_rows),
+        seq_prefix_lens=ints(seq_prefix), max_grouped_tokens=token_start[-1] - token_start[0],
+        max_prefix_len=max(prefix_lens, default=0))

@@ -135,8 +135,31 @@ def test_cancelled_and_preempted_members_leak_nothing():
     assert_all_blocks_free(sched, driver.workers)
 
 
+def check_plan_groups(plan, seen: list) -> None:
+    """A plan's groups are consecutive runs numbered in order, each of >= 2 members that hold the
+    same physical blocks for the whole prefix and compute only past it."""
+    if not plan.shared_prefix_lens:
+        return
+    groups = {}
+    for s, g in zip(plan.seqs, plan.shared_prefix_group):
+        if g:
+            groups.setdefault(g, []).append(s)
+    assert sorted(groups) == list(range(1, len(plan.shared_prefix_lens) + 1))
+    order = [g for g in plan.shared_prefix_group if g]
+    assert order == sorted(order)  # members are consecutive
+    assert plan.shared_prefix_group[-len(order):] == order  # after every sequence outside a group
+    for g, seqs in groups.items():
+        prefix_len = plan.shared_prefix_lens[g - 1]
+        blocks = prefix_len // BS
+        assert len(seqs) >= 2 and prefix_len % BS == 0 and blocks > 0
+        assert len({tuple(s.request.block_ids[:blocks]) for s in seqs}) == 1  # the same physical blocks
+        assert all(s.num_computed >= prefix_len for s in seqs)
+        seen.append(({s.request.parent_id for s in seqs}, prefix_len))
+
+
 def test_plans_name_the_groups_that_share_a_prefix():
-    """Members past the prefix form a group whose prefix is the full blocks they share; n > 1
+    """An explicit group, n > 1 siblings and a lone request, all in flight together: the group's
+    members and the siblings are named as groups with their shared blocks, the lone one is not;
     children and requests hitting the same cached blocks are grouped the same way."""
     rng = random.Random(5)
     prefix = [rng.randrange(VOCAB) for _ in range(10)]
@@ -150,24 +173,30 @@ def test_plans_name_the_groups_that_share_a_prefix():
     seen = []
 
     def check(plan):
-        if not plan.shared_prefix_lens:
-            return
-        groups = {}
-        for s, g in zip(plan.seqs, plan.shared_prefix_group):
-            if g:
-                groups.setdefault(g, []).append(s)
-        assert sorted(groups) == list(range(1, len(plan.shared_prefix_lens) + 1))
-        order = [g for g in plan.shared_prefix_group if g]
-        assert order == sorted(order)  # members are consecutive
-        for g, seqs in groups.items():
-            prefix_len = plan.shared_prefix_lens[g - 1]
-            blocks = prefix_len // BS
-            assert len(seqs) >= 2 and prefix_len % BS == 0 and blocks > 0
-            assert len({tuple(s.request.block_ids[:blocks]) for s in seqs}) == 1  # the same physical blocks
-            assert all(s.num_computed >= prefix_len for s in seqs)
-            seen.append({s.request.parent_id for s in seqs})
-        assert all(s.request is not alone for s in plan.seqs if plan.shared_prefix_group[plan.seqs.index(s)])
+        check_plan_groups(plan, seen)
+        assert all(s.request is not alone for s, g in zip(plan.seqs, plan.shared_prefix_group) if g)
 
     driver.run(on_plan=check)
-    assert {"g"} in seen and {"p"} in seen
+    assert {"g"} in [parents for parents, _ in seen] and {"p"} in [parents for parents, _ in seen]
     assert_matches_reference(driver, members + children + [alone], 64)
+
+
+def test_families_that_share_only_a_template_header_are_not_merged():
+    """Two groups and a lone request whose prompts all start with the same 8-token header (two
+    cached blocks), then differ: each group keeps its own long prefix, and the header alone is
+    not passed off as the prefix of everyone (the plan once claimed the longest family's prefix
+    for all of them, which a cascade would have read through the wrong blocks)."""
+    rng = random.Random(7)
+    header = [rng.randrange(VOCAB) for _ in range(8)]
+    first = group("a", header + [rng.randrange(VOCAB) for _ in range(12)], suffixes(rng, 3), max_tokens=8)
+    second = group("b", header + [rng.randrange(VOCAB) for _ in range(16)], suffixes(rng, 4), max_tokens=8)
+    alone = Request("alone", header + [1, 2, 3, 4, 5], max_tokens=8)
+    sched = Scheduler(num_blocks=120, block_size=BS, max_model_len=64)
+    for req in first + [alone] + second:
+        sched.add_request(req)
+    driver = Driver(sched)
+    seen = []
+    driver.run(on_plan=lambda plan: check_plan_groups(plan, seen))
+    prefixes = {frozenset(parents): prefix for parents, prefix in seen}
+    assert prefixes.get(frozenset({"a"})) == 20 and prefixes.get(frozenset({"b"})) == 24, seen
+    assert_matches_reference(driver, first + second + [alone], 64)

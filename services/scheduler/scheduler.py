@@ -10,6 +10,7 @@ executes plans in step order), and rejected draft tokens roll it back in update(
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,36 +37,39 @@ def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
     """Finds the plan's sequences that share leading KV blocks, so attention reads each shared
     prefix once per group (cascade attention), and makes each group's members consecutive.
 
-    Sequences that share blocks share their first one: they are grouped by it. A sequence that
-    took its leading blocks from others (a sibling, a prefix group's pin, prefix-cache hits)
-    knows how many it took; the sequence that computed them shares all of them. So the group's
-    prefix is the fewest any follower took, and its members are the sequences whose queries all
-    lie past that prefix."""
+    Sharing is read from the block tables themselves, over the full blocks before each
+    sequence's first query token (a prefix must lie wholly in the cache). Sorted by those block
+    ids, sequences that share blocks are adjacent, and two neighbours share exactly their common
+    leading run (BatchLLM's sort plus longest common prefix). A family is cut from its neighbour
+    where that run falls below half of the runs on either side: unrelated requests that only
+    share a chat template's first block must not shorten a family's prefix to that block."""
     by_first_block: dict[int, list[ScheduledSeq]] = {}
     for s in plan.seqs:
         table = s.request.blocks.block_ids
-        if table:
+        if table and s.num_computed >= block_size:
             by_first_block.setdefault(table[0], []).append(s)
-    grouped: list[ScheduledSeq] = []
-    group_of: dict[int, int] = {}  # seq_id -> group index + 1
-    lens: list[int] = []
+    groups: list[tuple[int, list[ScheduledSeq]]] = []  # (prefix blocks, members)
     for candidates in by_first_block.values():
-        taken = [s.request.num_shared_blocks for s in candidates if s.request.num_shared_blocks]
-        if len(candidates) < 2 or not taken:
+        if len(candidates) < 2:
             continue
-        prefix = min(taken) * block_size
-        members = [s for s in candidates if s.num_computed >= prefix]
-        if len(members) < 2:
-            continue
-        lens.append(prefix)
-        for s in members:
-            group_of[s.seq_id] = len(lens)
-        grouped.extend(members)
-    if not lens:
+        keys = sorted(((s.request.blocks.block_ids[: s.num_computed // block_size], s) for s in candidates),
+                      key=lambda pair: pair[0])
+        common = [len(os.path.commonprefix([a[0], b[0]])) for a, b in zip(keys, keys[1:])]
+        run = [keys[0][1]]
+        for i, shared in enumerate(common):
+            neighbours = max(common[i - 1] if i else 0, common[i + 1] if i + 1 < len(common) else 0)
+            if 2 * shared < neighbours:  # a cut: close the run
+                groups.append((min(common[i - len(run) + 1:i], default=0), run))
+                run = []
+            run.append(keys[i + 1][1])
+        groups.append((min(common[len(common) - len(run) + 1:], default=0), run))
+    groups = [(blocks, members) for blocks, members in groups if len(members) >= 2 and blocks > 0]
+    if not groups:
         return
-    plan.seqs = [s for s in plan.seqs if s.seq_id not in group_of] + grouped
+    group_of = {s.seq_id: g + 1 for g, (_, members) in enumerate(groups) for s in members}
+    plan.seqs = [s for s in plan.seqs if s.seq_id not in group_of] + [s for _, members in groups for s in members]
     plan.shared_prefix_group = [group_of.get(s.seq_id, 0) for s in plan.seqs]
-    plan.shared_prefix_lens = lens
+    plan.shared_prefix_lens = [blocks * block_size for blocks, _ in groups]
 
 
 @dataclass

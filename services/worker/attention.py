@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference
+from strata.kernels.reference import cascade_attention_reference, paged_attention_reference, write_kv_cache_reference
+from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 
 
 @dataclass
@@ -25,6 +26,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], cache slot of each new token; -1 = do not write
     max_query_len: int
     max_seq_len: int
+    # Sequences that share a prefix of KV: attention reads it once per group (cascade). Layers
+    # with a sliding window ignore it (a window may not see the whole prefix).
+    shared_prefixes: SharedPrefixGroups | None = None
 
 
 class AttentionBackend(Protocol):
@@ -75,6 +79,9 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if meta.shared_prefixes is not None and sliding_window is None:
+            return cascade_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                               meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
         return paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                          meta.max_query_len, meta.max_seq_len, scale, sliding_window)
 

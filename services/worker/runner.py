@@ -14,6 +14,7 @@ import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
 from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
+from strata.services.worker.cascade_inputs import shared_prefixes
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sequence_table import SequenceTable
@@ -129,7 +130,8 @@ class ModelRunner:
             input_ids = resolve_placeholders(input_ids, d["token_rows"], self.last_sampled)
         meta = AttentionMetadata(
             query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
-            slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()))
+            slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
+            shared_prefixes=shared_prefixes(h, d))
         hidden, residual = self.shard.forward(input_ids, d["positions"], hidden, residual, self.kv_caches, meta)
         if not self.is_last:
             return hidden, residual

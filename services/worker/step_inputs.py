@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.cascade_inputs import PrefixGroupInputs, prefix_group_inputs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import SamplingTensors
 from strata.services.worker.sequence_table import PlanError, SequenceTable
@@ -39,6 +40,7 @@ class HostInputs:
     sample_positions: np.ndarray  # [R] absolute position of the token it samples
     sample_seq_ids: list[int]  # [S] the sequences that sample
     verify: Verification | None  # set when some sequence verifies drafts
+    prefix_groups: PrefixGroupInputs | None = None  # sequences sharing a prefix, for cascade attention
 
 
 @dataclass
@@ -116,6 +118,7 @@ class StepInputBuilder:
             verify=None)
         if any(plan.num_draft_tokens):
             self._add_verification(h, plan, q_lens, sample_idx, rows)
+        h.prefix_groups = prefix_group_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
         return h
 
     def _add_verification(self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray,
@@ -186,6 +189,8 @@ class StepInputBuilder:
                           slot_mapping=h.slot_mapping)
             if h.input_ids is not None:
                 arrays["input_ids"] = h.input_ids
+            if h.prefix_groups is not None:
+                arrays.update(h.prefix_groups.arrays())
         flags = None
         if self.last_stage and h.sample_seq_ids:
             t, r = self.table, h.sample_rows

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.cascade_attention import cascade_attention
 from strata.kernels.kv_cache_write import write_kv_cache
 from strata.kernels.paged_attention import paged_attention
 from strata.services.worker.attention import AttentionMetadata
@@ -15,5 +16,8 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
+        if meta.shared_prefixes is not None and sliding_window is None:
+            return cascade_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                     meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
         return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window)

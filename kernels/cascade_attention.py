@@ -1,0 +1,190 @@
+"""Cascade attention: a batch whose sequences share prefixes reads each shared prefix's KV once
+per group of sequences, not once per sequence (FlashInfer's cascade, generalised to many groups).
+
+A group is a run of consecutive sequences in the batch whose first prefix_len keys are the same
+KV blocks (an offline prefix group, n > 1 siblings, prefix-cache hits) and whose queries all lie
+past that prefix, so no query needs a causal mask inside it. Attention then splits in two:
+
+- the shared prefix (`_shared_prefix_kernel`): a program owns BLOCK_T query tokens of one group
+  times one KV head, packs tokens x the GQA group's heads into the M rows of its dots (as the
+  paged kernel does), and walks the prefix's keys through one member's block table. A decode batch
+  of 16 members makes one 64-row tile per KV head: the prefix is read once for all 16. The prefix
+  can be cut into PREFIX_SPLITS parts computed in parallel (few groups, long prefixes);
+- each sequence's own keys past its prefix: the paged kernel with a per-sequence key start.
+
+Both write unnormalised softmax partials (acc, max, sum) into one buffer, the paged kernel's
+split-KV parts first, the prefix's after them, and the split-KV merge combines every part by
+log-sum-exp. Sequences outside any group leave their prefix parts empty (the paged kernel writes
+max = floor, sum = 0 there), so one launch of each kernel serves a mixed batch.
+
+Grid sizes depend on python ints only (the same numbering trick as the paged kernel: group g owns
+tile indices [(start_g - start_0) // BLOCK_T + g, ...)), so the launches are CUDA-graph safe with
+fixed upper bounds and empty padding groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.paged_attention import (
+    _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _attend_tile, _device_sm_count, _find_sequence,
+    check_attention_inputs, choose_launch_config, launch_paged_attention, merge_partials)
+from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+
+__all__ = ["SharedPrefixGroups", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
+
+
+@dataclass(frozen=True)
+class PrefixLaunchConfig:
+    block_t: int  # query tokens per program (x the GQA group's heads = the dot's rows)
+    prefix_splits: int  # parts of the prefix computed in parallel
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix_len: int, num_q_heads: int,
+                         num_kv_heads: int, sm_count: int, prefix_splits: int | None = None) -> PrefixLaunchConfig:
+    """64-row tiles as in the paged kernel's prefill path; splits while too few programs would
+    be in flight to keep the SMs' loads busy, at least 512 keys each, powers of two (each value
+    is a compiled variant and a part of the merge)."""
+    block_t = max(1, 64 // (num_q_heads // num_kv_heads))
+    if prefix_splits is None:
+        programs = (max_grouped_tokens // block_t + num_groups) * num_kv_heads
+        want = triton.cdiv(2 * sm_count, max(programs, 1))
+        prefix_splits = max(1, min(want, max_prefix_len // 512, 16))
+        prefix_splits = 1 << (prefix_splits.bit_length() - 1)
+    assert prefix_splits >= 1
+    return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits)
+
+
+@triton.jit(do_not_specialize=["num_groups", "stride_block_table"])
+def _shared_prefix_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+    token_start_ptr, prefix_lens_ptr, table_rows_ptr, block_tables_ptr, num_groups, qk_scale_log2,
+    stride_q_t, stride_q_h, stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, FIRST_PART: tl.constexpr,
+    NUM_PARTS: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    base = tl.load(token_start_ptr)
+    g = _find_sequence(token_start_ptr, q_tile, num_groups, BLOCK_T, base)
+    g_begin = tl.load(token_start_ptr + g)
+    g_end = tl.load(token_start_ptr + g + 1)
+    if BLOCK_T > 1:
+        local_tile = q_tile - ((g_begin - base) // BLOCK_T + g)
+    else:
+        local_tile = q_tile - (g_begin - base)
+    first_token = g_begin + local_tile * BLOCK_T
+    if first_token >= g_end:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + g)
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_T * GROUP) & (token < g_end)
+    token = token.to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    # Every query lies past the prefix: the whole prefix is visible to each (no causal mask).
+    q_pos = tl.full([BLOCK_M], 0, tl.int32) + prefix_len
+
+    num_tiles = tl.cdiv(prefix_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_PARTS - FIRST_PART)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_tables_ptr + tl.load(table_rows_ptr + g).to(tl.int64) * stride_block_table
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+
+    if INTERPRETED:
+        tile = tile_begin
+        while tile < tile_end:
+            m_i, l_i, acc = _attend_tile(
+                tile, q, m_i, l_i, acc, row_valid, q_pos, 0, prefix_len, block_table_row, key_cache_ptr,
+                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
+            tile += 1
+    else:
+        for tile in range(tile_begin, tile_end):
+            m_i, l_i, acc = _attend_tile(
+                tile, q, m_i, l_i, acc, row_valid, q_pos, 0, prefix_len, block_table_row, key_cache_ptr,
+                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
+
+    part = (token * NUM_Q_HEADS + head) * NUM_PARTS + FIRST_PART + split
+    tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+    tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+    tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+def cascade_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    groups: SharedPrefixGroups,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    config: AttentionLaunchConfig | None = None,
+    prefix_config: PrefixLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Same result as paged_attention (no sliding window), with each group's shared prefix read once.
+
+    groups' token ranges must be consecutive and cover exactly the sequences with a nonzero
+    seq_prefix_lens; every member computes only tokens past its prefix (num_computed >= prefix)."""
+    check_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[2]
+    assert groups.seq_prefix_lens.shape == (num_seqs,) and groups.token_start.shape == (groups.num_groups + 1,)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    sm_count = _device_sm_count(query.device)
+    if config is None:
+        config = choose_launch_config(
+            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, sm_count=sm_count)
+    if prefix_config is None:
+        prefix_config = choose_prefix_config(
+            num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,
+            max_prefix_len=groups.max_prefix_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            sm_count=sm_count)
+    splits = config.num_kv_splits
+    partials = Partials.allocate(query, splits + prefix_config.prefix_splits)
+    launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
+                           seq_prefix_lens=groups.seq_prefix_lens)
+    if groups.num_groups:
+        block_t = prefix_config.block_t
+        group = num_q_heads // num_kv_heads
+        num_tiles = groups.max_grouped_tokens // block_t + groups.num_groups if block_t > 1 else groups.max_grouped_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        _shared_prefix_kernel[(num_tiles, num_kv_heads, prefix_config.prefix_splits)](
+            query, key_cache, value_cache, partials.acc, partials.max, partials.sum,
+            groups.token_start, groups.prefix_lens, groups.table_rows, block_tables, groups.num_groups,
+            scale * _LOG2E, query.stride(0), query.stride(1),
+            key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
+            NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
+            BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
+            FIRST_PART=splits, NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32,
+            INTERPRETED=_INTERPRETED, num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
+    merge_partials(partials, out)
+    return out

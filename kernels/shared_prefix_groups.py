@@ -1,0 +1,24 @@
+"""What cascade attention needs to know about a batch: which consecutive sequences share which
+prefix of KV. Its own module, free of Triton, so the CPU path (the torch reference) takes it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SharedPrefixGroups:
+    """Which sequences of a batch share a prefix: device tensors, plus host bounds that shape the launch."""
+
+    token_start: torch.Tensor  # int32 [G+1]: group g's queries are batch tokens [token_start[g], token_start[g+1])
+    prefix_lens: torch.Tensor  # int32 [G]: keys [0, prefix_lens[g]) are the same blocks for every member
+    table_rows: torch.Tensor  # int32 [G]: the block_tables row of one member (its first blocks hold the prefix)
+    seq_prefix_lens: torch.Tensor  # int32 [B]: each sequence's group prefix length, 0 outside any group
+    max_grouped_tokens: int  # bound on token_start[G] - token_start[0]
+    max_prefix_len: int  # bound on prefix_lens
+
+    @property
+    def num_groups(self) -> int:
+        return self.prefix_lens.shape[0]

@@ -1,0 +1,90 @@
+"""A plan's shared-prefix groups as cascade-attention inputs: checked, and used only where they pay.
+
+The scheduler lists the sequences that share leading KV blocks (explicit prefix groups, n > 1
+siblings, shared prefix-cache hits) as consecutive runs with a prefix length per group
+(StepPlan.shared_prefix_group / shared_prefix_lens). Attention trusts that structure to read a
+prefix through one member's block table for all of them, so a wrong plan would silently mix
+sequences: it is checked here as strictly as any other plan field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+from strata.services.worker.sequence_table import PlanError
+from strata.v1 import engine_pb2
+
+# A cascade costs a second kernel and a merge of partials; below this share of the step's KV
+# reads saved, the plain kernel is as fast.
+MIN_SAVED_FRACTION = 0.25
+
+
+@dataclass
+class PrefixGroupInputs:
+    """Host twin of kernels' SharedPrefixGroups (numpy, in plan order)."""
+
+    token_start: np.ndarray  # [G+1] first batch token of each group, then the end of the last
+    prefix_lens: np.ndarray  # [G]
+    table_rows: np.ndarray  # [G] a member's index in the step (its block-table row holds the prefix)
+    seq_prefix_lens: np.ndarray  # [B] its group's prefix length, 0 outside any group
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"cascade.{name}": getattr(self, name).astype(np.int32)
+                for name in ("token_start", "prefix_lens", "table_rows", "seq_prefix_lens")}
+
+
+def prefix_group_inputs(plan: engine_pb2.StepPlan, query_start_loc: np.ndarray, num_computed: np.ndarray,
+                        seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int) -> PrefixGroupInputs | None:
+    """The step's groups, or None when it has none or a cascade would not pay. Raises PlanError
+    on a malformed structure: members not consecutive, queries inside the prefix, or members
+    whose block tables differ where the prefix lives."""
+    if not plan.shared_prefix_group and not plan.shared_prefix_lens:
+        return None
+    group_of = np.asarray(plan.shared_prefix_group, dtype=np.int64)
+    lens = np.asarray(plan.shared_prefix_lens, dtype=np.int64)
+    num_groups = len(lens)
+    if len(group_of) != len(seq_lens) or num_groups == 0 or (lens <= 0).any() or (group_of > num_groups).any():
+        raise PlanError("shared_prefix_group needs one entry per sequence, each 0 or a group of shared_prefix_lens")
+    members = np.nonzero(group_of)[0]
+    ids = group_of[members]
+    # Consecutive members, groups in order 1..G, none empty: then the groups' tokens are one run.
+    if ((np.diff(members) != 1).any() or ids[0] != 1 or (np.diff(ids) < 0).any() or (np.diff(ids) > 1).any()
+            or ids[-1] != num_groups):
+        raise PlanError("a plan's shared-prefix groups must be consecutive runs of sequences, numbered 1.. in order")
+    member_prefix = lens[ids - 1]
+    if (num_computed[members] < member_prefix).any():
+        raise PlanError("a shared-prefix member must compute only tokens past its prefix")
+    first = np.searchsorted(ids, np.arange(1, num_groups + 1))  # each group's first member, in members
+    leaders = members[first]
+    prefix_blocks = -(-member_prefix // block_size)
+    width = int(prefix_blocks.max())
+    if width > block_tables.shape[1]:
+        raise PlanError("a shared prefix is longer than its members' block tables")
+    column = np.arange(width)[None, :] < prefix_blocks[:, None]
+    leader_rows = block_tables[np.repeat(leaders, np.bincount(ids - 1, minlength=num_groups)), :width]
+    if (column & (block_tables[members, :width] != leader_rows)).any():
+        raise PlanError("shared-prefix members must share the blocks that hold their prefix")
+
+    saved = int(((np.bincount(ids - 1, minlength=num_groups) - 1) * lens).sum())
+    if saved < MIN_SAVED_FRACTION * int(seq_lens.sum()):
+        return None
+    seq_prefix = np.zeros(len(seq_lens), dtype=np.int64)
+    seq_prefix[members] = member_prefix
+    ends = query_start_loc[members[np.r_[first[1:], len(members)] - 1] + 1]
+    return PrefixGroupInputs(token_start=np.r_[query_start_loc[leaders[0]], ends], prefix_lens=lens,
+                             table_rows=leaders, seq_prefix_lens=seq_prefix)
+
+
+def shared_prefixes(h, uploaded: dict[str, torch.Tensor]) -> SharedPrefixGroups | None:
+    """The kernels' view of HostInputs h's groups, from its uploaded arrays (StepInputBuilder.upload)."""
+    groups = h.prefix_groups
+    if groups is None:
+        return None
+    return SharedPrefixGroups(
+        token_start=uploaded["cascade.token_start"], prefix_lens=uploaded["cascade.prefix_lens"],
+        table_rows=uploaded["cascade.table_rows"], seq_prefix_lens=uploaded["cascade.seq_prefix_lens"],
+        max_grouped_tokens=int(groups.token_start[-1] - groups.token_start[0]),
+        max_prefix_len=int(groups.prefix_lens.max()))

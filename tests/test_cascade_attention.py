@@ -1,0 +1,119 @@
+"""Cascade attention vs the paged-attention reference, on CPU under Triton's interpreter.
+
+Same arrangement as tests/test_kernels.py (this module re-runs itself with TRITON_INTERPRET=1);
+bf16 and speed are proven in tests/gpu/test_kernels_gpu.py and bench/bench_cascade.py.
+Each case shares prefixes the way the server does (share_prefixes: whole blocks through the
+block table, a prefix that ends mid-block through a copied block), so a kernel that read a
+member's own block where the prefix lives, or the prefix past its end, disagrees.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
+
+
+def _can_run_interpreted_here() -> bool:
+    if not interpreter_active():
+        return False
+    module = sys.modules.get("strata.kernels.paged_attention")
+    return module is None or module._INTERPRETED
+
+
+if not _can_run_interpreted_here():
+
+    def test_cascade_attention_under_triton_interpreter():
+        rerun_under_interpreter(__file__, timeout=300)
+
+    def test_prefix_launch_heuristics():
+        from strata.kernels.cascade_attention import choose_prefix_config
+
+        def choose(**overrides):
+            args = dict(num_groups=32, max_grouped_tokens=512, max_prefix_len=2048, num_q_heads=32,
+                        num_kv_heads=8, sm_count=132)
+            return choose_prefix_config(**{**args, **overrides})
+
+        assert choose().block_t * 4 == 64  # 16 tokens x GQA group of 4: 64 rows per dot
+        assert choose(num_q_heads=9, num_kv_heads=3).block_t == 21  # SmolLM2: 63 rows
+        assert choose().prefix_splits == 1  # 64 groups' tiles x 8 heads already fill 132 SMs
+        one_group = choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=1024)
+        assert one_group.prefix_splits == 2  # n = 64 siblings over 1024 tokens: 512 keys per part
+        assert choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=100).prefix_splits == 1
+        assert choose(num_groups=1, max_grouped_tokens=2, max_prefix_len=1 << 20).prefix_splits == 16
+        assert choose(prefix_splits=3).prefix_splits == 3
+
+else:
+    from strata.kernels.cascade_attention import PrefixLaunchConfig, SharedPrefixGroups, cascade_attention
+    from strata.kernels.paged_attention import AttentionLaunchConfig
+    from strata.kernels.reference import cascade_attention_reference, paged_attention_reference
+    from strata.kernels.testing import make_paged_batch, share_prefixes
+
+    TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+    def grouped_batch(query_lens, context_lens, group_sizes, prefix_lens, *, first_seq=0, dtype=torch.float32,
+                      heads=(4, 2), head_dim=32, block_size=8, seed=0):
+        batch = make_paged_batch(query_lens, context_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                                 head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+        return batch, share_prefixes(batch, group_sizes, prefix_lens, first_seq=first_seq)
+
+    def check(batch, groups, dtype=torch.float32, **kwargs):
+        scale = batch.query.shape[2] ** -0.5
+        want = paged_attention_reference(*batch.attention_args(), scale)
+        by_parts = cascade_attention_reference(*batch.attention_args()[:5], groups, batch.max_query_len,
+                                               batch.max_seq_len, scale)
+        torch.testing.assert_close(by_parts.float(), want.float(), **TOLERANCE[dtype])
+        got = cascade_attention(*batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale,
+                                **kwargs)
+        assert not torch.isnan(got).any(), "read a poisoned (unowned) slot"
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("heads,head_dim", [((4, 2), 32), ((8, 1), 64), ((6, 2), 16), ((2, 2), 32)])
+    def test_ragged_groups_of_decodes_and_prefill_chunks(dtype, heads, head_dim):
+        """Two ungrouped sequences, then groups of 1, 3 and 2 members: decodes and prefill chunks
+        past the prefix; prefixes of 37 (mid-block), 16 (block end) and 5 keys."""
+        query_lens = [1, 4, 1, 1, 1, 1, 3, 1]
+        context_lens = [20, 9, 45, 40, 47, 52, 33, 30]
+        batch, groups = grouped_batch(query_lens, context_lens, [1, 3, 2], [37, 16, 5], first_seq=2, dtype=dtype,
+                                      heads=heads, head_dim=head_dim, seed=head_dim + heads[0])
+        check(batch, groups, dtype)
+
+    def test_large_group_spans_several_query_tiles():
+        """20 decode members with GQA 4: two 16-token tiles of the group, each reading the prefix."""
+        batch, groups = grouped_batch([1] * 20, [70 + i for i in range(20)], [20], [67], heads=(8, 2))
+        check(batch, groups)
+
+    @pytest.mark.parametrize("prefix_splits,own_splits", [(1, 1), (3, 1), (2, 4)])
+    def test_split_prefix_and_split_own_keys(prefix_splits, own_splits):
+        """The prefix in parallel parts (some empty for the short prefix), the own keys split-KV too."""
+        batch, groups = grouped_batch([1, 1, 1, 2, 1], [150, 160, 171, 40, 41], [3, 2], [149, 33], heads=(4, 1))
+        check(batch, groups, config=AttentionLaunchConfig(block_q=1 if own_splits > 1 else 4, tile_n=16,
+                                                          num_kv_splits=own_splits),
+              prefix_config=PrefixLaunchConfig(block_t=2, prefix_splits=prefix_splits, tile_n=16))
+
+    def test_padding_groups_and_loose_bounds_as_in_a_cuda_graph():
+        """A captured graph launches for fixed bounds: more groups than the step has (empty ones at
+        the end), a larger grouped-token bound, padding sequences with seq_len 0."""
+        batch, groups = grouped_batch([1] * 6, [30, 31, 45, 40, 41, 0], [2, 3], [24, 40])
+        batch.seq_lens[5] = 0  # a padding row: reads nothing
+        end = int(groups.token_start[-1])
+        padded = SharedPrefixGroups(
+            token_start=torch.cat([groups.token_start, torch.full((3,), end, dtype=torch.int32)]),
+            prefix_lens=torch.cat([groups.prefix_lens, torch.zeros(3, dtype=torch.int32)]),
+            table_rows=torch.cat([groups.table_rows, torch.zeros(3, dtype=torch.int32)]),
+            seq_prefix_lens=groups.seq_prefix_lens, max_grouped_tokens=6, max_prefix_len=4096)
+        scale = 32 ** -0.5
+        got = cascade_attention(*batch.attention_args()[:5], padded, 1, 4096, scale)
+        want = paged_attention_reference(*batch.attention_args(), scale)
+        torch.testing.assert_close(got[:5], want[:5], **TOLERANCE[torch.float32])
+
+    def test_no_groups_equals_paged_attention():
+        batch = make_paged_batch([1, 3], [10, 4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+        none = SharedPrefixGroups(
+            token_start=torch.zeros(1, dtype=torch.int32), prefix_lens=torch.zeros(0, dtype=torch.int32),
+            table_rows=torch.zeros(0, dtype=torch.int32), seq_prefix_lens=torch.zeros(2, dtype=torch.int32),
+            max_grouped_tokens=0, max_prefix_len=0)
+        check(batch, none)

@@ -1,0 +1,57 @@
+"""The worker's reading of a plan's shared-prefix groups (services/worker/cascade_inputs.py):
+the arrays cascade attention gets, when it is skipped, and the malformed structures it refuses."""
+
+import numpy as np
+import pytest
+
+from strata.services.worker.cascade_inputs import prefix_group_inputs
+from strata.services.worker.sequence_table import PlanError
+from strata.v1 import engine_pb2
+
+BS = 4
+
+
+def step(group_of, lens, q_lens, num_computed, tables):
+    plan = engine_pb2.StepPlan(shared_prefix_group=group_of, shared_prefix_lens=lens)
+    q_lens, num_computed = np.asarray(q_lens), np.asarray(num_computed)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    width = max(len(t) for t in tables)
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables])
+    return plan, qsl, num_computed, num_computed + q_lens, block_tables
+
+
+def inputs(*args):
+    plan, qsl, num_computed, seq_lens, tables = step(*args)
+    return prefix_group_inputs(plan, qsl, num_computed, seq_lens, tables, BS)
+
+
+def test_two_groups_after_an_ungrouped_sequence():
+    # seq 0 alone; group 1 = seqs 1, 2 (prefix 8: blocks 10, 11); group 2 = seqs 3, 4 (prefix 4: block 20).
+    got = inputs([0, 1, 1, 2, 2], [8, 4], [3, 1, 2, 1, 1], [0, 9, 8, 6, 5],
+                 [[1], [10, 11, 12], [10, 11, 13], [20, 21], [20, 22]])
+    assert got.token_start.tolist() == [3, 6, 8]  # seq 1's first token .. the end
+    assert got.prefix_lens.tolist() == [8, 4] and got.table_rows.tolist() == [1, 3]
+    assert got.seq_prefix_lens.tolist() == [0, 8, 8, 4, 4]
+    assert set(got.arrays()) == {"cascade.token_start", "cascade.prefix_lens", "cascade.table_rows",
+                                 "cascade.seq_prefix_lens"}
+
+
+def test_no_groups_or_too_little_shared_means_no_cascade():
+    assert inputs([], [], [1, 1], [4, 4], [[1, 2], [3, 4]]) is None
+    # Two members sharing 4 of their 2 x 41 keys: not worth a second kernel and a merge.
+    assert inputs([1, 1], [4], [1, 1], [40, 40], [list(range(11)), [0] + list(range(11, 21))]) is None
+
+
+@pytest.mark.parametrize("group_of,lens,num_computed,tables,why", [
+    ([1, 0, 1], [4], [5, 5, 5], [[1, 2], [3, 4], [1, 5]], "consecutive"),
+    ([2, 2], [4, 4], [5, 5], [[1, 2], [1, 3]], "numbered"),
+    ([1, 1, 3], [4], [5, 5, 5], [[1, 2], [1, 3], [1, 4]], "one entry per sequence"),
+    ([1, 1], [0], [5, 5], [[1, 2], [1, 3]], "one entry per sequence"),
+    ([1], [4], [5, 5], [[1, 2], [1, 2]], "one entry per sequence"),
+    ([1, 1], [8], [5, 9], [[1, 2, 3], [1, 2, 4]], "past its prefix"),
+    ([1, 1], [8], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),
+    ([1, 1], [6], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),  # mid-block: the partial block too
+])
+def test_malformed_groups_are_refused(group_of, lens, num_computed, tables, why):
+    with pytest.raises(PlanError, match=why):
+        inputs(group_of, lens, [1] * len(num_computed), num_computed, tables)
