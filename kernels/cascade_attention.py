@@ -38,6 +38,11 @@ from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 __all__ = ["SharedPrefixGroups", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
 
 
+# Prefix splits are 1, 2, 4 or 8: each is a variant of both kernels and of the merge, compiled
+# before serving (compile_serving_variants).
+MAX_PREFIX_SPLITS = 8
+
+
 @dataclass(frozen=True)
 class PrefixLaunchConfig:
     block_t: int  # query tokens per program (x the GQA group's heads = the dot's rows)
@@ -56,7 +61,7 @@ def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix
     if prefix_splits is None:
         programs = (max_grouped_tokens // block_t + num_groups) * num_kv_heads
         want = triton.cdiv(2 * sm_count, max(programs, 1))
-        prefix_splits = max(1, min(want, max_prefix_len // 512, 16))
+        prefix_splits = max(1, min(want, max_prefix_len // 512, MAX_PREFIX_SPLITS))
         prefix_splits = 1 << (prefix_splits.bit_length() - 1)
     assert prefix_splits >= 1
     return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits)
@@ -148,7 +153,9 @@ def cascade_attention(
     """Same result as paged_attention (no sliding window), with each group's shared prefix read once.
 
     groups' token ranges must be consecutive and cover exactly the sequences with a nonzero
-    seq_prefix_lens; every member computes only tokens past its prefix (num_computed >= prefix)."""
+    seq_prefix_lens; every member computes only tokens past its prefix (num_computed >= prefix).
+    The own keys run single-pass unless config says otherwise: the parallelism of long shared
+    contexts comes from the prefix splits, and fewer variants need compiling."""
     check_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
     if out is None:
         out = torch.empty_like(query)
@@ -162,7 +169,7 @@ def cascade_attention(
     if config is None:
         config = choose_launch_config(
             num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, sm_count=sm_count)
+            max_query_len=max_query_len, max_seq_len=max_seq_len, sm_count=sm_count, num_kv_splits=1)
     if prefix_config is None:
         prefix_config = choose_prefix_config(
             num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,
@@ -188,3 +195,28 @@ def cascade_attention(
             INTERPRETED=_INTERPRETED, num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
     merge_partials(partials, out)
     return out
+
+
+def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
+    """Launches every variant an eager step can need (decode and prefill query blocks, each
+    prefix split count) on a tiny batch that reads block 0 and writes nothing to the cache,
+    so none compiles mid-serving. Decode graphs compile theirs when captured."""
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+    device = kv_cache.device
+
+    def ints(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    for q_lens in ((1, 1), (3, 1)):
+        query = torch.zeros(sum(q_lens), num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
+        seq_lens = ints(*(q + 1 for q in q_lens))  # one shared key, then each member's own
+        groups = SharedPrefixGroups(token_start=ints(0, sum(q_lens)), prefix_lens=ints(1), table_rows=ints(0),
+                                    seq_prefix_lens=ints(1, 1), max_grouped_tokens=sum(q_lens), max_prefix_len=1)
+        prefix_config = choose_prefix_config(num_groups=1, max_grouped_tokens=1, max_prefix_len=1,
+                                             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, sm_count=1)
+        splits = 1
+        while splits <= MAX_PREFIX_SPLITS:
+            cascade_attention(query, kv_cache, ints(0, q_lens[0], sum(q_lens)), seq_lens, ints(0, 0).view(2, 1),
+                              groups, max(q_lens), 2, 1.0,
+                              prefix_config=PrefixLaunchConfig(block_t=prefix_config.block_t, prefix_splits=splits))
+            splits *= 2

@@ -42,7 +42,7 @@ if not _can_run_interpreted_here():
         one_group = choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=1024)
         assert one_group.prefix_splits == 2  # n = 64 siblings over 1024 tokens: 512 keys per part
         assert choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=100).prefix_splits == 1
-        assert choose(num_groups=1, max_grouped_tokens=2, max_prefix_len=1 << 20).prefix_splits == 16
+        assert choose(num_groups=1, max_grouped_tokens=2, max_prefix_len=1 << 20).prefix_splits == 8
         assert choose(prefix_splits=3).prefix_splits == 3
 
 else:

@@ -58,6 +58,10 @@ class AttentionBackend(Protocol):
         """
         ...
 
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        """Compiles, before serving, the kernel variants that steps other than the warm-up's need."""
+        ...
+
 
 class TorchAttentionBackend:
     """The CPU backend: kernels/reference.py, the Triton kernels' oracle, behind this interface."""
@@ -84,6 +88,9 @@ class TorchAttentionBackend:
                                                meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
         return paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                          meta.max_query_len, meta.max_seq_len, scale, sliding_window)
+
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        pass  # nothing compiles
 
 
 def allocate_kv_cache(

@@ -21,6 +21,7 @@ import bisect
 import numpy as np
 import torch
 
+from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype
 from strata.services.worker.sampler import sample_unfiltered
@@ -39,10 +40,13 @@ _ROW_FIELDS = (
     ("state_rows", np.int64),  # the sequence table's row: placeholder lookup, last_sampled
     ("seeds", np.int64), ("sample_positions", np.int64), ("inv_temperature", np.float32),
     ("seq_lens", np.int32), ("greedy", np.uint8),
+    # Cascade graphs (shared prefixes): per sequence, then per group (at most max_batch // 2 + 1).
+    ("seq_prefix_lens", np.int32), ("group_token_start", np.int32), ("group_prefix_lens", np.int32),
+    ("group_table_rows", np.int32),
 )
 # What padding rows hold: no KV read (seq_len 0) or written (slot -1), a greedy draw.
 _PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seeds": 0, "sample_positions": 0,
-            "inv_temperature": 1.0, "seq_lens": 0, "greedy": 1}
+            "inv_temperature": 1.0, "seq_lens": 0, "greedy": 1, "seq_prefix_lens": 0}
 
 
 def _layout(max_batch: int) -> tuple[dict[str, tuple[int, np.dtype]], int]:
@@ -77,7 +81,7 @@ class DecodeGraphs:
     def __init__(self, shard, kv_caches: list[torch.Tensor], *, max_batch: int, last_sampled: torch.Tensor,
                  scratch_row: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
                  max_blocks_per_seq: int, max_model_len: int, first_stage: bool, last_stage: bool,
-                 samples: bool, query_len: int = 1):
+                 samples: bool, query_len: int = 1, cascade: bool = False):
         self.shard, self.kv_caches = shard, kv_caches
         self.last_sampled, self.scratch_row = last_sampled, scratch_row
         self.device = device
@@ -85,7 +89,10 @@ class DecodeGraphs:
         self.first_stage, self.last_stage = first_stage, last_stage
         self.samples = samples  # the last stage draws unfiltered rows in the graph (needs Triton)
         self.query_len = q = query_len
-        self.sizes = graph_batch_sizes(max_batch)
+        # Cascade graphs attend with shared prefixes (cascade_attention), for up to half as many
+        # groups as sequences (a group has two members or more); a batch of one shares nothing.
+        self.cascade = cascade
+        self.sizes = [s for s in graph_batch_sizes(max_batch) if s >= 2 or not cascade]
         self.max_batch = self.sizes[-1]
         max_tokens = self.max_batch * q
         layout, total = _layout(max_tokens)
@@ -104,11 +111,21 @@ class DecodeGraphs:
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool = None
 
+    def max_groups(self, bs: int) -> int:
+        return bs // 2 if self.cascade else 0
+
     def _meta(self, bs: int) -> AttentionMetadata:
+        rows, shared = self.rows, None
+        if self.cascade:
+            g = self.max_groups(bs)
+            shared = SharedPrefixGroups(
+                token_start=rows["group_token_start"][: g + 1], prefix_lens=rows["group_prefix_lens"][:g],
+                table_rows=rows["group_table_rows"][:g], seq_prefix_lens=rows["seq_prefix_lens"][:bs],
+                max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len)
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.rows["seq_lens"][:bs],
-            block_tables=self.block_tables[:bs], slot_mapping=self.rows["slot_mapping"][: bs * self.query_len],
-            max_query_len=self.query_len, max_seq_len=self.max_model_len)
+            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=rows["seq_lens"][:bs],
+            block_tables=self.block_tables[:bs], slot_mapping=rows["slot_mapping"][: bs * self.query_len],
+            max_query_len=self.query_len, max_seq_len=self.max_model_len, shared_prefixes=shared)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         rows, first, t = self.rows, self.first_stage, bs * self.query_len
@@ -144,13 +161,17 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def _fill_padding(self) -> None:
-        """Device rows start as padding (what capture runs on) with the scratch state row."""
-        for name, value in {**_PADDING, "state_rows": self.scratch_row}.items():
+        """Device rows start as padding (what capture runs on) with the scratch state row, and
+        empty groups."""
+        for name, value in {**_PADDING, "state_rows": self.scratch_row, "group_token_start": 0,
+                            "group_prefix_lens": 0, "group_table_rows": 0}.items():
             self.rows[name].fill_(value)
 
-    def padded_size(self, batch: int) -> int | None:
-        """The smallest captured size that holds `batch` rows; None when none does."""
+    def padded_size(self, batch: int, num_groups: int = 0) -> int | None:
+        """The smallest captured size that holds `batch` rows (and num_groups groups); None when none does."""
         i = bisect.bisect_left(self.sizes, batch)
+        while i < len(self.sizes) and self.max_groups(self.sizes[i]) < num_groups:
+            i += 1
         return self.sizes[i] if i < len(self.sizes) else None
 
     def run(self, bs: int, h: HostInputs, token_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
@@ -178,6 +199,8 @@ class DecodeGraphs:
             rows[name][t:padded] = value
         rows["seq_lens"][:n] = h.seq_lens
         rows["seq_lens"][n:bs] = 0
+        if self.cascade:
+            self._stage_groups(rows, h, n, bs)
         rows["state_rows"][t:padded] = self.scratch_row
         host.tables[:n, :width] = h.block_tables
         self.flat.copy_(host.flat, non_blocking=True)
@@ -189,3 +212,13 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return tuple(out[:t] for out in self.outputs[bs])
 
+    def _stage_groups(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:
+        """The step's groups, then empty ones up to the graph's group count (they own no tokens)."""
+        groups, g, most = h.prefix_groups, len(h.prefix_groups.prefix_lens), self.max_groups(bs)
+        rows["seq_prefix_lens"][:n] = groups.seq_prefix_lens  # padding rows: 0 (_PADDING)
+        rows["group_token_start"][: g + 1] = groups.token_start
+        rows["group_token_start"][g + 1: most + 1] = groups.token_start[-1]
+        rows["group_prefix_lens"][:g] = groups.prefix_lens
+        rows["group_prefix_lens"][g:most] = 0
+        rows["group_table_rows"][:g] = groups.table_rows
+        rows["group_table_rows"][g:most] = 0

@@ -47,6 +47,7 @@ class ModelRunner:
                                        vocab_size=model_config.vocab_size)
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
+        self.cascade_graphs = None  # the same for decode batches with shared prefixes
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
         # Verification graphs, by query length (2 .. k + 1), for batches up to the speculative limit.
         self.verify_graphs: dict[int, object] = {}
@@ -62,7 +63,7 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_caches = []  # free the old cache (and graphs over it) before allocating the new one
-        self.graphs = None
+        self.graphs = self.cascade_graphs = None
         self.verify_graphs = {}
         self.kv_caches = allocate_kv_cache(
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
@@ -78,17 +79,19 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         from strata.services.worker.cuda_graphs import DecodeGraphs
 
-        def capture(max_batch: int, query_len: int) -> DecodeGraphs:
+        def capture(max_batch: int, query_len: int, cascade: bool = False) -> DecodeGraphs:
             graphs = DecodeGraphs(
                 self.shard, self.kv_caches, max_batch=max_batch, last_sampled=self.last_sampled,
                 scratch_row=self.scratch_row, device=self.device, dtype=self.dtype,
                 hidden_size=self.config.hidden_size, max_blocks_per_seq=self.table.max_blocks,
                 max_model_len=self.max_model_len, first_stage=self.is_first, last_stage=self.is_last,
-                samples=self.is_last and HAVE_TRITON, query_len=query_len)
+                samples=self.is_last and HAVE_TRITON, query_len=query_len, cascade=cascade)
             graphs.capture()
             return graphs
 
         self.graphs = capture(self.cuda_graph_max_batch, 1)
+        if self.cuda_graph_max_batch >= 2:
+            self.cascade_graphs = capture(self.cuda_graph_max_batch, 1, cascade=True)
         if self.verify_max_batch:
             self.verify_graphs = {q: capture(self.verify_max_batch, q) for q in self.verify_query_lens}
 
@@ -117,11 +120,15 @@ class ModelRunner:
         h = self.inputs.build(plan, rows)
         gpu_start = self.timeline.mark() if self.timeline else None
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
+        cascade = h.prefix_groups is not None and h.max_query_len == 1  # (verification graphs do without)
+        if cascade:
+            graphs = self.cascade_graphs
         if graphs is None and h.verify is not None and h.max_query_len in self.verify_graphs:
             padded = self.inputs.pad_queries(h, h.max_query_len)  # mixed draft counts: pad to one length
             if padded is not None:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
-        bs = graphs.padded_size(len(h.seq_lens)) if graphs is not None else None
+        num_groups = len(h.prefix_groups.prefix_lens) if cascade else 0
+        bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
         d, sampling = self.inputs.upload(h, eager=True)

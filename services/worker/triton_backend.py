@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.cascade_attention import cascade_attention
+from strata.kernels.cascade_attention import cascade_attention, compile_serving_variants
 from strata.kernels.kv_cache_write import write_kv_cache
 from strata.kernels.paged_attention import paged_attention
 from strata.services.worker.attention import AttentionMetadata
@@ -21,3 +21,6 @@ class TritonAttentionBackend:
                                      meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
         return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window)
+
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        compile_serving_variants(kv_cache, num_q_heads)

@@ -217,3 +217,80 @@ def _split(result) -> list[list[int]]:
         out.append(tokens[pos:pos + n])
         pos += n
     return out
+
+
+# --- shared prefixes: cascade attention in decode graphs and eager steps ---------------------
+
+SHARED = 32  # the first two blocks of sequence 1's prompt, which sequences 2-4 take
+
+
+def _table(seq: int, shares: bool) -> list[int]:
+    own = [(seq - 1) * BLOCKS_PER_SEQ + b for b in range(BLOCKS_PER_SEQ)]
+    return [0, 1] + own[2:] if shares else own
+
+
+def shared_prefix_plan(step_id: int, seqs: list[int], computed: list[int], tokens: list[list[int]],
+                       new: list[int], shares: set[int], grouped: bool) -> engine_pb2.StepPlan:
+    """Sequences in plan order (the sharing ones last, consecutive, as the scheduler sends them);
+    new: those admitted in this step, with their whole block table."""
+    plan = engine_pb2.StepPlan(
+        step_id=step_id, seq_ids=seqs, num_computed=computed, num_scheduled=[len(t) for t in tokens],
+        input_token_ids=[t for ts in tokens for t in ts], sample=[True] * len(seqs),
+        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
+            temperature=0.0, top_p=1.0, seed=s, logprobs=-1)) for s in new],
+        table_keep=[0 if s in new else BLOCKS_PER_SEQ for s in seqs],
+        table_append_counts=[BLOCKS_PER_SEQ if s in new else 0 for s in seqs],
+        table_append_ids=[b for s in seqs if s in new for b in _table(s, s in shares and s != 1)])
+    if grouped:
+        plan.shared_prefix_group.extend([1 if s in shares else 0 for s in seqs])
+        plan.shared_prefix_lens.append(SHARED)
+    return plan
+
+
+def test_cascade_graphs_and_eager_cascade_match_plain_attention(shard_and_config):
+    """Sequences 2-4 share sequence 1's first 32 prompt tokens (its blocks 0 and 1), 5 and 6 share
+    nothing. One runner is told the group (cascade: decode graphs of their own, and an eager step
+    beside a new prompt), the other is not: logits agree to bf16 rounding, tokens are equal."""
+    shard, config = shard_and_config
+    gen = torch.Generator().manual_seed(9)
+    head = torch.randint(3, 8192, (SHARED,), generator=gen).tolist()
+    prompts = {1: head + torch.randint(3, 8192, (8,), generator=gen).tolist()}
+    for s in (2, 3, 4):
+        prompts[s] = head + torch.randint(3, 8192, (5 + s,), generator=gen).tolist()
+    for s in (5, 6, 7):
+        prompts[s] = torch.randint(3, 8192, (20 + s,), generator=gen).tolist()
+    shares = {1, 2, 3, 4}
+    runs = {}
+    for grouped in (True, False):
+        runner = new_runner(shard, config)
+        out = {s: [] for s in prompts}
+
+        def run(plan, seqs):
+            tokens = list(runner.execute(plan).finish().token_ids)
+            for s, t in zip(seqs, tokens):
+                out[s].append(t)
+            return tokens
+
+        first = [5, 6, 1]
+        run(shared_prefix_plan(1, first, [0] * 3, [prompts[s] for s in first], first, shares, False), first)
+        joining = [2, 3, 4]  # take sequence 1's two blocks, compute only their own tokens
+        run(shared_prefix_plan(2, joining, [SHARED] * 3, [prompts[s][SHARED:] for s in joining], joining, shares,
+                               False), joining)
+        length = {s: len(prompts[s]) for s in prompts}
+        order = [5, 6, 1, 2, 3, 4]
+        logits = []
+        for step in range(3, 7):  # decode steps: the cascade graph replays
+            run(shared_prefix_plan(step, order, [length[s] + len(out[s]) - 1 for s in order],
+                                   [[out[s][-1]] for s in order], [], shares, grouped), order)
+            graphs = runner.cascade_graphs if grouped else runner.graphs
+            logits.append(graphs.outputs[graphs.padded_size(6, 1 if grouped else 0)][0][:6].float().clone())
+        # An eager step: sequence 7's prompt beside the group's decodes.
+        mixed = [7, 5, 6, 1, 2, 3, 4]
+        run(shared_prefix_plan(7, mixed, [0] + [length[s] + len(out[s]) - 1 for s in mixed[1:]],
+                               [prompts[7]] + [[out[s][-1]] for s in mixed[1:]], [7], shares, grouped), mixed)
+        runs[grouped] = (out, logits, runner.cascade_graphs.step)
+    (cascade_out, cascade_logits, cascade_replays), (plain_out, plain_logits, plain_replays) = runs[True], runs[False]
+    assert cascade_replays == 4 and plain_replays == 0, "the grouped decode steps replay the cascade graphs"
+    for got, want in zip(cascade_logits, plain_logits):
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), "cascade logits differ beyond bf16 rounding"
+    assert cascade_out == plain_out
