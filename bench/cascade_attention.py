@@ -2,7 +2,7 @@
 against the cascade's floor, in process on one GPU (Llama-3.2-1B attention: 32/8 heads, D=64).
 
     python -m strata.bench.cascade_attention                      # 32 groups x 16, prefix 2000 + 200 own
-    python -m strata.bench.cascade_attention --sweep              # also every prefix split count
+    python -m strata.bench.cascade_attention --sweep              # also prefix splits, warps and stages
     python -m strata.bench.cascade_attention --num-groups 1 --group-size 64 --prefix-len 1024 --suffix-len 64
 
 The floor counts each group's shared KV once and each request's own KV, plus the query and the
@@ -26,8 +26,9 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
 
     from strata.bench.bench_attention import copy_bandwidth_gbps
     from strata.kernels.cascade_attention import (
-        MAX_PREFIX_SPLITS, PrefixLaunchConfig, cascade_attention, choose_prefix_config)
-    from strata.kernels.paged_attention import paged_attention
+        MAX_PREFIX_SPLITS, PrefixLaunchConfig, cascade_attention, choose_prefix_config, launch_shared_prefix)
+    from strata.kernels.paged_attention import (
+        AttentionLaunchConfig, Partials, choose_launch_config, launch_paged_attention, paged_attention)
     from strata.kernels.testing import make_paged_batch, share_prefixes
 
     torch.manual_seed(seed)
@@ -74,17 +75,44 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
           f"{paged_us / paged_floor_us:.2f}x its own floor; cascade is {paged_us / cascade_us:.2f}x faster")
     print(f"  x {num_layers} layers: cascade {cascade_us * num_layers / 1e3:.2f} ms, paged "
           f"{paged_us * num_layers / 1e3:.2f} ms per decode step")
+    # Where the time goes: each of the cascade's two launches alone, against its share of the floor.
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    own_config = choose_launch_config(num_seqs=num_seqs, num_q_heads=LLAMA_1B["num_q_heads"],
+                                      num_kv_heads=LLAMA_1B["num_kv_heads"], head_dim=LLAMA_1B["head_dim"],
+                                      max_query_len=1, max_seq_len=max(contexts) + 1, sm_count=sm_count,
+                                      num_kv_splits=1)
+    partials = Partials.allocate(batch.query, auto.prefix_splits)
+    launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto, partials)
+    prefix_us = time_us(lambda: launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto,
+                                                     partials))
+
+    def own(config=own_config):
+        launch_paged_attention(*args[:5], scale, config, out, partials, seq_prefix_lens=groups.seq_prefix_lens)
+
+    own_us = time_us(own)
+    prefix_floor_us = num_groups * prefix_len * kv_bytes_per_token / (copy_gbps * 1e3)
+    print(f"    prefix kernel alone {prefix_us:8.1f} us (floor {prefix_floor_us:.1f}); own keys + merge alone "
+          f"{own_us:8.1f} us (floor {floor_us - prefix_floor_us:.1f})")
     swept = {}
     if sweep:
-        splits = 1
-        while splits <= MAX_PREFIX_SPLITS:
-            swept[splits] = time_us(lambda: cascade(PrefixLaunchConfig(block_t=auto.block_t, prefix_splits=splits)))
-            print(f"    prefix splits {splits}: {swept[splits]:8.1f} us ({swept[splits] / floor_us:.2f}x floor)")
-            splits *= 2
+        for splits in [1 << i for i in range(MAX_PREFIX_SPLITS.bit_length())]:
+            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+                config = PrefixLaunchConfig(block_t=auto.block_t, prefix_splits=splits, num_warps=warps,
+                                            num_stages=stages)
+                us = time_us(lambda: cascade(config))
+                swept[f"prefix splits={splits} warps={warps} stages={stages}"] = us
+                print(f"    prefix splits {splits} warps {warps} stages {stages}: {us:8.1f} us "
+                      f"({us / floor_us:.2f}x floor)")
+        for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
+            config = AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=1, num_warps=warps, num_stages=stages)
+            us = time_us(lambda: own(config))
+            swept[f"own warps={warps} stages={stages}"] = us
+            print(f"    own keys + merge, warps {warps} stages {stages}: {us:8.1f} us")
     return {"num_groups": num_groups, "group_size": group_size, "prefix_len": prefix_len, "suffix_len": suffix_len,
             "copy_gbps": copy_gbps, "cascade_us": cascade_us, "cascade_floor_us": floor_us,
             "cascade_over_floor": cascade_us / floor_us, "paged_us": paged_us, "paged_floor_us": paged_floor_us,
-            "prefix_splits": auto.prefix_splits, "sweep_us": swept, "max_abs_diff": error}
+            "prefix_splits": auto.prefix_splits, "prefix_kernel_us": prefix_us, "own_kernel_us": own_us,
+            "sweep_us": swept, "max_abs_diff": error}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=200, help="keys of each request's own (plus 0-49 generated)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-layers", type=int, default=16, help="layers, for the per-step total")
-    p.add_argument("--sweep", action="store_true", help="also time every prefix split count")
+    p.add_argument("--sweep", action="store_true", help="also time every prefix split count x warps x stages of the prefix kernel, and the own kernel's warps x stages")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -12,10 +12,11 @@ past that prefix, so no query needs a causal mask inside it. Attention then spli
   can be cut into PREFIX_SPLITS parts computed in parallel (few groups, long prefixes);
 - each sequence's own keys past its prefix: the paged kernel with a per-sequence key start.
 
-Both write unnormalised softmax partials (acc, max, sum) into one buffer, the paged kernel's
-split-KV parts first, the prefix's after them, and the split-KV merge combines every part by
-log-sum-exp. Sequences outside any group leave their prefix parts empty (the paged kernel writes
-max = floor, sum = 0 there), so one launch of each kernel serves a mixed batch.
+The prefix kernel runs first and writes unnormalised softmax partials (acc, max, sum), one part
+per prefix split; the paged kernel then attends each sequence's own keys and, in its epilogue,
+folds those parts into its result by log-sum-exp (the split-KV merge's arithmetic, without a third
+launch or a round trip of the own keys' partials through memory). Sequences outside any group
+(prefix length 0) read no parts, so one launch of each kernel serves a mixed batch.
 
 Grid sizes depend on python ints only (the same numbering trick as the paged kernel: group g owns
 tile indices [(start_g - start_0) // BLOCK_T + g, ...)), so the launches are CUDA-graph safe with
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from strata.kernels.paged_attention import (
     _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _attend_tile, _device_sm_count, _find_sequence,
-    check_attention_inputs, choose_launch_config, launch_paged_attention, merge_partials)
+    check_attention_inputs, choose_launch_config, launch_paged_attention)
 from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 
 __all__ = ["SharedPrefixGroups", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
@@ -73,8 +74,8 @@ def _shared_prefix_kernel(
     token_start_ptr, prefix_lens_ptr, table_rows_ptr, block_tables_ptr, num_groups, qk_scale_log2,
     stride_q_t, stride_q_h, stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, FIRST_PART: tl.constexpr,
-    NUM_PARTS: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTS: tl.constexpr,
+    IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,7 +106,7 @@ def _shared_prefix_kernel(
     q_pos = tl.full([BLOCK_M], 0, tl.int32) + prefix_len
 
     num_tiles = tl.cdiv(prefix_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_PARTS - FIRST_PART)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_PARTS)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -129,7 +130,7 @@ def _shared_prefix_kernel(
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
                 0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
 
-    part = (token * NUM_Q_HEADS + head) * NUM_PARTS + FIRST_PART + split
+    part = (token * NUM_Q_HEADS + head) * NUM_PARTS + split
     tl.store(partial_max_ptr + part, m_i, mask=row_valid)
     tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
     tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
@@ -154,8 +155,8 @@ def cascade_attention(
 
     groups' token ranges must be consecutive and cover exactly the sequences with a nonzero
     seq_prefix_lens; every member computes only tokens past its prefix (num_computed >= prefix).
-    The own keys run single-pass unless config says otherwise: the parallelism of long shared
-    contexts comes from the prefix splits, and fewer variants need compiling."""
+    The own keys run single-pass: the parallelism of long shared contexts comes from the prefix
+    splits, and fewer variants need compiling."""
     check_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
     if out is None:
         out = torch.empty_like(query)
@@ -175,26 +176,34 @@ def cascade_attention(
             num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,
             max_prefix_len=groups.max_prefix_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
             sm_count=sm_count)
-    splits = config.num_kv_splits
-    partials = Partials.allocate(query, splits + prefix_config.prefix_splits)
+    partials = Partials.allocate(query, prefix_config.prefix_splits)
+    launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
                            seq_prefix_lens=groups.seq_prefix_lens)
-    if groups.num_groups:
-        block_t = prefix_config.block_t
-        group = num_q_heads // num_kv_heads
-        num_tiles = groups.max_grouped_tokens // block_t + groups.num_groups if block_t > 1 else groups.max_grouped_tokens
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        _shared_prefix_kernel[(num_tiles, num_kv_heads, prefix_config.prefix_splits)](
-            query, key_cache, value_cache, partials.acc, partials.max, partials.sum,
-            groups.token_start, groups.prefix_lens, groups.table_rows, block_tables, groups.num_groups,
-            scale * _LOG2E, query.stride(0), query.stride(1),
-            key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
-            NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
-            BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
-            FIRST_PART=splits, NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32,
-            INTERPRETED=_INTERPRETED, num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
-    merge_partials(partials, out)
     return out
+
+
+def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         groups: SharedPrefixGroups, scale: float, prefix_config: PrefixLaunchConfig,
+                         partials: Partials) -> None:
+    """The prefix kernel alone: each group's shared prefix attended once, into partials' parts."""
+    if not groups.num_groups:
+        return
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[2]
+    block_t = prefix_config.block_t
+    group = num_q_heads // num_kv_heads
+    num_tiles = groups.max_grouped_tokens // block_t + groups.num_groups if block_t > 1 else groups.max_grouped_tokens
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _shared_prefix_kernel[(num_tiles, num_kv_heads, prefix_config.prefix_splits)](
+        query, key_cache, value_cache, partials.acc, partials.max, partials.sum,
+        groups.token_start, groups.prefix_lens, groups.table_rows, block_tables, groups.num_groups,
+        scale * _LOG2E, query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
+        BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
+        NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32, INTERPRETED=_INTERPRETED,
+        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
 
 
 def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:

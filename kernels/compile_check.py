@@ -109,7 +109,7 @@ def compile_attention(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
         NUM_SPLITS=config.num_kv_splits, USE_WINDOW=sliding_window, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
-        PREFIX_SLOTS=0)
+        PREFIX_PARTS=0)
     name = (f"attention {dtype} D={head_dim} G={group} q<={max_query_len} splits={num_kv_splits}"
             f"{' window' if sliding_window else ''}")
     reports = [_compile(name, paged_attention._paged_attention_kernel, dtype, constexprs,
@@ -128,20 +128,19 @@ def compile_cascade(*, dtype: str, head_dim: int, num_q_heads: int, num_kv_heads
     group = num_q_heads // num_kv_heads
     config = paged_attention.choose_launch_config(
         num_seqs=256, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_query_len=max_query_len, max_seq_len=4096, sm_count=132)
+        max_query_len=max_query_len, max_seq_len=4096, sm_count=132, num_kv_splits=1)
     own = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
-        NUM_SPLITS=config.num_kv_splits, USE_WINDOW=False, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
-        PREFIX_SLOTS=prefix_splits)
+        NUM_SPLITS=1, USE_WINDOW=False, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
+        PREFIX_PARTS=prefix_splits)
     prefix_config = cascade_attention.choose_prefix_config(
         num_groups=16, max_grouped_tokens=256, max_prefix_len=2048, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, sm_count=132, prefix_splits=prefix_splits)
     shared = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_T=prefix_config.block_t, BLOCK_M=max(16, triton.next_power_of_2(prefix_config.block_t * group)),
-        TILE_N=prefix_config.tile_n, FIRST_PART=config.num_kv_splits,
-        NUM_PARTS=config.num_kv_splits + prefix_splits, IEEE_DOT=dtype == "fp32", INTERPRETED=False)
+        TILE_N=prefix_config.tile_n, NUM_PARTS=prefix_splits, IEEE_DOT=dtype == "fp32", INTERPRETED=False)
     shape = f"{dtype} D={head_dim} G={group} q<={max_query_len} prefix splits={prefix_splits}"
     return [_compile(f"attention (cascade own keys) {shape}", paged_attention._paged_attention_kernel, dtype, own,
                      config.num_warps, config.num_stages),

@@ -202,7 +202,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    PREFIX_SLOTS: tl.constexpr = 0,
+    PREFIX_PARTS: tl.constexpr = 0,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -233,14 +233,14 @@ def _paged_attention_kernel(
                 mask=row_valid[:, None], other=0.0)
 
     # Key range this block of queries can see: causal end, sliding-window start, and in a
-    # cascade (PREFIX_SLOTS > 0) the end of the sequence's shared prefix, which
+    # cascade (PREFIX_PARTS > 0) the end of the sequence's shared prefix, which
     # cascade_attention's prefix kernel attends once for the whole group.
     last_token = tl.minimum(first_token + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_token + 1
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + first_token - sliding_window + 1, 0)
-    if PREFIX_SLOTS > 0:
+    if PREFIX_PARTS > 0:
         kv_start = tl.load(seq_prefix_lens_ptr + seq)
     tile_begin = kv_start // TILE_N
     tile_end = tl.cdiv(kv_end, TILE_N)
@@ -264,7 +264,7 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_SLOTS > 0)
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_PARTS > 0)
             tile += 1
     else:
         # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
@@ -272,30 +272,36 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_SLOTS > 0)
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_PARTS > 0)
 
-    if NUM_SPLITS == 1 and PREFIX_SLOTS == 0:
+    if PREFIX_PARTS > 0:
+        # Cascade: fold in the shared prefix's partials, which the prefix kernel wrote before this
+        # launch ([T, Hq, PREFIX_PARTS(, D)]), by log-sum-exp; a sequence outside any group has
+        # kv_start == 0 and reads nothing (max = floor, sum = 0: weight exactly 0).
+        has_prefix = row_valid & (kv_start > 0)
+        row_part = (token * NUM_Q_HEADS + head) * PREFIX_PARTS
+        for j in tl.static_range(PREFIX_PARTS):
+            part_max = tl.load(partial_max_ptr + row_part + j, mask=has_prefix, other=-1.0e30)
+            part_sum = tl.load(partial_sum_ptr + row_part + j, mask=has_prefix, other=0.0)
+            part_acc = tl.load(partial_acc_ptr + (row_part + j)[:, None] * HEAD_DIM + dims[None, :],
+                               mask=has_prefix[:, None], other=0.0)
+            m_new = tl.maximum(m_i, part_max)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(part_max - m_new)
+            acc = acc * alpha[:, None] + part_acc * beta[:, None]
+            l_i = l_i * alpha + part_sum * beta
+            m_i = m_new
+
+    if NUM_SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        # Partials are laid out [T, Hq, NUM_SPLITS + PREFIX_SLOTS(, D)], contiguous; the last
-        # PREFIX_SLOTS are the shared prefix's, which a sequence outside any group leaves empty
-        # (max = floor, sum = 0: weight exactly 0 in the merge).
-        row_part = (token * NUM_Q_HEADS + head) * (NUM_SPLITS + PREFIX_SLOTS)
-        part = row_part + split
+        # Partials are laid out [T, Hq, NUM_SPLITS(, D)], contiguous.
+        part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + split
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
-        if PREFIX_SLOTS > 0:
-            if (split == 0) & (kv_start == 0):
-                for j in tl.static_range(PREFIX_SLOTS):
-                    slot = NUM_SPLITS + j
-                    tl.store(partial_max_ptr + row_part + slot, tl.full([BLOCK_M], -1.0e30, tl.float32),
-                             mask=row_valid)
-                    tl.store(partial_sum_ptr + row_part + slot, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
-                    tl.store(partial_acc_ptr + (row_part + slot)[:, None] * HEAD_DIM + dims[None, :],
-                             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -389,7 +395,8 @@ def check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, query_st
 @dataclass
 class Partials:
     """Unnormalised softmax partials of each (token, query head) over several key ranges: split-KV
-    parts and, in a cascade, the shared prefix's. merge_partials combines them by log-sum-exp."""
+    parts (merge_partials combines them by log-sum-exp) or, in a cascade, the shared prefix's
+    parts (the paged kernel folds them into its own result)."""
 
     acc: torch.Tensor  # float32 [T, Hq, parts, D]: sum of exp2(score - max) * value
     max: torch.Tensor  # float32 [T, Hq, parts]: running max of the scores (log2 domain)
@@ -412,18 +419,19 @@ def launch_paged_attention(
     block_tables: torch.Tensor, scale: float, config: AttentionLaunchConfig, out: torch.Tensor,
     partials: Partials | None, *, sliding_window: int | None = None, seq_prefix_lens: torch.Tensor | None = None,
 ) -> None:
-    """The attention kernel alone: into out, or into the first num_kv_splits parts of partials.
-    seq_prefix_lens [B] (cascade): each sequence skips its first keys and leaves the partials'
-    remaining parts, which the prefix kernel fills, empty when its prefix length is 0."""
+    """The attention kernel alone: into out, or with split-KV into partials (merge_partials then).
+    Cascade (seq_prefix_lens [B] given): each sequence skips its first seq_prefix_lens keys and
+    merges partials, the shared prefix's parts written by the prefix kernel, into out; a
+    sequence whose prefix length is 0 reads none of them."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     assert config.tile_n >= 16 and config.tile_n & (config.tile_n - 1) == 0
     splits = config.num_kv_splits
-    prefix_slots = 0 if partials is None else partials.parts - splits
-    assert (partials is None) == (splits == 1 and seq_prefix_lens is None), "split-KV and cascades write partials"
-    assert (seq_prefix_lens is None) == (prefix_slots == 0) and not (seq_prefix_lens is not None and sliding_window)
+    cascade = seq_prefix_lens is not None
+    assert (partials is not None) == (splits > 1 or cascade), "split-KV writes partials, a cascade reads them"
+    assert not (cascade and (splits > 1 or sliding_window)), "a cascade's own keys run single-pass, unwindowed"
     block_m = max(16, triton.next_power_of_2(config.block_q * group))
     if config.block_q > 1:
         num_q_blocks = num_tokens // config.block_q + num_seqs
@@ -449,7 +457,7 @@ def launch_paged_attention(
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=query.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
-        PREFIX_SLOTS=prefix_slots,
+        PREFIX_PARTS=partials.parts if cascade else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

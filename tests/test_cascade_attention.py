@@ -86,12 +86,12 @@ else:
         batch, groups = grouped_batch([1] * 20, [70 + i for i in range(20)], [20], [67], heads=(8, 2))
         check(batch, groups)
 
-    @pytest.mark.parametrize("prefix_splits,own_splits", [(1, 1), (3, 1), (2, 4)])
-    def test_split_prefix_and_split_own_keys(prefix_splits, own_splits):
-        """The prefix in parallel parts (some empty for the short prefix), the own keys split-KV too."""
+    @pytest.mark.parametrize("prefix_splits,own_block_q", [(1, 4), (3, 4), (2, 1)])
+    def test_split_prefix_with_either_query_block(prefix_splits, own_block_q):
+        """The prefix in parallel parts (some empty for the short prefix), each folded into the
+        own keys' result by prefill-shaped and decode-shaped programs alike."""
         batch, groups = grouped_batch([1, 1, 1, 2, 1], [150, 160, 171, 40, 41], [3, 2], [149, 33], heads=(4, 1))
-        check(batch, groups, config=AttentionLaunchConfig(block_q=1 if own_splits > 1 else 4, tile_n=16,
-                                                          num_kv_splits=own_splits),
+        check(batch, groups, config=AttentionLaunchConfig(block_q=own_block_q, tile_n=16, num_kv_splits=1),
               prefix_config=PrefixLaunchConfig(block_t=2, prefix_splits=prefix_splits, tile_n=16))
 
     def test_padding_groups_and_loose_bounds_as_in_a_cuda_graph():
