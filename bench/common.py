@@ -130,6 +130,8 @@ def serve_argv(args, model: str | None) -> list[str]:
             "--max-plans-in-flight", str(args.max_plans_in_flight)]
     if model:
         argv += ["--model", model]
+    if getattr(args, "tokenizer", None):
+        argv += ["--tokenizer", args.tokenizer]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.enforce_eager:

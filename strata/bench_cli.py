@@ -36,6 +36,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
                         "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)")
+    g.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer directory for the gateway (default: --model's; a dummy model's: the "
+                        "embedded default model's)")
     g.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages (worker processes)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")

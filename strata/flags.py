@@ -119,11 +119,14 @@ def _bool(v: str) -> bool:
 
 
 # The gateway's own flags, which `strata serve` forwards to the gateway it starts.
-GATEWAY_FLAGS = ("served_model_name", "api_key", "tls_cert", "tls_key", "max_request_bytes", "max_prompt_chars",
-                 "max_stop_strings", "max_stop_length")
+GATEWAY_FLAGS = ("tokenizer", "served_model_name", "api_key", "tls_cert", "tls_key", "max_request_bytes",
+                 "max_prompt_chars", "max_stop_strings", "max_stop_length")
 
 
 def _gateway_flags(p):
+    add_flag(p, "--tokenizer", "STRATA_TOKENIZER", None,
+             "HF tokenizer directory the gateway uses (as vLLM's --tokenizer); unset: the model directory's, "
+             "or with a dummy model the embedded default model's")
     add_flag(p, "--served-model-name", "STRATA_SERVED_MODEL_NAME", None,
              "the model's name on both APIs (ModelInfo.model_name, /v1/models, OpenAI's model field); "
              "unset: the model directory's name")

@@ -57,3 +57,19 @@ def test_serve_default_then_generate():
             os.killpg(serve.pid, signal.SIGKILL)
             raise
     assert serve.returncode == 0
+
+
+def test_gateway_tokenizer_flag_serves_a_dummy_model(tmp_path):
+    """--tokenizer (vLLM's flag) gives a gateway in front of dummy weights the tokenizer to use;
+    without it a dummy preset is refused with a message that names the flag."""
+    import pytest
+
+    from strata.default_model import write_tiny_tokenizer
+    from strata.services.gateway.main import load_tokenizer
+
+    write_tiny_tokenizer(tmp_path / "tok", 300, "the quick brown fox jumps over the lazy dog\n" * 20)
+    tokenizer, name = load_tokenizer("dummy:llama-3.2-1b", str(tmp_path / "tok"))
+    assert tokenizer.decode(tokenizer("the lazy fox", add_special_tokens=False).input_ids) == "the lazy fox"
+    assert name == "dummy:llama-3.2-1b"
+    with pytest.raises(SystemExit, match="--tokenizer"):
+        load_tokenizer("dummy:llama-3.2-1b")

@@ -21,15 +21,18 @@ from strata.v1 import engine_pb2_grpc, generate_pb2
 log = logging.getLogger("strata.gateway")
 
 
-def load_tokenizer(model: str | None):
-    model_path, dummy = resolve_model(model)
+def load_tokenizer(model: str | None, tokenizer: str | None = None):
+    """(tokenizer, model name): --tokenizer's directory, else the model directory's."""
+    model_path, dummy = (None, None) if tokenizer else resolve_model(model)
     if dummy:
-        raise SystemExit("the gateway needs a tokenizer: give it a model directory, not a dummy preset")
-    return AutoTokenizer.from_pretrained(model_path), Path(model_path).name
+        raise SystemExit("the gateway needs a tokenizer: give it a model directory or --tokenizer DIR, "
+                         "not a dummy preset")
+    name = Path(model).name if model else Path(model_path or tokenizer).name
+    return AutoTokenizer.from_pretrained(tokenizer or model_path), name
 
 
 async def serve(args) -> None:
-    tokenizer, name = load_tokenizer(args.model)
+    tokenizer, name = load_tokenizer(args.model, args.tokenizer)
     name = args.served_model_name or name
     channel = aio_channel(args.scheduler_address, args.cluster_token)
     limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
