@@ -96,12 +96,12 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
     swept = {}
     if sweep:
         for splits in [1 << i for i in range(MAX_PREFIX_SPLITS.bit_length())]:
-            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
-                config = PrefixLaunchConfig(block_t=auto.block_t, prefix_splits=splits, num_warps=warps,
-                                            num_stages=stages)
+            for tile_n, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (128, 4, 2), (128, 8, 2)):
+                config = PrefixLaunchConfig(block_t=auto.block_t, prefix_splits=splits, tile_n=tile_n,
+                                            num_warps=warps, num_stages=stages)
                 us = time_us(lambda: cascade(config))
-                swept[f"prefix splits={splits} warps={warps} stages={stages}"] = us
-                print(f"    prefix splits {splits} warps {warps} stages {stages}: {us:8.1f} us "
+                swept[f"prefix splits={splits} tile={tile_n} warps={warps} stages={stages}"] = us
+                print(f"    prefix splits {splits} tile {tile_n:3d} warps {warps} stages {stages}: {us:8.1f} us "
                       f"({us / floor_us:.2f}x floor)")
         for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
             config = AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=1, num_warps=warps, num_stages=stages)
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=200, help="keys of each request's own (plus 0-49 generated)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-layers", type=int, default=16, help="layers, for the per-step total")
-    p.add_argument("--sweep", action="store_true", help="also time every prefix split count x warps x stages of the prefix kernel, and the own kernel's warps x stages")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the prefix kernel's split counts x tiles x warps x stages, and the own keys' "
+                        "kernel's warps x stages")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

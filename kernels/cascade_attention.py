@@ -50,19 +50,22 @@ class PrefixLaunchConfig:
     prefix_splits: int  # parts of the prefix computed in parallel
     tile_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    # Two stages beat three and four at every shape swept (H200, bench/cascade_attention.py
+    # --sweep: 32 x 16 over 2,000 keys 124 vs 144 us, 128 x 2 over 1,024 keys 107 vs 128 us).
+    num_stages: int = 2
 
 
 def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix_len: int, num_q_heads: int,
                          num_kv_heads: int, sm_count: int, prefix_splits: int | None = None) -> PrefixLaunchConfig:
-    """64-row tiles as in the paged kernel's prefill path; splits while too few programs would
-    be in flight to keep the SMs' loads busy, at least 512 keys each, powers of two (each value
-    is a compiled variant and a part of the merge)."""
+    """64-row tiles as in the paged kernel's prefill path. Splits while fewer than ~2 programs
+    per SM would stream the prefixes (each split adds a round trip of its partials), at least
+    256 keys each, powers of two (each value is a compiled variant of both kernels). Programs
+    with work: one per group and KV head, more for groups of over block_t tokens."""
     block_t = max(1, 64 // (num_q_heads // num_kv_heads))
-    if prefix_splits is None:
-        programs = (max_grouped_tokens // block_t + num_groups) * num_kv_heads
+    if not prefix_splits:
+        programs = max(num_groups, triton.cdiv(max_grouped_tokens, block_t)) * num_kv_heads
         want = triton.cdiv(2 * sm_count, max(programs, 1))
-        prefix_splits = max(1, min(want, max_prefix_len // 512, MAX_PREFIX_SPLITS))
+        prefix_splits = max(1, min(want, max_prefix_len // 256, MAX_PREFIX_SPLITS))
         prefix_splits = 1 << (prefix_splits.bit_length() - 1)
     assert prefix_splits >= 1
     return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits)
@@ -175,7 +178,7 @@ def cascade_attention(
         prefix_config = choose_prefix_config(
             num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,
             max_prefix_len=groups.max_prefix_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-            sm_count=sm_count)
+            sm_count=sm_count, prefix_splits=groups.prefix_splits)
     partials = Partials.allocate(query, prefix_config.prefix_splits)
     launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,

@@ -208,7 +208,15 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    if BLOCK_Q == 1:
+        # Decode batches hold one token per sequence: try token t -> sequence t before the binary
+        # search, whose ~log2(B) dependent loads each program would otherwise wait out before
+        # its first K/V load (a program of a short context runs only a few tiles).
+        seq = tl.minimum(q_block, num_seqs - 1)
+        if (tl.load(query_start_loc_ptr + seq) != q_block) | (tl.load(query_start_loc_ptr + seq + 1) != q_block + 1):
+            seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    else:
+        seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
     if BLOCK_Q > 1:

@@ -18,6 +18,9 @@ class SharedPrefixGroups:
     seq_prefix_lens: torch.Tensor  # int32 [B]: each sequence's group prefix length, 0 outside any group
     max_grouped_tokens: int  # bound on token_start[G] - token_start[0]
     max_prefix_len: int  # bound on prefix_lens
+    # Parts each prefix is cut into, when the caller knows better than the bounds: a CUDA graph's
+    # group count is a padded bound, so it picks this for large groups. 0: chosen from the bounds.
+    prefix_splits: int = 0
 
     @property
     def num_groups(self) -> int:

@@ -38,9 +38,11 @@ if not _can_run_interpreted_here():
 
         assert choose().block_t * 4 == 64  # 16 tokens x GQA group of 4: 64 rows per dot
         assert choose(num_q_heads=9, num_kv_heads=3).block_t == 21  # SmolLM2: 63 rows
-        assert choose().prefix_splits == 1  # 64 groups' tiles x 8 heads already fill 132 SMs
+        # 32 groups of 16 decodes (issue 12's workload): 256 programs, under 2 per SM: 2 parts.
+        assert choose().prefix_splits == 2
+        assert choose(num_groups=256).prefix_splits == 1  # 256 pairs: 2,048 programs already
         one_group = choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=1024)
-        assert one_group.prefix_splits == 2  # n = 64 siblings over 1024 tokens: 512 keys per part
+        assert one_group.prefix_splits == 4  # n = 64 siblings over 1024 tokens: 32 programs, 256 keys per part
         assert choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=100).prefix_splits == 1
         assert choose(num_groups=1, max_grouped_tokens=2, max_prefix_len=1 << 20).prefix_splits == 8
         assert choose(prefix_splits=3).prefix_splits == 3

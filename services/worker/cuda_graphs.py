@@ -117,11 +117,18 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         rows, shared = self.rows, None
         if self.cascade:
+            from strata.kernels.cascade_attention import choose_prefix_config  # Triton: CUDA only
             g = self.max_groups(bs)
+            # The group count is only a bound here: cut the prefixes as for a few large groups
+            # (one program per KV head and 64 rows), where splitting pays; pairs lose little.
+            splits = choose_prefix_config(
+                num_groups=1, max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len,
+                num_q_heads=self.shard.config.num_attention_heads, num_kv_heads=self.kv_caches[0].shape[2],
+                sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count).prefix_splits
             shared = SharedPrefixGroups(
                 token_start=rows["group_token_start"][: g + 1], prefix_lens=rows["group_prefix_lens"][:g],
                 table_rows=rows["group_table_rows"][:g], seq_prefix_lens=rows["seq_prefix_lens"][:bs],
-                max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len)
+                max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len, prefix_splits=splits)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=rows["seq_lens"][:bs],
             block_tables=self.block_tables[:bs], slot_mapping=rows["slot_mapping"][: bs * self.query_len],
