@@ -26,12 +26,13 @@ def inputs(*args):
 
 
 def test_two_groups_after_an_ungrouped_sequence():
-    # seq 0 alone; group 1 = seqs 1, 2 (prefix 8: blocks 10, 11); group 2 = seqs 3, 4 (prefix 4: block 20).
-    got = inputs([0, 1, 1, 2, 2], [8, 4], [3, 1, 2, 1, 1], [0, 9, 8, 6, 5],
-                 [[1], [10, 11, 12], [10, 11, 13], [20, 21], [20, 22]])
-    assert got.token_start.tolist() == [3, 6, 8]  # seq 1's first token .. the end
-    assert got.prefix_lens.tolist() == [8, 4] and got.table_rows.tolist() == [1, 3]
-    assert got.seq_prefix_lens.tolist() == [0, 8, 8, 4, 4]
+    # seq 0 alone; group 1 = seqs 1-3 (prefix 12: blocks 10-12); group 2 = seqs 4-6 (prefix 8: blocks 20, 21).
+    got = inputs([0, 1, 1, 1, 2, 2, 2], [12, 8], [3, 1, 2, 1, 1, 1, 1], [0, 13, 12, 12, 9, 8, 8],
+                 [[1], [10, 11, 12, 13], [10, 11, 12, 14], [10, 11, 12, 15], [20, 21, 22], [20, 21, 23],
+                  [20, 21, 24]])
+    assert got.token_start.tolist() == [3, 7, 10]  # seq 1's first token, seq 4's, the end
+    assert got.prefix_lens.tolist() == [12, 8] and got.table_rows.tolist() == [1, 4]
+    assert got.seq_prefix_lens.tolist() == [0, 12, 12, 12, 8, 8, 8]
     assert set(got.arrays()) == {"cascade.token_start", "cascade.prefix_lens", "cascade.table_rows",
                                  "cascade.seq_prefix_lens"}
 
@@ -40,6 +41,11 @@ def test_no_groups_or_too_little_shared_means_no_cascade():
     assert inputs([], [], [1, 1], [4, 4], [[1, 2], [3, 4]]) is None
     # Two members sharing 4 of their 2 x 41 keys: not worth a second kernel and a merge.
     assert inputs([1, 1], [4], [1, 1], [40, 40], [list(range(11)), [0] + list(range(11, 21))]) is None
+    # A pair saves under half its reads, however long the prefix: the plain kernel's L2 hits win.
+    assert inputs([1, 1], [40], [1, 1], [40, 40], [list(range(11)), list(range(10)) + [99]]) is None
+    # Three members over the same prefix save two thirds: a cascade.
+    assert inputs([1, 1, 1], [40], [1, 1, 1], [40, 40, 40],
+                  [list(range(11)), list(range(10)) + [98], list(range(10)) + [99]]) is not None
 
 
 @pytest.mark.parametrize("group_of,lens,num_computed,tables,why", [
