@@ -138,6 +138,8 @@ def serve_argv(args, model: str | None) -> list[str]:
         argv.append("--enforce-eager")
     if getattr(args, "no_prefix_caching", False):
         argv.append("--no-prefix-caching")
+    if getattr(args, "disable_cascade_attn", False):
+        argv.append("--disable-cascade-attn")
     if getattr(args, "speculative_method", None):
         argv += ["--speculative-method", args.speculative_method,
                  "--num-speculative-tokens", str(args.num_speculative_tokens)]

@@ -69,8 +69,8 @@ def _scheduler_flags(p):
 
 
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
-ENGINE_FLAGS = ("max_plans_in_flight", "max_kv_blocks", "no_prefix_caching", "metrics_port",
-                "stage_recovery_timeout", "step_timeout")
+ENGINE_FLAGS = ("max_plans_in_flight", "max_kv_blocks", "no_prefix_caching", "disable_cascade_attn",
+                "metrics_port", "stage_recovery_timeout", "step_timeout")
 
 
 def _engine_flags(p):
@@ -82,6 +82,10 @@ def _engine_flags(p):
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=env("STRATA_NO_PREFIX_CACHING", False, _bool),
                    help="disable the automatic prefix cache [env STRATA_NO_PREFIX_CACHING]")
+    p.add_argument("--disable-cascade-attn", action="store_true",
+                   default=env("STRATA_DISABLE_CASCADE_ATTN", False, _bool),
+                   help="never send shared-prefix groups to the workers, so decode attention reads a shared prefix "
+                        "once per sequence (vLLM's flag; comparisons) [env STRATA_DISABLE_CASCADE_ATTN]")
     add_flag(p, "--metrics-port", "STRATA_METRICS_PORT", 0, "serve Prometheus metrics on this port (0: off)", type=int)
     add_flag(p, "--stage-recovery-timeout", "STRATA_STAGE_RECOVERY_TIMEOUT", 60.0,
              "seconds requests wait for a lost pipeline stage to come back (the same address, or a replacement) "

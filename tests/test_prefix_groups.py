@@ -200,3 +200,20 @@ def test_families_that_share_only_a_template_header_are_not_merged():
     prefixes = {frozenset(parents): prefix for parents, prefix in seen}
     assert prefixes.get(frozenset({"a"})) == 20 and prefixes.get(frozenset({"b"})) == 24, seen
     assert_matches_reference(driver, first + second + [alone], 64)
+
+
+def test_disable_cascade_attn_sends_no_groups_and_changes_no_output():
+    """--disable-cascade-attn (vLLM's flag): plans carry no shared-prefix groups, the prefix is
+    still computed once, and every member's output is the same."""
+    rng = random.Random(7)
+    members = group("g", [rng.randrange(VOCAB) for _ in range(10)], suffixes(rng, 4))
+    sched = Scheduler(num_blocks=64, block_size=BS, max_model_len=64, cascade_attention=False)
+    for req in members:
+        sched.add_request(req)
+    driver = Driver(sched)
+    plans = []
+    driver.run(on_plan=plans.append)
+    assert plans and not any(p.shared_prefix_group or p.shared_prefix_lens for p in plans)
+    assert_matches_reference(driver, members, 64)
+    assert stats_of(sched).prefill_tokens_computed == 10 + sum(r.num_prompt_tokens - 10 for r in members)
+    assert_all_blocks_free(sched, driver.workers)

@@ -36,6 +36,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else P
     enable_prefix_caching: bool = True
+    cascade_attention: bool = True  # send shared-prefix groups in the plans (worker: cascade attention)
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
     # A new request waits this long for a pipeline that is reconnecting, then gets UNAVAILABLE (503
     # over HTTP) so that clients retry elsewhere; requests already running pause until it is back.
@@ -161,6 +162,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            cascade_attention=self.config.cascade_attention,
             cache_salt=desc.model_fingerprint,
             # With one stage the worker that samples also embeds: it can fill in the token itself,
             # so every plan in flight but the first can be a lookahead of the same requests.

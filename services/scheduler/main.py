@@ -35,6 +35,7 @@ def config_from_args(args) -> SchedulerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_plans_in_flight=args.max_plans_in_flight,
         enable_prefix_caching=not args.no_prefix_caching,
+        cascade_attention=not args.disable_cascade_attn,
         max_kv_blocks=args.max_kv_blocks,
         stage_recovery_timeout=args.stage_recovery_timeout,
         step_timeout=args.step_timeout,

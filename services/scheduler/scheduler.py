@@ -107,11 +107,13 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        cascade_attention: bool = True,
         cache_salt: str = "",
         decode_lookahead: int = 0,
         speculation: SpeculativeConfig | None = None,
     ) -> None:
         self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
+        self.cascade_attention = cascade_attention  # plans list the sequences sharing prefix blocks
         self.speculation = speculation
         # ngram drafts come from here; a draft model's drafts are DRAFT_PLACEHOLDERs that the engine
         # fills in from the draft worker before it sends the plan (all k or none, so that one
@@ -331,7 +333,7 @@ class Scheduler:
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
         plan.verifies = any(s.num_draft for s in seqs)
         self._verifying_plans += plan.verifies
-        if any(s.request.num_shared_blocks for s in seqs):
+        if self.cascade_attention and any(s.request.num_shared_blocks for s in seqs):
             group_shared_prefixes(plan, self.block_size)
         self._pending_releases = []
         self._next_step_id += 1
