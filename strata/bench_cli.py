@@ -180,6 +180,9 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
     p.add_argument("--output-len", type=int, default=100, help="generated tokens (ignore_eos)")
     p.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, time a group batch's decode attention against its floor in process")
+    p.add_argument("--profile-dir", default=None,
+                   help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
+                        "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)")
     _common_flags(p)
     # All 512 requests run at once (vLLM's offline budget, as for the throughput benchmark).
     p.set_defaults(max_num_seqs=512, max_num_batched_tokens=16384)

@@ -58,7 +58,9 @@ def _worker_flags(p):
     p.add_argument("--enforce-eager", action="store_true", default=env("STRATA_ENFORCE_EAGER", False, _bool),
                    help="never capture CUDA graphs [env STRATA_ENFORCE_EAGER]")
     add_flag(p, "--profile-output", "STRATA_PROFILE_OUTPUT", None,
-             "write a torch.profiler table of the GPU work of steps 200-299 to this file (diagnostics)")
+             "write a torch.profiler table of the GPU work of --profile-steps to this file (diagnostics)")
+    add_flag(p, "--profile-steps", "STRATA_PROFILE_STEPS", "200:100",
+             "FIRST:COUNT, the window of steps --profile-output profiles (counted from the worker's start)")
 
 
 def _scheduler_flags(p):

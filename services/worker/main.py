@@ -112,7 +112,7 @@ def build(args):
 async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
-    servicer = WorkerServicer(runner, description, StepProfiler(args.profile_output), token=args.cluster_token)
+    servicer = WorkerServicer(runner, description, StepProfiler.from_flags(args.profile_output, args.profile_steps), token=args.cluster_token)
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Worker"], token=args.cluster_token)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Worker"], serving=False)

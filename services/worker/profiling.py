@@ -25,6 +25,17 @@ class StepProfiler:
         self._profiler = None
         self._started = 0.0
 
+    @classmethod
+    def from_flags(cls, output: str | None, steps: str) -> StepProfiler:
+        """--profile-output PATH and --profile-steps FIRST:COUNT."""
+        try:
+            first, count = (int(part) for part in steps.split(":"))
+        except ValueError:
+            raise SystemExit(f"--profile-steps takes FIRST:COUNT, got {steps!r}") from None
+        if first < 0 or count < 1:
+            raise SystemExit(f"--profile-steps: FIRST >= 0 and COUNT >= 1, got {steps!r}")
+        return cls(output, first, count)
+
     def step_launched(self) -> None:
         """Called once per step, before it is launched."""
         if self.output is None:
