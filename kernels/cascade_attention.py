@@ -25,11 +25,13 @@ fixed upper bounds and empty padding groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from strata.kernels.paged_attention import (
     _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _attend_tile, _device_sm_count, _find_sequence,
@@ -53,6 +55,11 @@ class PrefixLaunchConfig:
     # Two stages beat three and four at every shape swept (H200, bench/cascade_attention.py
     # --sweep: 32 x 16 over 2,000 keys 124 vs 144 us, 128 x 2 over 1,024 keys 107 vs 128 us).
     num_stages: int = 2
+    max_registers: int | None = None  # ptxas cap per thread (more programs per SM), None: the compiler's choice
+    # Launch the own keys' kernel as a programmatic dependent of the prefix kernel (Hopper and
+    # later): its programs fill the SMs that the prefix kernel's last wave leaves idle, and wait
+    # for the prefix's partials only in their epilogue.
+    overlap: bool = True
 
 
 def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix_len: int, num_q_heads: int,
@@ -83,6 +90,10 @@ def _shared_prefix_kernel(
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if not INTERPRETED:
+        # Every program of this grid running lets the own keys' kernel (a programmatic
+        # dependent) start on the SMs that free up; it waits for this grid before its merge.
+        gdc_launch_dependents()
 
     base = tl.load(token_start_ptr)
     g = _find_sequence(token_start_ptr, q_tile, num_groups, BLOCK_T, base)
@@ -122,14 +133,14 @@ def _shared_prefix_kernel(
         tile = tile_begin
         while tile < tile_end:
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, 0, prefix_len, block_table_row, key_cache_ptr,
+                tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
                 0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
             tile += 1
     else:
         for tile in range(tile_begin, tile_end):
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, 0, prefix_len, block_table_row, key_cache_ptr,
+                tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
                 0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
 
@@ -182,8 +193,15 @@ def cascade_attention(
     partials = Partials.allocate(query, prefix_config.prefix_splits)
     launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
-                           seq_prefix_lens=groups.seq_prefix_lens)
+                           seq_prefix_lens=groups.seq_prefix_lens,
+                           dependent_launch=prefix_config.overlap and bool(groups.num_groups) and _has_pdl(query.device))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm90 and later."""
+    return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -206,7 +224,8 @@ def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
         NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32, INTERPRETED=_INTERPRETED,
-        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
+        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages,
+        **({"maxnreg": prefix_config.max_registers} if prefix_config.max_registers else {}))
 
 
 def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:

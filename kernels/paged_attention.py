@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.reference import paged_attention_reference
@@ -125,17 +126,13 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_tile(
-    tile, q, m_i, l_i, acc, row_valid, q_pos, kv_begin, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
+    first_key, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
     kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
-    SKIP_BEFORE: tl.constexpr = False,
 ):
-    """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N), those
-    below kv_end (and, with SKIP_BEFORE, from kv_begin: a cascade's suffix skips the prefix)."""
-    k_pos = tile * TILE_N + tl.arange(0, TILE_N)
+    """One online-softmax step over key positions [first_key, first_key + TILE_N), those below kv_end."""
+    k_pos = first_key + tl.arange(0, TILE_N)
     k_valid = k_pos < kv_end
-    if SKIP_BEFORE:
-        k_valid = k_valid & (k_pos >= kv_begin)
     page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
     slot_offset = page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
     k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
@@ -250,11 +247,13 @@ def _paged_attention_kernel(
         kv_start = tl.maximum(context_len + first_token - sliding_window + 1, 0)
     if PREFIX_PARTS > 0:
         kv_start = tl.load(seq_prefix_lens_ptr + seq)
-    tile_begin = kv_start // TILE_N
-    tile_end = tl.cdiv(kv_end, TILE_N)
+    # Tiles start at kv_start, not at a multiple of TILE_N: a cascade member's ~200 own keys past
+    # a 2,000-key prefix take 4 tiles, not 5 (programs this short wait out every iteration).
+    tile_begin = 0
+    tile_end = tl.cdiv(kv_end - kv_start, TILE_N)
     if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tile_end - tile_begin, NUM_SPLITS)
-        tile_begin = tile_begin + split * tiles_per_split
+        tiles_per_split = tl.cdiv(tile_end, NUM_SPLITS)
+        tile_begin = split * tiles_per_split
         tile_end = tl.minimum(tile_begin + tiles_per_split, tile_end)
 
     # The running max starts at a finite floor, not -inf: a row whose keys are all masked in a
@@ -270,22 +269,26 @@ def _paged_attention_kernel(
         tile = tile_begin
         while tile < tile_end:
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
-                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_PARTS > 0)
+                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
             tile += 1
     else:
         # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
         for tile in range(tile_begin, tile_end):
             m_i, l_i, acc = _attend_tile(
-                tile, q, m_i, l_i, acc, row_valid, q_pos, kv_start, kv_end, block_table_row, key_cache_ptr,
-                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, PREFIX_PARTS > 0)
+                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
 
     if PREFIX_PARTS > 0:
         # Cascade: fold in the shared prefix's partials, which the prefix kernel wrote before this
         # launch ([T, Hq, PREFIX_PARTS(, D)]), by log-sum-exp; a sequence outside any group has
-        # kv_start == 0 and reads nothing (max = floor, sum = 0: weight exactly 0).
+        # kv_start == 0 and reads nothing (max = floor, sum = 0: weight exactly 0). Launched as a
+        # programmatic dependent (cascade_attention), this kernel's programs may start while the
+        # prefix kernel's last ones run: wait for that grid only here (a no-op otherwise).
+        if not INTERPRETED:
+            gdc_wait()
         has_prefix = row_valid & (kv_start > 0)
         row_part = (token * NUM_Q_HEADS + head) * PREFIX_PARTS
         for j in tl.static_range(PREFIX_PARTS):
@@ -426,11 +429,13 @@ def launch_paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, config: AttentionLaunchConfig, out: torch.Tensor,
     partials: Partials | None, *, sliding_window: int | None = None, seq_prefix_lens: torch.Tensor | None = None,
+    dependent_launch: bool = False,
 ) -> None:
     """The attention kernel alone: into out, or with split-KV into partials (merge_partials then).
     Cascade (seq_prefix_lens [B] given): each sequence skips its first seq_prefix_lens keys and
     merges partials, the shared prefix's parts written by the prefix kernel, into out; a
-    sequence whose prefix length is 0 reads none of them."""
+    sequence whose prefix length is 0 reads none of them. dependent_launch: a programmatic
+    dependent launch (Hopper): it may begin before the previous kernel (the prefix's) ends."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
@@ -468,6 +473,7 @@ def launch_paged_attention(
         PREFIX_PARTS=partials.parts if cascade else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if dependent_launch else {}),
     )
 
 
