@@ -26,9 +26,10 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
 
     from strata.bench.bench_attention import copy_bandwidth_gbps
     from strata.kernels.cascade_attention import (
-        MAX_PREFIX_SPLITS, PrefixLaunchConfig, cascade_attention, choose_prefix_config, launch_shared_prefix)
+        MAX_PREFIX_SPLITS, PrefixLaunchConfig, cascade_attention, choose_own_keys_config, choose_prefix_config,
+        launch_shared_prefix)
     from strata.kernels.paged_attention import (
-        AttentionLaunchConfig, Partials, choose_launch_config, launch_paged_attention, paged_attention)
+        AttentionLaunchConfig, Partials, launch_paged_attention, paged_attention)
     from strata.kernels.testing import make_paged_batch, share_prefixes
 
     torch.manual_seed(seed)
@@ -42,8 +43,9 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
     args = batch.attention_args()
     out = torch.empty_like(batch.query)
 
-    def cascade(prefix_config=None):
-        return cascade_attention(*args[:5], groups, *args[5:], scale, out=out, prefix_config=prefix_config)
+    def cascade(prefix_config=None, config=None):
+        return cascade_attention(*args[:5], groups, *args[5:], scale, out=out, config=config,
+                                 prefix_config=prefix_config)
 
     want = paged_attention(*args, scale).float()
     error = (cascade().float() - want).abs().max().item()
@@ -77,10 +79,9 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
           f"{paged_us * num_layers / 1e3:.2f} ms per decode step")
     # Where the time goes: each of the cascade's two launches alone, against its share of the floor.
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    own_config = choose_launch_config(num_seqs=num_seqs, num_q_heads=LLAMA_1B["num_q_heads"],
-                                      num_kv_heads=LLAMA_1B["num_kv_heads"], head_dim=LLAMA_1B["head_dim"],
-                                      max_query_len=1, max_seq_len=max(contexts) + 1, sm_count=sm_count,
-                                      num_kv_splits=1)
+    own_config = choose_own_keys_config(num_seqs=num_seqs, num_q_heads=LLAMA_1B["num_q_heads"],
+                                        num_kv_heads=LLAMA_1B["num_kv_heads"], head_dim=LLAMA_1B["head_dim"],
+                                        max_query_len=1, max_seq_len=max(contexts) + 1, sm_count=sm_count)
     partials = Partials.allocate(batch.query, auto.prefix_splits)
     launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto, partials)
     prefix_us = time_us(lambda: launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto,
@@ -111,11 +112,13 @@ def measure(*, num_groups: int, group_size: int, prefix_len: int, suffix_len: in
             swept[f"prefix splits={splits} max registers={registers} overlap={overlap}"] = us
             print(f"    prefix splits {splits} max registers {registers} overlap {overlap}: {us:8.1f} us "
                   f"({us / floor_us:.2f}x floor)")
-        for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
+        for warps, stages in ((2, 2), (2, 3), (2, 4), (4, 3)):
             config = AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=1, num_warps=warps, num_stages=stages)
             us = time_us(lambda: own(config))
+            whole = time_us(lambda: cascade(config=config))
             swept[f"own warps={warps} stages={stages}"] = us
-            print(f"    own keys + merge, warps {warps} stages {stages}: {us:8.1f} us")
+            swept[f"cascade, own warps={warps} stages={stages}"] = whole
+            print(f"    own keys + merge, warps {warps} stages {stages}: {us:8.1f} us alone, cascade {whole:8.1f} us")
     return {"num_groups": num_groups, "group_size": group_size, "prefix_len": prefix_len, "suffix_len": suffix_len,
             "copy_gbps": copy_gbps, "cascade_us": cascade_us, "cascade_floor_us": floor_us,
             "cascade_over_floor": cascade_us / floor_us, "paged_us": paged_us, "paged_floor_us": paged_floor_us,

@@ -25,6 +25,7 @@ fixed upper bounds and empty padding groups.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -76,6 +77,14 @@ def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix
         prefix_splits = 1 << (prefix_splits.bit_length() - 1)
     assert prefix_splits >= 1
     return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits)
+
+
+def choose_own_keys_config(**shape) -> AttentionLaunchConfig:
+    """The paged kernel's launch for each sequence's own keys: single pass, and for decodes three
+    stages instead of two, since a member's few own tiles leave no loop to pipeline across
+    otherwise (H200, 512 members of ~225 own keys: 71.5-72.0 vs 73.8-74.2 us)."""
+    config = choose_launch_config(**shape, num_kv_splits=1)
+    return dataclasses.replace(config, num_stages=3) if config.block_q == 1 else config
 
 
 @triton.jit(do_not_specialize=["num_groups", "stride_block_table"])
@@ -182,9 +191,9 @@ def cascade_attention(
         return out
     sm_count = _device_sm_count(query.device)
     if config is None:
-        config = choose_launch_config(
-            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, sm_count=sm_count, num_kv_splits=1)
+        config = choose_own_keys_config(num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                        sm_count=sm_count)
     if prefix_config is None:
         prefix_config = choose_prefix_config(
             num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,

@@ -126,9 +126,9 @@ def compile_cascade(*, dtype: str, head_dim: int, num_q_heads: int, num_kv_heads
                     prefix_splits: int = 2, block_size: int = 16) -> list[CompileReport]:
     """The cascade's two kernels: the paged kernel with prefix parts, and the shared-prefix kernel."""
     group = num_q_heads // num_kv_heads
-    config = paged_attention.choose_launch_config(
+    config = cascade_attention.choose_own_keys_config(
         num_seqs=256, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_query_len=max_query_len, max_seq_len=4096, sm_count=132, num_kv_splits=1)
+        max_query_len=max_query_len, max_seq_len=4096, sm_count=132)
     own = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
