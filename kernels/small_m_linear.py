@@ -35,12 +35,13 @@ Launches depend only on python ints (M, N, K, SM count): no autotuning, capturab
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from strata.kernels.paged_attention import _device_sm_count
 
 __all__ = ["LinearLaunchConfig", "choose_linear_config", "small_m_linear", "use_small_m_linear"]
 
@@ -62,17 +63,6 @@ class LinearLaunchConfig:
     use_dot: bool = True  # False: elementwise FMA path (M == 1 only)
     num_warps: int = 4
     num_stages: int = 4  # dot path: num_stages - 1 W tiles in flight per program
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H100 so heuristics are exercised the same way
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_linear_config(*, n: int, k: int, sm_count: int, element_size: int = 2,

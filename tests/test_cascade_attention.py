@@ -1,7 +1,7 @@
 """Cascade attention vs the paged-attention reference, on CPU under Triton's interpreter.
 
 Same arrangement as tests/test_kernels.py (this module re-runs itself with TRITON_INTERPRET=1);
-bf16 and speed are proven in tests/gpu/test_kernels_gpu.py and bench/bench_cascade.py.
+bf16 and speed are proven in tests/gpu/test_cascade_attention_gpu.py and bench/cascade_attention.py.
 Each case shares prefixes the way the server does (share_prefixes: whole blocks through the
 block table, a prefix that ends mid-block through a copied block), so a kernel that read a
 member's own block where the prefix lives, or the prefix past its end, disagrees.
@@ -9,21 +9,12 @@ member's own block where the prefix lives, or the prefix past its end, disagrees
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
+from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 
-def _can_run_interpreted_here() -> bool:
-    if not interpreter_active():
-        return False
-    module = sys.modules.get("strata.kernels.paged_attention")
-    return module is None or module._INTERPRETED
-
-
-if not _can_run_interpreted_here():
+if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernels.cascade_attention"):
 
     def test_cascade_attention_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=300)

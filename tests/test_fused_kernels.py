@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ from strata.services.worker.attention import allocate_kv_cache
 from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
 from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
 from strata.services.worker.model_config import ModelConfig
-from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
+from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ("strata.kernels.rmsnorm", "strata.kernels.rotary", "strata.kernels.activation")
@@ -62,21 +61,7 @@ def random_shard(config: ModelConfig, dtype=torch.float32) -> CausalLMShard:
     return shard.eval()
 
 
-def _interpreted(module_name: str) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = sys.modules[module_name]
-    return all(isinstance(value, InterpretedFunction) for name, value in vars(module).items()
-               if name.startswith("_") and name.endswith("_kernel"))
-
-
-def _can_run_interpreted_here() -> bool:
-    if not interpreter_active():
-        return False
-    return all(name not in sys.modules or _interpreted(name) for name in KERNEL_MODULES)
-
-
-if not _can_run_interpreted_here():
+if not can_run_interpreted_here(*KERNEL_MODULES):
 
     def test_fused_kernels_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=300)
@@ -171,7 +156,9 @@ if not _can_run_interpreted_here():
         assert os.environ.get("TRITON_INTERPRET") != "1"
         from strata.kernels import activation, rmsnorm, rotary
 
-        assert not any(_interpreted(name) for name in KERNEL_MODULES)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        assert not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction)
         data = "*" + dtype
         for hidden, num_warps in [(2048, 4), (8192, 16), (3584, 8)]:  # Llama 1B, 70B; Qwen2 7B
             for add in (True, False):

@@ -21,19 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.triton_interpreter import interpreter_active, rerun_under_interpreter
+from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _can_run_interpreted_here() -> bool:
-    if not interpreter_active():
-        return False
-    module = sys.modules.get("strata.kernels.paged_attention")
-    return module is None or module._INTERPRETED
-
-
-if not _can_run_interpreted_here():
+if not can_run_interpreted_here("strata.kernels.paged_attention"):
 
     def test_kernels_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=540)

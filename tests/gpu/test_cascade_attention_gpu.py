@@ -8,18 +8,14 @@ Oracle: the float32 paged-attention reference on the same (bf16-rounded) inputs.
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
-]
+from tests.triton_interpreter import compiled_gpu_kernels_only
+
+pytestmark = compiled_gpu_kernels_only()
 
 from strata.kernels.cascade_attention import PrefixLaunchConfig, cascade_attention  # noqa: E402
 from strata.kernels.reference import paged_attention_reference  # noqa: E402

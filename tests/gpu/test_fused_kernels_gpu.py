@@ -10,17 +10,13 @@ round where the model's torch path rounds, so most outputs are bit-identical.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
-]
+from tests.triton_interpreter import compiled_gpu_kernels_only
+
+pytestmark = compiled_gpu_kernels_only()
 
 from strata.kernels.activation import silu_and_mul  # noqa: E402
 from strata.kernels.reference import (  # noqa: E402

@@ -9,17 +9,13 @@ the tokens the worker sampled).
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"),
-]
+from tests.triton_interpreter import compiled_gpu_kernels_only
+
+pytestmark = compiled_gpu_kernels_only()
 
 from strata.services.worker.runner import ModelRunner  # noqa: E402
 from strata.services.worker.sampler import Sampler, SamplingTensors  # noqa: E402

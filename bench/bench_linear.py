@@ -1,0 +1,235 @@
+"""Decode-sized linear layers (M = 1..16 rows) on one GPU: cuBLAS (F.linear) against Triton's
+small_m_linear, both against the memory floor.
+
+    python -m strata.bench.bench_linear                              # every shape, M = 1, 2, 4, 8, 16
+    python -m strata.bench.bench_linear --models 1b --m 1,16         # a subset
+    python -m strata.bench.bench_linear --sweep --models 1b --m 1    # also time alternative launch configs
+
+Floor: (W + x + y bytes) / copy bandwidth, the bandwidth measured in the same run as a
+device-to-device copy of a large buffer (read + write bytes over its time, as bench_attention).
+Times are CUDA-graph replays timed with CUDA events, per call: each graph calls the op back to
+back on enough distinct copies of the weight that they overflow L2 several times (as in a decode
+step, where a layer's weights were evicted long before), so every call streams W from HBM; the
+launch gaps between the calls are counted, as they are in a captured decode step. Per-model
+totals add layers x (qkv + o_proj + gate_up + down) + lm_head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from strata.kernels.small_m_linear import LinearLaunchConfig, choose_linear_config, small_m_linear
+
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    shapes: dict  # linear -> (N, K) of W
+
+
+MODELS = {
+    "1b": Model("Llama-3.2-1B", 16, dict(qkv=(3072, 2048), o_proj=(2048, 2048), gate_up=(16384, 2048),
+                                          down=(2048, 8192), lm_head=(128256, 2048))),
+    "8b": Model("Llama-3.1-8B", 32, dict(qkv=(6144, 4096), o_proj=(4096, 4096), gate_up=(28672, 4096),
+                                          down=(4096, 14336), lm_head=(128256, 4096))),
+    "smol": Model("SmolLM2-135M", 30, dict(qkv=(960, 576), o_proj=(576, 576), gate_up=(3072, 576),
+                                            down=(576, 1536), lm_head=(49152, 576))),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE = "cuda"
+
+
+def graph_time_us(call, copies: int, *, calls: int, replays: int, repeats: int) -> float:
+    """Median over `repeats` of the time per call of a CUDA graph of `calls` back-to-back
+    call(i % copies), replayed `replays` times between two events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture: Triton compiles, cuBLAS plans
+        for i in range(min(copies, calls)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    del graph
+    return statistics.median(times)
+
+
+def describe(config: LinearLaunchConfig) -> str:
+    path = "dot" if config.use_dot else "fma"
+    return (f"{path} {config.block_n}x{config.block_k} split{config.split_k} "
+            f"w{config.num_warps} s{config.num_stages}")
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[LinearLaunchConfig]:
+    """Alternatives to the heuristic's pick: dot tiles x steps x splits x stages, and at M = 1 the
+    FMA path; those over the shared-memory budget or with < 2 steps per split are left out."""
+    steps = lambda block_k: triton.cdiv(k, block_k)  # noqa: E731
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (3, 4, 6))
+    configs = [LinearLaunchConfig(block_n, block_k, split, True, 4, stages) for block_n, block_k, split, stages in grid
+               if stages * (block_n + 16) * block_k * 2 <= 200 * 1024 and steps(block_k) >= 2 * split]
+    if m == 1:
+        configs += [LinearLaunchConfig(block_n, block_k, split, False, warps, 1)
+                    for block_n, block_k, split, warps in itertools.product((8, 16, 32), (256, 512), (1, 2), (4, 8))
+                    if block_n * block_k <= 64 * 32 * warps and steps(block_k) >= 2 * split]
+    return configs
+
+
+def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args,
+                copy_gbps: float) -> list[dict]:
+    """Every M for one weight shape: cuBLAS, small_m_linear, floor; the sweep's best on request."""
+    element = torch.finfo(dtype).bits // 8
+    weight_bytes = n * k * element
+    copies = max(1, -(-args.footprint_mb * 2 ** 20 // weight_bytes))
+    calls = max(copies, args.min_calls)
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k ** 0.5).to(dtype) for _ in range(copies)]
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+        out = torch.empty(m, n, device=DEVICE, dtype=dtype)
+        config = choose_linear_config(n=n, k=k, sm_count=sm_count, element_size=element)
+        if not args.no_check:
+            want = torch.nn.functional.linear(x.float(), weights[0].float())
+            error = (small_m_linear(x, weights[0]).float() - want).abs().max().item()
+            assert error < 5e-2, f"small_m_linear disagrees with F.linear at N={n} K={k} M={m}: max abs error {error}"
+            del want
+
+        def timed(fn) -> float:
+            return graph_time_us(fn, copies, calls=calls, replays=args.replays, repeats=args.repeats)
+
+        cublas_us = timed(lambda i: torch.nn.functional.linear(x, weights[i]))
+        triton_us = timed(lambda i: small_m_linear(x, weights[i], out=out, config=config))
+        floor_us = (weight_bytes + (m * k + m * n) * element) / (copy_gbps * 1e3)
+        row = dict(n=n, k=k, m=m, cublas_us=cublas_us, triton_us=triton_us, floor_us=floor_us, config=describe(config))
+        if args.sweep:
+            timings = []
+            for alternative in sweep_configs(m, n, k):
+                try:
+                    timings.append((timed(lambda i, c=alternative: small_m_linear(x, weights[i], out=out, config=c)),
+                                    alternative))
+                except Exception as error:  # out of shared memory / registers for this combination
+                    print(f"    {describe(alternative)}: {type(error).__name__}", flush=True)
+            timings.sort(key=lambda t: t[0])
+            row["sweep"] = [(us, describe(c)) for us, c in timings[:args.sweep_top]]
+        rows.append(row)
+        print_row(model, linear, row)
+    weights.clear()  # free the copies before the next shape
+    torch.cuda.empty_cache()
+    return rows
+
+
+HEADER = (f"{'model':<13} {'linear':<8} {'N x K':>14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>9} "
+          f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}  config (heuristic)")
+
+
+def print_row(model: str, linear: str, row: dict) -> None:
+    f = row["floor_us"]
+    print(f"{model:<13} {linear:<8} {row['n']:>6} x {row['k']:<5} {row['m']:>3} {row['cublas_us']:10.2f} "
+          f"{row['triton_us']:10.2f} {f:9.2f} {row['cublas_us'] / f:13.2f} {row['triton_us'] / f:13.2f} "
+          f"{row['triton_us'] / row['cublas_us']:14.2f}  {row['config']}", flush=True)
+    for us, name in row.get("sweep", []):
+        print(f"{'':>40} sweep {us:9.2f} us = {us / f:4.2f}x floor  {name}", flush=True)
+
+
+def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
+    """Per model and M: layers x (qkv + o_proj + gate_up + down) + lm_head, both paths and floor."""
+    print("\nper-model linear time per decode step (layers x (qkv + o_proj + gate_up + down) + lm_head):")
+    print(f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>10} "
+          f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}")
+    for key in models:
+        model = MODELS[key]
+        for m in ms:
+            rows = [results.get((key, linear, m)) for linear in LINEARS]
+            if any(row is None for row in rows):
+                continue  # not every linear of the model was timed (--linears)
+            total = {field: sum(row[field] * (1 if linear == "lm_head" else model.layers)
+                                for linear, row in zip(LINEARS, rows))
+                     for field in ("cublas_us", "triton_us", "floor_us")}
+            print(f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:10.1f} "
+                  f"{total['floor_us']:10.1f} {total['cublas_us'] / total['floor_us']:13.2f} "
+                  f"{total['triton_us'] / total['floor_us']:13.2f} {total['triton_us'] / total['cublas_us']:14.2f}")
+
+
+def parse_list(text: str, allowed=None, kind=str) -> list:
+    values = [kind(v) for v in text.split(",") if v]
+    if allowed is not None:
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {sorted(allowed)}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=lambda s: parse_list(s, MODELS), default=list(MODELS),
+                   help="comma-separated models whose linear shapes to time: 1b (Llama-3.2-1B, 16 layers), "
+                        "8b (Llama-3.1-8B, 32 layers), smol (SmolLM2-135M, 30 layers); default all")
+    p.add_argument("--linears", type=lambda s: parse_list(s, LINEARS), default=list(LINEARS),
+                   help=f"comma-separated subset of {','.join(LINEARS)} (per-model totals need all five)")
+    p.add_argument("--m", type=lambda s: parse_list(s, range(1, 17), int), default=[1, 2, 4, 8, 16],
+                   help="comma-separated rows of x (decode batch sizes, 1..16); default 1,2,4,8,16")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weight and activation dtype")
+    p.add_argument("--footprint-mb", type=int, default=512,
+                   help="weight copies per shape add up to at least this many MB, to stream W from HBM "
+                        "rather than L2 (50 MB on an H100/H200); default 512")
+    p.add_argument("--min-calls", type=int, default=16,
+                   help="calls per captured graph at least (a big weight has one copy, called repeatedly)")
+    p.add_argument("--replays", type=int, default=20, help="graph replays between the two timing events")
+    p.add_argument("--repeats", type=int, default=5, help="timed batches of replays; the median is reported")
+    p.add_argument("--no-check", action="store_true", help="skip the check of small_m_linear against F.linear")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time alternative launch configs (tiles, splits, stages, the FMA path at M=1) for "
+                        "each shape and M, and list the fastest; minutes per shape: narrow --models/--linears/--m")
+    p.add_argument("--sweep-top", type=int, default=5, help="how many of the sweep's fastest configs to list")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_linear: no CUDA device here, nothing to time (needs an NVIDIA GPU); skipped.")
+        return 0
+
+    from strata.bench.bench_attention import copy_bandwidth_gbps
+
+    dtype = DTYPES[args.dtype]
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+          f"triton {triton.__version__}, {args.dtype}")
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"device copy bandwidth (torch copy of 2 GiB, read+write): {copy_gbps:.0f} GB/s")
+    print("times per call, CUDA-graph replays; x/floor = time over the floor\n")
+    print(HEADER)
+    results = {}
+    for key in args.models:
+        model = MODELS[key]
+        for linear in args.linears:
+            n, k = model.shapes[linear]
+            for row in bench_shape(model.name, linear, n, k, args.m, dtype, args, copy_gbps):
+                results[(key, linear, row["m"])] = row
+    print_totals(results, args.models, args.m)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
