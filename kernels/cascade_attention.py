@@ -16,7 +16,9 @@ The prefix kernel runs first and writes unnormalised softmax partials (acc, max,
 per prefix split; the paged kernel then attends each sequence's own keys and, in its epilogue,
 folds those parts into its result by log-sum-exp (the split-KV merge's arithmetic, without a third
 launch or a round trip of the own keys' partials through memory). Sequences outside any group
-(prefix length 0) read no parts, so one launch of each kernel serves a mixed batch.
+(prefix length 0) read no parts, so one launch of each kernel serves a mixed batch. On Hopper the
+paged kernel is a programmatic dependent launch: its programs start on the SMs that the prefix
+kernel's last programs leave idle, and wait for that grid only before the merge.
 
 Grid sizes depend on python ints only (the same numbering trick as the paged kernel: group g owns
 tile indices [(start_g - start_0) // BLOCK_T + g, ...)), so the launches are CUDA-graph safe with
