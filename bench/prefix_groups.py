@@ -130,7 +130,8 @@ def run(args) -> int:
             ("steps", f"{common.fmt(s.get('steps'), ',')}, GPU busy {s.get('worker_gpu_busy_seconds', 0):.2f} s"),
         ])
     rps = {way: phases[way]["requests_per_s"] for way in WAYS}
-    ratios = {"groups_over_cache": rps["groups"] / rps["cache"], "groups_over_no_cache": rps["groups"] / rps["no cache"],
+    ratios = {"groups_over_cache": rps["groups"] / rps["cache"],
+              "groups_over_no_cache": rps["groups"] / rps["no cache"],
               "groups_over_cache_no_cascade": rps["groups"] / rps["cache, no cascade"]}
     common.print_section(f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
                          f"own {args.suffix_len}, output {args.output_len}", [

@@ -203,9 +203,9 @@ def cascade_attention(
             sm_count=sm_count, prefix_splits=groups.prefix_splits)
     partials = Partials.allocate(query, prefix_config.prefix_splits)
     launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
+    overlap = prefix_config.overlap and bool(groups.num_groups) and _has_pdl(query.device)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
-                           seq_prefix_lens=groups.seq_prefix_lens,
-                           dependent_launch=prefix_config.overlap and bool(groups.num_groups) and _has_pdl(query.device))
+                           seq_prefix_lens=groups.seq_prefix_lens, dependent_launch=overlap)
     return out
 
 

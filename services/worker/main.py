@@ -112,7 +112,8 @@ def build(args):
 async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
-    servicer = WorkerServicer(runner, description, StepProfiler.from_flags(args.profile_output, args.profile_steps), token=args.cluster_token)
+    profiler = StepProfiler.from_flags(args.profile_output, args.profile_steps)
+    servicer = WorkerServicer(runner, description, profiler, token=args.cluster_token)
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Worker"], token=args.cluster_token)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Worker"], serving=False)
