@@ -75,6 +75,16 @@ def test_members_get_their_own_tokens_and_each_prefix_is_computed_once(cluster):
     assert scheduler_stats(c).used_kv_blocks == 0
 
 
+def finished_by_length(c) -> float:
+    """The gateway's strata_request_success_total{finished_reason="length"} (/metrics)."""
+    import httpx
+
+    for line in httpx.get(c.http_address + "/metrics", timeout=10).text.splitlines():
+        if line.startswith('strata_request_success_total{finished_reason="length"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_a_bad_member_fails_alone(cluster):
     c, client = cluster
     vocab = client.model_info().vocab_size
@@ -83,7 +93,11 @@ def test_a_bad_member_fails_alone(cluster):
     bad.prompt_token_ids.ids.append(vocab + 5)
     too_long = groups[0].members[2]
     too_long.params.max_tokens = 100_000
+    finished_before = finished_by_length(c)
     outputs, errors = run_groups(c, groups)
+    # Members count in the gateway's serving metrics as Generate's requests do (the two refused
+    # ones never started, as refused Generate calls do not).
+    assert finished_by_length(c) - finished_before == 2
     assert set(errors) == {bad.request_id, too_long.request_id}
     assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for e in errors.values())
     assert "prompt_token_ids" in errors[bad.request_id].message

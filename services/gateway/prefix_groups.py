@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from strata.services.gateway.fanout import ChildFailed, GroupMembership, merged_responses
+from strata.services.gateway.fanout import ChildFailed, GroupMembership, merged_responses, scheduler_streams
+from strata.services.gateway.metrics import RequestTimer
 from strata.services.gateway.validation import InvalidRequest, ValidatedParams, validate_request
 from strata.v1 import generate_pb2
 
@@ -42,14 +43,18 @@ class GroupRunner:
         async def member(request_id: str, params: ValidatedParams, prompt: list[int], group: GroupMembership | None):
             nonlocal in_flight
             gw = self.gateway
+            timer = RequestTimer(gw.metrics, params.n, timed=scheduler_streams(params))  # as Generate's
             responses = merged_responses(gw.scheduler, request_id, params, prompt, self.info.eos_token_ids,
-                                         gw.tokenizer, gw.request_timeout, group)
+                                         gw.tokenizer, gw.request_timeout, group, on_output=timer.output)
             try:
                 async for response in responses:
+                    timer.response(response)
                     out.put_nowait(generate_pb2.GroupResponse(response=response))
             except ChildFailed as e:
+                timer.close("error")
                 out.put_nowait(_error(request_id, e.code, e.details))
             finally:
+                timer.close()
                 await responses.aclose()
                 async with room:
                     in_flight -= 1
