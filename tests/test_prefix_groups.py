@@ -217,3 +217,17 @@ def test_disable_cascade_attn_sends_no_groups_and_changes_no_output():
     assert_matches_reference(driver, members, 64)
     assert stats_of(sched).prefill_tokens_computed == 10 + sum(r.num_prompt_tokens - 10 for r in members)
     assert_all_blocks_free(sched, driver.workers)
+
+
+def test_common_prefix_len_agrees_with_a_plain_walk_whatever_the_guess():
+    """The grouping's fast common-run length (slice compares from a guess) against the obvious
+    element-by-element walk, over random tables that share some leading run."""
+    import os
+
+    from strata.services.scheduler.scheduler import _common_prefix_len
+
+    rng = random.Random(11)
+    for _ in range(5000):
+        a = [rng.randrange(4) for _ in range(rng.randint(0, 30))]
+        b = a[:rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 30))]
+        assert _common_prefix_len(a, b, rng.randint(0, 40)) == len(os.path.commonprefix([a, b])), (a, b)

@@ -10,7 +10,6 @@ executes plans in step order), and rejected draft tokens roll it back in update(
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +30,28 @@ NGRAM_RETRY_TOKENS = 8
 
 def _arrival(req: Request) -> int:
     return req.arrival
+
+
+def _common_prefix_len(a: list[int], b: list[int], guess: int) -> int:
+    """Length of the common leading run of a and b. Checked first at `guess` (the previous
+    neighbours' run: a group's members all share the same one), then by binary search, each
+    probe one C-level slice compare: os.path.commonprefix walked the lists in Python, ~3 ms a
+    step for 512 sequences of 125-block prefixes, on the scheduler's critical path."""
+    n = min(len(a), len(b))
+    g = min(guess, n)
+    if a[:g] == b[:g]:
+        if g == n or a[g] != b[g]:
+            return g
+        lo, hi = g + 1, n
+    else:
+        lo, hi = 0, g - 1
+    while lo < hi:  # invariant: a[:lo] == b[:lo], and a[:hi + 1] != b[:hi + 1] unless hi == n
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
@@ -54,7 +75,9 @@ def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
             continue
         keys = sorted(((s.request.blocks.block_ids[: s.num_computed // block_size], s) for s in candidates),
                       key=lambda pair: pair[0])
-        common = [len(os.path.commonprefix([a[0], b[0]])) for a, b in zip(keys, keys[1:])]
+        common = []
+        for (a, _), (b, _) in zip(keys, keys[1:]):
+            common.append(_common_prefix_len(a, b, common[-1] if common else 0))
         run = [keys[0][1]]
         for i, shared in enumerate(common):
             neighbours = max(common[i - 1] if i else 0, common[i + 1] if i + 1 < len(common) else 0)
