@@ -83,6 +83,7 @@ def run_steps(engine: Engine, results: collections.deque, steps: int, rng: rando
             totals["schedule"] += t1 - t0
             totals["encode"] += t2 - t1
             engine.in_flight.append(plan)
+            engine._deadlines.append(0.0)  # the engine's bookkeeping of a plan sent (no clock runs here)
             results.append(fake_result(plan, rng))
         t0 = clock()
         engine._finish_step(engine_pb2.StepResult.FromString(results.popleft()))

@@ -176,3 +176,15 @@ def test_host_overhead_with_a_simulated_device():
     line = next(line for line in proc.stdout.splitlines() if "ms per step" in line)
     per_step_ms = float(line.split("(")[1].split(" ms")[0])
     assert per_step_ms >= 5.0 * 0.99
+
+
+def test_scheduler_step_runs_the_engine_bookkeeping():
+    """The scheduler's per-step host cost benchmark drives Engine._finish_step as the engine does
+    (it broke silently when the engine began keeping a deadline per plan in flight)."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "strata.bench.scheduler_step", "--num-seqs", "16", "--steps", "20",
+                           "--warmup", "10", "--repeat", "1", "--prompt-len", "32"], capture_output=True, text=True,
+                          timeout=120, cwd=common.REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "N=16:" in proc.stdout and "per step" in proc.stdout
