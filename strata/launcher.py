@@ -113,6 +113,9 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
             argv[argv.index("--gpu-memory-utilization") + 1] = str(args.gpu_memory_utilization / per_gpu)
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if getattr(args, "profile_output", None):  # one file per stage
+        path = args.profile_output if args.pipeline_stages == 1 else f"{args.profile_output}.stage{stage}"
+        argv += ["--profile-output", path, "--profile-steps", args.profile_steps]
     return argv + speculation_argv(args, None)  # the workers size their graphs by it
 
 

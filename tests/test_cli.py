@@ -73,3 +73,16 @@ def test_gateway_tokenizer_flag_serves_a_dummy_model(tmp_path):
     assert name == "dummy:llama-3.2-1b"
     with pytest.raises(SystemExit, match="--tokenizer"):
         load_tokenizer("dummy:llama-3.2-1b")
+
+
+def test_serve_forwards_profiling_to_each_stage_worker():
+    """`strata serve --profile-output` reaches the workers (one file per stage), with its window."""
+    from strata.cli import build_parser
+    from strata.launcher import worker_argv
+
+    args = build_parser().parse_args(["serve", "--profile-output", "/tmp/p.txt", "--profile-steps", "5:3",
+                                      "--pipeline-stages", "2", "--device", "cpu"])
+    argv = worker_argv(args, 1, 50061, "m")
+    assert argv[argv.index("--profile-output") + 1] == "/tmp/p.txt.stage1"
+    assert argv[argv.index("--profile-steps") + 1] == "5:3"
+    assert "--profile-output" not in worker_argv(build_parser().parse_args(["serve"]), 0, 50061, "m")
