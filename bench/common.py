@@ -140,6 +140,8 @@ def serve_argv(args, model: str | None) -> list[str]:
         argv.append("--no-prefix-caching")
     if getattr(args, "disable_cascade_attn", False):
         argv.append("--disable-cascade-attn")
+    if getattr(args, "profile_output", None):
+        argv += ["--profile-output", args.profile_output]
     if getattr(args, "speculative_method", None):
         argv += ["--speculative-method", args.speculative_method,
                  "--num-speculative-tokens", str(args.num_speculative_tokens)]

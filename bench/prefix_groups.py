@@ -17,7 +17,6 @@ attention of a group batch (cascade against paged) against its floor, in process
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -96,20 +95,14 @@ async def _phase(endpoints, args, way: str) -> dict:
             "scheduler": common.stats_delta(before, after)}
 
 
-@contextlib.contextmanager
-def _profiled(profile_dir: str | None, way: str):
-    """With --profile-dir, the way's workers profile their steps (--profile-steps, from the
-    environment as STRATA_PROFILE_STEPS) into DIR/<way>.txt: the environment is what the
-    cluster's processes inherit."""
-    if not profile_dir:
-        yield
-        return
-    os.makedirs(profile_dir, exist_ok=True)
-    os.environ["STRATA_PROFILE_OUTPUT"] = os.path.join(profile_dir, way.replace(", ", "-").replace(" ", "-") + ".txt")
-    try:
-        yield
-    finally:
-        del os.environ["STRATA_PROFILE_OUTPUT"]
+def _cluster_flags(args, way: str) -> dict:
+    """The way's cluster: its flags, and with --profile-dir its workers' profile in DIR/<way>.txt
+    (the window: STRATA_PROFILE_STEPS, which `strata serve` reads)."""
+    flags = dict(CLUSTER_FLAGS[way])
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        flags["profile_output"] = os.path.join(args.profile_dir, way.replace(", ", "-").replace(" ", "-") + ".txt")
+    return flags
 
 
 def run(args) -> int:
@@ -117,8 +110,7 @@ def run(args) -> int:
     common.print_header("prefix-groups", env)
     phases = {}
     for way in WAYS:
-        with _profiled(args.profile_dir, way), \
-                common.cluster_for(common.with_overrides(args, **CLUSTER_FLAGS[way])) as endpoints:
+        with common.cluster_for(common.with_overrides(args, **_cluster_flags(args, way))) as endpoints:
             phases[way] = common.run(_phase(endpoints, args, way))
     for way in WAYS:
         p, s = phases[way], phases[way]["scheduler"]

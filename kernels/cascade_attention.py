@@ -58,7 +58,6 @@ class PrefixLaunchConfig:
     # Two stages beat three and four at every shape swept (H200, bench/cascade_attention.py
     # --sweep: 32 x 16 over 2,000 keys 124 vs 144 us, 128 x 2 over 1,024 keys 107 vs 128 us).
     num_stages: int = 2
-    max_registers: int | None = None  # ptxas cap per thread (more programs per SM), None: the compiler's choice
     # Launch the own keys' kernel as a programmatic dependent of the prefix kernel (Hopper and
     # later): its programs fill the SMs that the prefix kernel's last wave leaves idle, and wait
     # for the prefix's partials only in their epilogue.
@@ -235,8 +234,7 @@ def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
         NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32, INTERPRETED=_INTERPRETED,
-        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages,
-        **({"maxnreg": prefix_config.max_registers} if prefix_config.max_registers else {}))
+        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
 
 
 def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
