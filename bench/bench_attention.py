@@ -1,6 +1,6 @@
 """Paged-attention kernel benchmark on one GPU, against the memory roofline.
 
-    python bench/bench_attention.py            # decode, long-context decode, prefill
+    python bench/bench_attention.py            # decode, small-batch decode, long-context decode, prefill
     python bench/bench_attention.py --sweep    # also time alternative tile/warp/stage configs
 
 Decode is memory-bound: its floor is (KV bytes read) / (device copy bandwidth), the copy
@@ -120,8 +120,8 @@ def sweep(name: str, batch: PagedBatch, scale: float, block_qs: list[int]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
-    parser.add_argument("--cases", default="decode,long,prefill",
-                        help="comma-separated subset of decode,long,prefill to run")
+    parser.add_argument("--cases", default="decode,small,long,prefill",
+                        help="comma-separated subset of decode,small,long,prefill to run")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -133,6 +133,8 @@ def main() -> None:
     cases = set(args.cases.split(","))
     if "decode" in cases:
         decode_cases(args, copy_gbps)
+    if "small" in cases:
+        small_batch_cases()
     if "long" in cases:
         long_context_cases(copy_gbps)
     if "prefill" in cases:
@@ -161,6 +163,27 @@ def decode_cases(args, copy_gbps: float) -> None:
     if args.sweep:
         sweep("decode 8B B=128", decode, 128 ** -0.5, block_qs=[1])
     del decode
+
+
+def small_batch_cases() -> None:
+    """Decode batches of 1-16 (batch-1 latency, speculative drafts): too few (sequence, KV head)
+    programs to fill the GPU, so the time is the latency of each program's chain of tiles; the
+    heuristic's split count against every power of two. The floor is tiny (a few us of KV);
+    launch and merge dominate."""
+    print("\nsmall-batch decode (split-KV count; time includes the merge kernel):")
+    for heads, name in ((LLAMA_1B, "1B"), (LLAMA_8B, "8B")):
+        for num_seqs, context in [(1, 576), (1, 4096), (4, 576), (16, 576), (16, 4096)]:
+            batch = make_paged_batch([1] * num_seqs, [context - 1] * num_seqs, block_size=16, dtype=torch.bfloat16,
+                                     device="cuda", poison_unowned=False, **heads)
+            scale = heads["head_dim"] ** -0.5
+            check(batch, scale)
+            auto = auto_config(batch).num_kv_splits
+            times = {splits: time_ms(batch, scale, num_kv_splits=splits) * 1e3 for splits in (1, 2, 4, 8, 16, 32, 64)}
+            best = min(times, key=times.get)
+            print(f"  {name} B={num_seqs:<3} ctx={context:<5} auto splits={auto:<3} {times[auto]:6.1f} us   best "
+                  f"splits={best:<3} {times[best]:6.1f} us   all: "
+                  + " ".join(f"{s}:{t:.1f}" for s, t in times.items()))
+            del batch
 
 
 def long_context_cases(copy_gbps: float) -> None:

@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--prefill-len", type=int, default=0,
                    help="profile a step prefilling --batch fresh prompts of this many tokens instead of a decode")
+    p.add_argument("--skip-host-profile", action="store_true", help="no cProfile table of the host side")
+    p.add_argument("--rows", type=int, default=30, help="rows of the GPU kernel table")
     a = p.parse_args()
     argv = ["bench", "roofline", "--model", a.model, "--device", "cuda"]
     if a.enforce_eager:
@@ -60,22 +62,46 @@ def main() -> None:
     for k, v in phases.items():
         print(f"{k:>20}: {v / a.steps * 1e3:8.3f} ms/step")
     # Host side of steps run back to back (as the worker runs them): where the Python time goes.
-    profiler = cProfile.Profile()
-    pending = runner.execute(step)
-    profiler.enable()
-    for _ in range(a.steps):
-        launched = runner.execute(step)
+    if not a.skip_host_profile:
+        profiler = cProfile.Profile()
+        pending = runner.execute(step)
+        profiler.enable()
+        for _ in range(a.steps):
+            launched = runner.execute(step)
+            pending.finish()
+            pending = launched
+        profiler.disable()
         pending.finish()
-        pending = launched
-    profiler.disable()
-    pending.finish()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    profiled_steps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(profiled_steps):
             runner.execute(step).finish()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60))
+    print_gpu_busy(prof, profiled_steps)
+
+
+def print_gpu_busy(prof, steps: int) -> None:
+    """Kernel time against the span of each step's kernels: the gap is the GPU waiting (for
+    launches, for the host) inside steps; the kernel count is what a graph would replay."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return
+    busy = sum(end - start for start, end in kernels)
+    # Steps are separated by the host's wait for each step's tokens: split the timeline at the
+    # steps - 1 widest gaps between consecutive kernels.
+    gaps = sorted(((kernels[i + 1][0] - kernels[i][1], i) for i in range(len(kernels) - 1)), reverse=True)
+    cuts = sorted(i for _, i in gaps[:steps - 1])
+    spans, first = [], 0
+    for cut in cuts + [len(kernels) - 1]:
+        spans.append(max(end for _, end in kernels[first:cut + 1]) - kernels[first][0])
+        first = cut + 1
+    span = sum(spans)
+    print(f"GPU per step: {len(kernels) / steps:.0f} kernels, {busy / steps:.1f} us of kernel time in a "
+          f"{span / steps:.1f} us span ({busy / span:.0%} busy; spans {', '.join(f'{s:.0f}' for s in spans)} us)")
 
 
 if __name__ == "__main__":

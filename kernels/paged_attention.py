@@ -90,9 +90,12 @@ def choose_launch_config(
         programs = num_seqs * num_kv_heads
         if max_query_len == 1 and programs < 2 * sm_count:
             # Too few programs to keep every SM's loads in flight: cut each context into splits,
-            # aiming at ~4 programs per SM while keeping >= 256 keys per split.
+            # aiming at ~4 programs per SM, down to one 64-key tile per split. A program of a few
+            # tiles is latency-bound (each tile waits on a block-table load, then on K/V): at
+            # batch 1 over 576 keys (9 tiles), 2 splits take 10.0 us, 8 take 6.3 and 16 (one
+            # tile each) 5.4, merge included (H200, bench_attention.py --cases small).
             want = triton.cdiv(4 * sm_count, programs)
-            most = max(1, max_seq_len // 256)
+            most = triton.next_power_of_2(triton.cdiv(max_seq_len, 64))
             num_kv_splits = min(want, most, 64)
             # Powers of two only: bounds the number of compiled variants.
             num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)

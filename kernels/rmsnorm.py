@@ -41,6 +41,9 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    # Issued before the reduction, not after: a decode row is latency-bound, and the weight's
+    # load then overlaps x's instead of following the sum.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         # The torch path adds in the activation dtype: round the sum the same way.
@@ -50,7 +53,6 @@ def _rms_norm_kernel(
     variance = tl.sum(x32 * x32, axis=0) / HIDDEN
     # HF casts the normalised row back to the input dtype before scaling by the weight.
     normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

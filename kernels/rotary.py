@@ -10,6 +10,11 @@ result equals the torch path bit for bit (products of two bf16 values are exact 
 No host synchronisation: capturable in a CUDA graph for any (padded) token count. Positions are
 clamped into the table, so a padding token holding a stale or garbage position never reads out of
 bounds (the torch path would raise instead).
+
+Given a KV cache, the same launch also stores the token's rotated keys and its values into their
+cache slot (what kernels/kv_cache_write.py does alone): the keys go from registers straight to the
+cache, never back into the projection. At batch 1 every launch is a few microseconds of latency
+however little it moves, so fusing the two saves one launch per layer (16-32 per decode step).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ __all__ = ["rotary_embedding_", "rotary_embedding_reference"]
 
 
 @triton.jit
-def _rotate_heads(
+def _rotated_heads(
     base_ptr,
     stride_head,
     cos,
@@ -34,7 +39,8 @@ def _rotate_heads(
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
 ):
-    """(x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin) for the halves of every head of one token."""
+    """The halves (x1 cos - x2 sin, x2 cos + x1 sin) of every head of one token, in its dtype,
+    with the mask of real (head, dim) pairs."""
     heads = tl.arange(0, HEADS_PADDED)
     dims = tl.arange(0, HALF_PADDED)
     mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
@@ -48,8 +54,17 @@ def _rotate_heads(
     x2_sin = (x2 * sin).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first_ptrs, (x1_cos - x2_sin).to(dtype), mask=mask)
-    tl.store(first_ptrs + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+    return (x1_cos - x2_sin).to(dtype), (x2_cos + x1_sin).to(dtype), mask
+
+
+@triton.jit
+def _store_halves(base_ptr, stride_head, first, second, mask, HEADS_PADDED: tl.constexpr, HALF: tl.constexpr,
+                  HALF_PADDED: tl.constexpr):
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HALF_PADDED)
+    first_ptrs = base_ptr + heads[:, None] * stride_head + dims[None, :]
+    tl.store(first_ptrs, first.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(first_ptrs + HALF, second.to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,14 +72,23 @@ def _rotary_kernel(
     positions_ptr,
     query_ptr,
     key_ptr,
+    value_ptr,
     cos_ptr,
     sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
     stride_query_t,
     stride_query_h,
     stride_key_t,
     stride_key_h,
+    stride_value_t,
+    stride_value_h,
     stride_cos,
     stride_sin,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     num_positions,
     NUM_Q_HEADS: tl.constexpr,
     Q_HEADS_PADDED: tl.constexpr,
@@ -72,6 +96,8 @@ def _rotary_kernel(
     KV_HEADS_PADDED: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
+    WRITE_KV: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -80,10 +106,26 @@ def _rotary_kernel(
     dim_mask = dims < HALF
     cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + position * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(query_ptr + token * stride_query_t, stride_query_h, cos, sin,
-                  NUM_Q_HEADS, Q_HEADS_PADDED, HALF, HALF_PADDED)
-    _rotate_heads(key_ptr + token * stride_key_t, stride_key_h, cos, sin,
-                  NUM_KV_HEADS, KV_HEADS_PADDED, HALF, HALF_PADDED)
+    query = query_ptr + token * stride_query_t
+    q1, q2, q_mask = _rotated_heads(query, stride_query_h, cos, sin, NUM_Q_HEADS, Q_HEADS_PADDED, HALF, HALF_PADDED)
+    _store_halves(query, stride_query_h, q1, q2, q_mask, Q_HEADS_PADDED, HALF, HALF_PADDED)
+    key = key_ptr + token * stride_key_t
+    k1, k2, kv_mask = _rotated_heads(key, stride_key_h, cos, sin, NUM_KV_HEADS, KV_HEADS_PADDED, HALF, HALF_PADDED)
+    if not WRITE_KV:
+        _store_halves(key, stride_key_h, k1, k2, kv_mask, KV_HEADS_PADDED, HALF, HALF_PADDED)
+    else:
+        # The cache page of (block, KV head) is [BLOCK_SIZE, D]; slot -1 = padding, not stored.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+            _store_halves(key_cache_ptr + slot_offset, stride_cache_head, k1, k2, kv_mask, KV_HEADS_PADDED, HALF,
+                          HALF_PADDED)
+            heads = tl.arange(0, KV_HEADS_PADDED)
+            value = value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :]
+            v1 = tl.load(value, mask=kv_mask)
+            v2 = tl.load(value + HALF, mask=kv_mask)
+            _store_halves(value_cache_ptr + slot_offset, stride_cache_head, v1, v2, kv_mask, KV_HEADS_PADDED, HALF,
+                          HALF_PADDED)
 
 
 def rotary_embedding_(
@@ -92,11 +134,19 @@ def rotary_embedding_(
     key: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    *,
+    value: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by positions [T] (int32/int64).
 
     cos_cache / sin_cache: [max_pos, D/2] in the activation dtype. query and key may be strided
     views (e.g. of one fused qkv tensor) but must not overlap; the last dim must be contiguous.
+
+    With kv_cache [2, num_blocks, Hkv, block_size, D] (value [T, Hkv, D] and slot_mapping [T]
+    int64 given too): the rotated keys and the values are stored at slot_mapping (slots < 0
+    skipped) as write_kv_cache would, and key itself is left unrotated.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -107,21 +157,36 @@ def rotary_embedding_(
     assert query.dtype == key.dtype, (query.dtype, key.dtype)
     assert query.stride(-1) == 1 and key.stride(-1) == 1, "head dims must be contiguous"
     assert cos_cache.stride(-1) == 1 and sin_cache.stride(-1) == 1
+    write_kv = kv_cache is not None
+    assert write_kv == (value is not None) == (slot_mapping is not None), "value, kv_cache and slot_mapping go together"
+    if write_kv:
+        assert value.shape == key.shape and value.stride(-1) == 1, (value.shape, key.shape)
+        assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
+        assert kv_cache.shape[2] == num_kv_heads and kv_cache.shape[4] == head_dim, (kv_cache.shape, key.shape)
+        assert kv_cache.stride(-1) == 1 and slot_mapping.shape == (num_tokens,), slot_mapping.shape
     if num_tokens == 0:
         return
     q_heads_padded = triton.next_power_of_2(num_q_heads)
     half_padded = triton.next_power_of_2(half)
     # ~8 query elements per thread: 4 warps for 32 heads of 64, 8 for 64 heads of 128.
     num_warps = min(8, max(1, q_heads_padded * half_padded // 256))
+    key_cache, value_cache = (kv_cache[0], kv_cache[1]) if write_kv else (key, key)
     _rotary_kernel[(num_tokens,)](
-        positions, query, key, cos_cache, sin_cache,
+        positions, query, key, value if write_kv else key, cos_cache, sin_cache,
+        key_cache, value_cache, slot_mapping if write_kv else positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0],
+        value.stride(0) if write_kv else 0, value.stride(1) if write_kv else 0,
+        cos_cache.stride(0), sin_cache.stride(0),
+        # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
+        *((key_cache.stride(0), key_cache.stride(2), key_cache.stride(1)) if write_kv else (0, 0, 0)),
+        cos_cache.shape[0],
         NUM_Q_HEADS=num_q_heads,
         Q_HEADS_PADDED=q_heads_padded,
         NUM_KV_HEADS=num_kv_heads,
         KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HALF=half,
         HALF_PADDED=half_padded,
+        WRITE_KV=write_kv,
+        BLOCK_SIZE=kv_cache.shape[3] if write_kv else 1,
         num_warps=num_warps,
     )

@@ -24,6 +24,7 @@ from strata.kernels.reference import (
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
+    write_kv_cache_reference,
 )
 from strata.services.worker import model as model_module
 from strata.services.worker.attention import allocate_kv_cache
@@ -169,12 +170,15 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
                     dict(HIDDEN=hidden, BLOCK=1 << (hidden - 1).bit_length(), ADD_RESIDUAL=add), num_warps)
                 assert spills == 0, (hidden, add, regs, spills)
         for heads, kv_heads, head_dim, num_warps in [(32, 8, 64, 4), (64, 8, 128, 8), (28, 4, 128, 8)]:
-            regs, spills = _compile_sm90(
-                rotary._rotary_kernel,
-                dict(positions_ptr="*i64", query_ptr=data, key_ptr=data, cos_ptr=data, sin_ptr=data),
-                dict(NUM_Q_HEADS=heads, Q_HEADS_PADDED=1 << (heads - 1).bit_length(), NUM_KV_HEADS=kv_heads,
-                     KV_HEADS_PADDED=kv_heads, HALF=head_dim // 2, HALF_PADDED=head_dim // 2), num_warps)
-            assert spills == 0, (heads, head_dim, regs, spills)
+            for write_kv in (False, True):
+                regs, spills = _compile_sm90(
+                    rotary._rotary_kernel,
+                    dict(positions_ptr="*i64", query_ptr=data, key_ptr=data, value_ptr=data, cos_ptr=data,
+                         sin_ptr=data, key_cache_ptr=data, value_cache_ptr=data, slot_mapping_ptr="*i64"),
+                    dict(NUM_Q_HEADS=heads, Q_HEADS_PADDED=1 << (heads - 1).bit_length(), NUM_KV_HEADS=kv_heads,
+                         KV_HEADS_PADDED=kv_heads, HALF=head_dim // 2, HALF_PADDED=head_dim // 2,
+                         WRITE_KV=write_kv, BLOCK_SIZE=16), num_warps)
+                assert spills == 0, (heads, head_dim, write_kv, regs, spills)
         regs, spills = _compile_sm90(activation._silu_and_mul_kernel,
                                      dict(gate_up_ptr=data, out_ptr=data),
                                      dict(INTERMEDIATE=8192, BLOCK=1024), 4)
@@ -268,6 +272,33 @@ else:
         else:
             assert_matches(q, want_q, dtype)
             assert_matches(k, want_k, dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [(4, 2, 16, 4), (6, 3, 12, 8)])
+    def test_rotary_writes_rotated_keys_and_values_to_the_cache(dtype, num_q_heads, num_kv_heads, head_dim,
+                                                                block_size):
+        """The fused store equals rotary then write_kv_cache: rotated keys and the values land in
+        their slots, slot -1 (padding) writes nothing, and the projection's key part is left alone."""
+        gen = torch.Generator().manual_seed(head_dim + block_size)
+        num_tokens, max_pos, half = 6, 100, head_dim // 2
+        q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+        q, k, v = (part.view(num_tokens, -1, head_dim) for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
+        angles = torch.rand(max_pos, half, generator=gen) * 6.3
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+        slots = torch.tensor([5, 0, -1, 17, 3 * block_size - 1, 9])
+        cache = torch.randn(2, 6, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
+        want_cache = cache.clone()
+        want_q, want_k = rotary_embedding_reference(positions, q, k, cos, sin)
+        write_kv_cache_reference(want_k, v, want_cache, slots)
+        k_before = k.clone()
+        rotary_embedding_(positions, q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=slots)
+        assert torch.equal(k, k_before), "rotated the keys in place as well"
+        assert_matches(q, want_q, dtype)
+        assert_matches(cache, want_cache, dtype)
+        if dtype == torch.float16:
+            assert torch.equal(cache, want_cache)
 
     def test_rotary_with_model_tables_and_garbage_padding_positions():
         """The model's [max_pos, D/2] tables; padding tokens with out-of-table positions are clamped."""

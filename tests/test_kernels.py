@@ -203,7 +203,7 @@ else:
                                  block_size=16, seed=5)
         chosen = choose_launch_config(num_seqs=2, num_q_heads=4, num_kv_heads=1, head_dim=64, max_query_len=1,
                                       max_seq_len=batch.max_seq_len, sm_count=132)
-        assert chosen.num_kv_splits == 2  # >= 256 keys per split caps it at 701 // 256
+        assert chosen.num_kv_splits == 16  # one 64-key tile per split: 11 tiles, a power of two of splits
         got, want = run_both(batch, 0.125)
         assert_matches(got, want, torch.float32)
 
@@ -219,7 +219,9 @@ else:
         assert choose().block_q == 1
         few = choose(num_seqs=2, max_seq_len=32768)
         assert few.num_kv_splits > 1 and few.num_kv_splits & (few.num_kv_splits - 1) == 0
-        assert choose(num_seqs=2, max_seq_len=200).num_kv_splits == 1  # too short to split
+        assert choose(num_seqs=2, max_seq_len=64).num_kv_splits == 1  # one tile: nothing to split
+        assert choose(num_seqs=1, max_seq_len=576).num_kv_splits == 16  # 9 tiles, one per split
+        assert choose(num_seqs=16, max_seq_len=576).num_kv_splits == 4  # 128 programs: ~4 per SM
         assert choose(num_seqs=2, max_query_len=16, max_seq_len=32768).num_kv_splits == 1  # prefill
         assert choose(num_seqs=2, max_seq_len=32768, num_kv_splits=1).num_kv_splits == 1  # forced
         assert choose(num_kv_splits=8).num_kv_splits == 8

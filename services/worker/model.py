@@ -153,6 +153,22 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
             return q, k
         return rotary_embedding_reference(positions, q, k, self.cos, self.sin)
 
+    def rotate_and_cache(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Rotate q and k, store the rotated k and v in kv_cache at slot_mapping; returns the rotated q.
+
+        The fused kernel does all of it in one launch (as SGLang fuses its KV store into RoPE):
+        the keys go rotated to the cache, never back into the projection."""
+        if self._use_fused(q):
+            _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache,
+                                               slot_mapping=slot_mapping)
+            return q
+        q, k = self(positions, q, k)
+        backend.write_kv(k, v, kv_cache, slot_mapping)
+        return q
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
@@ -183,8 +199,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        q = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, backend)
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -24,6 +24,7 @@ from strata.kernels.reference import (  # noqa: E402
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
+    write_kv_cache_reference,
 )
 from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from strata.kernels.rotary import rotary_embedding_  # noqa: E402
@@ -97,6 +98,31 @@ def test_rotary_in_place_on_qkv_views(dtype, num_q_heads, num_kv_heads, head_dim
     # so only closeness is required.
     assert_matches(q, want_q, min_identical=0.0)
     assert_matches(k, want_k, min_identical=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 64), (32, 8, 128), (28, 4, 128)])
+@pytest.mark.parametrize("num_tokens", [1, 256, 3000])
+def test_rotary_stores_rotated_keys_and_values_in_the_cache(dtype, num_q_heads, num_kv_heads, head_dim, num_tokens):
+    """The fused store (the model's path) against rotary + write_kv_cache references, padding
+    slots (-1) included; the cache outside the written slots is untouched."""
+    gen = torch.Generator(device=DEVICE).manual_seed(num_q_heads * head_dim + num_tokens + 1)
+    block_size, num_blocks = 16, (num_tokens + 40) // 16 + 2
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
+    q, k, v = (part.view(num_tokens, -1, head_dim) for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    angles = torch.rand(8192, head_dim // 2, device=DEVICE, generator=gen) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE, generator=gen)[:num_tokens]
+    slots[::7] = -1
+    cache = randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, gen=gen)
+    want_cache = cache.clone()
+    want_q, want_k = rotary_embedding_reference(positions, q, k, cos, sin)
+    write_kv_cache_reference(want_k, v, want_cache, slots)
+    rotary_embedding_(positions, q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=slots)
+    assert_matches(q, want_q, min_identical=0.0)  # FMA contraction: close, not bit-exact (see above)
+    assert_matches(cache, want_cache, min_identical=0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
