@@ -1,46 +1,58 @@
 """y = x @ W.T (+ bias) for decode batches of 64..512 rows: a tensor-core Triton GEMM cut to fill the GPU.
 
-At M = 256 a Llama-3.2-1B linear is a small GEMM: qkv (N 3072, K 2048) is 3.2 GFLOP, ~4.5 us at
-the ~720 TFLOP/s an H200 sustains on big bf16 matmuls, and its 12.6 MB of weight take ~3 us to
-stream at 4 TB/s, so compute and weight traffic are about even. What keeps cuBLAS at ~430 TFLOP/s
-(o_proj ~250) is not either of them but tile quantisation: 128 x 128 output tiles make 48 (qkv)
-or 32 (o_proj, down) tiles for 132 SMs, so most SMs idle while a few walk the whole K. The
-launch is shaped to give every SM a comparable share of the multiply-adds instead.
+At M = 256 a Llama-3.2-1B linear is a small GEMM: qkv (N 3072, K 2048) is 3.2 GFLOP, ~4.7 us at
+the ~690 TFLOP/s an H200 sustains on a big bf16 matmul, and its 12.6 MB of weight take ~3 us to
+stream at 4.3 TB/s, so compute and weight traffic are about even. What keeps such shapes far
+below the matmul rate is tile quantisation: 128 x 128 output tiles make 48 (qkv) or 32 (o_proj,
+down) tiles for 132 SMs, so most SMs idle while a few walk the whole K. The launch is shaped to
+give every SM a comparable share of the multiply-adds instead.
+
+Against cuBLAS (H200, bench/bench_gemm.py: CUDA-graph replays, weights streamed from HBM) this is
+a per-shape tool, not a replacement: faster on the down projections (1B at M = 64..256: 0.82-0.95x
+cuBLAS's time, level at 512; 8B at M = 64: 0.88x), the 8B o_proj at M = 256 (0.86-0.95x) and
+lm_head at M = 64 (0.91x); level on gate_up at M <= 128; slower on qkv at every M (1.1-1.4x), on
+the 1B o_proj below M = 512 and wherever the tiles fill several waves (M >= 256 gate_up, lm_head,
+8B at M = 512), where cuBLAS's kernels run at 600-720 TFLOP/s and these at 440-600.
 
 How the work is cut:
 - Output tiles of BLOCK_M x BLOCK_N, walked along K in BLOCK_K steps by tl.dot (bf16/fp16 with
   4 or 8 warps and BLOCK_M >= 64 lowers to Hopper's wgmma, which reads both operands from shared
-  memory; num_stages - 1 steps of x and W are in flight, through cp.async or TMA). W is [N, K]
+  memory; num_stages - 1 steps of x and W are in flight, through TMA or cp.async). W is [N, K]
   row-major, so its [BLOCK_N, BLOCK_K] tile is loaded K-innermost and fed transposed as the B
   operand; x's rows are the A operand. Float32 accumulators, one rounding to x's dtype.
 - Tile order: tiles are numbered M-fastest within groups of GROUP_M row blocks, so the
   programs that share a slice of W (M / BLOCK_M of them) run side by side and all but the first
-  read it from L2: W crosses HBM about once per call. x (at most a few MB) stays in L2.
+  can find it in L2, so W crosses HBM about once per call. x (at most a few MB) stays in L2.
 - Three schedules, one per config (all from python ints):
   * data parallel (split_k = 1, stream_k = 0): one program per tile; the epilogue adds the bias
-    and stores. Enough when the tiles fill the SMs (gate_up, lm_head, M >= 512).
+    and stores. Used once the tiles fill the SMs (gate_up, lm_head, most shapes at M >= 256).
   * split-K (split_k = S > 1): each tile's K steps are cut into S contiguous ranges, one
     program each (grid tiles x S), writing float32 partials [S, M, N]; a second kernel sums them
-    in split order (bit-identical run to run: no atomics), adds the bias and rounds once. For
-    K = 8192 at 32 tiles, S = 4 gives 128 programs with 2048 of K each.
+    in split order (bit-identical run to run: no atomics), adds the bias and rounds once. The
+    1B down at M = 256 (64 tiles of 64 x 128) runs as 2 x 64 programs of 4096 K each.
   * stream-K (stream_k = P programs, persistent): the tiles x K-steps units are numbered
     tile-major and program p takes units [p U / P, (p+1) U / P): every program does the same
-    number of steps (to one), whatever the tile count, so 48 tiles fill 132 SMs exactly. A
-    program's run covers the tail of one tile, whole tiles, and the head of another; a whole
-    tile is stored directly, a piece goes to float32 scratch slot 2p (the piece that starts
-    inside a tile, i.e. the program's first) or 2p + 1 (the one that starts at a tile's first
-    step and ends inside it, i.e. its last). A fixup kernel then sums each shared tile in program
-    order: the first contributor's slot 1, then slot 0 of each following one, so the result is
-    fixed by (M, N, K, P) alone. P is capped at U so that every program owns at least one step.
+    number of steps (to one), whatever the tile count. A program's run covers the tail of one
+    tile, whole tiles, and the head of another; a whole tile is stored directly, a piece goes to
+    float32 scratch slot 2p (the piece that starts inside a tile, i.e. the program's first) or
+    2p + 1 (the one that starts at a tile's first step and ends inside it, i.e. its last). A
+    fixup kernel then sums each shared tile in program order: the first contributor's slot 1,
+    then slot 0 of each following one, so the result is fixed by (M, N, K, P) alone. P is
+    capped at U so that every program owns at least one step. Kept for the sweep, not picked:
+    on the H200 its best config was 11-66% slower than the best split-K / data-parallel one at
+    every shape swept (1B and 8B linears, M = 64..512).
   Split-K and stream-K trade a float32 round trip through L2 (M x N x 4 bytes per extra part)
   and a second, small launch for the SMs they fill. The second kernel is a programmatic
   dependent launch on sm_90 (the GEMM lets it be scheduled early; it waits for the GEMM's
-  memory before reading), which hides most of its launch gap in a CUDA graph.
-- Loads: the plain-pointer path clamps rows past M and N to the last valid one (re-read, never
-  stored), so the x and W loads need no mask unless K is ragged (EVEN_K). The TMA path (sm_90,
-  use_tma) reads both operands through host-made tensor descriptors, whose bounds handling
-  zero-fills the edges; it needs 16-byte aligned bases and row strides and falls back to the
-  pointer path otherwise (and always under TRITON_INTERPRET=1, which runs the pointer path).
+  memory before reading): 0.4-0.8 us less per call in a CUDA graph than a plain launch (12 of
+  13 swept cases; the 13th lost 0.2 us).
+- Loads: the TMA path (sm_90, use_tma) reads both operands through host-made tensor
+  descriptors, whose bounds handling zero-fills the edges (ragged M, N, K need no masks); it
+  needs 16-byte aligned bases and row strides and falls back to the pointer path otherwise. The
+  pointer path (any GPU, and TRITON_INTERPRET=1) clamps rows past M and N to the last valid one
+  (re-read, never stored), so its loads need no mask unless K is ragged (EVEN_K). On the H200
+  TMA was as fast or faster than the pointer path on the same tiles, warps and stages in all but
+  a few swept cases: typically by 0-15%, up to 2x for 64-row split-K tiles at M = 64.
 - M, N, K and the strides are run-time arguments (M is not even specialised): a config is one
   compiled variant serving every shape and batch size, so a model compiles a handful.
 
@@ -101,52 +113,32 @@ class GemmLaunchConfig:
                 f"{' tma' if self.use_tma else ''}{'' if self.pdl else ' nopdl'}")
 
 
-def _cost_us(m: int, n: int, k: int, sm_count: int, block_m: int, block_n: int, parts: float,
-             stream: bool) -> float:
-    """Rough time of one schedule, for ranking only: the busiest SM's share of the multiply-adds
-    at a tile-shape-dependent rate, plus the fixed costs of a second pass."""
-    # Per-SM wgmma rate relative to a 128 x 128 tile (operand bytes per multiply-add).
-    rate = {(128, 128): 1.0, (128, 256): 1.0, (128, 64): 0.8, (64, 128): 0.8, (64, 64): 0.6,
-            (64, 256): 0.85}[(block_m, block_n)]
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, 64)
-    tile_us = 2.0 * block_m * block_n * 64 / (5.4e6 * rate)  # one step at ~5.4 TFLOP/s per SM
-    if stream:
-        busiest = triton.cdiv(tiles * steps, sm_count)  # steps of the busiest program
-        extra = 2.0 + 1.2 * m * n * 4 * 2 / 5e6  # fixup launch + partials through L2
-    else:
-        programs = tiles * parts
-        busiest = triton.cdiv(programs, sm_count) * triton.cdiv(steps, parts)
-        extra = 0.0 if parts == 1 else 2.0 + m * n * 4 * parts * 2 / 5e6
-    return busiest * tile_us + 1.0 + extra
-
-
 def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_size: int = 2) -> GemmLaunchConfig:
-    """Shape heuristic (no autotune: launches must stay capturable and deterministic).
+    """Shape heuristic (no autotune: launches must stay capturable and deterministic), from an
+    H200 sweep (bench_gemm.py --sweep) over the Llama-3.2-1B / 3.1-8B linears at M = 64..512.
 
-    - Float32 (no tensor-core fast path here: ieee dots): 64 x 64 x 32 tiles, data parallel.
-    - Tiles: 64 rows when M <= 64 (wgmma's smallest), else 128; BLOCK_K = 64 (128-byte rows).
-    - The rest ranks schedules with a rough cost model (_cost_us): data parallel, split-K 2..4
-      and stream-K over the SMs, for 128- and 64-wide tiles; split-K only while its programs
-      fit in one wave.
+    - 16-bit: 64 x 128 tiles, one warpgroup (4 warps), TMA operands. Where these tiles fit in
+      one wave this came within 5% of the sweep's best config at every shape and M; past a wave
+      (gate_up at M >= 256, 8B down at M = 512) 128 x 128, 256 x 128 or 128 x 256 tiles were up to 19%
+      faster, but cuBLAS beat every swept config there, so the rule stays simple.
+    - At most one wave of 64 x 128 tiles: BLOCK_K = 128 (4 stages, 192 KB of operand buffers),
+      and split-K into S = min(SMs // tiles, K steps // 4) parts (so S x tiles <= SMs and each
+      part keeps >= 4 steps of 128): 1B down at M = 256 (64 tiles) runs as 2 x 64 programs,
+      at M = 64 (16 tiles) as 8 x 16; tiles past half the SMs run data parallel (S = 1).
+    - More than a wave (gate_up, lm_head, 8B qkv from M = 256, everything at M = 512): data
+      parallel with BLOCK_K = 64 (4 stages, 96 KB, two programs per SM).
+    - Stream-K is never picked: its best config was 11-66% behind the best split-K or data-parallel
+      one at every swept shape.
+    - Float32 (ieee dots, no tensor-core fast path): 64 x 64 x 32 tiles, data parallel, pointers.
     """
     if element_size >= 4:
         return GemmLaunchConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    block_m = 64 if m <= 64 else 128
-    candidates = []
-    for block_n in (128, 64):
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        steps = triton.cdiv(k, 64)
-        candidates.append((_cost_us(m, n, k, sm_count, block_m, block_n, 1, False), block_n, 1, 0))
-        for split in (2, 3, 4):
-            if tiles * split <= sm_count and steps >= 4 * split:
-                candidates.append((_cost_us(m, n, k, sm_count, block_m, block_n, split, False), block_n, split, 0))
-        if tiles < sm_count and tiles * steps >= sm_count * 4:
-            candidates.append((_cost_us(m, n, k, sm_count, block_m, block_n, 1, True), block_n, 1, sm_count))
-    _, block_n, split, stream = min(candidates)
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return GemmLaunchConfig(block_m=block_m, block_n=block_n, block_k=64, split_k=split, stream_k=stream,
-                            num_warps=num_warps, num_stages=4)
+    tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+    if tiles > sm_count:
+        return GemmLaunchConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, use_tma=True)
+    split = max(1, min(sm_count // tiles, triton.cdiv(k, 128) // 4))
+    return GemmLaunchConfig(block_m=64, block_n=128, block_k=128, split_k=split, num_warps=4, num_stages=4,
+                            use_tma=True)
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -163,8 +155,8 @@ def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr):
+def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc += one BLOCK_K step of the tile's x rows times its W rows, transposed."""
     if USE_TMA:
         k0 = (step * BLOCK_K).to(tl.int32)
@@ -179,7 +171,11 @@ def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K,
             k_valid = (k0 + tl.arange(0, BLOCK_K) < K)[None, :]
             a = tl.load(a_ptrs + k0, mask=k_valid, other=0.0)
             b = tl.load(b_ptrs + k0, mask=k_valid, other=0.0)
-    if IEEE_DOT:
+    if INTERPRETED:
+        # The interpreter's dot gets bfloat16 wrong (numpy has none); float32 products of 16-bit
+        # values are exact, so this is the tensor cores' arithmetic up to summation order.
+        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    elif IEEE_DOT:
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, tl.trans(b), acc)
@@ -206,12 +202,12 @@ def _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, st
         step = step_begin
         while step < step_end:
             acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT)
+                            IEEE_DOT, INTERPRETED)
             step += 1
     else:
         for step in range(step_begin, step_end):
             acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT)
+                            IEEE_DOT, INTERPRETED)
     return acc
 
 
@@ -361,6 +357,11 @@ def _hopper(device: torch.device) -> bool:
     return _is_sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _tma_available(device: torch.device) -> bool:
+    """TMA descriptors for the operands: sm_90 and later (tests force it under the interpreter)."""
+    return _hopper(device)
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
 
@@ -369,9 +370,13 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def use_batched_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether batched_linear can serve F.linear(x, weight): CUDA tensors, at least one row of x, a
-    supported dtype shared by both, a contiguous 2-D weight and unit-stride rows of x."""
+    """Whether batched_linear can serve F.linear(x, weight): CUDA tensors on sm_90 or later (what
+    the heuristic is tuned for: its 192 KB of operand buffers exceed an A100's shared memory), at
+    least one row of x, a supported dtype shared by both, a contiguous 2-D weight and unit-stride
+    rows of x. Whether it is faster than cuBLAS for a shape is the caller's call (bench_gemm)."""
     if not (x.is_cuda and weight.is_cuda and x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype):
+        return False
+    if not _hopper(x.device):
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
@@ -430,7 +435,7 @@ def _batched_linear(x, weight, bias, out, config, *, warmup: bool) -> torch.Tens
         config = choose_batched_linear_config(m, n, k, _device_sm_count(x.device), x.element_size())
     out2 = out.view(m, n)
     hopper = _hopper(x.device)
-    use_tma = config.use_tma and hopper and _tma_ready(x2) and _tma_ready(weight)
+    use_tma = config.use_tma and _tma_available(x.device) and _tma_ready(x2) and _tma_ready(weight)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
