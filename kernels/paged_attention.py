@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import paged_attention_reference
 
 __all__ = ["AttentionLaunchConfig", "paged_attention", "paged_attention_reference", "choose_launch_config"]
@@ -203,10 +204,13 @@ def _paged_attention_kernel(
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PREFIX_PARTS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # launched as a programmatic dependent: let the next kernel's programs start early
+        gdc_launch_dependents()
 
     if BLOCK_Q == 1:
         # Decode batches hold one token per sequence: try token t -> sequence t before the binary
@@ -237,6 +241,11 @@ def _paged_attention_kernel(
     token = (q_begin + token_in_seq).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
 
+    # The indices above are step inputs; the queries and this step's keys are the previous
+    # kernels' output. (A cascade's own-keys kernel follows the prefix kernel, which wrote
+    # neither: it waits only where it reads the prefix's partials.)
+    if PDL and PREFIX_PARTS == 0:
+        gdc_wait()
     q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
                 mask=row_valid[:, None], other=0.0)
 
@@ -330,9 +339,13 @@ def _merge_kv_splits_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the partials are the attention kernel's output
     splits = tl.arange(0, SPLITS_PADDED)
     split_valid = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM)
@@ -387,10 +400,11 @@ def paged_attention(
             head_dim=query.shape[2], max_query_len=max_query_len, max_seq_len=max_seq_len,
             sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits)
     partials = Partials.allocate(query, config.num_kv_splits) if config.num_kv_splits > 1 else None
+    pdl = dependent_launch_supported(query.device)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, dependent_launch=pdl)
     if partials is not None:
-        merge_partials(partials, out)
+        merge_partials(partials, out, dependent_launch=pdl)
     return out
 
 
@@ -438,7 +452,9 @@ def launch_paged_attention(
     Cascade (seq_prefix_lens [B] given): each sequence skips its first seq_prefix_lens keys and
     merges partials, the shared prefix's parts written by the prefix kernel, into out; a
     sequence whose prefix length is 0 reads none of them. dependent_launch: a programmatic
-    dependent launch (Hopper): it may begin before the previous kernel (the prefix's) ends."""
+    dependent launch (Hopper, kernels/dependent_launch.py): it may begin before the previous
+    kernel ends, and waits for it before its first query load (a cascade's, for the prefix's
+    partials only)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
@@ -474,13 +490,14 @@ def launch_paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PREFIX_PARTS=partials.parts if cascade else 0,
+        PDL=dependent_launch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **({"launch_pdl": True} if dependent_launch else {}),
+        **launch_options(dependent_launch),
     )
 
 
-def merge_partials(partials: Partials, out: torch.Tensor) -> None:
+def merge_partials(partials: Partials, out: torch.Tensor, *, dependent_launch: bool = False) -> None:
     """out[t, h] = the softmax-weighted sum over all of partials' key ranges (log-sum-exp merge)."""
     num_tokens, num_q_heads, parts, head_dim = partials.acc.shape
     _merge_kv_splits_kernel[(num_tokens, num_q_heads)](
@@ -489,5 +506,7 @@ def merge_partials(partials: Partials, out: torch.Tensor) -> None:
         HEAD_DIM=head_dim,
         NUM_SPLITS=parts,
         SPLITS_PADDED=triton.next_power_of_2(parts),
+        PDL=dependent_launch,
         num_warps=4 if head_dim >= 128 else 2,
+        **launch_options(dependent_launch),
     )

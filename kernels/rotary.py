@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import rotary_embedding_reference
 
 __all__ = ["rotary_embedding_", "rotary_embedding_reference"]
@@ -98,14 +100,20 @@ def _rotary_kernel(
     HALF_PADDED: tl.constexpr,
     WRITE_KV: tl.constexpr = False,
     BLOCK_SIZE: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+    # Positions (a step input) and the tables are no kernel's output: read before the wait.
     position = tl.load(positions_ptr + token).to(tl.int64)
     position = tl.minimum(tl.maximum(position, 0), num_positions - 1)
     dims = tl.arange(0, HALF_PADDED)
     dim_mask = dims < HALF
     cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + position * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        gdc_wait()  # q, k, v come from the projection before this launch
     query = query_ptr + token * stride_query_t
     q1, q2, q_mask = _rotated_heads(query, stride_query_h, cos, sin, NUM_Q_HEADS, Q_HEADS_PADDED, HALF, HALF_PADDED)
     _store_halves(query, stride_query_h, q1, q2, q_mask, Q_HEADS_PADDED, HALF, HALF_PADDED)
@@ -171,6 +179,7 @@ def rotary_embedding_(
     # ~8 query elements per thread: 4 warps for 32 heads of 64, 8 for 64 heads of 128.
     num_warps = min(8, max(1, q_heads_padded * half_padded // 256))
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if write_kv else (key, key)
+    pdl = dependent_launch_supported(query.device)
     _rotary_kernel[(num_tokens,)](
         positions, query, key, value if write_kv else key, cos_cache, sin_cache,
         key_cache, value_cache, slot_mapping if write_kv else positions,
@@ -188,5 +197,7 @@ def rotary_embedding_(
         HALF_PADDED=half_padded,
         WRITE_KV=write_kv,
         BLOCK_SIZE=kv_cache.shape[3] if write_kv else 1,
+        PDL=pdl,
         num_warps=num_warps,
+        **launch_options(pdl),
     )

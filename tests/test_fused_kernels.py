@@ -373,3 +373,61 @@ else:
         assert calls == {"rms_norm": 2, "fused_add_rms_norm": 8, "rotary_embedding_": 4, "silu_and_mul": 4}
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+    @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+    def test_decode_chain_matches_torch_path_across_stages(arch, monkeypatch):
+        """The small-batch chain (services/worker/decode_chain.py), forced on CPU, over a prefill
+        and two decode steps: whole model, and split in two stages that pass the unfused
+        (hidden, residual) pair between them, against the HF-exact torch path."""
+        config = tiny_config(num_hidden_layers=3) if arch == "llama" else tiny_config(
+            num_hidden_layers=3, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True,
+            rope_scaling=None)
+        whole = random_shard(config)
+        first, second = CausalLMShard(config, 0, 2), CausalLMShard(config, 2, 3)
+        first.embed_tokens, first.layers = whole.embed_tokens, torch.nn.ModuleList(whole.layers[:2])
+        second.layers, second.norm, second.lm_head = torch.nn.ModuleList(whole.layers[2:]), whole.norm, whole.lm_head
+        steps = [
+            [SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
+            [SequenceChunk([4], 5, [2, 0]), SequenceChunk([8], 3, [1, 3])],
+            [SequenceChunk([6], 6, [2, 0]), SequenceChunk([9], 4, [1, 3])],
+        ]
+
+        def run(stages, chain):
+            for stage in stages:
+                set_fused_kernels(stage, chain)
+                stage.decode_chain = chain
+            caches = allocate_kv_cache(config.num_hidden_layers, 4, 4, config.num_key_value_heads,
+                                       config.head_dim, torch.float32, "cpu")
+            outputs = []
+            for chunks in steps:
+                inputs = build_step_inputs(chunks, block_size=4)
+                hidden, residual, layer = None, None, 0
+                for stage in stages:
+                    hidden, residual = stage(inputs.input_ids if stage.is_first else None, inputs.positions, hidden,
+                                             residual, caches[layer:layer + stage.num_layers], inputs.meta)
+                    layer += stage.num_layers
+                logits = stages[-1].compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
+                outputs += [hidden + residual, logits]
+            return outputs + [caches[-1]]
+
+        want = run([whole], False)
+        from strata.kernels import decode_linear
+
+        launches = []
+        monkeypatch.setattr(decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, launches))
+        for stages in ([whole], [first, second]):
+            launches.clear()
+            for got, expected in zip(run(stages, True), want):
+                torch.testing.assert_close(got, expected, atol=5e-5, rtol=5e-5)
+            # Per step: 4 GEMVs a layer (qkv, o_proj, gate_up, down) and lm_head's.
+            assert len(launches) == len(steps) * (4 * config.num_hidden_layers + 1)
+
+    class Counted:
+        """A kernel whose launches (kernel[grid](...)) are recorded."""
+
+        def __init__(self, kernel, launches: list):
+            self.kernel, self.launches = kernel, launches
+
+        def __getitem__(self, grid):
+            self.launches.append(grid)
+            return self.kernel[grid]

@@ -27,6 +27,7 @@ from strata.kernels.reference import (
 )
 
 from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .decode_chain import DECODE_CHAIN_DEFAULT, chain_serves, decode_chain_forward, decode_chain_logits
 from .model_config import ModelConfig
 
 
@@ -194,14 +195,27 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(hidden), positions, rotary, kv_cache, meta, backend))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """From the qkv projection [T, q + 2 kv] to the attention output [T, q] (o_proj's input):
+        rotary, the KV cache write, attention."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, backend)
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class MLP(FusedKernelSwitch, nn.Module):
@@ -281,6 +295,7 @@ class CausalLMShard(nn.Module):
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
         self._expected_names = self._weight_names()
+        self.decode_chain: bool | None = None
 
     @property
     def num_layers(self) -> int:
@@ -313,6 +328,8 @@ class CausalLMShard(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         positions = positions.long()
+        if self._runs_decode_chain(hidden):
+            return decode_chain_forward(self, hidden, residual, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(
                 hidden, residual, positions, self.rotary, kv_cache, meta, self.attn_backend
@@ -328,8 +345,18 @@ class CausalLMShard(nn.Module):
         upcasts only for the torch ops that need it."""
         if not self.is_last:
             raise RuntimeError("compute_logits runs on the last stage only")
+        if self._runs_decode_chain(hidden):
+            return decode_chain_logits(self, hidden, residual)
         normed, _ = self.norm.add_and_norm(hidden, residual)
         return self.lm_head(normed)
+
+    def _runs_decode_chain(self, hidden: torch.Tensor) -> bool:
+        """Small batches on the GPU take the fused GEMV chain (decode_chain.py); decode_chain
+        None decides by device and kernel switch, tests and benchmarks force it."""
+        enabled = self.decode_chain
+        if enabled is None:
+            enabled = hidden.is_cuda and self.layers[0].mlp._use_fused(hidden) and DECODE_CHAIN_DEFAULT
+        return enabled and chain_serves(hidden, self)
 
     # ---- weights -----------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""The shard's forward for small decode batches (1..16 tokens): a chain of fused GEMV kernels.
+
+Per layer, six launches instead of ten (kernels/decode_linear.py says why that matters at
+batch 1):
+
+    qkv      = norm_linear(h, stats)              input RMSNorm in qkv's prologue
+    attn     = rotary + KV write, attention       (Attention.attend)
+    h, stats = linear_add_residual(attn, o_proj)  residual add + sums of squares in o_proj's epilogue
+    gate_up  = norm_linear(h, stats)              post-attention RMSNorm in gate_up's prologue
+    h, stats = linear_add_residual(gate_up, down, silu_mul=True)
+
+h is the residual stream after each add (what the unfused path calls `residual` once the add is
+done) and stats its per-row sums of squares, in partials. The stage's interface stays the
+unfused one: the first layer takes the (hidden, residual) pair as given (residual None on the
+first stage) and adds it in qkv's prologue; the last layer returns (down's output, h), which the
+next stage or compute_logits adds and normalises. On Hopper every kernel of the chain is a
+programmatic dependent launch (kernels/dependent_launch.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+DECODE_CHAIN_DEFAULT = os.environ.get("STRATA_DISABLE_DECODE_CHAIN", "") in ("", "0")
+
+
+def _kernels():
+    # On first use: triton.jit reads TRITON_INTERPRET when the kernels are defined.
+    from strata.kernels import decode_linear
+
+    return decode_linear
+
+
+def chain_serves(hidden: torch.Tensor, shard) -> bool:
+    """Whether the chain can run this batch: at most 16 tokens, a dtype and weights it takes."""
+    kernels = _kernels()
+    if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= kernels.MAX_ROWS or hidden.stride(-1) != 1:
+        return False
+    return kernels.use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
+
+
+def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         kv_caches: list[torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """CausalLMShard.forward's layers for a small batch; returns the unfused (hidden, residual) pair."""
+    k = _kernels()
+    last = len(shard.layers) - 1
+    stats = None
+    for i, (layer, kv_cache) in enumerate(zip(shard.layers, kv_caches)):
+        attn, mlp = layer.self_attn, layer.mlp
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        if stats is None:  # the stage's first layer: the pair as it came
+            qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
+                                   residual=residual)
+        else:
+            qkv, _ = k.norm_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, stats=stats)
+        out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
+        h, stats = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
+        gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps,
+                                   stats=stats)
+        if i == last:
+            return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), h
+        h, stats = k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h, silu_mul=True)
+    raise AssertionError("a shard has at least one layer")
+
+
+def decode_chain_logits(shard, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The last stage's final norm (of hidden + residual) in lm_head's prologue."""
+    logits, _ = _kernels().norm_linear(hidden, shard.lm_head.weight, None, shard.norm.weight, shard.norm.eps,
+                                       residual=residual)
+    return logits
