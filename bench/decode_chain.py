@@ -1,0 +1,94 @@
+"""Small-batch decode steps with and without the decode chain and programmatic dependent launch,
+each against its floor, in one process on the worker's own ModelRunner (as `strata bench roofline`).
+
+    python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1 and 16
+    python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4,16 --json out.json
+
+Four ways per model and batch, the CUDA graphs recaptured for each:
+- chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py);
+- chain: the fused GEMVs, launched plainly (STRATA_DISABLE_PDL=1);
+- unfused + PDL: cuBLAS and the separate norm / SiLU kernels (rotary and attention still PDL);
+- unfused: neither, the engine as it was before the chain.
+The step is the worker's back-to-back period (host work, graph replay, sampling and the copy back
+included); GPU ms from CUDA events; floor = (weight bytes + KV bytes) / the copy bandwidth
+measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from strata.bench import common
+from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
+from strata.bench_cli import add_bench_parser
+
+WAYS = {"chain + PDL": (True, True), "chain": (True, False), "unfused + PDL": (False, True), "unfused": (False, False)}
+
+
+def roofline_args(model: str, max_batch: int):
+    parser = argparse.ArgumentParser(prog="strata")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "roofline", "--model", model, "--device", "cuda",
+                              "--max-num-batched-tokens", str(max(2048, max_batch))])
+
+
+def set_way(runner, num_blocks: int, chain: bool, pdl: bool) -> None:
+    if pdl:
+        os.environ.pop("STRATA_DISABLE_PDL", None)
+    else:
+        os.environ["STRATA_DISABLE_PDL"] = "1"  # read at every launch, so the recapture below drops it
+    runner.shard.decode_chain = chain
+    runner.init_cache(num_blocks)  # new cache, graphs recaptured the new way
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="dummy:llama-3.2-1b,dummy:llama-3-8b", help="comma-separated --model values")
+    p.add_argument("--batches", default="1,16", help="comma-separated decode batch sizes (1..16 take the chain)")
+    p.add_argument("--context-len", type=int, default=576, help="cached tokens per sequence (roofline's 512 + 64)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per way and batch")
+    p.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of: " + ", ".join(WAYS))
+    p.add_argument("--json", default=None, help="write every number here")
+    a = p.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    ways = [w.strip() for w in a.ways.split(",")]
+    bandwidth = measure_copy_bandwidth("cuda")
+    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; commit {common.environment_info(roofline_args('dummy:llama-3.2-1b', 1))['commit']}")
+    rows = []
+    for model in a.models.split(","):
+        args = roofline_args(model, max(batches))
+        runner = load_runner(args, max(batches), a.context_len)
+        num_blocks = runner.kv_caches[0].shape[1]
+        itemsize = runner.kv_caches[0].element_size()
+        try:
+            for way in ways:
+                set_way(runner, num_blocks, *WAYS[way])
+                for batch in batches:
+                    t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
+                    floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
+                    rows.append({"model": model, "way": way, "batch": batch, "step_ms": t["median_s"] * 1e3,
+                                 "gpu_ms": t["gpu_s"] * 1e3, "floor_ms": floor_s * 1e3,
+                                 "step_over_floor": t["median_s"] / floor_s, "gpu_over_floor": t["gpu_s"] / floor_s})
+                    r = rows[-1]
+                    print(f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
+                          f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x", flush=True)
+        finally:
+            os.environ.pop("STRATA_DISABLE_PDL", None)
+            del runner
+            common.free_accelerator_memory()
+    print("\n| model | batch | " + " | ".join(f"{w} ms (x floor)" for w in ways) + " | floor ms |")
+    print("| --- | --- | " + " | ".join("---" for _ in ways) + " | --- |")
+    for model in a.models.split(","):
+        for batch in batches:
+            cells = {r["way"]: r for r in rows if r["model"] == model and r["batch"] == batch}
+            print(f"| {model} | {batch} | " + " | ".join(
+                f"{cells[w]['step_ms']:.3f} ({cells[w]['step_over_floor']:.2f}x)" for w in ways if w in cells)
+                + f" | {next(iter(cells.values()))['floor_ms']:.3f} |")
+    if a.json:
+        with open(a.json, "w") as handle:
+            json.dump({"copy_bandwidth_Bps": bandwidth, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
