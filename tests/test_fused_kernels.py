@@ -376,8 +376,8 @@ else:
 
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])
     def test_decode_chain_matches_torch_path_across_stages(arch, monkeypatch):
-        """The small-batch chain (services/worker/decode_chain.py), forced on CPU, over a prefill
-        and two decode steps: whole model, and split in two stages that pass the unfused
+        """The batch-1 chain (services/worker/decode_chain.py), forced on CPU, over a prefill (which
+        it leaves to the unfused path) and two decode steps: whole model, and split in two stages that pass the unfused
         (hidden, residual) pair between them, against the HF-exact torch path."""
         config = tiny_config(num_hidden_layers=3) if arch == "llama" else tiny_config(
             num_hidden_layers=3, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True,
@@ -419,8 +419,9 @@ else:
             launches.clear()
             for got, expected in zip(run(stages, True), want):
                 torch.testing.assert_close(got, expected, atol=5e-5, rtol=5e-5)
-            # Per step: 4 GEMVs a layer (qkv, o_proj, gate_up, down) and lm_head's.
-            assert len(launches) == len(steps) * (4 * config.num_hidden_layers + 1)
+            # The two decode steps (the prefill has 8 tokens, past the chain's 4): 4 GEMVs a layer
+            # (qkv, o_proj, gate_up, down) and lm_head's; the prefill's 2 sampled rows: lm_head's.
+            assert len(launches) == 2 * (4 * config.num_hidden_layers + 1) + 1
 
     class Counted:
         """A kernel whose launches (kernel[grid](...)) are recorded."""

@@ -1,20 +1,20 @@
-"""The shard's forward for small decode batches (1..16 tokens): a chain of fused GEMV kernels.
+"""The shard's forward for batch-1 decode steps (up to 4 tokens): a chain of fused GEMV kernels.
 
 Per layer, six launches instead of ten (kernels/decode_linear.py says why that matters at
 batch 1):
 
-    qkv      = norm_linear(h, stats)              input RMSNorm in qkv's prologue
-    attn     = rotary + KV write, attention       (Attention.attend)
-    h, stats = linear_add_residual(attn, o_proj)  residual add + sums of squares in o_proj's epilogue
-    gate_up  = norm_linear(h, stats)              post-attention RMSNorm in gate_up's prologue
-    h, stats = linear_add_residual(gate_up, down, silu_mul=True)
+    qkv     = norm_linear(h)                     input RMSNorm in qkv's prologue
+    attn    = rotary + KV write, attention       (Attention.attend)
+    h       = linear_add_residual(attn, o_proj)  the residual add in o_proj's epilogue
+    gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue
+    h       = linear_add_residual(gate_up, down, silu_mul=True)
 
 h is the residual stream after each add (what the unfused path calls `residual` once the add is
-done) and stats its per-row sums of squares, in partials. The stage's interface stays the
-unfused one: the first layer takes the (hidden, residual) pair as given (residual None on the
-first stage) and adds it in qkv's prologue; the last layer returns (down's output, h), which the
-next stage or compute_logits adds and normalises. On Hopper every kernel of the chain is a
-programmatic dependent launch (kernels/dependent_launch.py).
+done). The stage's interface stays the unfused one: the first layer takes the (hidden,
+residual) pair as given (residual None on the first stage) and adds it in qkv's prologue; the
+last layer returns (down's output, h), which the next stage or compute_logits adds and
+normalises. On Hopper every kernel of the chain is a programmatic dependent launch
+(kernels/dependent_launch.py).
 """
 from __future__ import annotations
 
@@ -45,22 +45,19 @@ def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | N
     """CausalLMShard.forward's layers for a small batch; returns the unfused (hidden, residual) pair."""
     k = _kernels()
     last = len(shard.layers) - 1
-    stats = None
     for i, (layer, kv_cache) in enumerate(zip(shard.layers, kv_caches)):
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        if stats is None:  # the stage's first layer: the pair as it came
-            qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
-                                   residual=residual)
-        else:
-            qkv, _ = k.norm_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, stats=stats)
+        # The stage's first layer adds the pair as it came; later ones get h, added already.
+        qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
+                               residual=residual)
         out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
-        h, stats = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
-        gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps,
-                                   stats=stats)
+        h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
+        gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:
             return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), h
-        h, stats = k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h, silu_mul=True)
+        hidden, residual = k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h,
+                                                 silu_mul=True), None
     raise AssertionError("a shard has at least one layer")
 
 

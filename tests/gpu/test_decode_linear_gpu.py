@@ -37,7 +37,7 @@ def assert_like_cublas(got, want32, cublas):
     assert error <= 1.5 * (cublas.float() - want32).abs().mean().item() + 1e-4, error
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("name,n,k", SHAPES, ids=[s[0] for s in SHAPES])
 def test_fused_linears_bf16_model_shapes(name, n, k, m):
     w = rand(n, k, seed=n, scale=k ** -0.5)
@@ -51,15 +51,13 @@ def test_fused_linears_bf16_model_shapes(name, n, k, m):
     act = silu_and_mul_reference(gate_up)
     assert_like_cublas(dl.silu_mul_linear(gate_up, w), F.linear(act.float(), w.float()), F.linear(act, w))
     out_residual = rand(m, n, seed=5)
-    h, stats = dl.linear_add_residual(gate_up, w, None, out_residual, silu_mul=True)
-    want = F.linear(act.float(), w.float()) + out_residual.float()
-    assert_like_cublas(h, want, F.linear(act, w) + out_residual)
-    torch.testing.assert_close(stats.sum(0)[:m], h.float().pow(2).sum(-1), rtol=1e-4, atol=1e-3)
+    h = dl.linear_add_residual(gate_up, w, None, out_residual, silu_mul=True)
+    assert_like_cublas(h, F.linear(act.float(), w.float()) + out_residual.float(), F.linear(act, w) + out_residual)
 
 
 def test_chain_in_a_cuda_graph_equals_eager():
-    """o_proj + residual -> gate_up with the norm from stats -> down (SiLU) + residual -> qkv with
-    the norm from stats: dependent launches in a graph give the eager result bit for bit."""
+    """o_proj + residual -> gate_up with its norm -> down (SiLU) + residual -> qkv with its
+    norm: dependent launches in a graph give the eager result bit for bit."""
     m, hidden, inter = 3, 2048, 8192
     o_w, gu_w = rand(hidden, hidden, seed=1, scale=hidden ** -0.5), rand(2 * inter, hidden, seed=2, scale=hidden ** -0.5)
     down_w, qkv_w = rand(hidden, inter, seed=3, scale=inter ** -0.5), rand(3072, hidden, seed=4, scale=hidden ** -0.5)
@@ -67,10 +65,10 @@ def test_chain_in_a_cuda_graph_equals_eager():
     attn, residual = rand(m, hidden, seed=7), rand(m, hidden, seed=8)
 
     def chain():
-        h, stats = dl.linear_add_residual(attn, o_w, None, residual)
-        gate_up, _ = dl.norm_linear(h, gu_w, None, n1, 1e-5, stats=stats)
-        h, stats = dl.linear_add_residual(gate_up, down_w, None, h, silu_mul=True)
-        return dl.norm_linear(h, qkv_w, None, n2, 1e-5, stats=stats)[0], h
+        h = dl.linear_add_residual(attn, o_w, None, residual)
+        gate_up, _ = dl.norm_linear(h, gu_w, None, n1, 1e-5)
+        h = dl.linear_add_residual(gate_up, down_w, None, h, silu_mul=True)
+        return dl.norm_linear(h, qkv_w, None, n2, 1e-5)[0], h
 
     eager = chain()
     graph = torch.cuda.CUDAGraph()
@@ -85,7 +83,7 @@ def test_chain_in_a_cuda_graph_equals_eager():
 
 
 def test_shard_logits_through_the_chain():
-    """A 4-layer bf16 Llama shard, decode steps at 1 and 16 tokens: the chain's logits against
+    """A 4-layer bf16 Llama shard, decode steps at 1 and 4 tokens: the chain's logits against
     the unfused kernels' (both bf16: roundings differ only in summation order)."""
     from strata.services.worker.attention import allocate_kv_cache
     from strata.services.worker.model import CausalLMShard
@@ -102,7 +100,7 @@ def test_shard_logits_through_the_chain():
         for name, param in shard.named_parameters():
             scale = 0.02 if not name.endswith("norm.weight") else 0.0
             param.copy_(torch.randn(param.shape, device="cuda", generator=gen) * scale + (1.0 if scale == 0 else 0))
-    for batch in (1, 16):
+    for batch in (1, 4):
         prompts = [SequenceChunk(list(range(3 + b, 40 + b)), 0, [b * 3, b * 3 + 1, b * 3 + 2]) for b in range(batch)]
         decodes = [SequenceChunk([7 + b], 37, [b * 3, b * 3 + 1, b * 3 + 2]) for b in range(batch)]
         logits = {}
