@@ -1,8 +1,8 @@
-"""Small-batch decode steps with and without the decode chain and programmatic dependent launch,
+"""Batch-1 decode steps with and without the decode chain and programmatic dependent launch,
 each against its floor, in one process on the worker's own ModelRunner (as `strata bench roofline`).
 
-    python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1 and 16
-    python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4,16 --json out.json
+    python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1
+    python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
 
 Four ways per model and batch, the CUDA graphs recaptured for each:
 - chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py);
@@ -45,14 +45,18 @@ def set_way(runner, num_blocks: int, chain: bool, pdl: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="dummy:llama-3.2-1b,dummy:llama-3-8b", help="comma-separated --model values")
-    p.add_argument("--batches", default="1,16", help="comma-separated decode batch sizes (1..16 take the chain)")
+    p.add_argument("--batches", default="1", help="comma-separated decode batch sizes (1 takes the chain)")
     p.add_argument("--context-len", type=int, default=576, help="cached tokens per sequence (roofline's 512 + 64)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per way and batch")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of: " + ", ".join(WAYS))
+    p.add_argument("--tile-kb", default="", help="also time the chain with these TILE_BYTES (comma-separated KB)")
     p.add_argument("--json", default=None, help="write every number here")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     ways = [w.strip() for w in a.ways.split(",")]
+    from strata.kernels import decode_linear
+    default_tile = decode_linear.TILE_BYTES
+    tiles = [int(kb) * 1024 for kb in a.tile_kb.split(",") if kb]
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; commit {common.environment_info(roofline_args('dummy:llama-3.2-1b', 1))['commit']}")
     rows = []
@@ -62,8 +66,9 @@ def main() -> None:
         num_blocks = runner.kv_caches[0].shape[1]
         itemsize = runner.kv_caches[0].element_size()
         try:
-            for way in ways:
-                set_way(runner, num_blocks, *WAYS[way])
+            for way, tile in [(w, default_tile) for w in ways] + [(f"chain + PDL, {t // 1024} KB", t) for t in tiles]:
+                decode_linear.TILE_BYTES = tile
+                set_way(runner, num_blocks, *WAYS[way.split(",")[0]])
                 for batch in batches:
                     t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
                     floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
@@ -74,9 +79,11 @@ def main() -> None:
                     print(f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
                           f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x", flush=True)
         finally:
+            decode_linear.TILE_BYTES = default_tile
             os.environ.pop("STRATA_DISABLE_PDL", None)
             del runner
             common.free_accelerator_memory()
+    ways += [f"chain + PDL, {t // 1024} KB" for t in tiles]
     print("\n| model | batch | " + " | ".join(f"{w} ms (x floor)" for w in ways) + " | floor ms |")
     print("| --- | --- | " + " | ".join("---" for _ in ways) + " | --- |")
     for model in a.models.split(","):

@@ -1,4 +1,4 @@
-"""The linear layers of a batch-1 decode step (up to 4 rows) as one chain of GEMV kernels that
+"""The linear layers of a batch-1 decode step as one chain of GEMV kernels that
 absorb the elementwise work around them and launch as programmatic dependents.
 
 At batch 1 a Llama-3.2-1B layer's weights stream in ~28 us of floor, but a layer of separate
@@ -12,16 +12,16 @@ own. This module cuts both costs:
   produces the addend (o_proj, down_proj): a layer is qkv, rotary, attention (+ split merge),
   o_proj, gate_up, down.
 - Weights before the wait. A program owns BLOCK_N rows of W and loads them whole, [BLOCK_N, K]
-  into registers (16 KB: 4 rows of K = 2048), before gdc_wait; with PDL
+  into registers (TILE_BYTES: 8 rows of K = 2048), before gdc_wait; with PDL
   (kernels/dependent_launch.py) that load streams while the previous kernel still runs. Only
-  then does it read x: each row of x whole, from L2, so the norm's statistics are computed right
+  then does it read x: its one row whole, from L2, so the norm's statistics are computed right
   there (every program recomputes them: a few KB of L2 reads against its 16 KB of HBM), and the
   product is an elementwise multiply and a reduction over K in float32.
 
 A first version walked K in tiles with x padded to 16 rows for a tensor-core dot: its x operand
 went through the prologue's arithmetic, so the pipeliner did not prefetch it, and every K step
 waited out an L2 round trip (2x slower than cuBLAS over a 1B step, H200). Holding whole rows
-removes that loop; past 4 rows the registers run out, and the batched GEMMs take over.
+removes that loop. It serves batch 1 only (MAX_ROWS); larger batches take the batched GEMMs.
 
 Rounding follows the unfused path: the projection output is rounded to the activation dtype
 before the residual add, the sum is rounded, the normalised row is rounded before the weight
@@ -47,9 +47,14 @@ __all__ = ["DecodeLinearConfig", "choose_decode_linear_config", "linear_add_resi
            "norm_linear", "norm_linear_reference", "plain_linear", "silu_mul_linear", "silu_mul_linear_reference",
            "use_decode_linear", "MAX_ROWS"]
 
-MAX_ROWS = 4  # each row is a pass over the program's W tile in registers; past 4 rows cuBLAS wins
+# One row: a second row of x was a second serial pass (L2 load, norm, product, reduction) over
+# the program's W tile, and 4 rows ran 2x slower than cuBLAS over a 1B step (H200).
+MAX_ROWS = 1
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TILE_BYTES = 16 * 1024  # W bytes a program loads before its wait: 32 registers a thread at 4 warps
+# W bytes a program loads before its wait. Every program also reads x's row and the norm weight
+# (4 K bytes from L2): 16 KB tiles (2 rows of the 8B's K = 4096) made that as much traffic as W
+# itself and the 8B step slower than cuBLAS's; 32 KB is 32 registers a thread at 8 warps.
+TILE_BYTES = 32 * 1024
 
 # What the prologue makes of x before the product.
 _PLAIN, _NORM, _SILU_MUL = 0, 1, 2
@@ -62,28 +67,28 @@ class DecodeLinearConfig:
 
 
 def choose_decode_linear_config(*, n: int, k: int, element_size: int = 2) -> DecodeLinearConfig:
-    """As many W rows as fit TILE_BYTES of a padded row (at least one): 4 rows of K = 2048 in
-    bf16, 1 of 8192; 8 warps once a row alone is past 16 KB (8B's down, K = 14336)."""
+    """As many W rows as fit TILE_BYTES of a padded row (at least one, at most 16): 8 rows of
+    K = 2048 in bf16, 2 of 8192, 1 of 14336; 8 warps, 4 for tiles of 8 KB or less."""
     row_bytes = triton.next_power_of_2(k) * element_size
     block_n = max(1, min(16, TILE_BYTES // row_bytes))
-    return DecodeLinearConfig(block_n=block_n, num_warps=8 if row_bytes > TILE_BYTES else 4)
+    return DecodeLinearConfig(block_n=block_n, num_warps=8 if block_n * row_bytes > 8192 else 4)
 
 
 @triton.jit
-def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, row, pid, ks, k_mask, eps, stride_x, stride_res,
-                 stride_res_out, K: tl.constexpr, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-    """Row `row` of x, whole ([K_PADDED] in registers, from L2), the prologue applied."""
-    x = tl.load(x_ptr + row * stride_x + ks, mask=k_mask, other=0.0)
+def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, K: tl.constexpr,
+                 PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    """x's row, whole ([K_PADDED] in registers, from L2), the prologue applied."""
+    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if PROLOGUE == 2:  # silu(gate) * up over a [gate | up] row of 2K
-        up = tl.load(x_ptr + row * stride_x + K + ks, mask=k_mask, other=0.0)
+        up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0)
         gate = x.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
         x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
     elif PROLOGUE == 1:  # rms_norm(x (+ residual)): the whole row is here, so are its statistics
         if ADD_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + ks, mask=k_mask, other=0.0)
+            r = tl.load(res_ptr + ks, mask=k_mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + row * stride_res_out + ks, x, mask=k_mask & (pid == 0))
+            tl.store(res_out_ptr + ks, x, mask=k_mask & (pid == 0))
         x32 = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
         w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
@@ -92,14 +97,12 @@ def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, row, pid, ks, k_mask, 
     return x
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _decode_linear_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-    M, N, stride_x, stride_res, stride_out, stride_res_out, eps,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, eps,
     K: tl.constexpr,
     K_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MAX_M: tl.constexpr,
     PROLOGUE: tl.constexpr,  # 0 x, 1 rms_norm(x (+ res)), 2 silu_mul(x)
     ADD_RESIDUAL: tl.constexpr,  # prologue 1: x + res, which program 0 stores to res_out
     EPILOGUE_RESIDUAL: tl.constexpr,  # out = round(y) + res
@@ -122,15 +125,12 @@ def _decode_linear_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
-    for row in tl.static_range(MAX_M):
-        if row < M:
-            x = _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, row, pid, ks, k_mask, eps, stride_x, stride_res,
-                             stride_res_out, K, PROLOGUE, ADD_RESIDUAL)
-            y = (tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias).to(out_ptr.dtype.element_ty)
-            if EPILOGUE_RESIDUAL:
-                r = tl.load(res_ptr + row * stride_res + offs_n, mask=n_mask, other=0.0)
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row * stride_out + offs_n, y, mask=n_mask)
+    x = _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, K, PROLOGUE, ADD_RESIDUAL)
+    y = (tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias).to(out_ptr.dtype.element_ty)
+    if EPILOGUE_RESIDUAL:
+        r = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, y, mask=n_mask)
 
 
 # Decided when the kernel is defined, as triton.jit decides (TRITON_INTERPRET read at decoration).
@@ -138,13 +138,13 @@ _INTERPRETED = isinstance(_decode_linear_kernel, InterpretedFunction)
 
 
 def use_decode_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the chain can serve F.linear(x, weight): 1..4 unit-stride rows of a supported
-    dtype shared with a contiguous 2-D weight (CUDA tensors, or any under the interpreter)."""
+    """Whether the chain can serve F.linear(x, weight): one contiguous row of a supported dtype
+    shared with a contiguous 2-D weight (CUDA tensors, or any under the interpreter)."""
     if not (x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype and (x.is_cuda or _INTERPRETED)):
         return False
-    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() != 2 or x.stride(-1) != 1:
+    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() != 2 or not x.is_contiguous():
         return False
-    return 1 <= x.shape[0] <= MAX_ROWS
+    return x.shape[0] == MAX_ROWS
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, k: int, prologue: int,
@@ -153,10 +153,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     n = weight.shape[0]
     m = x.shape[0]
     assert weight.shape == (n, k) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, k)
-    assert x.dim() == 2 and x.stride(-1) == 1 and 1 <= m <= MAX_ROWS, (x.shape, x.stride())
+    assert x.dim() == 2 and x.is_contiguous() and m == MAX_ROWS, (x.shape, x.stride())
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
     if residual is not None:
-        assert residual.dtype == x.dtype and residual.stride(-1) == 1
+        assert residual.dtype == x.dtype and residual.is_contiguous()
         assert residual.shape == ((m, n) if add_residual_after else (m, k)), (residual.shape, m, n, k)
     config = config or choose_decode_linear_config(n=n, k=k, element_size=x.element_size())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -167,12 +167,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     _decode_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
-        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        res_out.stride(0) if res_out is not None else 0, eps,
+        n, eps,
         K=k,
         K_PADDED=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
-        MAX_M=MAX_ROWS,
         PROLOGUE=prologue,
         ADD_RESIDUAL=res_out is not None,
         EPILOGUE_RESIDUAL=add_residual_after,
