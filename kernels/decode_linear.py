@@ -12,7 +12,7 @@ own. This module cuts both costs:
   produces the addend (o_proj, down_proj): a layer is qkv, rotary, attention (+ split merge),
   o_proj, gate_up, down.
 - Weights before the wait. A program owns BLOCK_N rows of W and loads them whole, [BLOCK_N, K]
-  into registers (TILE_BYTES: 8 rows of K = 2048), before gdc_wait; with PDL
+  into registers (TILE_BYTES: 16 rows of K = 2048), before gdc_wait; with PDL
   (kernels/dependent_launch.py) that load streams while the previous kernel still runs. Only
   then does it read x: its one row whole, from L2, so the norm's statistics are computed right
   there (every program recomputes them: a few KB of L2 reads against its 16 KB of HBM), and the
@@ -51,10 +51,11 @@ __all__ = ["DecodeLinearConfig", "choose_decode_linear_config", "linear_add_resi
 # the program's W tile, and 4 rows ran 2x slower than cuBLAS over a 1B step (H200).
 MAX_ROWS = 1
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# W bytes a program loads before its wait. Every program also reads x's row and the norm weight
-# (4 K bytes from L2): 16 KB tiles (2 rows of the 8B's K = 4096) made that as much traffic as W
-# itself and the 8B step slower than cuBLAS's; 32 KB is 32 registers a thread at 8 warps.
-TILE_BYTES = 32 * 1024
+# W bytes a program loads before its wait (64 registers a thread at 8 warps). Every program also
+# reads x's row and the norm weight from L2 (4 K bytes): at 16 KB, 2 rows of the 8B's K = 4096,
+# that was half as much as W itself. Swept on an H200 (bench.decode_chain --tile-kb): the 1B
+# step is level from 16 to 64 KB, the 8B step 4.69 / 4.51 / 4.26 ms at 16 / 32 / 64 KB.
+TILE_BYTES = 64 * 1024
 
 # What the prologue makes of x before the product.
 _PLAIN, _NORM, _SILU_MUL = 0, 1, 2
@@ -67,8 +68,8 @@ class DecodeLinearConfig:
 
 
 def choose_decode_linear_config(*, n: int, k: int, element_size: int = 2) -> DecodeLinearConfig:
-    """As many W rows as fit TILE_BYTES of a padded row (at least one, at most 16): 8 rows of
-    K = 2048 in bf16, 2 of 8192, 1 of 14336; 8 warps, 4 for tiles of 8 KB or less."""
+    """As many W rows as fit TILE_BYTES of a padded row (at least one, at most 16): 16 rows of
+    K = 2048 in bf16, 4 of 8192, 2 of 14336; 8 warps, 4 for tiles of 8 KB or less."""
     row_bytes = triton.next_power_of_2(k) * element_size
     block_n = max(1, min(16, TILE_BYTES // row_bytes))
     return DecodeLinearConfig(block_n=block_n, num_warps=8 if block_n * row_bytes > 8192 else 4)

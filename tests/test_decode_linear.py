@@ -139,9 +139,9 @@ else:
 
     def test_launch_heuristics():
         choose = dl.choose_decode_linear_config
-        assert choose(n=3072, k=2048) == DecodeLinearConfig(8, 8)  # 32 KB of W a program
-        assert choose(n=2048, k=8192) == DecodeLinearConfig(2, 8)
-        assert choose(n=4096, k=14336) == DecodeLinearConfig(1, 8)  # one 32 KB padded row
-        assert choose(n=576, k=576) == DecodeLinearConfig(16, 8)
-        assert choose(n=2048, k=2048, element_size=4) == DecodeLinearConfig(4, 8)
+        assert choose(n=3072, k=2048) == DecodeLinearConfig(16, 8)  # 64 KB of W a program
+        assert choose(n=2048, k=8192) == DecodeLinearConfig(4, 8)
+        assert choose(n=4096, k=14336) == DecodeLinearConfig(2, 8)  # 32 KB padded rows
+        assert choose(n=576, k=576) == DecodeLinearConfig(16, 8)  # at most 16 rows
+        assert choose(n=2048, k=2048, element_size=4) == DecodeLinearConfig(8, 8)
         assert choose(n=40, k=96) == DecodeLinearConfig(16, 4)  # 3 KB tiles: 4 warps
