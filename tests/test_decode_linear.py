@@ -76,7 +76,7 @@ else:
     from strata.kernels.decode_linear import DecodeLinearConfig
 
     # Ragged on purpose: K = 200 pads to 256, N = 42 leaves a part-filled last program.
-    CONFIGS = [(42, 200, DecodeLinearConfig(4)), (48, 256, DecodeLinearConfig(16, 8)), (40, 96, DecodeLinearConfig(1))]
+    CONFIGS = [(42, 200, DecodeLinearConfig(4)), (48, 256, DecodeLinearConfig(16, 8)), (40, 96, DecodeLinearConfig(2))]
 
     def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
         gen = torch.Generator().manual_seed(seed)
