@@ -31,7 +31,7 @@ import strata.kernels.kv_cache_write as kv_cache_write
 import strata.kernels.paged_attention as paged_attention
 
 _TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-_INT_POINTERS = {"positions_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+_INT_POINTERS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
                  "slot_mapping_ptr": "*i64", "seq_prefix_lens_ptr": "*i32", "token_start_ptr": "*i32",
                  "prefix_lens_ptr": "*i32", "table_rows_ptr": "*i32"}
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr", "stats_ptr", "stats_out_ptr"}

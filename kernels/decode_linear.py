@@ -43,7 +43,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 
-__all__ = ["DecodeLinearConfig", "RopeAndCache", "choose_decode_linear_config", "linear_add_residual", "linear_add_residual_reference",
+__all__ = ["DecodeLinearConfig", "choose_decode_linear_config", "linear_add_residual", "linear_add_residual_reference",
            "norm_linear", "norm_linear_reference", "plain_linear", "silu_mul_linear", "silu_mul_linear_reference",
            "use_decode_linear", "MAX_ROWS"]
 
@@ -68,10 +68,10 @@ class DecodeLinearConfig:
 
 
 def choose_decode_linear_config(*, n: int, k: int, element_size: int = 2) -> DecodeLinearConfig:
-    """As many W rows as fit TILE_BYTES of a padded row (at least 2, at most 16): 16 rows of
+    """As many W rows as fit TILE_BYTES of a padded row (at least one, at most 16): 16 rows of
     K = 2048 in bf16, 4 of 8192, 2 of 14336; 8 warps, 4 for tiles of 8 KB or less."""
     row_bytes = triton.next_power_of_2(k) * element_size
-    block_n = max(2, min(16, TILE_BYTES // row_bytes))  # two runs of rows (the kernel's halves)
+    block_n = max(1, min(16, TILE_BYTES // row_bytes))
     return DecodeLinearConfig(block_n=block_n, num_warps=8 if block_n * row_bytes > 8192 else 4)
 
 
@@ -99,51 +99,8 @@ def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, 
 
 
 @triton.jit
-def _finish_half(y, offs, n_mask, res_ptr, out_ptr, EPILOGUE_RESIDUAL: tl.constexpr):
-    if EPILOGUE_RESIDUAL:
-        r = tl.load(res_ptr + offs, mask=n_mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, y, mask=n_mask)
-
-
-@triton.jit
-def _rope_epilogue(y1, y2, first, cos, sin, slot, out_ptr, key_cache_ptr, value_cache_ptr, stride_cache_block,
-                   stride_cache_slot, stride_cache_head, PAIRS: tl.constexpr, Q_SIZE: tl.constexpr,
-                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK_SIZE: tl.constexpr):
-    """The program's rows are dims [d, d + PAIRS) and [d + D/2, ...) of one head: rotate a query
-    or key head as kernels/rotary.py does (each product and sum rounded to the dtype), store a
-    query in place, a key rotated and a value as is to the token's cache slot (slot < 0: none)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dims = first % HEAD_DIM + tl.arange(0, PAIRS)  # within the first half
-    if first < Q_SIZE + KV_SIZE:
-        x1 = y1.to(tl.float32)
-        x2 = y2.to(tl.float32)
-        x1_cos = (x1 * cos).to(y1.dtype).to(tl.float32)
-        x2_sin = (x2 * sin).to(y1.dtype).to(tl.float32)
-        x2_cos = (x2 * cos).to(y1.dtype).to(tl.float32)
-        x1_sin = (x1 * sin).to(y1.dtype).to(tl.float32)
-        y1 = (x1_cos - x2_sin).to(y1.dtype)
-        y2 = (x2_cos + x1_sin).to(y1.dtype)
-    if first < Q_SIZE:  # attention reads the queries from the projection
-        tl.store(out_ptr + first + tl.arange(0, PAIRS), y1)
-        tl.store(out_ptr + first + HALF + tl.arange(0, PAIRS), y2)
-    elif slot >= 0:
-        kv_head = ((first - Q_SIZE) % KV_SIZE) // HEAD_DIM
-        offset = (slot // CACHE_BLOCK_SIZE) * stride_cache_block + (slot % CACHE_BLOCK_SIZE) * stride_cache_slot \
-            + kv_head * stride_cache_head + dims
-        if first < Q_SIZE + KV_SIZE:
-            tl.store(key_cache_ptr + offset, y1.to(key_cache_ptr.dtype.element_ty))
-            tl.store(key_cache_ptr + offset + HALF, y2.to(key_cache_ptr.dtype.element_ty))
-        else:
-            tl.store(value_cache_ptr + offset, y1.to(value_cache_ptr.dtype.element_ty))
-            tl.store(value_cache_ptr + offset + HALF, y2.to(value_cache_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _decode_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, eps,
-    positions_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_positions, stride_cos,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
     K: tl.constexpr,
     K_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -151,63 +108,30 @@ def _decode_linear_kernel(
     ADD_RESIDUAL: tl.constexpr,  # prologue 1: x + res, which program 0 stores to res_out
     EPILOGUE_RESIDUAL: tl.constexpr,  # out = round(y) + res
     HAS_BIAS: tl.constexpr,
-    ROPE: tl.constexpr = False,  # the qkv projection: rotary and the KV cache write in the epilogue
-    Q_SIZE: tl.constexpr = 0,
-    KV_SIZE: tl.constexpr = 0,
-    HEAD_DIM: tl.constexpr = 2,
-    CACHE_BLOCK_SIZE: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    # A program's BLOCK_N rows are two runs of BLOCK_N / 2: consecutive ones, or (ROPE) the
-    # rotation pairs d and d + HEAD_DIM / 2 of one head, so each pair meets in one program.
-    PAIRS: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    if ROPE:
-        per_head: tl.constexpr = HEAD_DIM // 2 // PAIRS
-        first = (pid // per_head) * HEAD_DIM + (pid % per_head) * PAIRS
-        second = first + HEAD_DIM // 2
-    else:
-        first = pid * BLOCK_N
-        second = first + PAIRS
-    offs1 = first + tl.arange(0, PAIRS)
-    offs2 = second + tl.arange(0, PAIRS)
-    mask1 = offs1 < N
-    mask2 = offs2 < N
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     ks = tl.arange(0, K_PADDED)
     k_mask = ks < K
     # The program's whole W tile, constant data: loaded before the wait, so it streams while the
-    # previous kernel of the chain still runs. Rows past N re-read the last one, never stored.
-    w1 = tl.load(w_ptr + tl.minimum(offs1, N - 1).to(tl.int64)[:, None] * K + ks[None, :], mask=k_mask[None, :],
-                 other=0.0)
-    w2 = tl.load(w_ptr + tl.minimum(offs2, N - 1).to(tl.int64)[:, None] * K + ks[None, :], mask=k_mask[None, :],
-                 other=0.0)
-    bias1 = tl.zeros([PAIRS], dtype=tl.float32)
-    bias2 = tl.zeros([PAIRS], dtype=tl.float32)
+    # previous kernel of the chain still runs.
+    w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=k_mask[None, :], other=0.0)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
-        bias1 = tl.load(bias_ptr + offs1, mask=mask1, other=0.0).to(tl.float32)
-        bias2 = tl.load(bias_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
-    if ROPE:  # step inputs and tables: no kernel of the step writes them
-        position = tl.load(positions_ptr).to(tl.int64)
-        position = tl.minimum(tl.maximum(position, 0), num_positions - 1)
-        dims = first % HEAD_DIM + tl.arange(0, PAIRS)
-        cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32)
-        slot = tl.load(slot_mapping_ptr).to(tl.int64)
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     x = _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, K, PROLOGUE, ADD_RESIDUAL)
-    x = x.to(tl.float32)[None, :]
-    y1 = (tl.sum(w1.to(tl.float32) * x, axis=1) + bias1).to(out_ptr.dtype.element_ty)
-    y2 = (tl.sum(w2.to(tl.float32) * x, axis=1) + bias2).to(out_ptr.dtype.element_ty)
-    if ROPE:
-        _rope_epilogue(y1, y2, first, cos, sin, slot, out_ptr, key_cache_ptr, value_cache_ptr,
-                       stride_cache_block, stride_cache_slot, stride_cache_head, PAIRS, Q_SIZE, KV_SIZE, HEAD_DIM,
-                       CACHE_BLOCK_SIZE)
-    else:
-        _finish_half(y1, offs1, mask1, res_ptr, out_ptr, EPILOGUE_RESIDUAL)
-        _finish_half(y2, offs2, mask2, res_ptr, out_ptr, EPILOGUE_RESIDUAL)
+    y = (tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias).to(out_ptr.dtype.element_ty)
+    if EPILOGUE_RESIDUAL:
+        r = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, y, mask=n_mask)
 
 
 # Decided when the kernel is defined, as triton.jit decides (TRITON_INTERPRET read at decoration).
@@ -224,24 +148,9 @@ def use_decode_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] == MAX_ROWS
 
 
-@dataclass
-class RopeAndCache:
-    """What the qkv projection's epilogue needs to rotate and cache (kernels/rotary.py's inputs)."""
-
-    positions: torch.Tensor  # [1]
-    cos: torch.Tensor  # [max_pos, D/2], the activation dtype
-    sin: torch.Tensor
-    kv_cache: torch.Tensor  # [2, num_blocks, Hkv, block_size, D]
-    slot_mapping: torch.Tensor  # int64 [1]
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, k: int, prologue: int,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            add_residual_after: bool = False, rope: RopeAndCache | None = None,
-            config: DecodeLinearConfig | None = None):
+            add_residual_after: bool = False, config: DecodeLinearConfig | None = None):
     n = weight.shape[0]
     m = x.shape[0]
     assert weight.shape == (n, k) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, k)
@@ -251,21 +160,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         assert residual.dtype == x.dtype and residual.is_contiguous()
         assert residual.shape == ((m, n) if add_residual_after else (m, k)), (residual.shape, m, n, k)
     config = config or choose_decode_linear_config(n=n, k=k, element_size=x.element_size())
-    rope_args, rope_constexprs = (x,) * 6 + (0,) * 5, {}
-    if rope is not None:
-        d = rope.head_dim
-        # The two runs of a program are pairs within one head's halves.
-        config = DecodeLinearConfig(min(config.block_n, d), config.num_warps)
-        cache = rope.kv_cache
-        assert n == (rope.num_q_heads + 2 * rope.num_kv_heads) * d and d % 2 == 0, (n, rope)
-        assert cache.dim() == 5 and cache.shape[2] == rope.num_kv_heads and cache.shape[4] == d, cache.shape
-        assert cache.stride(-1) == 1 and rope.cos.stride(-1) == 1 and rope.sin.stride() == rope.cos.stride()
-        assert rope.positions.numel() == 1 and rope.slot_mapping.numel() == 1
-        rope_args = (rope.positions, rope.cos, rope.sin, cache[0], cache[1], rope.slot_mapping, rope.cos.shape[0],
-                     rope.cos.stride(0), cache.stride(1), cache.stride(3), cache.stride(2))
-        rope_constexprs = dict(ROPE=True, Q_SIZE=rope.num_q_heads * d, KV_SIZE=rope.num_kv_heads * d,
-                               HEAD_DIM=d, CACHE_BLOCK_SIZE=cache.shape[3])
-    assert config.block_n >= 2 and config.block_n & (config.block_n - 1) == 0, config
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = None
     if prologue == _NORM and residual is not None:
@@ -274,7 +168,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     _decode_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
-        n, eps, *rope_args,
+        n, eps,
         K=k,
         K_PADDED=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
@@ -284,7 +178,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         HAS_BIAS=bias is not None,
         PDL=pdl,
         num_warps=config.num_warps,
-        **rope_constexprs,
         **launch_options(pdl),
     )
     return out, res_out
@@ -297,16 +190,12 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, *, residual: torch.Tensor | None = None, rope: RopeAndCache | None = None,
-                config: DecodeLinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, *, residual: torch.Tensor | None = None, config: DecodeLinearConfig | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(rms_norm(x + residual), weight, bias), x + residual): a norm fused into the
-    projection after it; x itself stands for the sum when residual is None.
-
-    rope: the projection is a layer's qkv; its epilogue rotates the query and key heads and
-    stores keys and values in the token's cache slot, as kernels/rotary.py does. Of the output,
-    only the query columns (the rotated queries) are then written."""
+    projection after it; x itself stands for the sum when residual is None."""
     out, res_out = _launch(x, weight, bias, k=x.shape[1], prologue=_NORM, residual=residual,
-                           norm_weight=norm_weight, eps=eps, rope=rope, config=config)
+                           norm_weight=norm_weight, eps=eps, config=config)
     return out, (x if res_out is None else res_out)
 
 

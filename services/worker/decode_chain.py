@@ -1,11 +1,10 @@
 """The shard's forward for batch-1 decode steps (up to 4 tokens): a chain of fused GEMV kernels.
 
-Per layer, five or six launches instead of ten (kernels/decode_linear.py says why that
-matters at batch 1):
+Per layer, six launches instead of ten (kernels/decode_linear.py says why that matters at
+batch 1):
 
-    q       = norm_linear(h, rope)               input RMSNorm in qkv's prologue; rotary and
-                                                 the KV cache write in its epilogue
-    attn    = attention (+ its split merge)      (Attention.attend_rotated)
+    qkv     = norm_linear(h)                     input RMSNorm in qkv's prologue
+    attn    = rotary + KV write, attention       (Attention.attend)
     h       = linear_add_residual(attn, o_proj)  the residual add in o_proj's epilogue
     gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue
     h       = linear_add_residual(gate_up, down, silu_mul=True)
@@ -50,13 +49,9 @@ def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | N
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         # The stage's first layer adds the pair as it came; later ones get h, added already.
-        # qkv's epilogue rotates the queries and keys and stores keys and values in the cache.
-        rope = k.RopeAndCache(positions, shard.rotary.cos, shard.rotary.sin, kv_cache, meta.slot_mapping,
-                              attn.num_heads, attn.num_kv_heads, attn.head_dim)
         qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
-                               residual=residual, rope=rope)
-        q = qkv[:, :attn.q_size].view(1, attn.num_heads, attn.head_dim)
-        out = attn.attend_rotated(q, kv_cache, meta, shard.attn_backend)
+                               residual=residual)
+        out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
         h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:

@@ -214,13 +214,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, backend)
-        return self.attend_rotated(q, kv_cache, meta, backend)
-
-    def attend_rotated(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                       backend: AttentionBackend) -> torch.Tensor:
-        """Attention of rotated queries [T, Hq, D] over a cache that holds this step's keys: [T, q]."""
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
-        return out.reshape(q.shape[0], self.q_size)
+        return out.reshape(num_tokens, self.q_size)
 
 
 class MLP(FusedKernelSwitch, nn.Module):
