@@ -1,5 +1,6 @@
 """Decode-sized linear layers (M = 1..16 rows) on one GPU: cuBLAS (F.linear) against Triton's
-small_m_linear, both against the memory floor.
+small_m_linear, both against the memory floor; at M = 1 also the decode chain's GEMV
+(kernels/decode_linear.py), whose back-to-back calls overlap through PDL (and without it).
 
     python -m strata.bench.bench_linear                              # every shape, M = 1, 2, 4, 8, 16
     python -m strata.bench.bench_linear --models 1b --m 1,16         # a subset
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from strata.kernels.decode_linear import plain_linear
 from strata.kernels.small_m_linear import LinearLaunchConfig, choose_linear_config, small_m_linear
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -125,6 +128,13 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
         triton_us = timed(lambda i: small_m_linear(x, weights[i], out=out, config=config))
         floor_us = (weight_bytes + (m * k + m * n) * element) / (copy_gbps * 1e3)
         row = dict(n=n, k=k, m=m, cublas_us=cublas_us, triton_us=triton_us, floor_us=floor_us, config=describe(config))
+        if m == 1:  # the batch-1 decode chain's GEMV (decode_linear), with and without PDL between calls
+            row["chain_us"] = timed(lambda i: plain_linear(x, weights[i]))
+            os.environ["STRATA_DISABLE_PDL"] = "1"
+            try:
+                row["chain_no_pdl_us"] = timed(lambda i: plain_linear(x, weights[i]))
+            finally:
+                os.environ.pop("STRATA_DISABLE_PDL")
         if args.sweep:
             timings = []
             for alternative in sweep_configs(m, n, k):
@@ -151,6 +161,9 @@ def print_row(model: str, linear: str, row: dict) -> None:
     print(f"{model:<13} {linear:<8} {row['n']:>6} x {row['k']:<5} {row['m']:>3} {row['cublas_us']:10.2f} "
           f"{row['triton_us']:10.2f} {f:9.2f} {row['cublas_us'] / f:13.2f} {row['triton_us'] / f:13.2f} "
           f"{row['triton_us'] / row['cublas_us']:14.2f}  {row['config']}", flush=True)
+    if "chain_us" in row:
+        print(f"{'':>40} decode chain GEMV {row['chain_us']:7.2f} us = {row['chain_us'] / f:4.2f}x floor "
+              f"(without PDL {row['chain_no_pdl_us']:7.2f} us = {row['chain_no_pdl_us'] / f:4.2f}x)", flush=True)
     for us, name in row.get("sweep", []):
         print(f"{'':>40} sweep {us:9.2f} us = {us / f:4.2f}x floor  {name}", flush=True)
 
@@ -172,6 +185,10 @@ def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
             print(f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:10.1f} "
                   f"{total['floor_us']:10.1f} {total['cublas_us'] / total['floor_us']:13.2f} "
                   f"{total['triton_us'] / total['floor_us']:13.2f} {total['triton_us'] / total['cublas_us']:14.2f}")
+            if all("chain_us" in row for row in rows):
+                for field, label in (("chain_us", "decode chain GEMV"), ("chain_no_pdl_us", "  without PDL")):
+                    t = sum(row[field] * (1 if linear == "lm_head" else model.layers) for linear, row in zip(LINEARS, rows))
+                    print(f"  {'':<14} {'':>3} {label}: {t:.1f} us = {t / total['floor_us']:.2f}x floor")
 
 
 def parse_list(text: str, allowed=None, kind=str) -> list:
