@@ -1,7 +1,7 @@
-"""The shard's forward for batch-1 decode steps (up to 4 tokens): a chain of fused GEMV kernels.
+"""The shard's forward for batch-1 decode steps: a chain of fused GEMV kernels.
 
-Per layer, six launches instead of ten (kernels/decode_linear.py says why that matters at
-batch 1):
+Per layer, six launches instead of nine, seven instead of ten with split-KV attention's merge
+(kernels/decode_linear.py says why that matters at batch 1):
 
     qkv     = norm_linear(h)                     input RMSNorm in qkv's prologue
     attn    = rotary + KV write, attention       (Attention.attend)
@@ -33,11 +33,8 @@ def _kernels():
 
 
 def chain_serves(hidden: torch.Tensor, shard) -> bool:
-    """Whether the chain can run this batch: at most 16 tokens, a dtype and weights it takes."""
-    kernels = _kernels()
-    if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= kernels.MAX_ROWS or hidden.stride(-1) != 1:
-        return False
-    return kernels.use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
+    """Whether the chain can run this batch: one token, of a dtype and weights it takes."""
+    return _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
 
 
 def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

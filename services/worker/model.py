@@ -351,8 +351,9 @@ class CausalLMShard(nn.Module):
         return self.lm_head(normed)
 
     def _runs_decode_chain(self, hidden: torch.Tensor) -> bool:
-        """Small batches on the GPU take the fused GEMV chain (decode_chain.py); decode_chain
-        None decides by device and kernel switch, tests and benchmarks force it."""
+        """Batch-1 steps on the GPU take the fused GEMV chain (decode_chain.py); decode_chain
+        None decides by device and kernel switch (and STRATA_DISABLE_DECODE_CHAIN), tests and
+        benchmarks force it."""
         enabled = self.decode_chain
         if enabled is None:
             enabled = hidden.is_cuda and self.layers[0].mlp._use_fused(hidden) and DECODE_CHAIN_DEFAULT
