@@ -106,6 +106,9 @@ def compile_variants() -> list:
 
 if not can_run_interpreted_here("strata.kernels.batched_linear"):
 
+    # batched_linear serves no step (cuBLAS does): its 20 s of interpreter cases run with the slow
+    # tests (STRATA_SLOW_TESTS=1) and on GPUs, keeping the default run under its 15 minutes.
+    @pytest.mark.slow
     def test_batched_linear_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=300)
 
