@@ -33,10 +33,16 @@ def _silu_and_mul_kernel(
     gate_ptrs = gate_up_ptr + row * stride_gate_up + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + INTERMEDIATE, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32, silu rounded to gate's dtype first as F.silu(gate) * up does
+    (also decode_linear's prologue)."""
     gate32 = gate.to(tl.float32)
     activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
-    out = activated.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return activated.to(tl.float32) * up.to(tl.float32)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels.activation import silu_mul
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+from strata.kernels.rmsnorm import rms_norm_row
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 
 __all__ = ["DecodeLinearConfig", "choose_decode_linear_config", "linear_add_residual", "linear_add_residual_reference",
@@ -82,19 +84,14 @@ def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, 
     x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if PROLOGUE == 2:  # silu(gate) * up over a [gate | up] row of 2K
         up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0)
-        gate = x.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        x = silu_mul(x, up).to(x.dtype)
     elif PROLOGUE == 1:  # rms_norm(x (+ residual)): the whole row is here, so are its statistics
         if ADD_RESIDUAL:
             r = tl.load(res_ptr + ks, mask=k_mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(res_out_ptr + ks, x, mask=k_mask & (pid == 0))
-        x32 = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
         w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
-        normed = (x32 * rstd).to(x.dtype)
-        x = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        x = rms_norm_row(x, w, K, eps).to(x.dtype)
     return x
 
 

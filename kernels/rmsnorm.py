@@ -49,12 +49,19 @@ def _rms_norm_kernel(
         # The torch path adds in the activation dtype: round the sum the same way.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    out = rms_norm_row(x, weight, HIDDEN, eps)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x, weight, HIDDEN: tl.constexpr, eps):
+    """weight * rms_normalise(x) of one whole row (padding zero), in float32 (also decode_linear's
+    prologue). Float32 statistics; HF casts the normalised row back to the input dtype before
+    scaling by the weight, and so does this."""
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / HIDDEN
-    # HF casts the normalised row back to the input dtype before scaling by the weight.
     normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return weight.to(tl.float32) * normed.to(tl.float32)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
