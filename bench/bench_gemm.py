@@ -27,6 +27,7 @@ the best of cuBLAS and Triton per linear.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -145,10 +146,13 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
 
         flops = 2.0 * m * n * k
         cublas_us = timed(lambda i: F.linear(x, weights[i]))
+        with blas_library("cublaslt"):  # the graph keeps the kernel chosen at capture
+            cublaslt_us = timed(lambda i: F.linear(x, weights[i]))
         triton_us = timed(lambda i: batched_linear(x, weights[i], out=out, config=config))
         floor_us = max(flops / (rates["tflops"] * 1e6),
                        (weight_bytes + (m * k + m * n) * element) / (rates["copy_gbps"] * 1e3))
-        row = dict(model=model, linear=linear, n=n, k=k, m=m, flops=flops, cublas_us=cublas_us, triton_us=triton_us,
+        row = dict(model=model, linear=linear, n=n, k=k, m=m, flops=flops, cublas_us=cublas_us,
+                   cublaslt_us=cublaslt_us, triton_us=triton_us,
                    floor_us=floor_us, config=config.describe(), best_us=triton_us, best_config=config.describe())
         if args.sweep and time.perf_counter() > deadline:
             print(f"  (sweep time budget spent: {linear} M={m} not swept)", flush=True)
@@ -187,17 +191,30 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
     return rows
 
 
+@contextlib.contextmanager
+def blas_library(name: str):
+    """torch's preferred BLAS backend for F.linear inside the block ("cublas" or "cublaslt")."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def tflops(row: dict, field: str) -> float:
     return row["flops"] / (row[field] * 1e6)
 
 
-HEADER = (f"{'model':<13} {'linear':<8} {'N x K':>13} {'M':>3} {'cuBLAS us':>9} {'TF/s':>4} {'heur us':>8} {'TF/s':>4} "
+HEADER = (f"{'model':<13} {'linear':<8} {'N x K':>13} {'M':>5} {'cuBLAS us':>9} {'TF/s':>4} {'Lt us':>8} {'TF/s':>4} "
+          f"{'heur us':>8} {'TF/s':>4} "
           f"{'best us':>8} {'TF/s':>4} {'floor us':>8} {'best/cuBLAS':>11}  heuristic config | best config")
 
 
 def print_row(row: dict) -> None:
-    print(f"{row['model']:<13} {row['linear']:<8} {row['n']:>6}x{row['k']:<6} {row['m']:>3} "
+    print(f"{row['model']:<13} {row['linear']:<8} {row['n']:>6}x{row['k']:<6} {row['m']:>5} "
           f"{row['cublas_us']:9.2f} {tflops(row, 'cublas_us'):4.0f} "
+          f"{row['cublaslt_us']:8.2f} {tflops(row, 'cublaslt_us'):4.0f} "
           f"{row['triton_us']:8.2f} {tflops(row, 'triton_us'):4.0f} "
           f"{row['best_us']:8.2f} {tflops(row, 'best_us'):4.0f} {row['floor_us']:8.2f} "
           f"{row['best_us'] / row['cublas_us']:11.2f}  {row['config']} | {row['best_config']}", flush=True)

@@ -81,20 +81,59 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60))
     print_gpu_busy(prof, profiled_steps)
+    print_critical_path(prof, profiled_steps, a.rows)
+
+
+def gpu_kernels(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel and copy in the trace, by start."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+
+
+def print_critical_path(prof, steps: int, rows: int) -> None:
+    """Who owns each microsecond of the GPU timeline. Walking kernels by start, a kernel owns the
+    part of its run that no earlier kernel covers ("exposed"), and the idle time before it
+    ("waited"). With programmatic dependent launch a kernel starts early and overlaps its
+    predecessor, so its full duration overstates it; exposed + waited summed over all kernels is
+    the timeline's span, which is what a step costs."""
+    kernels = gpu_kernels(prof)
+    firsts = {cut + 1 for cut in step_cuts([(start, end) for start, end, _ in kernels], steps)}
+    covered_until, owned = None, {}
+    for i, (start, end, name) in enumerate(kernels):
+        if i in firsts:  # the host waited for the previous step's tokens: not part of a step
+            covered_until = None
+        waited = 0.0 if covered_until is None else max(0.0, start - covered_until)
+        exposed = end - start if covered_until is None else max(0.0, end - max(start, covered_until))
+        covered_until = end if covered_until is None else max(covered_until, end)
+        row = owned.setdefault(name, [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+        row[2] += exposed
+        row[3] += waited
+    total = sum(r[2] + r[3] for r in owned.values())
+    print(f"\ncritical path per step: {total / steps:.1f} us (kernels' exposed time + idle before them)")
+    print(f"{'kernel':<60} {'calls':>5} {'dur us':>8} {'exposed':>8} {'waited':>7} {'share':>6}")
+    for name, (calls, dur, exposed, waited) in sorted(owned.items(), key=lambda kv: -(kv[1][2] + kv[1][3]))[:rows]:
+        print(f"{name[:60]:<60} {calls / steps:5.0f} {dur / steps:8.1f} {exposed / steps:8.1f} {waited / steps:7.1f} "
+              f"{(exposed + waited) / total:6.1%}")
+
+
+def step_cuts(kernels: list[tuple[float, float]], steps: int) -> list[int]:
+    """Steps are separated by the host's wait for each step's tokens: the timeline splits at the
+    steps - 1 widest gaps between consecutive kernels; returns the index of each step's last kernel
+    but the final one."""
+    gaps = sorted(((kernels[i + 1][0] - kernels[i][1], i) for i in range(len(kernels) - 1)), reverse=True)
+    return sorted(i for _, i in gaps[:steps - 1])
 
 
 def print_gpu_busy(prof, steps: int) -> None:
     """Kernel time against the span of each step's kernels: the gap is the GPU waiting (for
     launches, for the host) inside steps; the kernel count is what a graph would replay."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    kernels = [(start, end) for start, end, _ in gpu_kernels(prof)]
     if not kernels:
         return
     busy = sum(end - start for start, end in kernels)
-    # Steps are separated by the host's wait for each step's tokens: split the timeline at the
-    # steps - 1 widest gaps between consecutive kernels.
-    gaps = sorted(((kernels[i + 1][0] - kernels[i][1], i) for i in range(len(kernels) - 1)), reverse=True)
-    cuts = sorted(i for _, i in gaps[:steps - 1])
+    cuts = step_cuts(kernels, steps)
     spans, first = [], 0
     for cut in cuts + [len(kernels) - 1]:
         spans.append(max(end for _, end in kernels[first:cut + 1]) - kernels[first][0])
