@@ -4,9 +4,11 @@ each against its floor, in one process on the worker's own ModelRunner (as `stra
     python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1
     python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
 
-Four ways per model and batch, the CUDA graphs recaptured for each:
-- chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py);
-- chain: the fused GEMVs, launched plainly (STRATA_DISABLE_PDL=1);
+Five ways per model and batch, the CUDA graphs recaptured for each:
+- chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py), with
+  rotary, KV write, attention and merge in one launch (kernels/decode_attention.py);
+- chain + PDL (3-kernel attention): those as three kernels (STRATA_DISABLE_FUSED_DECODE_ATTENTION=1);
+- chain: the fused GEMVs and attention, launched plainly (STRATA_DISABLE_PDL=1);
 - unfused + PDL: cuBLAS and the separate norm / SiLU kernels (rotary and attention still PDL);
 - unfused: neither, the engine as it was before the chain.
 The step is the worker's back-to-back period (host work, graph replay, sampling and the copy back
@@ -23,7 +25,9 @@ from strata.bench import common
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
 from strata.bench_cli import add_bench_parser
 
-WAYS = {"chain + PDL": (True, True), "chain": (True, False), "unfused + PDL": (False, True), "unfused": (False, False)}
+# (decode chain, PDL, one-launch decode attention)
+WAYS = {"chain + PDL": (True, True, True), "chain + PDL (3-kernel attention)": (True, True, False),
+        "chain": (True, False, True), "unfused + PDL": (False, True, False), "unfused": (False, False, False)}
 
 
 def roofline_args(model: str, max_batch: int):
@@ -33,11 +37,13 @@ def roofline_args(model: str, max_batch: int):
                               "--max-num-batched-tokens", str(max(2048, max_batch))])
 
 
-def set_way(runner, num_blocks: int, chain: bool, pdl: bool) -> None:
-    if pdl:
-        os.environ.pop("STRATA_DISABLE_PDL", None)
-    else:
-        os.environ["STRATA_DISABLE_PDL"] = "1"  # read at every launch, so the recapture below drops it
+def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool) -> None:
+    # Both switches are read at every launch, so the recapture below takes them.
+    for name, on in (("STRATA_DISABLE_PDL", pdl), ("STRATA_DISABLE_FUSED_DECODE_ATTENTION", fused_attention)):
+        if on:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = "1"
     runner.shard.decode_chain = chain
     runner.init_cache(num_blocks)  # new cache, graphs recaptured the new way
 
@@ -68,7 +74,7 @@ def main() -> None:
         try:
             for way, tile in [(w, default_tile) for w in ways] + [(f"chain + PDL, {t // 1024} KB", t) for t in tiles]:
                 decode_linear.TILE_BYTES = tile
-                set_way(runner, num_blocks, *WAYS[way.split(",")[0]])
+                set_way(runner, num_blocks, *WAYS.get(way, WAYS["chain + PDL"]))  # tile sweeps: the default way
                 for batch in batches:
                     t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
                     floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
@@ -81,6 +87,7 @@ def main() -> None:
         finally:
             decode_linear.TILE_BYTES = default_tile
             os.environ.pop("STRATA_DISABLE_PDL", None)
+            os.environ.pop("STRATA_DISABLE_FUSED_DECODE_ATTENTION", None)
             del runner
             common.free_accelerator_memory()
     ways += [f"chain + PDL, {t // 1024} KB" for t in tiles]

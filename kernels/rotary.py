@@ -49,6 +49,14 @@ def _rotated_heads(
     first_ptrs = base_ptr + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(first_ptrs, mask=mask, other=0.0)
     x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0)
+    first, second = rotate_halves(x1, x2, cos, sin)
+    return first, second, mask
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in x's dtype, each product rounded to it first as the
+    torch ops round (cos, sin: float32, broadcastable). Shared with kernels/decode_attention.py."""
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
@@ -56,7 +64,7 @@ def _rotated_heads(
     x2_sin = (x2 * sin).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
-    return (x1_cos - x2_sin).to(dtype), (x2_cos + x1_sin).to(dtype), mask
+    return (x1_cos - x2_sin).to(dtype), (x2_cos + x1_sin).to(dtype)
 
 
 @triton.jit

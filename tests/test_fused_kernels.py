@@ -374,14 +374,16 @@ else:
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
+    @pytest.mark.parametrize("head_dim", [16, 32], ids=["three-kernel-attention", "decode-attention"])
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-    def test_decode_chain_matches_torch_path_across_stages(arch, monkeypatch):
+    def test_decode_chain_matches_torch_path_across_stages(arch, head_dim, monkeypatch):
         """The batch-1 chain (services/worker/decode_chain.py), forced on CPU, over a prefill (which
         it leaves to the unfused path) and two decode steps: whole model, and split in two stages that pass the unfused
-        (hidden, residual) pair between them, against the HF-exact torch path."""
-        config = tiny_config(num_hidden_layers=3) if arch == "llama" else tiny_config(
-            num_hidden_layers=3, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True,
-            rope_scaling=None)
+        (hidden, residual) pair between them, against the HF-exact torch path. Heads of 32 take the one-launch
+        decode attention (kernels/decode_attention.py), heads of 16 the three kernels."""
+        config = tiny_config(num_hidden_layers=3, head_dim=head_dim) if arch == "llama" else tiny_config(
+            num_hidden_layers=3, head_dim=head_dim, architecture="Qwen2ForCausalLM", attention_bias=True,
+            tie_word_embeddings=True, rope_scaling=None)
         whole = random_shard(config)
         first, second = CausalLMShard(config, 0, 2), CausalLMShard(config, 2, 3)
         first.embed_tokens, first.layers = whole.embed_tokens, torch.nn.ModuleList(whole.layers[:2])
@@ -408,17 +410,21 @@ else:
             return outputs + [caches[-1]]
 
         want = run([whole], False)
-        from strata.kernels import decode_linear
+        from strata.kernels import decode_attention, decode_linear
 
-        launches = []
+        launches, attention_launches = [], []
         monkeypatch.setattr(decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, launches))
+        monkeypatch.setattr(decode_attention, "_decode_attention_kernel",
+                            Counted(decode_attention._decode_attention_kernel, attention_launches))
         for stages in ([whole], [first, second]):
             launches.clear()
+            attention_launches.clear()
             for got, expected in zip(run(stages, True), want):
                 torch.testing.assert_close(got, expected, atol=5e-5, rtol=5e-5)
             # The two decode steps (the prefill's 5 tokens are past the chain's one): 4 GEMVs a layer
             # (qkv, o_proj, gate_up, down) and lm_head's; the prefill's sampled row: lm_head's.
             assert len(launches) == 2 * (4 * config.num_hidden_layers + 1) + 1
+            assert len(attention_launches) == (2 * config.num_hidden_layers if head_dim == 32 else 0)
 
     class Counted:
         """A kernel whose launches (kernel[grid](...)) are recorded."""

@@ -1,0 +1,334 @@
+"""Decode attention in one launch: rotary, the KV-cache write, split-KV attention and the split merge
+for one new token per sequence (the batch-1 decode chain's attention, services/worker/decode_chain.py).
+
+Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
+merge of the splits), each a few microseconds of latency that waits for the one before it. On
+an H200 (`python -m strata.bench.profile_step --batch 1`, critical path) they held 2.0 + 4.5 +
+1.4 us of every 1B layer and 3.4 + 5.7 + 1.6 us of every 8B layer, while the projections around
+them stream their weights at ~1.1x the copy floor.
+
+How the work is cut: one program per (sequence, KV head, split of the cached keys).
+- Before the dependent-launch wait (kernels/dependent_launch.py) a program reads only what no
+  kernel of this step writes: the step inputs and the first tile of its *cached* keys and
+  values (positions before the new token's, written by earlier steps). Its K/V stream thus
+  starts while the qkv projection is still running.
+- After the wait: the query heads of the KV head's GQA group, loaded raw from the projection
+  and rotated in registers with kernels/rotary.py's rounding. Scores are two dots, one per
+  rotary half (q . k = q1 . k1 + q2 . k2), so the halves never need re-interleaving.
+- The new token: the last split rotates its key, stores key and value to the cache slot, and
+  folds them into its softmax directly (one more score per query row). No program reads a slot
+  this launch writes, so no program waits for another's store.
+- The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
+  barrier) bumps an arrival counter of its (sequence, KV head) with an acq_rel atomic. The split
+  that arrives last reads every partial back from L2, merges them by log-sum-exp, writes the
+  output and resets the counter to 0 for the next layer, whose attention only starts its
+  atomics after this launch has completed. No spinning, so no order of programs can deadlock.
+
+Scores in float32 in the log2 domain, exactly as kernels/paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
+
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config
+from strata.kernels.rotary import rotate_halves
+
+__all__ = ["decode_attention", "decode_attention_supported"]
+
+
+@triton.jit
+def _load_kv_tile(first_key, cached, block_table_row, key_cache_ptr, value_cache_ptr, kv_head_offset,
+                  stride_cache_block, stride_cache_slot, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                  HALF: tl.constexpr):
+    """Cached keys [first_key, first_key + TILE_N) below `cached`: the keys' rotary halves
+    [HALF, TILE_N] each, the values [TILE_N, 2 HALF], and which positions are real."""
+    k_pos = first_key + tl.arange(0, TILE_N)
+    k_valid = k_pos < cached
+    page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    slot = page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
+    half_dims = tl.arange(0, HALF)
+    k1 = tl.load(key_cache_ptr + slot[None, :] + half_dims[:, None], mask=k_valid[None, :], other=0.0)
+    k2 = tl.load(key_cache_ptr + slot[None, :] + HALF + half_dims[:, None], mask=k_valid[None, :], other=0.0)
+    dims = tl.arange(0, 2 * HALF)
+    v = tl.load(value_cache_ptr + slot[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+    return k1, k2, v, k_valid
+
+
+@triton.jit
+def _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT: tl.constexpr):
+    """One online-softmax step over a tile of cached keys (all before the query: no causal mask)."""
+    if IEEE_DOT:
+        s = tl.dot(q1, k1, input_precision="ieee") + tl.dot(q2, k2, input_precision="ieee")
+    else:
+        s = tl.dot(q1, k1) + tl.dot(q2, k2)
+    s = tl.where(k_valid[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_attention_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    arrivals_ptr,
+    qk_scale_log2,
+    num_positions,
+    stride_qkv_t,
+    stride_o_t,
+    stride_cos,
+    stride_sin,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    seq = tl.program_id(0)  # = its token: one new token per sequence
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+    half_dims = tl.arange(0, HALF)
+    dims = tl.arange(0, HEAD_DIM)
+
+    # Step inputs and cached keys: nothing this step's kernels write, so read before the wait.
+    cached = tl.maximum(tl.load(seq_lens_ptr + seq) - 1, 0)  # keys before the new token
+    position = tl.load(positions_ptr + seq).to(tl.int64)
+    position = tl.minimum(tl.maximum(position, 0), num_positions - 1)  # padding rows: any valid row
+    cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
+    num_tiles = tl.cdiv(cached, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+    # An empty split's tile lies past `cached`: fully masked, nothing read.
+    k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
+                                       kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HALF)
+    if PDL:
+        gdc_wait()  # qkv is the projection's output
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < GROUP
+    head = kv_head * GROUP + rows
+    token_qkv = qkv_ptr + seq.to(tl.int64) * stride_qkv_t
+    q_ptrs = token_qkv + head[:, None] * HEAD_DIM + half_dims[None, :]
+    q1 = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q2 = tl.load(q_ptrs + HALF, mask=row_valid[:, None], other=0.0)
+    q1, q2 = rotate_halves(q1, q2, cos, sin)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # a finite floor: masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if tile_begin < tile_end:
+        m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+    if INTERPRETED:  # the interpreter cannot take tensor bounds in range()
+        tile = tile_begin + 1
+        while tile < tile_end:
+            k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
+                                               kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
+                                               TILE_N, HALF)
+            m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+            tile += 1
+    else:
+        for tile in range(tile_begin + 1, tile_end):
+            k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
+                                               kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
+                                               TILE_N, HALF)
+            m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+
+    if split == NUM_SPLITS - 1:
+        # The new token: rotate its key, store key and value in the cache, and attend to them here.
+        key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+        kn1 = tl.load(key_ptr + half_dims)[None, :]
+        kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]
+        kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
+        vn = tl.load(token_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims)
+        slot = tl.load(slot_mapping_ptr + seq)
+        if slot >= 0:  # -1: a padding row, nothing stored
+            cache_slot = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
+                + kv_head_offset
+            tl.store(key_cache_ptr + cache_slot + half_dims[None, :], kn1)
+            tl.store(key_cache_ptr + cache_slot + HALF + half_dims[None, :], kn2)
+            tl.store(value_cache_ptr + cache_slot + dims, vn)
+        s = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * kn2.to(tl.float32),
+                                                                            axis=1)
+        s = s * qk_scale_log2
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        # p rounded to the value dtype, as the tiles' P @ V dot takes it.
+        acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_new
+
+    out_rows = out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
+        # Partials [T, Hq, NUM_SPLITS(, D)]; then the last split of this (sequence, KV head) merges.
+        base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SPLITS
+        tl.store(partial_max_ptr + base + split, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + base + split, l_i, mask=row_valid)
+        tl.store(partial_acc_ptr + (base + split)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        tl.debug_barrier()  # every thread's partials are stored before the release below
+        counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            splits = tl.arange(0, SPLITS_PADDED)
+            both = row_valid[:, None] & (splits < NUM_SPLITS)[None, :]
+            # .cg: read from L2, where the other programs' stores are, never from a stale L1 line.
+            m_all = tl.load(partial_max_ptr + base[:, None] + splits[None, :], mask=both, other=-1.0e30,
+                            cache_modifier=".cg")
+            m_max = tl.max(m_all, axis=1)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for j in range(NUM_SPLITS):
+                # Empty splits carry max = floor and sum = 0: their weight is exactly 0.
+                weight = tl.exp2(tl.load(partial_max_ptr + base + j, mask=row_valid, other=-1.0e30,
+                                         cache_modifier=".cg") - m_max)
+                total += weight * tl.load(partial_sum_ptr + base + j, mask=row_valid, other=0.0,
+                                          cache_modifier=".cg")
+                merged += weight[:, None] * tl.load(partial_acc_ptr + (base + j)[:, None] * HEAD_DIM + dims[None, :],
+                                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(out_rows, (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_valid[:, None])
+            tl.store(counter, 0)  # ready for the next layer's launch
+
+
+_INTERPRETED = isinstance(_decode_attention_kernel, InterpretedFunction)
+_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters: CUDA graphs may still point at them
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), kept across calls: each launch leaves
+    them at 0. Made once (outside any graph capture in practice: the runner's warm-up calls first)."""
+    key = (device.type, device.index)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED.append(counters)
+        counters = torch.zeros(max(4096, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = counters
+    return counters
+
+
+def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide) and the dtypes it takes."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16,
+                                                                             torch.float32)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_q_heads: int,
+    scale: float,
+    max_seq_len: int,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention output [T, Hq * D] for qkv [T, (Hq + 2 Hkv) * D], one new token per sequence (T = B).
+
+    Rotates the queries and keys by positions [T] (cos/sin tables [max_pos, D/2]), stores the
+    rotated keys and the values in kv_cache [2, NB, Hkv, BS, D] at slot_mapping [T] (slots < 0
+    skipped), and attends over each sequence's seq_lens[b] keys, the new one included. Equal to
+    rotary_embedding_ + paged_attention up to float32 summation order. max_seq_len: a host-side
+    bound that only picks the split count (under CUDA graphs a fixed one).
+    """
+    num_tokens = qkv.shape[0]
+    num_kv_heads, block_size, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    assert decode_attention_supported(head_dim, qkv.dtype), (head_dim, qkv.dtype)
+    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1, qkv.shape
+    assert seq_lens.shape == (num_tokens,) and positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
+    assert block_tables.shape[0] == num_tokens and block_tables.stride(1) == 1
+    assert kv_cache.dtype == qkv.dtype and kv_cache.stride(-1) == 1 and cos_cache.shape[1] == head_dim // 2
+    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1 and num_q_heads % num_kv_heads == 0
+    out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return out
+    config = choose_launch_config(num_seqs=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, max_query_len=1, max_seq_len=max_seq_len,
+                                  sm_count=_device_sm_count(qkv.device), num_kv_splits=num_kv_splits)
+    splits = config.num_kv_splits
+    if splits > 1:
+        stats = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=qkv.device)
+        partial_acc = torch.empty(num_tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+        partial_max, partial_sum = stats, torch.empty_like(stats)
+        arrivals = _arrival_counters(qkv.device, num_tokens * num_kv_heads)
+    else:
+        partial_acc = partial_max = partial_sum = out  # not read: the program writes its output
+        arrivals = seq_lens
+    group = num_q_heads // num_kv_heads
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    pdl = dependent_launch_supported(qkv.device)
+    _decode_attention_kernel[(num_tokens, num_kv_heads, splits)](
+        qkv, positions, cos_cache, sin_cache, key_cache, value_cache, slot_mapping, seq_lens, block_tables, out,
+        partial_acc, partial_max, partial_sum, arrivals,
+        scale * _LOG2E, cos_cache.shape[0],
+        qkv.stride(0), out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
+        # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
+        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        BLOCK_SIZE=block_size,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
+        SPLITS_PADDED=triton.next_power_of_2(splits),
+        IEEE_DOT=qkv.dtype == torch.float32,
+        INTERPRETED=_INTERPRETED,
+        PDL=pdl,
+        num_warps=4 if head_dim >= 128 else 2,
+        num_stages=2,
+        **launch_options(pdl),
+    )
+    return out
