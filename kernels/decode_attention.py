@@ -20,9 +20,10 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
   this launch writes, so no program waits for another's store.
 - The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
   barrier) bumps an arrival counter of its (sequence, KV head) with an acq_rel atomic. The split
-  that arrives last reads every partial back from L2, merges them by log-sum-exp, writes the
-  output and resets the counter to 0 for the next layer, whose attention only starts its
-  atomics after this launch has completed. No spinning, so no order of programs can deadlock.
+  that arrives last reads every partial back from L2 in a few wide loads, merges them by
+  log-sum-exp, writes the output and resets the counter to 0 for the next layer, whose attention
+  only starts its atomics after this launch has completed. No spinning, so no order of programs
+  can deadlock.
 
 Scores in float32 in the log2 domain, exactly as kernels/paged_attention.py.
 """
@@ -115,6 +116,8 @@ def _decode_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -133,6 +136,7 @@ def _decode_attention_kernel(
     position = tl.minimum(tl.maximum(position, 0), num_positions - 1)  # padding rows: any valid row
     cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
+    slot = tl.load(slot_mapping_ptr + seq)
     num_tiles = tl.cdiv(cached, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
@@ -152,6 +156,12 @@ def _decode_attention_kernel(
     q_ptrs = token_qkv + head[:, None] * HEAD_DIM + half_dims[None, :]
     q1 = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
     q2 = tl.load(q_ptrs + HALF, mask=row_valid[:, None], other=0.0)
+    # The new token's key and value, loaded beside the queries (one L2 round trip for both); only
+    # the last split uses them.
+    key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+    kn1 = tl.load(key_ptr + half_dims)[None, :]
+    kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]
+    vn = tl.load(token_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims)
     q1, q2 = rotate_halves(q1, q2, cos, sin)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # a finite floor: masked rows stay NaN-free
@@ -176,12 +186,7 @@ def _decode_attention_kernel(
 
     if split == NUM_SPLITS - 1:
         # The new token: rotate its key, store key and value in the cache, and attend to them here.
-        key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-        kn1 = tl.load(key_ptr + half_dims)[None, :]
-        kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
-        vn = tl.load(token_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims)
-        slot = tl.load(slot_mapping_ptr + seq)
         if slot >= 0:  # -1: a padding row, nothing stored
             cache_slot = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
                 + kv_head_offset
@@ -213,25 +218,43 @@ def _decode_attention_kernel(
         counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
-            splits = tl.arange(0, SPLITS_PADDED)
-            both = row_valid[:, None] & (splits < NUM_SPLITS)[None, :]
-            # .cg: read from L2, where the other programs' stores are, never from a stale L1 line.
-            m_all = tl.load(partial_max_ptr + base[:, None] + splits[None, :], mask=both, other=-1.0e30,
-                            cache_modifier=".cg")
-            m_max = tl.max(m_all, axis=1)
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for j in range(NUM_SPLITS):
-                # Empty splits carry max = floor and sum = 0: their weight is exactly 0.
-                weight = tl.exp2(tl.load(partial_max_ptr + base + j, mask=row_valid, other=-1.0e30,
-                                         cache_modifier=".cg") - m_max)
-                total += weight * tl.load(partial_sum_ptr + base + j, mask=row_valid, other=0.0,
-                                          cache_modifier=".cg")
-                merged += weight[:, None] * tl.load(partial_acc_ptr + (base + j)[:, None] * HEAD_DIM + dims[None, :],
-                                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(out_rows, (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=row_valid[:, None])
+            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, stride_o_t,
+                          NUM_Q_HEADS, GROUP, GROUP_PADDED, HEAD_DIM, NUM_SPLITS, SPLITS_PADDED, SPLIT_CHUNK)
             tl.store(counter, 0)  # ready for the next layer's launch
+
+
+@triton.jit
+def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, stride_o_t,
+                  NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """The group's output from every split's partials, by log-sum-exp. The loads are wide (all
+    splits' max and sum at once, SPLIT_CHUNK splits' acc per step): a loop of one split per step
+    would wait out an L2 round trip per split. .cg reads from L2, where the other programs
+    stored, never from a stale L1 line."""
+    rows = tl.arange(0, GROUP_PADDED)
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    base = (seq.to(tl.int64) * NUM_Q_HEADS + kv_head * GROUP + rows) * NUM_SPLITS  # [GROUP_PADDED]
+    splits = tl.arange(0, SPLITS_PADDED)
+    both = row_valid[:, None] & (splits < NUM_SPLITS)[None, :]
+    # Empty splits carry max = floor and sum = 0: their weight is exactly 0.
+    m_all = tl.load(partial_max_ptr + base[:, None] + splits[None, :], mask=both, other=-1.0e30, cache_modifier=".cg")
+    l_all = tl.load(partial_sum_ptr + base[:, None] + splits[None, :], mask=both, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_all, axis=1)
+    total = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
+    merged = tl.zeros([GROUP_PADDED, HEAD_DIM], dtype=tl.float32)
+    for first in tl.static_range(0, SPLITS_PADDED, SPLIT_CHUNK):
+        chunk = first + tl.arange(0, SPLIT_CHUNK)
+        valid = row_valid[:, None] & (chunk < NUM_SPLITS)[None, :]
+        part = base[:, None] + chunk[None, :]  # [GROUP_PADDED, SPLIT_CHUNK]
+        weight = tl.exp2(tl.load(partial_max_ptr + part, mask=valid, other=-1.0e30, cache_modifier=".cg")
+                         - m_max[:, None])
+        acc = tl.load(partial_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        merged += tl.sum(acc * weight[:, :, None], axis=1)
+    head = kv_head * GROUP + rows
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :],
+             (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 _INTERPRETED = isinstance(_decode_attention_kernel, InterpretedFunction)
@@ -256,6 +279,18 @@ def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide) and the dtypes it takes."""
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32)
+
+
+def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, tile_n: int,
+                     splits: int) -> dict:
+    """The kernel's shape constexprs (also what tests/test_decode_attention.py compiles for sm_90)."""
+    group = num_q_heads // num_kv_heads
+    group_padded = triton.next_power_of_2(group)
+    return dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_M=max(16, group_padded),
+                HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=splits,
+                SPLITS_PADDED=triton.next_power_of_2(splits), GROUP_PADDED=group_padded,
+                # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16-32 KB of registers.
+                SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 64 // group_padded)))
 
 
 def decode_attention(
@@ -304,7 +339,6 @@ def decode_attention(
     else:
         partial_acc = partial_max = partial_sum = out  # not read: the program writes its output
         arrivals = seq_lens
-    group = num_q_heads // num_kv_heads
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     pdl = dependent_launch_supported(qkv.device)
     _decode_attention_kernel[(num_tokens, num_kv_heads, splits)](
@@ -314,16 +348,7 @@ def decode_attention(
         qkv.stride(0), out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
         key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HALF=head_dim // 2,
-        BLOCK_SIZE=block_size,
-        TILE_N=config.tile_n,
-        NUM_SPLITS=splits,
-        SPLITS_PADDED=triton.next_power_of_2(splits),
+        **kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,

@@ -25,11 +25,8 @@ def sm90_ptx(num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int) ->
     from strata.kernels import compile_check
     from strata.kernels import decode_attention as da
 
-    group = num_q_heads // num_kv_heads
-    constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-                      BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
-                      BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, SPLITS_PADDED=triton.next_power_of_2(splits),
-                      IEEE_DOT=False, INTERPRETED=False, PDL=True)
+    constexprs = dict(da.kernel_constants(num_q_heads, num_kv_heads, head_dim, 16, 64, splits), IEEE_DOT=False,
+                      INTERPRETED=False, PDL=True)
     signature = compile_check._signature(da._decode_attention_kernel, "bf16", constexprs)
     signature.signature["positions_ptr"] = "*i64"
     signature.signature["arrivals_ptr"] = "*i32"

@@ -109,4 +109,8 @@ def test_many_splits_race_and_graph_replays_equal_eager():
     q, k, v = (x.view(t, -1, head_dim) for x in
                qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
     write_kv_cache_reference(rotary_embedding_reference(positions, q, k, cos, sin)[1], v, before, batch.slot_mapping)
-    assert torch.equal(kv_by_slot(batch.kv_cache).nan_to_num(7.0), kv_by_slot(before).nan_to_num(7.0))
+    # Close, not bit-equal: on the GPU the compiler contracts rotary's multiply-adds into FMAs, as in
+    # tests/gpu/test_fused_kernels_gpu.py's rotary tests (the first test here checks bit equality
+    # with the rotary kernel).
+    torch.testing.assert_close(kv_by_slot(batch.kv_cache).nan_to_num(7.0).float(),
+                               kv_by_slot(before).nan_to_num(7.0).float(), atol=1e-2, rtol=1.6e-2)
