@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="timed steps per way and batch")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of: " + ", ".join(WAYS))
     p.add_argument("--tile-kb", default="", help="also time the chain with these TILE_BYTES (comma-separated KB)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="the worker's --max-model-len (0: just past the context, as the roofline sets it); under "
+                        "CUDA graphs the batch-1 attention's split count follows it")
     p.add_argument("--json", default=None, help="write every number here")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -68,7 +71,8 @@ def main() -> None:
     rows = []
     for model in a.models.split(","):
         args = roofline_args(model, max(batches))
-        runner = load_runner(args, max(batches), a.context_len)
+        runner = load_runner(args, max(batches), a.context_len,
+                             ["--max-model-len", str(a.max_model_len)] if a.max_model_len else [])
         num_blocks = runner.kv_caches[0].shape[1]
         itemsize = runner.kv_caches[0].element_size()
         try:

@@ -132,18 +132,24 @@ def _decode_attention_kernel(
 
     # Step inputs and cached keys: nothing this step's kernels write, so read before the wait.
     cached = tl.maximum(tl.load(seq_lens_ptr + seq) - 1, 0)  # keys before the new token
+    num_tiles = tl.cdiv(cached, TILE_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+    # Under CUDA graphs NUM_SPLITS follows max_model_len, not this context: splits past the
+    # context's tiles leave at once, and the others merge among themselves. The last active
+    # split also takes the new token (split 0 alone when nothing is cached).
+    active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+    if split >= active:
+        return
     position = tl.load(positions_ptr + seq).to(tl.int64)
     position = tl.minimum(tl.maximum(position, 0), num_positions - 1)  # padding rows: any valid row
     cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
     slot = tl.load(slot_mapping_ptr + seq)
-    num_tiles = tl.cdiv(cached, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
-    # An empty split's tile lies past `cached`: fully masked, nothing read.
+    # With nothing cached, split 0's tile lies past `cached`: fully masked, nothing read.
     k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
                                        kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HALF)
     if PDL:
@@ -184,7 +190,7 @@ def _decode_attention_kernel(
                                                TILE_N, HALF)
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
 
-    if split == NUM_SPLITS - 1:
+    if split == active - 1:
         # The new token: rotate its key, store key and value in the cache, and attend to them here.
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
@@ -217,17 +223,17 @@ def _decode_attention_kernel(
         tl.debug_barrier()  # every thread's partials are stored before the release below
         counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, stride_o_t,
+        if arrived == active - 1:
+            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, active, stride_o_t,
                           NUM_Q_HEADS, GROUP, GROUP_PADDED, HEAD_DIM, NUM_SPLITS, SPLITS_PADDED, SPLIT_CHUNK)
             tl.store(counter, 0)  # ready for the next layer's launch
 
 
 @triton.jit
-def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, stride_o_t,
+def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, active, stride_o_t,
                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """The group's output from every split's partials, by log-sum-exp. The loads are wide (all
+    """The group's output from the `active` splits' partials, by log-sum-exp. The loads are wide (all
     splits' max and sum at once, SPLIT_CHUNK splits' acc per step): a loop of one split per step
     would wait out an L2 round trip per split. .cg reads from L2, where the other programs
     stored, never from a stale L1 line."""
@@ -236,8 +242,7 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
     dims = tl.arange(0, HEAD_DIM)
     base = (seq.to(tl.int64) * NUM_Q_HEADS + kv_head * GROUP + rows) * NUM_SPLITS  # [GROUP_PADDED]
     splits = tl.arange(0, SPLITS_PADDED)
-    both = row_valid[:, None] & (splits < NUM_SPLITS)[None, :]
-    # Empty splits carry max = floor and sum = 0: their weight is exactly 0.
+    both = row_valid[:, None] & (splits < active)[None, :]
     m_all = tl.load(partial_max_ptr + base[:, None] + splits[None, :], mask=both, other=-1.0e30, cache_modifier=".cg")
     l_all = tl.load(partial_sum_ptr + base[:, None] + splits[None, :], mask=both, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m_all, axis=1)
@@ -245,7 +250,7 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
     merged = tl.zeros([GROUP_PADDED, HEAD_DIM], dtype=tl.float32)
     for first in tl.static_range(0, SPLITS_PADDED, SPLIT_CHUNK):
         chunk = first + tl.arange(0, SPLIT_CHUNK)
-        valid = row_valid[:, None] & (chunk < NUM_SPLITS)[None, :]
+        valid = row_valid[:, None] & (chunk < active)[None, :]
         part = base[:, None] + chunk[None, :]  # [GROUP_PADDED, SPLIT_CHUNK]
         weight = tl.exp2(tl.load(partial_max_ptr + part, mask=valid, other=-1.0e30, cache_modifier=".cg")
                          - m_max[:, None])
