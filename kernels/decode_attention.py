@@ -15,8 +15,9 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
 - After the wait: the query heads of the KV head's GQA group, loaded raw from the projection
   and rotated in registers with kernels/rotary.py's rounding. Scores are two dots, one per
   rotary half (q . k = q1 . k1 + q2 . k2), so the halves never need re-interleaving.
-- The new token: the last split rotates its key, stores key and value to the cache slot, and
-  folds them into its softmax directly (one more score per query row). No program reads a slot
+- The new token: a split of its own (the last split when the context fills them all) rotates
+  its key, stores key and value to the cache slot, and folds them into its softmax directly
+  (one more score per query row). No program reads a slot
   this launch writes, so no program waits for another's store.
 - The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
   barrier) bumps an arrival counter of its (sequence, KV head) with an acq_rel atomic. The split
@@ -134,11 +135,11 @@ def _decode_attention_kernel(
     cached = tl.maximum(tl.load(seq_lens_ptr + seq) - 1, 0)  # keys before the new token
     num_tiles = tl.cdiv(cached, TILE_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
-    # Under CUDA graphs NUM_SPLITS follows max_model_len, not this context: splits past the
-    # context's tiles leave at once, and the others merge among themselves. The last active
-    # split also takes the new token (split 0 alone when nothing is cached).
-    active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-    if split >= active:
+    # Under CUDA graphs NUM_SPLITS follows max_model_len, not this context: the splits that hold
+    # the context's tiles, plus one more for the new token while the grid has one to spare (else
+    # the last split takes it too), take part; the rest leave at once.
+    parts = tl.minimum(tl.cdiv(num_tiles, tiles_per_split) + 1, NUM_SPLITS)
+    if split >= parts:
         return
     position = tl.load(positions_ptr + seq).to(tl.int64)
     position = tl.minimum(tl.maximum(position, 0), num_positions - 1)  # padding rows: any valid row
@@ -149,7 +150,8 @@ def _decode_attention_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
-    # With nothing cached, split 0's tile lies past `cached`: fully masked, nothing read.
+    # The new token's own split (and split 0 when nothing is cached) has no tile: past `cached`,
+    # fully masked, nothing read.
     k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
                                        kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HALF)
     if PDL:
@@ -190,7 +192,7 @@ def _decode_attention_kernel(
                                                TILE_N, HALF)
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
 
-    if split == active - 1:
+    if split == parts - 1:
         # The new token: rotate its key, store key and value in the cache, and attend to them here.
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
@@ -223,17 +225,17 @@ def _decode_attention_kernel(
         tl.debug_barrier()  # every thread's partials are stored before the release below
         counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == active - 1:
-            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, active, stride_o_t,
+        if arrived == parts - 1:
+            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, parts, stride_o_t,
                           NUM_Q_HEADS, GROUP, GROUP_PADDED, HEAD_DIM, NUM_SPLITS, SPLITS_PADDED, SPLIT_CHUNK)
             tl.store(counter, 0)  # ready for the next layer's launch
 
 
 @triton.jit
-def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, active, stride_o_t,
+def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, parts, stride_o_t,
                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """The group's output from the `active` splits' partials, by log-sum-exp. The loads are wide (all
+    """The group's output from the first `parts` splits' partials, by log-sum-exp. The loads are wide (all
     splits' max and sum at once, SPLIT_CHUNK splits' acc per step): a loop of one split per step
     would wait out an L2 round trip per split. .cg reads from L2, where the other programs
     stored, never from a stale L1 line."""
@@ -242,7 +244,7 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
     dims = tl.arange(0, HEAD_DIM)
     base = (seq.to(tl.int64) * NUM_Q_HEADS + kv_head * GROUP + rows) * NUM_SPLITS  # [GROUP_PADDED]
     splits = tl.arange(0, SPLITS_PADDED)
-    both = row_valid[:, None] & (splits < active)[None, :]
+    both = row_valid[:, None] & (splits < parts)[None, :]
     m_all = tl.load(partial_max_ptr + base[:, None] + splits[None, :], mask=both, other=-1.0e30, cache_modifier=".cg")
     l_all = tl.load(partial_sum_ptr + base[:, None] + splits[None, :], mask=both, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m_all, axis=1)
@@ -250,7 +252,7 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
     merged = tl.zeros([GROUP_PADDED, HEAD_DIM], dtype=tl.float32)
     for first in tl.static_range(0, SPLITS_PADDED, SPLIT_CHUNK):
         chunk = first + tl.arange(0, SPLIT_CHUNK)
-        valid = row_valid[:, None] & (chunk < active)[None, :]
+        valid = row_valid[:, None] & (chunk < parts)[None, :]
         part = base[:, None] + chunk[None, :]  # [GROUP_PADDED, SPLIT_CHUNK]
         weight = tl.exp2(tl.load(partial_max_ptr + part, mask=valid, other=-1.0e30, cache_modifier=".cg")
                          - m_max[:, None])
@@ -294,8 +296,13 @@ def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
     return dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_M=max(16, group_padded),
                 HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=splits,
                 SPLITS_PADDED=triton.next_power_of_2(splits), GROUP_PADDED=group_padded,
-                # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16-32 KB of registers.
-                SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 64 // group_padded)))
+                # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16 KB of registers.
+                SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))))
+
+
+def num_warps(head_dim: int) -> int:
+    """2 warps at D = 64 (as paged decode attention), 8 at D = 128: 4 spill at 16 splits on sm_90."""
+    return 8 if head_dim >= 128 else 2
 
 
 def decode_attention(
@@ -357,7 +364,7 @@ def decode_attention(
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,
-        num_warps=4 if head_dim >= 128 else 2,
+        num_warps=num_warps(head_dim),
         num_stages=2,
         **launch_options(pdl),
     )

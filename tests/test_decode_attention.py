@@ -32,7 +32,7 @@ def sm90_ptx(num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int) ->
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
     compiled = triton.compile(signature, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4 if head_dim >= 128 else 2, "num_stages": 2})
+                              options={"num_warps": da.num_warps(head_dim), "num_stages": 2})
     registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
     return registers, spills, compiled.asm["ptx"]
 
