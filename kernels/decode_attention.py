@@ -250,7 +250,8 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
     m_max = tl.max(m_all, axis=1)
     total = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
     merged = tl.zeros([GROUP_PADDED, HEAD_DIM], dtype=tl.float32)
-    for first in tl.static_range(0, SPLITS_PADDED, SPLIT_CHUNK):
+    first = 0
+    while first < parts:  # as many chunks as splits took part, not as the grid has (a while: the interpreter too)
         chunk = first + tl.arange(0, SPLIT_CHUNK)
         valid = row_valid[:, None] & (chunk < parts)[None, :]
         part = base[:, None] + chunk[None, :]  # [GROUP_PADDED, SPLIT_CHUNK]
@@ -259,6 +260,7 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
         acc = tl.load(partial_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
                       other=0.0, cache_modifier=".cg")
         merged += tl.sum(acc * weight[:, :, None], axis=1)
+        first += SPLIT_CHUNK
     head = kv_head * GROUP + rows
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :],
              (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
