@@ -17,8 +17,10 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
   rotary half (q . k = q1 . k1 + q2 . k2), so the halves never need re-interleaving.
 - The new token: a split of its own (the last split when the context fills them all) rotates
   its key, stores key and value to the cache slot, and folds them into its softmax directly
-  (one more score per query row). No program reads a slot
-  this launch writes, so no program waits for another's store.
+  (one more score per query row). No program reads a slot this launch writes, so none waits
+  for another's store.
+- Under CUDA graphs the split count follows max_model_len, not the context: splits past the
+  context's tiles (and the new token's split) leave at once, and only those that took part merge.
 - The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
   barrier) bumps an arrival counter of its (sequence, KV head) with an acq_rel atomic. The split
   that arrives last reads every partial back from L2 in a few wide loads, merges them by
@@ -38,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config
+from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config, online_softmax_step
 from strata.kernels.rotary import rotate_halves
 
 __all__ = ["decode_attention", "decode_attention_supported"]
@@ -70,15 +72,7 @@ def _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEE
     else:
         s = tl.dot(q1, k1) + tl.dot(q2, k2)
     s = tl.where(k_valid[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT)
 
 
 @triton.jit
@@ -165,7 +159,7 @@ def _decode_attention_kernel(
     q1 = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
     q2 = tl.load(q_ptrs + HALF, mask=row_valid[:, None], other=0.0)
     # The new token's key and value, loaded beside the queries (one L2 round trip for both); only
-    # the last split uses them.
+    # its own split (parts - 1) uses them.
     key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
     kn1 = tl.load(key_ptr + half_dims)[None, :]
     kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]

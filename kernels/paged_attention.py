@@ -151,7 +151,13 @@ def _attend_tile(
     if USE_WINDOW:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
     s = tl.where(allowed, s, float("-inf"))
+    return online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT)
 
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
+    """Fold a tile's masked scores s [M, N] (log2 domain) and values v [N, D] into the running max,
+    sum and accumulator; P is rounded to v's dtype for the dot. Shared with kernels/decode_attention.py."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -160,8 +166,7 @@ def _attend_tile(
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 # Runtime ints are not specialised (== 1, % 16): one compiled variant serves every batch. That

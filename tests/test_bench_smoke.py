@@ -188,3 +188,16 @@ def test_scheduler_step_runs_the_engine_bookkeeping():
                           timeout=120, cwd=common.REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "N=16:" in proc.stdout and "per step" in proc.stdout
+
+
+def test_schedule_shape_counts_every_prompt_and_decode_token():
+    """An offline batch through the real Scheduler: every prompt token is computed once, every
+    output token but the first (which the prompt's last step samples) is a decode row."""
+    from strata.bench.schedule_shape import simulate
+
+    args = argparse.Namespace(num_prompts=40, input_len=48, output_len=6, max_num_seqs=16, max_num_batched_tokens=256,
+                              block_size=16, seed=0)
+    steps = simulate(args)
+    assert sum(prefill for prefill, _ in steps) == 40 * 48
+    assert sum(decodes for _, decodes in steps) == 40 * 5
+    assert all(prefill + decodes <= 256 and decodes <= 16 for prefill, decodes in steps)
