@@ -123,8 +123,6 @@ if not can_run_interpreted_here("strata.kernels.batched_linear"):
         assert "1b.qkv" in proc.stdout and "fixup" in proc.stdout
 
 else:
-    import torch.nn.functional as F
-
     import strata.kernels.batched_linear as bl
     from strata.kernels.batched_linear import (
         MAX_SHARED,
@@ -134,17 +132,7 @@ else:
         use_batched_linear,
     )
 
-    def inputs(m, n, k, bias, dtype=torch.float32, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-        b = torch.randn(n, generator=gen).to(dtype) if bias else None
-        return x, weight, b
-
-    def assert_matches_linear(got, x, weight, bias, atol=1e-5, rtol=1e-5):
-        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        assert got.dtype == x.dtype and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    from tests.linear_checks import assert_matches_linear, inputs
 
     SMALL = GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=3)
 

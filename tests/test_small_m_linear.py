@@ -80,8 +80,6 @@ if not can_run_interpreted_here("strata.kernels.small_m_linear"):
         assert "1b.lm_head" in proc.stdout
 
 else:
-    import torch.nn.functional as F
-
     from strata.kernels.small_m_linear import (
         MAX_SHARED,
         LinearLaunchConfig,
@@ -90,17 +88,7 @@ else:
         use_small_m_linear,
     )
 
-    def inputs(m, n, k, bias, dtype=torch.float32, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-        b = torch.randn(n, generator=gen).to(dtype) if bias else None
-        return x, weight, b
-
-    def assert_matches_linear(got, x, weight, bias, atol=1e-5, rtol=1e-5):
-        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        assert got.dtype == x.dtype and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    from tests.linear_checks import assert_matches_linear, inputs
 
     # --- dot path: masked K tail, N not a multiple of the tile, split-K on and off --------------
 

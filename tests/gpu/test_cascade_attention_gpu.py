@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -86,10 +87,7 @@ def test_cuda_graph_replay_with_padding_groups():
     def step():
         cascade_attention(*batch.attention_args()[:5], buffers, 1, 4096, scale, out=out)
 
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     for seed, sizes, prefixes, first in [(4, [16, 16], [640, 333], 8),
                                          (5, [2] * 20 + [1], [700 - i for i in range(21)], 7)]:
         step_batch = fresh(seed)

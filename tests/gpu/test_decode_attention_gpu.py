@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -90,14 +91,7 @@ def test_many_splits_race_and_graph_replays_equal_eager():
                                 max_seq_len=batch.max_seq_len, num_kv_splits=64)
 
     eager = call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = capture_graph(call)
     for _ in range(10):
         captured.zero_()
         graph.replay()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -71,9 +72,7 @@ def test_chain_in_a_cuda_graph_equals_eager():
         return dl.norm_linear(h, qkv_w, None, n2, 1e-5)[0], h
 
     eager = chain()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
+    graph, captured = capture_graph(chain)
     for out in captured:
         out.fill_(float("nan"))
     graph.replay()

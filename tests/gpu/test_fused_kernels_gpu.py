@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -162,14 +163,7 @@ def test_kernels_capture_in_cuda_graph_with_padded_batch():
         rotary_embedding_(positions, q, k, cos, sin)
         return normed, new_residual, silu_and_mul(gate_up)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    graph, outputs = capture_graph(step)
 
     for replay in range(3):
         for tensor in (x, residual, qkv, gate_up):
@@ -267,14 +261,7 @@ def test_bf16_shard_decode_step_is_cuda_graph_capturable():
         hidden, residual = shard(decode.input_ids, decode.positions, None, None, caches, decode.meta)
         return hidden, residual, shard.compute_logits(hidden, residual)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
 
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     for _ in range(2):
@@ -293,15 +280,7 @@ def test_bf16_shard_decode_step_is_cuda_graph_capturable():
 
 def _graph_time_us(fn, iterations: int = 50) -> float:
     """GPU time per call of fn, captured `iterations` times in one CUDA graph (no launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iterations):
-            fn()
+    graph, _ = capture_graph(fn, calls=iterations)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -181,14 +182,7 @@ def test_decode_step_is_cuda_graph_capturable(num_kv_splits):
         paged_attention(batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                         1, max_seq_len_bound, scale, out=out, num_kv_splits=num_kv_splits)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
 
     for replay in range(3):
         # New tokens: different queries/keys and shorter contexts (slots inside the same blocks).

@@ -10,12 +10,11 @@ tolerance, and small_m_linear's mean error may not exceed cuBLAS's by more than 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.graph_capture import capture_graph
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -23,40 +22,7 @@ pytestmark = compiled_gpu_kernels_only()
 from strata.kernels.small_m_linear import LinearLaunchConfig, small_m_linear, use_small_m_linear  # noqa: E402
 from tests.test_small_m_linear import MODEL_SHAPES  # noqa: E402
 
-# Outputs are ~N(0, 1) (x ~ N(0, 1), W ~ N(0, 1/K)); the bf16 result is rounded once (2^-9 relative).
-TOLERANCE = {
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2, mean=3e-3),
-    torch.float16: dict(atol=4e-3, rtol=4e-3, mean=5e-4),
-    torch.float32: dict(atol=1e-4, rtol=1e-4, mean=1e-5),
-}
-
-
-@functools.lru_cache(maxsize=2)  # the 8B lm_head is 1 GB in bf16: keep few alive
-def weight_for(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
-    return (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype)
-
-
-def make_x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(m, k, device="cuda", generator=gen).to(dtype)
-
-
-def reference(x, weight, bias=None) -> torch.Tensor:
-    # In chunks of 16k rows: a float32 copy of the whole 8B lm_head would take 2 GB.
-    out = torch.cat([F.linear(x.float(), w.float()) for w in weight.split(16384)], dim=-1)
-    return out if bias is None else out + bias.float()
-
-
-def assert_close_to_reference(got, want, dtype, baseline=None):
-    tol = TOLERANCE[dtype]
-    assert got.dtype == dtype and torch.isfinite(got).all()
-    torch.testing.assert_close(got.float(), want, atol=tol["atol"], rtol=tol["rtol"])
-    mean_error = (got.float() - want).abs().mean().item()
-    assert mean_error < tol["mean"], f"mean abs error {mean_error:.2e}"
-    if baseline is not None:  # no worse than cuBLAS beyond a rounding's worth
-        cublas_error = (baseline.float() - want).abs().mean().item()
-        assert mean_error <= 1.5 * cublas_error + 1e-4, (mean_error, cublas_error)
+from tests.linear_checks import assert_close_to_reference, make_x, reference, weight_for  # noqa: E402
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
@@ -113,16 +79,12 @@ def test_cuda_graph_capture_and_replay():
     weights = [weight_for(n, k, torch.bfloat16) for n, k in shapes]
     x = make_x(4, 2048, torch.bfloat16)
     outs = [torch.empty(4, n, device="cuda", dtype=torch.bfloat16) for n, _ in shapes]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
+
+    def step():
         for w, out in zip(weights, outs):
             small_m_linear(x, w, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w, out in zip(weights, outs):
-            small_m_linear(x, w, out=out)
+
+    graph, _ = capture_graph(step)
     for seed in (1, 2):
         x.copy_(make_x(4, 2048, torch.bfloat16, seed=seed))
         graph.replay()
