@@ -43,7 +43,7 @@ from strata.kernels.dependent_launch import dependent_launch_supported, launch_o
 from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config, online_softmax_step
 from strata.kernels.rotary import rotate_halves
 
-__all__ = ["decode_attention", "decode_attention_supported"]
+__all__ = ["compile_serving_variants", "decode_attention", "decode_attention_supported"]
 
 
 @triton.jit
@@ -365,3 +365,21 @@ def decode_attention(
         **launch_options(pdl),
     )
     return out
+
+
+def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
+    """Launches every split count an eager decode step can pick (powers of two up to 64, see
+    choose_launch_config) on one sequence with no cached keys that writes nothing (slot -1), so
+    none compiles mid-serving. Decode graphs compile theirs when captured."""
+    num_kv_heads, head_dim, device = kv_cache.shape[2], kv_cache.shape[4], kv_cache.device
+    if not decode_attention_supported(head_dim, kv_cache.dtype):
+        return
+    qkv = torch.zeros(1, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=kv_cache.dtype, device=device)
+    table = torch.zeros(1, head_dim // 2, dtype=kv_cache.dtype, device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    splits = 1
+    while splits <= 64:
+        decode_attention(qkv, zero, table, table, kv_cache, torch.ones(1, dtype=torch.int32, device=device),
+                         torch.zeros(1, 1, dtype=torch.int32, device=device), zero - 1, num_q_heads=num_q_heads,
+                         scale=1.0, max_seq_len=1, num_kv_splits=splits)
+        splits *= 2

@@ -339,11 +339,26 @@ else:
 
     # --- a whole shard through the kernels ----------------------------------------------------
 
+    class Counted:
+        """A kernel whose launches (kernel[grid](...)) are recorded."""
+
+        def __init__(self, kernel, launches: list):
+            self.kernel, self.launches = kernel, launches
+
+        def __getitem__(self, grid):
+            self.launches.append(grid)
+            return self.kernel[grid]
+
+
+    @pytest.mark.parametrize("head_dim", [16, 32], ids=["three-kernel-attention", "decode-attention"])
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-    def test_shard_forward_with_fused_kernels_matches_torch_path(arch, monkeypatch):
-        """Prefill then decode over a paged cache, fused (forced on CPU) vs the HF-exact torch path."""
-        config = tiny_config() if arch == "llama" else tiny_config(
-            architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True, rope_scaling=None)
+    def test_shard_forward_with_fused_kernels_matches_torch_path(arch, head_dim, monkeypatch):
+        """Prefill then a batch-2 decode step over a paged cache, fused (forced on CPU) vs the
+        HF-exact torch path. With heads of 32 the decode step's attention is one launch
+        (kernels/decode_attention.py) instead of rotary + paged attention."""
+        config = tiny_config(head_dim=head_dim) if arch == "llama" else tiny_config(
+            head_dim=head_dim, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True,
+            rope_scaling=None)
         shard = random_shard(config)
         calls = {}
         kernels = model_module._fused_kernels()
@@ -352,6 +367,11 @@ else:
                 calls[_name] = calls.get(_name, 0) + 1
                 return _fn(*args, **kwargs)
             monkeypatch.setattr(kernels, name, counted)
+        from strata.kernels import decode_attention
+
+        attention_launches = []
+        monkeypatch.setattr(decode_attention, "_decode_attention_kernel",
+                            Counted(decode_attention._decode_attention_kernel, attention_launches))
 
         steps = [
             [SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
@@ -370,7 +390,12 @@ else:
                 outputs += [hidden, residual, logits]
             results[fused] = outputs + [caches[-1]]
         # Per step: the first input norm has no residual, then 3 add+norms in the layers, 1 final.
-        assert calls == {"rms_norm": 2, "fused_add_rms_norm": 8, "rotary_embedding_": 4, "silu_and_mul": 4}
+        # Rotary runs on its own in the prefill's 2 layers, and in the decode step's unless the one
+        # launch took it.
+        one_launch = head_dim == 32
+        assert calls == {"rms_norm": 2, "fused_add_rms_norm": 8, "rotary_embedding_": 2 if one_launch else 4,
+                         "silu_and_mul": 4}
+        assert [grid[:2] for grid in attention_launches] == ([(2, config.num_key_value_heads)] * 2 if one_launch else [])
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -426,12 +451,3 @@ else:
             assert len(launches) == 2 * (4 * config.num_hidden_layers + 1) + 1
             assert len(attention_launches) == (2 * config.num_hidden_layers if head_dim == 32 else 0)
 
-    class Counted:
-        """A kernel whose launches (kernel[grid](...)) are recorded."""
-
-        def __init__(self, kernel, launches: list):
-            self.kernel, self.launches = kernel, launches
-
-        def __getitem__(self, grid):
-            self.launches.append(grid)
-            return self.kernel[grid]

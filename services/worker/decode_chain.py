@@ -3,10 +3,10 @@
 Per layer, five launches instead of ten (kernels/decode_linear.py says why that matters at batch 1):
 
     qkv     = norm_linear(h)                     input RMSNorm in qkv's prologue
-    attn    = decode_attention(qkv)              rotary, KV write, split-KV attention and merge in one
-                                                 launch (kernels/decode_attention.py); where it does not
-                                                 serve (sliding windows, cascades, small heads), the
-                                                 three-kernel Attention.attend
+    attn    = Attention.attend(qkv)              rotary, KV write, split-KV attention and merge in one
+                                                 launch (kernels/decode_attention.py, as every decode-only
+                                                 step); where it does not serve (sliding windows,
+                                                 cascades, small heads), three kernels
     h       = linear_add_residual(attn, o_proj)  the residual add in o_proj's epilogue
     gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue
     h       = linear_add_residual(gate_up, down, silu_mul=True)
@@ -34,22 +34,6 @@ def _kernels():
     return decode_linear
 
 
-def _attention(attn, qkv: torch.Tensor, positions: torch.Tensor, rotary, kv_cache: torch.Tensor, meta,
-               backend) -> torch.Tensor:
-    """From qkv to o_proj's input: one launch where kernels/decode_attention.py serves the layer.
-    STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is built or
-    captured, for A/B timing)."""
-    from strata.kernels.decode_attention import decode_attention, decode_attention_supported
-
-    if (attn.sliding_window is None and meta.shared_prefixes is None
-            and decode_attention_supported(attn.head_dim, qkv.dtype)
-            and os.environ.get("STRATA_DISABLE_FUSED_DECODE_ATTENTION", "") in ("", "0")):
-        return decode_attention(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.seq_lens, meta.block_tables,
-                                meta.slot_mapping, num_q_heads=attn.num_heads, scale=attn.scale,
-                                max_seq_len=meta.max_seq_len)
-    return attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
-
-
 def chain_serves(hidden: torch.Tensor, shard) -> bool:
     """Whether the chain can run this batch: one token, of a dtype and weights it takes."""
     return _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
@@ -66,7 +50,7 @@ def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | N
         # The stage's first layer adds the pair as it came; later ones get h, added already.
         qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
                                residual=residual)
-        out = _attention(attn, qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
+        out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
         h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:

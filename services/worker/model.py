@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterable
 from types import SimpleNamespace
 
@@ -207,7 +208,14 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """From the qkv projection [T, q + 2 kv] to the attention output [T, q] (o_proj's input):
-        rotary, the KV cache write, attention."""
+        rotary, the KV cache write, attention. A decode-only step does all three in one launch
+        (kernels/decode_attention.py) where that kernel serves the layer."""
+        if self._one_launch_decode(qkv, rotary, meta):
+            from strata.kernels.decode_attention import decode_attention
+
+            return decode_attention(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.seq_lens,
+                                    meta.block_tables, meta.slot_mapping, num_q_heads=self.num_heads,
+                                    scale=self.scale, max_seq_len=meta.max_seq_len)
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -216,6 +224,20 @@ class Attention(nn.Module):
         q = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, backend)
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
         return out.reshape(num_tokens, self.q_size)
+
+    def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
+        """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
+        the fused kernels on, no sliding window or shared-prefix cascade, a head size and dtype it
+        takes. STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is
+        built or captured, for A/B timing)."""
+        if meta.max_query_len != 1 or qkv.shape[0] != meta.seq_lens.shape[0] or not rotary._use_fused(qkv):
+            return False
+        if self.sliding_window is not None or meta.shared_prefixes is not None:
+            return False
+        from strata.kernels.decode_attention import decode_attention_supported
+
+        return (decode_attention_supported(self.head_dim, qkv.dtype)
+                and os.environ.get("STRATA_DISABLE_FUSED_DECODE_ATTENTION", "") in ("", "0"))
 
 
 class MLP(FusedKernelSwitch, nn.Module):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import decode_attention
 from strata.kernels.cascade_attention import cascade_attention, compile_serving_variants
 from strata.kernels.kv_cache_write import write_kv_cache
 from strata.kernels.paged_attention import paged_attention
@@ -24,3 +25,4 @@ class TritonAttentionBackend:
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
         compile_serving_variants(kv_cache, num_q_heads)
+        decode_attention.compile_serving_variants(kv_cache, num_q_heads)
