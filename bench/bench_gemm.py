@@ -154,8 +154,6 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
         row = dict(model=model, linear=linear, n=n, k=k, m=m, flops=flops, cublas_us=cublas_us,
                    cublaslt_us=cublaslt_us, triton_us=triton_us,
                    floor_us=floor_us, config=config.describe(), best_us=triton_us, best_config=config.describe())
-        if linear == "down":
-            row.update(silu_mul_down(x, weights, m, n, k, sm_count, element, timed, args.no_check))
         if args.sweep and time.perf_counter() > deadline:
             print(f"  (sweep time budget spent: {linear} M={m} not swept)", flush=True)
         elif args.sweep:
@@ -193,25 +191,6 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
     return rows
 
 
-def silu_mul_down(x, weights, m: int, n: int, k: int, sm_count: int, element: int, timed, no_check: bool) -> dict:
-    """The MLP's activation and down projection as decode steps run them: the SiLU-and-mul kernel
-    then cuBLAS, against batched_linear with the activation in its prologue (one launch)."""
-    from strata.kernels.activation import silu_and_mul
-
-    gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=x.dtype)
-    activated = torch.empty(m, k, device=DEVICE, dtype=x.dtype)
-    out = torch.empty(m, n, device=DEVICE, dtype=x.dtype)
-    config = choose_batched_linear_config(m, n, k, sm_count, element, silu_mul=True)
-    if not no_check:
-        want = F.linear(silu_and_mul(gate_up).float(), weights[0].float())
-        error = check(batched_linear(gate_up, weights[0], config=config, silu_mul=True), want)
-        tolerance = 8 * (want.abs().max().item() + 1) * 2.0 ** -8
-        assert error < tolerance, f"silu_mul batched_linear disagrees at N={n} K={k} M={m}: max error {error}"
-    unfused = timed(lambda i: F.linear(silu_and_mul(gate_up, out=activated), weights[i]))
-    fused = timed(lambda i: batched_linear(gate_up, weights[i], out=out, config=config, silu_mul=True))
-    return dict(silu_cublas_us=unfused, silu_fused_us=fused, silu_config=config.describe())
-
-
 @contextlib.contextmanager
 def blas_library(name: str):
     """torch's preferred BLAS backend for F.linear inside the block ("cublas" or "cublaslt")."""
@@ -239,10 +218,6 @@ def print_row(row: dict) -> None:
           f"{row['triton_us']:8.2f} {tflops(row, 'triton_us'):4.0f} "
           f"{row['best_us']:8.2f} {tflops(row, 'best_us'):4.0f} {row['floor_us']:8.2f} "
           f"{row['best_us'] / row['cublas_us']:11.2f}  {row['config']} | {row['best_config']}", flush=True)
-    if "silu_fused_us" in row:
-        print(f"{'':>44} SiLU-and-mul + cuBLAS {row['silu_cublas_us']:8.2f} us, in batched_linear's prologue "
-              f"{row['silu_fused_us']:8.2f} us ({row['silu_fused_us'] / row['silu_cublas_us']:.2f}x)  "
-              f"{row['silu_config']}", flush=True)
     for us, name in row.get("sweep", []):
         print(f"{'':>44} sweep {us:8.2f} us {row['flops'] / (us * 1e6):4.0f} TF/s  {name}", flush=True)
     if "pdl_flipped" in row:

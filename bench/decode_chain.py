@@ -1,21 +1,16 @@
-"""Decode steps with and without each fusion (the batch-1 decode chain, the one-launch attention,
-the SiLU-fused down projection) and programmatic dependent launch, each against its floor, in one
-process on the worker's own ModelRunner (as `strata bench roofline`).
+"""Batch-1 decode steps with and without the decode chain and programmatic dependent launch,
+each against its floor, in one process on the worker's own ModelRunner (as `strata bench roofline`).
 
     python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1
     python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
-    python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 256    # the full-batch step
 
-Six ways per model and batch, the CUDA graphs recaptured for each:
+Five ways per model and batch, the CUDA graphs recaptured for each:
 - chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py), with
-  rotary, KV write, attention and merge in one launch (kernels/decode_attention.py) at any batch,
-  and from 64 rows the down projection with SiLU-and-mul in its prologue (kernels/batched_linear.py);
-- chain + PDL (3-kernel attention): attention as three kernels (STRATA_DISABLE_FUSED_DECODE_ATTENTION=1);
-- chain + PDL (SiLU kernel + cuBLAS down): the activation on its own (STRATA_DISABLE_FUSED_DOWN=1);
+  rotary, KV write, attention and merge in one launch (kernels/decode_attention.py);
+- chain + PDL (3-kernel attention): those as three kernels (STRATA_DISABLE_FUSED_DECODE_ATTENTION=1);
 - chain: the fused GEMVs and attention, launched plainly (STRATA_DISABLE_PDL=1);
 - unfused + PDL: cuBLAS and the separate norm / SiLU kernels (rotary and attention still PDL);
 - unfused: neither, the engine as it was before the chain.
-The chain serves batch 1 only: at larger batches its ways differ only in the other switches.
 The step is the worker's back-to-back period (host work, graph replay, sampling and the copy back
 included); GPU ms from CUDA events; floor = (weight bytes + KV bytes) / the copy bandwidth
 measured in the same run.
@@ -30,12 +25,9 @@ from strata.bench import common
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
 from strata.bench_cli import add_bench_parser
 
-# (decode chain, PDL, one-launch decode attention, SiLU-fused down projection)
-WAYS = {"chain + PDL": (True, True, True, True), "chain + PDL (3-kernel attention)": (True, True, False, True),
-        "chain + PDL (SiLU kernel + cuBLAS down)": (True, True, True, False),
-        "chain": (True, False, True, True), "unfused + PDL": (False, True, False, False),
-        "unfused": (False, False, False, False)}
-SWITCHES = ("STRATA_DISABLE_PDL", "STRATA_DISABLE_FUSED_DECODE_ATTENTION", "STRATA_DISABLE_FUSED_DOWN")
+# (decode chain, PDL, one-launch decode attention)
+WAYS = {"chain + PDL": (True, True, True), "chain + PDL (3-kernel attention)": (True, True, False),
+        "chain": (True, False, True), "unfused + PDL": (False, True, False), "unfused": (False, False, False)}
 
 
 def roofline_args(model: str, max_batch: int):
@@ -45,9 +37,9 @@ def roofline_args(model: str, max_batch: int):
                               "--max-num-batched-tokens", str(max(2048, max_batch))])
 
 
-def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool, fused_down: bool) -> None:
-    # The switches are read at every launch, so the recapture below takes them.
-    for name, on in zip(SWITCHES, (pdl, fused_attention, fused_down)):
+def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool) -> None:
+    # Both switches are read at every launch, so the recapture below takes them.
+    for name, on in (("STRATA_DISABLE_PDL", pdl), ("STRATA_DISABLE_FUSED_DECODE_ATTENTION", fused_attention)):
         if on:
             os.environ.pop(name, None)
         else:
@@ -98,8 +90,8 @@ def main() -> None:
                           f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x", flush=True)
         finally:
             decode_linear.TILE_BYTES = default_tile
-            for name in SWITCHES:
-                os.environ.pop(name, None)
+            os.environ.pop("STRATA_DISABLE_PDL", None)
+            os.environ.pop("STRATA_DISABLE_FUSED_DECODE_ATTENTION", None)
             del runner
             common.free_accelerator_memory()
     ways += [f"chain + PDL, {t // 1024} KB" for t in tiles]

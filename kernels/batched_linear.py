@@ -62,7 +62,6 @@ graph; the scratch buffers come from torch's allocator (the graph's pool when ca
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -72,7 +71,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
-from strata.kernels.activation import silu_mul
 from strata.kernels.paged_attention import _device_sm_count
 
 __all__ = ["GemmLaunchConfig", "batched_linear", "choose_batched_linear_config", "compile_batched_linear",
@@ -104,11 +102,9 @@ class GemmLaunchConfig:
         for block in (self.block_m, self.block_n, self.block_k):
             assert block >= 16 and block & (block - 1) == 0, self
 
-    def shared_bytes(self, element_size: int = 2, silu_mul: bool = False) -> int:
-        """Operand buffers: num_stages steps of an x tile (two, gate and up, under silu_mul) and a W
-        tile (wgmma keeps all of them)."""
-        x_tiles = 2 if silu_mul else 1
-        return self.num_stages * (x_tiles * self.block_m + self.block_n) * self.block_k * element_size
+    def shared_bytes(self, element_size: int = 2) -> int:
+        """Operand buffers: num_stages steps of an x tile and a W tile (wgmma keeps all of them)."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
 
     def describe(self) -> str:
         schedule = (f"streamk{self.stream_k}" if self.stream_k else
@@ -117,8 +113,7 @@ class GemmLaunchConfig:
                 f"{' tma' if self.use_tma else ''}{'' if self.pdl else ' nopdl'}")
 
 
-def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_size: int = 2,
-                                 silu_mul: bool = False) -> GemmLaunchConfig:
+def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_size: int = 2) -> GemmLaunchConfig:
     """Shape heuristic (no autotune: launches must stay capturable and deterministic), from an
     H200 sweep (bench_gemm.py --sweep) over the Llama-3.2-1B / 3.1-8B linears at M = 64..512.
 
@@ -135,20 +130,15 @@ def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_
     - Stream-K is never picked: its best config was 11-66% behind the best split-K or data-parallel
       one at every swept shape.
     - Float32 (ieee dots, no tensor-core fast path): 64 x 64 x 32 tiles, data parallel, pointers.
-    - silu_mul (a gate and an up tile per step): one stage fewer where four would not fit.
     """
     if element_size >= 4:
         return GemmLaunchConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
     if tiles > sm_count:
-        config = GemmLaunchConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, use_tma=True)
-    else:
-        split = max(1, min(sm_count // tiles, triton.cdiv(k, 128) // 4))
-        config = GemmLaunchConfig(block_m=64, block_n=128, block_k=128, split_k=split, num_warps=4, num_stages=4,
-                                  use_tma=True)
-    while config.shared_bytes(element_size, silu_mul) > MAX_SHARED and config.num_stages > 2:
-        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    return config
+        return GemmLaunchConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, use_tma=True)
+    split = max(1, min(sm_count // tiles, triton.cdiv(k, 128) // 4))
+    return GemmLaunchConfig(block_m=64, block_n=128, block_k=128, split_k=split, num_warps=4, num_stages=4,
+                            use_tma=True)
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -166,29 +156,20 @@ def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
-              INTERPRETED: tl.constexpr):
-    """acc += one BLOCK_K step of the tile's x rows times its W rows, transposed. SILU_MUL: x rows
-    are [gate | up], 2K wide, and the step's x tile is silu(gate) * up, rounded to x's dtype as
-    kernels/activation.py stores it."""
+              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc += one BLOCK_K step of the tile's x rows times its W rows, transposed."""
     if USE_TMA:
         k0 = (step * BLOCK_K).to(tl.int32)
         a = x_in.load([off_m, k0])
-        if SILU_MUL:
-            a = silu_mul(a, x_in.load([off_m, K + k0])).to(a.dtype)
         b = w_in.load([off_n, k0])
     else:
         k0 = step * BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs + k0)
-            if SILU_MUL:
-                a = silu_mul(a, tl.load(a_ptrs + K + k0)).to(a.dtype)
             b = tl.load(b_ptrs + k0)
         else:
             k_valid = (k0 + tl.arange(0, BLOCK_K) < K)[None, :]
             a = tl.load(a_ptrs + k0, mask=k_valid, other=0.0)
-            if SILU_MUL:
-                a = silu_mul(a, tl.load(a_ptrs + K + k0, mask=k_valid, other=0.0)).to(a.dtype)
             b = tl.load(b_ptrs + k0, mask=k_valid, other=0.0)
     if INTERPRETED:
         # The interpreter's dot gets bfloat16 wrong (numpy has none); float32 products of 16-bit
@@ -204,7 +185,7 @@ def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K: t
 @triton.jit
 def _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, SILU_MUL: tl.constexpr, INTERPRETED: tl.constexpr):
+                USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc += x[tile rows, steps] @ W[tile columns, steps].T over K steps [step_begin, step_end)."""
     off_m = (pid_m * BLOCK_M).to(tl.int32)
     off_n = (pid_n * BLOCK_N).to(tl.int32)
@@ -221,12 +202,12 @@ def _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, st
         step = step_begin
         while step < step_end:
             acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT, SILU_MUL, INTERPRETED)
+                            IEEE_DOT, INTERPRETED)
             step += 1
     else:
         for step in range(step_begin, step_end):
             acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT, SILU_MUL, INTERPRETED)
+                            IEEE_DOT, INTERPRETED)
     return acc
 
 
@@ -256,7 +237,6 @@ def _batched_linear_kernel(
     HAS_BIAS: tl.constexpr,
     USE_TMA: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -279,7 +259,7 @@ def _batched_linear_kernel(
             pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, SILU_MUL, INTERPRETED)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
             if step_begin == 0 and step_end == steps:
                 _store_tile(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)
             else:
@@ -298,7 +278,7 @@ def _batched_linear_kernel(
             step_begin = split * per_split
             step_end = tl.minimum(step_begin + per_split, steps)
             acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, SILU_MUL, INTERPRETED)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -306,7 +286,7 @@ def _batched_linear_kernel(
             tl.store(scratch_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
         else:
             acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, 0, steps, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, SILU_MUL, INTERPRETED)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
             _store_tile(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)
 
 
@@ -389,18 +369,16 @@ def _tma_ready(t: torch.Tensor) -> bool:
 # --- python entry points ----------------------------------------------------------------------
 
 
-def use_batched_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """Whether batched_linear can serve F.linear(x, weight) (of silu_and_mul(x) with silu_mul):
-    CUDA tensors on sm_90 or later (what the heuristic is tuned for: its 192 KB of operand buffers
-    exceed an A100's shared memory), at least one row of x, a supported dtype shared by both, a
-    contiguous 2-D weight and unit-stride rows of x. Whether it is faster than cuBLAS for a shape
-    is the caller's call (bench_gemm)."""
+def use_batched_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether batched_linear can serve F.linear(x, weight): CUDA tensors on sm_90 or later (what
+    the heuristic is tuned for: its 192 KB of operand buffers exceed an A100's shared memory), at
+    least one row of x, a supported dtype shared by both, a contiguous 2-D weight and unit-stride
+    rows of x. Whether it is faster than cuBLAS for a shape is the caller's call (bench_gemm)."""
     if not (x.is_cuda and weight.is_cuda and x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype):
         return False
     if not _hopper(x.device):
         return False
-    width = 2 * weight.shape[1] if silu_mul and weight.dim() == 2 else weight.shape[-1]
-    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0 or x.shape[-1] != width:
+    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
     return x.stride(-1) == 1 and weight.shape[1] > 0 and x.numel() // weight.shape[1] >= 1
 
@@ -417,26 +395,20 @@ def launch_grid(config: GemmLaunchConfig, m: int, n: int, k: int) -> tuple[tuple
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None,
-                   silu_mul: bool = False) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] (any number of rows), weight [N, K] contiguous.
 
-    silu_mul: x is the MLP's [gate | up] [..., 2K] and the result F.linear(silu_and_mul(x), ...),
-    with the activation computed in the GEMM's prologue, bit for bit as kernels/activation.py
-    rounds it (no [.., K] intermediate, no launch of its own).
     Float32 accumulation, one rounding to x's dtype; deterministic. config overrides the
     heuristic (benchmarks, tests).
     """
-    return _batched_linear(x, weight, bias, out, config, silu_mul, warmup=False)
+    return _batched_linear(x, weight, bias, out, config, warmup=False)
 
 
 def compile_batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None,
-                           silu_mul: bool = False) -> None:
-    """Compile what batched_linear(x, weight, bias, out, config=config, silu_mul=silu_mul) would
-    launch, launching nothing (Triton's warmup; inside triton's AsyncCompileMode the compiles run
-    in its executor)."""
-    _batched_linear(x, weight, bias, out, config, silu_mul, warmup=True)
+                           out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None) -> None:
+    """Compile what batched_linear(x, weight, bias, out, config=config) would launch, launching
+    nothing (Triton's warmup; inside triton's AsyncCompileMode the compiles run in its executor)."""
+    _batched_linear(x, weight, bias, out, config, warmup=True)
 
 
 def _launch(kernel, grid, warmup: bool, *args, **kwargs) -> None:
@@ -446,12 +418,11 @@ def _launch(kernel, grid, warmup: bool, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-def _batched_linear(x, weight, bias, out, config, silu_mul, *, warmup: bool) -> torch.Tensor:
+def _batched_linear(x, weight, bias, out, config, *, warmup: bool) -> torch.Tensor:
     n, k = weight.shape
-    x_width = 2 * k if silu_mul else k
-    assert x.shape[-1] == x_width and weight.is_contiguous() and weight.dtype == x.dtype, (x.shape, weight.shape)
+    assert x.shape[-1] == k and weight.is_contiguous() and weight.dtype == x.dtype, (x.shape, weight.shape)
     assert x.dtype in SUPPORTED_DTYPES and k > 0, (x.dtype, k)
-    x2 = x.reshape(-1, x_width)
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
     assert x2.stride(-1) == 1, "rows of x must be unit-stride"
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1), bias.shape
@@ -461,16 +432,14 @@ def _batched_linear(x, weight, bias, out, config, silu_mul, *, warmup: bool) -> 
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = choose_batched_linear_config(m, n, k, _device_sm_count(x.device), x.element_size(), silu_mul)
+        config = choose_batched_linear_config(m, n, k, _device_sm_count(x.device), x.element_size())
     out2 = out.view(m, n)
     hopper = _hopper(x.device)
     use_tma = config.use_tma and _tma_available(x.device) and _tma_ready(x2) and _tma_ready(weight)
-    # TMA zero-fills past the descriptor's edge only: a ragged gate tile would read into up.
-    use_tma = use_tma and not (silu_mul and k % config.block_k)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        x_in = TensorDescriptor(x2, [m, x_width], [x2.stride(0), 1], [config.block_m, config.block_k])
+        x_in = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [config.block_m, config.block_k])
         w_in = TensorDescriptor(weight, [n, k], [k, 1], [config.block_n, config.block_k])
     else:
         x_in, w_in = x2, weight
@@ -494,7 +463,6 @@ def _batched_linear(x, weight, bias, out, config, silu_mul, *, warmup: bool) -> 
             HAS_BIAS=bias is not None,
             USE_TMA=use_tma,
             IEEE_DOT=x.dtype == torch.float32,
-            SILU_MUL=silu_mul,
             LAUNCH_DEPENDENTS=pdl,
             INTERPRETED=_INTERPRETED,
             num_warps=config.num_warps,

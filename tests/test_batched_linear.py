@@ -82,23 +82,17 @@ def compile_variants() -> list:
         return compile_check.CompileReport(f"{label} wgmma={'warp_group_dot' in ttgir}", registers, spills,
                                            compiled.metadata.shared, pipelined)
 
-    def gemm(label, config, dtype="bf16", bias=False, even_k=True, silu_mul=False):
+    def gemm(label, config, dtype="bf16", bias=False, even_k=True):
         schedule = 2 if config.stream_k else 1 if config.split_k > 1 else 0
         constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                           GROUP_M=config.group_m, SCHEDULE=schedule, EVEN_K=even_k, HAS_BIAS=bias,
-                          USE_TMA=config.use_tma, IEEE_DOT=dtype == "fp32", SILU_MUL=silu_mul,
+                          USE_TMA=config.use_tma, IEEE_DOT=dtype == "fp32",
                           LAUNCH_DEPENDENTS=config.pdl and schedule > 0, INTERPRETED=False)
         descriptors = dict(x_in=(config.block_m, config.block_k), w_in=(config.block_n, config.block_k))
         return one(f"batched_linear {dtype} {label} {config.describe()}", bl._batched_linear_kernel, dtype,
                    constexprs, config.num_warps, config.num_stages, descriptors if config.use_tma else None)
 
     reports = [gemm(f"{name} M={m}", config) for config, (name, m) in heuristic_configs().items()]
-    # The MLP's down projection with SiLU-and-mul in its prologue, as decode steps launch it.
-    for name, n, k in MODEL_SHAPES:
-        if name.endswith("down"):
-            for m in BATCH_SIZES:
-                config = bl.choose_batched_linear_config(m, n, k, 132, silu_mul=True)
-                reports.append(gemm(f"{name} M={m} silu_mul", config, silu_mul=True))
     reports.append(gemm("bias, ragged K", bl.GemmLaunchConfig(128, 64, 64, stream_k=132, num_warps=4), "fp16",
                         bias=True, even_k=False))
     reports.append(gemm("fp32", bl.choose_batched_linear_config(256, 2048, 2048, 132, element_size=4), "fp32"))
@@ -126,7 +120,7 @@ if not can_run_interpreted_here("strata.kernels.batched_linear"):
                               capture_output=True, text=True, timeout=300)
         print(proc.stdout)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
-        assert "1b.qkv" in proc.stdout and "fixup" in proc.stdout and "1b.down M=256 silu_mul" in proc.stdout
+        assert "1b.qkv" in proc.stdout and "fixup" in proc.stdout
 
 else:
     import strata.kernels.batched_linear as bl
@@ -250,53 +244,6 @@ else:
         assert not use_batched_linear(x, weight)  # CPU tensors (the GPU test checks the CUDA case)
 
     # --- launch heuristic (python only) ---------------------------------------------------------
-
-    # --- SiLU-and-mul in the prologue (the MLP's down projection) --------------------------------
-
-    @pytest.mark.parametrize("config", [
-        SMALL,
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, split_k=3, num_warps=4),
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, use_tma=True),
-    ], ids=["dp-ragged-k", "split-ragged-k", "tma"])
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    def test_silu_mul_prologue_equals_activation_then_linear(config, dtype, monkeypatch):
-        """batched_linear(gate_up, W, silu_mul=True) == batched_linear(silu_and_mul(gate_up), W): the
-        prologue rounds the activation as kernels/activation.py stores it, so only the summation
-        order of the same operands may differ. K = 200 is ragged for 32-wide steps (masked gate
-        and up loads); the TMA case takes K = 192, whole steps (a ragged one falls back to
-        pointers: the descriptor would zero-fill only past up's end)."""
-        from strata.kernels.activation import silu_and_mul
-
-        monkeypatch.setattr(bl, "_tma_available", lambda device: config.use_tma)
-        k = 192 if config.use_tma else 200
-        gate_up, weight, b = inputs(70, 72, 2 * k, bias=True, dtype=dtype)
-        weight = weight[:, :k].contiguous()
-        activated = silu_and_mul(gate_up)
-        got = batched_linear(gate_up, weight, b, config=config, silu_mul=True)
-        want = batched_linear(activated, weight, b, config=config)
-        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(got, want, **tol)
-        assert_matches_linear(got, activated, weight, b, **tol)
-
-    def test_silu_mul_ragged_k_takes_pointers_not_tma(monkeypatch):
-        monkeypatch.setattr(bl, "_tma_available", lambda device: True)
-        gate_up, weight, _ = inputs(8, 40, 2 * 200, bias=False)
-        launched = []
-        real = bl._launch
-        monkeypatch.setattr(bl, "_launch", lambda kernel, grid, warmup, *args, **kw: (
-            launched.append(kw["USE_TMA"]), real(kernel, grid, warmup, *args, **kw)))
-        config = GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, use_tma=True)
-        batched_linear(gate_up, weight[:, :200].contiguous(), config=config, silu_mul=True)
-        assert launched == [False]
-
-    def test_silu_mul_heuristic_fits_shared_memory():
-        for name, n, k in MODEL_SHAPES:
-            for m in BATCH_SIZES:
-                config = choose_batched_linear_config(m, n, k, 132, silu_mul=True)
-                assert config.shared_bytes(silu_mul=True) <= MAX_SHARED, (name, m, config)
-                plain = choose_batched_linear_config(m, n, k, 132)
-                assert (config.block_m, config.block_n, config.block_k, config.split_k) == (
-                    plain.block_m, plain.block_n, plain.block_k, plain.split_k)
 
     def test_heuristic_invariants():
         for name, n, k in MODEL_SHAPES:

@@ -34,8 +34,7 @@ from strata.services.worker.model_config import ModelConfig
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("strata.kernels.rmsnorm", "strata.kernels.rotary", "strata.kernels.activation",
-                  "strata.kernels.decode_attention", "strata.kernels.batched_linear")
+KERNEL_MODULES = ("strata.kernels.rmsnorm", "strata.kernels.rotary", "strata.kernels.activation")
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -350,30 +349,6 @@ else:
             self.launches.append(grid)
             return self.kernel[grid]
 
-
-    @pytest.mark.parametrize("bias", [False, True])
-    def test_mlp_down_with_silu_prologue_matches_torch_path(bias, monkeypatch):
-        """The MLP of a decode batch (64..512 rows) on Hopper: the down projection takes SiLU-and-mul
-        in batched_linear's prologue, no activation kernel. Forced here (pointer path under the
-        interpreter) against the HF-exact torch MLP; outside those rows the activation kernel runs."""
-        from strata.kernels import activation, batched_linear
-
-        config = tiny_config(mlp_bias=bias)
-        mlp = random_shard(config).layers[0].mlp
-        launches, activations = [], []
-        monkeypatch.setattr(batched_linear, "_batched_linear_kernel",
-                            Counted(batched_linear._batched_linear_kernel, launches))
-        monkeypatch.setattr(activation, "_silu_and_mul_kernel", Counted(activation._silu_and_mul_kernel, activations))
-        monkeypatch.setattr("strata.kernels.batched_linear.use_batched_linear", lambda *args, **kwargs: True)
-        x = torch.randn(70, config.hidden_size, generator=torch.Generator().manual_seed(1))
-        mlp.fused_kernels = False
-        want = mlp(x)
-        mlp.fused_kernels = True
-        got = mlp(x)
-        assert len(launches) == 1 and activations == []
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-        mlp(x[:3])  # 3 rows: below the decode batches, the activation kernel and torch's linear
-        assert len(launches) == 1 and len(activations) == 1
 
     @pytest.mark.parametrize("head_dim", [16, 32], ids=["three-kernel-attention", "decode-attention"])
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])

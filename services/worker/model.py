@@ -240,22 +240,6 @@ class Attention(nn.Module):
                 and os.environ.get("STRATA_DISABLE_FUSED_DECODE_ATTENTION", "") in ("", "0"))
 
 
-# Token counts at which the down projection takes SiLU-and-mul in its prologue
-# (kernels/batched_linear.py): the decode batches its heuristic is tuned for, where its one launch
-# beats the activation kernel plus cuBLAS (bench_gemm's down rows).
-SILU_MUL_DOWN_ROWS = range(64, 513)
-
-
-def silu_mul_down_serves(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the down projection takes the activation in batched_linear's prologue for this
-    step; STRATA_DISABLE_FUSED_DOWN=1 keeps the SiLU kernel and cuBLAS (A/B timing)."""
-    if gate_up.shape[0] not in SILU_MUL_DOWN_ROWS or os.environ.get("STRATA_DISABLE_FUSED_DOWN", "") not in ("", "0"):
-        return False
-    from strata.kernels.batched_linear import use_batched_linear
-
-    return use_batched_linear(gate_up, weight, silu_mul=True)
-
-
 class MLP(FusedKernelSwitch, nn.Module):
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
@@ -265,25 +249,8 @@ class MLP(FusedKernelSwitch, nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if not self._use_fused(x):
-            return self.down_proj(silu_and_mul_reference(gate_up))
-        if silu_mul_down_serves(gate_up, self.down_proj.weight):
-            from strata.kernels.batched_linear import batched_linear
-
-            return batched_linear(gate_up, self.down_proj.weight, self.down_proj.bias, silu_mul=True)
-        return self.down_proj(_fused_kernels().silu_and_mul(gate_up))
-
-    def compile_fused_down(self, dtype: torch.dtype) -> None:
-        """Compiles the prologue-fused down projection's variants (one per schedule the heuristic
-        picks over SILU_MUL_DOWN_ROWS), launching nothing: eager steps must not compile them."""
-        from strata.kernels.batched_linear import compile_batched_linear
-
-        weight = self.down_proj.weight
-        for rows in (64, 128, 256, 512):
-            gate_up = torch.empty(rows, 2 * weight.shape[1], dtype=dtype, device=weight.device)
-            if silu_mul_down_serves(gate_up, weight):
-                compile_batched_linear(gate_up, weight, self.down_proj.bias, silu_mul=True)
+        act = _fused_kernels().silu_and_mul if self._use_fused(x) else silu_and_mul_reference
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -44,7 +44,6 @@ def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hi
         hidden, residual = shard.forward(inputs["input_ids"] if shard.is_first else None,
                                          inputs["positions"], hidden, residual, kv_caches, meta)
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
-    shard.layers[0].mlp.compile_fused_down(dtype)
     if sampler is not None:
         logits = shard.compute_logits(hidden[:2], residual[:2])
         for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:

@@ -42,30 +42,6 @@ def test_model_shapes_bf16_match_linear(name, n, k, m):
     assert_close_to_reference(batched_linear(x, weight), want, torch.bfloat16, baseline=cublas)
 
 
-@pytest.mark.parametrize("m", BATCH_SIZES)
-@pytest.mark.parametrize("name,n,k", [s for s in MODEL_SHAPES if s[0].endswith("down")],
-                         ids=[s[0] for s in MODEL_SHAPES if s[0].endswith("down")])
-def test_silu_mul_prologue_on_the_down_shapes(name, n, k, m):
-    """The MLP's down projection with SiLU-and-mul in the prologue (the decode steps' path,
-    services/worker/model.py) equals the activation kernel followed by the same GEMM: the operands
-    are bit-equal, only a register-sourced wgmma A operand could change the sums. Also checked
-    against float32 math, with cuBLAS on the activated input as the baseline."""
-    from strata.kernels.activation import silu_and_mul
-
-    weight = weight_for(n, k, torch.bfloat16)
-    gate_up = make_x(m, 2 * k, torch.bfloat16, seed=m)
-    assert use_batched_linear(gate_up, weight, silu_mul=True) and not use_batched_linear(gate_up, weight)
-    activated = silu_and_mul(gate_up)
-    config = choose_batched_linear_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
-                                          silu_mul=True)
-    got = batched_linear(gate_up, weight, config=config, silu_mul=True)
-    unfused = batched_linear(activated, weight, config=config)
-    mismatched = (got != unfused).sum().item()
-    print(f"{name} M={m} {config.describe()}: {mismatched} of {got.numel()} outputs differ from the unfused GEMM")
-    torch.testing.assert_close(got.float(), unfused.float(), atol=2 ** -6, rtol=2 ** -7)
-    assert_close_to_reference(got, reference(activated, weight), torch.bfloat16, baseline=F.linear(activated, weight))
-
-
 FORCED = [
     GemmLaunchConfig(128, 128, 64, num_warps=8, num_stages=4),
     GemmLaunchConfig(128, 128, 64, num_warps=8, num_stages=4, use_tma=True),
