@@ -1,5 +1,7 @@
 """Decode attention in one launch: rotary, the KV-cache write, split-KV attention and the split merge
-for one new token per sequence (the batch-1 decode chain's attention, services/worker/decode_chain.py).
+for one new token per sequence: the attention of the batch-1 decode chain (services/worker/decode_chain.py)
+and of every decode step small enough to be latency-bound (decode_attention_serves; Attention.attend
+in services/worker/model.py decides).
 
 Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
 merge of the splits), each a few microseconds of latency that waits for the one before it. On
@@ -43,7 +45,7 @@ from strata.kernels.dependent_launch import dependent_launch_supported, launch_o
 from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config, online_softmax_step
 from strata.kernels.rotary import rotate_halves
 
-__all__ = ["compile_serving_variants", "decode_attention", "decode_attention_supported"]
+__all__ = ["compile_serving_variants", "decode_attention", "decode_attention_serves", "decode_attention_supported"]
 
 
 @triton.jit
@@ -294,6 +296,23 @@ def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
                 SPLITS_PADDED=triton.next_power_of_2(splits), GROUP_PADDED=group_padded,
                 # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16 KB of registers.
                 SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))))
+
+
+# Warps per SM up to which the one launch beats rotary + paged attention (+ merge): H200,
+# `python -m strata.bench.decode_chain --batches 1,2,...,256` at 576 cached tokens. 1B (D = 64,
+# 2 warps a program): 1.5-7% faster at batch 1-64 (<= 8 warps per SM), 9% and 4% slower at 128
+# and 256. 8B (D = 128, 8 warps): 3% and 1% faster at 1 and 16, even at 4, 3-8% slower from 32.
+# Past that the grid is several full waves, bandwidth-bound, where the three kernels' 2-warp
+# programs stream the cache better; below it each launch's latency is what the fusion saves.
+MAX_WARPS_PER_SM = 8
+
+
+def decode_attention_serves(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            device: torch.device) -> bool:
+    """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
+    MAX_WARPS_PER_SM), and one it takes (decode_attention_supported)."""
+    return (decode_attention_supported(head_dim, dtype)
+            and num_seqs * num_kv_heads * num_warps(head_dim) <= MAX_WARPS_PER_SM * _device_sm_count(device))
 
 
 def num_warps(head_dim: int) -> int:

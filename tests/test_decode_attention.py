@@ -58,6 +58,18 @@ if not can_run_interpreted_here("strata.kernels.decode_attention", "strata.kerne
         assert sum(load < wait for load in loads) >= 4, "the cached K/V tile is not prefetched"
         assert splits == 1 or re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "the arrival count must release"
 
+    def test_serves_the_latency_bound_batches_only():
+        """The measured crossover (H200): the one launch for the 1B (D = 64) up to batch 64, the 8B
+        (D = 128) up to 16; the three kernels above. Never for head sizes it does not take."""
+        from strata.kernels.decode_attention import decode_attention_serves
+
+        def serves(batch, head_dim, dtype=torch.bfloat16):
+            return decode_attention_serves(batch, 8, head_dim, dtype, torch.device("cpu"))  # as 132 SMs
+
+        assert [serves(b, 64) for b in (1, 64, 128, 256)] == [True, True, False, False]
+        assert [serves(b, 128) for b in (1, 16, 32, 256)] == [True, True, False, False]
+        assert not serves(1, 16) and not serves(1, 96) and not serves(1, 64, torch.int8)
+
 else:
     from strata.kernels.decode_attention import _arrival_counters, decode_attention
     from strata.kernels.reference import paged_attention_reference, rotary_embedding_reference

@@ -4,8 +4,8 @@ Per layer, five launches instead of ten (kernels/decode_linear.py says why that 
 
     qkv     = norm_linear(h)                     input RMSNorm in qkv's prologue
     attn    = Attention.attend(qkv)              rotary, KV write, split-KV attention and merge in one
-                                                 launch (kernels/decode_attention.py, as every decode-only
-                                                 step); where it does not serve (sliding windows,
+                                                 launch (kernels/decode_attention.py, as small decode
+                                                 batches do); where it does not serve (sliding windows,
                                                  cascades, small heads), three kernels
     h       = linear_add_residual(attn, o_proj)  the residual add in o_proj's epilogue
     gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue

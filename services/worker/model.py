@@ -208,8 +208,8 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """From the qkv projection [T, q + 2 kv] to the attention output [T, q] (o_proj's input):
-        rotary, the KV cache write, attention. A decode-only step does all three in one launch
-        (kernels/decode_attention.py) where that kernel serves the layer."""
+        rotary, the KV cache write, attention. A small decode-only step does all three in one
+        launch (kernels/decode_attention.py) where that kernel serves the layer."""
         if self._one_launch_decode(qkv, rotary, meta):
             from strata.kernels.decode_attention import decode_attention
 
@@ -227,16 +227,18 @@ class Attention(nn.Module):
 
     def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
         """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
-        the fused kernels on, no sliding window or shared-prefix cascade, a head size and dtype it
-        takes. STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is
-        built or captured, for A/B timing)."""
-        if meta.max_query_len != 1 or qkv.shape[0] != meta.seq_lens.shape[0] or not rotary._use_fused(qkv):
+        the fused kernels on, no sliding window or shared-prefix cascade, and a batch small enough
+        that one launch is faster (decode_attention_serves: the latency-bound batches). Its
+        STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is built
+        or captured, for A/B timing)."""
+        num_seqs = meta.seq_lens.shape[0]
+        if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
             return False
         if self.sliding_window is not None or meta.shared_prefixes is not None:
             return False
-        from strata.kernels.decode_attention import decode_attention_supported
+        from strata.kernels.decode_attention import decode_attention_serves
 
-        return (decode_attention_supported(self.head_dim, qkv.dtype)
+        return (decode_attention_serves(num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device)
                 and os.environ.get("STRATA_DISABLE_FUSED_DECODE_ATTENTION", "") in ("", "0"))
 
 
