@@ -289,6 +289,21 @@ def test_cascade_graphs_and_eager_cascade_match_plain_attention(shard_and_config
         runs[grouped] = (out, logits, runner.cascade_graphs.step)
     (cascade_out, cascade_logits, cascade_replays), (plain_out, plain_logits, plain_replays) = runs[True], runs[False]
     assert cascade_replays == 4 and plain_replays == 0, "the grouped decode steps replay the cascade graphs"
-    for got, want in zip(cascade_logits, plain_logits):
-        assert (got - want).abs().max() <= 0.02 * want.abs().max(), "cascade logits differ beyond bf16 rounding"
-    assert cascade_out == plain_out
+    # Greedy tokens agree unless the plain run's top two logits are within the rounding tolerance
+    # (a bf16 tie: on random weights two of the top logits are often equal), where either
+    # token is right; such a row's later steps see different inputs, so it is compared no further.
+    # (H200, 77b6cef: sequence 6's top two logits were equal in the first decode step.)
+    compared = [True] * len(order)
+    for step, (got, want) in enumerate(zip(cascade_logits, plain_logits)):
+        tolerance = 0.02 * want.abs().max()
+        for row, seq in enumerate(order):
+            if not compared[row]:
+                continue
+            assert (got[row] - want[row]).abs().max() <= tolerance, f"step {step}, sequence {seq}: beyond bf16 rounding"
+            if cascade_out[seq][1 + step] != plain_out[seq][1 + step]:
+                top2 = want[row].topk(2).values
+                assert top2[0] - top2[1] <= tolerance, f"step {step}, sequence {seq}: a clear argmax differs"
+                compared[row] = False
+    assert sum(compared) >= len(order) - 1, "more than one tie: the comparison would say little"
+    assert {s: t for s, t in cascade_out.items() if s not in order or compared[order.index(s)]} == \
+        {s: t for s, t in plain_out.items() if s not in order or compared[order.index(s)]}
