@@ -67,6 +67,18 @@ def _load_kv_tile(first_key, cached, block_table_row, key_cache_ptr, value_cache
 
 
 @triton.jit
+def _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """The new token's key halves [1, HALF] (not yet rotated) and value [HEAD_DIM] from its qkv row."""
+    half_dims = tl.arange(0, HALF)
+    key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+    kn1 = tl.load(key_ptr + half_dims)[None, :]
+    kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]
+    vn = tl.load(token_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + tl.arange(0, HEAD_DIM))
+    return kn1, kn2, vn
+
+
+@triton.jit
 def _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT: tl.constexpr):
     """One online-softmax step over a tile of cached keys (all before the query: no causal mask)."""
     if IEEE_DOT:
@@ -148,8 +160,12 @@ def _decode_attention_kernel(
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
     # The new token's own split (and split 0 when nothing is cached) has no tile: past `cached`,
     # fully masked, nothing read.
-    k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
-                                       kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HALF)
+    # Split launches hold their first tile in registers across the wait; unsplit ones (full waves)
+    # stream every tile through the pipelined loop instead, keeping registers for resident programs.
+    if NUM_SPLITS > 1:
+        k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr,
+                                           value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot,
+                                           BLOCK_SIZE, TILE_N, HALF)
     if PDL:
         gdc_wait()  # qkv is the projection's output
 
@@ -160,21 +176,23 @@ def _decode_attention_kernel(
     q_ptrs = token_qkv + head[:, None] * HEAD_DIM + half_dims[None, :]
     q1 = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
     q2 = tl.load(q_ptrs + HALF, mask=row_valid[:, None], other=0.0)
-    # The new token's key and value, loaded beside the queries (one L2 round trip for both); only
-    # its own split (parts - 1) uses them.
-    key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-    kn1 = tl.load(key_ptr + half_dims)[None, :]
-    kn2 = tl.load(key_ptr + HALF + half_dims)[None, :]
-    vn = tl.load(token_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims)
+    # The new token's key and value: in split launches (latency-bound) loaded beside the queries,
+    # one L2 round trip for both; in unsplit ones (full waves, bandwidth-bound) after the tiles,
+    # so that no register holds them (or cos and sin) across the loop. Only split parts - 1 uses them.
+    if NUM_SPLITS > 1:
+        kn1, kn2, vn = _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
     q1, q2 = rotate_halves(q1, q2, cos, sin)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # a finite floor: masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if tile_begin < tile_end:
-        m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+    loop_begin = tile_begin
+    if NUM_SPLITS > 1:
+        if tile_begin < tile_end:
+            m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+        loop_begin = tile_begin + 1
     if INTERPRETED:  # the interpreter cannot take tensor bounds in range()
-        tile = tile_begin + 1
+        tile = loop_begin
         while tile < tile_end:
             k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
                                                kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
@@ -182,7 +200,7 @@ def _decode_attention_kernel(
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
             tile += 1
     else:
-        for tile in range(tile_begin + 1, tile_end):
+        for tile in range(loop_begin, tile_end):
             k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
                                                kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
                                                TILE_N, HALF)
@@ -190,6 +208,10 @@ def _decode_attention_kernel(
 
     if split == parts - 1:
         # The new token: rotate its key, store key and value in the cache, and attend to them here.
+        if NUM_SPLITS == 1:
+            kn1, kn2, vn = _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
+            cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
             cache_slot = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
@@ -312,12 +334,15 @@ def decode_attention_serves(num_seqs: int, num_kv_heads: int, head_dim: int, dty
     """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
     MAX_WARPS_PER_SM), and one it takes (decode_attention_supported)."""
     return (decode_attention_supported(head_dim, dtype)
-            and num_seqs * num_kv_heads * num_warps(head_dim) <= MAX_WARPS_PER_SM * _device_sm_count(device))
+            and num_seqs * num_kv_heads * num_warps(head_dim, 2) <= MAX_WARPS_PER_SM * _device_sm_count(device))
 
 
-def num_warps(head_dim: int) -> int:
-    """2 warps at D = 64 (as paged decode attention), 8 at D = 128: 4 spill at 16 splits on sm_90."""
-    return 8 if head_dim >= 128 else 2
+def num_warps(head_dim: int, splits: int) -> int:
+    """2 warps at D = 64 (as paged decode attention). At D = 128: 8 in split launches (4 spill at 16
+    splits on sm_90), 4 in unsplit ones (116 registers a thread; 2 would take 255)."""
+    if head_dim < 128:
+        return 2
+    return 8 if splits > 1 else 4
 
 
 def decode_attention(
@@ -379,7 +404,7 @@ def decode_attention(
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,
-        num_warps=num_warps(head_dim),
+        num_warps=num_warps(head_dim, splits),
         num_stages=2,
         **launch_options(pdl),
     )
