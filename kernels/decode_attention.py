@@ -320,12 +320,12 @@ def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
                 SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))))
 
 
-# Warps per SM up to which the one launch beats rotary + paged attention (+ merge): H200,
-# `python -m strata.bench.decode_chain --batches 1,2,...,256` at 576 cached tokens. 1B (D = 64,
-# 2 warps a program): 1.5-7% faster at batch 1-64 (<= 8 warps per SM), 9% and 4% slower at 128
-# and 256. 8B (D = 128, 8 warps): 3% and 1% faster at 1 and 16, even at 4, 3-8% slower from 32.
-# Past that the grid is several full waves, bandwidth-bound, where the three kernels' 2-warp
-# programs stream the cache better; below it each launch's latency is what the fusion saves.
+# Warps per SM (counted as split launches take them) up to which the one launch beats rotary +
+# paged attention (+ merge): H200, `python -m strata.bench.decode_chain --batches 1,...,256` at
+# 576 cached tokens (bench/RESULTS.md). 1B: 1.5-7% faster at batch 1-64, level at 128, 1% slower
+# at 256. 8B: 3% and 1% faster at batch 1 and 16, 3% slower at 32 (still split, 8 warps), level
+# to 1% slower from 64. Below this the launches' latency is what the fusion saves; above it the
+# attention is bandwidth-bound and the rotary launch it saves is worth about what it loses.
 MAX_WARPS_PER_SM = 8
 
 
