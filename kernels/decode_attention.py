@@ -13,7 +13,8 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
 - Before the dependent-launch wait (kernels/dependent_launch.py) a program reads only what no
   kernel of this step writes: the step inputs and the first tile of its *cached* keys and
   values (positions before the new token's, written by earlier steps). Its K/V stream thus
-  starts while the qkv projection is still running.
+  starts while the qkv projection is still running. (Split launches only: unsplit ones, full
+  waves of bandwidth-bound programs, keep those registers free for more resident programs.)
 - After the wait: the query heads of the KV head's GQA group, loaded raw from the projection
   and rotated in registers with kernels/rotary.py's rounding. Scores are two dots, one per
   rotary half (q . k = q1 . k1 + q2 . k2), so the halves never need re-interleaving.

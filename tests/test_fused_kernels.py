@@ -349,7 +349,6 @@ else:
             self.launches.append(grid)
             return self.kernel[grid]
 
-
     @pytest.mark.parametrize("head_dim", [16, 32], ids=["three-kernel-attention", "decode-attention"])
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])
     def test_shard_forward_with_fused_kernels_matches_torch_path(arch, head_dim, monkeypatch):
