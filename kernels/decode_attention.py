@@ -43,7 +43,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.paged_attention import _LOG2E, _device_sm_count, choose_launch_config, online_softmax_step
+from strata.kernels.paged_attention import (
+    _LOG2E,
+    MAX_KV_SPLITS,
+    _device_sm_count,
+    choose_launch_config,
+    online_softmax_step,
+)
 from strata.kernels.rotary import rotate_halves
 
 __all__ = ["compile_serving_variants", "decode_attention", "decode_attention_serves", "decode_attention_supported"]
@@ -65,6 +71,15 @@ def _load_kv_tile(first_key, cached, block_table_row, key_cache_ptr, value_cache
     dims = tl.arange(0, 2 * HALF)
     v = tl.load(value_cache_ptr + slot[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
     return k1, k2, v, k_valid
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF: tl.constexpr):
+    """The rotary table rows [1, HALF] of a position, in float32."""
+    half_dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -152,8 +167,7 @@ def _decode_attention_kernel(
         return
     position = tl.load(positions_ptr + seq).to(tl.int64)
     position = tl.minimum(tl.maximum(position, 0), num_positions - 1)  # padding rows: any valid row
-    cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF)
     slot = tl.load(slot_mapping_ptr + seq)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
@@ -211,8 +225,7 @@ def _decode_attention_kernel(
         # The new token: rotate its key, store key and value in the cache, and attend to them here.
         if NUM_SPLITS == 1:
             kn1, kn2, vn = _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
-            cos = tl.load(cos_ptr + position * stride_cos + half_dims).to(tl.float32)[None, :]
-            sin = tl.load(sin_ptr + position * stride_sin + half_dims).to(tl.float32)[None, :]
+            cos, sin = _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF)
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
             cache_slot = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
@@ -413,8 +426,8 @@ def decode_attention(
 
 
 def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
-    """Launches every split count an eager decode step can pick (powers of two up to 64, see
-    choose_launch_config) on one sequence with no cached keys that writes nothing (slot -1), so
+    """Launches every split count an eager decode step can pick (powers of two up to MAX_KV_SPLITS,
+    see choose_launch_config) on one sequence with no cached keys that writes nothing (slot -1), so
     none compiles mid-serving. Decode graphs compile theirs when captured."""
     num_kv_heads, head_dim, device = kv_cache.shape[2], kv_cache.shape[4], kv_cache.device
     if not decode_attention_supported(head_dim, kv_cache.dtype):
@@ -423,7 +436,7 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
     table = torch.zeros(1, head_dim // 2, dtype=kv_cache.dtype, device=device)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     splits = 1
-    while splits <= 64:
+    while splits <= MAX_KV_SPLITS:
         decode_attention(qkv, zero, table, table, kv_cache, torch.ones(1, dtype=torch.int32, device=device),
                          torch.zeros(1, 1, dtype=torch.int32, device=device), zero - 1, num_q_heads=num_q_heads,
                          scale=1.0, max_seq_len=1, num_kv_splits=splits)

@@ -16,9 +16,10 @@ are then no-ops.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from strata.flags import disabled
 
 
 @functools.cache
@@ -28,7 +29,7 @@ def _sm90_or_later(device_index: int) -> bool:
 
 def dependent_launch_supported(device: torch.device) -> bool:
     """Whether kernels on `device` may be launched as programmatic dependents."""
-    if device.type != "cuda" or os.environ.get("STRATA_DISABLE_PDL", "") not in ("", "0"):
+    if device.type != "cuda" or disabled("STRATA_DISABLE_PDL"):
         return False
     return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
 

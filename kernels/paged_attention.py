@@ -64,6 +64,9 @@ def _device_sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+MAX_KV_SPLITS = 64  # the most splits the heuristic picks (each a compiled variant)
+
+
 def choose_launch_config(
     *,
     num_seqs: int,
@@ -97,7 +100,7 @@ def choose_launch_config(
             # tile each) 5.4, merge included (H200, bench_attention.py --cases small).
             want = triton.cdiv(4 * sm_count, programs)
             most = triton.next_power_of_2(triton.cdiv(max_seq_len, 64))
-            num_kv_splits = min(want, most, 64)
+            num_kv_splits = min(want, most, MAX_KV_SPLITS)
             # Powers of two only: bounds the number of compiled variants.
             num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)
     assert num_kv_splits >= 1

@@ -16,6 +16,12 @@ def env(name: str, default=None, cast=str):
     return cast(value) if value not in (None, "") else default
 
 
+def disabled(switch: str) -> bool:
+    """Whether an A/B kernel switch (STRATA_DISABLE_PDL, STRATA_DISABLE_DECODE_CHAIN,
+    STRATA_DISABLE_FUSED_DECODE_ATTENTION) is set: any value but "" and "0"."""
+    return os.environ.get(switch, "") not in ("", "0")
+
+
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 

@@ -20,11 +20,11 @@ normalises. On Hopper every kernel of the chain is a programmatic dependent laun
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-DECODE_CHAIN_DEFAULT = os.environ.get("STRATA_DISABLE_DECODE_CHAIN", "") in ("", "0")
+from strata.flags import disabled
+
+DECODE_CHAIN_DEFAULT = not disabled("STRATA_DISABLE_DECODE_CHAIN")
 
 
 def _kernels():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Iterable
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.flags import disabled
 from strata.kernels.reference import (
     fused_add_rms_norm_reference,
     rms_norm_reference,
@@ -239,7 +239,7 @@ class Attention(nn.Module):
         from strata.kernels.decode_attention import decode_attention_serves
 
         return (decode_attention_serves(num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device)
-                and os.environ.get("STRATA_DISABLE_FUSED_DECODE_ATTENTION", "") in ("", "0"))
+                and not disabled("STRATA_DISABLE_FUSED_DECODE_ATTENTION"))
 
 
 class MLP(FusedKernelSwitch, nn.Module):
