@@ -42,6 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.paged_attention import (
     _LOG2E,
@@ -299,21 +300,11 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
 
 
 _INTERPRETED = isinstance(_decode_attention_kernel, InterpretedFunction)
-_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters: CUDA graphs may still point at them
 
 
 def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept across calls: each launch leaves
-    them at 0. Made once (outside any graph capture in practice: the runner's warm-up calls first)."""
-    key = (device.type, device.index)
-    counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _RETIRED.append(counters)
-        counters = torch.zeros(max(4096, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = counters
-    return counters
+    """Zeroed int32 counters, one per (sequence, KV head); each launch leaves them at 0."""
+    return arrival_counters(device, count, "decode_attention")
 
 
 def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:

@@ -17,11 +17,13 @@ try:  # Triton is optional: CPU-only installs sample with the torch reference.
     import triton
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
+
+    from strata.kernels.arrival_counters import arrival_counters
+    from strata.kernels.paged_attention import _device_sm_count
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 HAVE_TRITON = triton is not None
-_NEG_INF = float("-inf")
 
 # ---------------------------------------------------------------------------------------------
 # Counter-based noise.
@@ -155,7 +157,9 @@ if triton is not None:
         if INTERPRETED:
             return tl.log2(x)
         else:
-            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+            # .ftz: its arguments (u >= 2**-24, -ln u >= 2**-24) are never denormal, and without it
+            # ptxas wraps every log in a denormal test and rescale (3 more instructions each).
+            return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                              is_pure=True, pack=1)
 
     @triton.jit
@@ -182,13 +186,14 @@ if triton is not None:
     @triton.jit
     def _gumbel_argmax_kernel(
         logits_ptr, row_stride, seeds_ptr, positions_ptr, inv_temp_ptr, greedy_ptr, threshold_ptr,
-        best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, vocab_size, num_splits,
-        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LOG_NORM: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, arrivals_ptr, token_ptr, log_norm_ptr, store_rows_ptr,
+        store_ptr, vocab_size, num_splits, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS_PADDED: tl.constexpr,
+        HAS_THRESHOLD: tl.constexpr, LOG_NORM: tl.constexpr, STORE: tl.constexpr, INTERPRETED: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
-        # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and writes
+        # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and stores
         # its best perturbed value and index (plus max and sum of exp of the raw logits when
-        # LOG_NORM); a few torch ops on [N, splits] combine the splits without a host sync.
+        # LOG_NORM); the row's last split to arrive merges them (kernels/arrival_counters.py).
         row = tl.program_id(0)
         split = tl.program_id(1)
         key_a, key_b = _row_keys_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
@@ -204,10 +209,21 @@ if triton is not None:
         best_cols = tl.full((BLOCK,), 2147483647, tl.int32)
         run_max = tl.full((), float("-inf"), tl.float32)
         run_sum = tl.full((), 0.0, tl.float32)
+        if PREFETCH:  # (always, but for sweeps against the plain loop)
+            x_next = tl.load(row_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < vocab_size,
+                             other=float("-inf"))
         for offset in range(0, CHUNK, BLOCK):
             cols = start + offset + tl.arange(0, BLOCK)
             in_vocab = cols < vocab_size
-            x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            if PREFETCH:
+                # The next block's load is issued before this block's hashing, so it is in flight
+                # while the ALUs work (plain loads outside a dot are not software-pipelined).
+                x = x_next.to(tl.float32)
+                next_cols = cols + BLOCK
+                x_next = tl.load(row_ptr + next_cols, mask=(next_cols < vocab_size) & (offset + BLOCK < CHUNK),
+                                 other=float("-inf"))
+            else:
+                x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
             val = x
             if greedy == 0:
                 h = _mix32_tl(cols.to(tl.uint32) * 0x61C88647 + key_a)
@@ -231,11 +247,44 @@ if triton is not None:
         # First maximum across lanes; a row (split) with nothing above -inf reports its start.
         best_col = tl.min(tl.where(best_vals == best, best_cols, 2147483647), axis=0)
         best_col = tl.where(best == float("-inf"), start, best_col)
-        tl.store(best_val_ptr + row * num_splits + split, best)
-        tl.store(best_idx_ptr + row * num_splits + split, best_col)
+        part = row * num_splits + split
+        tl.store(best_val_ptr + part, best)
+        tl.store(best_idx_ptr + part, best_col)
         if LOG_NORM:
-            tl.store(max_ptr + row * num_splits + split, run_max)
-            tl.store(sum_exp_ptr + row * num_splits + split, run_sum)
+            tl.store(max_ptr + part, run_max)
+            tl.store(sum_exp_ptr + part, run_sum)
+        tl.debug_barrier()  # every thread's stores are done before the release below
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            token = _merge_splits(best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, token_ptr, log_norm_ptr, row,
+                                  num_splits, SPLITS_PADDED, LOG_NORM)
+            if STORE:  # a copy where the caller keeps it (the worker's last_sampled, by state row)
+                tl.store(store_ptr + tl.load(store_rows_ptr + row), token)
+            tl.store(arrivals_ptr + row, 0)  # ready for the next launch
+
+    @triton.jit
+    def _merge_splits(best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, token_ptr, log_norm_ptr, row, num_splits,
+                      SPLITS_PADDED: tl.constexpr, LOG_NORM: tl.constexpr):
+        """The row's token (the first split wins ties, like torch.argmax over splits) and, when
+        LOG_NORM, its logsumexp from the splits' (max, sum of exp). .cg loads read L2, where the
+        other programs stored, never a stale L1 line."""
+        splits = tl.arange(0, SPLITS_PADDED)
+        valid = splits < num_splits
+        first = row * num_splits
+        vals = tl.load(best_val_ptr + first + splits, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        cols = tl.load(best_idx_ptr + first + splits, mask=valid, other=0, cache_modifier=".cg")
+        best = tl.max(vals, axis=0)
+        winner = tl.min(tl.where(valid & (vals == best), splits, SPLITS_PADDED), axis=0)
+        token = tl.sum(tl.where(splits == winner, cols, 0), axis=0).to(tl.int64)
+        tl.store(token_ptr + row, token)
+        if LOG_NORM:
+            maxes = tl.load(max_ptr + first + splits, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            sums = tl.load(sum_exp_ptr + first + splits, mask=valid, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(maxes, axis=0)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)  # all -inf: log(0) = -inf
+            total = tl.sum(tl.where(valid, sums * tl.exp(maxes - shift), 0.0), axis=0)
+            tl.store(log_norm_ptr + row, shift + tl.log(total))
+        return token
 
 
     # Decided at definition time, like triton.jit itself (TRITON_INTERPRET read when decorating).
@@ -243,36 +292,46 @@ if triton is not None:
 
 
 _TRITON_BLOCK = 1024
-_TRITON_CHUNK = 4096  # measured on an H200: ~flat at N=256, faster for small batches
-_TRITON_NUM_WARPS = 4
+
+
+def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, int, int | None, bool]:
+    """(chunk, block, num_warps, num_stages, prefetch), from an H200 sweep (bench/bench_sampling.py).
+    Small batches cut each row into 4096-entry splits of 8 warps (latency-bound: more programs in
+    flight); once those would fill the GPU several times over, 16384-entry splits of 4 warps,
+    fewer programs and fewer partials to merge."""
+    small = num_rows * triton.cdiv(vocab, 4096) <= 4 * sm_count
+    chunk = min(4096 if small else 16384, triton.cdiv(vocab, _TRITON_BLOCK) * _TRITON_BLOCK)
+    return chunk, _TRITON_BLOCK, 8 if small else 4, None, True
 
 
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor, greedy: Tensor,
-                  threshold: Tensor | None, want_log_norm: bool) -> tuple[Tensor, Tensor | None]:
+                  threshold: Tensor | None, want_log_norm: bool, store: tuple[Tensor, Tensor] | None = None,
+                  launch: tuple[int, int, int, int | None, bool] | None = None) -> tuple[Tensor, Tensor | None]:
     """Per row: argmax of logits * inv_temperature + Gumbel noise over logits >= threshold
     (plain argmax where greedy), reading the logits once; also logsumexp of the raw logits when
-    want_log_norm. Torch reference: draw_reference below."""
+    want_log_norm. One launch, no host sync. Torch reference: draw_reference below.
+    store (out, rows): also out[rows[i]] = token i (int64 out). launch: (chunk, block, num_warps,
+    num_stages, prefetch) instead of _launch_shape's, for sweeps."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
-    chunk = min(_TRITON_CHUNK, triton.cdiv(vocab, _TRITON_BLOCK) * _TRITON_BLOCK)
+    device = logits.device
+    if launch is None:
+        launch = _launch_shape(num_rows, vocab, _device_sm_count(device))
+    chunk, block, num_warps, num_stages, prefetch = launch
     num_splits = triton.cdiv(vocab, chunk)
-    partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=logits.device,
-                          dtype=torch.float32)
-    best_idx = torch.empty((num_rows, num_splits), device=logits.device, dtype=torch.int32)
+    partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=device, dtype=torch.float32)
+    best_idx = torch.empty((num_rows, num_splits), device=device, dtype=torch.int32)
+    token_ids = torch.empty(num_rows, device=device, dtype=torch.int64)
+    log_norm = torch.empty(num_rows, device=device, dtype=torch.float32) if want_log_norm else None
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _gumbel_argmax_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), seeds, positions, inv_temperature,
         greedy.view(torch.uint8), threshold if threshold is not None else inv_temperature,
-        partial[0], best_idx, partial[-2], partial[-1], vocab, num_splits,
-        CHUNK=chunk, BLOCK=_TRITON_BLOCK, HAS_THRESHOLD=threshold is not None,
-        LOG_NORM=want_log_norm, INTERPRETED=_INTERPRETED, num_warps=_TRITON_NUM_WARPS,
+        partial[0], best_idx, partial[-2], partial[-1], arrival_counters(device, num_rows, "gumbel_argmax"),
+        token_ids, log_norm if want_log_norm else partial[0], *(reversed(store) if store else (token_ids, token_ids)),
+        vocab, num_splits, CHUNK=chunk, BLOCK=block, SPLITS_PADDED=triton.next_power_of_2(num_splits),
+        HAS_THRESHOLD=threshold is not None, LOG_NORM=want_log_norm, STORE=store is not None, INTERPRETED=_INTERPRETED,
+        PREFETCH=prefetch, num_warps=num_warps, **extra,
     )
-    winner = partial[0].argmax(dim=1, keepdim=True)  # first split wins ties, like torch.argmax
-    token_ids = best_idx.gather(1, winner).squeeze(1).to(torch.int64)
-    if not want_log_norm:
-        return token_ids, None
-    split_max, split_sum = partial[2], partial[3]
-    row_max = split_max.amax(dim=1, keepdim=True)
-    shift = torch.where(row_max == _NEG_INF, 0.0, row_max)
-    log_norm = (shift + (split_sum * torch.exp(split_max - shift)).sum(dim=1, keepdim=True).log()).squeeze(1)
     return token_ids, log_norm

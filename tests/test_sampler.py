@@ -326,6 +326,22 @@ TRITON_VS_TORCH = textwrap.dedent("""
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
             assert torch.equal(a.top_ids, b.top_ids)
             torch.testing.assert_close(a.top_logprobs, b.top_logprobs, rtol=0, atol=1e-5)
+    # Other launch shapes (more splits, one split, the plain loop) draw the same tokens; the row's
+    # last split merges in the kernel and leaves its arrival counter at 0.
+    from strata.kernels.arrival_counters import arrival_counters
+    from strata.kernels.gumbel_sampling import gumbel_argmax
+    keys = (st.seeds, st.positions, st.inv_temperature, st.greedy, None, True)
+    tokens, log_norm = gumbel_argmax(logits, *keys)
+    for launch in [(1024, 512, 4, None, False), (16384, 1024, 4, None, True)]:
+        other, other_norm = gumbel_argmax(logits, *keys, launch=launch)
+        assert torch.equal(other, tokens), (launch, other, tokens)
+        torch.testing.assert_close(other_norm, log_norm, rtol=0, atol=1e-5)
+    torch.testing.assert_close(log_norm, torch.logsumexp(logits, dim=1), rtol=0, atol=1e-5)
+    kept = torch.full((n + 4,), -1, dtype=torch.int64)  # store=: the graphs' copy into last_sampled
+    rows = torch.tensor([5, 0, 9, 2, 7, 1])
+    assert torch.equal(gumbel_argmax(logits, *keys, store=(kept, rows))[0], tokens)
+    assert torch.equal(kept[rows], tokens) and (kept[[3, 4, 6, 8]] == -1).all()
+    assert not arrival_counters(logits.device, n, "gumbel_argmax").any()
     print("OK")
 """)
 

@@ -229,12 +229,13 @@ def _draw_triton(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
 
 
 def sample_unfiltered(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor,
-                      greedy: Tensor) -> Tensor:
+                      greedy: Tensor, store: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The tokens Sampler draws for rows with no top-k/top-p/min-p filter and no logprobs, from
     device tensors alone (no host-side flags), so that a CUDA graph can capture the draw: greedy
     rows take the first argmax, as logits.argmax does, the others the seeded Gumbel-max draw.
-    inv_temperature and greedy as SamplingTensors holds them. Needs Triton on CUDA."""
-    return gumbel_argmax(logits, seeds, positions, inv_temperature, greedy, None, False)[0]
+    inv_temperature and greedy as SamplingTensors holds them; store (out, rows): also
+    out[rows] = tokens, in the same launch. Needs Triton on CUDA."""
+    return gumbel_argmax(logits, seeds, positions, inv_temperature, greedy, None, False, store)[0]
 
 
 # ---------------------------------------------------------------------------------------------
