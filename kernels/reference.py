@@ -213,3 +213,12 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] of shape [T, 2I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def embed_tokens_reference(input_ids: torch.Tensor, weight: torch.Tensor, token_rows: torch.Tensor | None = None,
+                           last_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """weight[input_ids]; with token_rows and last_sampled, a placeholder id (< 0) is first replaced
+    by the token the worker sampled last for that state row: last_sampled[token_rows]."""
+    if token_rows is not None:
+        input_ids = torch.where(input_ids < 0, last_sampled[token_rows], input_ids)
+    return torch.nn.functional.embedding(input_ids, weight)

@@ -155,7 +155,7 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
     @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
     def test_fused_kernels_compile_for_sm90_without_spills(dtype):
         assert os.environ.get("TRITON_INTERPRET") != "1"
-        from strata.kernels import activation, rmsnorm, rotary
+        from strata.kernels import activation, embedding, rmsnorm, rotary
 
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -183,9 +183,16 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
                                      dict(gate_up_ptr=data, out_ptr=data),
                                      dict(INTERMEDIATE=8192, BLOCK=1024), 4)
         assert spills == 0, (regs, spills)
+        for hidden, num_warps in [(2048, 4), (4096, 8)]:
+            regs, spills = _compile_sm90(
+                embedding._embed_tokens_kernel,
+                dict(ids_ptr="*i64", token_rows_ptr="*i64", last_sampled_ptr="*i64", weight_ptr=data, out_ptr=data),
+                dict(HIDDEN=hidden, BLOCK=hidden, RESOLVE=True, PDL=True), num_warps)
+            assert spills == 0, (hidden, regs, spills)
 
 else:
     from strata.kernels.activation import silu_and_mul
+    from strata.kernels.embedding import embed_tokens, embed_tokens_reference
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from strata.kernels.rotary import rotary_embedding_
 
@@ -245,6 +252,22 @@ else:
         assert silu_and_mul(torch.empty(0, 32)).shape == (0, 16)
         rotary_embedding_(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
                           torch.ones(4, 4), torch.zeros(4, 4))
+
+    # --- embedding ----------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("hidden", [72, 2048, 5000])
+    def test_embed_tokens_resolves_placeholders_like_the_reference(hidden):
+        gen = torch.Generator().manual_seed(hidden)
+        weight = torch.randn(50, hidden, generator=gen).to(torch.float16)
+        ids = torch.tensor([3, -1, 49, -1, 0])  # -1: a decode lookahead's placeholder
+        token_rows = torch.tensor([0, 2, 1, 4, 3])
+        last_sampled = torch.tensor([7, 8, 11, 12, 13, 0])
+        got = embed_tokens(ids, weight, token_rows, last_sampled)
+        assert torch.equal(got, embed_tokens_reference(ids, weight, token_rows, last_sampled))
+        assert torch.equal(got[[1, 3]], weight[[11, 13]])
+        plain = ids.clamp(min=0)
+        assert torch.equal(embed_tokens(plain, weight), weight[plain])
+        assert embed_tokens(torch.empty(0, dtype=torch.long), weight).shape == (0, hidden)
 
     # --- rotary -------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype
 from strata.services.worker.sampler import sample_unfiltered
-from strata.services.worker.step_inputs import HostInputs, resolve_placeholders
+from strata.services.worker.step_inputs import HostInputs
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -137,19 +137,20 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         rows, first, t = self.rows, self.first_stage, bs * self.query_len
         state_rows = rows["state_rows"][:t]
-        input_ids = resolve_placeholders(rows["input_ids"][:t], state_rows, self.last_sampled) if first else None
         hidden, residual = self.shard.forward(
-            input_ids, rows["positions"][:t], None if first else self.hidden_in[:t],
-            None if first else self.residual_in[:t], self.kv_caches, self._meta(bs))
+            rows["input_ids"][:t] if first else None, rows["positions"][:t], None if first else self.hidden_in[:t],
+            None if first else self.residual_in[:t], self.kv_caches, self._meta(bs),
+            placeholders=(state_rows, self.last_sampled))
         if not self.last_stage:
             return hidden, residual
         logits = self.shard.compute_logits(hidden, residual)
         if not self.samples:
             return (logits,)
+        # A decode's token stays in last_sampled for the next plan's placeholders (after a
+        # verification the scheduler sends real tokens, never a placeholder).
         tokens = sample_unfiltered(logits, rows["seeds"][:t], rows["sample_positions"][:t],
-                                   rows["inv_temperature"][:t], rows["greedy"][:t])
-        if self.query_len == 1:  # after a verification the scheduler sends real tokens, never a placeholder
-            self.last_sampled[state_rows] = tokens
+                                   rows["inv_temperature"][:t], rows["greedy"][:t],
+                                   store=(self.last_sampled, state_rows) if self.query_len == 1 else None)
         return logits, tokens
 
     @torch.inference_mode()

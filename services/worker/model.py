@@ -21,6 +21,7 @@ from torch import nn
 
 from strata.flags import disabled
 from strata.kernels.reference import (
+    embed_tokens_reference,
     fused_add_rms_norm_reference,
     rms_norm_reference,
     rotary_embedding_reference,
@@ -50,25 +51,17 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, device, dtype) -> None:
-        super().__init__()
-        self.weight = _empty_param(num_embeddings, dim, device=device, dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 @functools.cache
 def _fused_kernels() -> SimpleNamespace:
     # Imported on first use, not with this module: CPU-only installs may lack triton, and
     # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
     from strata.kernels.activation import silu_and_mul
+    from strata.kernels.embedding import embed_tokens
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from strata.kernels.rotary import rotary_embedding_
 
     return SimpleNamespace(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
-                           rotary_embedding_=rotary_embedding_, silu_and_mul=silu_and_mul)
+                           rotary_embedding_=rotary_embedding_, silu_and_mul=silu_and_mul, embed_tokens=embed_tokens)
 
 
 class FusedKernelSwitch:
@@ -82,6 +75,19 @@ class FusedKernelSwitch:
 
     def _use_fused(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.fused_kernels is None else self.fused_kernels
+
+
+class Embedding(FusedKernelSwitch, nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_embeddings, dim, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor, placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The rows of `ids`; placeholders (token_rows, last_sampled): a decode lookahead's ids < 0
+        stand for last_sampled[token_rows] (kernels/embedding.py)."""
+        if self._use_fused(ids):
+            return _fused_kernels().embed_tokens(ids, self.weight, *(placeholders or ()))
+        return embed_tokens_reference(ids, self.weight, *(placeholders or ()))
 
 
 class RMSNorm(FusedKernelSwitch, nn.Module):
@@ -336,17 +342,19 @@ class CausalLMShard(nn.Module):
         residual: torch.Tensor | None,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        placeholders: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this shard's layers over a flat batch of T tokens.
 
-        First stage: input_ids [T] given, hidden/residual None. Later stages: the
+        First stage: input_ids [T] given, hidden/residual None; placeholders (token_rows,
+        last_sampled) resolve a decode lookahead's ids < 0 (Embedding.forward). Later stages: the
         (hidden, residual) pair [T, hidden_size] returned by the previous stage.
         kv_caches[i] is the cache of local layer i (global layer start_layer + i).
         """
         if self.is_first:
             if input_ids is None:
                 raise ValueError("the first stage needs input_ids")
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed_tokens(input_ids, placeholders), None
         elif hidden is None or residual is None:
             raise ValueError("a later stage needs the previous stage's hidden and residual")
         if len(kv_caches) != self.num_layers:

@@ -18,7 +18,7 @@ from strata.services.worker.cascade_inputs import shared_prefixes
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sequence_table import SequenceTable
-from strata.services.worker.step_inputs import HostInputs, StepInputBuilder, resolve_placeholders
+from strata.services.worker.step_inputs import HostInputs, StepInputBuilder
 from strata.services.worker.step_results import GpuTimeline, PendingResult
 from strata.services.worker.warm_up import warm_up, warn_on_late_compiles
 from strata.v1 import engine_pb2
@@ -132,14 +132,14 @@ class ModelRunner:
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
         d, sampling = self.inputs.upload(h, eager=True)
-        input_ids = d.get("input_ids")
-        if "token_rows" in d:  # the plan has placeholders
-            input_ids = resolve_placeholders(input_ids, d["token_rows"], self.last_sampled)
+        # A plan with placeholders (decode lookahead) uploads each token's state row to resolve them.
+        placeholders = (d["token_rows"], self.last_sampled) if "token_rows" in d else None
         meta = AttentionMetadata(
             query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
             slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
             shared_prefixes=shared_prefixes(h, d))
-        hidden, residual = self.shard.forward(input_ids, d["positions"], hidden, residual, self.kv_caches, meta)
+        hidden, residual = self.shard.forward(d.get("input_ids"), d["positions"], hidden, residual, self.kv_caches, meta,
+                                              placeholders=placeholders)
         if not self.is_last:
             return hidden, residual
         logits = None

@@ -52,15 +52,6 @@ class Verification:
     drafts: np.ndarray  # [R]
 
 
-def resolve_placeholders(input_ids: torch.Tensor, token_rows: torch.Tensor,
-                         last_sampled: torch.Tensor) -> torch.Tensor:
-    """Decode lookahead: a plan sent before the previous step's token reached the scheduler
-    carries a placeholder (< 0) for it; that token is still here, in `last_sampled` at the
-    sequence's state row (token_rows: each input token's row). On the device, so it runs
-    inside a captured decode graph as well as in an eager step."""
-    return torch.where(input_ids < 0, last_sampled[token_rows], input_ids)
-
-
 class StepInputBuilder:
     """Turns plans into HostInputs for this stage, and HostInputs into device tensors."""
 
