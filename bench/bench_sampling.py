@@ -25,10 +25,10 @@ from strata.kernels.gumbel_sampling import gumbel_argmax
 DEVICE = "cuda"
 
 
-def sweep_shapes() -> list[tuple[int, int, int, int | None, bool]]:
-    """(chunk, block, num_warps, num_stages, prefetch) alternatives to the default launch."""
-    grid = itertools.product((4096, 8192, 16384, 32768), (1024, 2048), (4, 8), (None,), (False, True))
-    return [(c, b, w, s, p) for c, b, w, s, p in grid if b <= c]
+def sweep_shapes() -> list[tuple[int, int, int, bool]]:
+    """(chunk, block, num_warps, prefetch) alternatives to the default launch."""
+    grid = itertools.product((4096, 8192, 16384, 32768), (1024, 2048), (4, 8), (False, True))
+    return [(c, b, w, p) for c, b, w, p in grid if b <= c]
 
 
 def time_draw(logits: list[torch.Tensor], greedy: bool, launch) -> tuple[float, torch.Tensor]:

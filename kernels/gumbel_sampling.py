@@ -209,7 +209,7 @@ if triton is not None:
         best_cols = tl.full((BLOCK,), 2147483647, tl.int32)
         run_max = tl.full((), float("-inf"), tl.float32)
         run_sum = tl.full((), 0.0, tl.float32)
-        if PREFETCH:  # (always, but for sweeps against the plain loop)
+        if PREFETCH:  # always, but for the sweep's comparison with the plain loop
             x_next = tl.load(row_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < vocab_size,
                              other=float("-inf"))
         for offset in range(0, CHUNK, BLOCK):
@@ -294,37 +294,36 @@ if triton is not None:
 _TRITON_BLOCK = 1024
 
 
-def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, int, int | None, bool]:
-    """(chunk, block, num_warps, num_stages, prefetch), from an H200 sweep (bench/bench_sampling.py).
+def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, int, bool]:
+    """(chunk, block, num_warps, prefetch), from an H200 sweep (bench/bench_sampling.py).
     Small batches cut each row into 4096-entry splits of 8 warps (latency-bound: more programs in
     flight); once those would fill the GPU several times over, 16384-entry splits of 4 warps,
     fewer programs and fewer partials to merge."""
     small = num_rows * triton.cdiv(vocab, 4096) <= 4 * sm_count
     chunk = min(4096 if small else 16384, triton.cdiv(vocab, _TRITON_BLOCK) * _TRITON_BLOCK)
-    return chunk, _TRITON_BLOCK, 8 if small else 4, None, True
+    return chunk, _TRITON_BLOCK, 8 if small else 4, True
 
 
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor, greedy: Tensor,
                   threshold: Tensor | None, want_log_norm: bool, store: tuple[Tensor, Tensor] | None = None,
-                  launch: tuple[int, int, int, int | None, bool] | None = None) -> tuple[Tensor, Tensor | None]:
+                  launch: tuple[int, int, int, bool] | None = None) -> tuple[Tensor, Tensor | None]:
     """Per row: argmax of logits * inv_temperature + Gumbel noise over logits >= threshold
     (plain argmax where greedy), reading the logits once; also logsumexp of the raw logits when
     want_log_norm. One launch, no host sync. Torch reference: draw_reference below.
     store (out, rows): also out[rows[i]] = token i (int64 out). launch: (chunk, block, num_warps,
-    num_stages, prefetch) instead of _launch_shape's, for sweeps."""
+    prefetch) instead of _launch_shape's, for sweeps."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
     device = logits.device
     if launch is None:
         launch = _launch_shape(num_rows, vocab, _device_sm_count(device))
-    chunk, block, num_warps, num_stages, prefetch = launch
+    chunk, block, num_warps, prefetch = launch
     num_splits = triton.cdiv(vocab, chunk)
     partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=device, dtype=torch.float32)
     best_idx = torch.empty((num_rows, num_splits), device=device, dtype=torch.int32)
     token_ids = torch.empty(num_rows, device=device, dtype=torch.int64)
     log_norm = torch.empty(num_rows, device=device, dtype=torch.float32) if want_log_norm else None
-    extra = {} if num_stages is None else {"num_stages": num_stages}
     _gumbel_argmax_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), seeds, positions, inv_temperature,
         greedy.view(torch.uint8), threshold if threshold is not None else inv_temperature,
@@ -332,6 +331,6 @@ def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperat
         token_ids, log_norm if want_log_norm else partial[0], *(reversed(store) if store else (token_ids, token_ids)),
         vocab, num_splits, CHUNK=chunk, BLOCK=block, SPLITS_PADDED=triton.next_power_of_2(num_splits),
         HAS_THRESHOLD=threshold is not None, LOG_NORM=want_log_norm, STORE=store is not None, INTERPRETED=_INTERPRETED,
-        PREFETCH=prefetch, num_warps=num_warps, **extra,
+        PREFETCH=prefetch, num_warps=num_warps,
     )
     return token_ids, log_norm
