@@ -120,8 +120,10 @@ def sweep(name: str, batch: PagedBatch, scale: float, block_qs: list[int]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
-    parser.add_argument("--cases", default="decode,small,long,prefill",
-                        help="comma-separated subset of decode,small,long,prefill to run")
+    parser.add_argument("--cases", default="decode,small,long,prefill,mixed",
+                        help="comma-separated subset of decode,small,long,prefill,mixed to run")
+    parser.add_argument("--candidates", action="store_true",
+                        help="prefill: also time (and check) a few launch configs against the heuristic's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -139,6 +141,8 @@ def main() -> None:
         long_context_cases(copy_gbps)
     if "prefill" in cases:
         prefill_cases(args)
+    if "mixed" in cases:
+        mixed_cases()
 
 
 def decode_cases(args, copy_gbps: float) -> None:
@@ -205,6 +209,7 @@ def prefill_cases(args) -> None:
     print("\nprefill, bf16 (TFLOP/s counts only the causal half):")
     for label, shapes, num_seqs, q_len, context in [
         ("Llama-3.2-1B 4 x 2048 fresh prompts", LLAMA_1B, 4, 2048, 0),
+        ("Llama-3.2-1B 32 x 512 fresh prompts", LLAMA_1B, 32, 512, 0),  # an offline prefill step
         ("Llama-3.2-1B 8 x 512 chunks over 2048 cached", LLAMA_1B, 8, 512, 2048),
         ("Llama-3.2-1B 16 x 200 over 2000 cached", LLAMA_1B, 16, 200, 2000),  # prefix-groups members
         ("D=128 32/8 heads 4 x 2048 fresh prompts", LLAMA_8B, 4, 2048, 0),
@@ -222,10 +227,48 @@ def prefill_cases(args) -> None:
         except RuntimeError as error:  # no SDPA backend for this mask/GQA combination
             versus = f"torch SDPA n/a ({str(error).splitlines()[0][:60]})"
         print(f"  {label:<46} {ms * 1e3:8.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s   {versus}")
+        group = shapes["num_q_heads"] // shapes["num_kv_heads"]
         if args.sweep:
-            group = shapes["num_q_heads"] // shapes["num_kv_heads"]
             sweep(label, batch, scale, block_qs=[64 // group, 128 // group])
+        if args.candidates:
+            for rows, tile_n, warps, stages in CANDIDATES:
+                config = AttentionLaunchConfig(block_q=rows // group, tile_n=tile_n, num_kv_splits=1,
+                                               num_warps=warps, num_stages=stages)
+                try:
+                    check(batch, scale, config=config)
+                    ms_c = time_ms(batch, scale, config=config)
+                    print(f"    {rows:>3} rows, {tile_n:>3}-key tiles, {warps} warps, {stages} stages: {ms_c * 1e3:8.1f} us "
+                          f"{flops / (ms_c * 1e-3) / 1e12:6.1f} TFLOP/s ({ms_c / ms:.2f}x the heuristic's)")
+                except Exception as error:  # out of shared memory / registers for this combination
+                    print(f"    {config}: {type(error).__name__}: {str(error)[:80]}")
         del batch
+
+
+# (query rows = tokens x GQA group, key tile, warps, stages): the shapes the H200 sweep at cac2fda
+# ranked first on the D = 64 cases, beside the heuristic's.
+CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 2)]
+
+
+def mixed_cases() -> None:
+    """Decodes beside prefill chunks in one launch (a mixed step's attention): the prefill launch
+    shape serves the decode rows too, one token in a block of 16; against each part alone."""
+    print("\nmixed launches, Llama-3.2-1B heads, bf16: decodes over 576 cached tokens beside fresh prompts")
+    for decodes, prompts, q_len in [(112, 16, 512), (224, 2, 512), (64, 2, 448)]:
+        parts = {"both": ([1] * decodes + [q_len] * prompts, [575] * decodes + [0] * prompts),
+                 "decodes alone": ([1] * decodes, [575] * decodes),
+                 "prompts alone": ([q_len] * prompts, [0] * prompts)}
+        times = {}
+        for name, (q_lens, contexts) in parts.items():
+            batch = make_paged_batch(q_lens, contexts, block_size=16, dtype=torch.bfloat16, device="cuda",
+                                     poison_unowned=False, **LLAMA_1B)
+            if name == "both":
+                check(batch, 0.125)
+            times[name] = time_ms(batch, 0.125) * 1e3
+            del batch
+        alone = times["decodes alone"] + times["prompts alone"]
+        print(f"  {decodes} decodes + {prompts} x {q_len}: one launch {times['both']:7.1f} us, decodes alone "
+              f"{times['decodes alone']:6.1f} + prompts alone {times['prompts alone']:6.1f} = {alone:7.1f} us "
+              f"({times['both'] / alone:.2f}x)")
 
 
 if __name__ == "__main__":

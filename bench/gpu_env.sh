@@ -1,4 +1,5 @@
-# Source on the GPU machine: installs the wheels it lacks (carried in bench/build/whl) into
+# Source on the GPU machine: installs the wheels it lacks (bench/gpu_wheels.sh downloads them
+# here into bench/build/whl; carry that folder) into
 # /tmp/site, then Strata itself, editable and without dependencies (the strata.* packages map
 # the repository's folders, so a bare PYTHONPATH would not find strata.services).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -64,18 +64,22 @@ def rms_norm_row(x, weight, HIDDEN: tl.constexpr, eps):
     return weight.to(tl.float32) * normed.to(tl.float32)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            residual_out: torch.Tensor | None = None):
     assert x.dim() == 2, f"expected [T, hidden], got {tuple(x.shape)}"
     num_rows, hidden = x.shape
     assert weight.shape == (hidden,) and weight.stride(0) == 1, (weight.shape, hidden)
     assert x.stride(-1) == 1, "rows must be contiguous"
     # weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output).
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    residual_out = None
-    if residual is not None:
+    if residual is None:
+        residual_out = None
+    else:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
         assert residual.stride(-1) == 1, "rows must be contiguous"
-        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        assert residual_out.shape == x.shape and residual_out.stride(-1) == 1, residual_out.shape
     if num_rows == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)
@@ -101,7 +105,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; x and residual are left untouched."""
-    return _launch(x, residual, weight, eps)
+    """(rms_norm(x + residual), x + residual) in one pass; x and residual are left untouched
+    unless residual_out is residual (in place is safe: a program reads its whole row first)."""
+    return _launch(x, residual, weight, eps, residual_out)

@@ -63,6 +63,10 @@ def _worker_flags(p):
     _batch_flags(p)
     p.add_argument("--enforce-eager", action="store_true", default=env("STRATA_ENFORCE_EAGER", False, _bool),
                    help="never capture CUDA graphs [env STRATA_ENFORCE_EAGER]")
+    add_flag(p, "--piecewise-graph-max-tokens", "STRATA_PIECEWISE_GRAPH_MAX_TOKENS", 2048,
+             "steps that no decode graph serves (prefill chunks beside decodes) replay piecewise CUDA graphs, "
+             "attention launched between them, up to this many tokens (capped by --max-num-batched-tokens); "
+             "larger steps, which keep the GPU busy anyway, run eagerly; 0: always eagerly", type=int)
     add_flag(p, "--profile-output", "STRATA_PROFILE_OUTPUT", None,
              "write a torch.profiler table of the GPU work of --profile-steps to this file (diagnostics)")
     add_flag(p, "--profile-steps", "STRATA_PROFILE_STEPS", "200:100",

@@ -102,7 +102,8 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
             "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
             "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--num-kv-blocks", str(args.num_kv_blocks),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--piecewise-graph-max-tokens", str(args.piecewise_graph_max_tokens)]
     if args.device in ("cuda", "auto") and args.pipeline_stages > 1:
         import torch
         gpus = torch.cuda.device_count()

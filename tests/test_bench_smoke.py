@@ -201,3 +201,13 @@ def test_schedule_shape_counts_every_prompt_and_decode_token():
     assert sum(prefill for prefill, _ in steps) == 40 * 48
     assert sum(decodes for _, decodes in steps) == 40 * 5
     assert all(prefill + decodes <= 256 and decodes <= 16 for prefill, decodes in steps)
+
+
+def test_mixed_step_times_each_shape_against_its_floor():
+    """On CPU the eager way alone (no graphs): a timed step and a positive floor per shape."""
+    from strata.bench import mixed_step
+
+    rows = mixed_step.main(["--device", "cpu", "--model", str(ensure_tiny_model()), "--shapes", "2x6,3x20",
+                            "--steps", "2", "--context-len", "32"])
+    assert [(r["decodes"], r["chunk"]) for r in rows] == [(2, 6), (3, 20)]
+    assert all(r["eager"]["median_s"] > 0 and r["pieces"] is None and r["floor_s"] > 0 for r in rows)

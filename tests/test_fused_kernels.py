@@ -224,6 +224,9 @@ else:
         assert torch.equal(new_residual, want_residual)  # the add is rounded exactly as torch's
         assert_matches(normed, want_normed, dtype)
         assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+        # In place (the piecewise graphs' residual stream): the same sum, into residual itself.
+        normed_in_place, summed = fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual)
+        assert summed is residual and torch.equal(residual, want_residual) and torch.equal(normed_in_place, normed)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     @pytest.mark.parametrize("hidden", [64, 200])
@@ -420,6 +423,24 @@ else:
         assert [grid[:2] for grid in attention_launches] == ([(2, config.num_key_value_heads)] * 2 if one_launch else [])
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+    def test_piecewise_pieces_through_the_kernels_match_the_forward():
+        """services/worker/piecewise_graphs.py's pieces (run uncaptured) on the fused kernels: the
+        in-place rotary and residual add leave the queries and the residual stream where the
+        next piece and attention read them (tests/test_piecewise_graphs.py: the torch path)."""
+        from tests.piecewise_steps import run_mixed_steps
+
+        shard = random_shard(tiny_config(max_position_embeddings=256))
+        set_fused_kernels(shard, True)
+        run = dict(num_blocks=32, max_tokens=256, capture=False, device="cpu", dtype=torch.float32)
+        with torch.inference_mode():
+            eager, eager_caches = run_mixed_steps([shard], piecewise=False, **run)
+            pieces, piece_caches = run_mixed_steps([shard], piecewise=True, **run)
+        for (h_e, r_e), (h_p, r_p) in zip(eager, pieces):
+            torch.testing.assert_close(h_p, h_e, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(r_p, r_e, atol=2e-5, rtol=2e-5)
+        for cache_e, cache_p in zip(eager_caches[0], piece_caches[0]):
+            torch.testing.assert_close(cache_p, cache_e, atol=2e-5, rtol=2e-5)
 
     @pytest.mark.parametrize("head_dim", [16, 32], ids=["three-kernel-attention", "decode-attention"])
     @pytest.mark.parametrize("arch", ["llama", "qwen2"])

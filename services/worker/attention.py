@@ -49,8 +49,9 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, Hq, D] -> [T, Hq, D].
+        """query [T, Hq, D] -> [T, Hq, D] (written into out when given).
 
         Token i of sequence b sits at absolute position seq_lens[b] - q_len_b + i and attends
         causally to cached keys at positions <= its own (and > position - sliding_window when
@@ -82,12 +83,16 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.shared_prefixes is not None and sliding_window is None:
-            return cascade_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                               meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
-        return paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                         meta.max_query_len, meta.max_seq_len, scale, sliding_window)
+            result = cascade_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                                 meta.block_tables, meta.shared_prefixes, meta.max_query_len,
+                                                 meta.max_seq_len, scale)
+        else:
+            result = paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                               meta.max_query_len, meta.max_seq_len, scale, sliding_window)
+        return result if out is None else out.copy_(result)
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
         pass  # nothing compiles

@@ -62,13 +62,19 @@ def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, max_model_len:
     # What the step itself needs besides weights and cache: activations of the largest prefill
     # chunk (MLP intermediates dominate) and the logits of a full decode batch, plus slack.
     itemsize = torch.empty((), dtype=dtype).element_size()
-    activations = args.max_num_batched_tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
+    # The piecewise graphs keep a pool of their own for steps up to their largest size.
+    tokens = args.max_num_batched_tokens + piecewise_max_tokens(args)
+    activations = tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
     logits = args.max_num_seqs * config.vocab_size * 4 * 4
     available = min(args.gpu_memory_utilization * total - own, free)
     budget = available - activations - logits - GiB // 2
     if budget < per_block:
         raise SystemExit(f"no GPU memory left for the KV cache (free {free / GiB:.1f} GiB)")
     return int(budget // per_block)
+
+
+def piecewise_max_tokens(args) -> int:
+    return 0 if args.enforce_eager else max(0, min(args.piecewise_graph_max_tokens, args.max_num_batched_tokens))
 
 
 def build(args):
@@ -93,7 +99,8 @@ def build(args):
                          max_num_seqs=max(args.max_num_seqs * 4, 1024),
                          cuda_graph_max_batch=0 if args.enforce_eager else graph_batch,
                          num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
-                         speculative_max_batch=args.speculative_max_batch)
+                         speculative_max_batch=args.speculative_max_batch,
+                         piecewise_max_tokens=piecewise_max_tokens(args))
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"
     description = engine_pb2.WorkerDescription(

@@ -47,8 +47,13 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, device=device, dtype=dtype)
         self.bias = _empty_param(out_features, device=device, dtype=dtype) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear)."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.matmul(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 @functools.cache
@@ -102,14 +107,17 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
         return rms_norm_reference(x, self.weight, self.eps)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual <- x + residual; return (norm(residual), residual)."""
+        """residual <- x + residual; return (norm(residual), residual). in_place: the sum goes
+        into `residual` itself (the piecewise graphs keep the residual stream in one buffer)."""
         if residual is None:  # the first layer of the first stage
             return self(x), x
         if self._use_fused(x):
-            return _fused_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
+            return _fused_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                                       residual_out=residual if in_place else None)
+        normed, summed = fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
+        return normed, residual.copy_(summed) if in_place else summed
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -165,17 +173,18 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor, backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Rotate q and k, store the rotated k and v in kv_cache at slot_mapping; returns the rotated q.
+        """Rotate q in place and store the rotated k and v in kv_cache at slot_mapping; returns q.
 
         The fused kernel does all of it in one launch (as SGLang fuses its KV store into RoPE):
-        the keys go rotated to the cache, never back into the projection."""
+        the keys go rotated to the cache, never back into the projection. The torch path rotates
+        q in place too, so that q stays where the piecewise graphs' attention reads it."""
         if self._use_fused(q):
             _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache,
                                                slot_mapping=slot_mapping)
             return q
-        q, k = self(positions, q, k)
+        rotated_q, k = self(positions, q, k)
         backend.write_kv(k, v, kv_cache, slot_mapping)
-        return q
+        return q.copy_(rotated_q)
 
 
 class Attention(nn.Module):
@@ -222,14 +231,26 @@ class Attention(nn.Module):
             return decode_attention(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.seq_lens,
                                     meta.block_tables, meta.slot_mapping, num_q_heads=self.num_heads,
                                     scale=self.scale, max_seq_len=meta.max_seq_len)
+        q = self.rotate_and_cache(qkv, positions, rotary, kv_cache, meta.slot_mapping, backend)
+        return self.attend_cached(q, kv_cache, meta, backend)
+
+    def rotate_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """Rotary and the KV cache write: the part of attention whose launch depends only on the
+        token count. Returns the rotated queries [T, Hq, D] (a view of qkv)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, backend)
-        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
-        return out.reshape(num_tokens, self.q_size)
+        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend)
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      backend: AttentionBackend, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of rotated queries [T, Hq, D] over the cache (their own keys written):
+        [T, q_size], into out [T, Hq, D] when given."""
+        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window, out=out)
+        return out.reshape(q.shape[0], self.q_size)
 
     def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
         """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
@@ -279,9 +300,23 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rotary, kv_cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        qkv, residual = self.before_attention(hidden, residual)
+        attn = self.self_attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
+        return self.after_attention(attn, residual)
+
+    # The layer cut at attention, for the piecewise CUDA graphs (piecewise_graphs.py): what comes
+    # before and after it has launches that depend only on the token count.
+
+    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False,
+                         qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add) and the qkv projection: (qkv, residual)."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place)
+        return self.self_attn.qkv_proj(hidden, out=qkv_out), residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
+                        in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the post-attention norm (with the residual add) and the MLP: (hidden, residual)."""
+        hidden, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual, in_place)
         return self.mlp(hidden), residual
 
 

@@ -1,8 +1,8 @@
 """ModelRunner: runs one step plan on this stage.
 
 A step: apply the plan's deltas to the sequence table (sequence_table.py), build its inputs
-(step_inputs.py), run the shard, eagerly or by replaying a decode graph (cuda_graphs.py), and on
-the last stage sample and return a PendingResult (step_results.py) whose tokens reach the host
+(step_inputs.py), run the shard by replaying a decode graph (cuda_graphs.py), on the piecewise
+graphs of a mixed step (piecewise_graphs.py), or eagerly, and on the last stage sample and return a PendingResult (step_results.py) whose tokens reach the host
 while the next plan is launched.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0, num_speculative_tokens: int = 0,
-                 speculative_max_batch: int = 0):
+                 speculative_max_batch: int = 0, piecewise_max_tokens: int = 0):
         self.shard = shard
         self.config = model_config
         self.stage_index = stage_index
@@ -49,6 +49,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cascade_graphs = None  # the same for decode batches with shared prefixes
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
+        # Steps no decode graph serves, up to this many tokens, replay piecewise graphs.
+        self.piecewise = None
+        self.piecewise_max_tokens = piecewise_max_tokens if device.type == "cuda" else 0
         # Verification graphs, by query length (2 .. k + 1), for batches up to the speculative limit.
         self.verify_graphs: dict[int, object] = {}
         self.verify_query_lens = range(2, num_speculative_tokens + 2) if self.cuda_graph_max_batch else range(0)
@@ -63,7 +66,7 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_caches = []  # free the old cache (and graphs over it) before allocating the new one
-        self.graphs = self.cascade_graphs = None
+        self.graphs = self.cascade_graphs = self.piecewise = None
         self.verify_graphs = {}
         self.kv_caches = allocate_kv_cache(
             self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
@@ -71,6 +74,13 @@ class ModelRunner:
         self.table.reset(num_blocks)
         if self.cuda_graph_max_batch:
             self._capture_graphs()
+        if self.piecewise_max_tokens:
+            from strata.services.worker.piecewise_graphs import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(self.shard, self.kv_caches, max_tokens=self.piecewise_max_tokens,
+                                             last_sampled=self.last_sampled, scratch_row=self.scratch_row,
+                                             device=self.device, dtype=self.dtype)
+            self.piecewise.capture()
         if self.device.type == "cuda":
             warm_up(self.shard, self.kv_caches, self.sampler, hidden_size=self.config.hidden_size,
                     dtype=self.dtype, device=self.device)
@@ -138,8 +148,12 @@ class ModelRunner:
             query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
             slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
             shared_prefixes=shared_prefixes(h, d))
-        hidden, residual = self.shard.forward(d.get("input_ids"), d["positions"], hidden, residual, self.kv_caches, meta,
-                                              placeholders=placeholders)
+        tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
+        if tp is not None:
+            hidden, residual = self.piecewise.run(tp, d, meta, hidden, residual)
+        else:
+            hidden, residual = self.shard.forward(d.get("input_ids"), d["positions"], hidden, residual,
+                                                  self.kv_caches, meta, placeholders=placeholders)
         if not self.is_last:
             return hidden, residual
         logits = None

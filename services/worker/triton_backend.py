@@ -16,12 +16,12 @@ class TritonAttentionBackend:
         write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         if meta.shared_prefixes is not None and sliding_window is None:
             return cascade_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                     meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale)
+                                     meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale, out)
         return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window)
+                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window, out=out)
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
         compile_serving_variants(kv_cache, num_q_heads)

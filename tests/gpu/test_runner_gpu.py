@@ -36,10 +36,11 @@ def shard_and_config():
     return random_bf16_shard(config), config
 
 
-def new_runner(shard, config, blocks_per_seq: int = BLOCKS_PER_SEQ) -> ModelRunner:
+def new_runner(shard, config, blocks_per_seq: int = BLOCKS_PER_SEQ, piecewise_max_tokens: int = 0) -> ModelRunner:
     runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=BLOCK_SIZE,
                          max_model_len=BLOCK_SIZE * blocks_per_seq, device=torch.device("cuda"),
-                         dtype=torch.bfloat16, max_num_seqs=MAX_SEQS, cuda_graph_max_batch=MAX_SEQS)
+                         dtype=torch.bfloat16, max_num_seqs=MAX_SEQS, cuda_graph_max_batch=MAX_SEQS,
+                         piecewise_max_tokens=piecewise_max_tokens)
     runner.init_cache(MAX_SEQS * blocks_per_seq)
     return runner
 
@@ -307,3 +308,56 @@ def test_cascade_graphs_and_eager_cascade_match_plain_attention(shard_and_config
     assert sum(compared) >= len(order) - 1, "more than one tie: the comparison would say little"
     assert {s: t for s, t in cascade_out.items() if s not in order or compared[order.index(s)]} == \
         {s: t for s, t in plain_out.items() if s not in order or compared[order.index(s)]}
+
+
+def test_mixed_steps_replay_the_piecewise_graphs(shard_and_config):
+    """Steps that admit a prompt beside decodes (by placeholder) replay the piecewise graphs; a
+    runner without them runs the same plans eagerly: logits agree to bf16 rounding and greedy
+    tokens are equal (a sequence whose top two logits tie within that rounding, where either
+    token is right, is compared no further: its later inputs differ)."""
+    shard, config = shard_and_config
+    gen = torch.Generator().manual_seed(12)
+    prompts = {s: torch.randint(3, 8192, (int(n),), generator=gen).tolist()
+               for s, n in zip(range(1, 8), torch.randint(5, 60, (7,), generator=gen))}
+    runs = {}
+    for piecewise in (True, False):
+        runner = new_runner(shard, config, piecewise_max_tokens=256 if piecewise else 0)
+        steps, replays = [], []  # per step: (plan order, logits, tokens)
+        sampler, run_pieces = runner.sampler, runner.piecewise and runner.piecewise.run
+
+        def record(logits, sampling, sampler=sampler, steps=steps):
+            steps[-1].append(logits.float().clone())
+            return sampler(logits, sampling)
+
+        runner.sampler = record
+        if piecewise:
+            runner.piecewise.run = lambda tp, *args: replays.append(tp) or run_pieces(tp, *args)
+        generated, running = {s: [] for s in prompts}, [1, 2, 3]
+        plan = shared_prefix_plan(1, running, [0] * 3, [prompts[s] for s in running], running, set(), False)
+        for step in range(2, 7):
+            steps.append([list(plan.seq_ids)])
+            tokens = list(runner.execute(plan).finish().token_ids)
+            steps[-1].append(tokens)
+            for s, t in zip(plan.seq_ids, tokens):
+                generated[s].append(t)
+            new = [step + 2] if step + 2 in prompts else []
+            computed = [len(prompts[s]) + len(generated[s]) - 1 for s in running]
+            plan = shared_prefix_plan(step, new + running, [0] * len(new) + computed,
+                                      [prompts[s] for s in new] + [[PLACEHOLDER_TOKEN]] * len(running), new, set(),
+                                      False)
+            running = new + running
+        runs[piecewise] = (steps, replays)
+    (pieces, replays), (eager, _) = runs[True], runs[False]
+    assert len(replays) == len(eager) and runs[False][1] == [], "the mixed steps (and only them) replay the pieces"
+    diverged = set()
+    for step, ((order, got, got_tokens), (_, want, want_tokens)) in enumerate(zip(pieces, eager)):
+        tolerance = 0.02 * want.abs().max()
+        for row, seq in enumerate(order):
+            if seq in diverged:
+                continue
+            assert (got[row] - want[row]).abs().max() <= tolerance, f"step {step}, sequence {seq}: beyond bf16 rounding"
+            if got_tokens[row] != want_tokens[row]:
+                top2 = want[row].topk(2).values
+                assert top2[0] - top2[1] <= tolerance, f"step {step}, sequence {seq}: a clear argmax differs"
+                diverged.add(seq)
+    assert len(diverged) <= 1, "more than one tie: the comparison would say little"
