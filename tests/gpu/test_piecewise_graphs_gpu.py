@@ -41,11 +41,10 @@ def test_replayed_pieces_match_the_eager_forward_on_mixed_steps(two_stages):
     with torch.inference_mode():
         eager, eager_caches = run_mixed_steps(stages, piecewise=False, **run)
         pieces, piece_caches = run_mixed_steps(stages, piecewise=True, **run)
-    for (h_e, r_e), (h_p, r_p) in zip(eager, pieces):
-        assert h_p.shape == h_e.shape
-        torch.testing.assert_close(h_p.float(), h_e.float(), atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(r_p.float(), r_e.float(), atol=3e-2, rtol=3e-2)
-    for stage_e, stage_p in zip(eager_caches, piece_caches):
-        for cache_e, cache_p in zip(stage_e, stage_p):
-            torch.testing.assert_close(cache_p.float(), cache_e.float(), atol=3e-2, rtol=3e-2)
-            assert not cache_p[:, 24:].any(), "a padding row wrote the KV cache"
+    for got, want in [pair for step in zip(pieces, eager) for pair in zip(*step)] + \
+            [pair for stage in zip(piece_caches, eager_caches) for pair in zip(*stage)]:
+        assert got.shape == want.shape
+        # bf16 rounding of values up to max |want| (a sum of larger terms can round to a small one).
+        torch.testing.assert_close(got.float(), want.float(), atol=0.02 * want.abs().max().item(), rtol=0)
+    for stage_caches in piece_caches:
+        assert not any(cache[:, 24:].any() for cache in stage_caches), "a padding row wrote the KV cache"
