@@ -57,14 +57,21 @@ def causal_flops(batch: PagedBatch) -> float:
     return 4.0 * pairs * num_q_heads * head_dim
 
 
+def shortest_query(batch: PagedBatch) -> int:
+    """The launch's min_query_len, as the worker passes it."""
+    return int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).min())
+
+
 def time_ms(batch: PagedBatch, scale: float, **kwargs) -> float:
     out = torch.empty_like(batch.query)
+    min_query_len = shortest_query(batch)
     return triton.testing.do_bench_cudagraph(
-        lambda: paged_attention(*batch.attention_args(), scale, out=out, **kwargs), rep=200)
+        lambda: paged_attention(*batch.attention_args(), scale, out=out, min_query_len=min_query_len, **kwargs),
+        rep=200)
 
 
 def check(batch: PagedBatch, scale: float, **kwargs) -> float:
-    got = paged_attention(*batch.attention_args(), scale, **kwargs).float()
+    got = paged_attention(*batch.attention_args(), scale, min_query_len=shortest_query(batch), **kwargs).float()
     want = paged_attention_reference(*batch.attention_args(), scale)
     error = (got - want).abs().max().item()
     assert error < 5e-2, f"kernel disagrees with the reference: max abs error {error}"
@@ -76,7 +83,7 @@ def auto_config(batch: PagedBatch) -> AttentionLaunchConfig:
     return choose_launch_config(
         num_seqs=batch.seq_lens.shape[0], num_q_heads=num_q_heads, num_kv_heads=batch.kv_cache.shape[2],
         head_dim=head_dim, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-        sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        sm_count=torch.cuda.get_device_properties(0).multi_processor_count, min_query_len=shortest_query(batch))
 
 
 def report_memory_bound(name: str, batch: PagedBatch, scale: float, copy_gbps: float, **kwargs) -> float:

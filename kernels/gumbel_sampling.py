@@ -304,6 +304,15 @@ def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, i
     return chunk, _TRITON_BLOCK, 8 if small else 4, True
 
 
+def batches_per_launch_shape(vocab: int, device: torch.device) -> list[int]:
+    """One batch size per launch shape of the draw (each a compiled variant the worker's warm-up
+    compiles): the smallest batch, and the first power of two past the small-batch shape."""
+    sm_count, rows = _device_sm_count(device), 2
+    while _launch_shape(rows, vocab, sm_count) == _launch_shape(1, vocab, sm_count):
+        rows *= 2
+    return [2, rows]
+
+
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor, greedy: Tensor,
                   threshold: Tensor | None, want_log_norm: bool, store: tuple[Tensor, Tensor] | None = None,
                   launch: tuple[int, int, int, bool] | None = None) -> tuple[Tensor, Tensor | None]:

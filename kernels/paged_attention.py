@@ -77,10 +77,12 @@ def choose_launch_config(
     max_seq_len: int,
     sm_count: int,
     num_kv_splits: int | None = None,
+    min_query_len: int = 1,
 ) -> AttentionLaunchConfig:
     """Shape heuristics (no autotune: launches must stay capturable and deterministic).
 
     num_kv_splits: None = automatic, 1 = force the single-pass kernel, n > 1 = force n splits.
+    min_query_len: the shortest query of the launch (a host-side bound, 1 when unknown).
     """
     group = num_q_heads // num_kv_heads
     # Aim for 64 rows (tokens x group heads) in the dot; a decode-only batch uses one token per
@@ -109,12 +111,13 @@ def choose_launch_config(
         # more programs resident per SM (H200 sweep, bench_attention.py: 98 -> 88 us per layer at
         # B=256 D=64, 88 -> 86 us at B=128 D=128).
         return AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=num_kv_splits, num_warps=2, num_stages=2)
-    if head_dim <= 64:
-        # Prefill at D <= 64: 128 rows, 8 warps, 2 stages. H100 at c4a906c (bench_attention.py
-        # --cases prefill --candidates), against 64 rows, 4 warps, 3 stages: 0.87x the time on 32
-        # fresh prompts of 512 (an offline prefill step), 0.89x on 4 x 2048 and on 8 x 512 chunks
-        # over 2048 cached, 0.97x on 16 x 200 over 2000 cached; at D = 128 it is 1.11x, so the
-        # 8B shape keeps the 64 rows.
+    if head_dim <= 64 and min_query_len >= 128 // group:
+        # Prefill at D <= 64 where every sequence fills a 128-row block: 8 warps, 2 stages. H100 at
+        # c4a906c (bench_attention.py --cases prefill --candidates), against 64 rows, 4 warps, 3
+        # stages: 0.87x the time on 32 fresh prompts of 512 (an offline prefill step), 0.89x on
+        # 4 x 2048 and on 8 x 512 chunks over 2048 cached, 0.97x on 16 x 200 over 2000 cached. Not
+        # at D = 128 (1.11x), nor beside short queries: decodes in the launch (one token in a
+        # block of 32) took 1.1-1.5x the time of the 64-row launch (ab278ba, --cases mixed).
         return AttentionLaunchConfig(block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits,
                                      num_warps=8, num_stages=2)
     return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits,
@@ -395,11 +398,13 @@ def paged_attention(
     *,
     num_kv_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
+    min_query_len: int = 1,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
 
     max_query_len / max_seq_len are host-side upper bounds (python ints) that only shape the
-    launch; under CUDA graphs pass fixed bounds. num_kv_splits: None picks single-pass or split-KV
+    launch; under CUDA graphs pass fixed bounds; so does min_query_len, the shortest query (1 when
+    unknown). num_kv_splits: None picks single-pass or split-KV
     automatically, 1 forces single-pass, n > 1 forces n splits. config overrides every heuristic
     (benchmarks, tests).
     """
@@ -414,7 +419,7 @@ def paged_attention(
         config = choose_launch_config(
             num_seqs=seq_lens.shape[0], num_q_heads=query.shape[1], num_kv_heads=kv_cache.shape[2],
             head_dim=query.shape[2], max_query_len=max_query_len, max_seq_len=max_seq_len,
-            sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits)
+            sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits, min_query_len=min_query_len)
     partials = Partials.allocate(query, config.num_kv_splits) if config.num_kv_splits > 1 else None
     pdl = dependent_launch_supported(query.device)
     launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,

@@ -226,11 +226,14 @@ else:
         assert choose(num_seqs=2, max_seq_len=32768, num_kv_splits=1).num_kv_splits == 1  # forced
         assert choose(num_kv_splits=8).num_kv_splits == 8
         prefill = choose(max_query_len=512)
-        # D <= 64: 32 tokens x GQA group of 4 fill a 128-row dot (8 warps); D = 128: 64 rows.
-        assert prefill.block_q * 4 == 128 and prefill.num_warps == 8
-        assert choose(num_q_heads=14, num_kv_heads=2, max_query_len=512).block_q == 18  # group 7: 126 rows
-        wide = choose(head_dim=128, max_query_len=512)
-        assert wide.block_q * 4 == 64 and wide.num_warps == 4
+        assert prefill.block_q * 4 == 64  # 16 tokens x GQA group of 4 fill the 64-row dot
+        assert choose(num_q_heads=14, num_kv_heads=2, max_query_len=512).block_q == 9  # group 7: 63 rows
+        # Every query at least 32 tokens long (D <= 64): 128 rows, 8 warps; not at D = 128.
+        long = choose(max_query_len=512, min_query_len=32)
+        assert long.block_q * 4 == 128 and long.num_warps == 8
+        assert choose(max_query_len=512, min_query_len=31).block_q * 4 == 64
+        assert choose(head_dim=128, max_query_len=512, min_query_len=512).block_q * 4 == 64
+        assert choose(num_q_heads=14, num_kv_heads=2, max_query_len=512, min_query_len=18).block_q == 18
 
     def test_rejects_unsupported_shapes():
         batch = make_paged_batch([2], [3], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4)

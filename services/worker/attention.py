@@ -26,6 +26,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], cache slot of each new token; -1 = do not write
     max_query_len: int
     max_seq_len: int
+    # The shortest query (host-side, shapes the launch: long prefills take larger tiles).
+    min_query_len: int = 1
     # Sequences that share a prefix of KV: attention reads it once per group (cascade). Layers
     # with a sliding window ignore it (a window may not see the whole prefix).
     shared_prefixes: SharedPrefixGroups | None = None

@@ -147,7 +147,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
             slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
-            shared_prefixes=shared_prefixes(h, d))
+            min_query_len=int(np.diff(h.query_start_loc).min()), shared_prefixes=shared_prefixes(h, d))
         tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
         if tp is not None:
             hidden, residual = self.piecewise.run(tp, d, meta, hidden, residual)

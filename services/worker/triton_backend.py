@@ -21,7 +21,8 @@ class TritonAttentionBackend:
             return cascade_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                      meta.shared_prefixes, meta.max_query_len, meta.max_seq_len, scale, out)
         return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window, out=out)
+                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window, out=out,
+                               min_query_len=meta.min_query_len)
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
         compile_serving_variants(kv_cache, num_q_heads)

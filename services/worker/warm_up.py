@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from strata.kernels.gumbel_sampling import batches_per_launch_shape
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
@@ -24,19 +25,22 @@ log = logging.getLogger("strata.worker")
 def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hidden_size: int,
             dtype: torch.dtype, device: torch.device) -> None:
     """Runs eager steps whose token counts are odd and a multiple of 16 (Triton specialises on
-    both) and, on the last stage (`sampler` given), every sampler variant (filters, logprobs).
-    Block 0 is read and nothing is written (slot -1)."""
-    for q_lens in ([3, 1, 1], [15, 1]):
+    both), one of long queries only (prefill attention's larger tiles), and, on the last stage
+    (`sampler` given), every sampler variant (filters, logprobs). Block 0 is read and nothing is
+    written (slot -1)."""
+    block_size = kv_caches[0].shape[3]
+    for q_lens in ([3, 1, 1], [15, 1], [129, 128]):
         total = sum(q_lens)
         inputs = upload({
             "input_ids": np.zeros(total, np.int64), "positions": np.zeros(total, np.int64),
             "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-            "seq_lens": np.asarray(q_lens, np.int32), "block_tables": np.zeros((len(q_lens), 1), np.int32),
+            "seq_lens": np.asarray(q_lens, np.int32),
+            "block_tables": np.zeros((len(q_lens), -(-max(q_lens) // block_size)), np.int32),
             "slot_mapping": np.full(total, -1, np.int64)}, device)
         meta = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"], seq_lens=inputs["seq_lens"],
             block_tables=inputs["block_tables"], slot_mapping=inputs["slot_mapping"],
-            max_query_len=max(q_lens), max_seq_len=max(q_lens))
+            max_query_len=max(q_lens), max_seq_len=max(q_lens), min_query_len=min(q_lens))
         hidden = residual = None
         if not shard.is_first:
             hidden = torch.zeros(total, hidden_size, dtype=dtype, device=device)
@@ -45,11 +49,14 @@ def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hi
                                          inputs["positions"], hidden, residual, kv_caches, meta)
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
     if sampler is not None:
-        logits = shard.compute_logits(hidden[:2], residual[:2])
-        for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:
-            sampler(logits, SamplingTensors.build(
-                temperature=[temperature] * 2, top_k=[top_k] * 2, top_p=[1.0] * 2, min_p=[0.0] * 2,
-                seeds=[0, 1], positions=[0, 0], num_logprobs=logprobs, device=device))
+        shard.compute_logits(hidden[:2], residual[:2])
+        # The draw's launch shape changes with the batch (kernels/gumbel_sampling.py): warm both.
+        for rows in batches_per_launch_shape(shard.config.vocab_size, device):
+            logits = torch.zeros(rows, shard.config.vocab_size, dtype=dtype, device=device)
+            for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:
+                sampler(logits, SamplingTensors.build(
+                    temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows,
+                    seeds=list(range(rows)), positions=[0] * rows, num_logprobs=logprobs, device=device))
     torch.cuda.synchronize(device)
 
 
