@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
 import numpy as np
 
 from strata.bench import common
-from strata.bench.roofline import _layer_matmul_weights, decode_bytes, load_runner, measure_copy_bandwidth, \
-    measure_matmul_flops
+from strata.bench.roofline import _layer_matmul_weights, back_to_back, decode_bytes, load_runner, \
+    measure_copy_bandwidth, measure_matmul_flops
 from strata.bench_cli import add_bench_parser
 
 
@@ -53,15 +52,8 @@ def time_steps(runner, plan, steps: int) -> dict:
     """Back-to-back steps of `plan`: median period between completions, and median GPU time."""
     for _ in range(3):
         runner.execute(plan).finish()
-    pending, done, gpu = runner.execute(plan), [], []
-    for _ in range(steps + 1):
-        launched = runner.execute(plan)
-        result = pending.finish()
-        done.append(time.perf_counter())
-        gpu.append(result.gpu_seconds)
-        pending = launched
-    pending.finish()
-    return {"median_s": float(np.median(np.diff(done))), "gpu_s": statistics.median(gpu[1:])}
+    periods, gpu = back_to_back(runner, plan, steps)
+    return {"median_s": float(np.median(periods)), "gpu_s": statistics.median(gpu[1:])}
 
 
 def step_floor(config, itemsize: int, decodes: int, chunk: int, context_len: int, bandwidth: float,

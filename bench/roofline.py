@@ -219,19 +219,26 @@ def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: i
         serial.append(time.perf_counter() - t0)
     if len(result.token_ids) != batch:
         raise RuntimeError(f"decode step sampled {len(result.token_ids)} tokens for a batch of {batch}")
-    pending, done, gpu = runner.execute(step), [], []
+    periods, gpu = back_to_back(runner, step, steps)
+    return {"batch": batch, "context_len": context_len, "steps": steps,
+            "median_s": float(np.median(periods)), "min_s": float(periods.min()),
+            "mean_s": float(periods.mean()), "p90_s": float(np.percentile(periods, 90)),
+            "serial_s": statistics.median(serial), "gpu_s": statistics.median(gpu[1:]) if cuda else None}
+
+
+def back_to_back(runner, plan, steps: int) -> tuple[np.ndarray, list]:
+    """`steps` runs of `plan` as the worker runs steps, each launched while the previous step's
+    tokens travel to the host: the periods between completions, and each step's GPU seconds
+    (CUDA events; the first is the warm-up step's)."""
+    pending, done, gpu = runner.execute(plan), [], []
     for _ in range(steps + 1):
-        launched = runner.execute(step)
+        launched = runner.execute(plan)
         result = pending.finish()
         done.append(time.perf_counter())
         gpu.append(result.gpu_seconds)
         pending = launched
     pending.finish()
-    periods = np.diff(done)
-    return {"batch": batch, "context_len": context_len, "steps": steps,
-            "median_s": float(np.median(periods)), "min_s": float(periods.min()),
-            "mean_s": float(periods.mean()), "p90_s": float(np.percentile(periods, 90)),
-            "serial_s": statistics.median(serial), "gpu_s": statistics.median(gpu[1:]) if cuda else None}
+    return np.diff(done), gpu
 
 
 def bare_decode_step(args, batch: int, context_len: int, steps: int, warmup: int = 5) -> dict:

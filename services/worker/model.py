@@ -202,17 +202,6 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(hidden), positions, rotary, kv_cache, meta, backend))
-
     def attend(
         self,
         qkv: torch.Tensor,
