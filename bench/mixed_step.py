@@ -104,10 +104,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         step = mixed_plan(decodes, chunk, a.context_len, runner.block_size, runner.config.vocab_size, new=False)
         runner.execute(admit).finish()
         timings = {}
-        for way, graphs in (("eager", None), ("pieces", pieces)):
-            if way == "eager" or graphs is not None:
-                runner.piecewise = graphs
-                timings[way] = time_steps(runner, step, a.steps)
+        for way, graphs in [("eager", None)] + ([("pieces", pieces)] if pieces else []):
+            runner.piecewise = graphs
+            timings[way] = time_steps(runner, step, a.steps)
         floor = step_floor(runner.config, itemsize, decodes, chunk, a.context_len, bandwidth, flops)
         e, w = timings["eager"], timings.get("pieces")
         tokens = decodes + chunk

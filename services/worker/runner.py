@@ -2,8 +2,8 @@
 
 A step: apply the plan's deltas to the sequence table (sequence_table.py), build its inputs
 (step_inputs.py), run the shard by replaying a decode graph (cuda_graphs.py), on the piecewise
-graphs of a mixed step (piecewise_graphs.py), or eagerly, and on the last stage sample and return a PendingResult (step_results.py) whose tokens reach the host
-while the next plan is launched.
+graphs of a mixed step (piecewise_graphs.py), or eagerly, and on the last stage sample and return
+a PendingResult (step_results.py) whose tokens reach the host while the next plan is launched.
 """
 from __future__ import annotations
 

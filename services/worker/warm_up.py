@@ -49,7 +49,7 @@ def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hi
                                          inputs["positions"], hidden, residual, kv_caches, meta)
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
     if sampler is not None:
-        shard.compute_logits(hidden[:2], residual[:2])
+        shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
         # The draw's launch shape changes with the batch (kernels/gumbel_sampling.py): warm both.
         for rows in batches_per_launch_shape(shard.config.vocab_size, device):
             logits = torch.zeros(rows, shard.config.vocab_size, dtype=dtype, device=device)

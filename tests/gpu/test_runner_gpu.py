@@ -348,7 +348,7 @@ def test_mixed_steps_replay_the_piecewise_graphs(shard_and_config):
             running = new + running
         runs[piecewise] = (steps, replays)
     (pieces, replays), (eager, _) = runs[True], runs[False]
-    assert len(replays) == len(eager) and runs[False][1] == [], "the mixed steps (and only them) replay the pieces"
+    assert len(replays) == len(eager) == 5, "every mixed step replays the pieces"
     diverged = set()
     for step, ((order, got, got_tokens), (_, want, want_tokens)) in enumerate(zip(pieces, eager)):
         tolerance = 0.02 * want.abs().max()
