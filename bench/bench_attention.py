@@ -131,6 +131,8 @@ def main() -> None:
                         help="comma-separated subset of decode,small,long,prefill,mixed to run")
     parser.add_argument("--candidates", action="store_true",
                         help="prefill: also time (and check) a few launch configs against the heuristic's")
+    parser.add_argument("--ptx", action="store_true",
+                        help="at the end, count the Hopper instructions (wgmma, TMA, cp.async) of each compiled variant")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -150,6 +152,8 @@ def main() -> None:
         prefill_cases(args)
     if "mixed" in cases:
         mixed_cases()
+    if args.ptx:
+        report_instructions()
 
 
 def decode_cases(args, copy_gbps: float) -> None:
@@ -238,22 +242,43 @@ def prefill_cases(args) -> None:
         if args.sweep:
             sweep(label, batch, scale, block_qs=[64 // group, 128 // group])
         if args.candidates:
-            for rows, tile_n, warps, stages in CANDIDATES:
+            for rows, tile_n, warps, stages, unmasked in CANDIDATES:
                 config = AttentionLaunchConfig(block_q=rows // group, tile_n=tile_n, num_kv_splits=1,
-                                               num_warps=warps, num_stages=stages)
+                                               num_warps=warps, num_stages=stages, unmasked_full_tiles=unmasked)
+                masks = "full tiles unmasked" if unmasked else "every tile masked"
                 try:
                     check(batch, scale, config=config)
                     ms_c = time_ms(batch, scale, config=config)
-                    print(f"    {rows:>3} rows, {tile_n:>3}-key tiles, {warps} warps, {stages} stages: {ms_c * 1e3:8.1f} us "
-                          f"{flops / (ms_c * 1e-3) / 1e12:6.1f} TFLOP/s ({ms_c / ms:.2f}x the heuristic's)")
+                    print(f"    {rows:>3} rows, {tile_n:>3}-key tiles, {warps} warps, {stages} stages, {masks:<19}: "
+                          f"{ms_c * 1e3:8.1f} us {flops / (ms_c * 1e-3) / 1e12:6.1f} TFLOP/s "
+                          f"({ms_c / ms:.2f}x the heuristic's)")
                 except Exception as error:  # out of shared memory / registers for this combination
                     print(f"    {config}: {type(error).__name__}: {str(error)[:80]}")
         del batch
 
 
-# (query rows = tokens x GQA group, key tile, warps, stages): the shapes the H200 sweep at cac2fda
-# ranked first on the D = 64 cases, beside the heuristic's.
-CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 2)]
+# (query rows = tokens x GQA group, key tile, warps, stages, full tiles unmasked): the shapes the
+# H100 candidates at c4a906c ranked first, each with and without the unmasked full tiles.
+CANDIDATES = [(rows, tile_n, warps, stages, unmasked) for unmasked in (False, True)
+              for rows, tile_n, warps, stages in [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                                  (64, 128, 4, 3)]]
+
+
+def report_instructions() -> None:
+    """Which Hopper paths the compiled attention variants take, from their PTX: warpgroup MMAs
+    (wgmma), TMA copies (cp.async.bulk.tensor), cp.async gathers, and older mma.sync."""
+    from strata.kernels.paged_attention import _paged_attention_kernel
+    print("\ncompiled paged-attention variants (PTX instruction counts):")
+    for cache in _paged_attention_kernel.device_caches.values():
+        for kernel in cache[0].values():
+            ptx = kernel.asm.get("ptx", "")
+            constants = {k[0] if isinstance(k, tuple) else k: v for k, v in kernel.src.constants.items()
+                         if isinstance(v, (int, bool))}
+            shape = {name: constants.get(name) for name in ("BLOCK_M", "TILE_N", "HEAD_DIM", "FULL_TILES_UNMASKED")}
+            counts = {op: ptx.count(op) for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.cg",
+                                                   "cp.async.ca", "mma.sync")}
+            print(f"  {shape} warps={kernel.metadata.num_warps} stages={kernel.metadata.num_stages}: "
+                  + ", ".join(f"{op} {n}" for op, n in counts.items()))
 
 
 def mixed_cases() -> None:

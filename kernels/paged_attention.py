@@ -51,6 +51,7 @@ class AttentionLaunchConfig:
     num_kv_splits: int  # 1 = single pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 3
+    unmasked_full_tiles: bool = True  # False: every tile takes the causal masks (benchmarks' baseline)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,25 +148,54 @@ def _attend_tile(
     first_key, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
     kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """One online-softmax step over key positions [first_key, first_key + TILE_N), those below kv_end."""
+    """One online-softmax step over key positions [first_key, first_key + TILE_N), those below kv_end.
+    MASKED=False: a tile every row may see in full (below the causal diagonal of the program's
+    first query, inside kv_end, no window): no masks on the loads or the scores."""
     k_pos = first_key + tl.arange(0, TILE_N)
-    k_valid = k_pos < kv_end
-    page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    if MASKED:
+        k_valid = k_pos < kv_end
+        page = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_table_row + k_pos // BLOCK_SIZE).to(tl.int64)
     slot_offset = page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
-    k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
-    v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+        v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+    else:
+        k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None])
+        v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :])
 
     if IEEE_DOT:
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * qk_scale_log2
-    allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-    if USE_WINDOW:
-        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-    s = tl.where(allowed, s, float("-inf"))
-    return online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT)
+    if MASKED:
+        s = s * qk_scale_log2
+        allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT)
+    else:
+        m_i, l_i, acc = _unmasked_softmax_step(s, v, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _unmasked_softmax_step(s, v, m_i, l_i, acc, qk_scale_log2, IEEE_DOT: tl.constexpr):
+    """online_softmax_step for raw scores with nothing masked: the scale goes into the max and
+    into one fused multiply-add per score (s * scale - max), as in FlashAttention-2."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -224,6 +254,7 @@ def _paged_attention_kernel(
     INTERPRETED: tl.constexpr,
     PREFIX_PARTS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
+    FULL_TILES_UNMASKED: tl.constexpr = True,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -295,9 +326,22 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
 
+    # Tiles every row sees in full (keys up to the block's first query position) skip the
+    # masks; only the tiles on the causal diagonal (and any with a window) take them.
+    full_tiles = tile_begin
+    if FULL_TILES_UNMASKED and not USE_WINDOW:
+        full_tiles = (context_len + first_token + 1 - kv_start) // TILE_N
+        full_tiles = tl.minimum(tl.maximum(full_tiles, tile_begin), tile_end)
+
     if INTERPRETED:
         # The interpreter (triton 3.6 + numpy 2.x) cannot take tensor bounds in range().
         tile = tile_begin
+        while tile < full_tiles:
+            m_i, l_i, acc = _attend_tile(
+                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED=False)
+            tile += 1
         while tile < tile_end:
             m_i, l_i, acc = _attend_tile(
                 kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
@@ -305,8 +349,13 @@ def _paged_attention_kernel(
                 sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
             tile += 1
     else:
-        # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
-        for tile in range(tile_begin, tile_end):
+        # For loops, so the compiler can software-pipeline the K/V loads (num_stages).
+        for tile in range(tile_begin, full_tiles):
+            m_i, l_i, acc = _attend_tile(
+                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED=False)
+        for tile in range(full_tiles, tile_end):
             m_i, l_i, acc = _attend_tile(
                 kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
                 key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
@@ -512,6 +561,7 @@ def launch_paged_attention(
         INTERPRETED=_INTERPRETED,
         PREFIX_PARTS=partials.parts if cascade else 0,
         PDL=dependent_launch,
+        FULL_TILES_UNMASKED=config.unmasked_full_tiles,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(dependent_launch),

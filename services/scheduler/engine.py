@@ -319,6 +319,10 @@ class Engine:
         self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
+        if log.isEnabledFor(logging.DEBUG):  # per-step timeline, beside the plan's line in _fill_pipeline
+            log.debug("step %d done: GPU %.3f ms in the step, %.3f ms idle before it, %.3f ms launching",
+                      result.step_id, result.gpu_seconds * 1e3, result.gpu_idle_seconds * 1e3,
+                      result.launch_seconds * 1e3)
         if result.gpu_seconds > 0:
             self._worker_gpu[0] += result.gpu_seconds
             self._worker_gpu[1] += result.gpu_idle_seconds
