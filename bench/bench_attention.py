@@ -224,6 +224,7 @@ def prefill_cases(args) -> None:
         ("Llama-3.2-1B 8 x 512 chunks over 2048 cached", LLAMA_1B, 8, 512, 2048),
         ("Llama-3.2-1B 16 x 200 over 2000 cached", LLAMA_1B, 16, 200, 2000),  # prefix-groups members
         ("D=128 32/8 heads 4 x 2048 fresh prompts", LLAMA_8B, 4, 2048, 0),
+        ("D=128 32/8 heads 32 x 512 fresh prompts", LLAMA_8B, 32, 512, 0),  # an 8B offline prefill step
     ]:
         batch = make_paged_batch([q_len] * num_seqs, [context] * num_seqs, block_size=16, dtype=torch.bfloat16,
                                  device="cuda", poison_unowned=False, **shapes)

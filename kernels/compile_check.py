@@ -98,20 +98,21 @@ def _compile(name: str, kernel, data_dtype: str, constexprs: dict, num_warps: in
 
 def compile_attention(
     *, dtype: str, head_dim: int, num_q_heads: int, num_kv_heads: int, max_query_len: int,
-    num_kv_splits: int = 1, sliding_window: bool = False, block_size: int = 16,
+    num_kv_splits: int = 1, sliding_window: bool = False, block_size: int = 16, min_query_len: int = 1,
 ) -> list[CompileReport]:
     """Compile the attention kernel (and the merge kernel when split) as paged_attention would launch it."""
     group = num_q_heads // num_kv_heads
     config = paged_attention.choose_launch_config(
         num_seqs=256, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_query_len=max_query_len, max_seq_len=4096, sm_count=132, num_kv_splits=num_kv_splits)
+        max_query_len=max_query_len, max_seq_len=4096, sm_count=132, num_kv_splits=num_kv_splits,
+        min_query_len=min_query_len)
     constexprs = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q,
         BLOCK_M=max(16, triton.next_power_of_2(config.block_q * group)), TILE_N=config.tile_n,
         NUM_SPLITS=config.num_kv_splits, USE_WINDOW=sliding_window, IEEE_DOT=dtype == "fp32", INTERPRETED=False,
         PREFIX_PARTS=0)
     name = (f"attention {dtype} D={head_dim} G={group} q<={max_query_len} splits={num_kv_splits}"
-            f"{' window' if sliding_window else ''}")
+            f"{' window' if sliding_window else ''}{f' q>={min_query_len}' if min_query_len > 1 else ''}")
     reports = [_compile(name, paged_attention._paged_attention_kernel, dtype, constexprs,
                         config.num_warps, config.num_stages)]
     if config.num_kv_splits > 1:
@@ -164,6 +165,8 @@ def default_reports() -> list[CompileReport]:
                                      max_query_len=1)
         reports += compile_attention(dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads,
                                      max_query_len=512, sliding_window=head_dim == 128)
+        reports += compile_attention(dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads,
+                                     max_query_len=512, min_query_len=512)  # the 128-row prefill launch
     reports += compile_attention(dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, max_query_len=1,
                                  num_kv_splits=16)
     for dtype, head_dim, heads, kv_heads in [("bf16", 64, 32, 8), ("bf16", 128, 32, 8), ("bf16", 64, 9, 3)]:

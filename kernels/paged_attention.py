@@ -112,13 +112,14 @@ def choose_launch_config(
         # more programs resident per SM (H200 sweep, bench_attention.py: 98 -> 88 us per layer at
         # B=256 D=64, 88 -> 86 us at B=128 D=128).
         return AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=num_kv_splits, num_warps=2, num_stages=2)
-    if head_dim <= 64 and min_query_len >= 128 // group:
-        # Prefill at D <= 64 where every sequence fills a 128-row block: 8 warps, 2 stages. H100 at
-        # c4a906c (bench_attention.py --cases prefill --candidates), against 64 rows, 4 warps, 3
-        # stages: 0.87x the time on 32 fresh prompts of 512 (an offline prefill step), 0.89x on
-        # 4 x 2048 and on 8 x 512 chunks over 2048 cached, 0.97x on 16 x 200 over 2000 cached. Not
-        # at D = 128 (1.11x), nor beside short queries: decodes in the launch (one token in a
-        # block of 32) took 1.1-1.5x the time of the 64-row launch (ab278ba, --cases mixed).
+    if head_dim <= 128 and min_query_len >= 128 // group:
+        # Prefill where every sequence fills a 128-row block: 8 warps, 2 stages. H100 at dd348a5
+        # (bench_attention.py --cases prefill --candidates, full tiles unmasked in both), against
+        # 64 rows, 4 warps, 3 stages: 0.83x the time on 32 fresh prompts of 512 (an offline
+        # prefill step), 0.85x on 4 x 2048, 0.83x on 8 x 512 chunks over 2048 cached, 0.94x on
+        # 16 x 200 over 2000, and 0.94x at D = 128 on 4 x 2048. Not beside short queries: decodes
+        # in the launch (one token in a block of 32) took 1.1-1.5x the time of the 64-row launch
+        # (ab278ba, --cases mixed).
         return AttentionLaunchConfig(block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits,
                                      num_warps=8, num_stages=2)
     return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits,

@@ -228,11 +228,12 @@ else:
         prefill = choose(max_query_len=512)
         assert prefill.block_q * 4 == 64  # 16 tokens x GQA group of 4 fill the 64-row dot
         assert choose(num_q_heads=14, num_kv_heads=2, max_query_len=512).block_q == 9  # group 7: 63 rows
-        # Every query at least 32 tokens long (D <= 64): 128 rows, 8 warps; not at D = 128.
+        # Every query at least 32 tokens long (D <= 128): 128 rows, 8 warps; not at D = 256.
         long = choose(max_query_len=512, min_query_len=32)
         assert long.block_q * 4 == 128 and long.num_warps == 8
         assert choose(max_query_len=512, min_query_len=31).block_q * 4 == 64
-        assert choose(head_dim=128, max_query_len=512, min_query_len=512).block_q * 4 == 64
+        assert choose(head_dim=128, max_query_len=512, min_query_len=512).block_q * 4 == 128
+        assert choose(head_dim=256, max_query_len=512, min_query_len=512).block_q * 4 == 64
         assert choose(num_q_heads=14, num_kv_heads=2, max_query_len=512, min_query_len=18).block_q == 18
 
     def test_rejects_unsupported_shapes():
