@@ -304,7 +304,14 @@ async def run_all_at_once(address: str, prompts, params, timeout: float, max_con
                 bar.update(1)
                 return rec
             per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-            return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, per_prompt))))
+            tasks = []
+            for prompt, p in zip(prompts, per_prompt):
+                tasks.append(asyncio.create_task(one(prompt, p)))
+                # Let the loop send it before building the next: gathered at once, the first
+                # request left only after all were built and started (~100 ms for 1,000 prompts
+                # of 512 tokens), time the server spent idle at the start of the measurement.
+                await asyncio.sleep(0)
+            return list(await asyncio.gather(*tasks))
 
 
 async def run_poisson(address: str, prompts, params, rate: float, timeout: float, seed: int,
@@ -322,8 +329,8 @@ async def run_poisson(address: str, prompts, params, rate: float, timeout: float
             tasks = []
             for prompt in prompts:
                 tasks.append(asyncio.create_task(one(prompt)))
-                if math.isfinite(rate):
-                    await asyncio.sleep(rng.exponential(1.0 / rate))
+                # An infinite rate still yields, so each request leaves as it is made (run_all_at_once).
+                await asyncio.sleep(rng.exponential(1.0 / rate) if math.isfinite(rate) else 0)
             return list(await asyncio.gather(*tasks))
 
 
