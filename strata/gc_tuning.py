@@ -1,12 +1,14 @@
 """Garbage-collector settings for the long-lived service processes.
 
-The scheduler's step loop (and the gateway's streams) allocate many short-lived objects that the
-collector tracks (plans, per-sequence records, token lists) and that almost never form cycles.
-With Python's default first-generation threshold (700) the collector runs several times per
-engine step and walks every live prompt and output list each time it reaches the older
-generations: `python -m strata.bench.scheduler_step` measured 0.79 -> 0.61 ms per step at 256 running
-decodes and 1.93 -> 1.26-1.44 ms at 512 with the threshold below. What start-up allocated
-(modules, the model description, tokenizer) is frozen so that full collections skip it.
+The scheduler's step loop, the gateway's streams and the worker's step inputs allocate many
+short-lived objects that the collector tracks (plans, per-sequence records, token lists) and
+that almost never form cycles. With Python's default first-generation threshold (700) the
+collector runs several times per engine step and walks every live prompt and output list (in a
+worker, every object of torch and the model: 70 ms for a full collection on CPU) each time it
+reaches the older generations: `python -m strata.bench.scheduler_step` measured 0.79 -> 0.61 ms
+per step at 256 running decodes and 1.93 -> 1.26-1.44 ms at 512 with the threshold below. What
+start-up allocated (modules, the model and its graphs, the tokenizer) is frozen so that full
+collections skip it.
 """
 from __future__ import annotations
 
@@ -20,3 +22,10 @@ def tune_for_serving() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(SERVING_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def thaw() -> None:
+    """Undo the freeze and collect: before a process replaces what start-up built (a worker's KV
+    cache and graphs on a new InitCache), so that cycles among the old objects are freed too."""
+    gc.unfreeze()
+    gc.collect()
