@@ -131,6 +131,8 @@ def main() -> None:
                         help="comma-separated subset of decode,small,long,prefill,mixed to run")
     parser.add_argument("--candidates", action="store_true",
                         help="prefill: also time (and check) a few launch configs against the heuristic's")
+    parser.add_argument("--only", default="",
+                        help="prefill: run only the cases whose label contains this text (e.g. D=128)")
     parser.add_argument("--ptx", action="store_true",
                         help="at the end, count the Hopper instructions (wgmma, TMA, cp.async) of each compiled variant")
     args = parser.parse_args()
@@ -226,6 +228,8 @@ def prefill_cases(args) -> None:
         ("D=128 32/8 heads 4 x 2048 fresh prompts", LLAMA_8B, 4, 2048, 0),
         ("D=128 32/8 heads 32 x 512 fresh prompts", LLAMA_8B, 32, 512, 0),  # an 8B offline prefill step
     ]:
+        if args.only not in label:
+            continue
         batch = make_paged_batch([q_len] * num_seqs, [context] * num_seqs, block_size=16, dtype=torch.bfloat16,
                                  device="cuda", poison_unowned=False, **shapes)
         scale = shapes["head_dim"] ** -0.5
