@@ -69,6 +69,7 @@ def build_step_inputs(
         slot_mapping=slot_mapping.to(device),
         max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        min_query_len=int(q_lens.min()),  # as the worker passes it: long prompts take 128-row tiles
     )
     return StepInputs(
         input_ids=input_ids.to(device),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -27,12 +26,17 @@ from strata.services.worker.weights import (
     load_shard,
     model_fingerprint,
 )
+from tests.shard_pipeline import (
+    Pipeline,
+    greedy_decode,
+    hf_greedy,
+    random_prompts,
+    shuffled_block_tables,
+)
 from tiny_models import TINY_MISTRAL_SLIDING_WINDOW, write_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2"]
 STAGE_COUNTS = [1, 2, 3]
-BLOCK_SIZE = 4
-NUM_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")
@@ -49,51 +53,6 @@ def hf_models(tiny_dirs):
         arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for arch, path in tiny_dirs.items()
     }
-
-
-class Pipeline:
-    """Shards of one model chained in-process, each with its own paged KV cache."""
-
-    def __init__(self, model_dir, num_stages: int, **load_kwargs):
-        self.shards = []
-        self.kv_caches = []
-        for stage in range(num_stages):
-            shard, config = load_shard(model_dir, stage, num_stages, torch.float32, "cpu", **load_kwargs)
-            self.shards.append(shard)
-            self.kv_caches.append(
-                allocate_kv_cache(
-                    shard.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads,
-                    config.head_dim, torch.float32, "cpu",
-                )
-            )
-        self.config = config
-
-    def step(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, BLOCK_SIZE)
-        hidden = residual = None
-        for shard, caches in zip(self.shards, self.kv_caches):
-            input_ids = inputs.input_ids if shard.is_first else None
-            hidden, residual = shard(input_ids, inputs.positions, hidden, residual, caches, inputs.meta)
-        if not all_logits:
-            hidden, residual = hidden[inputs.logits_indices], residual[inputs.logits_indices]
-        return self.shards[-1].compute_logits(hidden, residual)
-
-
-def shuffled_block_tables(lengths: list[int], seed: int) -> list[list[int]]:
-    """Disjoint, non-contiguous block ids covering each length."""
-    ids = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(ids)
-    tables = []
-    for length in lengths:
-        count = -(-length // BLOCK_SIZE)
-        tables.append(ids[:count])
-        ids = ids[count:]
-    return tables
-
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 # ---- model vs HF -----------------------------------------------------------------------
@@ -115,53 +74,6 @@ def test_prefill_logits_match_hf(arch, num_stages, tiny_dirs, hf_models):
     assert logits.dtype == torch.float32
     assert logits.shape == expected.shape
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-
-
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=hf.config.pad_token_id,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def greedy_decode(pipeline: Pipeline, prompts, chunk_plans, max_new_tokens: int, eos_ids) -> list[list[int]]:
-    """Chunked prefill then decode, all sequences in one flat batch per step.
-
-    chunk_plans[i] lists the prefill chunk sizes of prompt i; a sequence decodes as soon as
-    its prefill is done, while others are still prefilling.
-    """
-    lengths = [len(p) + max_new_tokens for p in prompts]
-    tables = shuffled_block_tables(lengths, seed=11)
-    computed = [0] * len(prompts)
-    plans = [list(plan) for plan in chunk_plans]
-    generated: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
-    while not all(finished):
-        chunks, owners = [], []
-        for i, prompt in enumerate(prompts):
-            if finished[i]:
-                continue
-            if plans[i]:
-                size = plans[i].pop(0)
-                tokens = prompt[computed[i] : computed[i] + size]
-            else:
-                tokens = generated[i][-1:]
-            chunks.append(SequenceChunk(tokens, computed[i], tables[i]))
-            owners.append(i)
-        logits = pipeline.step(chunks)
-        next_tokens = logits.argmax(dim=-1).tolist()
-        for row, i in enumerate(owners):
-            computed[i] += len(chunks[row].token_ids)
-            if plans[i]:
-                continue  # mid-prefill: this chunk's logits are not sampled
-            generated[i].append(next_tokens[row])
-            if len(generated[i]) == max_new_tokens or next_tokens[row] in eos_ids:
-                finished[i] = True
-    return generated
 
 
 @pytest.mark.parametrize("num_stages", STAGE_COUNTS)
