@@ -191,12 +191,8 @@ def _unmasked_softmax_step(s, v, m_i, l_i, acc, qk_scale_log2, IEEE_DOT: tl.cons
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    l_i, acc = _accumulate(p, alpha, v, l_i, acc, IEEE_DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -206,12 +202,19 @@ def online_softmax_step(s, v, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
+    l_i, acc = _accumulate(p, alpha, v, l_i, acc, IEEE_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _accumulate(p, alpha, v, l_i, acc, IEEE_DOT: tl.constexpr):
+    """The running sum and accumulator rescaled by alpha, plus the tile's probabilities p and p @ v."""
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return l_i, acc * alpha[:, None] + pv
 
 
 # Runtime ints are not specialised (== 1, % 16): one compiled variant serves every batch. That
