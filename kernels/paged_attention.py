@@ -13,7 +13,9 @@ How the work is cut:
 - kv_cache is [2, num_blocks, num_kv_heads, block_size, head_dim]: the page of one (block, KV
   head) is a contiguous block_size * head_dim run. The kernel only sees block / slot / head
   strides, so the address math does not depend on that order.
-- Online softmax in float32, in the log2 domain (exp2 with scale * log2(e) folded in).
+- Online softmax in float32, in the log2 domain (exp2 with scale * log2(e) folded in). Key tiles
+  that every row of the program sees in full (below its first query's position) run without the
+  bounds and causal masks; only the tiles on the diagonal, and windowed ones, take them.
 
 Split-KV: for decode batches too small to fill the GPU (B * Hkv small, long contexts), each
 program's key range is cut into NUM_SPLITS parts computed in parallel; they write unnormalised
