@@ -274,10 +274,10 @@ def report_instructions() -> None:
     (wgmma), TMA copies (cp.async.bulk.tensor), cp.async gathers, and older mma.sync."""
     from strata.kernels.paged_attention import _paged_attention_kernel
     print("\ncompiled paged-attention variants (PTX instruction counts):")
+    names = _paged_attention_kernel.arg_names  # compiled constants are keyed by (argument index,)
     for cache in _paged_attention_kernel.device_caches.values():
         for kernel in cache[0].values():
             ptx = kernel.asm.get("ptx", "")
-            names = _paged_attention_kernel.arg_names  # constants are keyed by (argument index,)
             constants = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in kernel.src.constants.items()}
             shape = {name: constants.get(name) for name in ("BLOCK_M", "TILE_N", "HEAD_DIM", "FULL_TILES_UNMASKED")}
             counts = {op: ptx.count(op) for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.cg",

@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from strata.kernels.paged_attention import (
-    _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _attend_tile, _device_sm_count, _find_sequence,
+    _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _device_sm_count, attend_tiles, _find_sequence,
     check_attention_inputs, choose_launch_config, launch_paged_attention)
 from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 
@@ -139,20 +139,10 @@ def _shared_prefix_kernel(
     block_table_row = block_tables_ptr + tl.load(table_rows_ptr + g).to(tl.int64) * stride_block_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
 
-    if INTERPRETED:
-        tile = tile_begin
-        while tile < tile_end:
-            m_i, l_i, acc = _attend_tile(
-                tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
-                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
-            tile += 1
-    else:
-        for tile in range(tile_begin, tile_end):
-            m_i, l_i, acc = _attend_tile(
-                tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
-                value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                0, dims, BLOCK_SIZE, TILE_N, False, IEEE_DOT)
+    m_i, l_i, acc = attend_tiles(
+        tile_begin, tile_end, 0, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
+        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, 0, dims, BLOCK_SIZE,
+        TILE_N, False, IEEE_DOT, INTERPRETED)
 
     part = (token * NUM_Q_HEADS + head) * NUM_PARTS + split
     tl.store(partial_max_ptr + part, m_i, mask=row_valid)

@@ -187,6 +187,34 @@ def _attend_tile(
 
 
 @triton.jit
+def attend_tiles(
+    tile_begin, tile_end, first_key, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+    value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr, MASKED: tl.constexpr = True,
+):
+    """_attend_tile over tiles [tile_begin, tile_end) of keys from first_key (shared with
+    kernels/cascade_attention.py)."""
+    if INTERPRETED:
+        # The interpreter (triton 3.6 + numpy 2.x) cannot take tensor bounds in range().
+        tile = tile_begin
+        while tile < tile_end:
+            m_i, l_i, acc = _attend_tile(
+                first_key + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED)
+            tile += 1
+    else:
+        # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
+        for tile in range(tile_begin, tile_end):
+            m_i, l_i, acc = _attend_tile(
+                first_key + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
+                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _unmasked_softmax_step(s, v, m_i, l_i, acc, qk_scale_log2, IEEE_DOT: tl.constexpr):
     """online_softmax_step for raw scores with nothing masked: the scale goes into the max and
     into one fused multiply-add per score (s * scale - max), as in FlashAttention-2."""
@@ -339,33 +367,14 @@ def _paged_attention_kernel(
         full_tiles = (context_len + first_token + 1 - kv_start) // TILE_N
         full_tiles = tl.minimum(tl.maximum(full_tiles, tile_begin), tile_end)
 
-    if INTERPRETED:
-        # The interpreter (triton 3.6 + numpy 2.x) cannot take tensor bounds in range().
-        tile = tile_begin
-        while tile < full_tiles:
-            m_i, l_i, acc = _attend_tile(
-                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED=False)
-            tile += 1
-        while tile < tile_end:
-            m_i, l_i, acc = _attend_tile(
-                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
-            tile += 1
-    else:
-        # For loops, so the compiler can software-pipeline the K/V loads (num_stages).
-        for tile in range(tile_begin, full_tiles):
-            m_i, l_i, acc = _attend_tile(
-                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED=False)
-        for tile in range(full_tiles, tile_end):
-            m_i, l_i, acc = _attend_tile(
-                kv_start + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT)
+    m_i, l_i, acc = attend_tiles(
+        tile_begin, full_tiles, kv_start, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
+        BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, INTERPRETED, MASKED=False)
+    m_i, l_i, acc = attend_tiles(
+        full_tiles, tile_end, kv_start, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
+        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
+        BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, INTERPRETED)
 
     if PREFIX_PARTS > 0:
         # Cascade: fold in the shared prefix's partials, which the prefix kernel wrote before this
