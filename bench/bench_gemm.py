@@ -53,10 +53,18 @@ DEVICE = "cuda"
 
 # Kernel variants of the sweep: (block_m, block_n, block_k, num_warps, num_stages, use_tma).
 VARIANTS = [
-    (128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (128, 128, 64, 4, 4, True),
+    (128, 128, 64, 8, 4, False),
+    (128, 128, 64, 8, 4, True),
+    (128, 128, 64, 4, 4, True),
     (128, 128, 128, 8, 3, True),
-    (128, 64, 64, 4, 4, False), (128, 64, 64, 4, 4, True), (128, 64, 64, 4, 6, True), (128, 64, 128, 4, 3, True),
-    (64, 128, 64, 4, 4, True), (64, 128, 64, 4, 6, True), (64, 128, 128, 4, 4, True), (64, 128, 128, 4, 3, True),
+    (128, 64, 64, 4, 4, False),
+    (128, 64, 64, 4, 4, True),
+    (128, 64, 64, 4, 6, True),
+    (128, 64, 128, 4, 3, True),
+    (64, 128, 64, 4, 4, True),
+    (64, 128, 64, 4, 6, True),
+    (64, 128, 128, 4, 4, True),
+    (64, 128, 128, 4, 3, True),
     (64, 256, 64, 4, 3, True),
     (64, 64, 64, 4, 6, True),
     (128, 256, 64, 8, 3, True),
@@ -73,8 +81,9 @@ def sweep_configs(m: int, n: int, k: int, sm_count: int) -> list[GemmLaunchConfi
     for block_m, block_n, block_k, warps, stages, tma in VARIANTS:
         if block_m == 256 and m < 256:
             continue
-        base = GemmLaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
-                                num_stages=stages, use_tma=tma)
+        base = GemmLaunchConfig(
+            block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, use_tma=tma
+        )
         per_sm = 2 if base.shared_bytes() <= TWO_PER_SM_SHARED else 1
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         steps = triton.cdiv(k, block_k)
@@ -92,7 +101,7 @@ def matmul_tflops(size: int = 8192) -> float:
     a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300)
-    return 2 * size ** 3 / (ms * 1e-3) / 1e12
+    return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 def precompile(configs: list[GemmLaunchConfig], x: torch.Tensor, weight: torch.Tensor, jobs: int) -> float:
@@ -120,15 +129,16 @@ def check(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want).abs().max().item()
 
 
-def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args,
-                rates: dict, deadline: float) -> list[dict]:
+def bench_shape(
+    model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args, rates: dict, deadline: float
+) -> list[dict]:
     """Every M for one weight shape: cuBLAS, the heuristic, floor; the sweep's best on request."""
     element = torch.finfo(dtype).bits // 8
     weight_bytes = n * k * element
-    copies = max(1, -(-args.footprint_mb * 2 ** 20 // weight_bytes))
+    copies = max(1, -(-args.footprint_mb * 2**20 // weight_bytes))
     calls = max(copies, args.min_calls)
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
-    weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k ** 0.5).to(dtype) for _ in range(copies)]
+    weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     rows = []
     for m in ms:
@@ -136,7 +146,7 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
         out = torch.empty(m, n, device=DEVICE, dtype=dtype)
         config = choose_batched_linear_config(m, n, k, sm_count, element)
         want = F.linear(x.float(), weights[0].float())
-        tolerance = 8 * (want.abs().max().item() + 1) * 2.0 ** -8
+        tolerance = 8 * (want.abs().max().item() + 1) * 2.0**-8
         if not args.no_check:
             error = check(batched_linear(x, weights[0], config=config), want)
             assert error < tolerance, f"batched_linear disagrees with F.linear at N={n} K={k} M={m}: max error {error}"
@@ -149,11 +159,24 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
         with blas_library("cublaslt"):  # the graph keeps the kernel chosen at capture
             cublaslt_us = timed(lambda i: F.linear(x, weights[i]))
         triton_us = timed(lambda i: batched_linear(x, weights[i], out=out, config=config))
-        floor_us = max(flops / (rates["tflops"] * 1e6),
-                       (weight_bytes + (m * k + m * n) * element) / (rates["copy_gbps"] * 1e3))
-        row = dict(model=model, linear=linear, n=n, k=k, m=m, flops=flops, cublas_us=cublas_us,
-                   cublaslt_us=cublaslt_us, triton_us=triton_us,
-                   floor_us=floor_us, config=config.describe(), best_us=triton_us, best_config=config.describe())
+        floor_us = max(
+            flops / (rates["tflops"] * 1e6), (weight_bytes + (m * k + m * n) * element) / (rates["copy_gbps"] * 1e3)
+        )
+        row = dict(
+            model=model,
+            linear=linear,
+            n=n,
+            k=k,
+            m=m,
+            flops=flops,
+            cublas_us=cublas_us,
+            cublaslt_us=cublaslt_us,
+            triton_us=triton_us,
+            floor_us=floor_us,
+            config=config.describe(),
+            best_us=triton_us,
+            best_config=config.describe(),
+        )
         if args.sweep and time.perf_counter() > deadline:
             print(f"  (sweep time budget spent: {linear} M={m} not swept)", flush=True)
         elif args.sweep:
@@ -166,12 +189,13 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
                     if error >= tolerance:
                         print(f"    {alternative.describe()}: WRONG (max error {error:.3g})", flush=True)
                         continue
-                    timings.append((timed(lambda i, c=alternative: batched_linear(x, weights[i], out=out, config=c)),
-                                    alternative))
+                    timings.append(
+                        (timed(lambda i, c=alternative: batched_linear(x, weights[i], out=out, config=c)), alternative)
+                    )
                 except Exception as error:  # out of shared memory / registers for this combination
                     print(f"    {alternative.describe()}: {type(error).__name__}: {str(error)[:120]}", flush=True)
             timings.sort(key=lambda t: t[0])
-            row["sweep"] = [(us, c.describe()) for us, c in timings[:args.sweep_top]]
+            row["sweep"] = [(us, c.describe()) for us, c in timings[: args.sweep_top]]
             row["all"] = [(round(us, 3), c.describe()) for us, c in timings]  # for --json
             if timings and timings[0][0] < triton_us:
                 row["best_us"], row["best_config"] = timings[0][0], timings[0][1].describe()
@@ -180,8 +204,10 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
                 best = config
             if best.split_k > 1 or best.stream_k:  # is the programmatic dependent launch worth it?
                 flipped = GemmLaunchConfig(**{**best.__dict__, "pdl": not best.pdl})
-                row["pdl_flipped"] = (timed(lambda i: batched_linear(x, weights[i], out=out, config=flipped)),
-                                      flipped.describe())
+                row["pdl_flipped"] = (
+                    timed(lambda i: batched_linear(x, weights[i], out=out, config=flipped)),
+                    flipped.describe(),
+                )
             row["swept"] = len(timings)
         rows.append(row)
         print_row(row)
@@ -206,18 +232,23 @@ def tflops(row: dict, field: str) -> float:
     return row["flops"] / (row[field] * 1e6)
 
 
-HEADER = (f"{'model':<13} {'linear':<8} {'N x K':>13} {'M':>5} {'cuBLAS us':>9} {'TF/s':>4} {'Lt us':>8} {'TF/s':>4} "
-          f"{'heur us':>8} {'TF/s':>4} "
-          f"{'best us':>8} {'TF/s':>4} {'floor us':>8} {'best/cuBLAS':>11}  heuristic config | best config")
+HEADER = (
+    f"{'model':<13} {'linear':<8} {'N x K':>13} {'M':>5} {'cuBLAS us':>9} {'TF/s':>4} {'Lt us':>8} {'TF/s':>4} "
+    f"{'heur us':>8} {'TF/s':>4} "
+    f"{'best us':>8} {'TF/s':>4} {'floor us':>8} {'best/cuBLAS':>11}  heuristic config | best config"
+)
 
 
 def print_row(row: dict) -> None:
-    print(f"{row['model']:<13} {row['linear']:<8} {row['n']:>6}x{row['k']:<6} {row['m']:>5} "
-          f"{row['cublas_us']:9.2f} {tflops(row, 'cublas_us'):4.0f} "
-          f"{row['cublaslt_us']:8.2f} {tflops(row, 'cublaslt_us'):4.0f} "
-          f"{row['triton_us']:8.2f} {tflops(row, 'triton_us'):4.0f} "
-          f"{row['best_us']:8.2f} {tflops(row, 'best_us'):4.0f} {row['floor_us']:8.2f} "
-          f"{row['best_us'] / row['cublas_us']:11.2f}  {row['config']} | {row['best_config']}", flush=True)
+    print(
+        f"{row['model']:<13} {row['linear']:<8} {row['n']:>6}x{row['k']:<6} {row['m']:>5} "
+        f"{row['cublas_us']:9.2f} {tflops(row, 'cublas_us'):4.0f} "
+        f"{row['cublaslt_us']:8.2f} {tflops(row, 'cublaslt_us'):4.0f} "
+        f"{row['triton_us']:8.2f} {tflops(row, 'triton_us'):4.0f} "
+        f"{row['best_us']:8.2f} {tflops(row, 'best_us'):4.0f} {row['floor_us']:8.2f} "
+        f"{row['best_us'] / row['cublas_us']:11.2f}  {row['config']} | {row['best_config']}",
+        flush=True,
+    )
     for us, name in row.get("sweep", []):
         print(f"{'':>44} sweep {us:8.2f} us {row['flops'] / (us * 1e6):4.0f} TF/s  {name}", flush=True)
     if "pdl_flipped" in row:
@@ -228,56 +259,95 @@ def print_row(row: dict) -> None:
 def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
     """Per model and M: layers x (qkv + o_proj + gate_up + down)."""
     print("\nper-model linear time per decode step (layers x (qkv + o_proj + gate_up + down); lm_head not included):")
-    print(f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'heuristic us':>12} {'best sweep us':>13} {'min(both) us':>12} "
-          f"{'floor us':>9} {'heur/cuBLAS':>11} {'best/cuBLAS':>11} {'min/cuBLAS':>10}")
+    print(
+        f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'heuristic us':>12} {'best sweep us':>13} {'min(both) us':>12} "
+        f"{'floor us':>9} {'heur/cuBLAS':>11} {'best/cuBLAS':>11} {'min/cuBLAS':>10}"
+    )
     for key in models:
         model = MODELS[key]
         for m in ms:
             rows = [results.get((key, linear, m)) for linear in STEP_LINEARS]
             if any(row is None for row in rows):
                 continue  # not every linear of the model was timed (--linears)
-            total = {field: model.layers * sum(row[field] for row in rows)
-                     for field in ("cublas_us", "triton_us", "best_us", "floor_us")}
+            total = {
+                field: model.layers * sum(row[field] for row in rows)
+                for field in ("cublas_us", "triton_us", "best_us", "floor_us")
+            }
             mixed = model.layers * sum(min(row["cublas_us"], row["best_us"]) for row in rows)
-            print(f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:12.1f} "
-                  f"{total['best_us']:13.1f} {mixed:12.1f} {total['floor_us']:9.1f} "
-                  f"{total['triton_us'] / total['cublas_us']:11.2f} {total['best_us'] / total['cublas_us']:11.2f} "
-                  f"{mixed / total['cublas_us']:10.2f}")
+            print(
+                f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:12.1f} "
+                f"{total['best_us']:13.1f} {mixed:12.1f} {total['floor_us']:9.1f} "
+                f"{total['triton_us'] / total['cublas_us']:11.2f} {total['best_us'] / total['cublas_us']:11.2f} "
+                f"{mixed / total['cublas_us']:10.2f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: parse_list(s, MODELS), default=["1b", "8b"],
-                   help="comma-separated models whose linear shapes to time: 1b (Llama-3.2-1B, 16 layers), "
-                        "8b (Llama-3.1-8B, 32 layers), smol (SmolLM2-135M, 30 layers); default 1b,8b")
-    p.add_argument("--linears", type=lambda s: parse_list(s, LINEARS), default=list(STEP_LINEARS),
-                   help=f"comma-separated subset of {','.join(LINEARS)}; default {','.join(STEP_LINEARS)} "
-                        "(the per-model totals need those four; lm_head is optional)")
-    p.add_argument("--m", type=lambda s: parse_list(s, None, int), default=[64, 128, 256, 512],
-                   help="comma-separated rows of x (decode batch sizes, >= 1); default 64,128,256,512")
+    p.add_argument(
+        "--models",
+        type=lambda s: parse_list(s, MODELS),
+        default=["1b", "8b"],
+        help="comma-separated models whose linear shapes to time: 1b (Llama-3.2-1B, 16 layers), "
+        "8b (Llama-3.1-8B, 32 layers), smol (SmolLM2-135M, 30 layers); default 1b,8b",
+    )
+    p.add_argument(
+        "--linears",
+        type=lambda s: parse_list(s, LINEARS),
+        default=list(STEP_LINEARS),
+        help=f"comma-separated subset of {','.join(LINEARS)}; default {','.join(STEP_LINEARS)} "
+        "(the per-model totals need those four; lm_head is optional)",
+    )
+    p.add_argument(
+        "--m",
+        type=lambda s: parse_list(s, None, int),
+        default=[64, 128, 256, 512],
+        help="comma-separated rows of x (decode batch sizes, >= 1); default 64,128,256,512",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weight and activation dtype")
-    p.add_argument("--footprint-mb", type=int, default=256,
-                   help="weight copies per shape add up to at least this many MB, to stream W from HBM "
-                        "rather than L2 (50-60 MB on an H100/H200); default 256")
-    p.add_argument("--min-calls", type=int, default=16,
-                   help="calls per captured graph at least (a big weight has one copy, called repeatedly)")
+    p.add_argument(
+        "--footprint-mb",
+        type=int,
+        default=256,
+        help="weight copies per shape add up to at least this many MB, to stream W from HBM "
+        "rather than L2 (50-60 MB on an H100/H200); default 256",
+    )
+    p.add_argument(
+        "--min-calls",
+        type=int,
+        default=16,
+        help="calls per captured graph at least (a big weight has one copy, called repeatedly)",
+    )
     p.add_argument("--replays", type=int, default=10, help="graph replays between the two timing events")
     p.add_argument("--repeats", type=int, default=3, help="timed batches of replays; the median is reported")
-    p.add_argument("--matmul-size", type=int, default=8192,
-                   help="side of the square bf16 matmul whose rate sets the compute floor; default 8192")
-    p.add_argument("--no-check", action="store_true",
-                   help="skip the check of the heuristic's batched_linear against F.linear (float32 reference); "
-                        "sweep configs are always checked")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time a grid of alternative launch configs for each shape and M and list the fastest "
-                        "(~50 configs per shape and M; narrow with --models/--linears/--m)")
+    p.add_argument(
+        "--matmul-size",
+        type=int,
+        default=8192,
+        help="side of the square bf16 matmul whose rate sets the compute floor; default 8192",
+    )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the check of the heuristic's batched_linear against F.linear (float32 reference); "
+        "sweep configs are always checked",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time a grid of alternative launch configs for each shape and M and list the fastest "
+        "(~50 configs per shape and M; narrow with --models/--linears/--m)",
+    )
     p.add_argument("--sweep-top", type=int, default=4, help="how many of the sweep's fastest configs to list")
-    p.add_argument("--sweep-budget-s", type=float, default=0,
-                   help="stop sweeping (keep timing cuBLAS and the heuristic) once this many seconds have passed "
-                        "since the start; 0 = no limit")
+    p.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=0,
+        help="stop sweeping (keep timing cuBLAS and the heuristic) once this many seconds have passed "
+        "since the start; 0 = no limit",
+    )
     p.add_argument("--jobs", type=int, default=16, help="threads compiling the sweep's kernels up front")
-    p.add_argument("--json", metavar="PATH",
-                   help="also write every row (with every swept config's time) to this file")
+    p.add_argument("--json", metavar="PATH", help="also write every row (with every swept config's time) to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm: no CUDA device here, nothing to time (needs an NVIDIA GPU); skipped.")
@@ -289,11 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.sweep_budget_s if args.sweep_budget_s > 0 else float("inf")
     dtype = DTYPES[args.dtype]
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, {args.dtype}")
+    print(
+        f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+        f"triton {triton.__version__}, {args.dtype}"
+    )
     rates = dict(copy_gbps=copy_bandwidth_gbps(), tflops=matmul_tflops(args.matmul_size))
-    print(f"device copy bandwidth (torch copy of 2 GiB, read+write): {rates['copy_gbps']:.0f} GB/s; "
-          f"bf16 matmul {args.matmul_size}^3: {rates['tflops']:.0f} TFLOP/s")
+    print(
+        f"device copy bandwidth (torch copy of 2 GiB, read+write): {rates['copy_gbps']:.0f} GB/s; "
+        f"bf16 matmul {args.matmul_size}^3: {rates['tflops']:.0f} TFLOP/s"
+    )
     shapes = [(key, linear, *MODELS[key].shapes[linear]) for key in args.models for linear in args.linears]
     if args.sweep:
         sm_count = props.multi_processor_count
@@ -301,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         configs = {choose_batched_linear_config(m, n, k, sm_count, element) for _, _, n, k in shapes for m in args.m}
         configs |= {c for _, _, n, k in shapes for m in args.m for c in sweep_configs(m, n, k, sm_count)}
         _, _, n, k = shapes[0]
-        seconds = precompile(sorted(configs, key=lambda c: c.describe()),
-                             torch.randn(64, k, device=DEVICE, dtype=dtype),
-                             torch.randn(n, k, device=DEVICE, dtype=dtype), args.jobs)
+        seconds = precompile(
+            sorted(configs, key=lambda c: c.describe()),
+            torch.randn(64, k, device=DEVICE, dtype=dtype),
+            torch.randn(n, k, device=DEVICE, dtype=dtype),
+            args.jobs,
+        )
         print(f"compiled {len(configs)} configs in {seconds:.0f} s ({args.jobs} threads)")
     print("times per call, CUDA-graph replays; TF/s = dense TFLOP/s; best = fastest of heuristic and sweep\n")
     print(HEADER)

@@ -41,12 +41,21 @@ class Model:
 
 
 MODELS = {
-    "1b": Model("Llama-3.2-1B", 16, dict(qkv=(3072, 2048), o_proj=(2048, 2048), gate_up=(16384, 2048),
-                                          down=(2048, 8192), lm_head=(128256, 2048))),
-    "8b": Model("Llama-3.1-8B", 32, dict(qkv=(6144, 4096), o_proj=(4096, 4096), gate_up=(28672, 4096),
-                                          down=(4096, 14336), lm_head=(128256, 4096))),
-    "smol": Model("SmolLM2-135M", 30, dict(qkv=(960, 576), o_proj=(576, 576), gate_up=(3072, 576),
-                                            down=(576, 1536), lm_head=(49152, 576))),
+    "1b": Model(
+        "Llama-3.2-1B",
+        16,
+        dict(qkv=(3072, 2048), o_proj=(2048, 2048), gate_up=(16384, 2048), down=(2048, 8192), lm_head=(128256, 2048)),
+    ),
+    "8b": Model(
+        "Llama-3.1-8B",
+        32,
+        dict(qkv=(6144, 4096), o_proj=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096)),
+    ),
+    "smol": Model(
+        "SmolLM2-135M",
+        30,
+        dict(qkv=(960, 576), o_proj=(576, 576), gate_up=(3072, 576), down=(576, 1536), lm_head=(49152, 576)),
+    ),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
@@ -82,8 +91,7 @@ def graph_time_us(call, copies: int, *, calls: int, replays: int, repeats: int) 
 
 def describe(config: LinearLaunchConfig) -> str:
     path = "dot" if config.use_dot else "fma"
-    return (f"{path} {config.block_n}x{config.block_k} split{config.split_k} "
-            f"w{config.num_warps} s{config.num_stages}")
+    return f"{path} {config.block_n}x{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[LinearLaunchConfig]:
@@ -91,24 +99,30 @@ def sweep_configs(m: int, n: int, k: int) -> list[LinearLaunchConfig]:
     FMA path; those over the shared-memory budget or with < 2 steps per split are left out."""
     steps = lambda block_k: triton.cdiv(k, block_k)  # noqa: E731
     grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (3, 4, 6))
-    configs = [LinearLaunchConfig(block_n, block_k, split, True, 4, stages) for block_n, block_k, split, stages in grid
-               if stages * (block_n + 16) * block_k * 2 <= 200 * 1024 and steps(block_k) >= 2 * split]
+    configs = [
+        LinearLaunchConfig(block_n, block_k, split, True, 4, stages)
+        for block_n, block_k, split, stages in grid
+        if stages * (block_n + 16) * block_k * 2 <= 200 * 1024 and steps(block_k) >= 2 * split
+    ]
     if m == 1:
-        configs += [LinearLaunchConfig(block_n, block_k, split, False, warps, 1)
-                    for block_n, block_k, split, warps in itertools.product((8, 16, 32), (256, 512), (1, 2), (4, 8))
-                    if block_n * block_k <= 64 * 32 * warps and steps(block_k) >= 2 * split]
+        configs += [
+            LinearLaunchConfig(block_n, block_k, split, False, warps, 1)
+            for block_n, block_k, split, warps in itertools.product((8, 16, 32), (256, 512), (1, 2), (4, 8))
+            if block_n * block_k <= 64 * 32 * warps and steps(block_k) >= 2 * split
+        ]
     return configs
 
 
-def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args,
-                copy_gbps: float) -> list[dict]:
+def bench_shape(
+    model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args, copy_gbps: float
+) -> list[dict]:
     """Every M for one weight shape: cuBLAS, small_m_linear, floor; the sweep's best on request."""
     element = torch.finfo(dtype).bits // 8
     weight_bytes = n * k * element
-    copies = max(1, -(-args.footprint_mb * 2 ** 20 // weight_bytes))
+    copies = max(1, -(-args.footprint_mb * 2**20 // weight_bytes))
     calls = max(copies, args.min_calls)
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
-    weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k ** 0.5).to(dtype) for _ in range(copies)]
+    weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     rows = []
     for m in ms:
@@ -139,12 +153,13 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
             timings = []
             for alternative in sweep_configs(m, n, k):
                 try:
-                    timings.append((timed(lambda i, c=alternative: small_m_linear(x, weights[i], out=out, config=c)),
-                                    alternative))
+                    timings.append(
+                        (timed(lambda i, c=alternative: small_m_linear(x, weights[i], out=out, config=c)), alternative)
+                    )
                 except Exception as error:  # out of shared memory / registers for this combination
                     print(f"    {describe(alternative)}: {type(error).__name__}", flush=True)
             timings.sort(key=lambda t: t[0])
-            row["sweep"] = [(us, describe(c)) for us, c in timings[:args.sweep_top]]
+            row["sweep"] = [(us, describe(c)) for us, c in timings[: args.sweep_top]]
         rows.append(row)
         print_row(model, linear, row)
     weights.clear()  # free the copies before the next shape
@@ -152,18 +167,26 @@ def bench_shape(model: str, linear: str, n: int, k: int, ms: list[int], dtype: t
     return rows
 
 
-HEADER = (f"{'model':<13} {'linear':<8} {'N x K':>14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>9} "
-          f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}  config (heuristic)")
+HEADER = (
+    f"{'model':<13} {'linear':<8} {'N x K':>14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>9} "
+    f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}  config (heuristic)"
+)
 
 
 def print_row(model: str, linear: str, row: dict) -> None:
     f = row["floor_us"]
-    print(f"{model:<13} {linear:<8} {row['n']:>6} x {row['k']:<5} {row['m']:>3} {row['cublas_us']:10.2f} "
-          f"{row['triton_us']:10.2f} {f:9.2f} {row['cublas_us'] / f:13.2f} {row['triton_us'] / f:13.2f} "
-          f"{row['triton_us'] / row['cublas_us']:14.2f}  {row['config']}", flush=True)
+    print(
+        f"{model:<13} {linear:<8} {row['n']:>6} x {row['k']:<5} {row['m']:>3} {row['cublas_us']:10.2f} "
+        f"{row['triton_us']:10.2f} {f:9.2f} {row['cublas_us'] / f:13.2f} {row['triton_us'] / f:13.2f} "
+        f"{row['triton_us'] / row['cublas_us']:14.2f}  {row['config']}",
+        flush=True,
+    )
     if "chain_us" in row:
-        print(f"{'':>40} decode chain GEMV {row['chain_us']:7.2f} us = {row['chain_us'] / f:4.2f}x floor "
-              f"(without PDL {row['chain_no_pdl_us']:7.2f} us = {row['chain_no_pdl_us'] / f:4.2f}x)", flush=True)
+        print(
+            f"{'':>40} decode chain GEMV {row['chain_us']:7.2f} us = {row['chain_us'] / f:4.2f}x floor "
+            f"(without PDL {row['chain_no_pdl_us']:7.2f} us = {row['chain_no_pdl_us'] / f:4.2f}x)",
+            flush=True,
+        )
     for us, name in row.get("sweep", []):
         print(f"{'':>40} sweep {us:9.2f} us = {us / f:4.2f}x floor  {name}", flush=True)
 
@@ -171,23 +194,32 @@ def print_row(model: str, linear: str, row: dict) -> None:
 def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
     """Per model and M: layers x (qkv + o_proj + gate_up + down) + lm_head, both paths and floor."""
     print("\nper-model linear time per decode step (layers x (qkv + o_proj + gate_up + down) + lm_head):")
-    print(f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>10} "
-          f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}")
+    print(
+        f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>10} "
+        f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}"
+    )
     for key in models:
         model = MODELS[key]
         for m in ms:
             rows = [results.get((key, linear, m)) for linear in LINEARS]
             if any(row is None for row in rows):
                 continue  # not every linear of the model was timed (--linears)
-            total = {field: sum(row[field] * (1 if linear == "lm_head" else model.layers)
-                                for linear, row in zip(LINEARS, rows))
-                     for field in ("cublas_us", "triton_us", "floor_us")}
-            print(f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:10.1f} "
-                  f"{total['floor_us']:10.1f} {total['cublas_us'] / total['floor_us']:13.2f} "
-                  f"{total['triton_us'] / total['floor_us']:13.2f} {total['triton_us'] / total['cublas_us']:14.2f}")
+            total = {
+                field: sum(
+                    row[field] * (1 if linear == "lm_head" else model.layers) for linear, row in zip(LINEARS, rows)
+                )
+                for field in ("cublas_us", "triton_us", "floor_us")
+            }
+            print(
+                f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:10.1f} "
+                f"{total['floor_us']:10.1f} {total['cublas_us'] / total['floor_us']:13.2f} "
+                f"{total['triton_us'] / total['floor_us']:13.2f} {total['triton_us'] / total['cublas_us']:14.2f}"
+            )
             if all("chain_us" in row for row in rows):
                 for field, label in (("chain_us", "decode chain GEMV"), ("chain_no_pdl_us", "  without PDL")):
-                    t = sum(row[field] * (1 if linear == "lm_head" else model.layers) for linear, row in zip(LINEARS, rows))
+                    t = sum(
+                        row[field] * (1 if linear == "lm_head" else model.layers) for linear, row in zip(LINEARS, rows)
+                    )
                     print(f"  {'':<14} {'':>3} {label}: {t:.1f} us = {t / total['floor_us']:.2f}x floor")
 
 
@@ -202,25 +234,48 @@ def parse_list(text: str, allowed=None, kind=str) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: parse_list(s, MODELS), default=list(MODELS),
-                   help="comma-separated models whose linear shapes to time: 1b (Llama-3.2-1B, 16 layers), "
-                        "8b (Llama-3.1-8B, 32 layers), smol (SmolLM2-135M, 30 layers); default all")
-    p.add_argument("--linears", type=lambda s: parse_list(s, LINEARS), default=list(LINEARS),
-                   help=f"comma-separated subset of {','.join(LINEARS)} (per-model totals need all five)")
-    p.add_argument("--m", type=lambda s: parse_list(s, range(1, 17), int), default=[1, 2, 4, 8, 16],
-                   help="comma-separated rows of x (decode batch sizes, 1..16); default 1,2,4,8,16")
+    p.add_argument(
+        "--models",
+        type=lambda s: parse_list(s, MODELS),
+        default=list(MODELS),
+        help="comma-separated models whose linear shapes to time: 1b (Llama-3.2-1B, 16 layers), "
+        "8b (Llama-3.1-8B, 32 layers), smol (SmolLM2-135M, 30 layers); default all",
+    )
+    p.add_argument(
+        "--linears",
+        type=lambda s: parse_list(s, LINEARS),
+        default=list(LINEARS),
+        help=f"comma-separated subset of {','.join(LINEARS)} (per-model totals need all five)",
+    )
+    p.add_argument(
+        "--m",
+        type=lambda s: parse_list(s, range(1, 17), int),
+        default=[1, 2, 4, 8, 16],
+        help="comma-separated rows of x (decode batch sizes, 1..16); default 1,2,4,8,16",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weight and activation dtype")
-    p.add_argument("--footprint-mb", type=int, default=512,
-                   help="weight copies per shape add up to at least this many MB, to stream W from HBM "
-                        "rather than L2 (50 MB on an H100/H200); default 512")
-    p.add_argument("--min-calls", type=int, default=16,
-                   help="calls per captured graph at least (a big weight has one copy, called repeatedly)")
+    p.add_argument(
+        "--footprint-mb",
+        type=int,
+        default=512,
+        help="weight copies per shape add up to at least this many MB, to stream W from HBM "
+        "rather than L2 (50 MB on an H100/H200); default 512",
+    )
+    p.add_argument(
+        "--min-calls",
+        type=int,
+        default=16,
+        help="calls per captured graph at least (a big weight has one copy, called repeatedly)",
+    )
     p.add_argument("--replays", type=int, default=20, help="graph replays between the two timing events")
     p.add_argument("--repeats", type=int, default=5, help="timed batches of replays; the median is reported")
     p.add_argument("--no-check", action="store_true", help="skip the check of small_m_linear against F.linear")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time alternative launch configs (tiles, splits, stages, the FMA path at M=1) for "
-                        "each shape and M, and list the fastest; minutes per shape: narrow --models/--linears/--m")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time alternative launch configs (tiles, splits, stages, the FMA path at M=1) for "
+        "each shape and M, and list the fastest; minutes per shape: narrow --models/--linears/--m",
+    )
     p.add_argument("--sweep-top", type=int, default=5, help="how many of the sweep's fastest configs to list")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -231,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = DTYPES[args.dtype]
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, {args.dtype}")
+    print(
+        f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+        f"triton {triton.__version__}, {args.dtype}"
+    )
     copy_gbps = copy_bandwidth_gbps()
     print(f"device copy bandwidth (torch copy of 2 GiB, read+write): {copy_gbps:.0f} GB/s")
     print("times per call, CUDA-graph replays; x/floor = time over the floor\n")

@@ -48,7 +48,12 @@ def time_draw(logits: list[torch.Tensor], greedy: bool, launch) -> tuple[float, 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=lambda s: parse_list(s, kind=int), default=[1, 16, 64, 256], help="comma-separated rows of logits")
+    p.add_argument(
+        "--batches",
+        type=lambda s: parse_list(s, kind=int),
+        default=[1, 16, 64, 256],
+        help="comma-separated rows of logits",
+    )
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary size (Llama 3: 128256)")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch shapes (temperature 1 only)")
     args = p.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 results.append((us, launch))
             default_us = results[0][0]
-            for us, launch in sorted(results, key=lambda r: r[0])[:6 if args.sweep else 1]:
+            for us, launch in sorted(results, key=lambda r: r[0])[: 6 if args.sweep else 1]:
                 label = "default" if launch is None else f"{launch} ({us / default_us:.2f}x default)"
                 print(f"{batch:>5} {mode:<11} {floor_us:9.1f} {us:9.1f} {us / floor_us:8.2f}  {label}")
         del logits

@@ -4,6 +4,7 @@ Load is generated with grpc.aio on one event loop (hundreds of concurrent stream
 every response is timestamped on arrival so TTFT and inter-token latency come from what the
 client actually saw.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,11 +38,13 @@ FIRST_PROMPT_TOKEN = 2
 
 # ---------------------------------------------------------------- device, model, environment
 
+
 def resolve_device(name: str) -> str:
     """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; anything else unchanged."""
     if name != "auto":
         return name
     import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -55,6 +58,7 @@ def resolve_model(args) -> str | None:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         import torch
+
         index = torch.device(device).index or 0
         return torch.cuda.get_device_name(index)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -67,8 +71,10 @@ def git_commit() -> str:
         return os.environ["STRATA_GIT_COMMIT"]
 
     def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
         commit = git("rev-parse", "--short=12", "HEAD")
         return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -78,6 +84,7 @@ def git_commit() -> str:
 
 def environment_info(args) -> dict:
     import torch
+
     device = resolve_device(args.device)
     return {
         "device": device,
@@ -96,12 +103,14 @@ def free_accelerator_memory() -> None:
     """Return cached GPU memory between phases that each load a model into this process."""
     gc.collect()
     import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- the cluster
+
 
 @dataclass
 class Endpoints:
@@ -114,20 +123,39 @@ class Endpoints:
 def with_overrides(args, **overrides):
     """A copy of the argparse namespace with some values replaced."""
     import argparse
+
     return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def serve_argv(args, model: str | None) -> list[str]:
     """`strata serve` arguments for the cluster a benchmark starts."""
     from strata.launcher import free_port
-    argv = ["serve", "--port", str(free_port()), "--http-port", str(free_port()),
-            "--pipeline-stages", str(args.pipeline_stages),
-            "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--max-model-len", str(args.max_model_len),
-            "--max-plans-in-flight", str(args.max_plans_in_flight)]
+
+    argv = [
+        "serve",
+        "--port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+        "--pipeline-stages",
+        str(args.pipeline_stages),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-plans-in-flight",
+        str(args.max_plans_in_flight),
+    ]
     if model:
         argv += ["--model", model]
     if getattr(args, "tokenizer", None):
@@ -143,8 +171,12 @@ def serve_argv(args, model: str | None) -> list[str]:
     if getattr(args, "profile_output", None):
         argv += ["--profile-output", args.profile_output]
     if getattr(args, "speculative_method", None):
-        argv += ["--speculative-method", args.speculative_method,
-                 "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        argv += [
+            "--speculative-method",
+            args.speculative_method,
+            "--num-speculative-tokens",
+            str(args.num_speculative_tokens),
+        ]
         for flag in ("ngram_min", "ngram_max", "speculative_max_batch", "draft_num_layers", "draft_model"):
             if getattr(args, flag, None):
                 argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -158,6 +190,7 @@ def cluster_for(args):
         yield Endpoints(args.address, args.scheduler_address, own_cluster=False)
         return
     from strata.launcher import start_cluster
+
     serve_args = service_args(serve_argv(args, resolve_model(args)))
     # The services' INFO logs would bury the tables; they inherit this from the environment.
     previous = os.environ.get("STRATA_LOG_LEVEL")
@@ -168,11 +201,18 @@ def cluster_for(args):
     finally:
         if previous is None:
             os.environ.pop("STRATA_LOG_LEVEL", None)
-    print(f"cluster up in {time.perf_counter() - started:.1f}s: gateway {cluster.gateway_address}, "
-          f"scheduler {cluster.scheduler_address}", flush=True)
+    print(
+        f"cluster up in {time.perf_counter() - started:.1f}s: gateway {cluster.gateway_address}, "
+        f"scheduler {cluster.scheduler_address}",
+        flush=True,
+    )
     try:
-        yield Endpoints(cluster.gateway_address, cluster.scheduler_address, own_cluster=True,
-                        service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs})
+        yield Endpoints(
+            cluster.gateway_address,
+            cluster.scheduler_address,
+            own_cluster=True,
+            service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
+        )
     finally:
         cluster.stop()
 
@@ -186,10 +226,29 @@ def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str
         yield
         return
     os.makedirs(out_dir, exist_ok=True)
-    spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-d", "3600",
-                               "-f", "raw", "-p", str(pid), "-o", f"{out_dir}/{phase}-{name}.txt"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for name, pid in service_pids.items()]
+    spies = [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--nonblocking",
+                "--threads",
+                "-r",
+                "250",
+                "-d",
+                "3600",
+                "-f",
+                "raw",
+                "-p",
+                str(pid),
+                "-o",
+                f"{out_dir}/{phase}-{name}.txt",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in service_pids.items()
+    ]
     try:
         yield
     finally:
@@ -201,24 +260,32 @@ def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str
 
 # ---------------------------------------------------------------- workload
 
+
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """`num` prompts of `length` uniformly random token ids, clear of the special ids."""
     rng = np.random.default_rng(seed)
     return rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=(num, length)).tolist()
 
 
-def sampling_params(max_tokens: int, temperature: float, output_kind: int, n: int = 1,
-                    seed: int | None = None):
+def sampling_params(max_tokens: int, temperature: float, output_kind: int, n: int = 1, seed: int | None = None):
     """Fixed-length generation: ignore_eos, min_tokens = max_tokens, no top-k/top-p."""
     from strata.v1 import generate_pb2
-    params = generate_pb2.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
-                                         min_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
+
+    params = generate_pb2.SamplingParams(
+        n=n,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        min_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=output_kind,
+    )
     if seed is not None:
         params.seed = seed
     return params
 
 
 # ---------------------------------------------------------------- requests over grpc.aio
+
 
 @dataclass
 class RequestRecord:
@@ -252,18 +319,23 @@ class RequestRecord:
 def scheduler_channel(address: str):
     """A channel to a scheduler: internal, so its calls carry the cluster token."""
     from strata.grpc_util import aio_channel, cluster_token
+
     return aio_channel(address, cluster_token())
 
 
 def open_channel(address: str):
     import grpc
+
     from strata.grpc_util import CHANNEL_OPTIONS
+
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 async def send_request(stub, prompt: list[int], params, timeout: float) -> RequestRecord:
     import grpc
+
     from strata.v1 import generate_pb2
+
     rec = RequestRecord(prompt_len=len(prompt))
     request = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params)
     rec.start = time.perf_counter()
@@ -287,22 +359,33 @@ async def send_request(stub, prompt: list[int], params, timeout: float) -> Reque
 
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
 
 
-async def run_all_at_once(address: str, prompts, params, timeout: float, max_concurrency: int = 0,
-                          desc: str = "requests", progress: bool = True) -> list[RequestRecord]:
+async def run_all_at_once(
+    address: str,
+    prompts,
+    params,
+    timeout: float,
+    max_concurrency: int = 0,
+    desc: str = "requests",
+    progress: bool = True,
+) -> list[RequestRecord]:
     """Submit every prompt at once (at most `max_concurrency` in flight when > 0)."""
     from strata.v1 import generate_pb2_grpc
+
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
     async with open_channel(address) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
         with _progress(len(prompts), desc, progress) as bar:
+
             async def one(prompt, p):
                 async with limit:
                     rec = await send_request(stub, prompt, p, timeout)
                 bar.update(1)
                 return rec
+
             per_prompt = params if isinstance(params, list) else [params] * len(prompts)
             tasks = []
             for prompt, p in zip(prompts, per_prompt):
@@ -314,18 +397,22 @@ async def run_all_at_once(address: str, prompts, params, timeout: float, max_con
             return list(await asyncio.gather(*tasks))
 
 
-async def run_poisson(address: str, prompts, params, rate: float, timeout: float, seed: int,
-                      desc: str = "poisson", progress: bool = True) -> list[RequestRecord]:
+async def run_poisson(
+    address: str, prompts, params, rate: float, timeout: float, seed: int, desc: str = "poisson", progress: bool = True
+) -> list[RequestRecord]:
     """Requests arrive as a Poisson process of `rate` per second (inf: all at once)."""
     from strata.v1 import generate_pb2_grpc
+
     rng = np.random.default_rng(seed)
     async with open_channel(address) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
         with _progress(len(prompts), desc, progress) as bar:
+
             async def one(prompt):
                 rec = await send_request(stub, prompt, params, timeout)
                 bar.update(1)
                 return rec
+
             tasks = []
             for prompt in prompts:
                 tasks.append(asyncio.create_task(one(prompt)))
@@ -334,28 +421,32 @@ async def run_poisson(address: str, prompts, params, rate: float, timeout: float
             return list(await asyncio.gather(*tasks))
 
 
-async def run_closed_loop(address: str, prompts, params, concurrency: int, timeout: float,
-                          desc: str = "closed loop", progress: bool = True) -> list[RequestRecord]:
+async def run_closed_loop(
+    address: str, prompts, params, concurrency: int, timeout: float, desc: str = "closed loop", progress: bool = True
+) -> list[RequestRecord]:
     """`concurrency` streams, each sending its next request as soon as the last one finished."""
     from strata.v1 import generate_pb2_grpc
+
     queue = list(reversed(prompts))
     records: list[RequestRecord] = []
     async with open_channel(address) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
         with _progress(len(prompts), desc, progress) as bar:
+
             async def stream():
                 while queue:
                     records.append(await send_request(stub, queue.pop(), params, timeout))
                     bar.update(1)
+
             await asyncio.gather(*(stream() for _ in range(concurrency)))
     return records
 
 
 async def model_info(address: str):
     from strata.v1 import generate_pb2, generate_pb2_grpc
+
     async with open_channel(address) as channel:
-        return await generate_pb2_grpc.GatewayStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest(),
-                                                                          timeout=60)
+        return await generate_pb2_grpc.GatewayStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=60)
 
 
 def failures(records: list[RequestRecord]) -> list[str]:
@@ -364,15 +455,26 @@ def failures(records: list[RequestRecord]) -> list[str]:
 
 # ---------------------------------------------------------------- scheduler statistics
 
-COUNTERS = ("prefill_tokens_computed", "decode_tokens_computed", "steps", "prefix_cache_queries",
-            "prefix_cache_hits", "preemptions", "finished_requests", "worker_gpu_busy_seconds",
-            "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds")
+COUNTERS = (
+    "prefill_tokens_computed",
+    "decode_tokens_computed",
+    "steps",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "preemptions",
+    "finished_requests",
+    "worker_gpu_busy_seconds",
+    "worker_gpu_idle_seconds",
+    "worker_timed_steps",
+    "worker_launch_seconds",
+)
 
 
 async def scheduler_stats(address: str | None):
     if not address:
         return None
     from strata.v1 import engine_pb2, engine_pb2_grpc
+
     async with scheduler_channel(address) as channel:
         return await engine_pb2_grpc.SchedulerStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=30)
 
@@ -382,8 +484,12 @@ def stats_delta(before, after) -> dict:
     if before is None or after is None:
         return {}
     delta = {name: getattr(after, name) - getattr(before, name) for name in COUNTERS}
-    delta.update(num_kv_blocks=after.num_kv_blocks, peak_used_kv_blocks=after.peak_used_kv_blocks,
-                 used_kv_blocks_after=after.used_kv_blocks, gpu_idle_fraction_since_start=after.gpu_idle_fraction)
+    delta.update(
+        num_kv_blocks=after.num_kv_blocks,
+        peak_used_kv_blocks=after.peak_used_kv_blocks,
+        used_kv_blocks_after=after.used_kv_blocks,
+        gpu_idle_fraction_since_start=after.gpu_idle_fraction,
+    )
     return delta
 
 
@@ -401,10 +507,17 @@ def gpu_timeline_rows(delta: dict, wall_s: float) -> list[tuple[str, str]]:
         return rows + [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]
     busy, idle = delta["worker_gpu_busy_seconds"], delta["worker_gpu_idle_seconds"]
     return rows + [
-        ("GPU busy in steps", f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
-                              f"{busy / wall_s:.0%} of the wall time"),
-        ("GPU idle between steps", f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
-                                   f"timeline, {idle / steps * 1e3:.3f} ms per step)")]
+        (
+            "GPU busy in steps",
+            f"{busy:.2f} s over {steps:,} steps ({busy / steps * 1e3:.2f} ms per step), "
+            f"{busy / wall_s:.0%} of the wall time",
+        ),
+        (
+            "GPU idle between steps",
+            f"{idle:.2f} s ({idle / max(busy + idle, 1e-9):.1%} of the GPU's "
+            f"timeline, {idle / steps * 1e3:.3f} ms per step)",
+        ),
+    ]
 
 
 class StatsPoller:
@@ -429,6 +542,7 @@ class StatsPoller:
 
     async def _poll(self) -> None:
         from strata.v1 import engine_pb2, engine_pb2_grpc
+
         async with scheduler_channel(self.address) as channel:
             stub = engine_pb2_grpc.SchedulerStub(channel)
             while True:
@@ -464,24 +578,36 @@ def decode_only_timing(samples) -> dict:
     if steps == 0:
         return {}
     running = weighted_running / dt
-    timing = {"window_seconds": dt, "steps": int(steps), "seconds_per_step": dt / steps,
-              "decode_tokens_per_step": tokens / steps, "mean_running": running,
-              "seconds_per_batch_step": running * dt / tokens}
+    timing = {
+        "window_seconds": dt,
+        "steps": int(steps),
+        "seconds_per_step": dt / steps,
+        "decode_tokens_per_step": tokens / steps,
+        "mean_running": running,
+        "seconds_per_batch_step": running * dt / tokens,
+    }
     if gpu_steps:
-        timing.update(gpu_seconds_per_step=gpu_busy / gpu_steps,
-                      gpu_idle_fraction=gpu_idle / max(gpu_busy + gpu_idle, 1e-9))
+        timing.update(
+            gpu_seconds_per_step=gpu_busy / gpu_steps, gpu_idle_fraction=gpu_idle / max(gpu_busy + gpu_idle, 1e-9)
+        )
     return timing
 
 
 # ---------------------------------------------------------------- numbers and output
+
 
 def summarize(values, scale: float = 1000.0) -> dict:
     """mean/p50/p90/p99/max of `values` times `scale` (seconds -> ms by default)."""
     if len(values) == 0:
         return {}
     v = np.asarray(values, dtype=np.float64) * scale
-    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99)), "max": float(v.max())}
+    return {
+        "mean": float(v.mean()),
+        "p50": float(np.percentile(v, 50)),
+        "p90": float(np.percentile(v, 90)),
+        "p99": float(np.percentile(v, 99)),
+        "max": float(v.max()),
+    }
 
 
 def ratio(numerator, denominator):
@@ -498,9 +624,12 @@ def fmt(value, spec: str = ",.1f") -> str:
 
 def print_header(name: str, env: dict) -> None:
     line = "=" * 78
-    print(f"\n{line}\nstrata bench {name}\n  device  {env['device_name']} ({env['device']})\n"
-          f"  model   {env['model']}, {env['pipeline_stages']} pipeline stage(s)\n"
-          f"  date    {env['date']}\n  commit  {env['commit']}\n{line}", flush=True)
+    print(
+        f"\n{line}\nstrata bench {name}\n  device  {env['device_name']} ({env['device']})\n"
+        f"  model   {env['model']}, {env['pipeline_stages']} pipeline stage(s)\n"
+        f"  date    {env['date']}\n  commit  {env['commit']}\n{line}",
+        flush=True,
+    )
 
 
 def print_section(title: str, rows: list[tuple[str, str]], note: str = "") -> None:

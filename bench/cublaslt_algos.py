@@ -25,9 +25,16 @@ from strata.bench.bench_linear import MODELS, graph_time_us, parse_list
 
 WORKSPACE_BYTES = 64 << 20
 CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F = 14, 0, 68  # library_types.h / cublas_api.h
-ENUMS = ("CUBLASLT_MATMUL_DESC_TRANSA", "CUBLASLT_MATMUL_DESC_TRANSB", "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
-         "CUBLASLT_ALGO_CONFIG_TILE_ID", "CUBLASLT_ALGO_CONFIG_SPLITK_NUM", "CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME",
-         "CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE", "CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE")
+ENUMS = (
+    "CUBLASLT_MATMUL_DESC_TRANSA",
+    "CUBLASLT_MATMUL_DESC_TRANSB",
+    "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
+    "CUBLASLT_ALGO_CONFIG_TILE_ID",
+    "CUBLASLT_ALGO_CONFIG_SPLITK_NUM",
+    "CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME",
+    "CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE",
+    "CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE",
+)
 
 
 class Algo(ctypes.Structure):
@@ -35,8 +42,13 @@ class Algo(ctypes.Structure):
 
 
 class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 def _first(patterns: list[str]) -> str:
@@ -72,12 +84,18 @@ class CublasLt:
     def problem(self, m: int, n: int, k: int) -> tuple:
         desc = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
-        self._check(self._set(self.lib.cublasLtMatmulDescSetAttribute, desc, "CUBLASLT_MATMUL_DESC_TRANSA", 1), "transa")
+        self._check(
+            self._set(self.lib.cublasLtMatmulDescSetAttribute, desc, "CUBLASLT_MATMUL_DESC_TRANSA", 1), "transa"
+        )
         layouts = []
         for rows, cols, ld in ((k, n, k), (k, m, k), (n, m, n)):  # W, x, y
             layout = ctypes.c_void_p()
-            self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_R_16BF, ctypes.c_uint64(rows),
-                                                             ctypes.c_uint64(cols), ctypes.c_int64(ld)), "layout")
+            self._check(
+                self.lib.cublasLtMatrixLayoutCreate(
+                    ctypes.byref(layout), CUDA_R_16BF, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)
+                ),
+                "layout",
+            )
             layouts.append(layout)
         return (desc, *layouts)
 
@@ -85,11 +103,23 @@ class CublasLt:
         desc, a, b, c = problem
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        self._check(self._set(self.lib.cublasLtMatmulPreferenceSetAttribute, pref,
-                              "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES", WORKSPACE_BYTES, ctypes.c_uint64), "workspace")
+        self._check(
+            self._set(
+                self.lib.cublasLtMatmulPreferenceSetAttribute,
+                pref,
+                "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
+                WORKSPACE_BYTES,
+                ctypes.c_uint64,
+            ),
+            "workspace",
+        )
         results, returned = (Heuristic * count)(), ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, count, results,
-                                                            ctypes.byref(returned)), "heuristic")
+        self._check(
+            self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, a, b, c, c, pref, count, results, ctypes.byref(returned)
+            ),
+            "heuristic",
+        )
         return [(results[i].algo, results[i].workspace_size) for i in range(returned.value) if results[i].state == 0]
 
     def with_split_k(self, problem: tuple, algo: Algo, parts: int, scheme: str) -> tuple[Algo, int] | None:
@@ -97,8 +127,10 @@ class CublasLt:
         new = Algo()
         ctypes.memmove(ctypes.byref(new), ctypes.byref(algo), ctypes.sizeof(Algo))
         setter = self.lib.cublasLtMatmulAlgoConfigSetAttribute
-        for name, value in (("CUBLASLT_ALGO_CONFIG_SPLITK_NUM", parts),
-                            ("CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME", self.enum[scheme])):
+        for name, value in (
+            ("CUBLASLT_ALGO_CONFIG_SPLITK_NUM", parts),
+            ("CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME", self.enum[scheme]),
+        ):
             if self._set(setter, ctypes.byref(new), name, value, ctypes.c_uint32) != 0:
                 return None
         desc, a, b, c = problem
@@ -110,19 +142,39 @@ class CublasLt:
     def describe(self, algo: Algo) -> str:
         def get(name):
             v, written = ctypes.c_int32(0), ctypes.c_size_t(0)
-            self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), self.enum[name], ctypes.byref(v),
-                                                          ctypes.sizeof(v), ctypes.byref(written))
+            self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(algo), self.enum[name], ctypes.byref(v), ctypes.sizeof(v), ctypes.byref(written)
+            )
             return v.value
-        return (f"tile {get('CUBLASLT_ALGO_CONFIG_TILE_ID')} split-K {get('CUBLASLT_ALGO_CONFIG_SPLITK_NUM')} "
-                f"reduction {get('CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME')}")
+
+        return (
+            f"tile {get('CUBLASLT_ALGO_CONFIG_TILE_ID')} split-K {get('CUBLASLT_ALGO_CONFIG_SPLITK_NUM')} "
+            f"reduction {get('CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME')}"
+        )
 
     def matmul(self, problem: tuple, algo: Algo, workspace_size: int, x, w, y) -> None:
         desc, a, b, c = problem
-        self._check(self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), a,
-            ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), ctypes.c_void_p(y.data_ptr()), c,
-            ctypes.c_void_p(y.data_ptr()), c, ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
-            ctypes.c_size_t(workspace_size), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "matmul")
+        self._check(
+            self.lib.cublasLtMatmul(
+                self.handle,
+                desc,
+                ctypes.byref(self.alpha),
+                ctypes.c_void_p(w.data_ptr()),
+                a,
+                ctypes.c_void_p(x.data_ptr()),
+                b,
+                ctypes.byref(self.beta),
+                ctypes.c_void_p(y.data_ptr()),
+                c,
+                ctypes.c_void_p(y.data_ptr()),
+                c,
+                ctypes.byref(algo),
+                ctypes.c_void_p(self.workspace.data_ptr()),
+                ctypes.c_size_t(workspace_size),
+                ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+            ),
+            "matmul",
+        )
 
 
 def search(lt: CublasLt, m: int, n: int, k: int) -> tuple[float, list[tuple[float, str]]]:
@@ -147,15 +199,21 @@ def search(lt: CublasLt, m: int, n: int, k: int) -> tuple[float, list[tuple[floa
         lt.matmul(problem, algo, workspace, x, weights[0], y)
         if (y.float() - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             continue  # wrong answer: never a candidate
-        us = graph_time_us(lambda i, a=algo, ws=workspace: lt.matmul(problem, a, ws, x, weights[i], y), copies, **timing)
+        us = graph_time_us(
+            lambda i, a=algo, ws=workspace: lt.matmul(problem, a, ws, x, weights[i], y), copies, **timing
+        )
         timed.append((us, lt.describe(algo)))
     return torch_us, sorted(timed)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: parse_list(s, MODELS), default=["1b", "8b"],
-                   help="comma-separated models whose linear shapes to search: " + ", ".join(MODELS))
+    p.add_argument(
+        "--models",
+        type=lambda s: parse_list(s, MODELS),
+        default=["1b", "8b"],
+        help="comma-separated models whose linear shapes to search: " + ", ".join(MODELS),
+    )
     p.add_argument("--m", type=lambda s: parse_list(s, kind=int), default=[256], help="comma-separated rows (batch)")
     args = p.parse_args(argv)
     lt = CublasLt()
@@ -167,15 +225,19 @@ def main(argv: list[str] | None = None) -> None:
             for linear, (n, k) in model.shapes.items():
                 torch_us, timed = search(lt, m, n, k)
                 flops = 2 * m * n * k
-                print(f"{model.name} {linear} M={m} N={n} K={k}: torch {torch_us:.2f} us "
-                      f"({flops / torch_us / 1e6:.0f} TFLOP/s), {len(timed)} cuBLASLt candidates")
+                print(
+                    f"{model.name} {linear} M={m} N={n} K={k}: torch {torch_us:.2f} us "
+                    f"({flops / torch_us / 1e6:.0f} TFLOP/s), {len(timed)} cuBLASLt candidates"
+                )
                 for us, label in timed[:5]:
                     print(f"    {us:8.2f} us {flops / us / 1e6:6.0f} TFLOP/s {us / torch_us:5.2f}x  {label}")
                 layers = 1 if linear == "lm_head" else model.layers
                 total_torch += torch_us * layers
                 total_best += min([torch_us] + [us for us, _ in timed[:1]]) * layers
-            print(f"== {model.name} M={m}: per step torch {total_torch:.1f} us, best of each shape {total_best:.1f} us "
-                  f"({total_best / total_torch:.3f}x)")
+            print(
+                f"== {model.name} M={m}: per step torch {total_torch:.1f} us, best of each shape {total_best:.1f} us "
+                f"({total_best / total_torch:.3f}x)"
+            )
 
 
 if __name__ == "__main__":

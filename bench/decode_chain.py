@@ -15,6 +15,7 @@ The step is the worker's back-to-back period (host work, graph replay, sampling 
 included); GPU ms from CUDA events; floor = (weight bytes + KV bytes) / the copy bandwidth
 measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,30 @@ from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwi
 from strata.bench_cli import add_bench_parser
 
 # (decode chain, PDL, one-launch decode attention)
-WAYS = {"chain + PDL": (True, True, True), "chain + PDL (3-kernel attention)": (True, True, False),
-        "chain": (True, False, True), "unfused + PDL": (False, True, False), "unfused": (False, False, False)}
+WAYS = {
+    "chain + PDL": (True, True, True),
+    "chain + PDL (3-kernel attention)": (True, True, False),
+    "chain": (True, False, True),
+    "unfused + PDL": (False, True, False),
+    "unfused": (False, False, False),
+}
 
 
 def roofline_args(model: str, max_batch: int):
     parser = argparse.ArgumentParser(prog="strata")
     add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", "roofline", "--model", model, "--device", "cuda",
-                              "--max-num-batched-tokens", str(max(2048, max_batch))])
+    return parser.parse_args(
+        [
+            "bench",
+            "roofline",
+            "--model",
+            model,
+            "--device",
+            "cuda",
+            "--max-num-batched-tokens",
+            str(max(2048, max_batch)),
+        ]
+    )
 
 
 def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool) -> None:
@@ -56,23 +72,31 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="timed steps per way and batch")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of: " + ", ".join(WAYS))
     p.add_argument("--tile-kb", default="", help="also time the chain with these TILE_BYTES (comma-separated KB)")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="the worker's --max-model-len (0: just past the context, as the roofline sets it); under "
-                        "CUDA graphs the batch-1 attention's split count follows it")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="the worker's --max-model-len (0: just past the context, as the roofline sets it); under "
+        "CUDA graphs the batch-1 attention's split count follows it",
+    )
     p.add_argument("--json", default=None, help="write every number here")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     ways = [w.strip() for w in a.ways.split(",")]
     from strata.kernels import decode_linear
+
     default_tile = decode_linear.TILE_BYTES
     tiles = [int(kb) * 1024 for kb in a.tile_kb.split(",") if kb]
     bandwidth = measure_copy_bandwidth("cuda")
-    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; commit {common.environment_info(roofline_args('dummy:llama-3.2-1b', 1))['commit']}")
+    print(
+        f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; commit {common.environment_info(roofline_args('dummy:llama-3.2-1b', 1))['commit']}"
+    )
     rows = []
     for model in a.models.split(","):
         args = roofline_args(model, max(batches))
-        runner = load_runner(args, max(batches), a.context_len,
-                             ["--max-model-len", str(a.max_model_len)] if a.max_model_len else [])
+        runner = load_runner(
+            args, max(batches), a.context_len, ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []
+        )
         num_blocks = runner.kv_caches[0].shape[1]
         itemsize = runner.kv_caches[0].element_size()
         try:
@@ -82,12 +106,24 @@ def main() -> None:
                 for batch in batches:
                     t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
                     floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
-                    rows.append({"model": model, "way": way, "batch": batch, "step_ms": t["median_s"] * 1e3,
-                                 "gpu_ms": t["gpu_s"] * 1e3, "floor_ms": floor_s * 1e3,
-                                 "step_over_floor": t["median_s"] / floor_s, "gpu_over_floor": t["gpu_s"] / floor_s})
+                    rows.append(
+                        {
+                            "model": model,
+                            "way": way,
+                            "batch": batch,
+                            "step_ms": t["median_s"] * 1e3,
+                            "gpu_ms": t["gpu_s"] * 1e3,
+                            "floor_ms": floor_s * 1e3,
+                            "step_over_floor": t["median_s"] / floor_s,
+                            "gpu_over_floor": t["gpu_s"] / floor_s,
+                        }
+                    )
                     r = rows[-1]
-                    print(f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
-                          f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x", flush=True)
+                    print(
+                        f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
+                        f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x",
+                        flush=True,
+                    )
         finally:
             decode_linear.TILE_BYTES = default_tile
             os.environ.pop("STRATA_DISABLE_PDL", None)
@@ -100,9 +136,13 @@ def main() -> None:
     for model in a.models.split(","):
         for batch in batches:
             cells = {r["way"]: r for r in rows if r["model"] == model and r["batch"] == batch}
-            print(f"| {model} | {batch} | " + " | ".join(
-                f"{cells[w]['step_ms']:.3f} ({cells[w]['step_over_floor']:.2f}x)" for w in ways if w in cells)
-                + f" | {next(iter(cells.values()))['floor_ms']:.3f} |")
+            print(
+                f"| {model} | {batch} | "
+                + " | ".join(
+                    f"{cells[w]['step_ms']:.3f} ({cells[w]['step_over_floor']:.2f}x)" for w in ways if w in cells
+                )
+                + f" | {next(iter(cells.values()))['floor_ms']:.3f} |"
+            )
     if a.json:
         with open(a.json, "w") as handle:
             json.dump({"copy_bandwidth_Bps": bandwidth, "rows": rows}, handle, indent=1)

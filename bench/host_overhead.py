@@ -7,6 +7,7 @@ the device's idle share is what the host costs.
     python -m strata.bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
     python -m strata.bench.host_overhead --streams 16 --num-prompts 64 --step-ms 1.34   # streamed ITL
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ from strata.launcher import Cluster, free_port
 
 async def _run(gateway: str, scheduler: str, args) -> dict:
     from strata.v1 import generate_pb2
+
     info = await common.model_info(gateway)
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
     before = await common.scheduler_stats(scheduler)
@@ -35,9 +37,13 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
     steps = after.steps - before.steps
-    return {"elapsed_s": elapsed, "steps": steps, "output_tokens": sum(r.output_tokens for r in records),
-            "device_busy_s": steps * args.step_ms / 1e3,
-            "itl_ms": common.summarize([x for r in records for x in r.inter_token_latencies()])}
+    return {
+        "elapsed_s": elapsed,
+        "steps": steps,
+        "output_tokens": sum(r.output_tokens for r in records),
+        "device_busy_s": steps * args.step_ms / 1e3,
+        "itl_ms": common.summarize([x for r in records for x in r.inter_token_latencies()]),
+    }
 
 
 def main() -> None:
@@ -48,27 +54,64 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="as `strata bench throughput`")
-    p.add_argument("--max-plans-in-flight", type=int, default=0,
-                   help="scheduler plans in flight (0: the scheduler's default)")
-    p.add_argument("--streams", type=int, default=0,
-                   help="N > 0: N streams in a closed loop with DELTA outputs, reporting inter-token latency "
-                        "(0: every prompt at once, FINAL_ONLY)")
+    p.add_argument(
+        "--max-plans-in-flight", type=int, default=0, help="scheduler plans in flight (0: the scheduler's default)"
+    )
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=0,
+        help="N > 0: N streams in a closed loop with DELTA outputs, reporting inter-token latency "
+        "(0: every prompt at once, FINAL_ONLY)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--profile-dir", default=None,
-                   help="also sample each service with py-spy (on PATH) into this folder (bench/spy_summary.py)")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="also sample each service with py-spy (on PATH) into this folder (bench/spy_summary.py)",
+    )
     args = p.parse_args()
 
     cluster = Cluster()
     try:
         worker, sched, gateway = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        cluster.start("worker", ["--port", worker.split(":")[1], "--step-ms", str(args.step_ms),
-                                 "--max-num-seqs", str(args.max_num_seqs)], module="strata.bench.simulated_worker")
-        cluster.start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched.split(":")[1],
-                                    "--workers", worker, "--max-num-seqs", str(args.max_num_seqs),
-                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                    "--max-plans-in-flight", str(args.max_plans_in_flight)])
-        cluster.start("gateway", ["gateway", "--host", "127.0.0.1", "--port", gateway.split(":")[1],
-                                  "--scheduler-address", sched, "--model", str(ensure_tiny_model())])
+        cluster.start(
+            "worker",
+            ["--port", worker.split(":")[1], "--step-ms", str(args.step_ms), "--max-num-seqs", str(args.max_num_seqs)],
+            module="strata.bench.simulated_worker",
+        )
+        cluster.start(
+            "scheduler",
+            [
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                sched.split(":")[1],
+                "--workers",
+                worker,
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+                "--max-plans-in-flight",
+                str(args.max_plans_in_flight),
+            ],
+        )
+        cluster.start(
+            "gateway",
+            [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                gateway.split(":")[1],
+                "--scheduler-address",
+                sched,
+                "--model",
+                str(ensure_tiny_model()),
+            ],
+        )
         cluster.wait_healthy(gateway, "gateway", 120.0)
         with common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"):
             r = common.run(_run(gateway, sched, args))
@@ -77,13 +120,30 @@ def main() -> None:
     idle = 1 - r["device_busy_s"] / r["elapsed_s"]
     common.print_section(
         f"Host overhead, simulated {args.step_ms} ms steps ({args.num_prompts} x {args.input_len}/{args.output_len})",
-        [("elapsed", f"{r['elapsed_s']:.2f} s for {r['steps']} steps ({r['elapsed_s'] / r['steps'] * 1e3:.2f} ms "
-                     f"per step)"),
-         ("device busy", f"{r['device_busy_s']:.2f} s; idle {idle:.1%} of the time"),
-         ("output tokens/s", f"{r['output_tokens'] / r['elapsed_s']:,.0f} (with no host overhead: "
-                             f"{r['output_tokens'] / r['device_busy_s']:,.0f})"),
-         *([("ITL ms", f"p50 {r['itl_ms']['p50']:.3f}  p99 {r['itl_ms']['p99']:.3f}  "
-                       f"(p50 {r['itl_ms']['p50'] / args.step_ms:.2f}x the step)")] if args.streams else [])])
+        [
+            (
+                "elapsed",
+                f"{r['elapsed_s']:.2f} s for {r['steps']} steps ({r['elapsed_s'] / r['steps'] * 1e3:.2f} ms per step)",
+            ),
+            ("device busy", f"{r['device_busy_s']:.2f} s; idle {idle:.1%} of the time"),
+            (
+                "output tokens/s",
+                f"{r['output_tokens'] / r['elapsed_s']:,.0f} (with no host overhead: "
+                f"{r['output_tokens'] / r['device_busy_s']:,.0f})",
+            ),
+            *(
+                [
+                    (
+                        "ITL ms",
+                        f"p50 {r['itl_ms']['p50']:.3f}  p99 {r['itl_ms']['p99']:.3f}  "
+                        f"(p50 {r['itl_ms']['p50'] / args.step_ms:.2f}x the step)",
+                    )
+                ]
+                if args.streams
+                else []
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ ways (its piecewise graphs set aside for the eager one). Floor: the larger of th
 (weights, and the cached K/V it reads) over the copy bandwidth and its FLOPs over the GEMM rate,
 both measured in this run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,14 @@ import statistics
 import numpy as np
 
 from strata.bench import common
-from strata.bench.roofline import _layer_matmul_weights, back_to_back, decode_bytes, load_runner, \
-    measure_copy_bandwidth, measure_matmul_flops
+from strata.bench.roofline import (
+    _layer_matmul_weights,
+    back_to_back,
+    decode_bytes,
+    load_runner,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+)
 from strata.bench_cli import add_bench_parser
 
 
@@ -36,14 +43,23 @@ def mixed_plan(decodes: int, chunk: int, context_len: int, block_size: int, voca
     seq_ids = list(range(1, n + 1))
     tokens = common.random_prompts(1, decodes + chunk, vocab_size, seed=0)[0]
     plan = engine_pb2.StepPlan(
-        step_id=1, seq_ids=seq_ids, num_computed=[context_len - 1] * decodes + [0],
-        num_scheduled=[1] * decodes + [chunk], input_token_ids=tokens, sample=[True] * n,
-        table_keep=[0 if new else blocks] * n, table_append_counts=[blocks if new else 0] * n)
+        step_id=1,
+        seq_ids=seq_ids,
+        num_computed=[context_len - 1] * decodes + [0],
+        num_scheduled=[1] * decodes + [chunk],
+        input_token_ids=tokens,
+        sample=[True] * n,
+        table_keep=[0 if new else blocks] * n,
+        table_append_counts=[blocks if new else 0] * n,
+    )
     if new:  # (re-)admits them: releasing first lets the next shape reuse the seq ids
         plan.released_seq_ids.extend(seq_ids)
-        plan.new_sequences.extend(engine_pb2.NewSequence(
-            seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=s, logprobs=-1))
-            for s in seq_ids)
+        plan.new_sequences.extend(
+            engine_pb2.NewSequence(
+                seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=s, logprobs=-1)
+            )
+            for s in seq_ids
+        )
         plan.table_append_ids.extend(range(1, 1 + n * blocks))
     return plan
 
@@ -56,8 +72,9 @@ def time_steps(runner, plan, steps: int) -> dict:
     return {"median_s": float(np.median(periods)), "gpu_s": statistics.median(gpu[1:])}
 
 
-def step_floor(config, itemsize: int, decodes: int, chunk: int, context_len: int, bandwidth: float,
-               flops: float | None) -> float:
+def step_floor(
+    config, itemsize: int, decodes: int, chunk: int, context_len: int, bandwidth: float, flops: float | None
+) -> float:
     """max(bytes / bandwidth, FLOPs / GEMM rate) of one mixed step (causal attention FLOPs); the
     bytes alone where no GEMM rate was measured (CPU)."""
     kv = config.num_key_value_heads * config.head_dim
@@ -66,16 +83,22 @@ def step_floor(config, itemsize: int, decodes: int, chunk: int, context_len: int
     data = decode_bytes(config, itemsize, decodes, context_len)["total_bytes"] + chunk * layers * 2 * kv * itemsize
     tokens = decodes + chunk
     attention = 4 * layers * q * (decodes * context_len + chunk * (chunk + 1) / 2)
-    work = 2 * layers * _layer_matmul_weights(config) * tokens + 2 * config.vocab_size * config.hidden_size * \
-        (decodes + 1) + attention
+    work = (
+        2 * layers * _layer_matmul_weights(config) * tokens
+        + 2 * config.vocab_size * config.hidden_size * (decodes + 1)
+        + attention
+    )
     return max(data / bandwidth, work / flops if flops else 0.0)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dummy:llama-3.2-1b", help="HF model directory or dummy:NAME")
-    p.add_argument("--shapes", default="16x48,64x448,128x896,128x1920",
-                   help="comma-separated DxP: D decodes beside a P-token prompt chunk")
+    p.add_argument(
+        "--shapes",
+        default="16x48,64x448,128x896,128x1920",
+        help="comma-separated DxP: D decodes beside a P-token prompt chunk",
+    )
     p.add_argument("--context-len", type=int, default=576, help="cached tokens each decode reads")
     p.add_argument("--steps", type=int, default=30, help="timed steps per way and shape")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (no graphs: the eager way alone)")
@@ -85,11 +108,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     budget = max(2048, largest)
     parser = argparse.ArgumentParser(prog="strata")
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "roofline", "--model", a.model, "--device", a.device,
-                              "--max-num-batched-tokens", str(budget)])
+    args = parser.parse_args(
+        ["bench", "roofline", "--model", a.model, "--device", a.device, "--max-num-batched-tokens", str(budget)]
+    )
     max_decodes = max(d for d, _ in shapes)
-    runner = load_runner(args, max_decodes + 1, max(a.context_len, max(c for _, c in shapes)),
-                         extra=["--piecewise-graph-max-tokens", str(budget)])
+    runner = load_runner(
+        args,
+        max_decodes + 1,
+        max(a.context_len, max(c for _, c in shapes)),
+        extra=["--piecewise-graph-max-tokens", str(budget)],
+    )
     import torch
 
     device = str(runner.device)
@@ -97,8 +125,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     pieces = runner.piecewise
     rows = []
-    print(f"{'shape':>10} {'tokens':>6} {'padded':>6} {'eager ms':>9} {'pieces ms':>9} {'pieces/eager':>12} "
-          f"{'eager GPU':>9} {'pieces GPU':>10} {'floor ms':>8}")
+    print(
+        f"{'shape':>10} {'tokens':>6} {'padded':>6} {'eager ms':>9} {'pieces ms':>9} {'pieces/eager':>12} "
+        f"{'eager GPU':>9} {'pieces GPU':>10} {'floor ms':>8}"
+    )
     for decodes, chunk in shapes:
         admit = mixed_plan(decodes, chunk, a.context_len, runner.block_size, runner.config.vocab_size, new=True)
         step = mixed_plan(decodes, chunk, a.context_len, runner.block_size, runner.config.vocab_size, new=False)
@@ -114,20 +144,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def ms(t: dict | None, key: str) -> str:
             return common.fmt(t and t[key] and t[key] * 1e3, ".3f")
 
-        print(f"{decodes:>4}x{chunk:<5} {tokens:>6} {common.fmt(pieces and pieces.padded_size(tokens), 'd'):>6} "
-              f"{ms(e, 'median_s'):>9} {ms(w, 'median_s'):>9} "
-              f"{common.fmt(w and w['median_s'] / e['median_s'], '.2f'):>12} {ms(e, 'gpu_s'):>9} {ms(w, 'gpu_s'):>10} "
-              f"{floor * 1e3:8.3f}")
+        print(
+            f"{decodes:>4}x{chunk:<5} {tokens:>6} {common.fmt(pieces and pieces.padded_size(tokens), 'd'):>6} "
+            f"{ms(e, 'median_s'):>9} {ms(w, 'median_s'):>9} "
+            f"{common.fmt(w and w['median_s'] / e['median_s'], '.2f'):>12} {ms(e, 'gpu_s'):>9} {ms(w, 'gpu_s'):>10} "
+            f"{floor * 1e3:8.3f}"
+        )
         rows.append({"decodes": decodes, "chunk": chunk, "eager": e, "pieces": w, "floor_s": floor})
-    print(f"\ncopy bandwidth {bandwidth / 1e9:,.0f} GB/s, GEMM rate {common.fmt(flops and flops / 1e12, ',.0f')} "
-          f"TFLOP/s\nRESULTS.md rows:")
+    print(
+        f"\ncopy bandwidth {bandwidth / 1e9:,.0f} GB/s, GEMM rate {common.fmt(flops and flops / 1e12, ',.0f')} "
+        f"TFLOP/s\nRESULTS.md rows:"
+    )
     env = common.environment_info(args)
     for r in rows:
         e, w, floor = r["eager"], r["pieces"], r["floor_s"]
-        print(f"| {env['date'][:10]} | {env['commit']} | {env['device_name']} | {a.model} | {r['decodes']} x 1 + "
-              f"{r['chunk']} | {e['median_s'] * 1e3:.3f} ({e['median_s'] / floor:.2f}x) | "
-              f"{common.fmt(w and w['median_s'] * 1e3, '.3f')} ({common.fmt(w and w['median_s'] / floor, '.2f')}x) "
-              f"| {floor * 1e3:.3f} |")
+        print(
+            f"| {env['date'][:10]} | {env['commit']} | {env['device_name']} | {a.model} | {r['decodes']} x 1 + "
+            f"{r['chunk']} | {e['median_s'] * 1e3:.3f} ({e['median_s'] / floor:.2f}x) | "
+            f"{common.fmt(w and w['median_s'] * 1e3, '.3f')} ({common.fmt(w and w['median_s'] / floor, '.2f')}x) "
+            f"| {floor * 1e3:.3f} |"
+        )
     return rows
 
 

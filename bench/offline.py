@@ -5,6 +5,7 @@ Every prompt (random token ids, fixed input and output lengths, ignore_eos) is s
 (or with at most --max-concurrency in flight); FINAL_ONLY responses keep the client out of the
 way of the measurement.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,29 +20,47 @@ TARGET_ROOFLINE = 1.5
 
 async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
     from strata.v1 import generate_pb2
+
     info = await common.model_info(endpoints.gateway)
     if args.warmup_requests:
         warm = common.random_prompts(args.warmup_requests, args.input_len, info.vocab_size, args.seed + 1)
-        await common.run_all_at_once(endpoints.gateway, warm, common.sampling_params(4, args.temperature,
-                                     generate_pb2.FINAL_ONLY), args.request_timeout, progress=False)
+        await common.run_all_at_once(
+            endpoints.gateway,
+            warm,
+            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
+            args.request_timeout,
+            progress=False,
+        )
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
     before = await common.scheduler_stats(endpoints.scheduler)
     with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "offline"):
         async with common.StatsPoller(endpoints.scheduler) as poller:
             start = time.perf_counter()
-            records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
-                                                   args.max_concurrency, desc="strata", progress=not args.no_progress)
+            records = await common.run_all_at_once(
+                endpoints.gateway,
+                prompts,
+                params,
+                args.request_timeout,
+                args.max_concurrency,
+                desc="strata",
+                progress=not args.no_progress,
+            )
             elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(endpoints.scheduler)
     done = [r for r in records if not r.error]
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_len for r in done)
     result = {
-        "num_prompts": len(records), "failed": len(records) - len(done), "errors": common.failures(records)[:5],
-        "elapsed_s": elapsed, "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "num_prompts": len(records),
+        "failed": len(records) - len(done),
+        "errors": common.failures(records)[:5],
+        "elapsed_s": elapsed,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
         "all_outputs_full_length": all(r.output_tokens == args.output_len for r in done),
-        "requests_per_s": len(done) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
+        "requests_per_s": len(done) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
         "latency_ms": common.summarize([r.latency for r in done]),
         "scheduler": common.stats_delta(before, after),
@@ -64,15 +83,25 @@ def run(args) -> int:
     common.print_section(
         f"Strata, full stack ({args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
         f"temperature {args.temperature}, ignore_eos)",
-        [("requests", f"{s['num_prompts'] - s['failed']} ok, {s['failed']} failed"),
-         ("elapsed", f"{s['elapsed_s']:.2f} s"),
-         ("requests/s", common.fmt(s["requests_per_s"], ",.2f")),
-         ("output tokens/s", common.fmt(s["output_tokens_per_s"], ",.0f")),
-         ("total tokens/s", common.fmt(s["total_tokens_per_s"], ",.0f")),
-         ("output tokens", f"{s['output_tokens']:,} (every output full length: {s['all_outputs_full_length']})"),
-         ("scheduler", ", ".join(f"{k} {v:,}" for k, v in s["scheduler"].items()
-                                 if k in ("steps", "prefill_tokens_computed", "preemptions")) or "-"),
-         *common.gpu_timeline_rows(s["scheduler"], s["elapsed_s"])])
+        [
+            ("requests", f"{s['num_prompts'] - s['failed']} ok, {s['failed']} failed"),
+            ("elapsed", f"{s['elapsed_s']:.2f} s"),
+            ("requests/s", common.fmt(s["requests_per_s"], ",.2f")),
+            ("output tokens/s", common.fmt(s["output_tokens_per_s"], ",.0f")),
+            ("total tokens/s", common.fmt(s["total_tokens_per_s"], ",.0f")),
+            ("output tokens", f"{s['output_tokens']:,} (every output full length: {s['all_outputs_full_length']})"),
+            (
+                "scheduler",
+                ", ".join(
+                    f"{k} {v:,}"
+                    for k, v in s["scheduler"].items()
+                    if k in ("steps", "prefill_tokens_computed", "preemptions")
+                )
+                or "-",
+            ),
+            *common.gpu_timeline_rows(s["scheduler"], s["elapsed_s"]),
+        ],
+    )
 
     result = {"benchmark": "throughput", "environment": env, "config": common.args_dict(args), "strata": strata}
 
@@ -82,15 +111,23 @@ def run(args) -> int:
         hf = run_hf_baseline(args, prompts[:hf_num], args.output_len)
         hf["extrapolated_elapsed_s"] = hf["elapsed_s"] * len(prompts) / hf_num
         hf["extrapolated"] = hf_num < len(prompts)
-        note = (f"measured on {hf_num} of {len(prompts)} prompts; the full run would take about "
-                f"{hf['extrapolated_elapsed_s']:.1f} s" if hf["extrapolated"] else "all prompts")
+        note = (
+            f"measured on {hf_num} of {len(prompts)} prompts; the full run would take about "
+            f"{hf['extrapolated_elapsed_s']:.1f} s"
+            if hf["extrapolated"]
+            else "all prompts"
+        )
         common.print_section(
             f"HF transformers generate() (batch {hf['batch_size']}, {hf['dtype']}, left padding)",
-            [("weights", hf["weights"]),
-             ("elapsed", f"{hf['elapsed_s']:.2f} s for {hf_num} prompts"),
-             ("requests/s", common.fmt(hf["requests_per_s"], ",.2f")),
-             ("output tokens/s", common.fmt(hf["output_tokens_per_s"], ",.0f")),
-             ("total tokens/s", common.fmt(hf["total_tokens_per_s"], ",.0f"))], note=note)
+            [
+                ("weights", hf["weights"]),
+                ("elapsed", f"{hf['elapsed_s']:.2f} s for {hf_num} prompts"),
+                ("requests/s", common.fmt(hf["requests_per_s"], ",.2f")),
+                ("output tokens/s", common.fmt(hf["output_tokens_per_s"], ",.0f")),
+                ("total tokens/s", common.fmt(hf["total_tokens_per_s"], ",.0f")),
+            ],
+            note=note,
+        )
         result["hf"] = hf
 
     roof = None
@@ -98,27 +135,39 @@ def run(args) -> int:
         context_len = args.input_len + args.output_len // 2
         roof = roofline.with_scheduler_view(
             roofline.in_process_roofline(args, args.roofline_batch, context_len, args.roofline_steps),
-            common.decode_only_timing(samples))
-        common.print_section("Decode step vs roofline", roofline.roofline_rows(roof),
-                             note="floor = (weight bytes + KV bytes read) / copy bandwidth")
+            common.decode_only_timing(samples),
+        )
+        common.print_section(
+            "Decode step vs roofline",
+            roofline.roofline_rows(roof),
+            note="floor = (weight bytes + KV bytes read) / copy bandwidth",
+        )
         result["roofline"] = roofline.json_ready(roof)
         floor = _workload_floor(args, roof, hf, s)
         if floor:
             result["workload_floor"] = floor
 
     ratios = {
-        "strata_over_hf_output_tokens_per_s": common.ratio(s["output_tokens_per_s"],
-                                                           hf and hf["output_tokens_per_s"]),
+        "strata_over_hf_output_tokens_per_s": common.ratio(s["output_tokens_per_s"], hf and hf["output_tokens_per_s"]),
         "decode_step_over_floor": roof and roof["measured_over_floor"],
     }
     result["ratios"] = ratios
-    common.print_section("Targets (Llama-3.2-1B shape, one H100/H200)", [
-        ("strata / HF output tokens/s", f"{common.fmt(ratios['strata_over_hf_output_tokens_per_s'], '.2f')}x"
-                                        f"   (target >= {TARGET_HF_RATIO:g}x)"),
-        ("strata output tokens/s", f"{s['output_tokens_per_s']:,.0f}   (target >= {TARGET_OUTPUT_TOKENS_PER_S:,})"),
-        ("decode step / floor", f"{common.fmt(ratios['decode_step_over_floor'], '.2f')}x"
-                                f"   (target <= {TARGET_ROOFLINE:g}x at batch {args.roofline_batch})"),
-    ])
+    common.print_section(
+        "Targets (Llama-3.2-1B shape, one H100/H200)",
+        [
+            (
+                "strata / HF output tokens/s",
+                f"{common.fmt(ratios['strata_over_hf_output_tokens_per_s'], '.2f')}x"
+                f"   (target >= {TARGET_HF_RATIO:g}x)",
+            ),
+            ("strata output tokens/s", f"{s['output_tokens_per_s']:,.0f}   (target >= {TARGET_OUTPUT_TOKENS_PER_S:,})"),
+            (
+                "decode step / floor",
+                f"{common.fmt(ratios['decode_step_over_floor'], '.2f')}x"
+                f"   (target <= {TARGET_ROOFLINE:g}x at batch {args.roofline_batch})",
+            ),
+        ],
+    )
     result["markdown_row"] = _markdown_row(env, args, s, hf, roof, ratios)
     print("RESULTS.md row:\n" + result["markdown_row"])
     common.write_json(args.output, result)
@@ -130,29 +179,55 @@ def _workload_floor(args, roof: dict, hf: dict | None, s: dict) -> dict | None:
     flops = roofline.measure_matmul_flops(common.resolve_device(args.device))
     if flops is None:
         return None
-    floor = roofline.workload_floor(roof["config"], roof["itemsize"], args.num_prompts, args.input_len,
-                                    args.output_len, args.max_num_seqs, roof["bandwidth_bytes_per_s"], flops)
-    rows = [("GEMM rate", f"{flops / 1e12:,.0f} TFLOP/s (bf16 8192^3 matmuls)"),
-            ("prefill", f"{floor['prefill_flops'] / 1e12:,.0f} TFLOP -> {floor['prefill_s']:.2f} s"),
-            ("decode", f"{floor['decode_flops'] / 1e12:,.0f} TFLOP, {floor['decode_bytes'] / 1e9:,.0f} GB at "
-                       f"batch {args.max_num_seqs} -> {floor['decode_s']:.2f} s"),
-            ("floor", f"{floor['floor_s']:.2f} s: at most {floor['max_output_tokens_per_s']:,.0f} output tokens/s"),
-            ("strata", f"{s['output_tokens_per_s'] / floor['max_output_tokens_per_s']:.0%} of that")]
+    floor = roofline.workload_floor(
+        roof["config"],
+        roof["itemsize"],
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.max_num_seqs,
+        roof["bandwidth_bytes_per_s"],
+        flops,
+    )
+    rows = [
+        ("GEMM rate", f"{flops / 1e12:,.0f} TFLOP/s (bf16 8192^3 matmuls)"),
+        ("prefill", f"{floor['prefill_flops'] / 1e12:,.0f} TFLOP -> {floor['prefill_s']:.2f} s"),
+        (
+            "decode",
+            f"{floor['decode_flops'] / 1e12:,.0f} TFLOP, {floor['decode_bytes'] / 1e9:,.0f} GB at "
+            f"batch {args.max_num_seqs} -> {floor['decode_s']:.2f} s",
+        ),
+        ("floor", f"{floor['floor_s']:.2f} s: at most {floor['max_output_tokens_per_s']:,.0f} output tokens/s"),
+        ("strata", f"{s['output_tokens_per_s'] / floor['max_output_tokens_per_s']:.0%} of that"),
+    ]
     if hf:
         needed = TARGET_HF_RATIO * hf["output_tokens_per_s"]
-        rows.append((f"{TARGET_HF_RATIO:g}x HF", f"{needed:,.0f} output tokens/s = "
-                                                f"{needed / floor['max_output_tokens_per_s']:.0%} of the floor's rate"))
-    common.print_section("Workload floor (prefill at the GEMM rate, decode at max(compute, bytes / bandwidth))",
-                         rows)
+        rows.append(
+            (
+                f"{TARGET_HF_RATIO:g}x HF",
+                f"{needed:,.0f} output tokens/s = {needed / floor['max_output_tokens_per_s']:.0%} of the floor's rate",
+            )
+        )
+    common.print_section("Workload floor (prefill at the GEMM rate, decode at max(compute, bytes / bandwidth))", rows)
     return floor
 
 
 def _markdown_row(env, args, s, hf, roof, ratios) -> str:
     f = common.fmt
-    cells = [env["date"][:10], env["commit"], env["device_name"], env["model"], str(args.pipeline_stages),
-             f"{args.num_prompts} x {args.input_len}/{args.output_len}", f(s["requests_per_s"], ".2f"),
-             f(s["output_tokens_per_s"], ",.0f"), f(s["total_tokens_per_s"], ",.0f"),
-             f(hf and hf["output_tokens_per_s"], ",.0f"), f(ratios["strata_over_hf_output_tokens_per_s"], ".2f"),
-             f(roof and roof["measured"]["median_s"] * 1e3, ".2f"), f(roof and roof["floor_s"] * 1e3, ".2f"),
-             f(ratios["decode_step_over_floor"], ".2f")]
+    cells = [
+        env["date"][:10],
+        env["commit"],
+        env["device_name"],
+        env["model"],
+        str(args.pipeline_stages),
+        f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+        f(s["requests_per_s"], ".2f"),
+        f(s["output_tokens_per_s"], ",.0f"),
+        f(s["total_tokens_per_s"], ",.0f"),
+        f(hf and hf["output_tokens_per_s"], ",.0f"),
+        f(ratios["strata_over_hf_output_tokens_per_s"], ".2f"),
+        f(roof and roof["measured"]["median_s"] * 1e3, ".2f"),
+        f(roof and roof["floor_s"] * 1e3, ".2f"),
+        f(ratios["decode_step_over_floor"], ".2f"),
+    ]
     return "| " + " | ".join(cells) + " |"

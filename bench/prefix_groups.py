@@ -15,6 +15,7 @@ tokens computed and peak KV blocks of each way, and the ratios. On a GPU it then
 attention of a group batch (cascade against paged) against its floor, in process
 (strata.bench.cascade_attention).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,30 +28,43 @@ from strata.bench import common
 TARGET_OVER_CACHE = 1.35
 TARGET_OVER_NO_CACHE = 3.5
 WAYS = ("groups", "cache", "cache, no cascade", "no cache")
-CLUSTER_FLAGS = {"groups": {}, "cache": {}, "cache, no cascade": {"disable_cascade_attn": True},
-                 "no cache": {"no_prefix_caching": True}}
+CLUSTER_FLAGS = {
+    "groups": {},
+    "cache": {},
+    "cache, no cascade": {"disable_cascade_attn": True},
+    "no cache": {"no_prefix_caching": True},
+}
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], list[list[int]]]]:
     """(prefix, members' own tokens) per group, random ids clear of the special tokens."""
     rng = np.random.default_rng(args.seed)
-    return [(rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, args.prefix_len).tolist(),
-             rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, (args.group_size, args.suffix_len)).tolist())
-            for _ in range(args.num_groups)]
+    return [
+        (
+            rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, args.prefix_len).tolist(),
+            rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, (args.group_size, args.suffix_len)).tolist(),
+        )
+        for _ in range(args.num_groups)
+    ]
 
 
 async def _as_groups(endpoints, args, groups) -> tuple[int, int]:
     """(output tokens, failed members) through GenerateGroups."""
     from strata.v1 import generate_pb2, generate_pb2_grpc
+
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY, seed=args.seed)
 
     def messages():
         for g, (prefix, members) in enumerate(groups):
             yield generate_pb2.PrefixGroup(
                 prefix_token_ids=generate_pb2.TokenIds(ids=prefix),
-                members=[generate_pb2.GenerateRequest(request_id=f"g{g}m{m}", params=params,
-                                                      prompt_token_ids=generate_pb2.TokenIds(ids=own))
-                         for m, own in enumerate(members)])
+                members=[
+                    generate_pb2.GenerateRequest(
+                        request_id=f"g{g}m{m}", params=params, prompt_token_ids=generate_pb2.TokenIds(ids=own)
+                    )
+                    for m, own in enumerate(members)
+                ],
+            )
 
     tokens = failed = 0
     total = sum(len(members) for _, members in groups)
@@ -69,20 +83,28 @@ async def _as_groups(endpoints, args, groups) -> tuple[int, int]:
 
 async def _as_requests(endpoints, args, groups) -> tuple[int, int]:
     from strata.v1 import generate_pb2
+
     prompts = [prefix + own for prefix, members in groups for own in members]
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY, seed=args.seed)
-    records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
-                                           desc="requests", progress=not args.no_progress)
+    records = await common.run_all_at_once(
+        endpoints.gateway, prompts, params, args.request_timeout, desc="requests", progress=not args.no_progress
+    )
     return sum(r.output_tokens for r in records), len(common.failures(records))
 
 
 async def _phase(endpoints, args, way: str) -> dict:
     from strata.v1 import generate_pb2
+
     info = await common.model_info(endpoints.gateway)
     if args.warmup_requests:
         warm = common.random_prompts(args.warmup_requests, 8, info.vocab_size, args.seed + 99)
-        await common.run_all_at_once(endpoints.gateway, warm, common.sampling_params(
-            4, args.temperature, generate_pb2.FINAL_ONLY), args.request_timeout, progress=False)
+        await common.run_all_at_once(
+            endpoints.gateway,
+            warm,
+            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
+            args.request_timeout,
+            progress=False,
+        )
     groups = workload(args, info.vocab_size)
     before = await common.scheduler_stats(endpoints.scheduler)
     start = time.perf_counter()
@@ -90,9 +112,15 @@ async def _phase(endpoints, args, way: str) -> dict:
     elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(endpoints.scheduler)
     requests = args.num_groups * args.group_size
-    return {"requests": requests, "failed": failed, "elapsed_s": elapsed, "requests_per_s": requests / elapsed,
-            "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "scheduler": common.stats_delta(before, after)}
+    return {
+        "requests": requests,
+        "failed": failed,
+        "elapsed_s": elapsed,
+        "requests_per_s": requests / elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "scheduler": common.stats_delta(before, after),
+    }
 
 
 def _cluster_flags(args, way: str) -> dict:
@@ -114,37 +142,65 @@ def run(args) -> int:
             phases[way] = common.run(_phase(endpoints, args, way))
     for way in WAYS:
         p, s = phases[way], phases[way]["scheduler"]
-        common.print_section(way, [
-            ("requests", f"{p['requests'] - p['failed']} ok, {p['failed']} failed in {p['elapsed_s']:.2f} s"),
-            ("req/s", f"{p['requests_per_s']:,.1f} ({p['output_tokens_per_s']:,.0f} output tok/s)"),
-            ("prefill tokens computed", common.fmt(s.get("prefill_tokens_computed"), ",")),
-            ("peak KV blocks", common.fmt(s.get("peak_used_kv_blocks"), ",")),
-            ("steps", f"{common.fmt(s.get('steps'), ',')}, GPU busy {s.get('worker_gpu_busy_seconds', 0):.2f} s"),
-        ])
+        common.print_section(
+            way,
+            [
+                ("requests", f"{p['requests'] - p['failed']} ok, {p['failed']} failed in {p['elapsed_s']:.2f} s"),
+                ("req/s", f"{p['requests_per_s']:,.1f} ({p['output_tokens_per_s']:,.0f} output tok/s)"),
+                ("prefill tokens computed", common.fmt(s.get("prefill_tokens_computed"), ",")),
+                ("peak KV blocks", common.fmt(s.get("peak_used_kv_blocks"), ",")),
+                ("steps", f"{common.fmt(s.get('steps'), ',')}, GPU busy {s.get('worker_gpu_busy_seconds', 0):.2f} s"),
+            ],
+        )
     rps = {way: phases[way]["requests_per_s"] for way in WAYS}
-    ratios = {"groups_over_cache": rps["groups"] / rps["cache"],
-              "groups_over_no_cache": rps["groups"] / rps["no cache"],
-              "groups_over_cache_no_cascade": rps["groups"] / rps["cache, no cascade"]}
-    common.print_section(f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
-                         f"own {args.suffix_len}, output {args.output_len}", [
-        ("groups / prefix cache", f"{ratios['groups_over_cache']:.2f}x   (target >= {TARGET_OVER_CACHE:g}x)"),
-        ("groups / no prefix cache", f"{ratios['groups_over_no_cache']:.2f}x   (target >= {TARGET_OVER_NO_CACHE:g}x)"),
-        ("groups / cache, no cascade", f"{ratios['groups_over_cache_no_cascade']:.2f}x"),
-    ])
+    ratios = {
+        "groups_over_cache": rps["groups"] / rps["cache"],
+        "groups_over_no_cache": rps["groups"] / rps["no cache"],
+        "groups_over_cache_no_cascade": rps["groups"] / rps["cache, no cascade"],
+    }
+    common.print_section(
+        f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
+        f"own {args.suffix_len}, output {args.output_len}",
+        [
+            ("groups / prefix cache", f"{ratios['groups_over_cache']:.2f}x   (target >= {TARGET_OVER_CACHE:g}x)"),
+            (
+                "groups / no prefix cache",
+                f"{ratios['groups_over_no_cache']:.2f}x   (target >= {TARGET_OVER_NO_CACHE:g}x)",
+            ),
+            ("groups / cache, no cascade", f"{ratios['groups_over_cache_no_cascade']:.2f}x"),
+        ],
+    )
     attention = None
     if args.attention and common.resolve_device(args.device).startswith("cuda"):
         from strata.bench import cascade_attention
-        attention = cascade_attention.measure(num_groups=args.num_groups, group_size=args.group_size,
-                                              prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-                                              block_size=args.block_size)
-    result = {"benchmark": "prefix-groups", "environment": env, "config": common.args_dict(args),
-              "phases": phases, "ratios": ratios, "decode_attention": attention}
-    cells = [env["date"][:10], env["commit"], env["device_name"], env["model"],
-             f"{args.num_groups} x {args.group_size}, {args.prefix_len} + {args.suffix_len} / {args.output_len}",
-             " / ".join(f"{rps[way]:,.1f}" for way in WAYS),
-             f"{ratios['groups_over_cache']:.2f}", f"{ratios['groups_over_no_cache']:.2f}",
-             f"{ratios['groups_over_cache_no_cascade']:.2f}",
-             " / ".join(common.fmt(phases[way]["scheduler"].get("prefill_tokens_computed"), ",") for way in WAYS)]
+
+        attention = cascade_attention.measure(
+            num_groups=args.num_groups,
+            group_size=args.group_size,
+            prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len,
+            block_size=args.block_size,
+        )
+    result = {
+        "benchmark": "prefix-groups",
+        "environment": env,
+        "config": common.args_dict(args),
+        "phases": phases,
+        "ratios": ratios,
+        "decode_attention": attention,
+    }
+    cells = [
+        env["date"][:10],
+        env["commit"],
+        env["device_name"],
+        env["model"],
+        f"{args.num_groups} x {args.group_size}, {args.prefix_len} + {args.suffix_len} / {args.output_len}",
+        " / ".join(f"{rps[way]:,.1f}" for way in WAYS),
+        f"{ratios['groups_over_cache']:.2f}",
+        f"{ratios['groups_over_no_cache']:.2f}",
+        f"{ratios['groups_over_cache_no_cascade']:.2f}",
+        " / ".join(common.fmt(phases[way]["scheduler"].get("prefill_tokens_computed"), ",") for way in WAYS),
+    ]
     result["markdown_row"] = "| " + " | ".join(cells) + " |"
     print("RESULTS.md row:\n" + result["markdown_row"])
     common.write_json(args.output, result)

@@ -1,8 +1,9 @@
 """Where a step's time goes: per-phase host timings, the host's Python profile, the top GPU kernels.
 
-    python -m strata.bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
-    python -m strata.bench.profile_step --batch 16 --prefill-len 512     # a prefill step of 16 x 512 tokens
+python -m strata.bench.profile_step --batch 256 --context-len 640 [--model dummy:llama-3.2-1b]
+python -m strata.bench.profile_step --batch 16 --prefill-len 512     # a prefill step of 16 x 512 tokens
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--prefill-len", type=int, default=0,
-                   help="profile a step prefilling --batch fresh prompts of this many tokens instead of a decode")
+    p.add_argument(
+        "--prefill-len",
+        type=int,
+        default=0,
+        help="profile a step prefilling --batch fresh prompts of this many tokens instead of a decode",
+    )
     p.add_argument("--skip-host-profile", action="store_true", help="no cProfile table of the host side")
     p.add_argument("--rows", type=int, default=30, help="rows of the GPU kernel table")
     a = p.parse_args()
@@ -37,11 +42,11 @@ def main() -> None:
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(argv)  # the roofline benchmark's flags: load_runner reads them
     runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
-    admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size,
-                               a.temperature, 0)
+    admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size, a.temperature, 0)
     if a.prefill_len:
-        admit = step = prefill_plan(a.batch, a.prefill_len, runner.block_size, runner.config.vocab_size,
-                                    a.temperature, 0)
+        admit = step = prefill_plan(
+            a.batch, a.prefill_len, runner.block_size, runner.config.vocab_size, a.temperature, 0
+        )
     runner.execute(admit).finish()
     for _ in range(5):
         runner.execute(step).finish()
@@ -74,8 +79,9 @@ def main() -> None:
         pending.finish()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     profiled_steps = 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         for _ in range(profiled_steps):
             runner.execute(step).finish()
         torch.cuda.synchronize()
@@ -86,8 +92,11 @@ def main() -> None:
 
 def gpu_kernels(prof) -> list[tuple[float, float, str]]:
     """(start us, end us, name) of every GPU kernel and copy in the trace, by start."""
-    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
 
 
 def print_critical_path(prof, steps: int, rows: int) -> None:
@@ -114,8 +123,10 @@ def print_critical_path(prof, steps: int, rows: int) -> None:
     print(f"\ncritical path per step: {total / steps:.1f} us (kernels' exposed time + idle before them)")
     print(f"{'kernel':<60} {'calls':>5} {'dur us':>8} {'exposed':>8} {'waited':>7} {'share':>6}")
     for name, (calls, dur, exposed, waited) in sorted(owned.items(), key=lambda kv: -(kv[1][2] + kv[1][3]))[:rows]:
-        print(f"{name[:60]:<60} {calls / steps:5.0f} {dur / steps:8.1f} {exposed / steps:8.1f} {waited / steps:7.1f} "
-              f"{(exposed + waited) / total:6.1%}")
+        print(
+            f"{name[:60]:<60} {calls / steps:5.0f} {dur / steps:8.1f} {exposed / steps:8.1f} {waited / steps:7.1f} "
+            f"{(exposed + waited) / total:6.1%}"
+        )
 
 
 def step_cuts(kernels: list[tuple[float, float]], steps: int) -> list[int]:
@@ -123,7 +134,7 @@ def step_cuts(kernels: list[tuple[float, float]], steps: int) -> list[int]:
     steps - 1 widest gaps between consecutive kernels; returns the index of each step's last kernel
     but the final one."""
     gaps = sorted(((kernels[i + 1][0] - kernels[i][1], i) for i in range(len(kernels) - 1)), reverse=True)
-    return sorted(i for _, i in gaps[:steps - 1])
+    return sorted(i for _, i in gaps[: steps - 1])
 
 
 def print_gpu_busy(prof, steps: int) -> None:
@@ -136,11 +147,13 @@ def print_gpu_busy(prof, steps: int) -> None:
     cuts = step_cuts(kernels, steps)
     spans, first = [], 0
     for cut in cuts + [len(kernels) - 1]:
-        spans.append(max(end for _, end in kernels[first:cut + 1]) - kernels[first][0])
+        spans.append(max(end for _, end in kernels[first : cut + 1]) - kernels[first][0])
         first = cut + 1
     span = sum(spans)
-    print(f"GPU per step: {len(kernels) / steps:.0f} kernels, {busy / steps:.1f} us of kernel time in a "
-          f"{span / steps:.1f} us span ({busy / span:.0%} busy; spans {', '.join(f'{s:.0f}' for s in spans)} us)")
+    print(
+        f"GPU per step: {len(kernels) / steps:.0f} kernels, {busy / steps:.1f} us of kernel time in a "
+        f"{span / steps:.1f} us span ({busy / span:.0%} busy; spans {', '.join(f'{s:.0f}' for s in spans)} us)"
+    )
 
 
 if __name__ == "__main__":

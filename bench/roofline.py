@@ -6,6 +6,7 @@ The KV contents do not matter for timing, so nothing is prefilled: the plan simp
 cache already holds context_len - 1 tokens. The same timing is the "bare model step" that the
 latency benchmark compares inter-token latency with.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,8 @@ import numpy as np
 from strata.bench import common
 from strata.flags import service_args
 
-
 # ---------------------------------------------------------------- the floor
+
 
 def _layer_matmul_weights(config) -> int:
     """Weights one decoder layer multiplies each token by: qkv, o, gate_up and down projections."""
@@ -43,13 +44,17 @@ def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
     embeddings = 0 if config.tie_word_embeddings else batch * h
     weight_elems = layers * per_layer + h + head + embeddings
     kv_elems = batch * context_len * layers * 2 * kv
-    return {"weight_bytes": weight_elems * itemsize, "kv_bytes": kv_elems * itemsize,
-            "total_bytes": (weight_elems + kv_elems) * itemsize}
+    return {
+        "weight_bytes": weight_elems * itemsize,
+        "kv_bytes": kv_elems * itemsize,
+        "total_bytes": (weight_elems + kv_elems) * itemsize,
+    }
 
 
 def measure_copy_bandwidth(device: str, nbytes: int | None = None, iters: int | None = None) -> float:
     """Device memory bandwidth from a large device-to-device copy: 2 * bytes / time (read + write)."""
     import torch
+
     cuda = device.startswith("cuda")
     nbytes = nbytes or ((1 << 30) if cuda else (128 << 20))
     iters = iters or (20 if cuda else 5)
@@ -79,6 +84,7 @@ def measure_copy_bandwidth(device: str, nbytes: int | None = None, iters: int | 
 def measure_matmul_flops(device: str, n: int = 8192, iters: int = 10) -> float | None:
     """Dense bf16 GEMM rate of the device (n x n x n matmuls back to back), FLOP/s; None on CPU."""
     import torch
+
     if not device.startswith("cuda"):
         return None
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
@@ -93,11 +99,19 @@ def measure_matmul_flops(device: str, n: int = 8192, iters: int = 10) -> float |
     end.record()
     end.synchronize()
     del a, b
-    return 2 * n ** 3 * iters / (start.elapsed_time(end) / 1000)
+    return 2 * n**3 * iters / (start.elapsed_time(end) / 1000)
 
 
-def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, output_len: int, max_batch: int,
-                   bandwidth: float, flops: float) -> dict:
+def workload_floor(
+    config,
+    itemsize: int,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    max_batch: int,
+    bandwidth: float,
+    flops: float,
+) -> dict:
     """Least time an offline batch can take on this device, whatever the engine: its prefill at the
     measured GEMM rate, then its decode at the larger of its compute time and its bytes (every
     weight once per step of max_batch sequences, each token's KV once per later token) over the
@@ -118,12 +132,20 @@ def workload_floor(config, itemsize: int, num_prompts: int, input_len: int, outp
     decode_bytes_total = steps * weight_bytes + decode_context * layers * 2 * kv * itemsize
     prefill_s = prefill_flops / flops
     decode_s = max(decode_flops / flops, decode_bytes_total / bandwidth)
-    return {"prefill_flops": prefill_flops, "decode_flops": decode_flops, "decode_bytes": decode_bytes_total,
-            "matmul_flops_per_s": flops, "prefill_s": prefill_s, "decode_s": decode_s,
-            "floor_s": prefill_s + decode_s, "max_output_tokens_per_s": num_prompts * output_len / (prefill_s + decode_s)}
+    return {
+        "prefill_flops": prefill_flops,
+        "decode_flops": decode_flops,
+        "decode_bytes": decode_bytes_total,
+        "matmul_flops_per_s": flops,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "floor_s": prefill_s + decode_s,
+        "max_output_tokens_per_s": num_prompts * output_len / (prefill_s + decode_s),
+    }
 
 
 # ---------------------------------------------------------------- the measured step
+
 
 def load_runner(args, batch: int, context_len: int, extra: list[str] = ()):
     """The worker's ModelRunner for the whole model on one device, cache sized for the batch;
@@ -135,10 +157,27 @@ def load_runner(args, batch: int, context_len: int, extra: list[str] = ()):
     num_blocks = batch * blocks_per_seq + 1  # block 0 left unused: tables are padded with it
     max_model_len = (blocks_per_seq + 1) * block_size
     model = common.resolve_model(args)
-    argv = ["worker", "--device", args.device, "--dtype", args.dtype, "--block-size", str(block_size),
-            "--max-model-len", str(max_model_len), "--num-kv-blocks", str(num_blocks),
-            "--max-num-seqs", str(batch), "--max-num-batched-tokens", str(max(batch, args.max_num_batched_tokens)),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+    argv = [
+        "worker",
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--num-kv-blocks",
+        str(num_blocks),
+        "--max-num-seqs",
+        str(batch),
+        "--max-num-batched-tokens",
+        str(max(batch, args.max_num_batched_tokens)),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--seed",
+        str(args.seed),
+    ]
     if model:
         argv += ["--model", model]
     if args.enforce_eager:
@@ -148,8 +187,9 @@ def load_runner(args, batch: int, context_len: int, extra: list[str] = ()):
     return runner
 
 
-def _admit_plan(batch: int, num_computed: int, num_scheduled: int, block_size: int, tokens: list[int],
-                temperature: float, seed: int):
+def _admit_plan(
+    batch: int, num_computed: int, num_scheduled: int, block_size: int, tokens: list[int], temperature: float, seed: int
+):
     """A plan admitting `batch` sequences (re-admitting them if they exist) whose block tables
     cover num_computed + num_scheduled positions, each computing num_scheduled tokens."""
     from strata.v1 import engine_pb2
@@ -159,17 +199,25 @@ def _admit_plan(batch: int, num_computed: int, num_scheduled: int, block_size: i
     return engine_pb2.StepPlan(
         step_id=1,
         released_seq_ids=seq_ids,  # a no-op the first time; lets the same runner be timed again
-        new_sequences=[engine_pb2.NewSequence(
-            seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0, seed=seed + s,
-                                                          logprobs=-1)) for s in seq_ids],
-        table_keep=[0] * batch, table_append_counts=[blocks_per_seq] * batch,
+        new_sequences=[
+            engine_pb2.NewSequence(
+                seq_id=s,
+                sampling=engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0, seed=seed + s, logprobs=-1),
+            )
+            for s in seq_ids
+        ],
+        table_keep=[0] * batch,
+        table_append_counts=[blocks_per_seq] * batch,
         table_append_ids=np.arange(1, 1 + batch * blocks_per_seq).tolist(),
-        seq_ids=seq_ids, num_computed=[num_computed] * batch, num_scheduled=[num_scheduled] * batch,
-        input_token_ids=tokens, sample=[True] * batch)
+        seq_ids=seq_ids,
+        num_computed=[num_computed] * batch,
+        num_scheduled=[num_scheduled] * batch,
+        input_token_ids=tokens,
+        sample=[True] * batch,
+    )
 
 
-def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int, temperature: float,
-                 seed: int):
+def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int, temperature: float, seed: int):
     """(admit, step): the first plan admits `batch` sequences with full block tables, the second
     (repeated) decodes one token each at position context_len - 1."""
     from strata.v1 import engine_pb2
@@ -177,9 +225,16 @@ def decode_plans(batch: int, context_len: int, block_size: int, vocab_size: int,
     tokens = common.random_prompts(1, batch, vocab_size, seed)[0]
     admit = _admit_plan(batch, context_len - 1, 1, block_size, tokens, temperature, seed)
     blocks_per_seq = math.ceil(context_len / block_size)
-    step = engine_pb2.StepPlan(step_id=2, table_keep=[blocks_per_seq] * batch, table_append_counts=[0] * batch,
-                               seq_ids=admit.seq_ids, num_computed=admit.num_computed,
-                               num_scheduled=admit.num_scheduled, input_token_ids=tokens, sample=admit.sample)
+    step = engine_pb2.StepPlan(
+        step_id=2,
+        table_keep=[blocks_per_seq] * batch,
+        table_append_counts=[0] * batch,
+        seq_ids=admit.seq_ids,
+        num_computed=admit.num_computed,
+        num_scheduled=admit.num_scheduled,
+        input_token_ids=tokens,
+        sample=admit.sample,
+    )
     return admit, step
 
 
@@ -190,8 +245,9 @@ def prefill_plan(batch: int, prompt_len: int, block_size: int, vocab_size: int, 
     return _admit_plan(batch, 0, prompt_len, block_size, [t for p in tokens for t in p], temperature, seed)
 
 
-def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: int, temperature: float,
-                     seed: int = 0) -> dict:
+def time_decode_step(
+    runner, batch: int, context_len: int, steps: int, warmup: int, temperature: float, seed: int = 0
+) -> dict:
     """A decode step of `batch` sequences on the worker's ModelRunner, timed three ways:
 
     - median_s (the step): steady-state time per step as the worker runs them, each plan
@@ -220,10 +276,17 @@ def time_decode_step(runner, batch: int, context_len: int, steps: int, warmup: i
     if len(result.token_ids) != batch:
         raise RuntimeError(f"decode step sampled {len(result.token_ids)} tokens for a batch of {batch}")
     periods, gpu = back_to_back(runner, step, steps)
-    return {"batch": batch, "context_len": context_len, "steps": steps,
-            "median_s": float(np.median(periods)), "min_s": float(periods.min()),
-            "mean_s": float(periods.mean()), "p90_s": float(np.percentile(periods, 90)),
-            "serial_s": statistics.median(serial), "gpu_s": statistics.median(gpu[1:]) if cuda else None}
+    return {
+        "batch": batch,
+        "context_len": context_len,
+        "steps": steps,
+        "median_s": float(np.median(periods)),
+        "min_s": float(periods.min()),
+        "mean_s": float(periods.mean()),
+        "p90_s": float(np.percentile(periods, 90)),
+        "serial_s": statistics.median(serial),
+        "gpu_s": statistics.median(gpu[1:]) if cuda else None,
+    }
 
 
 def back_to_back(runner, plan, steps: int) -> tuple[np.ndarray, list]:
@@ -257,8 +320,9 @@ def in_process_roofline(args, batch: int, context_len: int, steps: int) -> dict:
 
     runner = load_runner(args, batch, context_len)
     try:
-        timing = time_decode_step(runner, batch, context_len, steps, warmup=5, temperature=args.temperature,
-                                  seed=args.seed)
+        timing = time_decode_step(
+            runner, batch, context_len, steps, warmup=5, temperature=args.temperature, seed=args.seed
+        )
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
         config, device, dtype = runner.config, str(runner.device), str(runner.dtype).removeprefix("torch.")
     finally:
@@ -267,10 +331,19 @@ def in_process_roofline(args, batch: int, context_len: int, steps: int) -> dict:
     bandwidth = measure_copy_bandwidth(device)
     floor = decode_bytes(config, itemsize, batch, context_len)
     floor_s = floor["total_bytes"] / bandwidth
-    return {"batch": batch, "context_len": context_len, "dtype": dtype, "itemsize": itemsize,
-            "copy_bandwidth_GBps": bandwidth / 1e9,
-            **floor, "floor_s": floor_s, "measured": timing, "measured_over_floor": timing["median_s"] / floor_s,
-            "config": config, "bandwidth_bytes_per_s": bandwidth}
+    return {
+        "batch": batch,
+        "context_len": context_len,
+        "dtype": dtype,
+        "itemsize": itemsize,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        **floor,
+        "floor_s": floor_s,
+        "measured": timing,
+        "measured_over_floor": timing["median_s"] / floor_s,
+        "config": config,
+        "bandwidth_bytes_per_s": bandwidth,
+    }
 
 
 def with_scheduler_view(result: dict, sched: dict) -> dict:
@@ -281,8 +354,11 @@ def with_scheduler_view(result: dict, sched: dict) -> dict:
     running = max(1, round(sched["mean_running"]))
     floor = decode_bytes(result["config"], result["itemsize"], running, result["context_len"])
     floor_s = floor["total_bytes"] / result["bandwidth_bytes_per_s"]
-    result["scheduler"] = {**sched, "floor_s_at_running": floor_s,
-                           "batch_step_over_floor": sched["seconds_per_batch_step"] / floor_s}
+    result["scheduler"] = {
+        **sched,
+        "floor_s_at_running": floor_s,
+        "batch_step_over_floor": sched["seconds_per_batch_step"] / floor_s,
+    }
     return result
 
 
@@ -293,51 +369,87 @@ def roofline_rows(r: dict) -> list[tuple[str, str]]:
         ("copy bandwidth", f"{r['copy_bandwidth_GBps']:,.0f} GB/s (2 x bytes / time of a device copy)"),
         ("bytes read", f"{r['weight_bytes'] / 1e9:.3f} GB weights + {r['kv_bytes'] / 1e9:.3f} GB KV"),
         ("floor", f"{r['floor_s'] * 1e3:.3f} ms"),
-        ("measured step", f"{m['median_s'] * 1e3:.3f} ms median (min {m['min_s'] * 1e3:.3f}, "
-                          f"p90 {m['p90_s'] * 1e3:.3f}, {m['steps']} steps back to back, in-process ModelRunner)"),
+        (
+            "measured step",
+            f"{m['median_s'] * 1e3:.3f} ms median (min {m['min_s'] * 1e3:.3f}, "
+            f"p90 {m['p90_s'] * 1e3:.3f}, {m['steps']} steps back to back, in-process ModelRunner)",
+        ),
         ("measured / floor", f"{r['measured_over_floor']:.2f}x   (target <= 1.5x)"),
-        ("  one step alone", f"{m['serial_s'] * 1e3:.3f} ms launch to tokens on the host "
-                             f"({m['serial_s'] / r['floor_s']:.2f}x the floor)"),
+        (
+            "  one step alone",
+            f"{m['serial_s'] * 1e3:.3f} ms launch to tokens on the host "
+            f"({m['serial_s'] / r['floor_s']:.2f}x the floor)",
+        ),
     ]
     if m.get("gpu_s"):
-        rows.append(("  GPU time", f"{m['gpu_s'] * 1e3:.3f} ms per step from CUDA events "
-                                   f"({m['gpu_s'] / r['floor_s']:.2f}x the floor)"))
+        rows.append(
+            (
+                "  GPU time",
+                f"{m['gpu_s'] * 1e3:.3f} ms per step from CUDA events ({m['gpu_s'] / r['floor_s']:.2f}x the floor)",
+            )
+        )
     s = r.get("scheduler")
     if s:
         rows += [
-            ("scheduler view", f"{s['seconds_per_step'] * 1e3:.3f} ms per engine step, "
-                               f"{s['decode_tokens_per_step']:.1f} decode tokens per step"),
-            ("  batch step", f"{s['seconds_per_batch_step'] * 1e3:.3f} ms for all {s['mean_running']:.1f} running "
-                             f"sequences to advance one token"),
-            ("  over floor", f"{s['batch_step_over_floor']:.2f}x (floor at that batch "
-                             f"{s['floor_s_at_running'] * 1e3:.3f} ms)"),
+            (
+                "scheduler view",
+                f"{s['seconds_per_step'] * 1e3:.3f} ms per engine step, "
+                f"{s['decode_tokens_per_step']:.1f} decode tokens per step",
+            ),
+            (
+                "  batch step",
+                f"{s['seconds_per_batch_step'] * 1e3:.3f} ms for all {s['mean_running']:.1f} running "
+                f"sequences to advance one token",
+            ),
+            (
+                "  over floor",
+                f"{s['batch_step_over_floor']:.2f}x (floor at that batch {s['floor_s_at_running'] * 1e3:.3f} ms)",
+            ),
         ]
         if "gpu_seconds_per_step" in s:
-            rows.append(("  worker GPU", f"{s['gpu_seconds_per_step'] * 1e3:.3f} ms busy per engine step, "
-                                         f"idle {s['gpu_idle_fraction']:.1%} of the time between steps"))
+            rows.append(
+                (
+                    "  worker GPU",
+                    f"{s['gpu_seconds_per_step'] * 1e3:.3f} ms busy per engine step, "
+                    f"idle {s['gpu_idle_fraction']:.1%} of the time between steps",
+                )
+            )
     return rows
 
 
 def json_ready(r: dict) -> dict:
     out = {k: v for k, v in r.items() if k != "config"}
-    out["model_shape"] = {k: getattr(r["config"], k) for k in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    out["model_shape"] = {
+        k: getattr(r["config"], k)
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+        )
+    }
     return out
 
 
 # ---------------------------------------------------------------- `strata bench roofline`
 
+
 async def _decode_through_stack(endpoints, args, context_len: int) -> dict:
     """B requests at once; the scheduler's decode-only windows give its view of the step."""
     from strata.v1 import generate_pb2
+
     info = await common.model_info(endpoints.gateway)
     prompts = common.random_prompts(args.batch, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
     # The decode-only phase lasts ~output_len steps (well under a second): sample it finely.
     async with common.StatsPoller(endpoints.scheduler, interval=0.1) as poller:
-        records = await common.run_all_at_once(endpoints.gateway, prompts, params, args.request_timeout,
-                                               desc="decode batch", progress=not args.no_progress)
+        records = await common.run_all_at_once(
+            endpoints.gateway, prompts, params, args.request_timeout, desc="decode batch", progress=not args.no_progress
+        )
     errors = common.failures(records)
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
@@ -353,21 +465,40 @@ def run(args) -> int:
         with common.cluster_for(args) as endpoints:
             sched = common.run(_decode_through_stack(endpoints, args, context_len))
     result = with_scheduler_view(in_process_roofline(args, args.batch, context_len, args.steps), sched)
-    common.print_section("Decode step vs roofline", roofline_rows(result),
-                         note="floor = (weight bytes + KV bytes read) / copy bandwidth")
+    common.print_section(
+        "Decode step vs roofline", roofline_rows(result), note="floor = (weight bytes + KV bytes read) / copy bandwidth"
+    )
     if args.through_stack and not sched:
         print("  (the scheduler saw no decode-only interval: no stack view)")
     row = _markdown_row(env, args, result)
     print("RESULTS.md row:\n" + row)
-    common.write_json(args.output, {"benchmark": "roofline", "environment": env, "config": common.args_dict(args),
-                                    "roofline": json_ready(result), "markdown_row": row})
+    common.write_json(
+        args.output,
+        {
+            "benchmark": "roofline",
+            "environment": env,
+            "config": common.args_dict(args),
+            "roofline": json_ready(result),
+            "markdown_row": row,
+        },
+    )
     return 0
 
 
 def _markdown_row(env, args, r: dict) -> str:
     f, s = common.fmt, r.get("scheduler", {})
-    cells = [env["date"][:10], env["commit"], env["device_name"], env["model"], str(args.pipeline_stages),
-             f"{r['batch']} x {r['context_len']}", f(r["copy_bandwidth_GBps"], ",.0f"), f(r["floor_s"] * 1e3, ".3f"),
-             f(r["measured"]["median_s"] * 1e3, ".3f"), f(r["measured_over_floor"], ".2f"),
-             f(s.get("seconds_per_batch_step", 0) * 1e3 or None, ".3f"), f(s.get("batch_step_over_floor"), ".2f")]
+    cells = [
+        env["date"][:10],
+        env["commit"],
+        env["device_name"],
+        env["model"],
+        str(args.pipeline_stages),
+        f"{r['batch']} x {r['context_len']}",
+        f(r["copy_bandwidth_GBps"], ",.0f"),
+        f(r["floor_s"] * 1e3, ".3f"),
+        f(r["measured"]["median_s"] * 1e3, ".3f"),
+        f(r["measured_over_floor"], ".2f"),
+        f(s.get("seconds_per_batch_step", 0) * 1e3 or None, ".3f"),
+        f(s.get("batch_step_over_floor"), ".2f"),
+    ]
     return "| " + " | ".join(cells) + " |"

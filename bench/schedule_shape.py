@@ -9,6 +9,7 @@ left out. What it shows is where an offline run's GPU time must go: how many ste
 (and how big they are) and how many only decode (and at what batch). Multiply by the step times
 of `python -m strata.bench.profile_step` to place a throughput run against its floor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,13 @@ from strata.v1 import engine_pb2
 def simulate(args) -> list[tuple[int, int]]:
     """(prompt tokens computed, decode rows) of every step, in order."""
     blocks_per_seq = -(-(args.input_len + args.output_len) // args.block_size)
-    sched = Scheduler(num_blocks=args.max_num_seqs * blocks_per_seq + 1, block_size=args.block_size,
-                      max_model_len=blocks_per_seq * args.block_size, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+    sched = Scheduler(
+        num_blocks=args.max_num_seqs * blocks_per_seq + 1,
+        block_size=args.block_size,
+        max_model_len=blocks_per_seq * args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     rng = random.Random(args.seed)
     for i in range(args.num_prompts):
         sampling = engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=i, logprobs=-1)
@@ -59,8 +64,10 @@ def main() -> None:
     mixed = [s for s in steps if s[0]]
     decode_only = [s for s in steps if not s[0]]
     print(f"{len(steps)} steps: {len(mixed)} with prompt tokens, {len(decode_only)} decode-only")
-    print(f"  prompt tokens {sum(s[0] for s in steps):,}; decode rows {sum(s[1] for s in steps):,} "
-          f"({sum(s[1] for s in mixed):,} of them in steps with prompt tokens)")
+    print(
+        f"  prompt tokens {sum(s[0] for s in steps):,}; decode rows {sum(s[1] for s in steps):,} "
+        f"({sum(s[1] for s in mixed):,} of them in steps with prompt tokens)"
+    )
     print(f"  steps with prompt tokens, by prompt tokens: {histogram([s[0] for s in mixed], 2048)}")
     print(f"  decode-only steps, by batch: {histogram([s[1] for s in decode_only], 32)}")
 

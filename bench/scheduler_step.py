@@ -18,6 +18,7 @@ of several repeats, on one machine.
     python -m strata.bench.scheduler_step                          # 256 and 512 sequences
     python -m strata.bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,11 @@ import random
 import statistics
 import time
 
+from strata.gc_tuning import SERVING_GEN0_THRESHOLD
 from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
-from strata.gc_tuning import SERVING_GEN0_THRESHOLD
 from strata.v1 import engine_pb2
 
 PHASES = ("schedule", "encode", "result")
@@ -49,13 +50,22 @@ def make_engine(args, rng: random.Random) -> Engine:
     engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=args.num_seqs))
     max_len = args.prompt_len + args.warmup + args.repeat * args.steps + 64  # no sequence ends by length
     engine.scheduler = Scheduler(
-        num_blocks=args.num_seqs * -(-max_len // args.block_size), block_size=args.block_size,
-        max_model_len=max_len, max_num_seqs=args.num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, decode_lookahead=args.lookahead)
+        num_blocks=args.num_seqs * -(-max_len // args.block_size),
+        block_size=args.block_size,
+        max_model_len=max_len,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_lookahead=args.lookahead,
+    )
     for i in range(args.num_seqs):
-        req = Request(f"r{i}", [rng.randrange(100, 30000) for _ in range(args.prompt_len)],
-                      engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=i, logprobs=-1),
-                      max_tokens=1_000_000, ignore_eos=True, eos_token_ids={2})
+        req = Request(
+            f"r{i}",
+            [rng.randrange(100, 30000) for _ in range(args.prompt_len)],
+            engine_pb2.SamplingOptions(temperature=1.0, top_p=1.0, seed=i, logprobs=-1),
+            max_tokens=1_000_000,
+            ignore_eos=True,
+            eos_token_ids={2},
+        )
         engine.scheduler.add_request(req)
         engine.streams[req.request_id] = OutputStream(req.request_id, args.prompt_len, final_only=True)
     return engine
@@ -64,12 +74,17 @@ def make_engine(args, rng: random.Random) -> Engine:
 def fake_result(plan, rng: random.Random) -> bytes:
     """What the last stage sends back: one random token per sampling sequence."""
     seq_ids = [s.seq_id for s in plan.seqs if s.sample]
-    return engine_pb2.StepResult(step_id=plan.step_id, seq_ids=seq_ids, num_tokens=[1] * len(seq_ids),
-                                 token_ids=[rng.randrange(100, 30000) for _ in seq_ids]).SerializeToString()
+    return engine_pb2.StepResult(
+        step_id=plan.step_id,
+        seq_ids=seq_ids,
+        num_tokens=[1] * len(seq_ids),
+        token_ids=[rng.randrange(100, 30000) for _ in seq_ids],
+    ).SerializeToString()
 
 
-def run_steps(engine: Engine, results: collections.deque, steps: int, rng: random.Random,
-              totals: dict[str, float]) -> None:
+def run_steps(
+    engine: Engine, results: collections.deque, steps: int, rng: random.Random, totals: dict[str, float]
+) -> None:
     sched, clock = engine.scheduler, time.perf_counter
     for _ in range(steps):
         while len(engine.in_flight) <= sched.decode_lookahead:
@@ -115,26 +130,42 @@ def measure(args, num_seqs: int) -> list[dict[str, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[256, 512],
-                   help="running decode sequences (one measurement per value)")
+    p.add_argument(
+        "--num-seqs",
+        type=int,
+        nargs="+",
+        default=[256, 512],
+        help="running decode sequences (one measurement per value)",
+    )
     p.add_argument("--steps", type=int, default=300, help="timed engine steps per repeat")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps first (prefill and the first decodes)")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats; the best and the median are printed")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    p.add_argument("--lookahead", type=int, default=2,
-                   help="decode lookahead: plans in flight beyond the first (the one-stage engine uses 2; "
-                        "0: one plan in flight, each decode scheduled after its token came back)")
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=2,
+        help="decode lookahead: plans in flight beyond the first (the one-stage engine uses 2; "
+        "0: one plan in flight, each decode scheduled after its token came back)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
-    p.add_argument("--profile", action="store_true",
-                   help="run the timed steps under cProfile and print the top functions (slows every step)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the timed steps under cProfile and print the top functions (slows every step)",
+    )
     p.add_argument("--profile-lines", type=int, default=25, help="functions printed with --profile")
-    p.add_argument("--gc-threshold", type=int, default=SERVING_GEN0_THRESHOLD,
-                   help="first-generation threshold of Python's garbage collector (default: what the scheduler "
-                        "process sets, strata/gc_tuning.py; 0: Python's default, 700); "
-                        "a plan holds several collected objects per sequence, so collections cost a share of "
-                        "every step that grows with N")
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=SERVING_GEN0_THRESHOLD,
+        help="first-generation threshold of Python's garbage collector (default: what the scheduler "
+        "process sets, strata/gc_tuning.py; 0: Python's default, 700); "
+        "a plan holds several collected objects per sequence, so collections cost a share of "
+        "every step that grows with N",
+    )
     args = p.parse_args()
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
@@ -145,8 +176,10 @@ def main() -> None:
         best = min(range(len(runs)), key=totals.__getitem__)
         median = statistics.median(totals)
         phases = ", ".join(f"{k} {runs[best][k] * 1e3:.3f}" for k in PHASES)
-        print(f"N={n}: {totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
-              f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}")
+        print(
+            f"N={n}: {totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
+            f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ S is the host's share. Used by `python -m strata.bench.host_overhead` (runs on a
 
     python -m strata.bench.simulated_worker --port 50061 --step-ms 2.8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,12 @@ import time
 
 import torch
 
+from strata.default_model import ensure_tiny_model
+from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.step_results import PendingResult
-from strata.default_model import ensure_tiny_model
-from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 
@@ -53,18 +54,32 @@ class SimulatedResult(PendingResult):
         delay = self.done_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)  # releases the GIL, as waiting on a CUDA event does
-        return engine_pb2.StepResult(step_id=self.step_id, seq_ids=self.seq_ids, num_tokens=[1] * len(self.seq_ids),
-                                     token_ids=self.tokens, launch_seconds=self.launch_seconds)
+        return engine_pb2.StepResult(
+            step_id=self.step_id,
+            seq_ids=self.seq_ids,
+            num_tokens=[1] * len(self.seq_ids),
+            token_ids=self.tokens,
+            launch_seconds=self.launch_seconds,
+        )
 
 
 class SimulatedRunner(ModelRunner):
     """The real plan bookkeeping and input preparation; the model and sampler are simulated."""
 
-    def __init__(self, config: ModelConfig, device: SimulatedDevice, block_size: int, max_model_len: int,
-                 max_num_seqs: int):
-        super().__init__(shard=None, model_config=config, stage_index=0, num_stages=1, block_size=block_size,
-                         max_model_len=max_model_len, device=torch.device("cpu"), dtype=torch.float32,
-                         max_num_seqs=max_num_seqs)
+    def __init__(
+        self, config: ModelConfig, device: SimulatedDevice, block_size: int, max_model_len: int, max_num_seqs: int
+    ):
+        super().__init__(
+            shard=None,
+            model_config=config,
+            stage_index=0,
+            num_stages=1,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            max_num_seqs=max_num_seqs,
+        )
         self.simulated = device
         self.sampler = None
 
@@ -78,22 +93,39 @@ class SimulatedRunner(ModelRunner):
         h = self.inputs.build(plan, rows)
         # A token that depends on the sequence and position, within the vocabulary.
         tokens = ((h.sample_rows * 7919 + h.sample_positions) % (self.config.vocab_size - 2) + 2).tolist()
-        return SimulatedResult(plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch(),
-                               time.perf_counter() - start)
+        return SimulatedResult(
+            plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch(), time.perf_counter() - start
+        )
 
 
 def build(args) -> tuple[SimulatedRunner, engine_pb2.WorkerDescription]:
     model_dir = ensure_tiny_model()
     config = ModelConfig.from_dir(model_dir)
-    runner = SimulatedRunner(config, SimulatedDevice(args.step_ms / 1e3), args.block_size, args.max_model_len,
-                             max(4 * args.max_num_seqs, 1024))
+    runner = SimulatedRunner(
+        config,
+        SimulatedDevice(args.step_ms / 1e3),
+        args.block_size,
+        args.max_model_len,
+        max(4 * args.max_num_seqs, 1024),
+    )
     description = engine_pb2.WorkerDescription(
-        stage_index=0, num_stages=1, layer_start=0, layer_end=config.num_hidden_layers,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, device="simulated",
+        stage_index=0,
+        num_stages=1,
+        layer_start=0,
+        layer_end=config.num_hidden_layers,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        device="simulated",
         model_fingerprint="simulated",
-        model=generate_pb2.ModelInfo(model_name="simulated", architecture=config.architecture,
-                                     max_model_len=args.max_model_len, vocab_size=config.vocab_size,
-                                     eos_token_ids=config.eos_token_id, dtype="simulated"))
+        model=generate_pb2.ModelInfo(
+            model_name="simulated",
+            architecture=config.architecture,
+            max_model_len=args.max_model_len,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_id,
+            dtype="simulated",
+        ),
+    )
     return runner, description
 
 
@@ -110,6 +142,7 @@ async def serve(args) -> None:
 
 def main() -> None:
     from strata.launcher import die_with_launcher
+
     die_with_launcher()  # started by bench.host_overhead's Cluster
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, required=True, help="port to serve the Worker service on (127.0.0.1)")

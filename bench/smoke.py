@@ -1,7 +1,8 @@
 """Start a cluster, send a burst of concurrent requests, print the first failure's status in full.
 
-    python -m strata.bench.smoke --model dummy:llama-3.2-1b --requests 64 --input-len 64 --output-len 32
+python -m strata.bench.smoke --model dummy:llama-3.2-1b --requests 64 --input-len 64 --output-len 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from strata.flags import service_args
 from strata.client import StrataClient
+from strata.flags import service_args
 from strata.launcher import free_port, start_cluster
 from strata.v1 import generate_pb2
 
@@ -25,8 +26,20 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("extra", nargs="*", help="more `strata serve` flags")
     a = p.parse_args()
-    args = service_args(["serve", "--model", a.model, "--http-port", "0", "--pipeline-stages", str(a.stages),
-                                      "--port", str(free_port()), *a.extra])
+    args = service_args(
+        [
+            "serve",
+            "--model",
+            a.model,
+            "--http-port",
+            "0",
+            "--pipeline-stages",
+            str(a.stages),
+            "--port",
+            str(free_port()),
+            *a.extra,
+        ]
+    )
     cluster = start_cluster(args)
     try:
         client = StrataClient(cluster.gateway_address)
@@ -36,8 +49,15 @@ def main() -> int:
 
         def one(prompt):
             try:
-                final = list(client.generate(prompt, max_tokens=a.output_len, ignore_eos=True,
-                                             output_kind=generate_pb2.FINAL_ONLY, timeout=300))
+                final = list(
+                    client.generate(
+                        prompt,
+                        max_tokens=a.output_len,
+                        ignore_eos=True,
+                        output_kind=generate_pb2.FINAL_ONLY,
+                        timeout=300,
+                    )
+                )
                 return len(final[-1].outputs[0].token_ids), None
             except grpc.RpcError as e:
                 return 0, f"{e.code().name}: {e.details()}"

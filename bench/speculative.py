@@ -15,6 +15,7 @@ target's decode step, its verify step over k + 1 positions and the draft's decod
 prints the speedup those costs give at acceptance rates 0.5, 0.7 and 0.9: the draft made of the
 target's first --draft-num-layers layers, and a dummy 8B target with a dummy 1B draft.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,7 @@ PASSAGES = [
         total += values[i] - values[i - window]
         averages.append(total / window)
     return averages''',
-    '''class LRUCache:
+    """class LRUCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.items = {}
@@ -53,15 +54,15 @@ PASSAGES = [
         self.items.pop(key, None)
         self.items[key] = value
         if len(self.items) > self.capacity:
-            self.items.pop(next(iter(self.items)))''',
-    '''SELECT customers.name, COUNT(orders.id) AS order_count, SUM(orders.total) AS revenue
+            self.items.pop(next(iter(self.items)))""",
+    """SELECT customers.name, COUNT(orders.id) AS order_count, SUM(orders.total) AS revenue
 FROM customers
 JOIN orders ON orders.customer_id = customers.id
 WHERE orders.created_at >= '2024-01-01'
 GROUP BY customers.name
 HAVING COUNT(orders.id) > 3
 ORDER BY revenue DESC
-LIMIT 20;''',
+LIMIT 20;""",
     "The old lighthouse stood at the edge of the harbour for more than two hundred years. Every evening "
     "the keeper climbed one hundred and twelve steps, trimmed the wick, polished the brass and wound the "
     "clockwork that turned the great lens. Sailors said they could see its beam from thirty miles out on a "
@@ -69,9 +70,9 @@ LIMIT 20;''',
     'The report says: "Revenue grew by 12.5 percent in 2023." The chairman added: "We expect similar growth '
     'next year." A spokesperson later clarified: "The figures exclude the acquisition." Analysts called the '
     'statement "cautious but credible", and one wrote that "the margins are the real story here."',
-    '''{"name": "strata", "version": "0.1.0", "services": ["gateway", "scheduler", "worker"],
+    """{"name": "strata", "version": "0.1.0", "services": ["gateway", "scheduler", "worker"],
  "ports": {"gateway": 50051, "scheduler": 50052, "worker": 50061},
- "features": {"speculative_decoding": true, "prefix_caching": true, "pipeline_parallel": true}}''',
+ "features": {"speculative_decoding": true, "prefix_caching": true, "pipeline_parallel": true}}""",
 ]
 TASKS = [
     "Repeat the following text exactly, character for character, and nothing else:\n\n{}",
@@ -81,14 +82,22 @@ TASKS = [
     "Quote back every line of the following that contains a number or a quotation, exactly as written:\n\n{}",
 ]
 OPEN = [
-    "Write a short poem about the sea at night.", "What are three tips for learning a new language?",
-    "Explain why the sky is blue to a ten-year-old.", "Give me a recipe idea for a quick vegetarian dinner.",
-    "What is the difference between a list and a tuple in Python?", "Describe a perfect autumn day.",
-    "Suggest a name for a small bakery and explain why.", "How do bees make honey?",
-    "Write a two-sentence horror story.", "What should I pack for a weekend hiking trip?",
-    "Why do cats purr?", "Summarise the plot of a fairy tale of your choice in three sentences.",
-    "What are the benefits of regular exercise?", "Invent a new board game and describe its rules briefly.",
-    "How does a rainbow form?", "Write a friendly email inviting a colleague to lunch.",
+    "Write a short poem about the sea at night.",
+    "What are three tips for learning a new language?",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me a recipe idea for a quick vegetarian dinner.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a perfect autumn day.",
+    "Suggest a name for a small bakery and explain why.",
+    "How do bees make honey?",
+    "Write a two-sentence horror story.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do cats purr?",
+    "Summarise the plot of a fairy tale of your choice in three sentences.",
+    "What are the benefits of regular exercise?",
+    "Invent a new board game and describe its rules briefly.",
+    "How does a rainbow form?",
+    "Write a friendly email inviting a colleague to lunch.",
 ]
 ACCEPTANCE_RATES = (0.5, 0.7, 0.9)
 
@@ -96,6 +105,7 @@ ACCEPTANCE_RATES = (0.5, 0.7, 0.9)
 def prompt_sets(model_dir: str) -> dict[str, list[list[int]]]:
     """Token ids of both sets, through the model's chat template when it has one."""
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def encode(text: str) -> list[int]:
@@ -109,8 +119,10 @@ def prompt_sets(model_dir: str) -> dict[str, list[list[int]]]:
 
 def _params(args):
     from strata.v1 import generate_pb2
-    params = generate_pb2.SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
-                                         output_kind=generate_pb2.DELTA)
+
+    params = generate_pb2.SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, output_kind=generate_pb2.DELTA
+    )
     if args.temperature > 0:
         params.seed = args.seed
     return params
@@ -118,6 +130,7 @@ def _params(args):
 
 async def _generate(stub, prompt: list[int], params, timeout: float) -> list[int]:
     from strata.v1 import generate_pb2
+
     request = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params)
     tokens: list[int] = []
     async for response in stub.Generate(request, timeout=timeout):
@@ -129,6 +142,7 @@ async def _generate(stub, prompt: list[int], params, timeout: float) -> list[int
 async def _phase(endpoints, args, prompts: list[list[int]], batch: int) -> dict:
     """Closed loop at `batch` streams over max(2 * batch, 8) requests; tokens of each request."""
     from strata.v1 import generate_pb2_grpc
+
     count = max(2 * batch, 8)
     work = [prompts[i % len(prompts)] for i in range(count)]
     outputs: list[list[int] | None] = [None] * count
@@ -143,17 +157,27 @@ async def _phase(endpoints, args, prompts: list[list[int]], batch: int) -> dict:
             while queue:
                 i = queue.pop(0)
                 outputs[i] = await _generate(stub, work[i], params, args.request_timeout)
+
         await asyncio.gather(*(stream() for _ in range(min(batch, count))))
         elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(endpoints.scheduler)
     spec = {}
     if before is not None:
-        spec = {name: getattr(after, name) - getattr(before, name)
-                for name in ("spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")}
+        spec = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
+        }
         spec["scheduler"] = common.stats_delta(before, after)
     tokens = sum(len(o) for o in outputs)
-    return {"requests": count, "output_tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed,
-            "outputs": outputs, "prompts": work, **spec}
+    return {
+        "requests": count,
+        "output_tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "outputs": outputs,
+        "prompts": work,
+        **spec,
+    }
 
 
 def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> dict:
@@ -181,6 +205,7 @@ async def _margins(endpoints, args, divergent: list[tuple[list[int], int, list[i
     run's tokens before it (the batched run drifted: a batch-size rounding effect, and the gap
     belongs to another context)."""
     from strata.v1 import generate_pb2, generate_pb2_grpc
+
     margins = []
     async with common.open_channel(endpoints.gateway) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
@@ -214,8 +239,11 @@ def run(args) -> int:
     model = common.resolve_model(args) or _default_model()
     args = common.with_overrides(args, model=model)
     common.print_header("speculative", env)
-    print(f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
-          f"{args.output_len} tokens at most, temperature {args.temperature}", flush=True)
+    print(
+        f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
+        f"{args.output_len} tokens at most, temperature {args.temperature}",
+        flush=True,
+    )
     rows = []
     if args.through_stack:
         sets = prompt_sets(model)
@@ -232,35 +260,52 @@ def run(args) -> int:
 def near_tie_margin(args) -> float:
     """Largest top-2 logit gap a rounding difference explains: two bf16 ulps of a logit between 16
     and 32 (where chat models' top logits sit), or float32's rounding."""
-    dtype = args.dtype if args.dtype != "auto" else (
-        "bfloat16" if common.resolve_device(args.device).startswith("cuda") else "float32")
+    dtype = (
+        args.dtype
+        if args.dtype != "auto"
+        else ("bfloat16" if common.resolve_device(args.device).startswith("cuda") else "float32")
+    )
     return 0.25 if dtype in ("bfloat16", "float16") else 1e-3
 
 
 def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
     rows = []
-    print(f"\n{'set':<8}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accept':>8}"
-          f"{'mean acc len':>14}{'identical':>11}")
+    print(
+        f"\n{'set':<8}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accept':>8}"
+        f"{'mean acc len':>14}{'identical':>11}"
+    )
     for key in spec:
         s, p = spec[key], plain[key]
         drafts = s.get("spec_decode_drafts", 0)
         acceptance = s["spec_decode_accepted_tokens"] / s["spec_decode_draft_tokens"] if drafts else 0.0
         mean_len = 1 + s["spec_decode_accepted_tokens"] / drafts if drafts else 1.0
         diverged = p["divergences"]
-        row = {"set": key[0], "batch": key[1], "plain_tokens_per_s": p["tokens_per_s"],
-               "spec_tokens_per_s": s["tokens_per_s"], "speedup": s["tokens_per_s"] / p["tokens_per_s"],
-               "acceptance_rate": acceptance, "mean_accepted_length": mean_len, "requests": s["requests"],
-               "identical": s["requests"] - len(diverged), "divergences": diverged}
+        row = {
+            "set": key[0],
+            "batch": key[1],
+            "plain_tokens_per_s": p["tokens_per_s"],
+            "spec_tokens_per_s": s["tokens_per_s"],
+            "speedup": s["tokens_per_s"] / p["tokens_per_s"],
+            "acceptance_rate": acceptance,
+            "mean_accepted_length": mean_len,
+            "requests": s["requests"],
+            "identical": s["requests"] - len(diverged),
+            "divergences": diverged,
+        }
         rows.append(row)
-        print(f"{key[0]:<8}{key[1]:>6}{p['tokens_per_s']:>13,.0f}{s['tokens_per_s']:>12,.0f}{row['speedup']:>8.2f}x"
-              f"{acceptance:>8.2f}{mean_len:>14.2f}{row['identical']:>7}/{s['requests']}")
+        print(
+            f"{key[0]:<8}{key[1]:>6}{p['tokens_per_s']:>13,.0f}{s['tokens_per_s']:>12,.0f}{row['speedup']:>8.2f}x"
+            f"{acceptance:>8.2f}{mean_len:>14.2f}{row['identical']:>7}/{s['requests']}"
+        )
         for run, phase in (("plain", p), ("spec", s)):
             stats = phase.get("scheduler") or {}
             if stats.get("steps"):
                 steps = stats["steps"]
                 rows_ = common.gpu_timeline_rows(stats, phase["elapsed_s"])
-                print(f"    {run}: {steps:,} steps, {phase['output_tokens'] / steps:.2f} output tokens per step; "
-                      + "; ".join(f"{k}: {v}" for k, v in rows_))
+                print(
+                    f"    {run}: {steps:,} steps, {phase['output_tokens'] / steps:.2f} output tokens per step; "
+                    + "; ".join(f"{k}: {v}" for k, v in rows_)
+                )
         for i, position, margin, drifted in diverged:
             if drifted:
                 verdict = "the plain run alone differs earlier (batch-size rounding): margin of another context"
@@ -272,10 +317,12 @@ def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
 
 def _default_model() -> str:
     from strata.model_source import resolve_model
+
     return resolve_model(None)[0]
 
 
 # ---------------------------------------------------------------- cost model
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one verification emits when each draft is accepted with probability alpha."""
@@ -290,22 +337,29 @@ def predicted_speedup(alpha: float, k: int, decode_s: float, verify_s: float, dr
 def cost_model(args, model: str) -> list[dict]:
     pairs = []
     if args.draft_num_layers:
-        pairs.append((f"{model} (first {args.draft_num_layers} layers as the draft)", model, model,
-                      args.draft_num_layers))
+        pairs.append(
+            (f"{model} (first {args.draft_num_layers} layers as the draft)", model, model, args.draft_num_layers)
+        )
     if common.resolve_device(args.device).startswith("cuda"):  # 8B of random weights: GPU only
         pairs.append(("dummy 8B target, dummy 1B draft", "dummy:llama-3-8b", "dummy:llama-3.2-1b", 0))
     rows = []
     for name, target, draft, layers in pairs:
         costs = _step_costs(args, target, draft, layers)
         print(f"\ncost model: {name} (k={args.num_speculative_tokens}, context {args.cost_context_len})")
-        print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'draft ms':>10}{'draft/decode':>14}"
-              + "".join(f"{f'@{a}':>9}" for a in ACCEPTANCE_RATES))
+        print(
+            f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'draft ms':>10}{'draft/decode':>14}"
+            + "".join(f"{f'@{a}':>9}" for a in ACCEPTANCE_RATES)
+        )
         for batch, t in costs.items():
-            speedups = [predicted_speedup(a, args.num_speculative_tokens, t["decode_s"], t["verify_s"], t["draft_s"])
-                        for a in ACCEPTANCE_RATES]
+            speedups = [
+                predicted_speedup(a, args.num_speculative_tokens, t["decode_s"], t["verify_s"], t["draft_s"])
+                for a in ACCEPTANCE_RATES
+            ]
             rows.append({"pair": name, "batch": batch, **t, "predicted_speedup": dict(zip(ACCEPTANCE_RATES, speedups))})
-            print(f"{batch:>6}{t['decode_s'] * 1e3:>11.3f}{t['verify_s'] * 1e3:>11.3f}{t['draft_s'] * 1e3:>10.3f}"
-                  f"{t['draft_s'] / t['decode_s']:>14.2f}" + "".join(f"{s:>8.2f}x" for s in speedups))
+            print(
+                f"{batch:>6}{t['decode_s'] * 1e3:>11.3f}{t['verify_s'] * 1e3:>11.3f}{t['draft_s'] * 1e3:>10.3f}"
+                f"{t['draft_s'] / t['decode_s']:>14.2f}" + "".join(f"{s:>8.2f}x" for s in speedups)
+            )
     return rows
 
 
@@ -315,9 +369,16 @@ def _step_costs(args, target: str, draft: str, draft_layers: int) -> dict[int, d
     that way, and so do a proposal's k draft steps); the verify step alone, launch to tokens on
     the host, as each round waits for it. One runner per model, sized for the largest batch."""
     from strata.bench.roofline import load_runner, time_decode_step
+
     k, context, largest = args.num_speculative_tokens, args.cost_context_len, max(args.batches)
-    spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(k),
-            "--speculative-max-batch", str(largest)]
+    spec = [
+        "--speculative-method",
+        "draft",
+        "--num-speculative-tokens",
+        str(k),
+        "--speculative-max-batch",
+        str(largest),
+    ]
     costs = {b: {} for b in args.batches}
     runner = load_runner(common.with_overrides(args, model=target), largest, context + k + 1, extra=spec)
     try:
@@ -342,6 +403,7 @@ def _step_costs(args, target: str, draft: str, draft_layers: int) -> dict[int, d
 def _time_verify_step(runner, batch: int, context: int, k: int, seed: int, steps: int = 20) -> float:
     """A verify step: every sequence computes its last token plus k drafts at position context - 1."""
     from strata.bench.roofline import decode_plans
+
     admit, step = decode_plans(batch, context + k, runner.block_size, runner.config.vocab_size, 0.0, seed)
     runner.execute(admit).finish()
     rng = np.random.default_rng(seed)

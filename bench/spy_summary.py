@@ -3,6 +3,7 @@ functions with the most self time, per process.
 
     python -m strata.bench.spy_summary OUTDIR
 """
+
 from __future__ import annotations
 
 import collections

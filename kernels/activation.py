@@ -57,7 +57,10 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         return out
     block = min(_MAX_BLOCK, triton.next_power_of_2(intermediate))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0),
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
         INTERMEDIATE=intermediate,
         BLOCK=block,
         num_warps=max(1, min(4, block // 256)),

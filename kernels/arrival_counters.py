@@ -9,6 +9,7 @@ The counters are zeroed once and kept across calls (every launch leaves them at 
 per device and owner kernel: launches of one owner run in stream order, never two at once.
 They are made outside any graph capture in practice, as the runner's warm-up calls first.
 """
+
 from __future__ import annotations
 
 import torch

@@ -73,8 +73,13 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.paged_attention import _device_sm_count
 
-__all__ = ["GemmLaunchConfig", "batched_linear", "choose_batched_linear_config", "compile_batched_linear",
-           "use_batched_linear"]
+__all__ = [
+    "GemmLaunchConfig",
+    "batched_linear",
+    "choose_batched_linear_config",
+    "compile_batched_linear",
+    "use_batched_linear",
+]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SHARED = 200 * 1024  # operand buffers per program, of the 227 KB an sm_90 block may use
@@ -107,10 +112,11 @@ class GemmLaunchConfig:
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
 
     def describe(self) -> str:
-        schedule = (f"streamk{self.stream_k}" if self.stream_k else
-                    f"split{self.split_k}" if self.split_k > 1 else "dp")
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} {schedule} w{self.num_warps} s{self.num_stages}"
-                f"{' tma' if self.use_tma else ''}{'' if self.pdl else ' nopdl'}")
+        schedule = f"streamk{self.stream_k}" if self.stream_k else f"split{self.split_k}" if self.split_k > 1 else "dp"
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} {schedule} w{self.num_warps} s{self.num_stages}"
+            f"{' tma' if self.use_tma else ''}{'' if self.pdl else ' nopdl'}"
+        )
 
 
 def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_size: int = 2) -> GemmLaunchConfig:
@@ -137,8 +143,9 @@ def choose_batched_linear_config(m: int, n: int, k: int, sm_count: int, element_
     if tiles > sm_count:
         return GemmLaunchConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, use_tma=True)
     split = max(1, min(sm_count // tiles, triton.cdiv(k, 128) // 4))
-    return GemmLaunchConfig(block_m=64, block_n=128, block_k=128, split_k=split, num_warps=4, num_stages=4,
-                            use_tma=True)
+    return GemmLaunchConfig(
+        block_m=64, block_n=128, block_k=128, split_k=split, num_warps=4, num_stages=4, use_tma=True
+    )
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -155,8 +162,22 @@ def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+def _dot_step(
+    acc,
+    x_in,
+    w_in,
+    a_ptrs,
+    b_ptrs,
+    off_m,
+    off_n,
+    step,
+    K,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """acc += one BLOCK_K step of the tile's x rows times its W rows, transposed."""
     if USE_TMA:
         k0 = (step * BLOCK_K).to(tl.int32)
@@ -183,9 +204,26 @@ def _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K: t
 
 
 @triton.jit
-def _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                USE_TMA: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+def _accumulate(
+    acc,
+    x_in,
+    w_in,
+    pid_m,
+    pid_n,
+    step_begin,
+    step_end,
+    M,
+    N,
+    K,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """acc += x[tile rows, steps] @ W[tile columns, steps].T over K steps [step_begin, step_end)."""
     off_m = (pid_m * BLOCK_M).to(tl.int32)
     off_n = (pid_n * BLOCK_N).to(tl.int32)
@@ -201,33 +239,59 @@ def _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, st
         # The interpreter (triton 3.6 + numpy 2.x) cannot take tensor bounds in range().
         step = step_begin
         while step < step_end:
-            acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT, INTERPRETED)
+            acc = _dot_step(
+                acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED
+            )
             step += 1
     else:
         for step in range(step_begin, step_end):
-            acc = _dot_step(acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA,
-                            IEEE_DOT, INTERPRETED)
+            acc = _dot_step(
+                acc, x_in, w_in, a_ptrs, b_ptrs, off_m, off_n, step, K, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED
+            )
     return acc
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _store_tile(
+    acc,
+    out_ptr,
+    bias_ptr,
+    pid_m,
+    pid_n,
+    M,
+    N,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """out[tile] = acc (+ bias), rounded once to out's dtype; rows past M, columns past N dropped."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "programs"])
 def _batched_linear_kernel(
-    x_in, w_in, bias_ptr, out_ptr, scratch_ptr,
-    M, N, K, stride_xm, stride_om, split_k, programs,
+    x_in,
+    w_in,
+    bias_ptr,
+    out_ptr,
+    scratch_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    split_k,
+    programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -258,8 +322,26 @@ def _batched_linear_kernel(
             step_end = tl.minimum(unit_end - tile * steps, steps)
             pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
+            acc = _accumulate(
+                acc,
+                x_in,
+                w_in,
+                pid_m,
+                pid_n,
+                step_begin,
+                step_end,
+                M,
+                N,
+                K,
+                stride_xm,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+                USE_TMA,
+                IEEE_DOT,
+                INTERPRETED,
+            )
             if step_begin == 0 and step_end == steps:
                 _store_tile(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)
             else:
@@ -277,22 +359,59 @@ def _batched_linear_kernel(
             per_split = tl.cdiv(steps, split_k)
             step_begin = split * per_split
             step_end = tl.minimum(step_begin + per_split, steps)
-            acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, step_begin, step_end, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
+            acc = _accumulate(
+                acc,
+                x_in,
+                w_in,
+                pid_m,
+                pid_n,
+                step_begin,
+                step_end,
+                M,
+                N,
+                K,
+                stride_xm,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+                USE_TMA,
+                IEEE_DOT,
+                INTERPRETED,
+            )
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
             rows = (split * M + offs_m).to(tl.int64)
             tl.store(scratch_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
         else:
-            acc = _accumulate(acc, x_in, w_in, pid_m, pid_n, 0, steps, M, N, K, stride_xm,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, IEEE_DOT, INTERPRETED)
+            acc = _accumulate(
+                acc,
+                x_in,
+                w_in,
+                pid_m,
+                pid_n,
+                0,
+                steps,
+                M,
+                N,
+                K,
+                stride_xm,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+                USE_TMA,
+                IEEE_DOT,
+                INTERPRETED,
+            )
             _store_tile(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _reduce_splits_kernel(scratch_ptr, bias_ptr, out_ptr, M, N, split_k,
-                          BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr):
+def _reduce_splits_kernel(
+    scratch_ptr, bias_ptr, out_ptr, M, N, split_k, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr
+):
     """out = sum over splits of the float32 partials [split_k, M, N], in split order (+ bias)."""
     if WAIT:
         gdc_wait()
@@ -310,9 +429,23 @@ def _reduce_splits_kernel(scratch_ptr, bias_ptr, out_ptr, M, N, split_k,
 
 
 @triton.jit(do_not_specialize=["M", "programs"])
-def _stream_k_fixup_kernel(scratch_ptr, bias_ptr, out_ptr, M, N, K, stride_om, programs,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr):
+def _stream_k_fixup_kernel(
+    scratch_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     """Each tile that several stream-K programs shared: their pieces summed in program order."""
     if WAIT:
         gdc_wait()
@@ -339,14 +472,17 @@ def _stream_k_fixup_kernel(scratch_ptr, bias_ptr, out_ptr, M, N, K, stride_om, p
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 _INTERPRETED = isinstance(_batched_linear_kernel, InterpretedFunction)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_sm90_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -394,8 +530,14 @@ def launch_grid(config: GemmLaunchConfig, m: int, n: int, k: int) -> tuple[tuple
     return (tiles,), 0
 
 
-def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None) -> torch.Tensor:
+def batched_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    config: GemmLaunchConfig | None = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] (any number of rows), weight [N, K] contiguous.
 
     Float32 accumulation, one rounding to x's dtype; deterministic. config overrides the
@@ -404,8 +546,14 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _batched_linear(x, weight, bias, out, config, warmup=False)
 
 
-def compile_batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, *, config: GemmLaunchConfig | None = None) -> None:
+def compile_batched_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    config: GemmLaunchConfig | None = None,
+) -> None:
     """Compile what batched_linear(x, weight, bias, out, config=config) would launch, launching
     nothing (Triton's warmup; inside triton's AsyncCompileMode the compiles run in its executor)."""
     _batched_linear(x, weight, bias, out, config, warmup=True)
@@ -451,33 +599,78 @@ def _batched_linear(x, weight, bias, out, config, *, warmup: bool) -> torch.Tens
     elif schedule == 2:
         scratch = torch.empty((2 * programs, config.block_m, config.block_n), dtype=torch.float32, device=x.device)
     pdl = config.pdl and hopper and schedule != 0
-    _launch(_batched_linear_kernel, grid, warmup,
-            x_in, w_in, weight if bias is None else bias, out2, out2 if scratch is None else scratch,
-            m, n, k, x2.stride(0), out2.stride(0), config.split_k, max(programs, 1),
+    _launch(
+        _batched_linear_kernel,
+        grid,
+        warmup,
+        x_in,
+        w_in,
+        weight if bias is None else bias,
+        out2,
+        out2 if scratch is None else scratch,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        out2.stride(0),
+        config.split_k,
+        max(programs, 1),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        SCHEDULE=schedule,
+        EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None,
+        USE_TMA=use_tma,
+        IEEE_DOT=x.dtype == torch.float32,
+        LAUNCH_DEPENDENTS=pdl,
+        INTERPRETED=_INTERPRETED,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    bias_arg = scratch if bias is None else bias
+    pdl_kwargs = {"launch_pdl": True} if pdl else {}
+    if schedule == 1:
+        _launch(
+            _reduce_splits_kernel,
+            (triton.cdiv(m * n, REDUCE_BLOCK),),
+            warmup,
+            scratch,
+            bias_arg,
+            out2,
+            m,
+            n,
+            config.split_k,
+            BLOCK=REDUCE_BLOCK,
+            HAS_BIAS=bias is not None,
+            WAIT=pdl,
+            num_warps=4,
+            **pdl_kwargs,
+        )
+    elif schedule == 2:
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        rows = min(FIXUP_ROWS, config.block_m)
+        _launch(
+            _stream_k_fixup_kernel,
+            (tiles, config.block_m // rows),
+            warmup,
+            scratch,
+            bias_arg,
+            out2,
+            m,
+            n,
+            k,
+            out2.stride(0),
+            programs,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
-            SCHEDULE=schedule,
-            EVEN_K=k % config.block_k == 0,
+            ROWS=rows,
             HAS_BIAS=bias is not None,
-            USE_TMA=use_tma,
-            IEEE_DOT=x.dtype == torch.float32,
-            LAUNCH_DEPENDENTS=pdl,
-            INTERPRETED=_INTERPRETED,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages)
-    bias_arg = scratch if bias is None else bias
-    pdl_kwargs = {"launch_pdl": True} if pdl else {}
-    if schedule == 1:
-        _launch(_reduce_splits_kernel, (triton.cdiv(m * n, REDUCE_BLOCK),), warmup,
-                scratch, bias_arg, out2, m, n, config.split_k,
-                BLOCK=REDUCE_BLOCK, HAS_BIAS=bias is not None, WAIT=pdl, num_warps=4, **pdl_kwargs)
-    elif schedule == 2:
-        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-        rows = min(FIXUP_ROWS, config.block_m)
-        _launch(_stream_k_fixup_kernel, (tiles, config.block_m // rows), warmup,
-                scratch, bias_arg, out2, m, n, k, out2.stride(0), programs,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                ROWS=rows, HAS_BIAS=bias is not None, WAIT=pdl, num_warps=4, **pdl_kwargs)
+            WAIT=pdl,
+            num_warps=4,
+            **pdl_kwargs,
+        )
     return out

@@ -37,8 +37,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from strata.kernels.paged_attention import (
-    _INTERPRETED, _LOG2E, AttentionLaunchConfig, Partials, _device_sm_count, attend_tiles, _find_sequence,
-    check_attention_inputs, choose_launch_config, launch_paged_attention)
+    _INTERPRETED,
+    _LOG2E,
+    AttentionLaunchConfig,
+    Partials,
+    _device_sm_count,
+    _find_sequence,
+    attend_tiles,
+    check_attention_inputs,
+    choose_launch_config,
+    launch_paged_attention,
+)
 from strata.kernels.shared_prefix_groups import SharedPrefixGroups
 
 __all__ = ["SharedPrefixGroups", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
@@ -64,8 +73,16 @@ class PrefixLaunchConfig:
     overlap: bool = True
 
 
-def choose_prefix_config(*, num_groups: int, max_grouped_tokens: int, max_prefix_len: int, num_q_heads: int,
-                         num_kv_heads: int, sm_count: int, prefix_splits: int | None = None) -> PrefixLaunchConfig:
+def choose_prefix_config(
+    *,
+    num_groups: int,
+    max_grouped_tokens: int,
+    max_prefix_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    sm_count: int,
+    prefix_splits: int | None = None,
+) -> PrefixLaunchConfig:
     """64-row tiles as in the paged kernel's prefill path. Splits while fewer than ~2 programs
     per SM would stream the prefixes (each split adds a round trip of its partials), at least
     256 keys each, powers of two (each value is a compiled variant of both kernels). Programs
@@ -90,12 +107,34 @@ def choose_own_keys_config(**shape) -> AttentionLaunchConfig:
 
 @triton.jit(do_not_specialize=["num_groups", "stride_block_table"])
 def _shared_prefix_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-    token_start_ptr, prefix_lens_ptr, table_rows_ptr, block_tables_ptr, num_groups, qk_scale_log2,
-    stride_q_t, stride_q_h, stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTS: tl.constexpr,
-    IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    token_start_ptr,
+    prefix_lens_ptr,
+    table_rows_ptr,
+    block_tables_ptr,
+    num_groups,
+    qk_scale_log2,
+    stride_q_t,
+    stride_q_h,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,8 +163,11 @@ def _shared_prefix_kernel(
     row_valid = (rows < BLOCK_T * GROUP) & (token < g_end)
     token = token.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
     # Every query lies past the prefix: the whole prefix is visible to each (no causal mask).
     q_pos = tl.full([BLOCK_M], 0, tl.int32) + prefix_len
 
@@ -140,9 +182,31 @@ def _shared_prefix_kernel(
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
 
     m_i, l_i, acc = attend_tiles(
-        tile_begin, tile_end, 0, q, m_i, l_i, acc, row_valid, q_pos, prefix_len, block_table_row, key_cache_ptr,
-        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, 0, dims, BLOCK_SIZE,
-        TILE_N, False, IEEE_DOT, INTERPRETED)
+        tile_begin,
+        tile_end,
+        0,
+        q,
+        m_i,
+        l_i,
+        acc,
+        row_valid,
+        q_pos,
+        prefix_len,
+        block_table_row,
+        key_cache_ptr,
+        value_cache_ptr,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        qk_scale_log2,
+        0,
+        dims,
+        BLOCK_SIZE,
+        TILE_N,
+        False,
+        IEEE_DOT,
+        INTERPRETED,
+    )
 
     part = (token * NUM_Q_HEADS + head) * NUM_PARTS + split
     tl.store(partial_max_ptr + part, m_i, mask=row_valid)
@@ -182,31 +246,59 @@ def cascade_attention(
         return out
     sm_count = _device_sm_count(query.device)
     if config is None:
-        config = choose_own_keys_config(num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                        sm_count=sm_count)
+        config = choose_own_keys_config(
+            num_seqs=num_seqs,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            sm_count=sm_count,
+        )
     if prefix_config is None:
         prefix_config = choose_prefix_config(
-            num_groups=groups.num_groups, max_grouped_tokens=groups.max_grouped_tokens,
-            max_prefix_len=groups.max_prefix_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-            sm_count=sm_count, prefix_splits=groups.prefix_splits)
+            num_groups=groups.num_groups,
+            max_grouped_tokens=groups.max_grouped_tokens,
+            max_prefix_len=groups.max_prefix_len,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            sm_count=sm_count,
+            prefix_splits=groups.prefix_splits,
+        )
     partials = Partials.allocate(query, prefix_config.prefix_splits)
     launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
     overlap = prefix_config.overlap and bool(groups.num_groups) and _has_pdl(query.device)
-    launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
-                           seq_prefix_lens=groups.seq_prefix_lens, dependent_launch=overlap)
+    launch_paged_attention(
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        config,
+        out,
+        partials,
+        seq_prefix_lens=groups.seq_prefix_lens,
+        dependent_launch=overlap,
+    )
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: sm90 and later."""
     return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                         groups: SharedPrefixGroups, scale: float, prefix_config: PrefixLaunchConfig,
-                         partials: Partials) -> None:
+def launch_shared_prefix(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    groups: SharedPrefixGroups,
+    scale: float,
+    prefix_config: PrefixLaunchConfig,
+    partials: Partials,
+) -> None:
     """The prefix kernel alone: each group's shared prefix attended once, into partials' parts."""
     if not groups.num_groups:
         return
@@ -217,14 +309,37 @@ def launch_shared_prefix(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     num_tiles = groups.max_grouped_tokens // block_t + groups.num_groups if block_t > 1 else groups.max_grouped_tokens
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _shared_prefix_kernel[(num_tiles, num_kv_heads, prefix_config.prefix_splits)](
-        query, key_cache, value_cache, partials.acc, partials.max, partials.sum,
-        groups.token_start, groups.prefix_lens, groups.table_rows, block_tables, groups.num_groups,
-        scale * _LOG2E, query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
-        BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), TILE_N=prefix_config.tile_n,
-        NUM_PARTS=partials.parts, IEEE_DOT=query.dtype == torch.float32, INTERPRETED=_INTERPRETED,
-        num_warps=prefix_config.num_warps, num_stages=prefix_config.num_stages)
+        query,
+        key_cache,
+        value_cache,
+        partials.acc,
+        partials.max,
+        partials.sum,
+        groups.token_start,
+        groups.prefix_lens,
+        groups.table_rows,
+        block_tables,
+        groups.num_groups,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        key_cache.stride(1),
+        block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv_cache.shape[3],
+        BLOCK_T=block_t,
+        BLOCK_M=max(16, triton.next_power_of_2(block_t * group)),
+        TILE_N=prefix_config.tile_n,
+        NUM_PARTS=partials.parts,
+        IEEE_DOT=query.dtype == torch.float32,
+        INTERPRETED=_INTERPRETED,
+        num_warps=prefix_config.num_warps,
+        num_stages=prefix_config.num_stages,
+    )
 
 
 def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
@@ -240,13 +355,34 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
     for q_lens in ((1, 1), (3, 1)):
         query = torch.zeros(sum(q_lens), num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
         seq_lens = ints(*(q + 1 for q in q_lens))  # one shared key, then each member's own
-        groups = SharedPrefixGroups(token_start=ints(0, sum(q_lens)), prefix_lens=ints(1), table_rows=ints(0),
-                                    seq_prefix_lens=ints(1, 1), max_grouped_tokens=sum(q_lens), max_prefix_len=1)
-        prefix_config = choose_prefix_config(num_groups=1, max_grouped_tokens=1, max_prefix_len=1,
-                                             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, sm_count=1)
+        groups = SharedPrefixGroups(
+            token_start=ints(0, sum(q_lens)),
+            prefix_lens=ints(1),
+            table_rows=ints(0),
+            seq_prefix_lens=ints(1, 1),
+            max_grouped_tokens=sum(q_lens),
+            max_prefix_len=1,
+        )
+        prefix_config = choose_prefix_config(
+            num_groups=1,
+            max_grouped_tokens=1,
+            max_prefix_len=1,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            sm_count=1,
+        )
         splits = 1
         while splits <= MAX_PREFIX_SPLITS:
-            cascade_attention(query, kv_cache, ints(0, q_lens[0], sum(q_lens)), seq_lens, ints(0, 0).view(2, 1),
-                              groups, max(q_lens), 2, 1.0,
-                              prefix_config=PrefixLaunchConfig(block_t=prefix_config.block_t, prefix_splits=splits))
+            cascade_attention(
+                query,
+                kv_cache,
+                ints(0, q_lens[0], sum(q_lens)),
+                seq_lens,
+                ints(0, 0).view(2, 1),
+                groups,
+                max(q_lens),
+                2,
+                1.0,
+                prefix_config=PrefixLaunchConfig(block_t=prefix_config.block_t, prefix_splits=splits),
+            )
             splits *= 2

@@ -57,9 +57,19 @@ __all__ = ["compile_serving_variants", "decode_attention", "decode_attention_ser
 
 
 @triton.jit
-def _load_kv_tile(first_key, cached, block_table_row, key_cache_ptr, value_cache_ptr, kv_head_offset,
-                  stride_cache_block, stride_cache_slot, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                  HALF: tl.constexpr):
+def _load_kv_tile(
+    first_key,
+    cached,
+    block_table_row,
+    key_cache_ptr,
+    value_cache_ptr,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """Cached keys [first_key, first_key + TILE_N) below `cached`: the keys' rotary halves
     [HALF, TILE_N] each, the values [TILE_N, 2 HALF], and which positions are real."""
     k_pos = first_key + tl.arange(0, TILE_N)
@@ -84,8 +94,14 @@ def _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF: tl.conste
 
 
 @triton.jit
-def _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+def _new_token_kv(
+    token_qkv,
+    kv_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """The new token's key halves [1, HALF] (not yet rotated) and value [HEAD_DIM] from its qkv row."""
     half_dims = tl.arange(0, HALF)
     key_ptr = token_qkv + (NUM_Q_HEADS + kv_head) * HEAD_DIM
@@ -179,9 +195,19 @@ def _decode_attention_kernel(
     # Split launches hold their first tile in registers across the wait; unsplit ones (full waves)
     # stream every tile through the pipelined loop instead, keeping registers for resident programs.
     if NUM_SPLITS > 1:
-        k1, k2, v, k_valid = _load_kv_tile(tile_begin * TILE_N, cached, block_table_row, key_cache_ptr,
-                                           value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot,
-                                           BLOCK_SIZE, TILE_N, HALF)
+        k1, k2, v, k_valid = _load_kv_tile(
+            tile_begin * TILE_N,
+            cached,
+            block_table_row,
+            key_cache_ptr,
+            value_cache_ptr,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            HALF,
+        )
     if PDL:
         gdc_wait()  # qkv is the projection's output
 
@@ -210,16 +236,36 @@ def _decode_attention_kernel(
     if INTERPRETED:  # the interpreter cannot take tensor bounds in range()
         tile = loop_begin
         while tile < tile_end:
-            k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
-                                               kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
-                                               TILE_N, HALF)
+            k1, k2, v, k_valid = _load_kv_tile(
+                tile * TILE_N,
+                cached,
+                block_table_row,
+                key_cache_ptr,
+                value_cache_ptr,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                BLOCK_SIZE,
+                TILE_N,
+                HALF,
+            )
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
             tile += 1
     else:
         for tile in range(loop_begin, tile_end):
-            k1, k2, v, k_valid = _load_kv_tile(tile * TILE_N, cached, block_table_row, key_cache_ptr, value_cache_ptr,
-                                               kv_head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
-                                               TILE_N, HALF)
+            k1, k2, v, k_valid = _load_kv_tile(
+                tile * TILE_N,
+                cached,
+                block_table_row,
+                key_cache_ptr,
+                value_cache_ptr,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                BLOCK_SIZE,
+                TILE_N,
+                HALF,
+            )
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
 
     if split == parts - 1:
@@ -229,13 +275,15 @@ def _decode_attention_kernel(
             cos, sin = _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF)
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
-            cache_slot = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
-                + kv_head_offset
+            cache_slot = (
+                (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + kv_head_offset
+            )
             tl.store(key_cache_ptr + cache_slot + half_dims[None, :], kn1)
             tl.store(key_cache_ptr + cache_slot + HALF + half_dims[None, :], kn2)
             tl.store(value_cache_ptr + cache_slot + dims, vn)
-        s = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * kn2.to(tl.float32),
-                                                                            axis=1)
+        s = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32), axis=1) + tl.sum(
+            q2.to(tl.float32) * kn2.to(tl.float32), axis=1
+        )
         s = s * qk_scale_log2
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
@@ -247,8 +295,9 @@ def _decode_attention_kernel(
 
     out_rows = out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
+        tl.store(
+            out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
+        )
     else:
         # Partials [T, Hq, NUM_SPLITS(, D)]; then the last split of this (sequence, KV head) merges.
         base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SPLITS
@@ -259,15 +308,44 @@ def _decode_attention_kernel(
         counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == parts - 1:
-            _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, parts, stride_o_t,
-                          NUM_Q_HEADS, GROUP, GROUP_PADDED, HEAD_DIM, NUM_SPLITS, SPLITS_PADDED, SPLIT_CHUNK)
+            _merge_splits(
+                out_ptr,
+                partial_acc_ptr,
+                partial_max_ptr,
+                partial_sum_ptr,
+                seq,
+                kv_head,
+                parts,
+                stride_o_t,
+                NUM_Q_HEADS,
+                GROUP,
+                GROUP_PADDED,
+                HEAD_DIM,
+                NUM_SPLITS,
+                SPLITS_PADDED,
+                SPLIT_CHUNK,
+            )
             tl.store(counter, 0)  # ready for the next layer's launch
 
 
 @triton.jit
-def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, seq, kv_head, parts, stride_o_t,
-                  NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+def _merge_splits(
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    seq,
+    kv_head,
+    parts,
+    stride_o_t,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
     """The group's output from the first `parts` splits' partials, by log-sum-exp. The loads are wide (all
     splits' max and sum at once, SPLIT_CHUNK splits' acc per step): a loop of one split per step
     would wait out an L2 round trip per split. .cg reads from L2, where the other programs
@@ -288,15 +366,23 @@ def _merge_splits(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, se
         chunk = first + tl.arange(0, SPLIT_CHUNK)
         valid = row_valid[:, None] & (chunk < parts)[None, :]
         part = base[:, None] + chunk[None, :]  # [GROUP_PADDED, SPLIT_CHUNK]
-        weight = tl.exp2(tl.load(partial_max_ptr + part, mask=valid, other=-1.0e30, cache_modifier=".cg")
-                         - m_max[:, None])
-        acc = tl.load(partial_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
-                      other=0.0, cache_modifier=".cg")
+        weight = tl.exp2(
+            tl.load(partial_max_ptr + part, mask=valid, other=-1.0e30, cache_modifier=".cg") - m_max[:, None]
+        )
+        acc = tl.load(
+            partial_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=valid[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         merged += tl.sum(acc * weight[:, :, None], axis=1)
         first += SPLIT_CHUNK
     head = kv_head * GROUP + rows
-    tl.store(out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :],
-             (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_o_t + head[:, None] * HEAD_DIM + dims[None, :],
+        (merged / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
 
 
 _INTERPRETED = isinstance(_decode_attention_kernel, InterpretedFunction)
@@ -309,20 +395,30 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide) and the dtypes it takes."""
-    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16,
-                                                                             torch.float32)
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, tile_n: int,
-                     splits: int) -> dict:
+def kernel_constants(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, tile_n: int, splits: int
+) -> dict:
     """The kernel's shape constexprs (also what tests/test_decode_attention.py compiles for sm_90)."""
     group = num_q_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
-    return dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_M=max(16, group_padded),
-                HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=splits,
-                SPLITS_PADDED=triton.next_power_of_2(splits), GROUP_PADDED=group_padded,
-                # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16 KB of registers.
-                SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))))
+    return dict(
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_M=max(16, group_padded),
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=splits,
+        SPLITS_PADDED=triton.next_power_of_2(splits),
+        GROUP_PADDED=group_padded,
+        # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16 KB of registers.
+        SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))),
+    )
 
 
 # Warps per SM (counted as split launches take them) up to which the one launch beats rotary +
@@ -334,12 +430,14 @@ def kernel_constants(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
 MAX_WARPS_PER_SM = 8
 
 
-def decode_attention_serves(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                            device: torch.device) -> bool:
+def decode_attention_serves(
+    num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> bool:
     """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
     MAX_WARPS_PER_SM), and one it takes (decode_attention_supported)."""
-    return (decode_attention_supported(head_dim, dtype)
-            and num_seqs * num_kv_heads * num_warps(head_dim, 2) <= MAX_WARPS_PER_SM * _device_sm_count(device))
+    return decode_attention_supported(head_dim, dtype) and num_seqs * num_kv_heads * num_warps(
+        head_dim, 2
+    ) <= MAX_WARPS_PER_SM * _device_sm_count(device)
 
 
 def num_warps(head_dim: int, splits: int) -> int:
@@ -384,9 +482,16 @@ def decode_attention(
     out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return out
-    config = choose_launch_config(num_seqs=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, max_query_len=1, max_seq_len=max_seq_len,
-                                  sm_count=_device_sm_count(qkv.device), num_kv_splits=num_kv_splits)
+    config = choose_launch_config(
+        num_seqs=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        sm_count=_device_sm_count(qkv.device),
+        num_kv_splits=num_kv_splits,
+    )
     splits = config.num_kv_splits
     if splits > 1:
         stats = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=qkv.device)
@@ -399,12 +504,31 @@ def decode_attention(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     pdl = dependent_launch_supported(qkv.device)
     _decode_attention_kernel[(num_tokens, num_kv_heads, splits)](
-        qkv, positions, cos_cache, sin_cache, key_cache, value_cache, slot_mapping, seq_lens, block_tables, out,
-        partial_acc, partial_max, partial_sum, arrivals,
-        scale * _LOG2E, cos_cache.shape[0],
-        qkv.stride(0), out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        seq_lens,
+        block_tables,
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        arrivals,
+        scale * _LOG2E,
+        cos_cache.shape[0],
+        qkv.stride(0),
+        out.stride(0),
+        cos_cache.stride(0),
+        sin_cache.stride(0),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
-        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        key_cache.stride(1),
+        block_tables.stride(0),
         **kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
@@ -428,7 +552,18 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     splits = 1
     while splits <= MAX_KV_SPLITS:
-        decode_attention(qkv, zero, table, table, kv_cache, torch.ones(1, dtype=torch.int32, device=device),
-                         torch.zeros(1, 1, dtype=torch.int32, device=device), zero - 1, num_q_heads=num_q_heads,
-                         scale=1.0, max_seq_len=1, num_kv_splits=splits)
+        decode_attention(
+            qkv,
+            zero,
+            table,
+            table,
+            kv_cache,
+            torch.ones(1, dtype=torch.int32, device=device),
+            torch.zeros(1, 1, dtype=torch.int32, device=device),
+            zero - 1,
+            num_q_heads=num_q_heads,
+            scale=1.0,
+            max_seq_len=1,
+            num_kv_splits=splits,
+        )
         splits *= 2

@@ -42,12 +42,22 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.activation import silu_mul
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.rmsnorm import rms_norm_row
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
+from strata.kernels.rmsnorm import rms_norm_row
 
-__all__ = ["DecodeLinearConfig", "choose_decode_linear_config", "linear_add_residual", "linear_add_residual_reference",
-           "norm_linear", "norm_linear_reference", "plain_linear", "silu_mul_linear", "silu_mul_linear_reference",
-           "use_decode_linear", "MAX_ROWS"]
+__all__ = [
+    "DecodeLinearConfig",
+    "choose_decode_linear_config",
+    "linear_add_residual",
+    "linear_add_residual_reference",
+    "norm_linear",
+    "norm_linear_reference",
+    "plain_linear",
+    "silu_mul_linear",
+    "silu_mul_linear_reference",
+    "use_decode_linear",
+    "MAX_ROWS",
+]
 
 # One row: a second row of x was a second serial pass (L2 load, norm, product, reduction) over
 # the program's W tile, and 4 rows ran 2x slower than cuBLAS over a 1B step (H200).
@@ -78,8 +88,19 @@ def choose_decode_linear_config(*, n: int, k: int, element_size: int = 2) -> Dec
 
 
 @triton.jit
-def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, K: tl.constexpr,
-                 PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+def _row_operand(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    pid,
+    ks,
+    k_mask,
+    eps,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
     """x's row, whole ([K_PADDED] in registers, from L2), the prologue applied."""
     x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if PROLOGUE == 2:  # silu(gate) * up over a [gate | up] row of 2K
@@ -97,7 +118,15 @@ def _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, 
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, eps,
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    res_out_ptr,
+    N,
+    eps,
     K: tl.constexpr,
     K_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -145,9 +174,19 @@ def use_decode_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] == MAX_ROWS
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, k: int, prologue: int,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            add_residual_after: bool = False, config: DecodeLinearConfig | None = None):
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    k: int,
+    prologue: int,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    add_residual_after: bool = False,
+    config: DecodeLinearConfig | None = None,
+):
     n = weight.shape[0]
     m = x.shape[0]
     assert weight.shape == (n, k) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, k)
@@ -163,9 +202,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_supported(x.device)
     _decode_linear_kernel[(triton.cdiv(n, config.block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-        weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
-        n, eps,
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        res_out if res_out is not None else out,
+        n,
+        eps,
         K=k,
         K_PADDED=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
@@ -180,38 +225,76 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     return out, res_out
 
 
-def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 config: DecodeLinearConfig | None = None) -> torch.Tensor:
+def plain_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: DecodeLinearConfig | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias)."""
     return _launch(x, weight, bias, k=x.shape[1], prologue=_PLAIN, config=config)[0]
 
 
-def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, *, residual: torch.Tensor | None = None, config: DecodeLinearConfig | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(rms_norm(x + residual), weight, bias), x + residual): a norm fused into the
     projection after it; x itself stands for the sum when residual is None."""
-    out, res_out = _launch(x, weight, bias, k=x.shape[1], prologue=_NORM, residual=residual,
-                           norm_weight=norm_weight, eps=eps, config=config)
+    out, res_out = _launch(
+        x,
+        weight,
+        bias,
+        k=x.shape[1],
+        prologue=_NORM,
+        residual=residual,
+        norm_weight=norm_weight,
+        eps=eps,
+        config=config,
+    )
     return out, (x if res_out is None else res_out)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    config: DecodeLinearConfig | None = None) -> torch.Tensor:
+def silu_mul_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: DecodeLinearConfig | None = None,
+) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight, bias) for gate_up = [gate | up] rows [M, 2K]."""
     return _launch(gate_up, weight, bias, k=gate_up.shape[1] // 2, prologue=_SILU_MUL, config=config)[0]
 
 
-def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                        *, silu_mul: bool = False, config: DecodeLinearConfig | None = None) -> torch.Tensor:
+def linear_add_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    silu_mul: bool = False,
+    config: DecodeLinearConfig | None = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias), rounded, + residual, rounded: the residual add in the
     projection's epilogue. silu_mul: x is [gate | up]."""
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
-    return _launch(x, weight, bias, k=k, prologue=_SILU_MUL if silu_mul else _PLAIN, residual=residual,
-                   add_residual_after=True, config=config)[0]
+    return _launch(
+        x,
+        weight,
+        bias,
+        k=k,
+        prologue=_SILU_MUL if silu_mul else _PLAIN,
+        residual=residual,
+        add_residual_after=True,
+        config=config,
+    )[0]
 
 
 # ---- torch references (the tests' oracle) ---------------------------------------------------
+
 
 def norm_linear_reference(x, weight, bias, norm_weight, eps, *, residual=None):
     if residual is None:

@@ -13,6 +13,7 @@ completed only after its own wait, so ordering holds transitively along the chai
 STRATA_DISABLE_PDL=1 turns the attribute off everywhere (for A/B timing); the kernels' gdc calls
 are then no-ops.
 """
+
 from __future__ import annotations
 
 import functools

@@ -25,8 +25,19 @@ __all__ = ["embed_tokens", "embed_tokens_reference"]
 
 
 @triton.jit
-def _embed_tokens_kernel(ids_ptr, token_rows_ptr, last_sampled_ptr, weight_ptr, out_ptr, stride_weight, stride_out,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, RESOLVE: tl.constexpr, PDL: tl.constexpr):
+def _embed_tokens_kernel(
+    ids_ptr,
+    token_rows_ptr,
+    last_sampled_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_weight,
+    stride_out,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RESOLVE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -41,8 +52,12 @@ def _embed_tokens_kernel(ids_ptr, token_rows_ptr, last_sampled_ptr, weight_ptr, 
         tl.store(out_ptr + token * stride_out + cols, tl.load(row + cols, mask=mask), mask=mask)
 
 
-def embed_tokens(input_ids: torch.Tensor, weight: torch.Tensor, token_rows: torch.Tensor | None = None,
-                 last_sampled: torch.Tensor | None = None) -> torch.Tensor:
+def embed_tokens(
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    token_rows: torch.Tensor | None = None,
+    last_sampled: torch.Tensor | None = None,
+) -> torch.Tensor:
     """weight[input_ids] as [T, hidden]; with token_rows and last_sampled, an id < 0 is replaced
     by last_sampled[token_rows] first (embed_tokens_reference)."""
     assert input_ids.dim() == 1 and weight.dim() == 2 and weight.stride(1) == 1, (input_ids.shape, weight.shape)
@@ -53,8 +68,17 @@ def embed_tokens(input_ids: torch.Tensor, weight: torch.Tensor, token_rows: torc
         return out
     block = min(4096, triton.next_power_of_2(hidden))
     _embed_tokens_kernel[(num_tokens,)](
-        input_ids, token_rows if resolve else input_ids, last_sampled if resolve else input_ids, weight, out,
-        weight.stride(0), out.stride(0), HIDDEN=hidden, BLOCK=block, RESOLVE=resolve,
-        PDL=dependent_launch_supported(weight.device), num_warps=max(1, min(8, block // 512)),
+        input_ids,
+        token_rows if resolve else input_ids,
+        last_sampled if resolve else input_ids,
+        weight,
+        out,
+        weight.stride(0),
+        out.stride(0),
+        HIDDEN=hidden,
+        BLOCK=block,
+        RESOLVE=resolve,
+        PDL=dependent_launch_supported(weight.device),
+        num_warps=max(1, min(8, block // 512)),
     )
     return out

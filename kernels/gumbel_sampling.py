@@ -159,8 +159,9 @@ if triton is not None:
         else:
             # .ftz: its arguments (u >= 2**-24, -ln u >= 2**-24) are never denormal, and without it
             # ptxas wraps every log in a denormal test and rescale (3 more instructions each).
-            return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
 
     @triton.jit
     def _row_keys_tl(seed, position):
@@ -185,10 +186,31 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_argmax_kernel(
-        logits_ptr, row_stride, seeds_ptr, positions_ptr, inv_temp_ptr, greedy_ptr, threshold_ptr,
-        best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, arrivals_ptr, token_ptr, log_norm_ptr, store_rows_ptr,
-        store_ptr, vocab_size, num_splits, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS_PADDED: tl.constexpr,
-        HAS_THRESHOLD: tl.constexpr, LOG_NORM: tl.constexpr, STORE: tl.constexpr, INTERPRETED: tl.constexpr,
+        logits_ptr,
+        row_stride,
+        seeds_ptr,
+        positions_ptr,
+        inv_temp_ptr,
+        greedy_ptr,
+        threshold_ptr,
+        best_val_ptr,
+        best_idx_ptr,
+        max_ptr,
+        sum_exp_ptr,
+        arrivals_ptr,
+        token_ptr,
+        log_norm_ptr,
+        store_rows_ptr,
+        store_ptr,
+        vocab_size,
+        num_splits,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SPLITS_PADDED: tl.constexpr,
+        HAS_THRESHOLD: tl.constexpr,
+        LOG_NORM: tl.constexpr,
+        STORE: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         PREFETCH: tl.constexpr,
     ):
         # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and stores
@@ -210,8 +232,11 @@ if triton is not None:
         run_max = tl.full((), float("-inf"), tl.float32)
         run_sum = tl.full((), 0.0, tl.float32)
         if PREFETCH:  # always, but for the sweep's comparison with the plain loop
-            x_next = tl.load(row_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < vocab_size,
-                             other=float("-inf"))
+            x_next = tl.load(
+                row_ptr + start + tl.arange(0, BLOCK),
+                mask=start + tl.arange(0, BLOCK) < vocab_size,
+                other=float("-inf"),
+            )
         for offset in range(0, CHUNK, BLOCK):
             cols = start + offset + tl.arange(0, BLOCK)
             in_vocab = cols < vocab_size
@@ -220,8 +245,9 @@ if triton is not None:
                 # while the ALUs work (plain loads outside a dot are not software-pipelined).
                 x = x_next.to(tl.float32)
                 next_cols = cols + BLOCK
-                x_next = tl.load(row_ptr + next_cols, mask=(next_cols < vocab_size) & (offset + BLOCK < CHUNK),
-                                 other=float("-inf"))
+                x_next = tl.load(
+                    row_ptr + next_cols, mask=(next_cols < vocab_size) & (offset + BLOCK < CHUNK), other=float("-inf")
+                )
             else:
                 x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
             val = x
@@ -256,15 +282,35 @@ if triton is not None:
         tl.debug_barrier()  # every thread's stores are done before the release below
         arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
-            token = _merge_splits(best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, token_ptr, log_norm_ptr, row,
-                                  num_splits, SPLITS_PADDED, LOG_NORM)
+            token = _merge_splits(
+                best_val_ptr,
+                best_idx_ptr,
+                max_ptr,
+                sum_exp_ptr,
+                token_ptr,
+                log_norm_ptr,
+                row,
+                num_splits,
+                SPLITS_PADDED,
+                LOG_NORM,
+            )
             if STORE:  # a copy where the caller keeps it (the worker's last_sampled, by state row)
                 tl.store(store_ptr + tl.load(store_rows_ptr + row), token)
             tl.store(arrivals_ptr + row, 0)  # ready for the next launch
 
     @triton.jit
-    def _merge_splits(best_val_ptr, best_idx_ptr, max_ptr, sum_exp_ptr, token_ptr, log_norm_ptr, row, num_splits,
-                      SPLITS_PADDED: tl.constexpr, LOG_NORM: tl.constexpr):
+    def _merge_splits(
+        best_val_ptr,
+        best_idx_ptr,
+        max_ptr,
+        sum_exp_ptr,
+        token_ptr,
+        log_norm_ptr,
+        row,
+        num_splits,
+        SPLITS_PADDED: tl.constexpr,
+        LOG_NORM: tl.constexpr,
+    ):
         """The row's token (the first split wins ties, like torch.argmax over splits) and, when
         LOG_NORM, its logsumexp from the splits' (max, sum of exp). .cg loads read L2, where the
         other programs stored, never a stale L1 line."""
@@ -285,7 +331,6 @@ if triton is not None:
             total = tl.sum(tl.where(valid, sums * tl.exp(maxes - shift), 0.0), axis=0)
             tl.store(log_norm_ptr + row, shift + tl.log(total))
         return token
-
 
     # Decided at definition time, like triton.jit itself (TRITON_INTERPRET read when decorating).
     _INTERPRETED = isinstance(_gumbel_argmax_kernel, InterpretedFunction)
@@ -313,9 +358,17 @@ def batches_per_launch_shape(vocab: int, device: torch.device) -> list[int]:
     return [2, rows]
 
 
-def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor, greedy: Tensor,
-                  threshold: Tensor | None, want_log_norm: bool, store: tuple[Tensor, Tensor] | None = None,
-                  launch: tuple[int, int, int, bool] | None = None) -> tuple[Tensor, Tensor | None]:
+def gumbel_argmax(
+    logits: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    inv_temperature: Tensor,
+    greedy: Tensor,
+    threshold: Tensor | None,
+    want_log_norm: bool,
+    store: tuple[Tensor, Tensor] | None = None,
+    launch: tuple[int, int, int, bool] | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Per row: argmax of logits * inv_temperature + Gumbel noise over logits >= threshold
     (plain argmax where greedy), reading the logits once; also logsumexp of the raw logits when
     want_log_norm. One launch, no host sync. Torch reference: draw_reference below.
@@ -334,12 +387,31 @@ def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperat
     token_ids = torch.empty(num_rows, device=device, dtype=torch.int64)
     log_norm = torch.empty(num_rows, device=device, dtype=torch.float32) if want_log_norm else None
     _gumbel_argmax_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), seeds, positions, inv_temperature,
-        greedy.view(torch.uint8), threshold if threshold is not None else inv_temperature,
-        partial[0], best_idx, partial[-2], partial[-1], arrival_counters(device, num_rows, "gumbel_argmax"),
-        token_ids, log_norm if want_log_norm else partial[0], *(reversed(store) if store else (token_ids, token_ids)),
-        vocab, num_splits, CHUNK=chunk, BLOCK=block, SPLITS_PADDED=triton.next_power_of_2(num_splits),
-        HAS_THRESHOLD=threshold is not None, LOG_NORM=want_log_norm, STORE=store is not None, INTERPRETED=_INTERPRETED,
-        PREFETCH=prefetch, num_warps=num_warps,
+        logits,
+        logits.stride(0),
+        seeds,
+        positions,
+        inv_temperature,
+        greedy.view(torch.uint8),
+        threshold if threshold is not None else inv_temperature,
+        partial[0],
+        best_idx,
+        partial[-2],
+        partial[-1],
+        arrival_counters(device, num_rows, "gumbel_argmax"),
+        token_ids,
+        log_norm if want_log_norm else partial[0],
+        *(reversed(store) if store else (token_ids, token_ids)),
+        vocab,
+        num_splits,
+        CHUNK=chunk,
+        BLOCK=block,
+        SPLITS_PADDED=triton.next_power_of_2(num_splits),
+        HAS_THRESHOLD=threshold is not None,
+        LOG_NORM=want_log_norm,
+        STORE=store is not None,
+        INTERPRETED=_INTERPRETED,
+        PREFETCH=prefetch,
+        num_warps=num_warps,
     )
     return token_ids, log_norm

@@ -46,12 +46,13 @@ def _write_kv_cache_kernel(
     dims = tl.arange(0, HEAD_DIM)
     head_mask = (heads < NUM_KV_HEADS)[:, None]
 
-    key = tl.load(key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :],
-                  mask=head_mask)
-    value = tl.load(value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :],
-                    mask=head_mask)
-    cache_offsets = (block * stride_cache_block + offset * stride_cache_slot
-                     + heads[:, None] * stride_cache_head + dims[None, :])
+    key = tl.load(key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :], mask=head_mask)
+    value = tl.load(
+        value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :], mask=head_mask
+    )
+    cache_offsets = (
+        block * stride_cache_block + offset * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    )
     tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=head_mask)
     tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=head_mask)
 
@@ -74,10 +75,19 @@ def write_kv_cache(
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _write_kv_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
-        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        key_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

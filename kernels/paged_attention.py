@@ -56,7 +56,7 @@ class AttentionLaunchConfig:
     unmasked_full_tiles: bool = True  # False: every tile takes the causal masks (benchmarks' baseline)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -122,10 +122,10 @@ def choose_launch_config(
         # 16 x 200 over 2000, and 0.94x at D = 128 on 4 x 2048. Not beside short queries: decodes
         # in the launch (one token in a block of 32) took 1.1-1.5x the time of the 64-row launch
         # (ab278ba, --cases mixed).
-        return AttentionLaunchConfig(block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits,
-                                     num_warps=8, num_stages=2)
-    return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits,
-                                 num_warps=4, num_stages=3)
+        return AttentionLaunchConfig(
+            block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits, num_warps=8, num_stages=2
+        )
+    return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -148,9 +148,27 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_tile(
-    first_key, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr, value_cache_ptr,
-    kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+    first_key,
+    q,
+    m_i,
+    l_i,
+    acc,
+    row_valid,
+    q_pos,
+    kv_end,
+    block_table_row,
+    key_cache_ptr,
+    value_cache_ptr,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    qk_scale_log2,
+    sliding_window,
+    dims,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
     MASKED: tl.constexpr = True,
 ):
     """One online-softmax step over key positions [first_key, first_key + TILE_N), those below kv_end.
@@ -188,10 +206,31 @@ def _attend_tile(
 
 @triton.jit
 def attend_tiles(
-    tile_begin, tile_end, first_key, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
-    value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
-    INTERPRETED: tl.constexpr, MASKED: tl.constexpr = True,
+    tile_begin,
+    tile_end,
+    first_key,
+    q,
+    m_i,
+    l_i,
+    acc,
+    row_valid,
+    q_pos,
+    kv_end,
+    block_table_row,
+    key_cache_ptr,
+    value_cache_ptr,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    qk_scale_log2,
+    sliding_window,
+    dims,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """_attend_tile over tiles [tile_begin, tile_end) of keys from first_key (shared with
     kernels/cascade_attention.py)."""
@@ -200,17 +239,57 @@ def attend_tiles(
         tile = tile_begin
         while tile < tile_end:
             m_i, l_i, acc = _attend_tile(
-                first_key + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED)
+                first_key + tile * TILE_N,
+                q,
+                m_i,
+                l_i,
+                acc,
+                row_valid,
+                q_pos,
+                kv_end,
+                block_table_row,
+                key_cache_ptr,
+                value_cache_ptr,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale_log2,
+                sliding_window,
+                dims,
+                BLOCK_SIZE,
+                TILE_N,
+                USE_WINDOW,
+                IEEE_DOT,
+                MASKED,
+            )
             tile += 1
     else:
         # A for loop, so the compiler can software-pipeline the K/V loads (num_stages).
         for tile in range(tile_begin, tile_end):
             m_i, l_i, acc = _attend_tile(
-                first_key + tile * TILE_N, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row,
-                key_cache_ptr, value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2,
-                sliding_window, dims, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, MASKED)
+                first_key + tile * TILE_N,
+                q,
+                m_i,
+                l_i,
+                acc,
+                row_valid,
+                q_pos,
+                kv_end,
+                block_table_row,
+                key_cache_ptr,
+                value_cache_ptr,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale_log2,
+                sliding_window,
+                dims,
+                BLOCK_SIZE,
+                TILE_N,
+                USE_WINDOW,
+                IEEE_DOT,
+                MASKED,
+            )
     return m_i, l_i, acc
 
 
@@ -330,8 +409,11 @@ def _paged_attention_kernel(
     # neither: it waits only where it reads the prefix's partials.)
     if PDL and PREFIX_PARTS == 0:
         gdc_wait()
-    q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
 
     # Key range this block of queries can see: causal end, sliding-window start, and in a
     # cascade (PREFIX_PARTS > 0) the end of the sequence's shared prefix, which
@@ -368,13 +450,58 @@ def _paged_attention_kernel(
         full_tiles = tl.minimum(tl.maximum(full_tiles, tile_begin), tile_end)
 
     m_i, l_i, acc = attend_tiles(
-        tile_begin, full_tiles, kv_start, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
-        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
-        BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, INTERPRETED, MASKED=False)
+        tile_begin,
+        full_tiles,
+        kv_start,
+        q,
+        m_i,
+        l_i,
+        acc,
+        row_valid,
+        q_pos,
+        kv_end,
+        block_table_row,
+        key_cache_ptr,
+        value_cache_ptr,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        qk_scale_log2,
+        sliding_window,
+        dims,
+        BLOCK_SIZE,
+        TILE_N,
+        USE_WINDOW,
+        IEEE_DOT,
+        INTERPRETED,
+        MASKED=False,
+    )
     m_i, l_i, acc = attend_tiles(
-        full_tiles, tile_end, kv_start, q, m_i, l_i, acc, row_valid, q_pos, kv_end, block_table_row, key_cache_ptr,
-        value_cache_ptr, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale_log2, sliding_window, dims,
-        BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE_DOT, INTERPRETED)
+        full_tiles,
+        tile_end,
+        kv_start,
+        q,
+        m_i,
+        l_i,
+        acc,
+        row_valid,
+        q_pos,
+        kv_end,
+        block_table_row,
+        key_cache_ptr,
+        value_cache_ptr,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        qk_scale_log2,
+        sliding_window,
+        dims,
+        BLOCK_SIZE,
+        TILE_N,
+        USE_WINDOW,
+        IEEE_DOT,
+        INTERPRETED,
+    )
 
     if PREFIX_PARTS > 0:
         # Cascade: fold in the shared prefix's partials, which the prefix kernel wrote before this
@@ -389,8 +516,11 @@ def _paged_attention_kernel(
         for j in tl.static_range(PREFIX_PARTS):
             part_max = tl.load(partial_max_ptr + row_part + j, mask=has_prefix, other=-1.0e30)
             part_sum = tl.load(partial_sum_ptr + row_part + j, mask=has_prefix, other=0.0)
-            part_acc = tl.load(partial_acc_ptr + (row_part + j)[:, None] * HEAD_DIM + dims[None, :],
-                               mask=has_prefix[:, None], other=0.0)
+            part_acc = tl.load(
+                partial_acc_ptr + (row_part + j)[:, None] * HEAD_DIM + dims[None, :],
+                mask=has_prefix[:, None],
+                other=0.0,
+            )
             m_new = tl.maximum(m_i, part_max)
             alpha = tl.exp2(m_i - m_new)
             beta = tl.exp2(part_max - m_new)
@@ -400,8 +530,11 @@ def _paged_attention_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(
+            out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
     else:
         # Partials are laid out [T, Hq, NUM_SPLITS(, D)], contiguous.
         part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + split
@@ -435,11 +568,12 @@ def _merge_kv_splits_kernel(
     base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
     # Empty splits carry max = floor and sum = 0, so their weight below is exactly 0.
     m = tl.load(partial_max_ptr + base + splits, mask=split_valid, other=-1.0e30)
-    l = tl.load(partial_sum_ptr + base + splits, mask=split_valid, other=0.0)
-    acc = tl.load(partial_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_valid[:, None], other=0.0)
+    sums = tl.load(partial_sum_ptr + base + splits, mask=split_valid, other=0.0)
+    acc = tl.load(
+        partial_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :], mask=split_valid[:, None], other=0.0
+    )
     weight = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(weight * l, axis=0)
+    total = tl.sum(weight * sums, axis=0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -481,20 +615,43 @@ def paged_attention(
         return out
     if config is None:
         config = choose_launch_config(
-            num_seqs=seq_lens.shape[0], num_q_heads=query.shape[1], num_kv_heads=kv_cache.shape[2],
-            head_dim=query.shape[2], max_query_len=max_query_len, max_seq_len=max_seq_len,
-            sm_count=_device_sm_count(query.device), num_kv_splits=num_kv_splits, min_query_len=min_query_len)
+            num_seqs=seq_lens.shape[0],
+            num_q_heads=query.shape[1],
+            num_kv_heads=kv_cache.shape[2],
+            head_dim=query.shape[2],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            sm_count=_device_sm_count(query.device),
+            num_kv_splits=num_kv_splits,
+            min_query_len=min_query_len,
+        )
     partials = Partials.allocate(query, config.num_kv_splits) if config.num_kv_splits > 1 else None
     pdl = dependent_launch_supported(query.device)
-    launch_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, config, out, partials,
-                           sliding_window=sliding_window, dependent_launch=pdl)
+    launch_paged_attention(
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        config,
+        out,
+        partials,
+        sliding_window=sliding_window,
+        dependent_launch=pdl,
+    )
     if partials is not None:
         merge_partials(partials, out, dependent_launch=pdl)
     return out
 
 
-def check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                           seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+def check_attention_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
     num_seqs = seq_lens.shape[0]
     head_dim = query.shape[2]
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, kv_cache.shape
@@ -519,8 +676,11 @@ class Partials:
     def allocate(query: torch.Tensor, parts: int) -> Partials:
         num_tokens, num_q_heads, head_dim = query.shape
         stats = torch.empty((num_tokens, num_q_heads, parts), dtype=torch.float32, device=query.device)
-        return Partials(torch.empty((num_tokens, num_q_heads, parts, head_dim), dtype=torch.float32,
-                                    device=query.device), stats, torch.empty_like(stats))
+        return Partials(
+            torch.empty((num_tokens, num_q_heads, parts, head_dim), dtype=torch.float32, device=query.device),
+            stats,
+            torch.empty_like(stats),
+        )
 
     @property
     def parts(self) -> int:
@@ -528,9 +688,18 @@ class Partials:
 
 
 def launch_paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, config: AttentionLaunchConfig, out: torch.Tensor,
-    partials: Partials | None, *, sliding_window: int | None = None, seq_prefix_lens: torch.Tensor | None = None,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    config: AttentionLaunchConfig,
+    out: torch.Tensor,
+    partials: Partials | None,
+    *,
+    sliding_window: int | None = None,
+    seq_prefix_lens: torch.Tensor | None = None,
     dependent_launch: bool = False,
 ) -> None:
     """The attention kernel alone: into out, or with split-KV into partials (merge_partials then).
@@ -557,12 +726,29 @@ def launch_paged_attention(
     part_acc, part_max, part_sum = (out, out, out) if partials is None else (partials.acc, partials.max, partials.sum)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, splits)](
-        query, key_cache, value_cache, out, part_acc, part_max, part_sum,
-        query_start_loc, seq_lens, block_tables, seq_lens if seq_prefix_lens is None else seq_prefix_lens,
-        num_seqs, scale * _LOG2E, sliding_window if sliding_window is not None else 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        seq_lens if seq_prefix_lens is None else seq_prefix_lens,
+        num_seqs,
+        scale * _LOG2E,
+        sliding_window if sliding_window is not None else 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
-        key_cache.stride(0), key_cache.stride(2), key_cache.stride(1), block_tables.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        key_cache.stride(1),
+        block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -587,7 +773,12 @@ def merge_partials(partials: Partials, out: torch.Tensor, *, dependent_launch: b
     """out[t, h] = the softmax-weighted sum over all of partials' key ranges (log-sum-exp merge)."""
     num_tokens, num_q_heads, parts, head_dim = partials.acc.shape
     _merge_kv_splits_kernel[(num_tokens, num_q_heads)](
-        out, partials.acc, partials.max, partials.sum, out.stride(0), out.stride(1),
+        out,
+        partials.acc,
+        partials.max,
+        partials.sum,
+        out.stride(0),
+        out.stride(1),
         NUM_Q_HEADS=num_q_heads,
         HEAD_DIM=head_dim,
         NUM_SPLITS=parts,

@@ -92,8 +92,9 @@ def paged_attention_reference(
     return out
 
 
-def _attend_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, allowed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T) v, logsumexp(q k^T)) for q [Hkv, R, D] over keys/values [Hkv, S, D]."""
     scores = torch.bmm(q, keys.transpose(1, 2)) * scale
     if allowed is not None:
@@ -142,8 +143,9 @@ def cascade_attention_reference(
         keys, values = gather_sequence_kv(kv_cache, block_tables[b], seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         allowed = (torch.arange(prefix, seq_len, device=device)[None, :] <= q_pos[:, None]).repeat(group, 1)
-        o, lse = _attend_with_lse(heads_first(query[q_begin:q_end]), keys[:, prefix:], values[:, prefix:], scale,
-                                  allowed)
+        o, lse = _attend_with_lse(
+            heads_first(query[q_begin:q_end]), keys[:, prefix:], values[:, prefix:], scale, allowed
+        )
         own[q_begin:q_end] = tokens_first(o, q_len)
         own_lse[q_begin:q_end] = tokens_first(lse[..., None], q_len)[..., 0]
 
@@ -157,8 +159,9 @@ def cascade_attention_reference(
         o, lse = _attend_with_lse(heads_first(query[begin:end]), keys, values, scale)
         o, lse = tokens_first(o, end - begin), tokens_first(lse[..., None], end - begin)[..., 0]
         total = torch.logaddexp(own_lse[begin:end], lse)
-        merged[begin:end] = (own[begin:end] * (own_lse[begin:end] - total).exp()[..., None]
-                             + o * (lse - total).exp()[..., None])
+        merged[begin:end] = (
+            own[begin:end] * (own_lse[begin:end] - total).exp()[..., None] + o * (lse - total).exp()[..., None]
+        )
     if out is None:
         out = torch.empty_like(query)
     out.copy_(merged)
@@ -215,8 +218,12 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def embed_tokens_reference(input_ids: torch.Tensor, weight: torch.Tensor, token_rows: torch.Tensor | None = None,
-                           last_sampled: torch.Tensor | None = None) -> torch.Tensor:
+def embed_tokens_reference(
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    token_rows: torch.Tensor | None = None,
+    last_sampled: torch.Tensor | None = None,
+) -> torch.Tensor:
     """weight[input_ids]; with token_rows and last_sampled, a placeholder id (< 0) is first replaced
     by the token the worker sampled last for that state row: last_sampled[token_rows]."""
     if token_rows is not None:

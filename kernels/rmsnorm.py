@@ -64,8 +64,13 @@ def rms_norm_row(x, weight, HIDDEN: tl.constexpr, eps):
     return weight.to(tl.float32) * normed.to(tl.float32)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            residual_out: torch.Tensor | None = None):
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor | None = None,
+):
     assert x.dim() == 2, f"expected [T, hidden], got {tuple(x.shape)}"
     num_rows, hidden = x.shape
     assert weight.shape == (hidden,) and weight.stride(0) == 1, (weight.shape, hidden)
@@ -87,8 +92,15 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     num_warps = min(16, max(1, block // 512))
     add = residual is not None
     _rms_norm_kernel[(num_rows,)](
-        x, residual if add else x, weight, out, residual_out if add else out,
-        x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
+        x,
+        residual if add else x,
+        weight,
+        out,
+        residual_out if add else out,
+        x.stride(0),
+        residual.stride(0) if add else 0,
+        out.stride(0),
+        residual_out.stride(0) if add else 0,
         eps,
         HIDDEN=hidden,
         BLOCK=block,
@@ -105,7 +117,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
     residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; x and residual are left untouched

@@ -68,8 +68,16 @@ def rotate_halves(x1, x2, cos, sin):
 
 
 @triton.jit
-def _store_halves(base_ptr, stride_head, first, second, mask, HEADS_PADDED: tl.constexpr, HALF: tl.constexpr,
-                  HALF_PADDED: tl.constexpr):
+def _store_halves(
+    base_ptr,
+    stride_head,
+    first,
+    second,
+    mask,
+    HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
     heads = tl.arange(0, HEADS_PADDED)
     dims = tl.arange(0, HALF_PADDED)
     first_ptrs = base_ptr + heads[:, None] * stride_head + dims[None, :]
@@ -134,14 +142,16 @@ def _rotary_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-            _store_halves(key_cache_ptr + slot_offset, stride_cache_head, k1, k2, kv_mask, KV_HEADS_PADDED, HALF,
-                          HALF_PADDED)
+            _store_halves(
+                key_cache_ptr + slot_offset, stride_cache_head, k1, k2, kv_mask, KV_HEADS_PADDED, HALF, HALF_PADDED
+            )
             heads = tl.arange(0, KV_HEADS_PADDED)
             value = value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :]
             v1 = tl.load(value, mask=kv_mask)
             v2 = tl.load(value + HALF, mask=kv_mask)
-            _store_halves(value_cache_ptr + slot_offset, stride_cache_head, v1, v2, kv_mask, KV_HEADS_PADDED, HALF,
-                          HALF_PADDED)
+            _store_halves(
+                value_cache_ptr + slot_offset, stride_cache_head, v1, v2, kv_mask, KV_HEADS_PADDED, HALF, HALF_PADDED
+            )
 
 
 def rotary_embedding_(
@@ -189,11 +199,23 @@ def rotary_embedding_(
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if write_kv else (key, key)
     pdl = dependent_launch_supported(query.device)
     _rotary_kernel[(num_tokens,)](
-        positions, query, key, value if write_kv else key, cos_cache, sin_cache,
-        key_cache, value_cache, slot_mapping if write_kv else positions,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0) if write_kv else 0, value.stride(1) if write_kv else 0,
-        cos_cache.stride(0), sin_cache.stride(0),
+        positions,
+        query,
+        key,
+        value if write_kv else key,
+        cos_cache,
+        sin_cache,
+        key_cache,
+        value_cache,
+        slot_mapping if write_kv else positions,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0) if write_kv else 0,
+        value.stride(1) if write_kv else 0,
+        cos_cache.stride(0),
+        sin_cache.stride(0),
         # key_cache is [NB, Hkv, BS, D]: block, slot-in-block, head strides.
         *((key_cache.stride(0), key_cache.stride(2), key_cache.stride(1)) if write_kv else (0, 0, 0)),
         cos_cache.shape[0],

@@ -65,8 +65,9 @@ class LinearLaunchConfig:
     num_stages: int = 4  # dot path: num_stages - 1 W tiles in flight per program
 
 
-def choose_linear_config(*, n: int, k: int, sm_count: int, element_size: int = 2,
-                         split_k: int | None = None) -> LinearLaunchConfig:
+def choose_linear_config(
+    *, n: int, k: int, sm_count: int, element_size: int = 2, split_k: int | None = None
+) -> LinearLaunchConfig:
     """Shape heuristics (no autotune: launches must stay capturable and deterministic). M plays
     no part: the dot path pads it to 16 rows, and one config per weight keeps variants few.
 
@@ -97,14 +98,22 @@ def choose_linear_config(*, n: int, k: int, sm_count: int, element_size: int = 2
     # as wgmma would; mma.sync uses num_stages - 1); no more stages than steps + 1.
     stage_bytes = (block_n + 16) * block_k * element_size
     stages = min(stages, 6, MAX_SHARED // stage_bytes, 1 + triton.cdiv(steps, split_k))
-    return LinearLaunchConfig(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=True,
-                              num_warps=4, num_stages=max(2, stages))
+    return LinearLaunchConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=True, num_warps=4, num_stages=max(2, stages)
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_acc_ptr,
-    M, N, stride_xm, stride_om,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_om,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,8 +173,17 @@ def _small_m_linear_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _reduce_splits_kernel(partial_acc_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _reduce_splits_kernel(
+    partial_acc_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs_n < N
@@ -187,9 +205,15 @@ def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and weight.shape[1] > 0 and 1 <= x.numel() // weight.shape[1] <= MAX_M
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, *, split_k: int | None = None,
-                   config: LinearLaunchConfig | None = None) -> torch.Tensor:
+def small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    config: LinearLaunchConfig | None = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] of at most 16 rows, weight [N, K] contiguous.
 
     Float32 accumulation, one rounding to x's dtype. split_k: None = automatic, 1 = single pass,
@@ -208,8 +232,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if m == 0:
         return out
     if config is None:
-        config = choose_linear_config(n=n, k=k, sm_count=_device_sm_count(x.device),
-                                      element_size=x.element_size(), split_k=split_k)
+        config = choose_linear_config(
+            n=n, k=k, sm_count=_device_sm_count(x.device), element_size=x.element_size(), split_k=split_k
+        )
     assert config.use_dot or m == 1, "the FMA path serves one row"
     out2 = out.view(m, n)
     steps = triton.cdiv(k, config.block_k)
@@ -218,8 +243,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if config.split_k > 1:
         partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     _small_m_linear_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x2, weight, weight if bias is None else bias, out2, out2 if partials is None else partials,
-        m, n, x2.stride(0), out2.stride(0),
+        x2,
+        weight,
+        weight if bias is None else bias,
+        out2,
+        out2 if partials is None else partials,
+        m,
+        n,
+        x2.stride(0),
+        out2.stride(0),
         K=k,
         BLOCK_M=16 if config.use_dot else 1,
         BLOCK_N=config.block_n,
@@ -237,6 +269,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if partials is not None:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits_kernel[(triton.cdiv(n, block), m)](
-            partials, partials if bias is None else bias, out2, m, n, out2.stride(0),
-            SPLIT_K=config.split_k, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+            partials,
+            partials if bias is None else bias,
+            out2,
+            m,
+            n,
+            out2.stride(0),
+            SPLIT_K=config.split_k,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
     return out

@@ -26,8 +26,15 @@ class PagedBatch:
 
     def attention_args(self) -> tuple:
         """Positional arguments of paged_attention / paged_attention_reference, up to max_seq_len."""
-        return (self.query, self.kv_cache, self.query_start_loc, self.seq_lens, self.block_tables,
-                self.max_query_len, self.max_seq_len)
+        return (
+            self.query,
+            self.kv_cache,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+            self.max_query_len,
+            self.max_seq_len,
+        )
 
 
 def kv_by_slot(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -139,6 +146,10 @@ def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return SharedPrefixGroups(
-        token_start=ints(token_start), prefix_lens=ints(list(prefix_lens)), table_rows=ints(table_rows),
-        seq_prefix_lens=ints(seq_prefix), max_grouped_tokens=token_start[-1] - token_start[0],
-        max_prefix_len=max(prefix_lens, default=0))
+        token_start=ints(token_start),
+        prefix_lens=ints(list(prefix_lens)),
+        table_rows=ints(table_rows),
+        seq_prefix_lens=ints(seq_prefix),
+        max_grouped_tokens=token_start[-1] - token_start[0],
+        max_prefix_len=max(prefix_lens, default=0),
+    )

@@ -9,6 +9,7 @@ once. A bad line gets an error line and the rest run. Output lines are written a
 finish; run again after an interruption, it skips the custom_ids OUTPUT already answers, so
 nothing finished is lost or done twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -122,21 +123,37 @@ def group_messages(groups: list[tuple[int, list[Item]]]):
         shared = members[0].prompt[:prefix]
         yield generate_pb2.PrefixGroup(
             prefix_token_ids=generate_pb2.TokenIds(ids=shared),
-            members=[generate_pb2.GenerateRequest(request_id=m.custom_id, params=m.params,
-                                                  prompt_token_ids=generate_pb2.TokenIds(ids=m.prompt[prefix:]))
-                     for m in members])
+            members=[
+                generate_pb2.GenerateRequest(
+                    request_id=m.custom_id,
+                    params=m.params,
+                    prompt_token_ids=generate_pb2.TokenIds(ids=m.prompt[prefix:]),
+                )
+                for m in members
+            ],
+        )
 
 
 def answer_line(item: Item, response: generate_pb2.GenerateResponse, model: str) -> dict:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id,
-            "response": {"status_code": 200, "request_id": response.request_id,
-                         "body": openai_format.response_body(response, item.chat, model)},
-            "error": None}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": item.custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": response.request_id,
+            "body": openai_format.response_body(response, item.chat, model),
+        },
+        "error": None,
+    }
 
 
 def error_line(custom_id: str, status: int, message: str) -> dict:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": str(status), "message": message}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": str(status), "message": message},
+    }
 
 
 def answered(path: Path) -> set[str]:
@@ -158,12 +175,24 @@ def answered(path: Path) -> set[str]:
 
 
 # HTTP-like status of a gRPC failure, for error lines.
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT.value[0]: 400, grpc.StatusCode.UNAUTHENTICATED.value[0]: 401,
-           grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: 429, grpc.StatusCode.UNAVAILABLE.value[0]: 503}
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT.value[0]: 400,
+    grpc.StatusCode.UNAUTHENTICATED.value[0]: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: 429,
+    grpc.StatusCode.UNAVAILABLE.value[0]: 503,
+}
 
 
-def run_batch(input_path: Path, output_path: Path, address: str, tokenizer, api_key: str | None = None,
-              progress: bool = True, timeout: float = 7 * 24 * 3600.0, tls_ca: str | None = None) -> int:
+def run_batch(
+    input_path: Path,
+    output_path: Path,
+    address: str,
+    tokenizer,
+    api_key: str | None = None,
+    progress: bool = True,
+    timeout: float = 7 * 24 * 3600.0,
+    tls_ca: str | None = None,
+) -> int:
     """Runs the batch against the gateway at `address`; returns the number of error lines."""
     from tqdm import tqdm
 
@@ -174,8 +203,11 @@ def run_batch(input_path: Path, output_path: Path, address: str, tokenizer, api_
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=60, metadata=metadata)
         items, errors = read_items(input_path, done, tokenizer, info.max_model_len)
         by_id = {item.custom_id: item for item in items}
-        with open(output_path, "a", encoding="utf-8") as out, \
-                tqdm(total=len(items) + len(errors), desc="batch", unit="req", disable=not progress) as bar:
+        with (
+            open(output_path, "a", encoding="utf-8") as out,
+            tqdm(total=len(items) + len(errors), desc="batch", unit="req", disable=not progress) as bar,
+        ):
+
             def write(line: dict) -> None:
                 out.write(json.dumps(line, ensure_ascii=False) + "\n")
                 out.flush()  # a finished answer survives an interruption
@@ -185,8 +217,9 @@ def run_batch(input_path: Path, output_path: Path, address: str, tokenizer, api_
                 write(line)
             failed = len(errors)
             if items:
-                calls = stub.GenerateGroups(group_messages(shared_prefix_groups(items)), timeout=timeout,
-                                            metadata=metadata)
+                calls = stub.GenerateGroups(
+                    group_messages(shared_prefix_groups(items)), timeout=timeout, metadata=metadata
+                )
                 for r in calls:
                     if r.HasField("error"):
                         failed += 1
@@ -212,8 +245,7 @@ def batch_cli(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     progress = not args.no_progress
     if args.address:
-        failed = run_batch(input_path, output_path, args.address, tokenizer, args.api_key, progress,
-                           tls_ca=args.tls_ca)
+        failed = run_batch(input_path, output_path, args.address, tokenizer, args.api_key, progress, tls_ca=args.tls_ca)
     else:
         failed = _with_local_cluster(args, input_path, output_path, tokenizer, progress)
     print(f"{output_path}: done, {failed} error line(s)", file=sys.stderr)
@@ -225,8 +257,19 @@ def _with_local_cluster(args, input_path: Path, output_path: Path, tokenizer, pr
     from strata.flags import service_args
     from strata.launcher import free_port, start_cluster
 
-    argv = ["serve", "--port", str(free_port()), "--http-port", "0", "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
+    argv = [
+        "serve",
+        "--port",
+        str(free_port()),
+        "--http-port",
+        "0",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--device",
+        args.device,
+    ]
     if args.model:
         argv += ["--model", args.model]
     env_before = os.environ.get("STRATA_LOG_LEVEL")

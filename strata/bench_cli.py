@@ -4,6 +4,7 @@ Each command starts its own local cluster (unless --address points at a running 
 tables with the comparison it is about (HF generate(), the roofline, the bare model step) and
 writes every number to --output as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,52 +12,68 @@ import sys
 
 DESCRIPTIONS = {
     "throughput": "Offline throughput: every prompt submitted at once through gateway -> scheduler -> workers, "
-                  "then the same workload through HF transformers generate() on the same device, then the "
-                  "decode-step roofline; prints requests/s, tokens/s and the ratios.",
+    "then the same workload through HF transformers generate() on the same device, then the "
+    "decode-step roofline; prints requests/s, tokens/s and the ratios.",
     "latency": "Serving latency: Poisson arrivals (TTFT, inter-token latency p50/p99), then a fixed number of "
-               "streams in a closed loop, whose ITL is compared with the bare model's decode step.",
+    "streams in a closed loop, whose ITL is compared with the bare model's decode step.",
     "roofline": "Decode step at batch B against its floor, (weight bytes + KV bytes read) / measured copy "
-                "bandwidth; also the step time the scheduler sees through the stack.",
+    "bandwidth; also the step time the scheduler sees through the stack.",
     "parallel-sampling": "One request of n=N against N requests of n=1 with distinct prompts and with one "
-                         "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
+    "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
     "prefix-groups": "An offline batch whose requests share prefixes, as prefix groups (GenerateGroups), as plain "
-                     "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
-                     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
-                     "a group batch (cascade and paged) against its floor.",
+    "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
+    "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
+    "a group batch (cascade and paged) against its floor.",
     "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
-                   "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
-                   "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
-                   "checked against the plain run. With a draft model, also the step costs and the speedups "
-                   "they predict.",
+    "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
+    "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
+    "checked against the plain run. With a draft model, also the step costs and the speedups "
+    "they predict.",
 }
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
-    g.add_argument("--model", default=None,
-                   help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
-                        "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)")
-    g.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer directory for the gateway (default: --model's; a dummy model's: the "
-                        "embedded default model's)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
+        "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer directory for the gateway (default: --model's; a dummy model's: the "
+        "embedded default model's)",
+    )
     g.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages (worker processes)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (throughput: 16384, where large prefill steps pay off; "
-                        "2048 elsewhere keeps decodes beside prefill chunks fast)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (throughput: 16384, where large prefill steps pay off; "
+        "2048 elsewhere keeps decodes beside prefill chunks fast)",
+    )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory a worker may use")
     g.add_argument("--max-model-len", type=int, default=0, help="longest sequence (0: the model's)")
     g.add_argument("--num-kv-blocks", type=int, default=0, help="force this many KV blocks (0: size from memory)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--max-plans-in-flight", type=int, default=0,
-                   help="scheduler plans in flight (0: the scheduler's default; see `strata scheduler --help`)")
-    g.add_argument("--address", default=None,
-                   help="gateway host:port of a running cluster (default: start one for this run)")
-    g.add_argument("--scheduler-address", default=None,
-                   help="with --address: the scheduler's host:port, for its statistics")
+    g.add_argument(
+        "--max-plans-in-flight",
+        type=int,
+        default=0,
+        help="scheduler plans in flight (0: the scheduler's default; see `strata scheduler --help`)",
+    )
+    g.add_argument(
+        "--address", default=None, help="gateway host:port of a running cluster (default: start one for this run)"
+    )
+    g.add_argument(
+        "--scheduler-address", default=None, help="with --address: the scheduler's host:port, for its statistics"
+    )
     g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the cluster")
     g.add_argument("--service-log-level", default="WARNING", help="log level of the services this run starts")
     g = p.add_argument_group("run")
@@ -71,14 +88,25 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
-    g.add_argument("--speculative-max-batch", type=int, default=32,
-                   help="running requests above which the server stops speculating")
+    g.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=32,
+        help="running requests above which the server stops speculating",
+    )
     g.add_argument("--draft-model", default=None, help="HF directory of the draft model (method draft)")
-    g.add_argument("--draft-num-layers", type=int, default=0,
-                   help="the draft: the target's first N layers (method draft without --draft-model)")
-    g.add_argument("--spy-dir", default=None,
-                   help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
-                        "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)")
+    g.add_argument(
+        "--draft-num-layers",
+        type=int,
+        default=0,
+        help="the draft: the target's first N layers (method draft without --draft-model)",
+    )
+    g.add_argument(
+        "--spy-dir",
+        default=None,
+        help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
+        "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)",
+    )
 
 
 def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
@@ -88,21 +116,38 @@ def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
 
 
 def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", formatter_class=formatter_class, help="benchmarks through the full stack",
-                                  description=__doc__)
+    bench = subparsers.add_parser(
+        "bench", formatter_class=formatter_class, help="benchmarks through the full stack", description=__doc__
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
-    p = sub.add_parser("throughput", formatter_class=formatter_class, help="offline throughput vs HF and roofline",
-                       description=DESCRIPTIONS["throughput"])
+    p = sub.add_parser(
+        "throughput",
+        formatter_class=formatter_class,
+        help="offline throughput vs HF and roofline",
+        description=DESCRIPTIONS["throughput"],
+    )
     _workload(p, 1000, 512, 128)
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: all at once)")
-    p.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run HF transformers generate() (default: on when CUDA is available)")
+    p.add_argument(
+        "--hf-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run HF transformers generate() (default: on when CUDA is available)",
+    )
     p.add_argument("--hf-batch-size", type=int, default=256, help="HF generate() batch (halved on out-of-memory)")
-    p.add_argument("--hf-num-prompts", type=int, default=0,
-                   help="prompts given to HF (0: two batches); throughput is extrapolated to the rest")
-    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the decode step in-process against its roofline")
+    p.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=0,
+        help="prompts given to HF (0: two batches); throughput is extrapolated to the rest",
+    )
+    p.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the decode step in-process against its roofline",
+    )
     p.add_argument("--roofline-batch", type=int, default=256, help="decode batch of the roofline")
     p.add_argument("--roofline-steps", type=int, default=20, help="timed decode steps")
     _common_flags(p)
@@ -112,37 +157,63 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     # set_defaults.)
     p.set_defaults(max_num_batched_tokens=16384)
 
-    p = sub.add_parser("latency", formatter_class=formatter_class, help="TTFT and inter-token latency",
-                       description=DESCRIPTIONS["latency"])
+    p = sub.add_parser(
+        "latency",
+        formatter_class=formatter_class,
+        help="TTFT and inter-token latency",
+        description=DESCRIPTIONS["latency"],
+    )
     _workload(p, 200, 512, 128)
-    p.add_argument("--request-rate", type=float, default=10.0,
-                   help="Poisson arrival rate, requests/s (inf: all at once)")
+    p.add_argument(
+        "--request-rate", type=float, default=10.0, help="Poisson arrival rate, requests/s (inf: all at once)"
+    )
     p.add_argument("--concurrency", type=int, default=16, help="streams of the closed-loop phase")
-    p.add_argument("--concurrency-num-prompts", type=int, default=0,
-                   help="requests of the closed-loop phase (0: 4 per stream)")
-    p.add_argument("--bare-step", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the bare model decode step at batch --concurrency in-process")
+    p.add_argument(
+        "--concurrency-num-prompts", type=int, default=0, help="requests of the closed-loop phase (0: 4 per stream)"
+    )
+    p.add_argument(
+        "--bare-step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the bare model decode step at batch --concurrency in-process",
+    )
     p.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps")
     _common_flags(p)
 
-    p = sub.add_parser("roofline", formatter_class=formatter_class, help="decode step vs its memory floor",
-                       description=DESCRIPTIONS["roofline"])
+    p = sub.add_parser(
+        "roofline",
+        formatter_class=formatter_class,
+        help="decode step vs its memory floor",
+        description=DESCRIPTIONS["roofline"],
+    )
     p.add_argument("--batch", type=int, default=256, help="decode batch")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens")
     p.add_argument("--context-len", type=int, default=0, help="cached tokens per sequence (0: input + output / 2)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
-    p.add_argument("--through-stack", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run --batch requests through a cluster for the scheduler's view of the step")
+    p.add_argument(
+        "--through-stack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run --batch requests through a cluster for the scheduler's view of the step",
+    )
     _common_flags(p)
 
-    p = sub.add_parser("parallel-sampling", formatter_class=formatter_class, help="n>1 vs n independent requests",
-                       description=DESCRIPTIONS["parallel-sampling"])
+    p = sub.add_parser(
+        "parallel-sampling",
+        formatter_class=formatter_class,
+        help="n>1 vs n independent requests",
+        description=DESCRIPTIONS["parallel-sampling"],
+    )
     p.add_argument("-n", "--n", type=int, default=64, dest="n", help="completions per request")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per completion")
-    p.add_argument("--fresh-cluster", action=argparse.BooleanOptionalAction, default=True,
-                   help="a new cluster per phase, so each phase's peak KV blocks is its own")
+    p.add_argument(
+        "--fresh-cluster",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a new cluster per phase, so each phase's peak KV blocks is its own",
+    )
     _common_flags(p)
     _speculative_parser(sub, formatter_class)
     _prefix_groups_parser(sub, formatter_class)
@@ -154,35 +225,57 @@ def _batches(value: str) -> list[int]:
 
 
 def _speculative_parser(sub, formatter_class) -> None:
-    p = sub.add_parser("speculative", formatter_class=formatter_class, help="with and without speculative decoding",
-                       description=DESCRIPTIONS["speculative"])
+    p = sub.add_parser(
+        "speculative",
+        formatter_class=formatter_class,
+        help="with and without speculative decoding",
+        description=DESCRIPTIONS["speculative"],
+    )
     p.add_argument("--batches", type=_batches, default=[1, 16, 64], help="concurrencies, comma-separated")
     p.add_argument("--output-len", type=int, default=256, help="most tokens generated per request")
-    p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
-                   help="time the target's decode and verify steps and the draft's step in process, and print the "
-                        "speedups they predict (default: with --method draft)")
+    p.add_argument(
+        "--cost-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the target's decode and verify steps and the draft's step in process, and print the "
+        "speedups they predict (default: with --method draft)",
+    )
     p.add_argument("--cost-context-len", type=int, default=512, help="context of the cost model's steps")
-    p.add_argument("--through-stack", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the requests through clusters with and without speculation (--no-through-stack: "
-                        "only the cost model)")
+    p.add_argument(
+        "--through-stack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the requests through clusters with and without speculation (--no-through-stack: only the cost model)",
+    )
     _common_flags(p)
     # Speculation on in the speculating run (the plain run turns it off), up to batch 64.
     p.set_defaults(temperature=0.0, speculative_method="ngram", speculative_max_batch=64)
 
 
 def _prefix_groups_parser(sub, formatter_class) -> None:
-    p = sub.add_parser("prefix-groups", formatter_class=formatter_class, help="shared-prefix groups vs plain requests",
-                       description=DESCRIPTIONS["prefix-groups"])
+    p = sub.add_parser(
+        "prefix-groups",
+        formatter_class=formatter_class,
+        help="shared-prefix groups vs plain requests",
+        description=DESCRIPTIONS["prefix-groups"],
+    )
     p.add_argument("--num-groups", type=int, default=32, help="prefix groups")
     p.add_argument("--group-size", type=int, default=16, help="requests per group")
     p.add_argument("--prefix-len", type=int, default=2000, help="tokens every request of a group shares")
     p.add_argument("--suffix-len", type=int, default=200, help="tokens of each request's own")
     p.add_argument("--output-len", type=int, default=100, help="generated tokens (ignore_eos)")
-    p.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a GPU, time a group batch's decode attention against its floor in process")
-    p.add_argument("--profile-dir", default=None,
-                   help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
-                        "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)")
+    p.add_argument(
+        "--attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, time a group batch's decode attention against its floor in process",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
+        "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)",
+    )
     _common_flags(p)
     # All 512 requests run at once (vLLM's offline budget, as for the throughput benchmark).
     p.set_defaults(max_num_seqs=512, max_num_batched_tokens=16384)
@@ -191,21 +284,27 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
 def run_bench(args) -> int:
     if args.bench_command == "throughput":
         from strata.bench import offline
+
         return offline.run(args)
     if args.bench_command == "latency":
         from strata.bench import serving
+
         return serving.run(args)
     if args.bench_command == "roofline":
         from strata.bench import roofline
+
         return roofline.run(args)
     if args.bench_command == "parallel-sampling":
         from strata.bench import parallel_sampling
+
         return parallel_sampling.run(args)
     if args.bench_command == "prefix-groups":
         from strata.bench import prefix_groups
+
         return prefix_groups.run(args)
     if args.bench_command == "speculative":
         from strata.bench import speculative
+
         return speculative.run(args)
     raise SystemExit(f"unknown benchmark {args.bench_command!r}")
 
@@ -213,8 +312,7 @@ def run_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m strata.bench_cli BENCHMARK ...`: the same as `strata bench BENCHMARK ...`."""
     parser = argparse.ArgumentParser(prog="strata")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True),
-                     argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_parser(parser.add_subparsers(dest="command", required=True), argparse.ArgumentDefaultsHelpFormatter)
     return run_bench(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
 
 

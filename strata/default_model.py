@@ -298,9 +298,7 @@ def _seeded_weights(model, seed: int) -> None:
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(
-                    torch.randn(param.shape, generator=generator, dtype=torch.float32) * INIT_STD
-                )
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * INIT_STD)
 
 
 def build_tiny_random_model(path: Path | str) -> Path:
@@ -322,9 +320,7 @@ def build_tiny_random_model(path: Path | str) -> Path:
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(str(path))
-    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(
-        str(path)
-    )
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(str(path))
     return path
 
 
@@ -336,14 +332,18 @@ def default_cache_root() -> Path:
 # name -> (directory in the cache, builder function name, files that mark a finished build)
 MODELS = {
     # The directory's name is the model's name on both APIs (ModelInfo.model_name, /v1/models).
-    DEFAULT_MODEL: ("SmolLM2-135M-Instruct", "build_smollm2",
-                    ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")),
+    DEFAULT_MODEL: (
+        "SmolLM2-135M-Instruct",
+        "build_smollm2",
+        ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"),
+    ),
     TINY_MODEL: (TINY_MODEL_DIR, "build_tiny_random_model", _REQUIRED_FILES),
 }
 
 
 def build_smollm2(path: Path | str) -> Path:
     from strata.smollm2 import build_smollm2 as build
+
     return build(Path(path))
 
 

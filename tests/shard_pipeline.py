@@ -19,8 +19,17 @@ NUM_BLOCKS = 48
 class Pipeline:
     """Shards of one model chained in-process, each with its own paged KV cache."""
 
-    def __init__(self, model_dir, num_stages: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, **load_kwargs):
+    def __init__(
+        self,
+        model_dir,
+        num_stages: int,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        block_size: int = BLOCK_SIZE,
+        num_blocks: int = NUM_BLOCKS,
+        **load_kwargs,
+    ):
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         self.shards = []
         self.kv_caches = []
@@ -29,8 +38,13 @@ class Pipeline:
             self.shards.append(shard)
             self.kv_caches.append(
                 allocate_kv_cache(
-                    shard.num_layers, num_blocks, block_size, config.num_key_value_heads,
-                    config.head_dim, dtype, device,
+                    shard.num_layers,
+                    num_blocks,
+                    block_size,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                    dtype,
+                    device,
                 )
             )
         self.config = config
@@ -46,8 +60,9 @@ class Pipeline:
         return self.shards[-1].compute_logits(hidden, residual)
 
 
-def shuffled_block_tables(lengths: list[int], seed: int, block_size: int = BLOCK_SIZE,
-                          num_blocks: int = NUM_BLOCKS) -> list[list[int]]:
+def shuffled_block_tables(
+    lengths: list[int], seed: int, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS
+) -> list[list[int]]:
     """Disjoint, non-contiguous block ids covering each length."""
     ids = list(range(num_blocks))
     random.Random(seed).shuffle(ids)
@@ -73,7 +88,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False,
         pad_token_id=hf.config.pad_token_id,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy_decode(pipeline: Pipeline, prompts, chunk_plans, max_new_tokens: int, eos_ids) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """`strata batch`: OpenAI batch files through prefix groups. Every line gets exactly one answer
 (also across an interruption), bad lines get error lines, each shared prefix is computed once,
 and every answer equals the same request sent alone."""
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,16 @@ from strata.batch import Item, shared_prefix_groups
 from strata.openai_format import chat_prompt_ids
 from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-CONTEXTS = ["The old lighthouse stood at the edge of the harbour for more than two hundred years, and every "
-            "evening the keeper climbed the steps, trimmed the wick and polished the brass. ",
-            "Bread is one of the oldest prepared foods: flour, water, salt and yeast are mixed into a dough, "
-            "kneaded until smooth and left in a warm place to rise before it is shaped and baked. "]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CONTEXTS = [
+    "The old lighthouse stood at the edge of the harbour for more than two hundred years, and every "
+    "evening the keeper climbed the steps, trimmed the wick and polished the brass. ",
+    "Bread is one of the oldest prepared foods: flour, water, salt and yeast are mixed into a dough, "
+    "kneaded until smooth and left in a warm place to rise before it is shaped and baked. ",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +46,35 @@ def lines(max_tokens=5):
     out = []
     for c, context in enumerate(CONTEXTS):
         for q in range(4):
-            out.append({"custom_id": f"c{c}q{q}", "method": "POST", "url": "/v1/completions",
-                        "body": {"prompt": context + f"Question {q}: what happens next?", "max_tokens": max_tokens,
-                                 "temperature": 0, "ignore_eos": True}})
-        out.append({"custom_id": f"chat{c}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "system", "content": context},
-                                          {"role": "user", "content": f"Summarise it, {c}."}],
-                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+            out.append(
+                {
+                    "custom_id": f"c{c}q{q}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {
+                        "prompt": context + f"Question {q}: what happens next?",
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                }
+            )
+        out.append(
+            {
+                "custom_id": f"chat{c}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [
+                        {"role": "system", "content": context},
+                        {"role": "user", "content": f"Summarise it, {c}."},
+                    ],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+        )
     return out
 
 
@@ -60,9 +87,25 @@ def write_input(path, entries, extra=()):
 
 
 def run_batch(c, model_dir, tmp_path, name="out.jsonl", **kw):
-    return subprocess.run([sys.executable, "-m", "strata.cli", "batch", str(tmp_path / "in.jsonl"),
-                           str(tmp_path / name), "--address", c.gateway_address, "--tokenizer", str(model_dir),
-                           "--no-progress"], capture_output=True, text=True, timeout=300, **kw)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "batch",
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / name),
+            "--address",
+            c.gateway_address,
+            "--tokenizer",
+            str(model_dir),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 def read_output(path):
@@ -73,9 +116,12 @@ def test_every_line_answered_once_each_prefix_computed_once_and_answers_equal_al
     from transformers import AutoTokenizer
 
     c, client = cluster
-    bad = ['{"custom_id": "broken", "url": ', json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}}),
-           json.dumps({"custom_id": "bad-temp", "url": "/v1/completions", "body": {"prompt": "x", "temperature": "hot"}}),
-           json.dumps(lines()[0])]  # a repeated custom_id
+    bad = [
+        '{"custom_id": "broken", "url": ',
+        json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}}),
+        json.dumps({"custom_id": "bad-temp", "url": "/v1/completions", "body": {"prompt": "x", "temperature": "hot"}}),
+        json.dumps(lines()[0]),
+    ]  # a repeated custom_id
     write_input(tmp_path / "in.jsonl", lines(), bad)
     before = scheduler_stats(c)
     done = run_batch(c, model_dir, tmp_path)
@@ -97,8 +143,9 @@ def test_every_line_answered_once_each_prefix_computed_once_and_answers_equal_al
     items = []
     for entry in lines():
         body = entry["body"]
-        prompt = (chat_prompt_ids(tokenizer, body["messages"]) if "messages" in body
-                  else tokenizer.encode(body["prompt"]))
+        prompt = (
+            chat_prompt_ids(tokenizer, body["messages"]) if "messages" in body else tokenizer.encode(body["prompt"])
+        )
         items.append(Item(entry["custom_id"], "messages" in body, list(prompt), None))
     groups = shared_prefix_groups(items)
     assert sum(1 for prefix, members in groups if prefix and len(members) > 1) >= 2
@@ -110,8 +157,12 @@ def test_every_line_answered_once_each_prefix_computed_once_and_answers_equal_al
         body = answer["response"]["body"]
         text = body["choices"][0]["message"]["content"] if "messages" in entry["body"] else body["choices"][0]["text"]
         alone = next(i for i in items if i.custom_id == entry["custom_id"]).prompt
-        want = "".join(o.text for r in client.generate(alone, max_tokens=5, temperature=0.0, ignore_eos=True)
-                       for o in r.outputs if r.finished)
+        want = "".join(
+            o.text
+            for r in client.generate(alone, max_tokens=5, temperature=0.0, ignore_eos=True)
+            for o in r.outputs
+            if r.finished
+        )
         assert text == want, entry["custom_id"]
         assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == len(alone)
     assert scheduler_stats(c).used_kv_blocks == 0
@@ -121,9 +172,23 @@ def test_a_rerun_after_an_interruption_answers_every_line_exactly_once(cluster, 
     c, _ = cluster
     entries = [dict(e, custom_id=f"{e['custom_id']}-{k}") for k in range(6) for e in lines(max_tokens=60)]
     write_input(tmp_path / "in.jsonl", entries)
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "batch", str(tmp_path / "in.jsonl"),
-                             str(tmp_path / "out.jsonl"), "--address", c.gateway_address, "--tokenizer",
-                             str(model_dir), "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "batch",
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / "out.jsonl"),
+            "--address",
+            c.gateway_address,
+            "--tokenizer",
+            str(model_dir),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if (tmp_path / "out.jsonl").exists() and len(open(tmp_path / "out.jsonl").read().splitlines()) >= 3:

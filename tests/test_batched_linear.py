@@ -24,14 +24,21 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # (name, N, K): the Llama-3.2-1B and Llama-3.1-8B per-layer linears; decode batch sizes.
 MODEL_SHAPES = [
-    ("1b.qkv", 3072, 2048), ("1b.o_proj", 2048, 2048), ("1b.gate_up", 16384, 2048), ("1b.down", 2048, 8192),
-    ("8b.qkv", 6144, 4096), ("8b.o_proj", 4096, 4096), ("8b.gate_up", 28672, 4096), ("8b.down", 4096, 14336),
+    ("1b.qkv", 3072, 2048),
+    ("1b.o_proj", 2048, 2048),
+    ("1b.gate_up", 16384, 2048),
+    ("1b.down", 2048, 8192),
+    ("8b.qkv", 6144, 4096),
+    ("8b.o_proj", 4096, 4096),
+    ("8b.gate_up", 28672, 4096),
+    ("8b.down", 4096, 14336),
 ]
 BATCH_SIZES = [64, 128, 256, 512]
 SM_COUNTS = [132, 114, 78]  # H100/H200 SXM, H100 PCIe, an H20-sized part
@@ -54,8 +61,8 @@ def compile_variants() -> list:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from strata.kernels import compile_check
     from strata.kernels import batched_linear as bl
+    from strata.kernels import compile_check
 
     def one(label, kernel, dtype, constexprs, num_warps, num_stages, descriptors=None):
         signature, attrs = {}, {}
@@ -72,40 +79,80 @@ def compile_variants() -> list:
                 signature[name] = "i32"
             if signature[name].startswith("*") or name in ("N", "K", "stride_xm", "stride_om"):
                 attrs[(index,)] = [["tt.divisibility", 16]]  # as the launches specialise them
-        source = ASTSource(kernel, signature, attrs=attrs,
-                           constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        source = ASTSource(
+            kernel, signature, attrs=attrs, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+        )
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+        )
         registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
         ttgir = compiled.asm["ttgir"]
         pipelined = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")
-        return compile_check.CompileReport(f"{label} wgmma={'warp_group_dot' in ttgir}", registers, spills,
-                                           compiled.metadata.shared, pipelined)
+        return compile_check.CompileReport(
+            f"{label} wgmma={'warp_group_dot' in ttgir}", registers, spills, compiled.metadata.shared, pipelined
+        )
 
     def gemm(label, config, dtype="bf16", bias=False, even_k=True):
         schedule = 2 if config.stream_k else 1 if config.split_k > 1 else 0
-        constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                          GROUP_M=config.group_m, SCHEDULE=schedule, EVEN_K=even_k, HAS_BIAS=bias,
-                          USE_TMA=config.use_tma, IEEE_DOT=dtype == "fp32",
-                          LAUNCH_DEPENDENTS=config.pdl and schedule > 0, INTERPRETED=False)
+        constexprs = dict(
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            SCHEDULE=schedule,
+            EVEN_K=even_k,
+            HAS_BIAS=bias,
+            USE_TMA=config.use_tma,
+            IEEE_DOT=dtype == "fp32",
+            LAUNCH_DEPENDENTS=config.pdl and schedule > 0,
+            INTERPRETED=False,
+        )
         descriptors = dict(x_in=(config.block_m, config.block_k), w_in=(config.block_n, config.block_k))
-        return one(f"batched_linear {dtype} {label} {config.describe()}", bl._batched_linear_kernel, dtype,
-                   constexprs, config.num_warps, config.num_stages, descriptors if config.use_tma else None)
+        return one(
+            f"batched_linear {dtype} {label} {config.describe()}",
+            bl._batched_linear_kernel,
+            dtype,
+            constexprs,
+            config.num_warps,
+            config.num_stages,
+            descriptors if config.use_tma else None,
+        )
 
     reports = [gemm(f"{name} M={m}", config) for config, (name, m) in heuristic_configs().items()]
-    reports.append(gemm("bias, ragged K", bl.GemmLaunchConfig(128, 64, 64, stream_k=132, num_warps=4), "fp16",
-                        bias=True, even_k=False))
+    reports.append(
+        gemm(
+            "bias, ragged K",
+            bl.GemmLaunchConfig(128, 64, 64, stream_k=132, num_warps=4),
+            "fp16",
+            bias=True,
+            even_k=False,
+        )
+    )
     reports.append(gemm("fp32", bl.choose_batched_linear_config(256, 2048, 2048, 132, element_size=4), "fp32"))
-    reports.append(one("reduce splits bf16", bl._reduce_splits_kernel, "bf16",
-                       dict(BLOCK=bl.REDUCE_BLOCK, HAS_BIAS=True, WAIT=True), 4, 1))
-    reports.append(one("stream-K fixup bf16", bl._stream_k_fixup_kernel, "bf16",
-                       dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, ROWS=bl.FIXUP_ROWS, HAS_BIAS=True,
-                            WAIT=True), 4, 1))
+    reports.append(
+        one(
+            "reduce splits bf16",
+            bl._reduce_splits_kernel,
+            "bf16",
+            dict(BLOCK=bl.REDUCE_BLOCK, HAS_BIAS=True, WAIT=True),
+            4,
+            1,
+        )
+    )
+    reports.append(
+        one(
+            "stream-K fixup bf16",
+            bl._stream_k_fixup_kernel,
+            "bf16",
+            dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, ROWS=bl.FIXUP_ROWS, HAS_BIAS=True, WAIT=True),
+            4,
+            1,
+        )
+    )
     return reports
 
 
 if not can_run_interpreted_here("strata.kernels.batched_linear"):
-
     # batched_linear serves no step (cuBLAS does): its 20 s of interpreter cases run with the slow
     # tests (STRATA_SLOW_TESTS=1) and on GPUs, keeping the default run under its 15 minutes.
     @pytest.mark.slow
@@ -116,8 +163,14 @@ if not can_run_interpreted_here("strata.kernels.batched_linear"):
         """Compile the heuristic's launch variants for an H100/H200; fails on a spill, a dot that is
         not wgmma, or an unpipelined loop."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, "-m", "tests.test_batched_linear"], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.test_batched_linear"],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         print(proc.stdout)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
         assert "1b.qkv" in proc.stdout and "fixup" in proc.stdout
@@ -131,7 +184,6 @@ else:
         choose_batched_linear_config,
         use_batched_linear,
     )
-
     from tests.linear_checks import assert_matches_linear, inputs
 
     SMALL = GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=3)
@@ -170,19 +222,27 @@ else:
         assert_matches_linear(batched_linear(x, weight, b, config=config), x, weight, b)
         assert bl.launch_grid(config, 70, 72, 200)[1] == min(programs, 42)
 
-    @pytest.mark.parametrize("config", [
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, split_k=3, num_warps=4),
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, stream_k=13, num_warps=4),
-    ], ids=["split", "stream"])
+    @pytest.mark.parametrize(
+        "config",
+        [
+            GemmLaunchConfig(block_m=64, block_n=32, block_k=32, split_k=3, num_warps=4),
+            GemmLaunchConfig(block_m=64, block_n=32, block_k=32, stream_k=13, num_warps=4),
+        ],
+        ids=["split", "stream"],
+    )
     def test_split_and_stream_k_are_deterministic(config):
         x, weight, b = inputs(70, 72, 200, bias=True, dtype=torch.float16)
         first = batched_linear(x, weight, b, config=config)
         assert torch.equal(first, batched_linear(x, weight, b, config=config))
 
-    @pytest.mark.parametrize("config", [
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, use_tma=True),
-        GemmLaunchConfig(block_m=64, block_n=32, block_k=32, stream_k=5, num_warps=4, use_tma=True),
-    ], ids=["dp", "stream"])
+    @pytest.mark.parametrize(
+        "config",
+        [
+            GemmLaunchConfig(block_m=64, block_n=32, block_k=32, num_warps=4, use_tma=True),
+            GemmLaunchConfig(block_m=64, block_n=32, block_k=32, stream_k=5, num_warps=4, use_tma=True),
+        ],
+        ids=["dp", "stream"],
+    )
     def test_tma_descriptor_path(config, monkeypatch):
         """The TMA path (sm_90 only on a GPU) forced under the interpreter, which takes host tensor
         descriptors: the descriptors' zero-filled edges stand in for the masks."""
@@ -198,7 +258,7 @@ else:
         for config in (SMALL, GemmLaunchConfig(block_m=64, block_n=32, block_k=32, stream_k=9, num_warps=4)):
             got = batched_linear(x, weight, b, config=config)
             # bf16: one ulp (the interpreter truncates to bf16); fp16: one rounding (2^-11 relative).
-            tol = 2 ** -7 if dtype == torch.bfloat16 else 2e-3
+            tol = 2**-7 if dtype == torch.bfloat16 else 2e-3
             assert_matches_linear(got, x, weight, b, atol=tol, rtol=tol)
 
     # --- the heuristic's configs for the real shapes, on small stand-ins ------------------------
@@ -210,8 +270,11 @@ else:
         return config.block_m + 3, config.block_n * 5 // 2, config.block_k * steps
 
     @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-    @pytest.mark.parametrize("config,where", list(heuristic_configs().items()),
-                             ids=[f"{name}-M{m}" for name, m in heuristic_configs().values()])
+    @pytest.mark.parametrize(
+        "config,where",
+        list(heuristic_configs().items()),
+        ids=[f"{name}-M{m}" for name, m in heuristic_configs().values()],
+    )
     def test_heuristic_configs_on_stand_ins(config, where, tma, monkeypatch):
         """Each config on its stand-in, through the pointer path (what the interpreter takes) and
         the TMA descriptors (what an sm_90 GPU takes), forced here."""

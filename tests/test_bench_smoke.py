@@ -1,5 +1,6 @@
 """`strata bench` end to end on CPU at tiny scale: every command runs through a real cluster and
 writes JSON whose numbers add up (tokens counted = tokens requested, positive latencies, ratios)."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,19 @@ def parse_bench(*argv: str) -> argparse.Namespace:
 
 def bench(tmp_path, name: str, *argv: str) -> dict:
     out = tmp_path / f"{name}.json"
-    args = parse_bench(name, "--device", "cpu", "--no-progress", "--warmup-requests", "1", "--output", str(out),
-                       "--model", str(ensure_tiny_model()), *argv)
+    args = parse_bench(
+        name,
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--warmup-requests",
+        "1",
+        "--output",
+        str(out),
+        "--model",
+        str(ensure_tiny_model()),
+        *argv,
+    )
     assert run_bench(args) == 0
     return json.loads(out.read_text())
 
@@ -38,8 +50,9 @@ def bench(tmp_path, name: str, *argv: str) -> dict:
 def cluster():
     """One running cluster the benchmarks reach with --address (their own-cluster path is the
     throughput test's)."""
-    serve_args = build_parser().parse_args(common.serve_argv(parse_bench("latency", "--device", "cpu"),
-                                                             str(ensure_tiny_model())))
+    serve_args = build_parser().parse_args(
+        common.serve_argv(parse_bench("latency", "--device", "cpu"), str(ensure_tiny_model()))
+    )
     running = start_cluster(serve_args, startup_timeout=180)
     try:
         yield ["--address", running.gateway_address, "--scheduler-address", running.scheduler_address]
@@ -54,8 +67,21 @@ def assert_environment(result: dict) -> None:
 
 
 def test_throughput_with_own_cluster_hf_and_roofline(tmp_path):
-    r = bench(tmp_path, "throughput", "--num-prompts", str(PROMPTS), "--input-len", str(INPUT_LEN),
-              "--output-len", str(OUTPUT_LEN), "--hf-baseline", "--roofline-batch", "4", "--roofline-steps", "3")
+    r = bench(
+        tmp_path,
+        "throughput",
+        "--num-prompts",
+        str(PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--hf-baseline",
+        "--roofline-batch",
+        "4",
+        "--roofline-steps",
+        "3",
+    )
     assert_environment(r)
     s = r["strata"]
     assert s["failed"] == 0 and s["all_outputs_full_length"]
@@ -67,7 +93,8 @@ def test_throughput_with_own_cluster_hf_and_roofline(tmp_path):
     assert r["hf"]["output_tokens"] == PROMPTS * OUTPUT_LEN and r["hf"]["output_tokens_per_s"] > 0
     ratios = r["ratios"]
     assert ratios["strata_over_hf_output_tokens_per_s"] == pytest.approx(
-        s["output_tokens_per_s"] / r["hf"]["output_tokens_per_s"])
+        s["output_tokens_per_s"] / r["hf"]["output_tokens_per_s"]
+    )
     roof = r["roofline"]
     assert roof["batch"] == 4 and roof["context_len"] == INPUT_LEN + OUTPUT_LEN // 2
     assert roof["floor_s"] > 0 and roof["measured"]["median_s"] > 0
@@ -75,9 +102,25 @@ def test_throughput_with_own_cluster_hf_and_roofline(tmp_path):
 
 
 def test_latency_against_running_cluster(tmp_path, cluster):
-    r = bench(tmp_path, "latency", *cluster, "--num-prompts", str(PROMPTS), "--input-len", str(INPUT_LEN),
-              "--output-len", str(OUTPUT_LEN), "--request-rate", "50", "--concurrency", "2",
-              "--concurrency-num-prompts", "4", "--bare-steps", "3")
+    r = bench(
+        tmp_path,
+        "latency",
+        *cluster,
+        "--num-prompts",
+        str(PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--request-rate",
+        "50",
+        "--concurrency",
+        "2",
+        "--concurrency-num-prompts",
+        "4",
+        "--bare-steps",
+        "3",
+    )
     assert_environment(r)
     for phase, num in (("poisson", PROMPTS), ("closed_loop", 4)):
         p = r[phase]
@@ -87,13 +130,23 @@ def test_latency_against_running_cluster(tmp_path, cluster):
         assert p["ttft_ms"]["p50"] < p["e2e_latency_ms"]["p50"]
     assert r["bare_step"]["batch"] == 2 and r["bare_step"]["median_s"] > 0
     assert r["ratios"]["itl_p50_over_bare_step"] == pytest.approx(
-        r["closed_loop"]["itl_ms"]["p50"] / (r["bare_step"]["median_s"] * 1e3))
+        r["closed_loop"]["itl_ms"]["p50"] / (r["bare_step"]["median_s"] * 1e3)
+    )
 
 
 def test_parallel_sampling_against_running_cluster(tmp_path, cluster):
     n, prompt_len = 4, 40
-    r = bench(tmp_path, "parallel-sampling", *cluster, "-n", str(n), "--input-len", str(prompt_len),
-              "--output-len", str(OUTPUT_LEN))
+    r = bench(
+        tmp_path,
+        "parallel-sampling",
+        *cluster,
+        "-n",
+        str(n),
+        "--input-len",
+        str(prompt_len),
+        "--output-len",
+        str(OUTPUT_LEN),
+    )
     assert_environment(r)
     assert not r["fresh_cluster_per_phase"]  # --address: one cluster, peaks are running maxima
     phases = r["phases"]
@@ -110,8 +163,19 @@ def test_parallel_sampling_against_running_cluster(tmp_path, cluster):
 
 
 def test_roofline_through_running_cluster(tmp_path, cluster):
-    r = bench(tmp_path, "roofline", *cluster, "--batch", "4", "--input-len", str(INPUT_LEN),
-              "--output-len", str(OUTPUT_LEN), "--steps", "3")
+    r = bench(
+        tmp_path,
+        "roofline",
+        *cluster,
+        "--batch",
+        "4",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--steps",
+        "3",
+    )
     assert_environment(r)
     roof = r["roofline"]
     shape = roof["model_shape"]
@@ -125,6 +189,7 @@ def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
     """Checked against the embedded default's checkpoint: untied, so the embedding table is not
     read whole, only the batch's rows."""
     from strata.services.worker.model_config import ModelConfig
+
     model_dir = ensure_tiny_model()
     config = ModelConfig.from_dir(model_dir)
     with safe_open(model_dir / "model.safetensors", framework="pt") as f:
@@ -137,18 +202,25 @@ def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
 
 
 def _stats(t_steps, prefill, decode, running, gpu_busy=0.0, gpu_idle=0.0):
-    return engine_pb2.SchedulerStats(steps=t_steps, prefill_tokens_computed=prefill,
-                                     decode_tokens_computed=decode, running=running,
-                                     worker_gpu_busy_seconds=gpu_busy, worker_gpu_idle_seconds=gpu_idle,
-                                     worker_timed_steps=t_steps)
+    return engine_pb2.SchedulerStats(
+        steps=t_steps,
+        prefill_tokens_computed=prefill,
+        decode_tokens_computed=decode,
+        running=running,
+        worker_gpu_busy_seconds=gpu_busy,
+        worker_gpu_idle_seconds=gpu_idle,
+        worker_timed_steps=t_steps,
+    )
 
 
 def test_decode_only_timing_skips_intervals_with_prefill():
-    samples = [(0.0, _stats(0, 100, 0, 8, 0.0, 0.0)),
-               (1.0, _stats(10, 200, 40, 8, 5.0, 0.0)),    # prefill happened: ignored
-               (2.0, _stats(20, 200, 80, 8, 5.5, 0.5)),    # may still get prefill's results: ignored
-               (3.0, _stats(40, 200, 160, 8, 6.3, 0.7)),   # 20 steps of 4 tokens over 1 s
-               (5.0, _stats(60, 200, 240, 8, 7.9, 1.1))]   # 20 steps of 4 tokens over 2 s
+    samples = [
+        (0.0, _stats(0, 100, 0, 8, 0.0, 0.0)),
+        (1.0, _stats(10, 200, 40, 8, 5.0, 0.0)),  # prefill happened: ignored
+        (2.0, _stats(20, 200, 80, 8, 5.5, 0.5)),  # may still get prefill's results: ignored
+        (3.0, _stats(40, 200, 160, 8, 6.3, 0.7)),  # 20 steps of 4 tokens over 1 s
+        (5.0, _stats(60, 200, 240, 8, 7.9, 1.1)),
+    ]  # 20 steps of 4 tokens over 2 s
     t = common.decode_only_timing(samples)
     assert t["steps"] == 40 and t["seconds_per_step"] == pytest.approx(3.0 / 40)
     assert t["decode_tokens_per_step"] == pytest.approx(4.0)
@@ -169,9 +241,26 @@ def test_host_overhead_with_a_simulated_device():
     completes and the step period is at least the simulated step."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "strata.bench.host_overhead", "--num-prompts", "16", "--input-len", "8",
-                           "--output-len", "8", "--step-ms", "5"], capture_output=True, text=True, timeout=300,
-                          cwd=common.REPO_ROOT)
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata.bench.host_overhead",
+            "--num-prompts",
+            "16",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--step-ms",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=common.REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(line for line in proc.stdout.splitlines() if "ms per step" in line)
     per_step_ms = float(line.split("(")[1].split(" ms")[0])
@@ -183,9 +272,28 @@ def test_scheduler_step_runs_the_engine_bookkeeping():
     (it broke silently when the engine began keeping a deadline per plan in flight)."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "strata.bench.scheduler_step", "--num-seqs", "16", "--steps", "20",
-                           "--warmup", "10", "--repeat", "1", "--prompt-len", "32"], capture_output=True, text=True,
-                          timeout=120, cwd=common.REPO_ROOT)
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata.bench.scheduler_step",
+            "--num-seqs",
+            "16",
+            "--steps",
+            "20",
+            "--warmup",
+            "10",
+            "--repeat",
+            "1",
+            "--prompt-len",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=common.REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "N=16:" in proc.stdout and "per step" in proc.stdout
 
@@ -195,8 +303,9 @@ def test_schedule_shape_counts_every_prompt_and_decode_token():
     output token but the first (which the prompt's last step samples) is a decode row."""
     from strata.bench.schedule_shape import simulate
 
-    args = argparse.Namespace(num_prompts=40, input_len=48, output_len=6, max_num_seqs=16, max_num_batched_tokens=256,
-                              block_size=16, seed=0)
+    args = argparse.Namespace(
+        num_prompts=40, input_len=48, output_len=6, max_num_seqs=16, max_num_batched_tokens=256, block_size=16, seed=0
+    )
     steps = simulate(args)
     assert sum(prefill for prefill, _ in steps) == 40 * 48
     assert sum(decodes for _, decodes in steps) == 40 * 5
@@ -207,7 +316,19 @@ def test_mixed_step_times_each_shape_against_its_floor():
     """On CPU the eager way alone (no graphs): a timed step and a positive floor per shape."""
     from strata.bench import mixed_step
 
-    rows = mixed_step.main(["--device", "cpu", "--model", str(ensure_tiny_model()), "--shapes", "2x6,3x20",
-                            "--steps", "2", "--context-len", "32"])
+    rows = mixed_step.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            str(ensure_tiny_model()),
+            "--shapes",
+            "2x6,3x20",
+            "--steps",
+            "2",
+            "--context-len",
+            "32",
+        ]
+    )
     assert [(r["decodes"], r["chunk"]) for r in rows] == [(2, 6), (3, 20)]
     assert all(r["eager"]["median_s"] > 0 and r["pieces"] is None and r["floor_s"] > 0 for r in rows)

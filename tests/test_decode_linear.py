@@ -21,9 +21,13 @@ from tests.triton_interpreter import can_run_interpreted_here, rerun_under_inter
 
 # (name, N, K, prologue, epilogue adds the residual): the chain's launches for Llama-3.2-1B and 8B.
 CHAIN_SHAPES = [
-    ("1b.qkv", 3072, 2048, 1, False), ("1b.o_proj", 2048, 2048, 0, True), ("1b.gate_up", 16384, 2048, 1, False),
-    ("1b.down", 2048, 8192, 2, True), ("1b.lm_head", 128256, 2048, 1, False),
-    ("8b.qkv", 6144, 4096, 1, False), ("8b.down", 4096, 14336, 2, True),
+    ("1b.qkv", 3072, 2048, 1, False),
+    ("1b.o_proj", 2048, 2048, 0, True),
+    ("1b.gate_up", 16384, 2048, 1, False),
+    ("1b.down", 2048, 8192, 2, True),
+    ("1b.lm_head", 128256, 2048, 1, False),
+    ("8b.qkv", 6144, 4096, 1, False),
+    ("8b.down", 4096, 14336, 2, True),
 ]
 
 
@@ -37,11 +41,21 @@ def sm90_launches(shapes=CHAIN_SHAPES):
     out = []
     for name, n, k, prologue, epilogue in shapes:
         config = dl.choose_decode_linear_config(n=n, k=k)
-        constexprs = dict(K=k, K_PADDED=triton.next_power_of_2(k), BLOCK_N=config.block_n,
-                          PROLOGUE=prologue, ADD_RESIDUAL=prologue == 1, EPILOGUE_RESIDUAL=epilogue,
-                          HAS_BIAS=False, PDL=True)
-        compiled = triton.compile(compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
+        constexprs = dict(
+            K=k,
+            K_PADDED=triton.next_power_of_2(k),
+            BLOCK_N=config.block_n,
+            PROLOGUE=prologue,
+            ADD_RESIDUAL=prologue == 1,
+            EPILOGUE_RESIDUAL=epilogue,
+            HAS_BIAS=False,
+            PDL=True,
+        )
+        compiled = triton.compile(
+            compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": config.num_warps},
+        )
         registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
         out.append((f"{name} {config}", registers, spills, compiled.asm["ptx"]))
     return out
@@ -81,7 +95,7 @@ else:
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
     def weights(n, k, bias, dtype=torch.float32):
-        return rand(n, k, dtype=dtype, seed=n + k, scale=k ** -0.5), (rand(n, dtype=dtype, seed=3) if bias else None)
+        return rand(n, k, dtype=dtype, seed=n + k, scale=k**-0.5), (rand(n, dtype=dtype, seed=3) if bias else None)
 
     @pytest.mark.parametrize("bias", [False, True])
     @pytest.mark.parametrize("n,k,config", CONFIGS)
@@ -122,8 +136,9 @@ else:
         x, residual = rand(m, k, dtype=torch.float16, seed=1), rand(m, k, dtype=torch.float16, seed=2)
         norm_weight = (rand(k, seed=4).abs() + 0.5).to(torch.float16)
         got, summed = dl.norm_linear(x, w, b, norm_weight, 1e-5, residual=residual)
-        want, want_sum = dl.norm_linear_reference(x.float(), w.float(), b.float(), norm_weight.float(), 1e-5,
-                                                  residual=residual.float())
+        want, want_sum = dl.norm_linear_reference(
+            x.float(), w.float(), b.float(), norm_weight.float(), 1e-5, residual=residual.float()
+        )
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # float16 roundings at each step
         torch.testing.assert_close(summed.float(), want_sum, atol=2e-3, rtol=1e-3)

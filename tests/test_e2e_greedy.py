@@ -1,4 +1,5 @@
 """Greedy outputs through gateway -> scheduler -> workers equal HF generate(), token for token."""
+
 from __future__ import annotations
 
 import random
@@ -33,17 +34,35 @@ def _workload(vocab: int, seed: int = 0):
 
 def _run_concurrently(client, prompts, lengths):
     def one(i):
-        stream = client.generate(prompts[i], request_id=f"r{i}", max_tokens=lengths[i], temperature=0.0,
-                                 ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=300)
+        stream = client.generate(
+            prompts[i],
+            request_id=f"r{i}",
+            max_tokens=lengths[i],
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=generate_pb2.DELTA,
+            timeout=300,
+        )
         return collect(stream)[0]
 
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         return list(pool.map(one, range(NUM_REQUESTS)))
 
 
-@pytest.mark.parametrize("arch,stages", [("llama", 1), ("llama", 2), ("llama", 3),
-                                         ("mistral", 1), ("mistral", 2), ("mistral", 3),
-                                         ("qwen2", 1), ("qwen2", 2), ("qwen2", 3)])
+@pytest.mark.parametrize(
+    "arch,stages",
+    [
+        ("llama", 1),
+        ("llama", 2),
+        ("llama", 3),
+        ("mistral", 1),
+        ("mistral", 2),
+        ("mistral", 3),
+        ("qwen2", 1),
+        ("qwen2", 2),
+        ("qwen2", 3),
+    ],
+)
 def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     model_dir = _model(tmp_path_factory, tokenizer, arch)
     prompts, lengths = _workload(len(tokenizer), seed=stages)

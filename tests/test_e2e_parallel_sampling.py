@@ -1,4 +1,5 @@
 """n > 1 through the whole stack: seeds, output kinds, one prompt copy, blocks back to the pool."""
+
 from __future__ import annotations
 
 import threading
@@ -92,16 +93,27 @@ def test_mixed_n_cancel_and_preempt_return_every_block(model_dir):
 
         def run(i):
             try:
-                _outputs(client, f"request {i} " * (3 + i), n=1 + i % 4, seed=i, temperature=0.8,
-                         max_tokens=20 + i, ignore_eos=True)
+                _outputs(
+                    client,
+                    f"request {i} " * (3 + i),
+                    n=1 + i % 4,
+                    seed=i,
+                    temperature=0.8,
+                    max_tokens=20 + i,
+                    ignore_eos=True,
+                )
             except Exception as e:  # collected: the assertion below reports them
                 errors.append(e)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        cancelled = [client.generate("cancel " * 10, n=3, max_tokens=60, ignore_eos=True, seed=5,
-                                     output_kind=generate_pb2.DELTA, timeout=120) for _ in range(3)]
+        cancelled = [
+            client.generate(
+                "cancel " * 10, n=3, max_tokens=60, ignore_eos=True, seed=5, output_kind=generate_pb2.DELTA, timeout=120
+            )
+            for _ in range(3)
+        ]
         for s in cancelled:
             next(s)
             s.cancel()

@@ -28,9 +28,9 @@ from strata.kernels.reference import (
 )
 from strata.services.worker import model as model_module
 from strata.services.worker.attention import allocate_kv_cache
-from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
 from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
 from strata.services.worker.model_config import ModelConfig
+from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +40,22 @@ KERNEL_MODULES = ("strata.kernels.rmsnorm", "strata.kernels.rotary", "strata.ker
 def tiny_config(**overrides) -> ModelConfig:
     """Llama with llama3 RoPE scaling by default; head counts that are not powers of two."""
     fields = dict(
-        architecture="LlamaForCausalLM", hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, intermediate_size=160, vocab_size=97, rms_norm_eps=1e-5,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=16),
+        architecture="LlamaForCausalLM",
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=160,
+        vocab_size=97,
+        rms_norm_eps=1e-5,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
         max_position_embeddings=128,
     )
     return ModelConfig(**{**fields, **overrides})
@@ -112,6 +124,7 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
 
     def test_cpu_forward_never_touches_triton(monkeypatch):
         """By default the CPU path is the torch references: the kernels are not even imported."""
+
         def no_kernels():
             raise AssertionError("fused kernels used on CPU")
 
@@ -134,30 +147,36 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
         from triton.compiler import ASTSource
 
         names = kernel.arg_names
-        full_signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
-                          for name in names}
-        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names
-                 if name.endswith("_ptr") or (name.startswith("stride") and name in full_signature)}
-        source = ASTSource(kernel, full_signature, attrs=attrs,
-                           constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        full_signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32") for name in names}
+        attrs = {
+            (names.index(name),): [["tt.divisibility", 16]]
+            for name in names
+            if name.endswith("_ptr") or (name.startswith("stride") and name in full_signature)
+        }
+        source = ASTSource(
+            kernel, full_signature, attrs=attrs, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+        )
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
             handle.write(compiled.asm["ptx"])
         try:
-            stats = subprocess.run([ptxas, "-arch=sm_90a", "-v", handle.name, "-o", os.devnull],
-                                   capture_output=True, text=True, check=True).stderr
+            stats = subprocess.run(
+                [ptxas, "-arch=sm_90a", "-v", handle.name, "-o", os.devnull], capture_output=True, text=True, check=True
+            ).stderr
         finally:
             os.unlink(handle.name)
-        return (int(re.search(r"Used (\d+) registers", stats).group(1)),
-                int(re.search(r"(\d+) bytes spill stores", stats).group(1)))
+        return (
+            int(re.search(r"Used (\d+) registers", stats).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", stats).group(1)),
+        )
 
     @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
     def test_fused_kernels_compile_for_sm90_without_spills(dtype):
         assert os.environ.get("TRITON_INTERPRET") != "1"
-        from strata.kernels import activation, embedding, rmsnorm, rotary
-
         from triton.runtime.interpreter import InterpretedFunction
+
+        from strata.kernels import activation, embedding, rmsnorm, rotary
 
         assert not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction)
         data = "*" + dtype
@@ -165,29 +184,55 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
             for add in (True, False):
                 regs, spills = _compile_sm90(
                     rmsnorm._rms_norm_kernel,
-                    dict(x_ptr=data, residual_ptr=data, weight_ptr=data, out_ptr=data, residual_out_ptr=data,
-                         eps="fp32"),
-                    dict(HIDDEN=hidden, BLOCK=1 << (hidden - 1).bit_length(), ADD_RESIDUAL=add), num_warps)
+                    dict(
+                        x_ptr=data, residual_ptr=data, weight_ptr=data, out_ptr=data, residual_out_ptr=data, eps="fp32"
+                    ),
+                    dict(HIDDEN=hidden, BLOCK=1 << (hidden - 1).bit_length(), ADD_RESIDUAL=add),
+                    num_warps,
+                )
                 assert spills == 0, (hidden, add, regs, spills)
         for heads, kv_heads, head_dim, num_warps in [(32, 8, 64, 4), (64, 8, 128, 8), (28, 4, 128, 8)]:
             for write_kv in (False, True):
                 regs, spills = _compile_sm90(
                     rotary._rotary_kernel,
-                    dict(positions_ptr="*i64", query_ptr=data, key_ptr=data, value_ptr=data, cos_ptr=data,
-                         sin_ptr=data, key_cache_ptr=data, value_cache_ptr=data, slot_mapping_ptr="*i64"),
-                    dict(NUM_Q_HEADS=heads, Q_HEADS_PADDED=1 << (heads - 1).bit_length(), NUM_KV_HEADS=kv_heads,
-                         KV_HEADS_PADDED=kv_heads, HALF=head_dim // 2, HALF_PADDED=head_dim // 2,
-                         WRITE_KV=write_kv, BLOCK_SIZE=16), num_warps)
+                    dict(
+                        positions_ptr="*i64",
+                        query_ptr=data,
+                        key_ptr=data,
+                        value_ptr=data,
+                        cos_ptr=data,
+                        sin_ptr=data,
+                        key_cache_ptr=data,
+                        value_cache_ptr=data,
+                        slot_mapping_ptr="*i64",
+                    ),
+                    dict(
+                        NUM_Q_HEADS=heads,
+                        Q_HEADS_PADDED=1 << (heads - 1).bit_length(),
+                        NUM_KV_HEADS=kv_heads,
+                        KV_HEADS_PADDED=kv_heads,
+                        HALF=head_dim // 2,
+                        HALF_PADDED=head_dim // 2,
+                        WRITE_KV=write_kv,
+                        BLOCK_SIZE=16,
+                    ),
+                    num_warps,
+                )
                 assert spills == 0, (heads, head_dim, write_kv, regs, spills)
-        regs, spills = _compile_sm90(activation._silu_and_mul_kernel,
-                                     dict(gate_up_ptr=data, out_ptr=data),
-                                     dict(INTERMEDIATE=8192, BLOCK=1024), 4)
+        regs, spills = _compile_sm90(
+            activation._silu_and_mul_kernel,
+            dict(gate_up_ptr=data, out_ptr=data),
+            dict(INTERMEDIATE=8192, BLOCK=1024),
+            4,
+        )
         assert spills == 0, (regs, spills)
         for hidden, num_warps in [(2048, 4), (4096, 8)]:
             regs, spills = _compile_sm90(
                 embedding._embed_tokens_kernel,
                 dict(ids_ptr="*i64", token_rows_ptr="*i64", last_sampled_ptr="*i64", weight_ptr=data, out_ptr=data),
-                dict(HIDDEN=hidden, BLOCK=hidden, RESOLVE=True, PDL=True), num_warps)
+                dict(HIDDEN=hidden, BLOCK=hidden, RESOLVE=True, PDL=True),
+                num_warps,
+            )
             assert spills == 0, (hidden, regs, spills)
 
 else:
@@ -253,8 +298,13 @@ else:
         normed, residual = fused_add_rms_norm(x, x.clone(), torch.ones(64), 1e-6)
         assert normed.shape == residual.shape == (0, 64)
         assert silu_and_mul(torch.empty(0, 32)).shape == (0, 16)
-        rotary_embedding_(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
-                          torch.ones(4, 4), torch.zeros(4, 4))
+        rotary_embedding_(
+            torch.empty(0, dtype=torch.long),
+            torch.empty(0, 2, 8),
+            torch.empty(0, 1, 8),
+            torch.ones(4, 4),
+            torch.zeros(4, 4),
+        )
 
     # --- embedding ----------------------------------------------------------------------------
 
@@ -301,8 +351,7 @@ else:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [(4, 2, 16, 4), (6, 3, 12, 8)])
-    def test_rotary_writes_rotated_keys_and_values_to_the_cache(dtype, num_q_heads, num_kv_heads, head_dim,
-                                                                block_size):
+    def test_rotary_writes_rotated_keys_and_values_to_the_cache(dtype, num_q_heads, num_kv_heads, head_dim, block_size):
         """The fused store equals rotary then write_kv_cache: rotated keys and the values land in
         their slots, slot -1 (padding) writes nothing, and the projection's key part is left alone."""
         gen = torch.Generator().manual_seed(head_dim + block_size)
@@ -381,22 +430,30 @@ else:
         """Prefill then a batch-2 decode step over a paged cache, fused (forced on CPU) vs the
         HF-exact torch path. With heads of 32 the decode step's attention is one launch
         (kernels/decode_attention.py) instead of rotary + paged attention."""
-        config = tiny_config(head_dim=head_dim) if arch == "llama" else tiny_config(
-            head_dim=head_dim, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True,
-            rope_scaling=None)
+        config = (
+            tiny_config(head_dim=head_dim)
+            if arch == "llama"
+            else tiny_config(
+                head_dim=head_dim,
+                architecture="Qwen2ForCausalLM",
+                attention_bias=True,
+                tie_word_embeddings=True,
+                rope_scaling=None,
+            )
+        )
         shard = random_shard(config)
         calls = {}
         kernels = model_module._fused_kernels()
         for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding_", "silu_and_mul"):
-            def counted(*args, _fn=getattr(kernels, name), _name=name, **kwargs):
-                calls[_name] = calls.get(_name, 0) + 1
-                return _fn(*args, **kwargs)
-            monkeypatch.setattr(kernels, name, counted)
+            monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
         from strata.kernels import decode_attention
 
         attention_launches = []
-        monkeypatch.setattr(decode_attention, "_decode_attention_kernel",
-                            Counted(decode_attention._decode_attention_kernel, attention_launches))
+        monkeypatch.setattr(
+            decode_attention,
+            "_decode_attention_kernel",
+            Counted(decode_attention._decode_attention_kernel, attention_launches),
+        )
 
         steps = [
             [SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
@@ -405,8 +462,9 @@ else:
         results = {}
         for fused in (False, True):
             set_fused_kernels(shard, fused)
-            caches = allocate_kv_cache(config.num_hidden_layers, 4, 4, config.num_key_value_heads,
-                                       config.head_dim, torch.float32, "cpu")
+            caches = allocate_kv_cache(
+                config.num_hidden_layers, 4, 4, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
+            )
             outputs = []
             for chunks in steps:
                 inputs = build_step_inputs(chunks, block_size=4)
@@ -418,9 +476,15 @@ else:
         # Rotary runs on its own in the prefill's 2 layers, and in the decode step's unless the one
         # launch took it.
         one_launch = head_dim == 32
-        assert calls == {"rms_norm": 2, "fused_add_rms_norm": 8, "rotary_embedding_": 2 if one_launch else 4,
-                         "silu_and_mul": 4}
-        assert [grid[:2] for grid in attention_launches] == ([(2, config.num_key_value_heads)] * 2 if one_launch else [])
+        assert calls == {
+            "rms_norm": 2,
+            "fused_add_rms_norm": 8,
+            "rotary_embedding_": 2 if one_launch else 4,
+            "silu_and_mul": 4,
+        }
+        assert [grid[:2] for grid in attention_launches] == (
+            [(2, config.num_key_value_heads)] * 2 if one_launch else []
+        )
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -449,29 +513,48 @@ else:
         it leaves to the unfused path) and two decode steps: whole model, and split in two stages that pass the unfused
         (hidden, residual) pair between them, against the HF-exact torch path. Heads of 32 take the one-launch
         decode attention (kernels/decode_attention.py), heads of 16 the three kernels."""
-        config = tiny_config(num_hidden_layers=3, head_dim=head_dim) if arch == "llama" else tiny_config(
-            num_hidden_layers=3, head_dim=head_dim, architecture="Qwen2ForCausalLM", attention_bias=True,
-            tie_word_embeddings=True, rope_scaling=None)
+        config = (
+            tiny_config(num_hidden_layers=3, head_dim=head_dim)
+            if arch == "llama"
+            else tiny_config(
+                num_hidden_layers=3,
+                head_dim=head_dim,
+                architecture="Qwen2ForCausalLM",
+                attention_bias=True,
+                tie_word_embeddings=True,
+                rope_scaling=None,
+            )
+        )
         whole = random_shard(config)
         first, second = CausalLMShard(config, 0, 2), CausalLMShard(config, 2, 3)
         first.embed_tokens, first.layers = whole.embed_tokens, torch.nn.ModuleList(whole.layers[:2])
         second.layers, second.norm, second.lm_head = torch.nn.ModuleList(whole.layers[2:]), whole.norm, whole.lm_head
-        steps = [[SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0])], [SequenceChunk([4], 5, [2, 0])],
-                 [SequenceChunk([6], 6, [2, 0])]]
+        steps = [
+            [SequenceChunk([5, 9, 11, 3, 7], 0, [2, 0])],
+            [SequenceChunk([4], 5, [2, 0])],
+            [SequenceChunk([6], 6, [2, 0])],
+        ]
 
         def run(stages, chain):
             for stage in stages:
                 set_fused_kernels(stage, chain)
                 stage.decode_chain = chain
-            caches = allocate_kv_cache(config.num_hidden_layers, 4, 4, config.num_key_value_heads,
-                                       config.head_dim, torch.float32, "cpu")
+            caches = allocate_kv_cache(
+                config.num_hidden_layers, 4, 4, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
+            )
             outputs = []
             for chunks in steps:
                 inputs = build_step_inputs(chunks, block_size=4)
                 hidden, residual, layer = None, None, 0
                 for stage in stages:
-                    hidden, residual = stage(inputs.input_ids if stage.is_first else None, inputs.positions, hidden,
-                                             residual, caches[layer:layer + stage.num_layers], inputs.meta)
+                    hidden, residual = stage(
+                        inputs.input_ids if stage.is_first else None,
+                        inputs.positions,
+                        hidden,
+                        residual,
+                        caches[layer : layer + stage.num_layers],
+                        inputs.meta,
+                    )
                     layer += stage.num_layers
                 logits = stages[-1].compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
                 outputs += [hidden + residual, logits]
@@ -481,9 +564,14 @@ else:
         from strata.kernels import decode_attention, decode_linear
 
         launches, attention_launches = [], []
-        monkeypatch.setattr(decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, launches))
-        monkeypatch.setattr(decode_attention, "_decode_attention_kernel",
-                            Counted(decode_attention._decode_attention_kernel, attention_launches))
+        monkeypatch.setattr(
+            decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, launches)
+        )
+        monkeypatch.setattr(
+            decode_attention,
+            "_decode_attention_kernel",
+            Counted(decode_attention._decode_attention_kernel, attention_launches),
+        )
         for stages in ([whole], [first, second]):
             launches.clear()
             attention_launches.clear()
@@ -494,3 +582,12 @@ else:
             assert len(launches) == 2 * (4 * config.num_hidden_layers + 1) + 1
             assert len(attention_launches) == (2 * config.num_hidden_layers if head_dim == 32 else 0)
 
+
+def _counting(fn, name: str, calls: dict):
+    """fn, counting its calls in calls[name]."""
+
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    return counted

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from strata.default_model import build_tiny_tokenizer
 from strata.services.gateway.detokenizer import IncrementalDetokenizer, OutputTextStream, StopChecker
 from strata.services.gateway.fanout import RequestOutputState, child_requests
 from strata.services.gateway.validation import InvalidRequest, ValidatedParams, validate_request
-from strata.default_model import build_tiny_tokenizer
 from strata.v1 import generate_pb2
 
 VOCAB = 1000
@@ -439,9 +439,7 @@ def test_text_stream_min_tokens_split_inside_one_push(tokenizer):
     min_tokens = and_positions[0] + 2  # the first " and" is token number min_tokens - 1
     results = []
     for chunks in ([len(ids)], [1] * len(ids), [3] * (len(ids) // 3) + [len(ids) % 3]):
-        stream = OutputTextStream(
-            tokenizer, [0], skip_special_tokens=True, stop=[" and"], min_tokens=min_tokens
-        )
+        stream = OutputTextStream(tokenizer, [0], skip_special_tokens=True, stop=[" and"], min_tokens=min_tokens)
         pieces, pos = [], 0
         for size in chunks:
             text, matched, _ = stream.push(ids[pos : pos + size], finished=pos + size == len(ids))
@@ -515,7 +513,8 @@ def as_tuple(output):
         list(output.token_ids),
         [(lp.token_id, lp.logprob) for lp in output.logprobs],
         output.finish_reason,
-        {} if output.WhichOneof("stop_reason") is None
+        {}
+        if output.WhichOneof("stop_reason") is None
         else {output.WhichOneof("stop_reason"): getattr(output, output.WhichOneof("stop_reason"))},
     )
 
@@ -605,8 +604,9 @@ def test_final_only_waits_for_every_child():
 
 def test_children_are_final_only_exactly_when_nothing_needs_streaming():
     def children(**params):
-        req = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6]),
-                                           params=generate_pb2.SamplingParams(n=2, **params))
+        req = generate_pb2.GenerateRequest(
+            prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6]), params=generate_pb2.SamplingParams(n=2, **params)
+        )
         validated = validate_request(req, [5, 6], vocab_size=100, max_model_len=64)
         return child_requests("r", validated, [5, 6])
 
@@ -621,8 +621,9 @@ def test_top_level_field_size_reads_the_prompt_length_from_the_wire_format():
     from strata.v1 import generate_pb2
 
     prompt = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
-    msg = generate_pb2.GenerateRequest(request_id="r", prompt="é" * 300,
-                                       params=generate_pb2.SamplingParams(max_tokens=5, stop=["x"], seed=2**63))
+    msg = generate_pb2.GenerateRequest(
+        request_id="r", prompt="é" * 300, params=generate_pb2.SamplingParams(max_tokens=5, stop=["x"], seed=2**63)
+    )
     raw = msg.SerializeToString()
     assert top_level_field_size(raw, prompt) == 600  # bytes, not characters
     assert top_level_field_size(raw[:8], prompt) == 600  # a truncated message still tells its claim

@@ -1,4 +1,5 @@
 """The gateway servicer against a fake scheduler: fan-out, failure propagation, cancellation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from strata.services.gateway.server import Gateway, GatewayServicer
 from strata.default_model import build_tiny_tokenizer
+from strata.services.gateway.server import Gateway, GatewayServicer
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 
@@ -32,9 +33,12 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
             for i in range(3):
                 if self.hang and i == 1:
                     await asyncio.sleep(3600)
-                yield engine_pb2.EngineOutput(request_id=request.request_id, token_ids=[10 + i],
-                                              prompt_tokens=len(request.prompt_token_ids),
-                                              finish_reason=engine_pb2.FINISH_REASON_LENGTH if i == 2 else 0)
+                yield engine_pb2.EngineOutput(
+                    request_id=request.request_id,
+                    token_ids=[10 + i],
+                    prompt_tokens=len(request.prompt_token_ids),
+                    finish_reason=engine_pb2.FINISH_REASON_LENGTH if i == 2 else 0,
+                )
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
@@ -53,7 +57,8 @@ async def _serve(fake: FakeScheduler, tokenizer):
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sched_port}")
     gw_server = grpc.aio.server()
     generate_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, "fake")), gw_server)
+        GatewayServicer(Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, "fake")), gw_server
+    )
     gw_port = gw_server.add_insecure_port("127.0.0.1:0")
     await gw_server.start()
     client_channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw_port}")
@@ -72,8 +77,9 @@ def _request(n: int, seed: int | None = None, kind=generate_pb2.DELTA):
     params = generate_pb2.SamplingParams(n=n, max_tokens=3, output_kind=kind)
     if seed is not None:
         params.seed = seed
-    return generate_pb2.GenerateRequest(request_id="p", prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]),
-                                        params=params)
+    return generate_pb2.GenerateRequest(
+        request_id="p", prompt_token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]), params=params
+    )
 
 
 def test_children_get_ids_and_seeds_and_merge(tokenizer):
@@ -91,8 +97,9 @@ def test_children_get_ids_and_seeds_and_merge(tokenizer):
     assert sorted(r.sampling.seed for r in fake.submitted) == [41, 42, 43]
     assert all(r.parent_id == "p" for r in fake.submitted)
     # Defaults arrive resolved, as internal messages: the scheduler reads nothing public.
-    assert all(r.stop.max_tokens == 3 and list(r.stop.eos_token_ids) == [1] and r.sampling.top_p == 1.0
-               for r in fake.submitted)
+    assert all(
+        r.stop.max_tokens == 3 and list(r.stop.eos_token_ids) == [1] and r.sampling.top_p == 1.0 for r in fake.submitted
+    )
     tokens = {}
     for r in responses:
         for o in r.outputs:

@@ -2,6 +2,7 @@
 internal, each get a clear status (never UNKNOWN or INTERNAL) and hurt no other request; a 1 MB
 stop string and a 10 MB prompt are rejected at once without delaying a concurrent small request;
 internal RPCs without the cluster token get UNAUTHENTICATED; every KV block ends free."""
+
 from __future__ import annotations
 
 import math
@@ -67,10 +68,10 @@ def _bad_public_requests(rng: random.Random, info) -> list[generate_pb2.Generate
     makers = [
         lambda: request(prompt=""),
         lambda: request(ids=[1, vocab + rng.randrange(1, 10**6)]),
-        lambda: request(ids=[rng.randrange(-10**6, 0)]),
+        lambda: request(ids=[rng.randrange(-(10**6), 0)]),
         lambda: request(temperature=rng.choice([-rng.random() - 1e-3, math.nan, math.inf])),
         lambda: request(top_p=rng.choice([0.0, 1.0 + rng.random() + 1e-3, -rng.random(), math.nan])),
-        lambda: request(top_k=rng.randrange(-10**6, -1)),
+        lambda: request(top_k=rng.randrange(-(10**6), -1)),
         lambda: request(min_p=rng.choice([1.0 + rng.random() + 1e-3, -rng.random() - 1e-3, math.nan])),
         lambda: request(max_tokens=rng.randrange(max_len, 2**32)),
         lambda: request(max_tokens=rng.randrange(1, 8), min_tokens=rng.randrange(9, 2**32)),
@@ -91,9 +92,11 @@ def _bad_engine_requests(rng: random.Random, info) -> list[engine_pb2.EngineRequ
     def request(prompt=(3, 4), max_tokens=4, stop_ids=(), **sampling):
         s = dict(temperature=1.0, top_p=1.0, seed=rng.randrange(2**32), logprobs=-1)
         return engine_pb2.EngineRequest(
-            request_id=f"bad-{rng.randrange(2**63)}", prompt_token_ids=prompt,
+            request_id=f"bad-{rng.randrange(2**63)}",
+            prompt_token_ids=prompt,
             sampling=engine_pb2.SamplingOptions(**{**s, **sampling}),
-            stop=engine_pb2.StopCriteria(max_tokens=max_tokens, stop_token_ids=stop_ids))
+            stop=engine_pb2.StopCriteria(max_tokens=max_tokens, stop_token_ids=stop_ids),
+        )
 
     makers = [
         lambda: request(prompt=()),
@@ -103,8 +106,8 @@ def _bad_engine_requests(rng: random.Random, info) -> list[engine_pb2.EngineRequ
         lambda: request(temperature=rng.choice([math.nan, math.inf, -math.inf, -rng.random() - 1e-3])),
         lambda: request(top_p=rng.choice([0.0, math.nan, 1.5])),
         lambda: request(min_p=rng.choice([math.nan, 1.5, -0.5])),
-        lambda: request(top_k=rng.randrange(-2**31, 0)),
-        lambda: request(logprobs=rng.choice([2**31 - 1, rng.randrange(1000, 2**31), rng.randrange(-2**31, -1)])),
+        lambda: request(top_k=rng.randrange(-(2**31), 0)),
+        lambda: request(logprobs=rng.choice([2**31 - 1, rng.randrange(1000, 2**31), rng.randrange(-(2**31), -1)])),
         lambda: request(stop_ids=(rng.randrange(vocab, 2**31),)),
     ]
     out = [maker() for maker in makers for _ in range(8)]
@@ -125,9 +128,11 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
 
     statuses: list[tuple[str, grpc.StatusCode, grpc.StatusCode]] = []  # (what, expected, got)
     token = bearer(cluster.cluster_token)
-    with grpc.insecure_channel(cluster.gateway_address) as gw, \
-            grpc.insecure_channel(cluster.scheduler_address) as sch, \
-            grpc.insecure_channel(cluster.worker_addresses[0]) as wk:
+    with (
+        grpc.insecure_channel(cluster.gateway_address) as gw,
+        grpc.insecure_channel(cluster.scheduler_address) as sch,
+        grpc.insecure_channel(cluster.worker_addresses[0]) as wk,
+    ):
         gateway = generate_pb2_grpc.GatewayStub(gw)
         for req in _bad_public_requests(rng, info):
             statuses.append(("Generate", INVALID, _status(lambda: list(gateway.Generate(req, timeout=30)))))
@@ -139,33 +144,44 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
 
         scheduler = engine_pb2_grpc.SchedulerStub(sch)
         for req in _bad_engine_requests(rng, info):
-            statuses.append(("Submit", INVALID, _status(lambda: list(scheduler.Submit(req, timeout=30, metadata=token)))))
+            statuses.append(
+                ("Submit", INVALID, _status(lambda: list(scheduler.Submit(req, timeout=30, metadata=token))))
+            )
         submit_raw = sch.unary_stream("/strata.v1.Scheduler/Submit")
         for data in _truncated(engine_pb2.EngineRequest(request_id="r2", prompt_token_ids=[3, 4, 5])):
-            statuses.append(("Submit bytes", INVALID,
-                             _status(lambda: list(submit_raw(data, timeout=30, metadata=token)))))
+            statuses.append(
+                ("Submit bytes", INVALID, _status(lambda: list(submit_raw(data, timeout=30, metadata=token))))
+            )
 
         # Every internal method, without the token and with a wrong one.
         worker = engine_pb2_grpc.WorkerStub(wk)
-        good = engine_pb2.EngineRequest(request_id="no-token", prompt_token_ids=[3], stop=engine_pb2.StopCriteria(max_tokens=1))
+        good = engine_pb2.EngineRequest(
+            request_id="no-token", prompt_token_ids=[3], stop=engine_pb2.StopCriteria(max_tokens=1)
+        )
         internal = {
             "Scheduler/Submit": lambda md: list(scheduler.Submit(good, timeout=30, metadata=md)),
-            "Scheduler/GetModelInfo": lambda md: scheduler.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30,
-                                                                        metadata=md),
+            "Scheduler/GetModelInfo": lambda md: scheduler.GetModelInfo(
+                generate_pb2.GetModelInfoRequest(), timeout=30, metadata=md
+            ),
             "Scheduler/GetStats": lambda md: scheduler.GetStats(engine_pb2.GetStatsRequest(), timeout=30, metadata=md),
             "Worker/Describe": lambda md: worker.Describe(engine_pb2.DescribeRequest(), timeout=30, metadata=md),
-            "Worker/InitCache": lambda md: worker.InitCache(engine_pb2.InitCacheRequest(num_kv_blocks=1), timeout=30,
-                                                            metadata=md),
-            "Worker/Steps": lambda md: list(worker.Steps(iter([engine_pb2.StepPlan(step_id=1)]), timeout=30,
-                                                         metadata=md)),
-            "Worker/Forward": lambda md: worker.Forward(iter([engine_pb2.Activations(step_id=10**9)]), timeout=30,
-                                                        metadata=md),
+            "Worker/InitCache": lambda md: worker.InitCache(
+                engine_pb2.InitCacheRequest(num_kv_blocks=1), timeout=30, metadata=md
+            ),
+            "Worker/Steps": lambda md: list(
+                worker.Steps(iter([engine_pb2.StepPlan(step_id=1)]), timeout=30, metadata=md)
+            ),
+            "Worker/Forward": lambda md: worker.Forward(
+                iter([engine_pb2.Activations(step_id=10**9)]), timeout=30, metadata=md
+            ),
         }
         for name, call in internal.items():
             for md in (None, bearer("not-the-token"), (("authorization", cluster.cluster_token),)):
                 statuses.append((name, UNAUTHENTICATED, _status(lambda: call(md))))
         # With the token, the read-only ones answer (the locked door is not a broken one).
-        statuses.append(("Worker/Describe with token", grpc.StatusCode.OK, _status(lambda: internal["Worker/Describe"](token))))
+        statuses.append(
+            ("Worker/Describe with token", grpc.StatusCode.OK, _status(lambda: internal["Worker/Describe"](token)))
+        )
 
     thread.join(timeout=300)
     wrong = [(what, expected, got) for what, expected, got in statuses if got != expected]
@@ -179,8 +195,11 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
 
 def _latency(client, i: int) -> float:
     start = time.perf_counter()
-    out = collect(client.generate(f"small {i}", max_tokens=4, temperature=0.0, ignore_eos=True,
-                                  output_kind=generate_pb2.DELTA, timeout=60))
+    out = collect(
+        client.generate(
+            f"small {i}", max_tokens=4, temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=60
+        )
+    )
     assert len(out[0]) == 4
     return time.perf_counter() - start
 
@@ -194,15 +213,25 @@ def _bare_server_rejection_seconds(request: generate_pb2.GenerateRequest, times:
         context.abort(INVALID, "rejected")
         yield
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.max_receive_message_length", 64 << 20)])
-    handler = grpc.method_handlers_generic_handler("bare.Gateway", {"Generate": grpc.unary_stream_rpc_method_handler(
-        reject, request_deserializer=generate_pb2.GenerateRequest.FromString)})
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    handler = grpc.method_handlers_generic_handler(
+        "bare.Gateway",
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                reject, request_deserializer=generate_pb2.GenerateRequest.FromString
+            )
+        },
+    )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
-            call = ch.unary_stream("/bare.Gateway/Generate", request_serializer=generate_pb2.GenerateRequest.SerializeToString)
+            call = ch.unary_stream(
+                "/bare.Gateway/Generate", request_serializer=generate_pb2.GenerateRequest.SerializeToString
+            )
             best = math.inf
             for _ in range(times):
                 start = time.perf_counter()
@@ -249,9 +278,11 @@ def test_a_huge_stop_string_and_prompt_are_rejected_at_once_and_delay_no_one(clu
         hostile.close()
     fastest = {name: min(times) for name, times in rejections.items()}
     moved = statistics.median(during) - baseline
-    print(f"rejected in {', '.join(f'{n}: {t * 1000:.1f} ms' for n, t in fastest.items())} "
-          f"(a bare gRPC server: {transport * 1000:.1f} ms for the 10 MB); small requests {baseline * 1000:.0f} ms "
-          f"alone, {moved * 1000:+.1f} ms meanwhile (median of {len(during)})")
+    print(
+        f"rejected in {', '.join(f'{n}: {t * 1000:.1f} ms' for n, t in fastest.items())} "
+        f"(a bare gRPC server: {transport * 1000:.1f} ms for the 10 MB); small requests {baseline * 1000:.0f} ms "
+        f"alone, {moved * 1000:+.1f} ms meanwhile (median of {len(during)})"
+    )
     # 100 ms each (before the limits: 9-13 s). The 10 MB prompt is refused from the wire format,
     # unparsed; what remains is moving it through gRPC, so a machine slower at that than 50 ms
     # gets the difference.

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front, driven by the official `openai` client and by plain HTTP:
 the same tokens as the gRPC API, streamed deltas that join to the whole text, n = 3 as three
 seeds, usage, OpenAI's error shape and statuses, and a client that disconnects freeing its KV."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,10 @@ from strata.openai_format import chat_prompt_ids
 from strata.v1 import generate_pb2
 from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,11 @@ def grpc_text(client, prompt, **params) -> tuple[str, list[int]]:
 def metric_values(c) -> dict[str, float]:
     """The gateway's /metrics as {sample name with labels: value}."""
     text = httpx.get(c.http_address + "/metrics", timeout=10).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 class MetricDelta:
@@ -65,8 +71,12 @@ class MetricDelta:
         return metric_values(self.c).get(name, 0.0) - self.before.get(name, 0.0)
 
 
-TTFT, ITL, E2E, QUEUE = ("strata_time_to_first_token_seconds", "strata_inter_token_latency_seconds",
-                         "strata_e2e_request_latency_seconds", "strata_request_queue_time_seconds")
+TTFT, ITL, E2E, QUEUE = (
+    "strata_time_to_first_token_seconds",
+    "strata_inter_token_latency_seconds",
+    "strata_e2e_request_latency_seconds",
+    "strata_request_queue_time_seconds",
+)
 
 
 def test_models_and_health(cluster, model_dir, oai):
@@ -114,14 +124,16 @@ def test_greedy_completion_and_chat_equal_grpc(cluster, model_dir, oai):
 
     _, client = cluster
     prompt = "The old lighthouse stood"
-    got = oai.completions.create(model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0,
-                                 extra_body={"ignore_eos": True})
+    got = oai.completions.create(
+        model=model_dir.name, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     text, ids = grpc_text(client, prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
     assert got.choices[0].text == text and got.usage.completion_tokens == len(ids) == 12
     assert got.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(model_dir).encode(prompt))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour."}]
-    chat = oai.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=10, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=model_dir.name, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), messages)
     text, ids = grpc_text(client, prompt_ids, max_tokens=10, temperature=0.0, ignore_eos=True)
     assert chat.choices[0].message.content == text and chat.choices[0].message.role == "assistant"
@@ -134,14 +146,16 @@ def test_streamed_deltas_join_to_the_whole_text(model_dir, oai, chat):
     if chat:
         messages = [{"role": "user", "content": "Tell me about bread."}]
         whole = oai.chat.completions.create(messages=messages, **kw).choices[0].message.content
-        chunks = list(oai.chat.completions.create(messages=messages, stream=True,
-                                                  stream_options={"include_usage": True}, **kw))
+        chunks = list(
+            oai.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **kw)
+        )
         joined = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant"
     else:
         whole = oai.completions.create(prompt="Bread is", **kw).choices[0].text
-        chunks = list(oai.completions.create(prompt="Bread is", stream=True,
-                                             stream_options={"include_usage": True}, **kw))
+        chunks = list(
+            oai.completions.create(prompt="Bread is", stream=True, stream_options={"include_usage": True}, **kw)
+        )
         joined = "".join(c.choices[0].text for c in chunks if c.choices)
     assert joined == whole and whole
     assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
@@ -150,16 +164,24 @@ def test_streamed_deltas_join_to_the_whole_text(model_dir, oai, chat):
 
 def test_sse_ends_with_done(cluster):
     c, _ = cluster
-    with httpx.stream("POST", c.http_address + "/v1/completions",
-                      json={"prompt": "one two", "max_tokens": 4, "stream": True, "temperature": 0}) as r:
+    with httpx.stream(
+        "POST",
+        c.http_address + "/v1/completions",
+        json={"prompt": "one two", "max_tokens": 4, "stream": True, "temperature": 0},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
 def test_n3_with_a_seed_equals_three_seeds(model_dir, oai):
-    kw = dict(model=model_dir.name, prompt="The market square", max_tokens=10, temperature=0.8,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=model_dir.name,
+        prompt="The market square",
+        max_tokens=10,
+        temperature=0.8,
+        extra_body={"ignore_eos": True},
+    )
     three = oai.completions.create(n=3, seed=40, **kw)
     assert sorted(c.index for c in three.choices) == [0, 1, 2]
     by_index = {c.index: c.text for c in three.choices}
@@ -169,13 +191,21 @@ def test_n3_with_a_seed_equals_three_seeds(model_dir, oai):
 
 
 def test_logprobs_in_openai_shape(model_dir, oai):
-    got = oai.completions.create(model=model_dir.name, prompt="A river", max_tokens=4, temperature=0, logprobs=2,
-                                 extra_body={"ignore_eos": True})
+    got = oai.completions.create(
+        model=model_dir.name, prompt="A river", max_tokens=4, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
-    chat = oai.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=model_dir.name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.token == t.top_logprobs[0].token for t in content)  # greedy draws the top token
@@ -185,13 +215,13 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 2}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": [1, 10 ** 7]}, "prompt_token_ids"),
+    ({"prompt": [1, 10**7]}, "prompt_token_ids"),
     ({"prompt": "x", "stop": 5}, "stop"),
-    ({"prompt": "x", "stop_token_ids": [10 ** 7]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
     ({"prompt": "x", "min_p": 3}, "min_p"),
     ({"prompt": "x", "top_k": -5}, "top_k"),
     ({"prompt": "x", "seed": "s"}, "seed"),
@@ -232,9 +262,19 @@ def test_a_disconnect_mid_stream_frees_the_requests_blocks(cluster):
     c, _ = cluster
     before = scheduler_stats(c)
     grew = MetricDelta(c)
-    with httpx.stream("POST", c.http_address + "/v1/completions", timeout=30,
-                      json={"prompt": "long story", "max_tokens": 400, "n": 16, "stream": True, "ignore_eos": True,
-                            "temperature": 0.5}) as r:
+    with httpx.stream(
+        "POST",
+        c.http_address + "/v1/completions",
+        timeout=30,
+        json={
+            "prompt": "long story",
+            "max_tokens": 400,
+            "n": 16,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.5,
+        },
+    ) as r:
         next(r.iter_lines())
     _left_early(c, before, 16 * 400)
     assert grew('strata_request_success_total{finished_reason="abort"}') == 16  # each output, once
@@ -245,8 +285,11 @@ def test_a_disconnect_before_a_whole_answer_frees_its_blocks(cluster):
     c, _ = cluster
     before = scheduler_stats(c)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(c.http_address + "/v1/completions", timeout=0.3,
-                   json={"prompt": "long story", "max_tokens": 400, "n": 16, "ignore_eos": True, "temperature": 0.5})
+        httpx.post(
+            c.http_address + "/v1/completions",
+            timeout=0.3,
+            json={"prompt": "long story", "max_tokens": 400, "n": 16, "ignore_eos": True, "temperature": 0.5},
+        )
     _left_early(c, before, 16 * 400)
 
 

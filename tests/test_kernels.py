@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +35,14 @@ if not can_run_interpreted_here("strata.kernels.paged_attention"):
     def test_kernels_compile_for_sm90_without_spills():
         """Compile every kernel variant for an H100; fails on a spill or an unpipelined K/V loop."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, "-m", "strata.kernels.compile_check", "--strict"],
-                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "strata.kernels.compile_check", "--strict"],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         print(proc.stdout)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
         assert "attention bf16 D=128" in proc.stdout
@@ -90,7 +97,7 @@ else:
         num_blocks, block_size, tokens = 5, 4, 9
         # key/value as strided views of one fused projection, like a real qkv split.
         fused = torch.randn(tokens, 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype)
-        key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
+        key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
         slots[[2, 7]] = -1
         cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
@@ -116,8 +123,9 @@ else:
         got, want = run_both(batch, 0.125)
         assert_matches(got, want, torch.float32)
         # The last position's value now matters: attention over the same cache minus it differs.
-        truncated = paged_attention_reference(batch.query, batch.kv_cache, batch.query_start_loc,
-                                              batch.seq_lens - 1, batch.block_tables, 1, 20, 0.125)
+        truncated = paged_attention_reference(
+            batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens - 1, batch.block_tables, 1, 20, 0.125
+        )
         assert not torch.allclose(got, truncated, atol=1e-3)
 
     # --- paged attention: single pass --------------------------------------------------------
@@ -131,9 +139,17 @@ else:
     @pytest.mark.parametrize("head_dim", [64, 128])
     @pytest.mark.parametrize("group", [1, 4, 8])
     def test_mixed_prefill_and_decode_batch(dtype, head_dim, group):
-        batch = make_paged_batch(MIXED_QUERY, MIXED_CONTEXT, num_q_heads=2 * group, num_kv_heads=2,
-                                 head_dim=head_dim, block_size=8, dtype=dtype, seed=group + head_dim)
-        got, want = run_both(batch, head_dim ** -0.5, num_kv_splits=1)
+        batch = make_paged_batch(
+            MIXED_QUERY,
+            MIXED_CONTEXT,
+            num_q_heads=2 * group,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            block_size=8,
+            dtype=dtype,
+            seed=group + head_dim,
+        )
+        got, want = run_both(batch, head_dim**-0.5, num_kv_splits=1)
         assert_matches(got, want, dtype)
 
     @pytest.mark.parametrize("block_size,tile_n,block_q", [(4, 16, 3), (16, 16, 2), (8, 32, 5), (32, 16, 4)])
@@ -141,16 +157,24 @@ else:
         """Keys tiles spanning several pages or part of one; query blocks cutting chunks unevenly."""
         query_lens = [17, 1, 1, 5, 16]
         context_lens = [15, 31, 32, 27, 0]
-        batch = make_paged_batch(query_lens, context_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                                 block_size=block_size, seed=block_size * tile_n)
+        batch = make_paged_batch(
+            query_lens,
+            context_lens,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            block_size=block_size,
+            seed=block_size * tile_n,
+        )
         config = AttentionLaunchConfig(block_q=block_q, tile_n=tile_n, num_kv_splits=1)
         got, want = run_both(batch, 0.2, config=config)
         assert_matches(got, want, torch.float32)
 
     @pytest.mark.parametrize("window", [1, 5, 16])
     def test_sliding_window(window):
-        batch = make_paged_batch([12, 1, 1, 4], [20, 40, 3, 17], num_q_heads=4, num_kv_heads=1, head_dim=64,
-                                 block_size=4, seed=window)
+        batch = make_paged_batch(
+            [12, 1, 1, 4], [20, 40, 3, 17], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=4, seed=window
+        )
         config = AttentionLaunchConfig(block_q=4, tile_n=16, num_kv_splits=1)
         got, want = run_both(batch, 0.125, sliding_window=window, config=config)
         assert_matches(got, want, torch.float32)
@@ -160,16 +184,27 @@ else:
 
     def test_empty_sequences_padding_tokens_and_out_argument():
         """q_len 0 sequences, query/out as strided views, padding tokens past the last sequence."""
-        batch = make_paged_batch([3, 0, 1, 0, 2], [4, 9, 9, 0, 6], num_q_heads=8, num_kv_heads=2, head_dim=64,
-                                 block_size=4, seed=7)
+        batch = make_paged_batch(
+            [3, 0, 1, 0, 2], [4, 9, 9, 0, 6], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=4, seed=7
+        )
         fused = torch.randn(batch.query.shape[0] + 2, 12, 64)  # 2 padding tokens, q is 8 of 12 heads
         fused[:6, :8] = batch.query
         query = fused[:, :8]
         qsl = batch.query_start_loc
         out_storage = torch.full((8, 9, 64), 7.0)
         out = out_storage[:, :8]
-        result = paged_attention(query, batch.kv_cache, qsl, batch.seq_lens, batch.block_tables,
-                                 batch.max_query_len, batch.max_seq_len, 0.125, out=out, num_kv_splits=1)
+        result = paged_attention(
+            query,
+            batch.kv_cache,
+            qsl,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.max_query_len,
+            batch.max_seq_len,
+            0.125,
+            out=out,
+            num_kv_splits=1,
+        )
         assert result.data_ptr() == out.data_ptr()
         want = paged_attention_reference(*batch.attention_args(), 0.125)
         assert_matches(out[:6], want, torch.float32)
@@ -181,28 +216,43 @@ else:
     @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 8), (128, 1)])
     def test_split_kv_decode_matches_single_pass_and_reference(dtype, head_dim, group):
         # Context lengths from 3 (most splits empty) to 300 (several tiles per split).
-        batch = make_paged_batch([1, 1, 1], [299, 2, 130], num_q_heads=2 * group, num_kv_heads=2,
-                                 head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim * group)
+        batch = make_paged_batch(
+            [1, 1, 1],
+            [299, 2, 130],
+            num_q_heads=2 * group,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=dtype,
+            seed=head_dim * group,
+        )
         split = AttentionLaunchConfig(block_q=1, tile_n=32, num_kv_splits=4)
-        got_split, want = run_both(batch, head_dim ** -0.5, config=split)
-        got_single = paged_attention(*batch.attention_args(), head_dim ** -0.5, num_kv_splits=1)
+        got_split, want = run_both(batch, head_dim**-0.5, config=split)
+        got_single = paged_attention(*batch.attention_args(), head_dim**-0.5, num_kv_splits=1)
         assert_matches(got_split, want, dtype)
         assert_matches(got_single, want, dtype)
 
     def test_split_kv_with_prefill_chunks_and_window():
         """The split path is general: query blocks of prefill chunks and a window split too."""
-        batch = make_paged_batch([7, 1, 3], [60, 90, 0], num_q_heads=8, num_kv_heads=2, head_dim=64,
-                                 block_size=8, seed=11)
+        batch = make_paged_batch(
+            [7, 1, 3], [60, 90, 0], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=8, seed=11
+        )
         config = AttentionLaunchConfig(block_q=4, tile_n=16, num_kv_splits=3)
         for window in (None, 37):
             got, want = run_both(batch, 0.125, sliding_window=window, config=config)
             assert_matches(got, want, torch.float32)
 
     def test_automatic_split_choice_runs_split_path_for_small_decode_batch():
-        batch = make_paged_batch([1, 1], [700, 520], num_q_heads=4, num_kv_heads=1, head_dim=64,
-                                 block_size=16, seed=5)
-        chosen = choose_launch_config(num_seqs=2, num_q_heads=4, num_kv_heads=1, head_dim=64, max_query_len=1,
-                                      max_seq_len=batch.max_seq_len, sm_count=132)
+        batch = make_paged_batch([1, 1], [700, 520], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=16, seed=5)
+        chosen = choose_launch_config(
+            num_seqs=2,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=64,
+            max_query_len=1,
+            max_seq_len=batch.max_seq_len,
+            sm_count=132,
+        )
         assert chosen.num_kv_splits == 16  # one 64-key tile per split: 11 tiles, a power of two of splits
         got, want = run_both(batch, 0.125)
         assert_matches(got, want, torch.float32)
@@ -211,8 +261,15 @@ else:
 
     def test_launch_config_heuristics():
         def choose(**overrides):
-            args = dict(num_seqs=256, num_q_heads=32, num_kv_heads=8, head_dim=64, max_query_len=1,
-                        max_seq_len=640, sm_count=132)
+            args = dict(
+                num_seqs=256,
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=64,
+                max_query_len=1,
+                max_seq_len=640,
+                sm_count=132,
+            )
             return choose_launch_config(**{**args, **overrides})
 
         assert choose().num_kv_splits == 1  # 2048 programs fill an H100
@@ -239,8 +296,17 @@ else:
     def test_rejects_unsupported_shapes():
         batch = make_paged_batch([2], [3], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
         with pytest.raises(AssertionError):
-            paged_attention(batch.query[..., :48], batch.kv_cache[..., :48], batch.query_start_loc, batch.seq_lens,
-                            batch.block_tables, 2, 5, 0.1)  # head_dim 48 is not a power of two
+            paged_attention(
+                batch.query[..., :48],
+                batch.kv_cache[..., :48],
+                batch.query_start_loc,
+                batch.seq_lens,
+                batch.block_tables,
+                2,
+                5,
+                0.1,
+            )  # head_dim 48 is not a power of two
         with pytest.raises(AssertionError):
-            paged_attention(batch.query[:, :3], batch.kv_cache, batch.query_start_loc, batch.seq_lens,
-                            batch.block_tables, 2, 5, 0.1)  # 3 query heads over 2 kv heads
+            paged_attention(
+                batch.query[:, :3], batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 2, 5, 0.1
+            )  # 3 query heads over 2 kv heads

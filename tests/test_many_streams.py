@@ -1,5 +1,6 @@
 """5,000 concurrent streams on the CPU default model (issue 15): every one completes with status OK
 over a single client channel, and every KV block ends free. About 7 minutes on 2 cores: slow."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,8 @@ async def _run_streams(address: str, count: int) -> collections.Counter:
         async def one(i: int) -> None:
             request = generate_pb2.GenerateRequest(
                 prompt=f"Question {i}: what is {i} plus {i}?",
-                params=generate_pb2.SamplingParams(max_tokens=8, temperature=0.0))
+                params=generate_pb2.SamplingParams(max_tokens=8, temperature=0.0),
+            )
             try:
                 tokens = 0
                 async for response in stub.Generate(request, timeout=1800):

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from tiny_models import TINY_MISTRAL_SLIDING_WINDOW, write_tiny_model
 
 from strata.services.worker import weights as weights_module
 from strata.services.worker.attention import (
@@ -17,7 +18,6 @@ from strata.services.worker.attention import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from tests.paged_inputs import SequenceChunk, build_step_inputs
 from strata.services.worker.model import CausalLMShard
 from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.weights import (
@@ -26,6 +26,7 @@ from strata.services.worker.weights import (
     load_shard,
     model_fingerprint,
 )
+from tests.paged_inputs import SequenceChunk, build_step_inputs
 from tests.shard_pipeline import (
     Pipeline,
     greedy_decode,
@@ -33,7 +34,6 @@ from tests.shard_pipeline import (
     random_prompts,
     shuffled_block_tables,
 )
-from tiny_models import TINY_MISTRAL_SLIDING_WINDOW, write_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2"]
 STAGE_COUNTS = [1, 2, 3]
@@ -50,8 +50,7 @@ def hf_models(tiny_dirs):
     from transformers import AutoModelForCausalLM
 
     return {
-        arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        for arch, path in tiny_dirs.items()
+        arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() for arch, path in tiny_dirs.items()
     }
 
 
@@ -283,9 +282,16 @@ def test_load_weights_rejects_shape_mismatch(tiny_dirs):
 
 def small_dummy_config() -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-        vocab_size=100, max_position_embeddings=128, tie_word_embeddings=True,
+        architecture="LlamaForCausalLM",
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
     )
 
 
@@ -342,9 +348,15 @@ def test_fingerprints(tiny_dirs, tmp_path):
 
 def _hf_style_config(**fields):
     base = dict(
-        architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=10,
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512,
-        rms_norm_eps=1e-5, max_position_embeddings=1024,
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=10,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
     )
     base.update(fields)
     return base
@@ -353,9 +365,17 @@ def _hf_style_config(**fields):
 def test_config_reads_pre_v5_rope_fields_and_eos_union(tmp_path):
     d = _hf_style_config(
         rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=8192),
-        eos_token_id=128001, bos_token_id=128000, torch_dtype="bfloat16", tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        eos_token_id=128001,
+        bos_token_id=128000,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=True,
     )
     (tmp_path / "config.json").write_text(json.dumps(d))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))

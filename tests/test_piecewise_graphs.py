@@ -3,15 +3,16 @@ before any capture, against the shard's own forward on CPU in float32: the cut a
 residual stream added in place, the shared qkv buffer, padding rows and placeholders. The GPU test
 (tests/gpu/test_piecewise_graphs_gpu.py) replays the same steps from captured graphs.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import write_tiny_model
 
 from strata.services.worker.piecewise_graphs import piece_token_counts
 from strata.services.worker.weights import load_shard
 from tests.piecewise_steps import run_mixed_steps
-from tiny_models import write_tiny_model
 
 NUM_BLOCKS = 32
 

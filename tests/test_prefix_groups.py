@@ -18,8 +18,18 @@ BS = 4
 
 
 def group(name, prefix, suffixes, max_tokens=6, seed=0):
-    return [Request(f"{name}/{i}", prefix + suffix, seed=seed + i, max_tokens=max_tokens, parent_id=name,
-                    shared_prefix_len=len(prefix), group_size=len(suffixes)) for i, suffix in enumerate(suffixes)]
+    return [
+        Request(
+            f"{name}/{i}",
+            prefix + suffix,
+            seed=seed + i,
+            max_tokens=max_tokens,
+            parent_id=name,
+            shared_prefix_len=len(prefix),
+            group_size=len(suffixes),
+        )
+        for i, suffix in enumerate(suffixes)
+    ]
 
 
 def suffixes(rng, count, low=1, high=9):
@@ -147,7 +157,7 @@ def check_plan_groups(plan, seen: list) -> None:
     assert sorted(groups) == list(range(1, len(plan.shared_prefix_lens) + 1))
     order = [g for g in plan.shared_prefix_group if g]
     assert order == sorted(order)  # members are consecutive
-    assert plan.shared_prefix_group[-len(order):] == order  # after every sequence outside a group
+    assert plan.shared_prefix_group[-len(order) :] == order  # after every sequence outside a group
     for g, seqs in groups.items():
         prefix_len = plan.shared_prefix_lens[g - 1]
         blocks = prefix_len // BS
@@ -229,5 +239,5 @@ def test_common_prefix_len_agrees_with_a_plain_walk_whatever_the_guess():
     rng = random.Random(11)
     for _ in range(5000):
         a = [rng.randrange(4) for _ in range(rng.randint(0, 30))]
-        b = a[:rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 30))]
+        b = a[: rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 30))]
         assert _common_prefix_len(a, b, rng.randint(0, 40)) == len(os.path.commonprefix([a, b])), (a, b)

@@ -1,6 +1,7 @@
 """Gateway.GenerateGroups through the whole stack: every member gets the tokens it gets alone,
 each group's prefix is computed once, KV use stays within the prefixes plus the members' own
 tokens, a bad member fails alone, and a client that leaves frees every block."""
+
 from __future__ import annotations
 
 import random
@@ -28,11 +29,19 @@ def make_groups(vocab: int, seed: int, sizes=(5, 1, 3, 8)) -> list[generate_pb2.
         prefix = [rng.randrange(3, vocab) for _ in range(rng.randint(9, 30))]  # mid-block and not
         members = []
         for m in range(size):
-            params = generate_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=generate_pb2.DELTA,
-                                                 temperature=0.0 if m % 2 else 0.8, seed=100 * g + m)
+            params = generate_pb2.SamplingParams(
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                output_kind=generate_pb2.DELTA,
+                temperature=0.0 if m % 2 else 0.8,
+                seed=100 * g + m,
+            )
             own = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 7))]
-            members.append(generate_pb2.GenerateRequest(request_id=f"s{seed}g{g}m{m}", params=params,
-                                                        prompt_token_ids=generate_pb2.TokenIds(ids=own)))
+            members.append(
+                generate_pb2.GenerateRequest(
+                    request_id=f"s{seed}g{g}m{m}", params=params, prompt_token_ids=generate_pb2.TokenIds(ids=own)
+                )
+            )
         groups.append(generate_pb2.PrefixGroup(prefix_token_ids=generate_pb2.TokenIds(ids=prefix), members=members))
     return groups
 
@@ -62,15 +71,28 @@ def test_members_get_their_own_tokens_and_each_prefix_is_computed_once(cluster):
     prefixes = sum(len(g.prefix_token_ids.ids) for g in groups)
     # Each prefix once, each member's own tokens once (and the decode steps as decodes).
     assert after.prefill_tokens_computed - before.prefill_tokens_computed == prefixes + own
-    bound = sum(len(g.prefix_token_ids.ids) // BLOCK
-                + sum(-(-(len(g.prefix_token_ids.ids) % BLOCK + len(m.prompt_token_ids.ids) + MAX_TOKENS) // BLOCK)
-                      for m in g.members) for g in groups)
+    bound = sum(
+        len(g.prefix_token_ids.ids) // BLOCK
+        + sum(
+            -(-(len(g.prefix_token_ids.ids) % BLOCK + len(m.prompt_token_ids.ids) + MAX_TOKENS) // BLOCK)
+            for m in g.members
+        )
+        for g in groups
+    )
     assert after.peak_used_kv_blocks <= bound
     for g in groups:
         for m in g.members:
-            alone = collect(client.generate(list(g.prefix_token_ids.ids) + list(m.prompt_token_ids.ids),
-                                            max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=generate_pb2.DELTA,
-                                            temperature=m.params.temperature, seed=m.params.seed, timeout=60))[0]
+            alone = collect(
+                client.generate(
+                    list(g.prefix_token_ids.ids) + list(m.prompt_token_ids.ids),
+                    max_tokens=MAX_TOKENS,
+                    ignore_eos=True,
+                    output_kind=generate_pb2.DELTA,
+                    temperature=m.params.temperature,
+                    seed=m.params.seed,
+                    timeout=60,
+                )
+            )[0]
             assert outputs[m.request_id] == alone, m.request_id
     assert scheduler_stats(c).used_kv_blocks == 0
 

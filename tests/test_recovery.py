@@ -1,6 +1,7 @@
 """A lost or hung pipeline stage: requests pause, resume by recompute when the stage is back,
 and finish with exactly the tokens of an uninterrupted run; health says NOT_SERVING meanwhile;
 past the recovery timeout they fail with UNAVAILABLE; every KV block ends free."""
+
 from __future__ import annotations
 
 import asyncio
@@ -121,8 +122,9 @@ def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(mode
 def test_requests_fail_with_unavailable_past_the_recovery_timeout(model_dir):
     with running_cluster(model_dir, 1, "--stage-recovery-timeout", "2") as (cluster, client):
         started = threading.Barrier(2)
-        threads, results, errors = run_all(client, [("too late", dict(max_tokens=400, ignore_eos=True,
-                                                                      temperature=0.0))], started)
+        threads, results, errors = run_all(
+            client, [("too late", dict(max_tokens=400, ignore_eos=True, temperature=0.0))], started
+        )
         started.wait(timeout=60)
         victim = worker(cluster, "worker 0")
         victim.kill()
@@ -136,11 +138,13 @@ def test_a_write_to_a_finished_stage_stream_is_a_lost_stage(error):
     """Through the cluster-token interceptor, writing to a stream the stage already ended raises
     InvalidStateError instead of the call's status: that is a lost stage (requests pause and
     resume), never an engine failure (requests fail with INTERNAL)."""
+
     async def write(plan):
         raise error
 
     pipeline = Pipeline(["stage0:1"])
-    pipeline.stages = [StageHandle("stage0:1", channel=None, stub=None, description=None,
-                                   call=SimpleNamespace(write=write))]
+    pipeline.stages = [
+        StageHandle("stage0:1", channel=None, stub=None, description=None, call=SimpleNamespace(write=write))
+    ]
     with pytest.raises(PipelineError, match="sending step 7 failed"):
         asyncio.run(pipeline.send(engine_pb2.StepPlan(step_id=7)))

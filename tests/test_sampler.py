@@ -29,19 +29,24 @@ def sampling_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return scaled
 
 
-def build(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None,
-          num_logprobs=-1, device="cpu"):
+def build(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, num_logprobs=-1, device="cpu"):
     """SamplingTensors for n rows; scalars broadcast, sequences are taken per row."""
+
     def per_row(value, dtype):
         return np.broadcast_to(np.asarray(value, dtype=dtype), (n,)).copy()
 
     seeds = np.arange(n) + 1000 if seeds is None else seeds
     positions = np.arange(n) + 7 if positions is None else positions
     return SamplingTensors.build(
-        temperature=per_row(temperature, np.float32), top_k=per_row(top_k, np.int64),
-        top_p=per_row(top_p, np.float32), min_p=per_row(min_p, np.float32),
-        seeds=per_row(seeds, np.int64), positions=per_row(positions, np.int64),
-        num_logprobs=num_logprobs, device=device)
+        temperature=per_row(temperature, np.float32),
+        top_k=per_row(top_k, np.int64),
+        top_p=per_row(top_p, np.float32),
+        min_p=per_row(min_p, np.float32),
+        seeds=per_row(seeds, np.int64),
+        positions=per_row(positions, np.int64),
+        num_logprobs=num_logprobs,
+        device=device,
+    )
 
 
 def random_logits(n, vocab, seed=0, scale=2.0):
@@ -90,9 +95,13 @@ def test_seeded_row_is_independent_of_batch_order_and_repeats():
     logits = random_logits(24, vocab, seed=1, scale=0.7)
     rng = np.random.default_rng(0)
     settings = dict(
-        temperature=rng.choice([0.0, 0.5, 1.0, 1.3], 24), top_k=rng.choice([0, 5, 50], 24),
-        top_p=rng.choice([1.0, 0.9, 0.5], 24), min_p=rng.choice([0.0, 0.02], 24),
-        seeds=rng.integers(-2**63, 2**63 - 1, 24), positions=rng.integers(0, 5000, 24))
+        temperature=rng.choice([0.0, 0.5, 1.0, 1.3], 24),
+        top_k=rng.choice([0, 5, 50], 24),
+        top_p=rng.choice([1.0, 0.9, 0.5], 24),
+        min_p=rng.choice([0.0, 0.02], 24),
+        seeds=rng.integers(-(2**63), 2**63 - 1, 24),
+        positions=rng.integers(0, 5000, 24),
+    )
     sampler = Sampler()
     batch = sampler(logits, build(24, **settings)).token_ids
     assert torch.equal(batch, sampler(logits, build(24, **settings)).token_ids)
@@ -102,7 +111,7 @@ def test_seeded_row_is_independent_of_batch_order_and_repeats():
     assert torch.equal(shuffled, batch[perm])
 
     for row in (0, 5, 17):
-        alone = sampler(logits[row:row + 1], build(1, **{k: v[row:row + 1] for k, v in settings.items()}))
+        alone = sampler(logits[row : row + 1], build(1, **{k: v[row : row + 1] for k, v in settings.items()}))
         assert alone.token_ids.item() == batch[row].item()
 
 
@@ -135,8 +144,10 @@ def test_unsigned_seed_and_its_int64_bits_draw_the_same():
     logits = torch.zeros(3, 5000)
     unsigned = np.array([2**64 - 1, 2**63, 12345], dtype=np.uint64)
     as_bits = unsigned.view(np.int64)
-    a = Sampler()(logits, SamplingTensors.build([1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3,
-                                                [int(s) for s in unsigned], [4] * 3, -1, "cpu"))
+    a = Sampler()(
+        logits,
+        SamplingTensors.build([1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, [int(s) for s in unsigned], [4] * 3, -1, "cpu"),
+    )
     b = Sampler()(logits, build(3, seeds=as_bits, positions=4))
     assert torch.equal(a.token_ids, b.token_ids)
 
@@ -184,14 +195,17 @@ def test_empirical_distribution_matches_tempered_softmax(vary):
     assert 0.5 * np.abs(counts / draws - probs).sum() < 0.01  # total variation
 
 
-@pytest.mark.parametrize("filters, kept", [
-    (dict(top_k=3), [0, 1, 2]),
-    # softmax(base / 0.7) = .700 .168 .082 .040 .0096 .0006: .700 + .168 >= 0.75 keeps two.
-    (dict(top_p=0.75), [0, 1]),
-    # p >= 0.05 * p_max = .035 keeps four.
-    (dict(min_p=0.05), [0, 1, 2, 3]),
-    (dict(top_k=4, top_p=0.9), [0, 1, 2]),
-])
+@pytest.mark.parametrize(
+    "filters, kept",
+    [
+        (dict(top_k=3), [0, 1, 2]),
+        # softmax(base / 0.7) = .700 .168 .082 .040 .0096 .0006: .700 + .168 >= 0.75 keeps two.
+        (dict(top_p=0.75), [0, 1]),
+        # p >= 0.05 * p_max = .035 keeps four.
+        (dict(min_p=0.05), [0, 1, 2, 3]),
+        (dict(top_k=4, top_p=0.9), [0, 1, 2]),
+    ],
+)
 def test_filtered_distribution_is_renormalised_over_kept_tokens(filters, kept):
     draws, temperature = 30000, 0.7
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -250,10 +264,13 @@ def test_filters_keep_the_reference_set_and_never_sample_outside_it(name):
 
     kept = sampling_logits(logits, st) > float("-inf")
     for i in range(n):
-        expected = reference_kept(logits[i].double().numpy(), temperature[i],
-                                  int(settings.get("top_k", np.zeros(n))[i]),
-                                  float(settings.get("top_p", np.ones(n))[i]),
-                                  float(settings.get("min_p", np.zeros(n))[i]))
+        expected = reference_kept(
+            logits[i].double().numpy(),
+            temperature[i],
+            int(settings.get("top_k", np.zeros(n))[i]),
+            float(settings.get("top_p", np.ones(n))[i]),
+            float(settings.get("min_p", np.zeros(n))[i]),
+        )
         assert np.array_equal(kept[i].numpy(), expected), f"row {i}"
     # Filtered batches differ from unfiltered ones somewhere.
     assert (~kept).any()
@@ -282,8 +299,9 @@ def test_logprobs_are_those_of_the_raw_distribution(num_logprobs):
     st = build(n, temperature=np.where(np.arange(n) < 4, 0.0, 0.8), top_k=20, num_logprobs=num_logprobs)
     out = Sampler()(logits, st)
     log_softmax = torch.log_softmax(logits, dim=-1)
-    torch.testing.assert_close(out.logprobs, log_softmax.gather(1, out.token_ids.unsqueeze(1)).squeeze(1),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        out.logprobs, log_softmax.gather(1, out.token_ids.unsqueeze(1)).squeeze(1), rtol=0, atol=1e-5
+    )
     expected = torch.topk(log_softmax, num_logprobs, dim=-1)
     assert out.top_ids.shape == (n, num_logprobs)
     assert torch.equal(out.top_ids, expected.indices)
@@ -349,8 +367,9 @@ TRITON_VS_TORCH = textwrap.dedent("""
 def test_triton_kernel_matches_torch_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", TRITON_VS_TORCH], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_VS_TORCH], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -362,10 +381,15 @@ def test_cuda_draws_equal_cpu_draws_without_host_syncs():
     n, vocab = 64, 32000
     rng = np.random.default_rng(1)
     logits = random_logits(n, vocab, seed=5)
-    settings = dict(temperature=rng.choice([0.0, 0.6, 1.0], n), top_k=rng.choice([0, 0, 50], n),
-                    top_p=rng.choice([1.0, 1.0, 0.9], n), min_p=rng.choice([0.0, 0.05], n),
-                    seeds=rng.integers(-2**63, 2**63 - 1, n), positions=rng.integers(0, 10**6, n),
-                    num_logprobs=3)
+    settings = dict(
+        temperature=rng.choice([0.0, 0.6, 1.0], n),
+        top_k=rng.choice([0, 0, 50], n),
+        top_p=rng.choice([1.0, 1.0, 0.9], n),
+        min_p=rng.choice([0.0, 0.05], n),
+        seeds=rng.integers(-(2**63), 2**63 - 1, n),
+        positions=rng.integers(0, 10**6, n),
+        num_logprobs=3,
+    )
     cpu = Sampler()(logits, build(n, **settings))
     st = build(n, device="cuda", **settings)
     # The integer part of the noise is bit-identical across devices.
@@ -400,8 +424,7 @@ def test_sequence_table_derives_the_graph_draw_settings_as_prepare_does():
 
     table = SequenceTable(4, 1)
     temperatures = [0.0, 1e-6, 9.99999e-6, 1e-5, 1.00001e-5, 0.3, 0.7, 1.0, 1.3, 7.0]
-    for seq_id, (t, k, p, m, lp) in enumerate(itertools.product(temperatures, [0, 5], [1.0, 0.9], [0.0, 0.1],
-                                                                 [-1, 0])):
+    for seq_id, (t, k, p, m, lp) in enumerate(itertools.product(temperatures, [0, 5], [1.0, 0.9], [0.0, 0.1], [-1, 0])):
         opts = engine_pb2.SamplingOptions(temperature=t, top_k=k, top_p=p, min_p=m, logprobs=lp)
         table.add(engine_pb2.NewSequence(seq_id=seq_id, sampling=opts))
         row = table.rows[seq_id]

@@ -39,6 +39,7 @@ def stats_of(sched) -> engine_pb2.SchedulerStats:
     sched.fill_stats(stats)
     return stats
 
+
 VOCAB = 50
 
 
@@ -182,7 +183,9 @@ class Driver:
         assert len(ids) == len(set(ids))
         busy = {s.request.request_id for p, _ in self.in_flight for s in p.seqs if not s.request.is_finished}
         assert busy.isdisjoint(ids), "a request is in two plans in flight"
-        decodes = [s for s in plan.seqs if s.num_scheduled - s.num_draft == 1 and s.num_computed >= s.request.num_prompt_tokens]
+        decodes = [
+            s for s in plan.seqs if s.num_scheduled - s.num_draft == 1 and s.num_computed >= s.request.num_prompt_tokens
+        ]
         if decodes and len(decodes) < len(plan.seqs):
             self.mixed_steps += 1
 
@@ -282,7 +285,10 @@ def test_chunked_prefill_mixes_with_decodes():
 def test_preemption_with_tiny_pool_loses_nothing(pipeline, prefix_caching):
     rng = random.Random(1)
     sched = Scheduler(
-        num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=48,
+        num_blocks=16,
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=48,
         enable_prefix_caching=prefix_caching,
     )
     requests = make_requests(rng, 12, max_prompt=30, max_tokens=30)
@@ -559,16 +565,22 @@ def test_random_mix_leaves_every_block_free(seed):
     rng = random.Random(seed)
     max_model_len = 48
     sched = Scheduler(
-        num_blocks=14, block_size=4, max_model_len=max_model_len,
-        max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 16, 32]),
+        num_blocks=14,
+        block_size=4,
+        max_model_len=max_model_len,
+        max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
     )
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 14))] for _ in range(3)]
     pending: list[Request] = []
     for i in range(40):
         prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
         common = dict(
-            max_tokens=rng.randint(1, 25), min_tokens=rng.randint(0, 3),
-            eos_token_ids=[0], stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.random() < 0.2,
+            max_tokens=rng.randint(1, 25),
+            min_tokens=rng.randint(0, 3),
+            eos_token_ids=[0],
+            stop_token_ids=rng.choice([[], [1]]),
+            ignore_eos=rng.random() < 0.2,
         )
         if rng.random() < 0.25:
             pending += [Request(f"{j}_g{i}", prompt, seed=7 * i + j, parent_id=f"g{i}", **common) for j in range(3)]
@@ -655,8 +667,17 @@ def plan_fields(plan):
         [r.request_id for r in plan.new_requests],
         list(plan.released_seq_ids),
         [
-            (s.request.request_id, s.seq_id, s.num_computed, s.num_scheduled, list(s.input_token_ids),
-             s.table_keep, list(s.table_append), s.sample, s.num_draft)
+            (
+                s.request.request_id,
+                s.seq_id,
+                s.num_computed,
+                s.num_scheduled,
+                list(s.input_token_ids),
+                s.table_keep,
+                list(s.table_append),
+                s.sample,
+                s.num_draft,
+            )
             for s in plan.seqs
         ],
         list(plan.copies),
@@ -667,12 +688,26 @@ def scheduler_state(sched):
     """Every request's fields, the block manager's tables, cache and free queue, and the stats."""
     bm = sched.block_manager
     clocks = ("arrival_time", "queue_seconds")  # wall-clock readings, not scheduling state
-    requests = {rid: {**{k: v for k, v in vars(req).items() if k not in clocks},
-                      "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed)}
-                for rid, req in sched._requests.items()}
-    return (requests, [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
-            tuple(sched._pending_releases), stats_of(sched), bm._ref, bm._hash, list(bm._free), bm._cached,
-            bm.num_cached_blocks, sched._num_in_flight)
+    requests = {
+        rid: {
+            **{k: v for k, v in vars(req).items() if k not in clocks},
+            "blocks": (req.blocks.block_ids, req.blocks.hashes, req.blocks.num_hashed),
+        }
+        for rid, req in sched._requests.items()
+    }
+    return (
+        requests,
+        [r.request_id for r in sched.running],
+        [r.request_id for r in sched.waiting],
+        tuple(sched._pending_releases),
+        stats_of(sched),
+        bm._ref,
+        bm._hash,
+        list(bm._free),
+        bm._cached,
+        bm.num_cached_blocks,
+        sched._num_in_flight,
+    )
 
 
 def position_token(req, position):
@@ -688,7 +723,7 @@ def sample_plan(plan):
         if not s.sample:
             continue
         base = s.num_computed + s.num_scheduled - s.num_draft  # where the first sampled token goes
-        drafts = s.input_token_ids[len(s.input_token_ids) - s.num_draft:]
+        drafts = s.input_token_ids[len(s.input_token_ids) - s.num_draft :]
         tokens = []
         for i in range(s.num_draft + 1):
             tokens.append(position_token(s.request, base + i))
@@ -708,8 +743,14 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
     siblings sharing a prompt, speculative drafts, stop tokens and aborts while in flight."""
     rng = random.Random(seed)
     pipeline = lookahead + 1 if lookahead else 2
-    make = lambda: Scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, max_num_seqs=6,
-                             max_num_batched_tokens=24, decode_lookahead=lookahead)
+    make = lambda: Scheduler(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=48,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        decode_lookahead=lookahead,
+    )
     fast, general = make(), make()
     general.fast_paths = False
     fast_decodes = []
@@ -722,8 +763,11 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
     for i in range(30):
         kw = dict(
             prompt_token_ids=rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
-            max_tokens=rng.randint(1, 30), min_tokens=rng.randint(0, 2), eos_token_ids=[0],
-            stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.random() < 0.5,
+            max_tokens=rng.randint(1, 30),
+            min_tokens=rng.randint(0, 2),
+            eos_token_ids=[0],
+            stop_token_ids=rng.choice([[], [1]]),
+            ignore_eos=rng.random() < 0.5,
         )
         if rng.random() < 0.25:
             pending += [(f"{j}_g{i}", dict(kw, seed=7 * i + j, parent_id=f"g{i}")) for j in range(3)]
@@ -747,8 +791,10 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
         if len(in_flight) < pipeline:
             for req in fast.running:  # drafts (a lookahead drops them: its input is not known)
                 if req.output_token_ids and rng.random() < 0.3:
-                    drafts = [position_token(req, req.num_tokens + j) if rng.random() < 0.7 else rng.randrange(VOCAB)
-                              for j in range(rng.randint(1, 3))]
+                    drafts = [
+                        position_token(req, req.num_tokens + j) if rng.random() < 0.7 else rng.randrange(VOCAB)
+                        for j in range(rng.randint(1, 3))
+                    ]
                     req.draft_token_ids = drafts
                     general._requests[req.request_id].draft_token_ids = list(drafts)
             plan, general_plan = fast.schedule(), general.schedule()
@@ -757,16 +803,22 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
                 in_flight.append((plan, general_plan, sample_plan(plan)))
                 counts["drafts"] += sum(1 for s in plan.seqs if s.num_draft)
                 counts["copies"] += len(plan.copies)
-                counts["decodes"] += sum(1 for s in plan.seqs if s.num_scheduled == 1 and s.num_computed
-                                         >= s.request.num_prompt_tokens)
+                counts["decodes"] += sum(
+                    1 for s in plan.seqs if s.num_scheduled == 1 and s.num_computed >= s.request.num_prompt_tokens
+                )
                 counts["lookahead_table_growth"] += sum(
-                    1 for s in plan.seqs if s.input_token_ids == [PLACEHOLDER_TOKEN] and s.table_append)
+                    1 for s in plan.seqs if s.input_token_ids == [PLACEHOLDER_TOKEN] and s.table_append
+                )
         if plan is None and in_flight:
             plan, general_plan, sampled = in_flight.popleft()
-            updates = [(u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_token_id)
-                       for u in fast.update(plan, sampled)]
-            assert updates == [(u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_token_id)
-                               for u in general.update(general_plan, sampled)]
+            updates = [
+                (u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_token_id)
+                for u in fast.update(plan, sampled)
+            ]
+            assert updates == [
+                (u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_token_id)
+                for u in general.update(general_plan, sampled)
+            ]
             counts["stops"] += sum(1 for u in updates if u[3] == STOP)
         assert scheduler_state(fast) == scheduler_state(general)
     else:

@@ -1,5 +1,6 @@
 """`strata serve` as a daemon: SIGTERM stops every process it started, its children die with it
 even when it is killed, and a port in use fails at once with one line and status 1."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,25 @@ def alive(pid: int) -> bool:
 
 
 def start(model_dir, port):
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--model", str(model_dir), "--http-port", "0", "--port",
-                             str(port), "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--http-port",
+            "0",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not check_health(f"127.0.0.1:{port}") and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
@@ -70,7 +88,22 @@ def test_a_port_in_use_fails_at_once(model_dir):
         busy.listen()
         port = busy.getsockname()[1]
         start_time = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "strata.cli", "serve", "--model", str(model_dir), "--http-port", "0", "--port",
-                               str(port)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "strata.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--http-port",
+                "0",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 1 and time.monotonic() - start_time < 15
     assert done.stderr.strip().splitlines() == [f"strata serve: port {port} on 127.0.0.1 is in use"]

@@ -21,17 +21,27 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # (name, N, K): the Llama-3.2-1B, Llama-3.1-8B and SmolLM2-135M linears.
 MODEL_SHAPES = [
-    ("1b.qkv", 3072, 2048), ("1b.o_proj", 2048, 2048), ("1b.gate_up", 16384, 2048), ("1b.down", 2048, 8192),
+    ("1b.qkv", 3072, 2048),
+    ("1b.o_proj", 2048, 2048),
+    ("1b.gate_up", 16384, 2048),
+    ("1b.down", 2048, 8192),
     ("1b.lm_head", 128256, 2048),
-    ("8b.qkv", 6144, 4096), ("8b.o_proj", 4096, 4096), ("8b.gate_up", 28672, 4096), ("8b.down", 4096, 14336),
+    ("8b.qkv", 6144, 4096),
+    ("8b.o_proj", 4096, 4096),
+    ("8b.gate_up", 28672, 4096),
+    ("8b.down", 4096, 14336),
     ("8b.lm_head", 128256, 4096),
-    ("smol.qkv", 960, 576), ("smol.o_proj", 576, 576), ("smol.gate_up", 3072, 576), ("smol.down", 576, 1536),
+    ("smol.qkv", 960, 576),
+    ("smol.o_proj", 576, 576),
+    ("smol.gate_up", 3072, 576),
+    ("smol.down", 576, 1536),
     ("smol.lm_head", 49152, 576),
 ]
 
@@ -45,23 +55,45 @@ def compile_variants() -> list:
     def one(label, n, k, config, dtype="bf16", bias=False):
         steps = triton.cdiv(k, config.block_k)
         per_split = triton.cdiv(steps, config.split_k)
-        constexprs = dict(K=k, BLOCK_M=16 if config.use_dot else 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                          STEPS_PER_SPLIT=per_split, SPLIT_K=config.split_k,
-                          EVEN_K=k % config.block_k == 0 and per_split * config.split_k == steps, HAS_BIAS=bias,
-                          USE_DOT=config.use_dot, IEEE_DOT=False)
-        return compile_check._compile(f"small_m_linear {dtype} {label} N={n} K={k} {config}",
-                                      sml._small_m_linear_kernel, dtype, constexprs, config.num_warps,
-                                      config.num_stages)
+        constexprs = dict(
+            K=k,
+            BLOCK_M=16 if config.use_dot else 1,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            STEPS_PER_SPLIT=per_split,
+            SPLIT_K=config.split_k,
+            EVEN_K=k % config.block_k == 0 and per_split * config.split_k == steps,
+            HAS_BIAS=bias,
+            USE_DOT=config.use_dot,
+            IEEE_DOT=False,
+        )
+        return compile_check._compile(
+            f"small_m_linear {dtype} {label} N={n} K={k} {config}",
+            sml._small_m_linear_kernel,
+            dtype,
+            constexprs,
+            config.num_warps,
+            config.num_stages,
+        )
 
     reports = []
-    for name, n, k in [s for s in MODEL_SHAPES if s[0] in ("1b.qkv", "1b.o_proj", "1b.gate_up", "1b.lm_head",
-                                                             "smol.qkv")]:
+    for name, n, k in [
+        s for s in MODEL_SHAPES if s[0] in ("1b.qkv", "1b.o_proj", "1b.gate_up", "1b.lm_head", "smol.qkv")
+    ]:
         reports.append(one(name, n, k, sml.choose_linear_config(n=n, k=k, sm_count=132)))
     reports.append(one("8b.down", 4096, 14336, sml.choose_linear_config(n=4096, k=14336, sm_count=132), "fp16", True))
     reports.append(one("wgmma", 16384, 2048, sml.LinearLaunchConfig(block_n=64, block_k=256, num_stages=3)))
     reports.append(one("fma", 2048, 2048, sml.LinearLaunchConfig(block_n=16, block_k=256, use_dot=False)))
-    reports.append(compile_check._compile("small_m_linear reduce splits bf16", sml._reduce_splits_kernel, "bf16",
-                                          dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True), 4, 1))
+    reports.append(
+        compile_check._compile(
+            "small_m_linear reduce splits bf16",
+            sml._reduce_splits_kernel,
+            "bf16",
+            dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True),
+            4,
+            1,
+        )
+    )
     return reports
 
 
@@ -73,8 +105,14 @@ if not can_run_interpreted_here("strata.kernels.small_m_linear"):
     def test_small_m_linear_compiles_for_sm90_without_spills():
         """Compile the launch variants for an H100; fails on a spill or an unpipelined dot loop."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, "-m", "tests.test_small_m_linear"], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.test_small_m_linear"],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         print(proc.stdout)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
         assert "1b.lm_head" in proc.stdout
@@ -87,7 +125,6 @@ else:
         small_m_linear,
         use_small_m_linear,
     )
-
     from tests.linear_checks import assert_matches_linear, inputs
 
     # --- dot path: masked K tail, N not a multiple of the tile, split-K on and off --------------

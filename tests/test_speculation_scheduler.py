@@ -39,9 +39,9 @@ def test_lookup_equals_a_plain_search():
         k = rng.randint(1, 5)
         expected = []
         for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[len(tokens) - n:]]
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
             if starts:
-                expected = tokens[starts[-1] + n: starts[-1] + n + k]
+                expected = tokens[starts[-1] + n : starts[-1] + n + k]
                 break
         assert propose_from(np.array(tokens, dtype=np.int32), k, n_min, n_max) == expected
 
@@ -57,10 +57,17 @@ def periodic_token(req, context):
 def test_ngram_speculation_gives_the_plain_outputs(pipeline):
     rng = random.Random(pipeline)
     spec = SpeculativeConfig("ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
-    sched = Scheduler(num_blocks=120, block_size=4, max_model_len=96, max_num_batched_tokens=64,
-                      speculation=spec)
-    requests = [Request(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))], seed=i,
-                        max_tokens=rng.randint(5, 60), stop_token_ids=[VOCAB - 1]) for i in range(10)]
+    sched = Scheduler(num_blocks=120, block_size=4, max_model_len=96, max_num_batched_tokens=64, speculation=spec)
+    requests = [
+        Request(
+            f"r{i}",
+            [rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))],
+            seed=i,
+            max_tokens=rng.randint(5, 60),
+            stop_token_ids=[VOCAB - 1],
+        )
+        for i in range(10)
+    ]
     for req in requests:
         sched.add_request(req)
     driver = Driver(sched, pipeline=pipeline, next_token=periodic_token)
@@ -73,7 +80,8 @@ def test_ngram_speculation_gives_the_plain_outputs(pipeline):
     per_position = list(stats.spec_decode_accepted_per_position)
     assert per_position == sorted(per_position, reverse=True)  # a later draft needs the earlier ones
     assert stats.spec_decode_acceptance_rate == pytest.approx(
-        stats.spec_decode_accepted_tokens / stats.spec_decode_draft_tokens)
+        stats.spec_decode_accepted_tokens / stats.spec_decode_draft_tokens
+    )
     assert_all_blocks_free(sched, driver.workers)
 
 
@@ -107,7 +115,7 @@ def test_draft_model_slots_are_k_or_nothing_and_leave_no_blocks():
     def fill_drafts(plan):  # what the engine does with the draft worker's tokens
         for s in plan.seqs:
             if s.num_draft:
-                assert s.input_token_ids[-s.num_draft:] == [DRAFT_PLACEHOLDER] * 3
+                assert s.input_token_ids[-s.num_draft :] == [DRAFT_PLACEHOLDER] * 3
                 context = s.request.prompt_token_ids + s.request.output_token_ids
                 for j in range(s.num_draft):  # right twice, then wrong
                     token = periodic_token(s.request, context)
@@ -143,6 +151,6 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
     driver.run()
     assert req.output_token_ids == [4, 5, 6, 3, 4, 5, 6] and req.stop_token_id == 6
     last = [s for p in driver.workers.plans for s in p.seqs if s.num_draft][-1]
-    drafts = last.input_token_ids[-last.num_draft:]
+    drafts = last.input_token_ids[-last.num_draft :]
     assert drafts[:3] == [4, 5, 6] and len(drafts) == 4  # the stop token came as an accepted draft
     assert_all_blocks_free(sched, driver.workers)

@@ -4,6 +4,7 @@ it gets without speculation, whichever proposer, stage count, sampling or stop r
 One workload runs on a cluster without speculation and on clusters with it (n-gram and draft
 model, 1 and 2 stages, a cache small enough to preempt); every output is compared token for
 token, and each speculating run must have verified and accepted drafts."""
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,11 @@ def model_dir(tmp_path_factory):
 
 
 def _tokens(client, prompt, **kw):
-    responses = list(client.generate(prompt, timeout=120, output_kind=generate_pb2.DELTA,
-                                     **{"max_tokens": 60, "ignore_eos": True, **kw}))
+    responses = list(
+        client.generate(
+            prompt, timeout=120, output_kind=generate_pb2.DELTA, **{"max_tokens": 60, "ignore_eos": True, **kw}
+        )
+    )
     outs = {}
     for r in responses:
         for o in r.outputs:
@@ -53,8 +57,9 @@ def workload(client, stops):
 
     def one(i):  # 16 at once: greedy and sampled, short and long
         kw = GREEDY if i % 2 else dict(SAMPLED, seed=100 + i)
-        results[f"concurrent{i}"] = _tokens(client, PROMPTS[i % len(PROMPTS)] * (1 + i % 3),
-                                            max_tokens=20 + 5 * i, **kw)
+        results[f"concurrent{i}"] = _tokens(
+            client, PROMPTS[i % len(PROMPTS)] * (1 + i % 3), max_tokens=20 + 5 * i, **kw
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     for t in threads:
@@ -70,7 +75,7 @@ def stop_rules(plain):
     text = plain["sampled1"][0][1]
     cuts = [int(len(text) * f) for f in (0.1, 0.4, 0.7)]
     assert len(greedy) > 33 and len(text) > 20
-    return {f"at{k}": ([greedy[k]], [text[cut:cut + 3]]) for k, cut in zip((5, 17, 33), cuts)}
+    return {f"at{k}": ([greedy[k]], [text[cut : cut + 3]]) for k, cut in zip((5, 17, 33), cuts)}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +93,17 @@ CASES = {
     "draft-2": (2, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-speculative-tokens", "3"),
     # 40 blocks of 4 tokens, one request's worth: 16 concurrent requests preempt each other.
     "ngram-preempting": (1, "--speculative-method", "ngram", "--num-kv-blocks", "40", "--max-model-len", "160"),
-    "draft-preempting": (1, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-kv-blocks", "40",
-                         "--max-model-len", "160"),
+    "draft-preempting": (
+        1,
+        "--speculative-method",
+        "draft",
+        "--draft-num-layers",
+        "1",
+        "--num-kv-blocks",
+        "40",
+        "--max-model-len",
+        "160",
+    ),
 }
 
 
@@ -110,8 +124,9 @@ def test_speculation_gives_every_request_the_plain_tokens(model_dir, plain, case
 
 def test_cancelled_speculating_streams_free_every_block(model_dir):
     with running_cluster(model_dir, 1, "--speculative-method", "draft", "--draft-num-layers", "1") as (c, client):
-        streams = [client.generate(f"cancel {i} " * 3, max_tokens=300, ignore_eos=True, temperature=0.0)
-                   for i in range(8)]
+        streams = [
+            client.generate(f"cancel {i} " * 3, max_tokens=300, ignore_eos=True, temperature=0.0) for i in range(8)
+        ]
         for stream in streams:
             next(stream)
         for stream in streams:

@@ -1,4 +1,5 @@
 """The committed gRPC stubs must be what protos/generate_stubs.sh makes from the .proto files."""
+
 import filecmp
 import subprocess
 import sys
@@ -11,8 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_committed_stubs_are_fresh(tmp_path):
     pytest.importorskip("grpc_tools")
-    subprocess.run(["bash", str(ROOT / "protos" / "generate_stubs.sh"), str(tmp_path)], check=True,
-                   env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"})
+    subprocess.run(
+        ["bash", str(ROOT / "protos" / "generate_stubs.sh"), str(tmp_path)],
+        check=True,
+        env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"},
+    )
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
     assert generated, "the script generated nothing"
     stale = [str(p) for p in generated if not filecmp.cmp(tmp_path / p, ROOT / p, shallow=False)]

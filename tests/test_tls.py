@@ -1,6 +1,7 @@
 """The project's own clients reach a TLS gateway that requires an API key: `strata generate` and
 StrataClient with --tls-ca and --api-key; a plaintext or unauthenticated client is refused. The
 gateway serves the model under --served-model-name."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,9 +22,28 @@ API_KEY = "sk-test-tls"
 def certificate(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1 (its own CA)."""
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return d / "cert.pem", d / "key.pem"
 
 
@@ -43,21 +63,59 @@ def _wait_ready(client: StrataClient, timeout: float = 60.0) -> None:
 def test_clients_reach_a_tls_gateway_with_their_ca_and_key(tmp_path_factory, certificate):
     cert, key = certificate
     model = tiny_llama_dir(tmp_path_factory, seed=41)
-    with running_cluster(model, 1, "--tls-cert", str(cert), "--tls-key", str(key), "--api-key", API_KEY,
-                         "--served-model-name", "team/tls-model") as (cluster, _):
+    with running_cluster(
+        model,
+        1,
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "team/tls-model",
+    ) as (cluster, _):
         client = StrataClient(cluster.gateway_address, api_key=API_KEY, tls_ca=str(cert))
         try:
             _wait_ready(client)
             assert client.model_info().model_name == "team/tls-model"
-            out = collect(client.generate([3, 4, 5], max_tokens=5, temperature=0.0, ignore_eos=True,
-                                          output_kind=generate_pb2.DELTA, timeout=60))
+            out = collect(
+                client.generate(
+                    [3, 4, 5],
+                    max_tokens=5,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    output_kind=generate_pb2.DELTA,
+                    timeout=60,
+                )
+            )
             assert len(out[0]) == 5
         finally:
             client.close()
 
-        cli = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "once upon", "--address",
-                              cluster.gateway_address, "--tls-ca", str(cert), "--api-key", API_KEY, "--max-tokens", "4",
-                              "--temperature", "0", "--ignore-eos"], capture_output=True, text=True, timeout=120)
+        cli = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "strata.cli",
+                "generate",
+                "once upon",
+                "--address",
+                cluster.gateway_address,
+                "--tls-ca",
+                str(cert),
+                "--api-key",
+                API_KEY,
+                "--max-tokens",
+                "4",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.strip()
 

@@ -1,5 +1,6 @@
 """Speculative verification on the last stage: which draws are emitted, and how often a draft
 model coupled through the same (seed, position) noise proposes the target's own draw."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,7 @@ from strata.services.worker.step_results import accepted_rows
 
 def test_drafts_are_accepted_left_to_right_and_the_next_draw_is_emitted():
     # Three sequences: 3 drafts (2 right), 1 draft (right: the bonus draw follows), no drafts.
-    verify = Verification(rows_per_seq=np.array([4, 2, 1]),
-                          drafts=np.array([10, 11, 12, -1, 20, -1, -1]))
+    verify = Verification(rows_per_seq=np.array([4, 2, 1]), drafts=np.array([10, 11, 12, -1, 20, -1, -1]))
     tokens = np.array([10, 11, 99, 13, 20, 21, 30])
     num_tokens, rows = accepted_rows(tokens, verify)
     assert num_tokens.tolist() == [3, 2, 1]
@@ -27,8 +27,15 @@ def test_drafts_are_accepted_left_to_right_and_the_next_draw_is_emitted():
 def _draws(logits: torch.Tensor, temperature: float, seeds: np.ndarray, position: int, **filters) -> np.ndarray:
     n = len(seeds)
     st = SamplingTensors.build(
-        temperature=[temperature] * n, top_k=[filters.get("top_k", 0)] * n, top_p=[filters.get("top_p", 1.0)] * n,
-        min_p=[0.0] * n, seeds=seeds, positions=[position] * n, num_logprobs=-1, device="cpu")
+        temperature=[temperature] * n,
+        top_k=[filters.get("top_k", 0)] * n,
+        top_p=[filters.get("top_p", 1.0)] * n,
+        min_p=[0.0] * n,
+        seeds=seeds,
+        positions=[position] * n,
+        num_logprobs=-1,
+        device="cpu",
+    )
     return Sampler("torch")(logits.expand(n, -1).contiguous(), st).token_ids.numpy()
 
 
@@ -74,8 +81,18 @@ def _distribution(logits: torch.Tensor, temperature: float, filters: dict) -> to
 
 def _cpu_runner(shard, config):
     from strata.services.worker.runner import ModelRunner
-    runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=4, max_model_len=64,
-                         device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=8)
+
+    runner = ModelRunner(
+        shard,
+        config,
+        stage_index=0,
+        num_stages=1,
+        block_size=4,
+        max_model_len=64,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_num_seqs=8,
+    )
     runner.init_cache(64)
     return runner
 
@@ -93,20 +110,36 @@ def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path
     plain, padded = _cpu_runner(shard, config), _cpu_runner(shard, config)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
     admit = engine_pb2.StepPlan(
-        step_id=1, seq_ids=[1, 2, 3], num_computed=[0, 0, 0], num_scheduled=[len(p) for p in prompts],
-        input_token_ids=[t for p in prompts for t in p], table_keep=[0, 0, 0], table_append_counts=[4, 4, 4],
-        table_append_ids=list(range(12)), sample=[True] * 3,
-        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
-            temperature=t, top_p=1.0, seed=s, logprobs=-1)) for s, t in ((1, 0.0), (2, 0.9), (3, 0.0))])
+        step_id=1,
+        seq_ids=[1, 2, 3],
+        num_computed=[0, 0, 0],
+        num_scheduled=[len(p) for p in prompts],
+        input_token_ids=[t for p in prompts for t in p],
+        table_keep=[0, 0, 0],
+        table_append_counts=[4, 4, 4],
+        table_append_ids=list(range(12)),
+        sample=[True] * 3,
+        new_sequences=[
+            engine_pb2.NewSequence(
+                seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=t, top_p=1.0, seed=s, logprobs=-1)
+            )
+            for s, t in ((1, 0.0), (2, 0.9), (3, 0.0))
+        ],
+    )
     first = plain.execute(admit).finish()
     assert padded.execute(admit).finish().token_ids == first.token_ids
     drafts = [[7, 7, 7], [], [1]]  # mixed: 3 drafts, none, 1
     verify = engine_pb2.StepPlan(
-        step_id=2, seq_ids=[1, 2, 3], num_computed=[len(p) for p in prompts],
+        step_id=2,
+        seq_ids=[1, 2, 3],
+        num_computed=[len(p) for p in prompts],
         num_scheduled=[1 + len(d) for d in drafts],
         input_token_ids=[t for last, d in zip(first.token_ids, drafts) for t in [last, *d]],
-        table_keep=[4, 4, 4], table_append_counts=[0, 0, 0], sample=[True] * 3,
-        num_draft_tokens=[len(d) for d in drafts])
+        table_keep=[4, 4, 4],
+        table_append_counts=[0, 0, 0],
+        sample=[True] * 3,
+        num_draft_tokens=[len(d) for d in drafts],
+    )
     build = padded.inputs.build
     padded.inputs.build = lambda plan, rows: padded.inputs.pad_queries(build(plan, rows), 4)
     want, got = plain.execute(verify).finish(), padded.execute(verify).finish()

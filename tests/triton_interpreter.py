@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before a kernel is defined (at import), so a test module that
 finds it unset re-runs itself in a subprocess with it set, whatever else this session imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ def can_run_interpreted_here(*module_names: str) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     def interpreted(module) -> bool:
-        return all(isinstance(value, InterpretedFunction) for name, value in vars(module).items()
-                   if name.startswith("_") and name.endswith("_kernel"))
+        return all(
+            isinstance(value, InterpretedFunction)
+            for name, value in vars(module).items()
+            if name.startswith("_") and name.endswith("_kernel")
+        )
 
     return all(name not in sys.modules or interpreted(sys.modules[name]) for name in module_names)
 
@@ -35,7 +39,11 @@ def rerun_under_interpreter(test_file: str | Path, timeout: float) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-q", "-x", "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     output = proc.stdout + proc.stderr
     print(output[-3000:])
@@ -48,7 +56,10 @@ def compiled_gpu_kernels_only() -> list:
     import pytest
     import torch
 
-    return [pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            pytest.mark.skipif(interpreter_active(),
-                               reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter")]
+    return [
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        pytest.mark.skipif(
+            interpreter_active(), reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter"
+        ),
+    ]

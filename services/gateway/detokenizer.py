@@ -7,7 +7,7 @@ OutputTextStream: both, plus min_tokens, for one child request.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -153,7 +153,7 @@ class StopChecker:
         and no prefix is ever built (a long stop string costs its length, not its square)."""
         longest = 0
         for stop in self._stops:
-            tail = text[len(text) - min(len(text), len(stop) - 1):]
+            tail = text[len(text) - min(len(text), len(stop) - 1) :]
             start = tail.find(stop[0])
             while start >= 0 and len(tail) - start > longest:
                 if stop.startswith(tail[start:]):

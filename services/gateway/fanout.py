@@ -26,9 +26,8 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import grpc
 
@@ -124,8 +123,14 @@ def child_requests(
 
 
 async def merged_responses(
-    scheduler, request_id: str, params: ValidatedParams, prompt_token_ids: Sequence[int],
-    eos_token_ids: Sequence[int], tokenizer, timeout: float, group: GroupMembership | None = None,
+    scheduler,
+    request_id: str,
+    params: ValidatedParams,
+    prompt_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int],
+    tokenizer,
+    timeout: float,
+    group: GroupMembership | None = None,
     on_output=None,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Submits the request's children to the scheduler and yields the merged responses.
@@ -136,10 +141,19 @@ async def merged_responses(
     scheduler output of child `index` as it arrives (the serving metrics' clock).
     """
     children = child_requests(request_id, params, prompt_token_ids, eos_token_ids, group=group)
-    state = RequestOutputState(request_id, len(children), params.output_kind, params.logprobs is not None,
-                               len(prompt_token_ids))
-    texts = [OutputTextStream(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                              stop=params.stop, min_tokens=params.min_tokens) for _ in children]
+    state = RequestOutputState(
+        request_id, len(children), params.output_kind, params.logprobs is not None, len(prompt_token_ids)
+    )
+    texts = [
+        OutputTextStream(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            min_tokens=params.min_tokens,
+        )
+        for _ in children
+    ]
     merged: asyncio.Queue = asyncio.Queue()
     calls = [scheduler.Submit(child, timeout=timeout) for child in children]
     readers = [asyncio.create_task(_pump(i, call, merged)) for i, call in enumerate(calls)]
@@ -162,13 +176,15 @@ async def merged_responses(
             task.cancel()
 
 
-def _advance(index: int, text_stream: OutputTextStream, out: engine_pb2.EngineOutput,
-             state: RequestOutputState, call) -> generate_pb2.GenerateResponse | None:
+def _advance(
+    index: int, text_stream: OutputTextStream, out: engine_pb2.EngineOutput, state: RequestOutputState, call
+) -> generate_pb2.GenerateResponse | None:
     """Applies one scheduler output of child `index`; returns the response to send, if any."""
     finish_reason = FINISH_REASONS.get(out.finish_reason, "")
     # The scheduler finishes with "stop" only on an EOS or stop token, which stays out of the text.
-    text, matched, num_tokens = text_stream.push(out.token_ids, finished=bool(finish_reason),
-                                                 ends_with_stop_token=finish_reason == "stop")
+    text, matched, num_tokens = text_stream.push(
+        out.token_ids, finished=bool(finish_reason), ends_with_stop_token=finish_reason == "stop"
+    )
     token_ids, logprobs = list(out.token_ids[:num_tokens]), list(out.logprobs[:num_tokens])
     stop = {}
     if matched is not None:
@@ -264,9 +280,7 @@ class RequestOutputState:
             child.logprobs.extend(new_logprobs)
         if finish_reason:
             self._finish(child, finish_reason, stop or {})
-        delta = self._completion(
-            child, new_text, new_token_ids, new_logprobs if self.want_logprobs else ()
-        )
+        delta = self._completion(child, new_text, new_token_ids, new_logprobs if self.want_logprobs else ())
         return self._respond([delta])
 
     def snapshot(self) -> generate_pb2.GenerateResponse:
@@ -285,18 +299,14 @@ class RequestOutputState:
         child.stop = stop
         self._num_unfinished -= 1
 
-    def _respond(
-        self, deltas: list[generate_pb2.CompletionOutput]
-    ) -> generate_pb2.GenerateResponse | None:
+    def _respond(self, deltas: list[generate_pb2.CompletionOutput]) -> generate_pb2.GenerateResponse | None:
         if self.output_kind == generate_pb2.DELTA:
             return self._response(deltas)
         if self.output_kind == generate_pb2.FINAL_ONLY and not self.finished:
             return None
         return self.snapshot()
 
-    def _response(
-        self, outputs: list[generate_pb2.CompletionOutput]
-    ) -> generate_pb2.GenerateResponse:
+    def _response(self, outputs: list[generate_pb2.CompletionOutput]) -> generate_pb2.GenerateResponse:
         return generate_pb2.GenerateResponse(
             request_id=self.request_id,
             outputs=outputs,

@@ -12,6 +12,7 @@ input (naming the field), 401 without the API key when one is set, 404 for anoth
 and 503 while the pipeline is down. A client that disconnects aborts its request: streamed or
 not, every child is cancelled and its KV blocks freed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,15 +32,23 @@ from strata.services.gateway.server import Gateway, GatewayError
 from strata.v1 import generate_pb2
 
 _HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
-    kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    503: "service_unavailable"}.get(status, "server_error")
+    kind = kind or {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
@@ -62,9 +71,20 @@ def build_app(gateway: Gateway) -> Starlette:
             info = await gateway.model_info()
         except GatewayError as e:
             return _from_gateway(e)
-        return JSONResponse({"object": "list", "data": [{
-            "id": info.model_name, "object": "model", "created": 0, "owned_by": "strata",
-            "max_model_len": info.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": info.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "strata",
+                        "max_model_len": info.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(request: Request) -> Response:
         try:
@@ -88,8 +108,9 @@ def build_app(gateway: Gateway) -> Starlette:
         try:
             info = await gateway.model_info()
             if body.get("model") not in (None, info.model_name):
-                return error_response(404, f"model {body['model']!r} is not served here (it serves "
-                                           f"{info.model_name!r})", "model")
+                return error_response(
+                    404, f"model {body['model']!r} is not served here (it serves {info.model_name!r})", "model"
+                )
             stream = bool(body.get("stream", False))
             kind = generate_pb2.DELTA if stream else generate_pb2.FINAL_ONLY
             params = openai_format.sampling_params(body, chat, kind)
@@ -100,8 +121,9 @@ def build_app(gateway: Gateway) -> Starlette:
             return _from_gateway(e)
         if chat and not params.HasField("max_tokens") and len(prompt) < info.max_model_len:
             params.max_tokens = info.max_model_len - len(prompt)  # a chat answer may fill the context
-        generate_request = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt),
-                                                        params=params)
+        generate_request = generate_pb2.GenerateRequest(
+            prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params
+        )
         responses = gateway.generate(generate_request)
         if stream:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -113,8 +135,11 @@ def build_app(gateway: Gateway) -> Starlette:
         thread (as Gateway.encode does), so a huge body never stalls the event loop."""
         text = body.get("prompt") if not chat else None
         if chat and isinstance(body.get("messages"), list):
-            size = sum(len(m.get("content", "")) for m in body["messages"] if isinstance(m, dict)
-                       and isinstance(m.get("content"), str))
+            size = sum(
+                len(m.get("content", ""))
+                for m in body["messages"]
+                if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
         else:
             size = len(text) if isinstance(text, str) else 0
         limit = gateway.limits.prompt_chars(max_model_len)
@@ -130,6 +155,7 @@ def build_app(gateway: Gateway) -> Starlette:
 
     async def _whole(responses, chat: bool, model: str, request: Request) -> Response:
         """The final response; a client that disconnects before it cancels the request."""
+
         async def final():
             last = None
             async for response in responses:
@@ -171,9 +197,14 @@ def build_app(gateway: Gateway) -> Starlette:
                     yield f"data: {json.dumps(chunk)}\n\n"
                     response = await anext(responses, None)
                 if include_usage and last is not None:
-                    usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                             "created": created, "model": model, "choices": [],
-                             "usage": openai_format.usage_body(last.usage)}
+                    usage = {
+                        "id": rid,
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": openai_format.usage_body(last.usage),
+                    }
                     yield f"data: {json.dumps(usage)}\n\n"
             except GatewayError as e:
                 yield f"data: {json.dumps(json.loads(_from_gateway(e).body))}\n\n"
@@ -189,13 +220,15 @@ def build_app(gateway: Gateway) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
-    return Starlette(routes=[
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ]
+    )
 
 
 class EmbeddedServer(uvicorn.Server):
@@ -207,6 +240,7 @@ class EmbeddedServer(uvicorn.Server):
 
 
 def http_server(gateway: Gateway, host: str, port: int) -> EmbeddedServer:
-    config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", lifespan="off",
-                            access_log=False)
+    config = uvicorn.Config(
+        build_app(gateway), host=host, port=port, log_level="warning", lifespan="off", access_log=False
+    )
     return EmbeddedServer(config)

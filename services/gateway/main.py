@@ -1,4 +1,5 @@
 """`strata gateway`: the public API in front of the scheduler."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
-from strata.services.gateway.http_api import http_server
-from strata.services.gateway.server import Gateway, GatewayError, GatewayServicer
-from strata.services.gateway.validation import Limits
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import add_service, aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
+from strata.services.gateway.http_api import http_server
+from strata.services.gateway.server import Gateway, GatewayError, GatewayServicer
+from strata.services.gateway.validation import Limits
 from strata.v1 import engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.gateway")
@@ -25,8 +26,9 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None):
     """(tokenizer, model name): --tokenizer's directory, else the model directory's."""
     model_path, dummy = (None, None) if tokenizer else resolve_model(model)
     if dummy:
-        raise SystemExit("the gateway needs a tokenizer: give it a model directory or --tokenizer DIR, "
-                         "not a dummy preset")
+        raise SystemExit(
+            "the gateway needs a tokenizer: give it a model directory or --tokenizer DIR, not a dummy preset"
+        )
     name = Path(model).name if model else Path(model_path or tokenizer).name
     return AutoTokenizer.from_pretrained(tokenizer or model_path), name
 
@@ -38,8 +40,12 @@ async def serve(args) -> None:
     limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
     gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
     server, health = new_server(max_receive_bytes=args.max_request_bytes)
-    add_service(server, GatewayServicer(gateway), generate_pb2.DESCRIPTOR.services_by_name["Gateway"],
-                prechecks={"Generate": gateway.refuse_huge_prompt})
+    add_service(
+        server,
+        GatewayServicer(gateway),
+        generate_pb2.DESCRIPTOR.services_by_name["Gateway"],
+        prechecks={"Generate": gateway.refuse_huge_prompt},
+    )
     service_names = [generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
     address = f"{args.host}:{args.port}"
@@ -62,8 +68,13 @@ async def serve(args) -> None:
             await asyncio.sleep(1.0)
     tune_for_serving()
     watch = asyncio.create_task(follow_scheduler_health(channel, health, service_names), name="health")
-    log.info("gateway on %s:%d%s (model %s)", args.host, port,
-             f", OpenAI-compatible HTTP on {args.host}:{args.http_port}" if http else "", name)
+    log.info(
+        "gateway on %s:%d%s (model %s)",
+        args.host,
+        port,
+        f", OpenAI-compatible HTTP on {args.host}:{args.http_port}" if http else "",
+        name,
+    )
     await wait_for_termination_signal()
     watch.cancel()
     if http is not None:

@@ -5,6 +5,7 @@ of requests by finish reason, of prompt and generated tokens and of prefix-cache
 in the gateway process, so a pipeline rebuilt after a lost worker resets none of them; served on
 the HTTP front's GET /metrics.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,20 +20,41 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("strata_time_to_first_token_seconds", "request arrival to its first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("strata_inter_token_latency_seconds", "gap between consecutive tokens of one output",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("strata_e2e_request_latency_seconds", "request arrival to its last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("strata_request_queue_time_seconds", "waiting in the scheduler before admission",
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.finished = Counter("strata_request_success", "outputs finished, by finish reason (stop, length, abort, error)",
-                                ["finished_reason"], registry=r)
+        self.ttft = Histogram(
+            "strata_time_to_first_token_seconds",
+            "request arrival to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "strata_inter_token_latency_seconds",
+            "gap between consecutive tokens of one output",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "strata_e2e_request_latency_seconds",
+            "request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "strata_request_queue_time_seconds",
+            "waiting in the scheduler before admission",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "strata_request_success",
+            "outputs finished, by finish reason (stop, length, abort, error)",
+            ["finished_reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "tokens generated", registry=r)
-        self.cached_prompt_tokens = Counter("strata_prefix_cache_hit_tokens",
-                                            "prompt tokens found in the prefix cache", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "strata_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", registry=r
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

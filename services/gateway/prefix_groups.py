@@ -9,6 +9,7 @@ all members stream back as they come, each under its member's request_id.
 Back-pressure: the next group is read only while fewer than max_in_flight members run, so a
 stream of a million requests holds a bounded number of them in memory and in the scheduler.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,17 @@ class GroupRunner:
             nonlocal in_flight
             gw = self.gateway
             timer = RequestTimer(gw.metrics, params.n, timed=scheduler_streams(params))  # as Generate's
-            responses = merged_responses(gw.scheduler, request_id, params, prompt, self.info.eos_token_ids,
-                                         gw.tokenizer, gw.request_timeout, group, on_output=timer.output)
+            responses = merged_responses(
+                gw.scheduler,
+                request_id,
+                params,
+                prompt,
+                self.info.eos_token_ids,
+                gw.tokenizer,
+                gw.request_timeout,
+                group,
+                on_output=timer.output,
+            )
             try:
                 async for response in responses:
                     timer.response(response)
@@ -103,10 +113,14 @@ class GroupRunner:
             request_id = m.request_id or uuid.uuid4().hex
             try:
                 prompt = prefix + await self._own_ids(m)
-                params = validate_request(m, prompt, vocab_size=self.info.vocab_size,
-                                          max_model_len=self.info.max_model_len,
-                                          max_stop_strings=limits.max_stop_strings,
-                                          max_stop_length=limits.max_stop_length)
+                params = validate_request(
+                    m,
+                    prompt,
+                    vocab_size=self.info.vocab_size,
+                    max_model_len=self.info.max_model_len,
+                    max_stop_strings=limits.max_stop_strings,
+                    max_stop_length=limits.max_stop_length,
+                )
             except InvalidRequest as e:
                 errors.append(_error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
@@ -140,5 +154,6 @@ class GroupRunner:
 
 
 def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GroupResponse:
-    return generate_pb2.GroupResponse(error=generate_pb2.MemberError(
-        request_id=request_id, code=code.value[0], message=message))
+    return generate_pb2.GroupResponse(
+        error=generate_pb2.MemberError(request_id=request_id, code=code.value[0], message=message)
+    )

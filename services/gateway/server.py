@@ -5,6 +5,7 @@ fan-out (fanout.py), which streams merged, detokenized outputs back; it records 
 metrics. GatewayServicer is the gRPC front over it (the primary contract); http_api.py is the
 OpenAI-compatible HTTP front over the same object, in the same process and event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,9 +38,16 @@ class GatewayError(Exception):
 
 
 class Gateway:
-    def __init__(self, scheduler_stub: engine_pb2_grpc.SchedulerStub, tokenizer, model_name: str,
-                 api_key: str | None = None, request_timeout: float = 3600.0,
-                 metrics: GatewayMetrics | None = None, limits: Limits | None = None):
+    def __init__(
+        self,
+        scheduler_stub: engine_pb2_grpc.SchedulerStub,
+        tokenizer,
+        model_name: str,
+        api_key: str | None = None,
+        request_timeout: float = 3600.0,
+        metrics: GatewayMetrics | None = None,
+        limits: Limits | None = None,
+    ):
         self.scheduler = scheduler_stub
         self.limits = limits or Limits()
         self.tokenizer = tokenizer
@@ -104,14 +112,27 @@ class Gateway:
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids = await self._prompt_ids(request)
-            params = validate_request(request, prompt_ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                                      max_stop_strings=self.limits.max_stop_strings,
-                                      max_stop_length=self.limits.max_stop_length)
+            params = validate_request(
+                request,
+                prompt_ids,
+                vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len,
+                max_stop_strings=self.limits.max_stop_strings,
+                max_stop_length=self.limits.max_stop_length,
+            )
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         timer = RequestTimer(self.metrics, params.n, timed=scheduler_streams(params))
-        responses = merged_responses(self.scheduler, request_id, params, prompt_ids, info.eos_token_ids,
-                                     self.tokenizer, self.request_timeout, on_output=timer.output)
+        responses = merged_responses(
+            self.scheduler,
+            request_id,
+            params,
+            prompt_ids,
+            info.eos_token_ids,
+            self.tokenizer,
+            self.request_timeout,
+            on_output=timer.output,
+        )
         try:
             async for response in responses:
                 timer.response(response)

@@ -9,8 +9,8 @@ internal messages the scheduler and the workers read (SamplingOptions, StopCrite
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from strata.protocol import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from strata.v1 import engine_pb2, generate_pb2
@@ -66,14 +66,23 @@ class ValidatedParams:
     def sampling_options(self, seed: int) -> engine_pb2.SamplingOptions:
         """What the last stage needs to sample one child (seed: the child's own)."""
         return engine_pb2.SamplingOptions(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
-            logprobs=-1 if self.logprobs is None else self.logprobs)
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=seed,
+            logprobs=-1 if self.logprobs is None else self.logprobs,
+        )
 
     def stop_criteria(self, eos_token_ids: Sequence[int]) -> engine_pb2.StopCriteria:
         """When the scheduler ends a child (stop strings stay with the gateway)."""
         return engine_pb2.StopCriteria(
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-            eos_token_ids=eos_token_ids, ignore_eos=self.ignore_eos)
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids,
+            eos_token_ids=eos_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 def _fmt(value: float) -> str:
@@ -87,9 +96,7 @@ def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidRequest(field, f"{field} must be in [0, {vocab_size}), got {bad}")
 
 
-def _check_prompt(
-    req: generate_pb2.GenerateRequest, prompt_token_ids: Sequence[int], vocab_size: int
-) -> str:
+def _check_prompt(req: generate_pb2.GenerateRequest, prompt_token_ids: Sequence[int], vocab_size: int) -> str:
     """Validate the prompt; return the name of the field it came in."""
     which = req.WhichOneof("prompt_input")
     field = "prompt_token_ids" if which == "prompt_token_ids" else "prompt"
@@ -158,9 +165,7 @@ def validate_request(
         raise InvalidRequest("params.top_p", f"params.top_p must be in (0, 1], got {_fmt(top_p)}")
 
     if p.top_k < -1:
-        raise InvalidRequest(
-            "params.top_k", f"params.top_k must be -1, 0 (off) or positive, got {p.top_k}"
-        )
+        raise InvalidRequest("params.top_k", f"params.top_k must be -1, 0 (off) or positive, got {p.top_k}")
 
     if not 0.0 <= p.min_p <= 1.0:
         raise InvalidRequest("params.min_p", f"params.min_p must be in [0, 1], got {_fmt(p.min_p)}")
@@ -178,9 +183,7 @@ def validate_request(
 
     logprobs = p.logprobs if p.HasField("logprobs") else None
     if logprobs is not None and logprobs > max_logprobs:
-        raise InvalidRequest(
-            "params.logprobs", f"params.logprobs must be at most {max_logprobs}, got {logprobs}"
-        )
+        raise InvalidRequest("params.logprobs", f"params.logprobs must be at most {max_logprobs}, got {logprobs}")
 
     if any(s == "" for s in p.stop):
         raise InvalidRequest("params.stop", "params.stop must not contain empty strings")

@@ -8,6 +8,7 @@ positions its KV is valid for, is tracked on the request (draft_seq_id, draft_sy
 draft_computed): each call catches the draft up from there to the sequence's last token, then
 draws k tokens in k autoregressive steps on the draft worker.
 """
+
 from __future__ import annotations
 
 from strata.services.scheduler.plan import StepPlan
@@ -49,13 +50,13 @@ def fill_drafts(plan: StepPlan, result: engine_pb2.StepResult, k: int) -> None:
     """Puts the draft worker's k tokens per sequence in place of the plan's placeholders."""
     if result.error:
         raise RuntimeError(f"draft worker: {result.error}")
-    drafts = {seq_id: result.token_ids[i * k:(i + 1) * k] for i, seq_id in enumerate(result.seq_ids)}
+    drafts = {seq_id: result.token_ids[i * k : (i + 1) * k] for i, seq_id in enumerate(result.seq_ids)}
     for s in plan.seqs:
         if not s.num_draft:
             continue
         tokens = drafts.get(s.seq_id)
         if tokens is None or len(tokens) != s.num_draft:
             raise RuntimeError(f"draft worker returned no {s.num_draft} tokens for seq {s.seq_id}")
-        s.input_token_ids[-s.num_draft:] = tokens
+        s.input_token_ids[-s.num_draft :] = tokens
         # It fed the last token and every draft but the last: its KV is valid up to there.
         s.request.draft_computed = s.num_computed + s.num_draft

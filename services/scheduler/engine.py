@@ -4,6 +4,7 @@ All scheduler state is touched from this one asyncio loop and scheduling itself 
 so there are no locks. Plans in flight cover disjoint requests (the scheduler guarantees it);
 every stage executes plans in step order.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,8 +77,15 @@ class OutputStream:
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
 
-    def push(self, token_ids, logprobs, finish_reason: int = _RUNNING, stop_token_id: int | None = None,
-             cached_prompt_tokens: int = 0, queue_seconds: float = 0.0) -> None:
+    def push(
+        self,
+        token_ids,
+        logprobs,
+        finish_reason: int = _RUNNING,
+        stop_token_id: int | None = None,
+        cached_prompt_tokens: int = 0,
+        queue_seconds: float = 0.0,
+    ) -> None:
         self._token_ids.extend(token_ids)
         self._logprobs.extend(logprobs)
         self._cached_prompt_tokens = cached_prompt_tokens
@@ -98,10 +106,15 @@ class OutputStream:
         if self.failure is not None:
             raise self.failure
         out = engine_pb2.EngineOutput(
-            request_id=self.request_id, prompt_tokens=self.prompt_tokens, token_ids=self._token_ids,
-            logprobs=self._logprobs, cached_prompt_tokens=self._cached_prompt_tokens,
+            request_id=self.request_id,
+            prompt_tokens=self.prompt_tokens,
+            token_ids=self._token_ids,
+            logprobs=self._logprobs,
+            cached_prompt_tokens=self._cached_prompt_tokens,
             queue_seconds=self._queue_seconds,
-            finish_reason=self._finish_reason, stop_token_id=self._stop_token_id)
+            finish_reason=self._finish_reason,
+            stop_token_id=self._stop_token_id,
+        )
         self._token_ids, self._logprobs = [], []
         return out
 
@@ -148,8 +161,11 @@ class Engine:
         await self.pipeline.connect(self.config.max_kv_blocks or None, timeout)
         desc = self.pipeline.model_info
         old = self.scheduler
-        if old is not None and (desc.block_size, desc.model.max_model_len, desc.model_fingerprint) == \
-                (old.block_size, old.max_model_len, old.block_manager.cache_salt):
+        if old is not None and (desc.block_size, desc.model.max_model_len, desc.model_fingerprint) == (
+            old.block_size,
+            old.max_model_len,
+            old.block_manager.cache_salt,
+        ):
             # The pipeline is back (the same workers, or replacements of the same model): the
             # requests resume by recompute on the fresh caches.
             old.reset_kv(self.pipeline.num_kv_blocks)
@@ -263,8 +279,9 @@ class Engine:
         try:
             await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0))
         except asyncio.TimeoutError:
-            raise PipelineError(f"step {self.in_flight[0].step_id} missed its {self._deadlines[0]:.1f} s deadline "
-                                "(a hung stage)") from None
+            raise PipelineError(
+                f"step {self.in_flight[0].step_id} missed its {self._deadlines[0]:.1f} s deadline (a hung stage)"
+            ) from None
 
     async def _read_results(self) -> None:
         """Moves the last stage's results into self._results as they arrive and wakes the loop
@@ -285,10 +302,15 @@ class Engine:
                 await self._propose_drafts(plan)
             msg = plan_to_proto(plan)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("step %d: %d sequences, %d verifying %d drafts, %d tokens, %d in flight", plan.step_id,
-                          len(plan.seqs), sum(1 for s in plan.seqs if s.num_draft),
-                          sum(s.num_draft for s in plan.seqs), sum(s.num_scheduled for s in plan.seqs),
-                          len(self.in_flight))
+                log.debug(
+                    "step %d: %d sequences, %d verifying %d drafts, %d tokens, %d in flight",
+                    plan.step_id,
+                    len(plan.seqs),
+                    sum(1 for s in plan.seqs if s.num_draft),
+                    sum(s.num_draft for s in plan.seqs),
+                    sum(s.num_scheduled for s in plan.seqs),
+                    len(self.in_flight),
+                )
             plan.sent_at = time.monotonic()
             self.in_flight.append(plan)
             self._deadlines.append(self._step_deadline(sum(s.num_scheduled for s in plan.seqs)))
@@ -320,9 +342,13 @@ class Engine:
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
         if log.isEnabledFor(logging.DEBUG):  # per-step timeline, beside the plan's line in _fill_pipeline
-            log.debug("step %d done: GPU %.3f ms in the step, %.3f ms idle before it, %.3f ms launching",
-                      result.step_id, result.gpu_seconds * 1e3, result.gpu_idle_seconds * 1e3,
-                      result.launch_seconds * 1e3)
+            log.debug(
+                "step %d done: GPU %.3f ms in the step, %.3f ms idle before it, %.3f ms launching",
+                result.step_id,
+                result.gpu_seconds * 1e3,
+                result.gpu_idle_seconds * 1e3,
+                result.launch_seconds * 1e3,
+            )
         if result.gpu_seconds > 0:
             self._worker_gpu[0] += result.gpu_seconds
             self._worker_gpu[1] += result.gpu_idle_seconds
@@ -352,8 +378,14 @@ class Engine:
         if stream is None:
             return  # aborted while its step was in flight
         logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.sampling.logprobs >= 0 else ()
-        stream.push(upd.new_token_ids, logprobs, upd.finish_reason, upd.stop_token_id, req.num_cached_prompt_tokens,
-                    req.queue_seconds)
+        stream.push(
+            upd.new_token_ids,
+            logprobs,
+            upd.finish_reason,
+            upd.stop_token_id,
+            req.num_cached_prompt_tokens,
+            req.queue_seconds,
+        )
         if upd.finished:
             del self.streams[req.request_id]
 
@@ -370,8 +402,13 @@ class Engine:
         recompute, drawing the tokens they would have drawn; only past stage_recovery_timeout do
         they fail with UNAVAILABLE. A bug: the running requests fail, so it cannot repeat."""
         lost_stage = isinstance(error, PipelineError)
-        log.error("%s: %s; %s %d request(s)", "pipeline failure" if lost_stage else "engine failure", error,
-                  "pausing" if lost_stage else "failing", len(self.streams))
+        log.error(
+            "%s: %s; %s %d request(s)",
+            "pipeline failure" if lost_stage else "engine failure",
+            error,
+            "pausing" if lost_stage else "failing",
+            len(self.streams),
+        )
         self.in_flight.clear()
         self._deadlines.clear()
         self._mark_idle()
@@ -387,8 +424,11 @@ class Engine:
                 break
             except PipelineError as e:
                 if self.streams and time.monotonic() > give_up:
-                    log.error("the pipeline is still down after %.0f s: failing %d request(s)",
-                              self.config.stage_recovery_timeout, len(self.streams))
+                    log.error(
+                        "the pipeline is still down after %.0f s: failing %d request(s)",
+                        self.config.stage_recovery_timeout,
+                        len(self.streams),
+                    )
                     for request_id in list(self.streams):
                         self._fail(request_id, "UNAVAILABLE", f"a pipeline stage is lost: {error}")
                 log.warning("reconnect failed: %s; retrying", e)

@@ -1,16 +1,17 @@
 """`strata scheduler`: connect to the workers, then serve the Scheduler service."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from strata.services.scheduler.engine import Engine, SchedulerConfig
-from strata.services.scheduler.scheduler import SpeculativeConfig
-from strata.services.scheduler.metrics import serve_metrics
-from strata.services.scheduler.pipeline import Pipeline
-from strata.services.scheduler.server import SchedulerServicer
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
+from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.metrics import serve_metrics
+from strata.services.scheduler.pipeline import Pipeline
+from strata.services.scheduler.scheduler import SpeculativeConfig
+from strata.services.scheduler.server import SchedulerServicer
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")
@@ -22,8 +23,13 @@ def speculation_from_args(args) -> SpeculativeConfig | None:
     if args.speculative_method == "draft" and not args.draft_worker:
         raise SystemExit("--speculative-method draft needs --draft-worker HOST:PORT")
     try:
-        return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min,
-                                 args.ngram_max, args.speculative_max_batch)
+        return SpeculativeConfig(
+            args.speculative_method,
+            args.num_speculative_tokens,
+            args.ngram_min,
+            args.ngram_max,
+            args.speculative_max_batch,
+        )
     except ValueError as e:
         raise SystemExit(f"speculative decoding: {e}") from None
 
@@ -51,10 +57,10 @@ async def serve(args) -> None:
     async def on_serving(serving: bool) -> None:  # NOT_SERVING while a stage is down
         await set_serving(health, ["strata.v1.Scheduler"], serving=serving)
 
-    engine = Engine(Pipeline(addresses, draft_address=draft, token=args.cluster_token), config,
-                    on_serving=on_serving)
-    add_service(server, SchedulerServicer(engine), engine_pb2.DESCRIPTOR.services_by_name["Scheduler"],
-                token=args.cluster_token)
+    engine = Engine(Pipeline(addresses, draft_address=draft, token=args.cluster_token), config, on_serving=on_serving)
+    add_service(
+        server, SchedulerServicer(engine), engine_pb2.DESCRIPTOR.services_by_name["Scheduler"], token=args.cluster_token
+    )
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Scheduler"], serving=False)
     await server.start()  # health answers NOT_SERVING until the pipeline is up

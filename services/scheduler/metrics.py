@@ -1,6 +1,7 @@
 """Prometheus metrics of the scheduler: the same SchedulerStats that GetStats returns, read on
 each scrape. Every metric's name, kind and help come from the field's `metric` option in
 engine.proto, where the statistic is declared once; counters get Prometheus' `_total` suffix."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -14,8 +15,7 @@ PREFIX = "strata_scheduler_"
 
 def stat_fields() -> list[tuple[str, engine_pb2.MetricSpec]]:
     """(field name, MetricSpec) of every SchedulerStats field, in declaration order."""
-    return [(f.name, f.GetOptions().Extensions[engine_pb2.metric])
-            for f in engine_pb2.SchedulerStats.DESCRIPTOR.fields]
+    return [(f.name, f.GetOptions().Extensions[engine_pb2.metric]) for f in engine_pb2.SchedulerStats.DESCRIPTOR.fields]
 
 
 class SchedulerStatsCollector(Collector):

@@ -8,6 +8,7 @@ Each request's tokens live in a numpy buffer that grows as tokens arrive, and th
 candidate positions with vectorised comparisons (one per n-gram element), so there is no loop
 over the context's tokens.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,7 +49,7 @@ class NgramProposer:
                 grown[:filled] = buffer[:filled]
             buffer = grown
         if filled < total:
-            buffer[filled:total] = out[filled - num_prompt:]
+            buffer[filled:total] = out[filled - num_prompt :]
         self._tokens[req] = (buffer, total)
         return buffer[:total]
 
@@ -60,7 +61,7 @@ def propose_from(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> 
     if k <= 0:
         return []
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        suffix = tokens[length - n:]
+        suffix = tokens[length - n :]
         # Start positions of earlier occurrences: [i, i + n) with i + n < length, so at least
         # one token follows each and the suffix itself is excluded.
         candidates = np.flatnonzero(tokens[: length - n] == suffix[0])

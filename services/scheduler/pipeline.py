@@ -1,4 +1,5 @@
 """Connection to the pipeline of workers: discovery, cache set-up and the per-stage Steps streams."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,13 @@ class Pipeline:
     """The ordered stages; sends each plan to every stage and reads results from the last one.
     With a draft worker (speculative decoding), also the draft model's proposals."""
 
-    def __init__(self, addresses: list[str], connect_timeout: float = 120.0, draft_address: str | None = None,
-                 token: str | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        connect_timeout: float = 120.0,
+        draft_address: str | None = None,
+        token: str | None = None,
+    ):
         self.token = token  # the cluster token every call to a worker carries
         if not addresses:
             raise ValueError("at least one worker address is needed")
@@ -72,11 +78,16 @@ class Pipeline:
         for i, stage in enumerate(every):
             next_address = self.addresses[i + 1] if i + 1 < len(stages) else ""
             await stage.stub.InitCache(
-                engine_pb2.InitCacheRequest(num_kv_blocks=blocks, next_stage_address=next_address), timeout=300)
+                engine_pb2.InitCacheRequest(num_kv_blocks=blocks, next_stage_address=next_address), timeout=300
+            )
         for stage in every:
             stage.call = stage.stub.Steps()
-        log.info("pipeline of %d stage(s) ready: %d KV blocks of %d tokens", len(stages), blocks,
-                 stages[0].description.block_size)
+        log.info(
+            "pipeline of %d stage(s) ready: %d KV blocks of %d tokens",
+            len(stages),
+            blocks,
+            stages[0].description.block_size,
+        )
 
     async def _open(self, address: str, timeout: float) -> StageHandle:
         channel = aio_channel(address, self.token)
@@ -97,8 +108,9 @@ class Pipeline:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await stub.Describe(engine_pb2.DescribeRequest(), timeout=min(5.0, max(timeout, 0.5)),
-                                               wait_for_ready=True)
+                    return await stub.Describe(
+                        engine_pb2.DescribeRequest(), timeout=min(5.0, max(timeout, 0.5)), wait_for_ready=True
+                    )
         except grpc.aio.AioRpcError as e:
             raise PipelineError(f"worker {address} unreachable: {e.details()}") from e
 
@@ -108,7 +120,8 @@ class Pipeline:
             d = s.description
             if d.stage_index != i or d.num_stages != len(stages):
                 raise PipelineError(
-                    f"worker {s.address} is stage {d.stage_index} of {d.num_stages}, expected stage {i} of {len(stages)}")
+                    f"worker {s.address} is stage {d.stage_index} of {d.num_stages}, expected stage {i} of {len(stages)}"
+                )
             if d.model_fingerprint != first.model_fingerprint or d.block_size != first.block_size:
                 raise PipelineError(f"worker {s.address} serves a different model or block size")
         for a, b in zip(stages, stages[1:]):

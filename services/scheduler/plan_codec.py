@@ -1,4 +1,5 @@
 """Scheduler plans to the wire (StepPlan) and StepResults back to per-sequence tokens."""
+
 from __future__ import annotations
 
 import itertools
@@ -39,7 +40,7 @@ def split_result(result: engine_pb2.StepResult):
         return {seq_id: [token] for seq_id, token in zip(result.seq_ids, result.token_ids)}, logprobs
     pos = top_pos = 0
     for seq_id, n in zip(result.seq_ids, result.num_tokens):
-        sampled[seq_id] = list(result.token_ids[pos:pos + n])
+        sampled[seq_id] = list(result.token_ids[pos : pos + n])
         if have_logprobs:
             entries = []
             for t in range(pos, pos + n):

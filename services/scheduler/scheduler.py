@@ -14,11 +14,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from strata.protocol import DRAFT_PLACEHOLDER, PLACEHOLDER_TOKEN
 from strata.services.scheduler.block_manager import BlockTable, KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from strata.services.scheduler.request import Request, RequestStatus
-from strata.protocol import DRAFT_PLACEHOLDER, PLACEHOLDER_TOKEN
 from strata.v1 import engine_pb2
 
 _HOLD = object()  # admission verdict: wait for a sibling's prompt instead of computing it again
@@ -73,8 +73,10 @@ def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
     for candidates in by_first_block.values():
         if len(candidates) < 2:
             continue
-        keys = sorted(((s.request.blocks.block_ids[: s.num_computed // block_size], s) for s in candidates),
-                      key=lambda pair: pair[0])
+        keys = sorted(
+            ((s.request.blocks.block_ids[: s.num_computed // block_size], s) for s in candidates),
+            key=lambda pair: pair[0],
+        )
         common = []
         for (a, _), (b, _) in zip(keys, keys[1:]):
             common.append(_common_prefix_len(a, b, common[-1] if common else 0))
@@ -82,10 +84,10 @@ def group_shared_prefixes(plan: StepPlan, block_size: int) -> None:
         for i, shared in enumerate(common):
             neighbours = max(common[i - 1] if i else 0, common[i + 1] if i + 1 < len(common) else 0)
             if 2 * shared < neighbours:  # a cut: close the run
-                groups.append((min(common[i - len(run) + 1:i], default=0), run))
+                groups.append((min(common[i - len(run) + 1 : i], default=0), run))
                 run = []
             run.append(keys[i + 1][1])
-        groups.append((min(common[len(common) - len(run) + 1:], default=0), run))
+        groups.append((min(common[len(common) - len(run) + 1 :], default=0), run))
     groups = [(blocks, members) for blocks, members in groups if len(members) >= 2 and blocks > 0]
     if not groups:
         return
@@ -143,8 +145,9 @@ class Scheduler:
         # call of k steps serves every sequence).
         self._ngram = None
         if speculation is not None and speculation.method == "ngram":
-            self._ngram = NgramProposer(speculation.num_speculative_tokens, speculation.ngram_min,
-                                        speculation.ngram_max)
+            self._ngram = NgramProposer(
+                speculation.num_speculative_tokens, speculation.ngram_min, speculation.ngram_max
+            )
         self.draft_releases: list[int] = []  # seq ids the draft worker may drop (draft method)
         self._lookaheads = 0
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
@@ -155,9 +158,7 @@ class Scheduler:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
         if num_blocks * block_size < max_model_len:
             # A lone request must always fit, or it could never finish.
-            raise ValueError(
-                f"{num_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}"
-            )
+            raise ValueError(f"{num_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -220,9 +221,7 @@ class Scheduler:
         if not req.prompt_token_ids:
             raise ValueError("empty prompt")
         if req.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
-            )
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.max_model_len}")
         if req.max_tokens < 1 or req.min_tokens < 0:
             raise ValueError("stop.max_tokens must be >= 1 and stop.min_tokens >= 0")
         if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
@@ -242,10 +241,15 @@ class Scheduler:
             return
         first = siblings[0]
         n = req.shared_len
-        if (n != first.shared_len or req.group_size != first.group_size
-                or req.prompt_token_ids[:n] != first.prompt_token_ids[:n]):
-            raise ValueError(f"requests of {req.parent_id!r} must share their first {first.shared_len} tokens "
-                             f"and group_size {first.group_size}")
+        if (
+            n != first.shared_len
+            or req.group_size != first.group_size
+            or req.prompt_token_ids[:n] != first.prompt_token_ids[:n]
+        ):
+            raise ValueError(
+                f"requests of {req.parent_id!r} must share their first {first.shared_len} tokens "
+                f"and group_size {first.group_size}"
+            )
         group = self._prefix_groups.get(req.parent_id)
         if group is not None and (group.started or len(siblings) >= group.size):
             raise ValueError(f"prefix group {req.parent_id!r} already has its {group.size} members")
@@ -293,8 +297,12 @@ class Scheduler:
             # in flight, so that a proposal can follow its latest token.
             spec_due = speculate and len(out) >= req.spec_retry_at
             if req.in_flight:
-                if (not spec_due and not merge_cohorts and self._can_look_ahead(req)
-                        and self._schedule_lookahead(req, step_id, seqs, copies)):
+                if (
+                    not spec_due
+                    and not merge_cohorts
+                    and self._can_look_ahead(req)
+                    and self._schedule_lookahead(req, step_id, seqs, copies)
+                ):
                     budget -= 1
                 i += 1
                 continue
@@ -333,12 +341,7 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS. After a preemption, admitting new work would only thrash.
         held: list[Request] = []
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not (preempted and seqs)
-        ):
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not (preempted and seqs):
             req = self.waiting.popleft()
             admitted = self._admit(req, step_id, budget, seqs, copies)
             if admitted is _HOLD:
@@ -518,8 +521,9 @@ class Scheduler:
         self._schedule_seq(req, end, 0, step_id, seqs, copies)
         return end - num_computed
 
-    def _shared_prefix(self, req: Request, step_id: int, first_admission: bool,
-                       group: PrefixGroup | None) -> tuple[list[int], int] | object | None:
+    def _shared_prefix(
+        self, req: Request, step_id: int, first_admission: bool, group: PrefixGroup | None
+    ) -> tuple[list[int], int] | object | None:
         """The blocks and token count req takes from its siblings instead of computing them:
         a running sibling's, once an earlier plan wrote them (copying the shared partial block on
         write), else a prefix group's pinned full blocks. _HOLD while a sibling is still
@@ -707,9 +711,7 @@ class Scheduler:
             tokens = sampled.get(s.seq_id)
             num_draft = s.num_draft
             if tokens is None or not 1 <= len(tokens) <= num_draft + 1:
-                raise ValueError(
-                    f"step {plan.step_id}: seq {s.seq_id} needs 1..{num_draft + 1} tokens, got {tokens!r}"
-                )
+                raise ValueError(f"step {plan.step_id}: seq {s.seq_id} needs 1..{num_draft + 1} tokens, got {tokens!r}")
             if num_draft:
                 accepted = len(tokens) - 1
                 if tokens[:accepted] != s.input_token_ids[-num_draft:][:accepted]:

@@ -1,4 +1,5 @@
 """Scheduler gRPC service: the gateway submits child requests and streams their tokens back."""
+
 from __future__ import annotations
 
 import logging
@@ -6,8 +7,8 @@ import math
 
 import grpc
 
-from strata.services.scheduler.engine import Engine, RequestFailed
 from strata.protocol import MAX_LOGPROBS
+from strata.services.scheduler.engine import Engine, RequestFailed
 from strata.services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
@@ -35,8 +36,10 @@ def request_from_proto(msg: engine_pb2.EngineRequest, model: generate_pb2.ModelI
         raise ValueError(f"sampling.logprobs must be in [-1, {MAX_LOGPROBS}], got {s.logprobs}")
     stop = msg.stop
     if len(msg.prompt_token_ids) + stop.max_tokens > model.max_model_len:
-        raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus stop.max_tokens ({stop.max_tokens}) "
-                         f"exceeds max_model_len {model.max_model_len}")
+        raise ValueError(
+            f"prompt ({len(msg.prompt_token_ids)} tokens) plus stop.max_tokens ({stop.max_tokens}) "
+            f"exceeds max_model_len {model.max_model_len}"
+        )
     _check_ids("stop.stop_token_ids", stop.stop_token_ids, vocab)
     _check_ids("stop.eos_token_ids", stop.eos_token_ids, vocab)
     return Request.from_proto(msg)

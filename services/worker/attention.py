@@ -88,12 +88,29 @@ class TorchAttentionBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.shared_prefixes is not None and sliding_window is None:
-            result = cascade_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_tables, meta.shared_prefixes, meta.max_query_len,
-                                                 meta.max_seq_len, scale)
+            result = cascade_attention_reference(
+                query,
+                kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.shared_prefixes,
+                meta.max_query_len,
+                meta.max_seq_len,
+                scale,
+            )
         else:
-            result = paged_attention_reference(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                               meta.max_query_len, meta.max_seq_len, scale, sliding_window)
+            result = paged_attention_reference(
+                query,
+                kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_query_len,
+                meta.max_seq_len,
+                scale,
+                sliding_window,
+            )
         return result if out is None else out.copy_(result)
 
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:

@@ -6,6 +6,7 @@ siblings, shared prefix-cache hits) as consecutive runs with a prefix length per
 prefix through one member's block table for all of them, so a wrong plan would silently mix
 sequences: it is checked here as strictly as any other plan field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,12 +35,20 @@ class PrefixGroupInputs:
     seq_prefix_lens: np.ndarray  # [B] its group's prefix length, 0 outside any group
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {f"cascade.{name}": getattr(self, name).astype(np.int32)
-                for name in ("token_start", "prefix_lens", "table_rows", "seq_prefix_lens")}
+        return {
+            f"cascade.{name}": getattr(self, name).astype(np.int32)
+            for name in ("token_start", "prefix_lens", "table_rows", "seq_prefix_lens")
+        }
 
 
-def prefix_group_inputs(plan: engine_pb2.StepPlan, query_start_loc: np.ndarray, num_computed: np.ndarray,
-                        seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int) -> PrefixGroupInputs | None:
+def prefix_group_inputs(
+    plan: engine_pb2.StepPlan,
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+) -> PrefixGroupInputs | None:
     """The step's groups, or None when it has none or a cascade would not pay. Raises PlanError
     on a malformed structure: members not consecutive, queries inside the prefix, or members
     whose block tables differ where the prefix lives."""
@@ -53,8 +62,13 @@ def prefix_group_inputs(plan: engine_pb2.StepPlan, query_start_loc: np.ndarray, 
     members = np.nonzero(group_of)[0]
     ids = group_of[members]
     # Consecutive members, groups in order 1..G, none empty: then the groups' tokens are one run.
-    if ((np.diff(members) != 1).any() or ids[0] != 1 or (np.diff(ids) < 0).any() or (np.diff(ids) > 1).any()
-            or ids[-1] != num_groups):
+    if (
+        (np.diff(members) != 1).any()
+        or ids[0] != 1
+        or (np.diff(ids) < 0).any()
+        or (np.diff(ids) > 1).any()
+        or ids[-1] != num_groups
+    ):
         raise PlanError("a plan's shared-prefix groups must be consecutive runs of sequences, numbered 1.. in order")
     member_prefix = lens[ids - 1]
     if (num_computed[members] < member_prefix).any():
@@ -76,8 +90,12 @@ def prefix_group_inputs(plan: engine_pb2.StepPlan, query_start_loc: np.ndarray, 
     seq_prefix = np.zeros(len(seq_lens), dtype=np.int64)
     seq_prefix[members] = member_prefix
     ends = query_start_loc[members[np.r_[first[1:], len(members)] - 1] + 1]
-    return PrefixGroupInputs(token_start=np.r_[query_start_loc[leaders[0]], ends], prefix_lens=lens,
-                             table_rows=leaders, seq_prefix_lens=seq_prefix)
+    return PrefixGroupInputs(
+        token_start=np.r_[query_start_loc[leaders[0]], ends],
+        prefix_lens=lens,
+        table_rows=leaders,
+        seq_prefix_lens=seq_prefix,
+    )
 
 
 def shared_prefixes(h, uploaded: dict[str, torch.Tensor]) -> SharedPrefixGroups | None:
@@ -86,7 +104,10 @@ def shared_prefixes(h, uploaded: dict[str, torch.Tensor]) -> SharedPrefixGroups 
     if groups is None:
         return None
     return SharedPrefixGroups(
-        token_start=uploaded["cascade.token_start"], prefix_lens=uploaded["cascade.prefix_lens"],
-        table_rows=uploaded["cascade.table_rows"], seq_prefix_lens=uploaded["cascade.seq_prefix_lens"],
+        token_start=uploaded["cascade.token_start"],
+        prefix_lens=uploaded["cascade.prefix_lens"],
+        table_rows=uploaded["cascade.table_rows"],
+        seq_prefix_lens=uploaded["cascade.seq_prefix_lens"],
         max_grouped_tokens=int(groups.token_start[-1] - groups.token_start[0]),
-        max_prefix_len=int(groups.prefix_lens.max()))
+        max_prefix_len=int(groups.prefix_lens.max()),
+    )

@@ -14,6 +14,7 @@ so each one is a chance to stall the launch behind them (measured on an H200 at 
 Padding sequences get seq_len 0 and slot -1, so they read and write no KV; their sampled token
 goes to a scratch row of the worker's `last_sampled`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -36,17 +37,33 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 # Per-token inputs of a graph (seq_lens: per sequence). They live at fixed offsets in one device
 # buffer, so a step's rows go up in a single copy (the block tables, 2-D, in a second).
 _ROW_FIELDS = (
-    ("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
+    ("input_ids", np.int64),
+    ("positions", np.int64),
+    ("slot_mapping", np.int64),
     ("state_rows", np.int64),  # the sequence table's row: placeholder lookup, last_sampled
-    ("seeds", np.int64), ("sample_positions", np.int64), ("inv_temperature", np.float32),
-    ("seq_lens", np.int32), ("greedy", np.uint8),
+    ("seeds", np.int64),
+    ("sample_positions", np.int64),
+    ("inv_temperature", np.float32),
+    ("seq_lens", np.int32),
+    ("greedy", np.uint8),
     # Cascade graphs (shared prefixes): per sequence, then per group (at most max_batch // 2 + 1).
-    ("seq_prefix_lens", np.int32), ("group_token_start", np.int32), ("group_prefix_lens", np.int32),
+    ("seq_prefix_lens", np.int32),
+    ("group_token_start", np.int32),
+    ("group_prefix_lens", np.int32),
     ("group_table_rows", np.int32),
 )
 # What padding rows hold: no KV read (seq_len 0) or written (slot -1), a greedy draw.
-_PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seeds": 0, "sample_positions": 0,
-            "inv_temperature": 1.0, "seq_lens": 0, "greedy": 1, "seq_prefix_lens": 0}
+_PADDING = {
+    "input_ids": 0,
+    "positions": 0,
+    "slot_mapping": -1,
+    "seeds": 0,
+    "sample_positions": 0,
+    "inv_temperature": 1.0,
+    "seq_lens": 0,
+    "greedy": 1,
+    "seq_prefix_lens": 0,
+}
 
 
 def _layout(max_batch: int) -> tuple[dict[str, tuple[int, np.dtype]], int]:
@@ -64,7 +81,7 @@ class _HostInputs:
     def __init__(self, layout, total: int, max_tokens: int, max_batch: int, width: int):
         self.flat = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         flat = self.flat.numpy()
-        self.rows = {name: flat[off:off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
+        self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
         self.tables_t = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
         self.tables = self.tables_t.numpy()
         self.copied = torch.cuda.Event()
@@ -78,10 +95,25 @@ class DecodeGraphs:
     placeholders and, when decode graphs sample, write; scratch_row: its row for padding rows.
     """
 
-    def __init__(self, shard, kv_caches: list[torch.Tensor], *, max_batch: int, last_sampled: torch.Tensor,
-                 scratch_row: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 max_blocks_per_seq: int, max_model_len: int, first_stage: bool, last_stage: bool,
-                 samples: bool, query_len: int = 1, cascade: bool = False):
+    def __init__(
+        self,
+        shard,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_batch: int,
+        last_sampled: torch.Tensor,
+        scratch_row: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        hidden_size: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        first_stage: bool,
+        last_stage: bool,
+        samples: bool,
+        query_len: int = 1,
+        cascade: bool = False,
+    ):
         self.shard, self.kv_caches = shard, kv_caches
         self.last_sampled, self.scratch_row = last_sampled, scratch_row
         self.device = device
@@ -97,8 +129,10 @@ class DecodeGraphs:
         max_tokens = self.max_batch * q
         layout, total = _layout(max_tokens)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=device)
-        self.rows = {name: self.flat[off:off + max_tokens * dt.itemsize].view(torch_dtype(dt))
-                     for name, (off, dt) in layout.items()}
+        self.rows = {
+            name: self.flat[off : off + max_tokens * dt.itemsize].view(torch_dtype(dt))
+            for name, (off, dt) in layout.items()
+        }
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (self.max_batch + 1) * q, q, dtype=torch.int32, device=device)
         self.hidden_in = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
@@ -118,29 +152,49 @@ class DecodeGraphs:
         rows, shared = self.rows, None
         if self.cascade:
             from strata.kernels.cascade_attention import choose_prefix_config  # Triton: CUDA only
+
             g = self.max_groups(bs)
             # The group count is only a bound here: cut the prefixes as for a few large groups
             # (one program per KV head and 64 rows), where splitting pays; pairs lose little.
             splits = choose_prefix_config(
-                num_groups=1, max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len,
-                num_q_heads=self.shard.config.num_attention_heads, num_kv_heads=self.kv_caches[0].shape[2],
-                sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count).prefix_splits
+                num_groups=1,
+                max_grouped_tokens=bs * self.query_len,
+                max_prefix_len=self.max_model_len,
+                num_q_heads=self.shard.config.num_attention_heads,
+                num_kv_heads=self.kv_caches[0].shape[2],
+                sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count,
+            ).prefix_splits
             shared = SharedPrefixGroups(
-                token_start=rows["group_token_start"][: g + 1], prefix_lens=rows["group_prefix_lens"][:g],
-                table_rows=rows["group_table_rows"][:g], seq_prefix_lens=rows["seq_prefix_lens"][:bs],
-                max_grouped_tokens=bs * self.query_len, max_prefix_len=self.max_model_len, prefix_splits=splits)
+                token_start=rows["group_token_start"][: g + 1],
+                prefix_lens=rows["group_prefix_lens"][:g],
+                table_rows=rows["group_table_rows"][:g],
+                seq_prefix_lens=rows["seq_prefix_lens"][:bs],
+                max_grouped_tokens=bs * self.query_len,
+                max_prefix_len=self.max_model_len,
+                prefix_splits=splits,
+            )
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=rows["seq_lens"][:bs],
-            block_tables=self.block_tables[:bs], slot_mapping=rows["slot_mapping"][: bs * self.query_len],
-            max_query_len=self.query_len, max_seq_len=self.max_model_len, shared_prefixes=shared)
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=rows["seq_lens"][:bs],
+            block_tables=self.block_tables[:bs],
+            slot_mapping=rows["slot_mapping"][: bs * self.query_len],
+            max_query_len=self.query_len,
+            max_seq_len=self.max_model_len,
+            shared_prefixes=shared,
+        )
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
         rows, first, t = self.rows, self.first_stage, bs * self.query_len
         state_rows = rows["state_rows"][:t]
         hidden, residual = self.shard.forward(
-            rows["input_ids"][:t] if first else None, rows["positions"][:t], None if first else self.hidden_in[:t],
-            None if first else self.residual_in[:t], self.kv_caches, self._meta(bs),
-            placeholders=(state_rows, self.last_sampled))
+            rows["input_ids"][:t] if first else None,
+            rows["positions"][:t],
+            None if first else self.hidden_in[:t],
+            None if first else self.residual_in[:t],
+            self.kv_caches,
+            self._meta(bs),
+            placeholders=(state_rows, self.last_sampled),
+        )
         if not self.last_stage:
             return hidden, residual
         logits = self.shard.compute_logits(hidden, residual)
@@ -148,9 +202,14 @@ class DecodeGraphs:
             return (logits,)
         # A decode's token stays in last_sampled for the next plan's placeholders (after a
         # verification the scheduler sends real tokens, never a placeholder).
-        tokens = sample_unfiltered(logits, rows["seeds"][:t], rows["sample_positions"][:t],
-                                   rows["inv_temperature"][:t], rows["greedy"][:t],
-                                   store=(self.last_sampled, state_rows) if self.query_len == 1 else None)
+        tokens = sample_unfiltered(
+            logits,
+            rows["seeds"][:t],
+            rows["sample_positions"][:t],
+            rows["inv_temperature"][:t],
+            rows["greedy"][:t],
+            store=(self.last_sampled, state_rows) if self.query_len == 1 else None,
+        )
         return logits, tokens
 
     @torch.inference_mode()
@@ -171,8 +230,13 @@ class DecodeGraphs:
     def _fill_padding(self) -> None:
         """Device rows start as padding (what capture runs on) with the scratch state row, and
         empty groups."""
-        for name, value in {**_PADDING, "state_rows": self.scratch_row, "group_token_start": 0,
-                            "group_prefix_lens": 0, "group_table_rows": 0}.items():
+        for name, value in {
+            **_PADDING,
+            "state_rows": self.scratch_row,
+            "group_token_start": 0,
+            "group_prefix_lens": 0,
+            "group_table_rows": 0,
+        }.items():
             self.rows[name].fill_(value)
 
     def padded_size(self, batch: int, num_groups: int = 0) -> int | None:
@@ -182,8 +246,15 @@ class DecodeGraphs:
             i += 1
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, bs: int, h: HostInputs, token_rows: np.ndarray, sampling: dict[str, np.ndarray] | None,
-            hidden: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def run(
+        self,
+        bs: int,
+        h: HostInputs,
+        token_rows: np.ndarray,
+        sampling: dict[str, np.ndarray] | None,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
         query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
         sample position, inverse temperature and greedy flag (last stage). Returns the outputs'
@@ -225,7 +296,7 @@ class DecodeGraphs:
         groups, g, most = h.prefix_groups, len(h.prefix_groups.prefix_lens), self.max_groups(bs)
         rows["seq_prefix_lens"][:n] = groups.seq_prefix_lens  # padding rows: 0 (_PADDING)
         rows["group_token_start"][: g + 1] = groups.token_start
-        rows["group_token_start"][g + 1: most + 1] = groups.token_start[-1]
+        rows["group_token_start"][g + 1 : most + 1] = groups.token_start[-1]
         rows["group_prefix_lens"][:g] = groups.prefix_lens
         rows["group_prefix_lens"][g:most] = 0
         rows["group_table_rows"][:g] = groups.table_rows

@@ -18,6 +18,7 @@ last layer returns (down's output, h), which the next stage or compute_logits ad
 normalises. On Hopper every kernel of the chain is a programmatic dependent launch
 (kernels/dependent_launch.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,14 @@ def chain_serves(hidden: torch.Tensor, shard) -> bool:
     return _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
 
 
-def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                         kv_caches: list[torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_chain_forward(
+    shard,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CausalLMShard.forward's layers for a small batch; returns the unfused (hidden, residual) pair."""
     k = _kernels()
     last = len(shard.layers) - 1
@@ -48,20 +55,24 @@ def decode_chain_forward(shard, hidden: torch.Tensor, residual: torch.Tensor | N
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         # The stage's first layer adds the pair as it came; later ones get h, added already.
-        qkv, h = k.norm_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
-                               residual=residual)
+        qkv, h = k.norm_linear(
+            hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual
+        )
         out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
         h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:
             return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), h
-        hidden, residual = k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h,
-                                                 silu_mul=True), None
+        hidden, residual = (
+            k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h, silu_mul=True),
+            None,
+        )
     raise AssertionError("a shard has at least one layer")
 
 
 def decode_chain_logits(shard, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The last stage's final norm (of hidden + residual) in lm_head's prologue."""
-    logits, _ = _kernels().norm_linear(hidden, shard.lm_head.weight, None, shard.norm.weight, shard.norm.eps,
-                                       residual=residual)
+    logits, _ = _kernels().norm_linear(
+        hidden, shard.lm_head.weight, None, shard.norm.weight, shard.norm.eps, residual=residual
+    )
     return logits

@@ -7,6 +7,7 @@ launch back to back (on CUDA graphs) without waiting for the host. Draws use the
 (seed, position) noise and filters: where the draft's distribution agrees with the target's,
 it proposes exactly the token the target will draw, and verification accepts it.
 """
+
 from __future__ import annotations
 
 from strata.protocol import PLACEHOLDER_TOKEN
@@ -29,10 +30,13 @@ class DraftProposal:
         first = results[0]
         k = len(results)
         proposal = engine_pb2.StepResult(
-            step_id=self.step_id, seq_ids=first.seq_ids, num_tokens=[k] * len(first.seq_ids),
+            step_id=self.step_id,
+            seq_ids=first.seq_ids,
+            num_tokens=[k] * len(first.seq_ids),
             launch_seconds=sum(r.launch_seconds for r in results),
             execute_seconds=max(r.execute_seconds for r in results),
-            gpu_seconds=sum(r.gpu_seconds for r in results))
+            gpu_seconds=sum(r.gpu_seconds for r in results),
+        )
         for i in range(len(first.seq_ids)):  # one sequence's k tokens, in draft order
             proposal.token_ids.extend(r.token_ids[i] for r in results)
         return proposal
@@ -51,9 +55,15 @@ def propose(runner, plan: engine_pb2.StepPlan) -> DraftProposal:
     table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
     for _ in range(k - 1):
         decode = engine_pb2.StepPlan(
-            step_id=plan.step_id, seq_ids=plan.seq_ids, num_computed=seq_lens, num_scheduled=[1] * n,
-            input_token_ids=[PLACEHOLDER_TOKEN] * n, table_keep=table_lens, table_append_counts=[0] * n,
-            sample=[True] * n)
+            step_id=plan.step_id,
+            seq_ids=plan.seq_ids,
+            num_computed=seq_lens,
+            num_scheduled=[1] * n,
+            input_token_ids=[PLACEHOLDER_TOKEN] * n,
+            table_keep=table_lens,
+            table_append_counts=[0] * n,
+            sample=[True] * n,
+        )
         steps.append(runner.execute(decode))
         seq_lens = [length + 1 for length in seq_lens]
     return DraftProposal(plan.step_id, steps)

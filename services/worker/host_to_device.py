@@ -6,6 +6,7 @@ per step (a torch.from_numpy(...).to("cuda")) silently serialises the host with 
 every array goes through page-locked memory and an asynchronous copy; PyTorch's caching host
 allocator keeps the staging block alive until its copy has completed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,11 +35,11 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
     host = staging.numpy()
     for name, a in arrays.items():
-        host[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+        host[offsets[name] : offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
     on_device = staging.to(device, non_blocking=True)
     tensors = {}
     for name, a in arrays.items():
-        t = on_device[offsets[name]:offsets[name] + a.nbytes].view(torch_dtype(a.dtype))
+        t = on_device[offsets[name] : offsets[name] + a.nbytes].view(torch_dtype(a.dtype))
         tensors[name] = t if a.ndim == 1 else t.view(a.shape)  # each view costs host time
     return tensors
 

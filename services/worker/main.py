@@ -1,4 +1,5 @@
 """`strata worker`: load this stage's layers, size the KV cache, serve the Worker service."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,14 +8,14 @@ from pathlib import Path
 
 import torch
 
+from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
+from strata.model_source import resolve_model
 from strata.services.worker.attention import kv_cache_bytes_per_block
 from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.weights import load_shard
-from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
-from strata.model_source import resolve_model
 from strata.v1 import engine_pb2, generate_pb2
 
 log = logging.getLogger("strata.worker")
@@ -39,17 +40,21 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def attention_backend_for(device: torch.device):
     if device.type == "cuda":
         from strata.services.worker.triton_backend import TritonAttentionBackend
+
         return TritonAttentionBackend()
     from strata.services.worker.attention import TorchAttentionBackend
+
     return TorchAttentionBackend()
 
 
-def num_kv_blocks_for(args, config: ModelConfig, num_layers: int, max_model_len: int, device: torch.device,
-                      dtype: torch.dtype) -> int:
+def num_kv_blocks_for(
+    args, config: ModelConfig, num_layers: int, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> int:
     if args.num_kv_blocks:
         return args.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(num_layers, args.block_size, config.num_key_value_heads,
-                                         config.head_dim, dtype)
+    per_block = kv_cache_bytes_per_block(
+        num_layers, args.block_size, config.num_key_value_heads, config.head_dim, dtype
+    )
     # More blocks than max_num_seqs full-length sequences can use only hold cached prefixes.
     useful = args.max_num_seqs * -(-max_model_len // args.block_size)
     if device.type != "cuda":
@@ -86,32 +91,57 @@ def build(args):
     draft = args.role == "draft"
     if draft and args.num_stages != 1:
         raise SystemExit("a draft worker holds the whole draft model: --num-stages 1")
-    shard, config = load_shard("dummy" if dummy else model_path, args.stage_index, args.num_stages, dtype,
-                               device, dummy_config=dummy, seed=args.seed,
-                               attn_backend=attention_backend_for(device), first_layers=args.draft_num_layers)
+    shard, config = load_shard(
+        "dummy" if dummy else model_path,
+        args.stage_index,
+        args.num_stages,
+        dtype,
+        device,
+        dummy_config=dummy,
+        seed=args.seed,
+        attn_backend=attention_backend_for(device),
+        first_layers=args.draft_num_layers,
+    )
     max_model_len = args.max_model_len or config.max_position_embeddings
     speculate = bool(args.speculative_method)
     # A draft worker runs batches of speculating sequences only; a target captures verification
     # graphs for them as well as its decode graphs.
     graph_batch = min(args.speculative_max_batch if draft else args.max_num_seqs, 512)
-    runner = ModelRunner(shard, config, stage_index=args.stage_index, num_stages=args.num_stages,
-                         block_size=args.block_size, max_model_len=max_model_len, device=device, dtype=dtype,
-                         max_num_seqs=max(args.max_num_seqs * 4, 1024),
-                         cuda_graph_max_batch=0 if args.enforce_eager else graph_batch,
-                         num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
-                         speculative_max_batch=args.speculative_max_batch,
-                         piecewise_max_tokens=piecewise_max_tokens(args))
+    runner = ModelRunner(
+        shard,
+        config,
+        stage_index=args.stage_index,
+        num_stages=args.num_stages,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max(args.max_num_seqs * 4, 1024),
+        cuda_graph_max_batch=0 if args.enforce_eager else graph_batch,
+        num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
+        speculative_max_batch=args.speculative_max_batch,
+        piecewise_max_tokens=piecewise_max_tokens(args),
+    )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"
     description = engine_pb2.WorkerDescription(
-        stage_index=args.stage_index, num_stages=args.num_stages,
-        layer_start=shard.start_layer, layer_end=shard.end_layer,
-        num_kv_blocks=blocks, block_size=args.block_size, device=str(device),
-        model_fingerprint=shard.fingerprint, draft=draft,
+        stage_index=args.stage_index,
+        num_stages=args.num_stages,
+        layer_start=shard.start_layer,
+        layer_end=shard.end_layer,
+        num_kv_blocks=blocks,
+        block_size=args.block_size,
+        device=str(device),
+        model_fingerprint=shard.fingerprint,
+        draft=draft,
         model=generate_pb2.ModelInfo(
-            model_name=name, architecture=config.architecture, max_model_len=max_model_len,
-            vocab_size=config.vocab_size, eos_token_ids=config.eos_token_id,
-            dtype=str(dtype).removeprefix("torch.")),
+            model_name=name,
+            architecture=config.architecture,
+            max_model_len=max_model_len,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_id,
+            dtype=str(dtype).removeprefix("torch."),
+        ),
     )
     return runner, description
 
@@ -126,9 +156,17 @@ async def serve(args) -> None:
     await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()
     await set_serving(health, ["strata.v1.Worker"])
-    log.info("worker stage %d/%d (layers %d-%d, %d KV blocks, %s) listening on %s:%d",
-             args.stage_index, args.num_stages, description.layer_start, description.layer_end,
-             description.num_kv_blocks, description.device, args.host, port)
+    log.info(
+        "worker stage %d/%d (layers %d-%d, %d KV blocks, %s) listening on %s:%d",
+        args.stage_index,
+        args.num_stages,
+        description.layer_start,
+        description.layer_end,
+        description.num_kv_blocks,
+        description.device,
+        args.host,
+        port,
+    )
     await wait_for_termination_signal()
     await server.stop(grace=1.0)
 

@@ -65,8 +65,13 @@ def _fused_kernels() -> SimpleNamespace:
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from strata.kernels.rotary import rotary_embedding_
 
-    return SimpleNamespace(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
-                           rotary_embedding_=rotary_embedding_, silu_and_mul=silu_and_mul, embed_tokens=embed_tokens)
+    return SimpleNamespace(
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        rotary_embedding_=rotary_embedding_,
+        silu_and_mul=silu_and_mul,
+        embed_tokens=embed_tokens,
+    )
 
 
 class FusedKernelSwitch:
@@ -114,8 +119,9 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
         if residual is None:  # the first layer of the first stage
             return self(x), x
         if self._use_fused(x):
-            return _fused_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps,
-                                                       residual_out=residual if in_place else None)
+            return _fused_kernels().fused_add_rms_norm(
+                x, residual, self.weight, self.eps, residual_out=residual if in_place else None
+            )
         normed, summed = fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
         return normed, residual.copy_(summed) if in_place else summed
 
@@ -123,9 +129,7 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse rotary frequencies [head_dim / 2], float32, with llama3 scaling when configured."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
-    )
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     scaling = config.rope_scaling
     if scaling is None or scaling["rope_type"] == "default":
         return inv_freq
@@ -156,9 +160,7 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their token positions [T].
 
         The fused kernel rotates q and k in place (they are views of the fresh qkv projection)
@@ -170,8 +172,14 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         return rotary_embedding_reference(positions, q, k, self.cos, self.sin)
 
     def rotate_and_cache(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, backend: AttentionBackend,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """Rotate q in place and store the rotated k and v in kv_cache at slot_mapping; returns q.
 
@@ -179,8 +187,9 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         the keys go rotated to the cache, never back into the projection. The torch path rotates
         q in place too, so that q stays where the piecewise graphs' attention reads it."""
         if self._use_fused(q):
-            _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache,
-                                               slot_mapping=slot_mapping)
+            _fused_kernels().rotary_embedding_(
+                positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping
+            )
             return q
         rotated_q, k = self(positions, q, k)
         backend.write_kv(k, v, kv_cache, slot_mapping)
@@ -197,9 +206,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = config.sliding_window_for_layer(layer_index)
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype
-        )
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
 
     def attend(
@@ -217,14 +224,31 @@ class Attention(nn.Module):
         if self._one_launch_decode(qkv, rotary, meta):
             from strata.kernels.decode_attention import decode_attention
 
-            return decode_attention(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.seq_lens,
-                                    meta.block_tables, meta.slot_mapping, num_q_heads=self.num_heads,
-                                    scale=self.scale, max_seq_len=meta.max_seq_len)
+            return decode_attention(
+                qkv,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                kv_cache,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.slot_mapping,
+                num_q_heads=self.num_heads,
+                scale=self.scale,
+                max_seq_len=meta.max_seq_len,
+            )
         q = self.rotate_and_cache(qkv, positions, rotary, kv_cache, meta.slot_mapping, backend)
         return self.attend_cached(q, kv_cache, meta, backend)
 
-    def rotate_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def rotate_and_cache(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         """Rotary and the KV cache write: the part of attention whose launch depends only on the
         token count. Returns the rotated queries [T, Hq, D] (a view of qkv)."""
         num_tokens = qkv.shape[0]
@@ -234,8 +258,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend)
 
-    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      backend: AttentionBackend, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend_cached(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of rotated queries [T, Hq, D] over the cache (their own keys written):
         [T, q_size], into out [T, Hq, D] when given."""
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window, out=out)
@@ -254,16 +284,15 @@ class Attention(nn.Module):
             return False
         from strata.kernels.decode_attention import decode_attention_serves
 
-        return (decode_attention_serves(num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device)
-                and not disabled("STRATA_DISABLE_FUSED_DECODE_ATTENTION"))
+        return decode_attention_serves(
+            num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device
+        ) and not disabled("STRATA_DISABLE_FUSED_DECODE_ATTENTION")
 
 
 class MLP(FusedKernelSwitch, nn.Module):
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype
-        )
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,14 +325,20 @@ class DecoderLayer(nn.Module):
     # The layer cut at attention, for the piecewise CUDA graphs (piecewise_graphs.py): what comes
     # before and after it has launches that depend only on the token count.
 
-    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False,
-                         qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        in_place: bool = False,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (with the residual add) and the qkv projection: (qkv, residual)."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place)
         return self.self_attn.qkv_proj(hidden, out=qkv_out), residual
 
-    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
-                        in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(
+        self, attn: torch.Tensor, residual: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the post-attention norm (with the residual add) and the MLP: (hidden, residual)."""
         hidden, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual, in_place)
         return self.mlp(hidden), residual
@@ -323,10 +358,7 @@ class CausalLMShard(nn.Module):
     ) -> None:
         super().__init__()
         if not 0 <= start_layer < end_layer <= config.num_hidden_layers:
-            raise ValueError(
-                f"bad layer range [{start_layer}, {end_layer}) for "
-                f"{config.num_hidden_layers} layers"
-            )
+            raise ValueError(f"bad layer range [{start_layer}, {end_layer}) for {config.num_hidden_layers} layers")
         self.config = config
         self.start_layer = start_layer
         self.end_layer = end_layer
@@ -338,9 +370,7 @@ class CausalLMShard(nn.Module):
         if self.is_first:
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, dtype)
         self.rotary = RotaryEmbedding(config, device, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, device, dtype) for i in range(start_layer, end_layer)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(start_layer, end_layer))
         self.norm: RMSNorm | None = None
         self.lm_head: Linear | None = None
         if self.is_last:
@@ -387,9 +417,7 @@ class CausalLMShard(nn.Module):
         if self._runs_decode_chain(hidden):
             return decode_chain_forward(self, hidden, residual, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(
-                hidden, residual, positions, self.rotary, kv_cache, meta, self.attn_backend
-            )
+            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, meta, self.attn_backend)
         return hidden, residual
 
     @torch.no_grad()
@@ -439,11 +467,11 @@ class CausalLMShard(nn.Module):
             # A tied checkpoint may still hold lm_head.weight (a copy of the embedding): unused.
             if not cfg.tie_word_embeddings:
                 names.add("lm_head.weight")
-        projections = [
-            ("self_attn", p, cfg.attention_bias) for p in ("q_proj", "k_proj", "v_proj")
-        ] + [("self_attn", "o_proj", cfg.o_proj_bias)] + [
-            ("mlp", p, cfg.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")
-        ]
+        projections = (
+            [("self_attn", p, cfg.attention_bias) for p in ("q_proj", "k_proj", "v_proj")]
+            + [("self_attn", "o_proj", cfg.o_proj_bias)]
+            + [("mlp", p, cfg.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+        )
         for i in range(self.start_layer, self.end_layer):
             prefix = f"model.layers.{i}."
             names.add(prefix + "input_layernorm.weight")
@@ -466,9 +494,7 @@ class CausalLMShard(nn.Module):
                 continue
             dest = self._destination_of(name)
             if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-                )
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
         return loaded
@@ -493,8 +519,9 @@ class CausalLMShard(nn.Module):
         if proj in ("q_proj", "k_proj", "v_proj"):
             q_size = cfg.num_attention_heads * cfg.head_dim
             kv_size = cfg.num_key_value_heads * cfg.head_dim
-            start, size = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size),
-                           "v_proj": (q_size + kv_size, kv_size)}[proj]
+            start, size = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}[
+                proj
+            ]
             return getattr(layer.self_attn.qkv_proj, kind)[start : start + size]
         if proj in ("gate_proj", "up_proj"):
             size = cfg.intermediate_size

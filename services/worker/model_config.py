@@ -53,8 +53,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
@@ -66,13 +65,11 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", "default")
             if rope_type not in _SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"unsupported rope scaling type {rope_type!r}; supported: {_SUPPORTED_ROPE_TYPES}"
-                )
+                raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {_SUPPORTED_ROPE_TYPES}")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError("layer_types must have one entry per layer")
 
-    def first_layers(self, num_layers: int) -> "ModelConfig":
+    def first_layers(self, num_layers: int) -> ModelConfig:
         """The model cut to its first num_layers layers (with its final norm and lm_head): a draft
         model that shares the target's weights and tokenizer."""
         if not 1 <= num_layers <= self.num_hidden_layers:
@@ -83,7 +80,7 @@ class ModelConfig:
     # ---- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         """Read config.json, plus the eos ids of generation_config.json when present."""
         path = Path(path)
         config_file = path / "config.json"
@@ -93,13 +90,11 @@ class ModelConfig:
         generation_file = path / "generation_config.json"
         if generation_file.is_file():
             extra_eos = _as_id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
-            config.eos_token_id = config.eos_token_id + [
-                i for i in extra_eos if i not in config.eos_token_id
-            ]
+            config.eos_token_id = config.eos_token_id + [i for i in extra_eos if i not in config.eos_token_id]
         return config
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         architecture = _architecture_of(d)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         hidden_size = int(d["hidden_size"])
@@ -158,8 +153,7 @@ class ModelConfig:
         """Contiguous layers [start, end) of one pipeline stage; earlier stages take the remainder."""
         if num_stages < 1 or num_stages > self.num_hidden_layers:
             raise ValueError(
-                f"num_stages must be in [1, {self.num_hidden_layers}] "
-                f"(one layer per stage at least), got {num_stages}"
+                f"num_stages must be in [1, {self.num_hidden_layers}] (one layer per stage at least), got {num_stages}"
             )
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
@@ -176,8 +170,7 @@ def _architecture_of(d: dict[str, Any]) -> str:
             if arch in SUPPORTED_ARCHITECTURES:
                 return arch
         raise ValueError(
-            f"unsupported architecture {architectures[0]!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {architectures[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     model_type = d.get("model_type")
     if model_type in _MODEL_TYPE_TO_ARCH:
@@ -197,9 +190,7 @@ def _normalise_rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
     if rope_type == "default":
         return None
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {_SUPPORTED_ROPE_TYPES}"
-        )
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {_SUPPORTED_ROPE_TYPES}")
     if rope_type == "llama3":
         missing = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         missing -= rope.keys()
@@ -208,9 +199,7 @@ def _normalise_rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
     return {"rope_type": rope_type, **rope}
 
 
-def _sliding_window_of(
-    d: dict[str, Any], architecture: str, num_layers: int
-) -> tuple[int | None, list[str] | None]:
+def _sliding_window_of(d: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, list[str] | None]:
     window = d.get("sliding_window")
     if architecture == "LlamaForCausalLM":
         return None, None
@@ -221,10 +210,7 @@ def _sliding_window_of(
         layer_types = d.get("layer_types")
         if layer_types is None:
             first_sliding = int(d.get("max_window_layers", num_layers))
-            layer_types = [
-                "sliding_attention" if i >= first_sliding else "full_attention"
-                for i in range(num_layers)
-            ]
+            layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
         return int(window), list(layer_types)
     # Mistral: one window for every layer (null disables it).
     if d.get("use_sliding_window") is False or window is None:

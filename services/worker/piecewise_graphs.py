@@ -24,6 +24,7 @@ whatever an earlier step left (valid indices either way), the projections comput
 reads, and attention never sees them (its metadata covers the T real tokens). The logits and the
 draw stay eager: they need only the sample rows.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -49,8 +50,17 @@ class PiecewiseGraphs:
     last_sampled, scratch_row: as the decode graphs' (the placeholder ids of a decode lookahead
     read last_sampled at their token's state row; the scratch row is a valid row for padding)."""
 
-    def __init__(self, shard, kv_caches: list[torch.Tensor], *, max_tokens: int, last_sampled: torch.Tensor,
-                 scratch_row: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        shard,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_tokens: int,
+        last_sampled: torch.Tensor,
+        scratch_row: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.shard, self.kv_caches, self.last_sampled = shard, kv_caches, last_sampled
         self.device = device
         self.sizes = piece_token_counts(max_tokens)
@@ -79,7 +89,7 @@ class PiecewiseGraphs:
     def _queries(self, index: int, tp: int) -> torch.Tensor:
         """Layer index's rotated queries [tp, Hq, D]: a view of the qkv buffer."""
         attn = self.shard.layers[index].self_attn
-        return self.qkv[:tp, :attn.q_size].view(tp, attn.num_heads, attn.head_dim)
+        return self.qkv[:tp, : attn.q_size].view(tp, attn.num_heads, attn.head_dim)
 
     def _piece(self, index: int, tp: int) -> torch.Tensor | None:
         """Piece `index` over tp tokens. The last piece returns the stage's hidden output."""
@@ -95,8 +105,9 @@ class PiecewiseGraphs:
         else:
             qkv, _ = layers[0].before_attention(self.hidden_in[:tp], residual, in_place=True, qkv_out=self.qkv[:tp])
         layer = layers[index]
-        layer.self_attn.rotate_and_cache(qkv, self.positions[:tp], shard.rotary, self.kv_caches[index],
-                                         self.slot_mapping[:tp], shard.attn_backend)
+        layer.self_attn.rotate_and_cache(
+            qkv, self.positions[:tp], shard.rotary, self.kv_caches[index], self.slot_mapping[:tp], shard.attn_backend
+        )
         return None
 
     @torch.inference_mode()
@@ -116,8 +127,14 @@ class PiecewiseGraphs:
             self.graphs[tp], self.hidden_out[tp] = graphs, out
         torch.cuda.synchronize(self.device)
 
-    def run(self, tp: int, d: dict[str, torch.Tensor], meta: AttentionMetadata, hidden: torch.Tensor | None,
-            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        tp: int,
+        d: dict[str, torch.Tensor],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's forward on the pieces of size tp. d: its uploaded inputs (input_ids,
         positions, slot_mapping, and token_rows where it has placeholders); meta: its attention
         metadata; hidden/residual: the previous stage's. Returns (hidden, residual) of its
@@ -137,8 +154,9 @@ class PiecewiseGraphs:
         backend, layers = self.shard.attn_backend, self.shard.layers
         for index, layer in enumerate(layers):
             self._launch(index, tp)
-            layer.self_attn.attend_cached(self._queries(index, t), self.kv_caches[index], meta, backend,
-                                          out=self.attn_out[:t])
+            layer.self_attn.attend_cached(
+                self._queries(index, t), self.kv_caches[index], meta, backend, out=self.attn_out[:t]
+            )
         return self._launch(len(layers), tp)[:t], self.residual[:t]
 
     def _launch(self, index: int, tp: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ goes under real traffic (kernels, and the gaps between them that host work leave
 steps [first, first + count) is written to PATH. Tracing and writing the table slow the worker
 (the table takes seconds to build, on the event loop): use it for profiles, not for benchmarks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,11 +49,14 @@ class StepProfiler:
             torch.cuda.synchronize()
             wall = time.perf_counter() - self._started
             self._profiler.__exit__(None, None, None)
-            table = self._profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40,
-                                                        max_name_column_width=70)
+            table = self._profiler.key_averages().table(
+                sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+            )
             gpu = sum(e.self_device_time_total for e in self._profiler.key_averages()) / 1e6
-            self.output.write_text(f"steps {self.first}..{self.first + self.count}: wall {wall:.3f} s, "
-                                   f"GPU kernels and copies {gpu:.3f} s ({gpu / wall:.0%})\n{table}\n")
+            self.output.write_text(
+                f"steps {self.first}..{self.first + self.count}: wall {wall:.3f} s, "
+                f"GPU kernels and copies {gpu:.3f} s ({gpu / wall:.0%})\n{table}\n"
+            )
             log.info("wrote the profile of %d steps to %s", self.count, self.output)
             self._profiler = None
         self.steps += 1

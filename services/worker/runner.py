@@ -5,6 +5,7 @@ A step: apply the plan's deltas to the sequence table (sequence_table.py), build
 graphs of a mixed step (piecewise_graphs.py), or eagerly, and on the last stage sample and return
 a PendingResult (step_results.py) whose tokens reach the host while the next plan is launched.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,10 +28,23 @@ from strata.v1 import engine_pb2
 class ModelRunner:
     """This stage's shard, KV cache, sequence table and (last stage) sampler, driven by plans."""
 
-    def __init__(self, shard, model_config, *, stage_index: int, num_stages: int, block_size: int,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int = 1024, cuda_graph_max_batch: int = 0, num_speculative_tokens: int = 0,
-                 speculative_max_batch: int = 0, piecewise_max_tokens: int = 0):
+    def __init__(
+        self,
+        shard,
+        model_config,
+        *,
+        stage_index: int,
+        num_stages: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_seqs: int = 1024,
+        cuda_graph_max_batch: int = 0,
+        num_speculative_tokens: int = 0,
+        speculative_max_batch: int = 0,
+        piecewise_max_tokens: int = 0,
+    ):
         self.shard = shard
         self.config = model_config
         self.stage_index = stage_index
@@ -42,9 +56,15 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
         self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
-        self.inputs = StepInputBuilder(self.table, block_size=block_size, max_model_len=max_model_len,
-                                       first_stage=self.is_first, last_stage=self.is_last, device=device,
-                                       vocab_size=model_config.vocab_size)
+        self.inputs = StepInputBuilder(
+            self.table,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            first_stage=self.is_first,
+            last_stage=self.is_last,
+            device=device,
+            vocab_size=model_config.vocab_size,
+        )
         self.sampler = Sampler() if self.is_last else None
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cascade_graphs = None  # the same for decode batches with shared prefixes
@@ -69,21 +89,39 @@ class ModelRunner:
         self.graphs = self.cascade_graphs = self.piecewise = None
         self.verify_graphs = {}
         self.kv_caches = allocate_kv_cache(
-            self.shard.num_layers, num_blocks, self.block_size, self.config.num_key_value_heads,
-            self.config.head_dim, self.dtype, self.device)
+            self.shard.num_layers,
+            num_blocks,
+            self.block_size,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.table.reset(num_blocks)
         if self.cuda_graph_max_batch:
             self._capture_graphs()
         if self.piecewise_max_tokens:
             from strata.services.worker.piecewise_graphs import PiecewiseGraphs
 
-            self.piecewise = PiecewiseGraphs(self.shard, self.kv_caches, max_tokens=self.piecewise_max_tokens,
-                                             last_sampled=self.last_sampled, scratch_row=self.scratch_row,
-                                             device=self.device, dtype=self.dtype)
+            self.piecewise = PiecewiseGraphs(
+                self.shard,
+                self.kv_caches,
+                max_tokens=self.piecewise_max_tokens,
+                last_sampled=self.last_sampled,
+                scratch_row=self.scratch_row,
+                device=self.device,
+                dtype=self.dtype,
+            )
             self.piecewise.capture()
         if self.device.type == "cuda":
-            warm_up(self.shard, self.kv_caches, self.sampler, hidden_size=self.config.hidden_size,
-                    dtype=self.dtype, device=self.device)
+            warm_up(
+                self.shard,
+                self.kv_caches,
+                self.sampler,
+                hidden_size=self.config.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
             warn_on_late_compiles()
 
     def _capture_graphs(self) -> None:
@@ -91,11 +129,22 @@ class ModelRunner:
 
         def capture(max_batch: int, query_len: int, cascade: bool = False) -> DecodeGraphs:
             graphs = DecodeGraphs(
-                self.shard, self.kv_caches, max_batch=max_batch, last_sampled=self.last_sampled,
-                scratch_row=self.scratch_row, device=self.device, dtype=self.dtype,
-                hidden_size=self.config.hidden_size, max_blocks_per_seq=self.table.max_blocks,
-                max_model_len=self.max_model_len, first_stage=self.is_first, last_stage=self.is_last,
-                samples=self.is_last and HAVE_TRITON, query_len=query_len, cascade=cascade)
+                self.shard,
+                self.kv_caches,
+                max_batch=max_batch,
+                last_sampled=self.last_sampled,
+                scratch_row=self.scratch_row,
+                device=self.device,
+                dtype=self.dtype,
+                hidden_size=self.config.hidden_size,
+                max_blocks_per_seq=self.table.max_blocks,
+                max_model_len=self.max_model_len,
+                first_stage=self.is_first,
+                last_stage=self.is_last,
+                samples=self.is_last and HAVE_TRITON,
+                query_len=query_len,
+                cascade=cascade,
+            )
             graphs.capture()
             return graphs
 
@@ -107,8 +156,7 @@ class ModelRunner:
 
     def _copy_blocks(self, src, dst) -> None:
         """Copy-on-write of shared partial blocks, in every layer's cache."""
-        blocks = upload({"src": np.asarray(src, dtype=np.int64), "dst": np.asarray(dst, dtype=np.int64)},
-                        self.device)
+        blocks = upload({"src": np.asarray(src, dtype=np.int64), "dst": np.asarray(dst, dtype=np.int64)}, self.device)
         for cache in self.kv_caches:
             cache[:, blocks["dst"]] = cache[:, blocks["src"]]
 
@@ -122,8 +170,9 @@ class ModelRunner:
         return rows
 
     @torch.inference_mode()
-    def execute(self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None):
+    def execute(
+        self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ):
         """Launches one step. Returns (hidden, residual) on a middle stage, a PendingResult on the last."""
         start = time.perf_counter()
         rows = self.apply_plan(plan)
@@ -145,15 +194,22 @@ class ModelRunner:
         # A plan with placeholders (decode lookahead) uploads each token's state row to resolve them.
         placeholders = (d["token_rows"], self.last_sampled) if "token_rows" in d else None
         meta = AttentionMetadata(
-            query_start_loc=d["query_start_loc"], seq_lens=d["seq_lens"], block_tables=d["block_tables"],
-            slot_mapping=d["slot_mapping"], max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
-            min_query_len=int(np.diff(h.query_start_loc).min()), shared_prefixes=shared_prefixes(h, d))
+            query_start_loc=d["query_start_loc"],
+            seq_lens=d["seq_lens"],
+            block_tables=d["block_tables"],
+            slot_mapping=d["slot_mapping"],
+            max_query_len=h.max_query_len,
+            max_seq_len=int(h.seq_lens.max()),
+            min_query_len=int(np.diff(h.query_start_loc).min()),
+            shared_prefixes=shared_prefixes(h, d),
+        )
         tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
         if tp is not None:
             hidden, residual = self.piecewise.run(tp, d, meta, hidden, residual)
         else:
-            hidden, residual = self.shard.forward(d.get("input_ids"), d["positions"], hidden, residual,
-                                                  self.kv_caches, meta, placeholders=placeholders)
+            hidden, residual = self.shard.forward(
+                d.get("input_ids"), d["positions"], hidden, residual, self.kv_caches, meta, placeholders=placeholders
+            )
         if not self.is_last:
             return hidden, residual
         logits = None
@@ -171,8 +227,12 @@ class ModelRunner:
         num_tokens = len(token_rows)
         sampling_rows = None
         if graphs.samples:
-            sampling_rows = {"seeds": t.seed[token_rows], "sample_positions": h.positions + 1,
-                             "inv_temperature": t.inv_temperature[token_rows], "greedy": t.greedy[token_rows]}
+            sampling_rows = {
+                "seeds": t.seed[token_rows],
+                "sample_positions": h.positions + 1,
+                "inv_temperature": t.inv_temperature[token_rows],
+                "greedy": t.greedy[token_rows],
+            }
         all_rows = len(h.sample_rows) == num_tokens
         padded = not all_rows and h.verify is not None  # pad_queries: every real token samples
         in_graph = graphs.samples and (all_rows or padded) and bool(t.unfiltered[token_rows].all())
@@ -183,16 +243,33 @@ class ModelRunner:
         if not self.is_last:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
-            return PendingResult(plan.step_id, start, h.sample_seq_ids, t.logprobs[h.sample_rows], [outs[1]],
-                                 self.timeline, gpu_start, h.verify, take=h.sample_token_index if padded else None)
+            return PendingResult(
+                plan.step_id,
+                start,
+                h.sample_seq_ids,
+                t.logprobs[h.sample_rows],
+                [outs[1]],
+                self.timeline,
+                gpu_start,
+                h.verify,
+                take=h.sample_token_index if padded else None,
+            )
         logits = sample_rows = None
         if h.sample_seq_ids:
             logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
             sample_rows = d["sample_rows"]
         return self._sample(plan.step_id, h, logits, sample_rows, sampling, start, gpu_start)
 
-    def _sample(self, step_id: int, h: HostInputs, logits, sample_rows, sampling: SamplingTensors | None,
-                start: float, gpu_start) -> PendingResult:
+    def _sample(
+        self,
+        step_id: int,
+        h: HostInputs,
+        logits,
+        sample_rows,
+        sampling: SamplingTensors | None,
+        start: float,
+        gpu_start,
+    ) -> PendingResult:
         if not h.sample_seq_ids:
             return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, gpu_start)
         out = self.sampler(logits, sampling)
@@ -201,5 +278,13 @@ class ModelRunner:
         tensors = [out.token_ids]
         if sampling.num_logprobs >= 0:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
-        return PendingResult(step_id, start, h.sample_seq_ids, self.table.logprobs[h.sample_rows], tensors,
-                             self.timeline, gpu_start, h.verify)
+        return PendingResult(
+            step_id,
+            start,
+            h.sample_seq_ids,
+            self.table.logprobs[h.sample_rows],
+            tensors,
+            self.timeline,
+            gpu_start,
+            h.verify,
+        )

@@ -84,8 +84,7 @@ class SamplingTensors:
         return self.temperature.shape[0]
 
     @classmethod
-    def build(cls, temperature, top_k, top_p, min_p, seeds, positions, num_logprobs: int,
-              device) -> "SamplingTensors":
+    def build(cls, temperature, top_k, top_p, min_p, seeds, positions, num_logprobs: int, device) -> SamplingTensors:
         arrays, flags = cls.prepare(temperature, top_k, top_p, min_p, seeds, positions, num_logprobs)
         return cls(**upload(arrays, torch.device(device)), **flags)
 
@@ -122,9 +121,18 @@ class SamplingTensors:
         sampled_rows = np.nonzero(sampled)[0].astype(np.int64)
         num_sampled = sampled_rows.shape[0]
         uses_top_p = top_p < 1
-        arrays = {"temperature": temperature, "top_p": top_p, "min_p": min_p, "inv_temperature": inv_temperature,
-                  "min_p_offset": min_p_offset, "top_k": top_k.astype(np.int32), "seeds": seeds,
-                  "positions": positions, "sample_rows": sampled_rows, "greedy": greedy}
+        arrays = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "min_p": min_p,
+            "inv_temperature": inv_temperature,
+            "min_p_offset": min_p_offset,
+            "top_k": top_k.astype(np.int32),
+            "seeds": seeds,
+            "positions": positions,
+            "sample_rows": sampled_rows,
+            "greedy": greedy,
+        }
         flags = dict(
             num_logprobs=int(num_logprobs),
             all_greedy=num_sampled == 0,
@@ -201,8 +209,9 @@ def keep_threshold(logits: Tensor, st: SamplingTensors, ranked: Tensor | None = 
 # ---------------------------------------------------------------------------------------------
 
 
-def _draw_torch(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
-                want_log_norm: bool) -> tuple[Tensor, Tensor | None]:
+def _draw_torch(
+    logits: Tensor, st: SamplingTensors, threshold: Tensor | None, want_log_norm: bool
+) -> tuple[Tensor, Tensor | None]:
     log_norm = torch.logsumexp(logits, dim=-1) if want_log_norm else None
     if st.all_greedy:
         return logits.argmax(dim=-1), log_norm
@@ -223,13 +232,20 @@ def _draw_torch(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
     return logits.argmax(dim=-1).index_copy(0, rows, drawn), log_norm
 
 
-def _draw_triton(logits: Tensor, st: SamplingTensors, threshold: Tensor | None,
-                 want_log_norm: bool) -> tuple[Tensor, Tensor | None]:
+def _draw_triton(
+    logits: Tensor, st: SamplingTensors, threshold: Tensor | None, want_log_norm: bool
+) -> tuple[Tensor, Tensor | None]:
     return gumbel_argmax(logits, st.seeds, st.positions, st.inv_temperature, st.greedy, threshold, want_log_norm)
 
 
-def sample_unfiltered(logits: Tensor, seeds: Tensor, positions: Tensor, inv_temperature: Tensor,
-                      greedy: Tensor, store: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def sample_unfiltered(
+    logits: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    inv_temperature: Tensor,
+    greedy: Tensor,
+    store: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """The tokens Sampler draws for rows with no top-k/top-p/min-p filter and no logprobs, from
     device tensors alone (no host-side flags), so that a CUDA graph can capture the draw: greedy
     rows take the first argmax, as logits.argmax does, the others the seeded Gumbel-max draw.

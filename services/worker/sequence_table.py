@@ -5,6 +5,7 @@ deltas of its block table, so every stage keeps that state itself. It lives in p
 numpy arrays with one row per sequence: building a step's inputs is then a few vectorised
 gathers by row, never a loop over tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -121,6 +122,12 @@ class SequenceTable:
 def _check_sampling(s: engine_pb2.SamplingOptions) -> None:
     """The scheduler checked these; a worker checks again so that a bad plan fails with a clear
     PlanError instead of NaNs or an out-of-range read on the device."""
-    if not (math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and 0 <= s.min_p <= 1
-            and s.top_k >= 0 and -1 <= s.logprobs <= MAX_LOGPROBS):
+    if not (
+        math.isfinite(s.temperature)
+        and s.temperature >= 0
+        and 0 < s.top_p <= 1
+        and 0 <= s.min_p <= 1
+        and s.top_k >= 0
+        and -1 <= s.logprobs <= MAX_LOGPROBS
+    ):
         raise PlanError(f"invalid sampling options: {s}".replace("\n", " "))

@@ -4,6 +4,7 @@ Plans arrive from the scheduler on the Steps stream, activations from the previo
 Forward stream. A single executor thread runs steps strictly in step order, so the event loop
 keeps receiving plans and activations while the model computes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from strata.services.worker.profiling import StepProfiler
-from strata.services.worker.runner import ModelRunner
-from strata.services.worker.draft_steps import DraftProposal, propose
-from strata.services.worker.step_results import PendingResult
 from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
+from strata.services.worker.draft_steps import DraftProposal, propose
+from strata.services.worker.profiling import StepProfiler
+from strata.services.worker.runner import ModelRunner
+from strata.services.worker.step_results import PendingResult
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
@@ -32,8 +33,13 @@ class StepFailed(Exception):
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, description: engine_pb2.WorkerDescription,
-                 profiler: StepProfiler | None = None, token: str | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        description: engine_pb2.WorkerDescription,
+        profiler: StepProfiler | None = None,
+        token: str | None = None,
+    ):
         self.token = token  # the cluster token, for the stream to the next stage
         self.runner = runner
         self.profiler = profiler or StepProfiler(None)
@@ -53,11 +59,13 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def InitCache(self, request, context):
         if request.num_kv_blocks <= 0 or request.num_kv_blocks > self.description.num_kv_blocks:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"num_kv_blocks must be in [1, {self.description.num_kv_blocks}]")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_kv_blocks must be in [1, {self.description.num_kv_blocks}]"
+            )
         if self.runner.is_last == bool(request.next_stage_address):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "next_stage_address must be set on every stage but the last")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "next_stage_address must be set on every stage but the last"
+            )
         self._session += 1
         await self._close_forward()
         self._fail_pending_activations()
@@ -71,8 +79,12 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         if request.next_stage_address:
             self._forward_queue = asyncio.Queue()
             self._forward_task = asyncio.create_task(self._forward_to(request.next_stage_address, self._forward_queue))
-        log.info("stage %d: KV cache of %d blocks; next stage %s", self.runner.stage_index,
-                 request.num_kv_blocks, request.next_stage_address or "-")
+        log.info(
+            "stage %d: KV cache of %d blocks; next stage %s",
+            self.runner.stage_index,
+            request.num_kv_blocks,
+            request.next_stage_address or "-",
+        )
         return engine_pb2.InitCacheReply()
 
     async def _forward_to(self, address: str, queue: asyncio.Queue) -> None:
@@ -121,8 +133,10 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             if msg.step_id not in self._activations and len(self._activations) >= MAX_PENDING_ACTIVATIONS:
                 # Activations of steps no plan has asked for yet: a sender running far ahead of the
                 # plans (or sending step ids that never come) must not grow this without bound.
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"more than {MAX_PENDING_ACTIVATIONS} steps' activations waiting for their plans")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"more than {MAX_PENDING_ACTIVATIONS} steps' activations waiting for their plans",
+                )
             fut = self._activation_future(msg.step_id)
             if not fut.done():
                 fut.set_result(msg)

@@ -5,6 +5,7 @@ device in one copy through pinned memory (host_to_device.upload). Each torch cal
 releases and retakes the GIL that the worker's gRPC and result threads contend for, so the host
 side stays in numpy and the device side is one upload per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,17 @@ class Verification:
 class StepInputBuilder:
     """Turns plans into HostInputs for this stage, and HostInputs into device tensors."""
 
-    def __init__(self, table: SequenceTable, *, block_size: int, max_model_len: int, first_stage: bool,
-                 last_stage: bool, device: torch.device, vocab_size: int):
+    def __init__(
+        self,
+        table: SequenceTable,
+        *,
+        block_size: int,
+        max_model_len: int,
+        first_stage: bool,
+        last_stage: bool,
+        device: torch.device,
+        vocab_size: int,
+    ):
         self.table = table
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -98,22 +108,30 @@ class StepInputBuilder:
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         last_token = qsl[1:] - 1
         h = HostInputs(
-            input_ids=input_ids, token_rows=token_rows,
+            input_ids=input_ids,
+            token_rows=token_rows,
             has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()),
-            positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+            positions=positions,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
             slot_mapping=block_ids * block_size + positions % block_size,
             block_tables=table.block_tables[rows, : int(needed_blocks.max())],
-            max_query_len=int(q_lens.max()), uniform_query_len=int(q_lens[0]) if (q_lens == q_lens[0]).all() else 0,
-            sample_rows=rows[sample_idx], sample_token_index=last_token[sample_idx],
-            sample_positions=seq_lens[sample_idx], sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
-            verify=None)
+            max_query_len=int(q_lens.max()),
+            uniform_query_len=int(q_lens[0]) if (q_lens == q_lens[0]).all() else 0,
+            sample_rows=rows[sample_idx],
+            sample_token_index=last_token[sample_idx],
+            sample_positions=seq_lens[sample_idx],
+            sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
+            verify=None,
+        )
         if any(plan.num_draft_tokens):
             self._add_verification(h, plan, q_lens, sample_idx, rows)
         h.prefix_groups = prefix_group_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
         return h
 
-    def _add_verification(self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray,
-                          sample_idx: np.ndarray, rows: np.ndarray) -> None:
+    def _add_verification(
+        self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray, sample_idx: np.ndarray, rows: np.ndarray
+    ) -> None:
         """A sequence verifying d drafts (its last d input tokens) samples d + 1 rows: the token
         before each draft and the last one. Row j draws the token at position seq_len - d + j,
         from (seed, that position) as a plain decode there would, and is compared with draft j."""
@@ -146,8 +164,12 @@ class StepInputBuilder:
         qsl, n = h.query_start_loc, len(h.seq_lens)
         q_lens = np.diff(qsl)
         num_computed = h.seq_lens - q_lens
-        if (h.verify is None or len(h.sample_rows) != int(qsl[-1]) or q_lens.max() > q
-                or (num_computed + q > self.max_model_len).any()):
+        if (
+            h.verify is None
+            or len(h.sample_rows) != int(qsl[-1])
+            or q_lens.max() > q
+            or (num_computed + q > self.max_model_len).any()
+        ):
             return None
         offset = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], q_lens)  # each token's index in its sequence
         seq_of = np.repeat(np.arange(n), q_lens)
@@ -161,11 +183,22 @@ class StepInputBuilder:
             input_ids = np.zeros(total, np.int64)
             input_ids[index] = h.input_ids
         return HostInputs(
-            input_ids=input_ids, token_rows=token_rows, has_placeholders=h.has_placeholders, positions=positions,
-            query_start_loc=np.arange(0, (n + 1) * q, q, dtype=np.int64), seq_lens=num_computed + q,
-            slot_mapping=slots, block_tables=h.block_tables, max_query_len=q, uniform_query_len=q,
-            sample_rows=h.sample_rows, sample_token_index=index[h.sample_token_index],
-            sample_positions=h.sample_positions, sample_seq_ids=h.sample_seq_ids, verify=h.verify)
+            input_ids=input_ids,
+            token_rows=token_rows,
+            has_placeholders=h.has_placeholders,
+            positions=positions,
+            query_start_loc=np.arange(0, (n + 1) * q, q, dtype=np.int64),
+            seq_lens=num_computed + q,
+            slot_mapping=slots,
+            block_tables=h.block_tables,
+            max_query_len=q,
+            uniform_query_len=q,
+            sample_rows=h.sample_rows,
+            sample_token_index=index[h.sample_token_index],
+            sample_positions=h.sample_positions,
+            sample_seq_ids=h.sample_seq_ids,
+            verify=h.verify,
+        )
 
     def upload(self, h: HostInputs, *, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
         """The step's index arrays and sampling settings on the device, in one copy (the decode
@@ -175,9 +208,13 @@ class StepInputBuilder:
         if eager:
             if h.has_placeholders:
                 arrays["token_rows"] = h.token_rows
-            arrays.update(positions=h.positions, query_start_loc=h.query_start_loc.astype(np.int32),
-                          seq_lens=h.seq_lens.astype(np.int32), block_tables=h.block_tables,
-                          slot_mapping=h.slot_mapping)
+            arrays.update(
+                positions=h.positions,
+                query_start_loc=h.query_start_loc.astype(np.int32),
+                seq_lens=h.seq_lens.astype(np.int32),
+                block_tables=h.block_tables,
+                slot_mapping=h.slot_mapping,
+            )
             if h.input_ids is not None:
                 arrays["input_ids"] = h.input_ids
             if h.prefix_groups is not None:
@@ -186,8 +223,14 @@ class StepInputBuilder:
         if self.last_stage and h.sample_seq_ids:
             t, r = self.table, h.sample_rows
             sampling, flags = SamplingTensors.prepare(
-                temperature=t.temperature[r], top_k=t.top_k[r], top_p=t.top_p[r], min_p=t.min_p[r],
-                seeds=t.seed[r], positions=h.sample_positions, num_logprobs=int(t.logprobs[r].max()))
+                temperature=t.temperature[r],
+                top_k=t.top_k[r],
+                top_p=t.top_p[r],
+                min_p=t.min_p[r],
+                seeds=t.seed[r],
+                positions=h.sample_positions,
+                num_logprobs=int(t.logprobs[r].max()),
+            )
             arrays.update({f"sampling.{name}": a for name, a in sampling.items()})
         d = upload(arrays, self.device)
         if flags is None:

@@ -5,6 +5,7 @@ The step thread launches a step and moves on to the next plan; a finisher thread
 the copy (the step's one host-device synchronisation) and encodes the proto, so the wait never
 delays the next launch.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,10 +52,18 @@ class PendingResult:
     wanted_logprobs: each row's own top count (the tensors hold the largest). verify: the rows
     of sequences that verify drafts (step_inputs.Verification)."""
 
-    def __init__(self, step_id: int, start: float, seq_ids: list[int], wanted_logprobs: np.ndarray,
-                 tensors: list[torch.Tensor], timeline: GpuTimeline | None = None,
-                 gpu_start: torch.cuda.Event | None = None, verify: Verification | None = None,
-                 take: np.ndarray | None = None):
+    def __init__(
+        self,
+        step_id: int,
+        start: float,
+        seq_ids: list[int],
+        wanted_logprobs: np.ndarray,
+        tensors: list[torch.Tensor],
+        timeline: GpuTimeline | None = None,
+        gpu_start: torch.cuda.Event | None = None,
+        verify: Verification | None = None,
+        take: np.ndarray | None = None,
+    ):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
         self.take = take  # the sample rows among the tokens drawn (a padded verification graph)

@@ -6,6 +6,7 @@ multiple of 16 unless told not to specialise on them). One first needed while se
 compile of about a second (or a load from the disk cache) on the step thread, stalling every
 request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,15 @@ log = logging.getLogger("strata.worker")
 
 
 @torch.inference_mode()
-def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hidden_size: int,
-            dtype: torch.dtype, device: torch.device) -> None:
+def warm_up(
+    shard,
+    kv_caches: list[torch.Tensor],
+    sampler: Sampler | None,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Runs eager steps whose token counts are odd and a multiple of 16 (Triton specialises on
     both), one of long queries only (prefill attention's larger tiles), and, on the last stage
     (`sampler` given), every sampler variant (filters, logprobs). Block 0 is read and nothing is
@@ -31,22 +39,33 @@ def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hi
     block_size = kv_caches[0].shape[3]
     for q_lens in ([3, 1, 1], [15, 1], [129, 128]):
         total = sum(q_lens)
-        inputs = upload({
-            "input_ids": np.zeros(total, np.int64), "positions": np.zeros(total, np.int64),
-            "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-            "seq_lens": np.asarray(q_lens, np.int32),
-            "block_tables": np.zeros((len(q_lens), -(-max(q_lens) // block_size)), np.int32),
-            "slot_mapping": np.full(total, -1, np.int64)}, device)
+        inputs = upload(
+            {
+                "input_ids": np.zeros(total, np.int64),
+                "positions": np.zeros(total, np.int64),
+                "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                "seq_lens": np.asarray(q_lens, np.int32),
+                "block_tables": np.zeros((len(q_lens), -(-max(q_lens) // block_size)), np.int32),
+                "slot_mapping": np.full(total, -1, np.int64),
+            },
+            device,
+        )
         meta = AttentionMetadata(
-            query_start_loc=inputs["query_start_loc"], seq_lens=inputs["seq_lens"],
-            block_tables=inputs["block_tables"], slot_mapping=inputs["slot_mapping"],
-            max_query_len=max(q_lens), max_seq_len=max(q_lens), min_query_len=min(q_lens))
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+            max_query_len=max(q_lens),
+            max_seq_len=max(q_lens),
+            min_query_len=min(q_lens),
+        )
         hidden = residual = None
         if not shard.is_first:
             hidden = torch.zeros(total, hidden_size, dtype=dtype, device=device)
             residual = torch.zeros_like(hidden)
-        hidden, residual = shard.forward(inputs["input_ids"] if shard.is_first else None,
-                                         inputs["positions"], hidden, residual, kv_caches, meta)
+        hidden, residual = shard.forward(
+            inputs["input_ids"] if shard.is_first else None, inputs["positions"], hidden, residual, kv_caches, meta
+        )
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
     if sampler is not None:
         shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
@@ -54,9 +73,19 @@ def warm_up(shard, kv_caches: list[torch.Tensor], sampler: Sampler | None, *, hi
         for rows in batches_per_launch_shape(shard.config.vocab_size, device):
             logits = torch.zeros(rows, shard.config.vocab_size, dtype=dtype, device=device)
             for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:
-                sampler(logits, SamplingTensors.build(
-                    temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows,
-                    seeds=list(range(rows)), positions=[0] * rows, num_logprobs=logprobs, device=device))
+                sampler(
+                    logits,
+                    SamplingTensors.build(
+                        temperature=[temperature] * rows,
+                        top_k=[top_k] * rows,
+                        top_p=[1.0] * rows,
+                        min_p=[0.0] * rows,
+                        seeds=list(range(rows)),
+                        positions=[0] * rows,
+                        num_logprobs=logprobs,
+                        device=device,
+                    ),
+                )
     torch.cuda.synchronize(device)
 
 

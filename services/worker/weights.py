@@ -113,8 +113,7 @@ def load_shard(
     missing = shard.expected_weight_names() - loaded
     if missing:
         raise ValueError(
-            f"checkpoint {model} lacks {len(missing)} tensors for layers [{start}, {end}), "
-            f"e.g. {sorted(missing)[:5]}"
+            f"checkpoint {model} lacks {len(missing)} tensors for layers [{start}, {end}), e.g. {sorted(missing)[:5]}"
         )
     shard.loaded_weight_names = loaded
     shard.fingerprint = model_fingerprint(model, config, seed)
@@ -122,9 +121,7 @@ def load_shard(
     return shard, config
 
 
-def iter_checkpoint_tensors(
-    model_dir: str | Path, wanted: Callable[[str], bool]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(model_dir: str | Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for each wanted tensor, opening only files that hold one."""
     model_dir = Path(model_dir)
     index_file = model_dir / "model.safetensors.index.json"
@@ -155,9 +152,7 @@ def model_fingerprint(model: str | Path, config: ModelConfig, seed: int = 0) -> 
     Checkpoints: hash of config.json plus each weight file's name, size and mtime.
     Dummy models: "dummy-<seed>-<config hash>".
     """
-    config_hash = hashlib.sha256(
-        json.dumps(config.to_dict(), sort_keys=True).encode()
-    ).hexdigest()[:8]
+    config_hash = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
     if str(model) == DUMMY:
         return f"dummy-{seed}-{config_hash}"
     model_dir = Path(model)
@@ -168,9 +163,7 @@ def model_fingerprint(model: str | Path, config: ModelConfig, seed: int = 0) -> 
     return digest.hexdigest()[:16]
 
 
-def _dummy_tensors(
-    shard: CausalLMShard, seed: int, device: torch.device | str
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _dummy_tensors(shard: CausalLMShard, seed: int, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
     """Random HF-named tensors: norms at 1, everything else N(0, DUMMY_STD).
 
     Each tensor's generator is seeded from (seed, name), so a layer gets the same weights

@@ -26,8 +26,8 @@ from strata.kernels.batched_linear import (  # noqa: E402
     choose_batched_linear_config,
     use_batched_linear,
 )
-from tests.test_batched_linear import BATCH_SIZES, MODEL_SHAPES  # noqa: E402
 from tests.linear_checks import assert_close_to_reference, make_x, reference, weight_for  # noqa: E402
+from tests.test_batched_linear import BATCH_SIZES, MODEL_SHAPES  # noqa: E402
 
 
 @pytest.mark.parametrize("m", BATCH_SIZES)
@@ -104,14 +104,22 @@ def test_deterministic(config):
 def test_cuda_graph_capture_and_replay():
     """Captured once, replayed on new inputs: the heuristic's configs for the 1B decode linears
     at M = 256 plus a forced split-K and stream-K (scratch buffers live in the graph's pool)."""
-    calls = [((3072, 2048), None), ((2048, 2048), None), ((2048, 8192), None), ((16384, 2048), None),
-             ((2048, 8192), FORCED[3]), ((2048, 2048), FORCED[5])]
+    calls = [
+        ((3072, 2048), None),
+        ((2048, 2048), None),
+        ((2048, 8192), None),
+        ((16384, 2048), None),
+        ((2048, 8192), FORCED[3]),
+        ((2048, 2048), FORCED[5]),
+    ]
     m = 256
     xs = {k: make_x(m, k, torch.bfloat16) for k in (2048, 8192)}
     gen = torch.Generator(device="cuda").manual_seed(3)
     # Held here for the graph's life (weight_for's cache would let them go).
-    weights = {shape: (torch.randn(shape, device="cuda", generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)
-               for shape, _ in calls}
+    weights = {
+        shape: (torch.randn(shape, device="cuda", generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)
+        for shape, _ in calls
+    }
     outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for (n, _), _ in calls]
 
     def step():

@@ -6,6 +6,7 @@ decodes and prefill chunks; and a CUDA-graph replay with padding groups, as the 
 
 Oracle: the float32 paged-attention reference on the same (bf16-rounded) inputs.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,8 +45,17 @@ def random_grouped_case(seed: int):
             query_lens.append(rng.choice([1, 1, 1, rng.randint(2, 40)]))
             context_lens.append(prefix + rng.randint(0, 300))
     heads = rng.choice([(32, 8, 64), (32, 8, 128), (9, 3, 64), (8, 8, 128), (64, 8, 128)])
-    batch = make_paged_batch(query_lens, context_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
-                             head_dim=heads[2], block_size=block_size, dtype=torch.bfloat16, device="cuda", seed=seed)
+    batch = make_paged_batch(
+        query_lens,
+        context_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=heads[2],
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=seed,
+    )
     first = len(query_lens) - sum(sizes)
     return batch, share_prefixes(batch, sizes, prefixes, first_seq=first)
 
@@ -57,10 +67,16 @@ def test_random_ragged_groups_bf16(seed):
     want = paged_attention_reference(*batch.attention_args(), scale)
     got = cascade_attention(*batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale)
     assert_close_to_reference(got, want, torch.bfloat16)
-    forced = cascade_attention(*batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale,
-                               prefix_config=PrefixLaunchConfig(block_t=max(1, 64 // (batch.query.shape[1] //
-                                                                                      batch.kv_cache.shape[2])),
-                                                                prefix_splits=8))
+    forced = cascade_attention(
+        *batch.attention_args()[:5],
+        groups,
+        batch.max_query_len,
+        batch.max_seq_len,
+        scale,
+        prefix_config=PrefixLaunchConfig(
+            block_t=max(1, 64 // (batch.query.shape[1] // batch.kv_cache.shape[2])), prefix_splits=8
+        ),
+    )
     assert_close_to_reference(forced, want, torch.bfloat16)
 
 
@@ -71,8 +87,17 @@ def test_cuda_graph_replay_with_padding_groups():
     contexts = [700 + 13 * i for i in range(num_seqs)]
 
     def fresh(seed: int):
-        return make_paged_batch([1] * num_seqs, contexts, num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=16,
-                                dtype=torch.bfloat16, device="cuda", seed=seed)
+        return make_paged_batch(
+            [1] * num_seqs,
+            contexts,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            block_size=16,
+            dtype=torch.bfloat16,
+            device="cuda",
+            seed=seed,
+        )
 
     batch = fresh(3)
     scale = 0.125
@@ -81,15 +106,19 @@ def test_cuda_graph_replay_with_padding_groups():
         prefix_lens=torch.zeros(most, dtype=torch.int32, device="cuda"),
         table_rows=torch.zeros(most, dtype=torch.int32, device="cuda"),
         seq_prefix_lens=torch.zeros(num_seqs, dtype=torch.int32, device="cuda"),
-        max_grouped_tokens=num_seqs, max_prefix_len=4096)
+        max_grouped_tokens=num_seqs,
+        max_prefix_len=4096,
+    )
     out = torch.empty_like(batch.query)
 
     def step():
         cascade_attention(*batch.attention_args()[:5], buffers, 1, 4096, scale, out=out)
 
     graph, _ = capture_graph(step)
-    for seed, sizes, prefixes, first in [(4, [16, 16], [640, 333], 8),
-                                         (5, [2] * 20 + [1], [700 - i for i in range(21)], 7)]:
+    for seed, sizes, prefixes, first in [
+        (4, [16, 16], [640, 333], 8),
+        (5, [2] * 20 + [1], [700 - i for i in range(21)], 7),
+    ]:
         step_batch = fresh(seed)
         layout = share_prefixes(step_batch, sizes, prefixes, first_seq=first)
         for name in ("query", "kv_cache", "block_tables"):  # into the captured tensors

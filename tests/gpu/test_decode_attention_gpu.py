@@ -18,8 +18,11 @@ pytestmark = compiled_gpu_kernels_only()
 
 from strata.kernels.decode_attention import _arrival_counters, decode_attention  # noqa: E402
 from strata.kernels.paged_attention import paged_attention  # noqa: E402
-from strata.kernels.reference import paged_attention_reference, rotary_embedding_reference  # noqa: E402
-from strata.kernels.reference import write_kv_cache_reference  # noqa: E402
+from strata.kernels.reference import (  # noqa: E402
+    paged_attention_reference,
+    rotary_embedding_reference,
+    write_kv_cache_reference,  # noqa: E402
+)
 from strata.kernels.rotary import rotary_embedding_  # noqa: E402
 from strata.kernels.testing import kv_by_slot, make_paged_batch  # noqa: E402
 
@@ -34,11 +37,21 @@ def rope_tables(head_dim: int, positions: int = 8192):
 
 
 def decode_batch(context_lens, num_q_heads, num_kv_heads, head_dim, seed=0):
-    batch = make_paged_batch([1] * len(context_lens), context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=seed)
+    batch = make_paged_batch(
+        [1] * len(context_lens),
+        context_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=seed,
+    )
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    qkv = torch.randn(len(context_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, device="cuda",
-                      generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(len(context_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, device="cuda", generator=gen).to(
+        torch.bfloat16
+    )
     return batch, qkv, (batch.seq_lens - 1).long()
 
 
@@ -49,8 +62,9 @@ def three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, he
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
     rotary_embedding_(positions, q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=batch.slot_mapping)
-    return paged_attention(q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1, batch.max_seq_len,
-                           head_dim ** -0.5).view(t, -1)
+    return paged_attention(
+        q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1, batch.max_seq_len, head_dim**-0.5
+    ).view(t, -1)
 
 
 @pytest.mark.parametrize("name,num_q_heads,num_kv_heads,head_dim", HEADS, ids=[h[0] for h in HEADS])
@@ -60,18 +74,37 @@ def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_hea
     cos, sin = rope_tables(head_dim)
     old_cache = batch.kv_cache.clone()
     want = three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, old_cache)
-    got = decode_attention(qkv, positions, cos, sin, batch.kv_cache, batch.seq_lens, batch.block_tables,
-                           batch.slot_mapping, num_q_heads=num_q_heads, scale=head_dim ** -0.5,
-                           max_seq_len=batch.max_seq_len)
+    got = decode_attention(
+        qkv,
+        positions,
+        cos,
+        sin,
+        batch.kv_cache,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.slot_mapping,
+        num_q_heads=num_q_heads,
+        scale=head_dim**-0.5,
+        max_seq_len=batch.max_seq_len,
+    )
     # The cache gets the same rotated keys and values, bit for bit (same rounding as kernels/rotary.py).
     assert torch.equal(kv_by_slot(batch.kv_cache).nan_to_num(7.0), kv_by_slot(old_cache).nan_to_num(7.0))
     # The output: float32 math on the rotated inputs, and no further from it than the three kernels.
     t = qkv.shape[0]
     q, k, _ = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q_rot, _ = rotary_embedding_reference(positions, q.view(t, num_q_heads, head_dim),
-                                          k.view(t, num_kv_heads, head_dim), cos, sin)
-    exact = paged_attention_reference(q_rot.float(), old_cache.float(), batch.query_start_loc, batch.seq_lens,
-                                      batch.block_tables, 1, batch.max_seq_len, head_dim ** -0.5).view(t, -1)
+    q_rot, _ = rotary_embedding_reference(
+        positions, q.view(t, num_q_heads, head_dim), k.view(t, num_kv_heads, head_dim), cos, sin
+    )
+    exact = paged_attention_reference(
+        q_rot.float(),
+        old_cache.float(),
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        1,
+        batch.max_seq_len,
+        head_dim**-0.5,
+    ).view(t, -1)
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
     assert (got.float() - exact).abs().mean() <= 1.5 * (want.float() - exact).abs().mean() + 1e-5
     assert not _arrival_counters(qkv.device, 1).any()
@@ -86,9 +119,20 @@ def test_many_splits_race_and_graph_replays_equal_eager():
     before = batch.kv_cache.clone()
 
     def call():
-        return decode_attention(qkv, positions, cos, sin, batch.kv_cache, batch.seq_lens, batch.block_tables,
-                                batch.slot_mapping, num_q_heads=num_q_heads, scale=head_dim ** -0.5,
-                                max_seq_len=batch.max_seq_len, num_kv_splits=64)
+        return decode_attention(
+            qkv,
+            positions,
+            cos,
+            sin,
+            batch.kv_cache,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            num_q_heads=num_q_heads,
+            scale=head_dim**-0.5,
+            max_seq_len=batch.max_seq_len,
+            num_kv_splits=64,
+        )
 
     eager = call()
     graph, captured = capture_graph(call)
@@ -100,11 +144,17 @@ def test_many_splits_race_and_graph_replays_equal_eager():
     assert not _arrival_counters(qkv.device, 1).any()
     # Every launch stored the same rotated keys and values: those of the torch references.
     t = qkv.shape[0]
-    q, k, v = (x.view(t, -1, head_dim) for x in
-               qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    q, k, v = (
+        x.view(t, -1, head_dim)
+        for x in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    )
     write_kv_cache_reference(rotary_embedding_reference(positions, q, k, cos, sin)[1], v, before, batch.slot_mapping)
     # Close, not bit-equal: on the GPU the compiler contracts rotary's multiply-adds into FMAs, as in
     # tests/gpu/test_fused_kernels_gpu.py's rotary tests (the first test here checks bit equality
     # with the rotary kernel).
-    torch.testing.assert_close(kv_by_slot(batch.kv_cache).nan_to_num(7.0).float(),
-                               kv_by_slot(before).nan_to_num(7.0).float(), atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(
+        kv_by_slot(batch.kv_cache).nan_to_num(7.0).float(),
+        kv_by_slot(before).nan_to_num(7.0).float(),
+        atol=1e-2,
+        rtol=1.6e-2,
+    )

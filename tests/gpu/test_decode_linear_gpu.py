@@ -20,9 +20,16 @@ pytestmark = compiled_gpu_kernels_only()
 from strata.kernels import decode_linear as dl  # noqa: E402
 from strata.kernels.reference import rms_norm_reference, silu_and_mul_reference  # noqa: E402
 
-SHAPES = [("1b.qkv", 3072, 2048), ("1b.o_proj", 2048, 2048), ("1b.gate_up", 16384, 2048), ("1b.down", 2048, 8192),
-          ("1b.lm_head", 128256, 2048), ("8b.qkv", 6144, 4096), ("8b.down", 4096, 14336),
-          ("smol.down", 576, 1536)]
+SHAPES = [
+    ("1b.qkv", 3072, 2048),
+    ("1b.o_proj", 2048, 2048),
+    ("1b.gate_up", 16384, 2048),
+    ("1b.down", 2048, 8192),
+    ("1b.lm_head", 128256, 2048),
+    ("8b.qkv", 6144, 4096),
+    ("8b.down", 4096, 14336),
+    ("smol.down", 576, 1536),
+]
 
 
 def rand(*shape, seed=0, scale=1.0, dtype=torch.bfloat16):
@@ -41,7 +48,7 @@ def assert_like_cublas(got, want32, cublas):
 @pytest.mark.parametrize("name,n,k", SHAPES, ids=[s[0] for s in SHAPES])
 def test_fused_linears_bf16_model_shapes(name, n, k):
     m = 1
-    w = rand(n, k, seed=n, scale=k ** -0.5)
+    w = rand(n, k, seed=n, scale=k**-0.5)
     x, residual, gate_up = rand(m, k, seed=1, scale=3.0), rand(m, k, seed=2), rand(m, 2 * k, seed=3, scale=2.0)
     norm_w = rand(k, seed=4).abs() + 0.5
     # x + residual then norm, fused, against the unfused bf16 path (rounded at the same points).
@@ -60,8 +67,8 @@ def test_chain_in_a_cuda_graph_equals_eager():
     """o_proj + residual -> gate_up with its norm -> down (SiLU) + residual -> qkv with its
     norm: dependent launches in a graph give the eager result bit for bit."""
     m, hidden, inter = 1, 2048, 8192
-    o_w, gu_w = rand(hidden, hidden, seed=1, scale=hidden ** -0.5), rand(2 * inter, hidden, seed=2, scale=hidden ** -0.5)
-    down_w, qkv_w = rand(hidden, inter, seed=3, scale=inter ** -0.5), rand(3072, hidden, seed=4, scale=hidden ** -0.5)
+    o_w, gu_w = rand(hidden, hidden, seed=1, scale=hidden**-0.5), rand(2 * inter, hidden, seed=2, scale=hidden**-0.5)
+    down_w, qkv_w = rand(hidden, inter, seed=3, scale=inter**-0.5), rand(3072, hidden, seed=4, scale=hidden**-0.5)
     n1, n2 = rand(hidden, seed=5).abs() + 0.5, rand(hidden, seed=6).abs() + 0.5
     attn, residual = rand(m, hidden, seed=7), rand(m, hidden, seed=8)
 
@@ -90,9 +97,18 @@ def test_shard_logits_through_the_chain():
     from strata.services.worker.triton_backend import TritonAttentionBackend
     from tests.paged_inputs import SequenceChunk, build_step_inputs
 
-    config = ModelConfig(architecture="LlamaForCausalLM", hidden_size=1024, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=4, head_dim=64, intermediate_size=2816,
-                         vocab_size=5000, rms_norm_eps=1e-5, max_position_embeddings=512)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+        vocab_size=5000,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+    )
     shard = CausalLMShard(config, 0, 4, device="cuda", dtype=torch.bfloat16, attn_backend=TritonAttentionBackend())
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():

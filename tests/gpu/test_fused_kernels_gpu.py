@@ -10,7 +10,6 @@ round where the model's torch path rounds, so most outputs are bit-identical.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -30,10 +29,10 @@ from strata.kernels.reference import (  # noqa: E402
 from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from strata.kernels.rotary import rotary_embedding_  # noqa: E402
 from strata.services.worker.attention import allocate_kv_cache  # noqa: E402
-from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
-from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels  # noqa: E402
 from strata.services.worker.model import RotaryEmbedding  # noqa: E402
 from strata.services.worker.model_config import ModelConfig  # noqa: E402
+from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
+from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels  # noqa: E402
 
 DEVICE = "cuda"
 # Elementwise: one rounding step of the dtype. Bit-identical share: only a rare last-bit flip
@@ -82,19 +81,28 @@ def test_fused_add_rms_norm(dtype, hidden, num_rows):
 @pytest.mark.parametrize("num_tokens", [1, 256, 3000])
 def test_rotary_in_place_on_qkv_views(dtype, num_q_heads, num_kv_heads, head_dim, num_tokens):
     gen = torch.Generator(device=DEVICE).manual_seed(num_q_heads * head_dim + num_tokens)
-    config = ModelConfig(architecture="LlamaForCausalLM", hidden_size=num_q_heads * head_dim, num_hidden_layers=1,
-                         num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                         intermediate_size=64, vocab_size=64, rope_theta=500000.0, max_position_embeddings=8192)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=num_q_heads * head_dim,
+        num_hidden_layers=1,
+        num_attention_heads=num_q_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=64,
+        vocab_size=64,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    )
     rotary = RotaryEmbedding(config, DEVICE, dtype)
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
     qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
     q = qkv[:, :q_size].view(num_tokens, num_q_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    v_before = qkv[:, q_size + kv_size:].clone()
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, q_size + kv_size :].clone()
     positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE, generator=gen)
     want_q, want_k = rotary_embedding_reference(positions, q, k, rotary.cos, rotary.sin)
     rotary_embedding_(positions, q, k, rotary.cos, rotary.sin)
-    assert torch.equal(qkv[:, q_size + kv_size:], v_before)
+    assert torch.equal(qkv[:, q_size + kv_size :], v_before)
     # Not bit-exact on the GPU (seen on an H200): the compiler contracts multiply-adds into FMAs,
     # so only closeness is required.
     assert_matches(q, want_q, min_identical=0.0)
@@ -156,7 +164,7 @@ def test_kernels_capture_in_cuda_graph_with_padded_batch():
     angles = torch.rand(4096, head_dim // 2, device=DEVICE, generator=gen) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     q = qkv[:, :q_size].view(num_slots, num_q_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(num_slots, num_kv_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_slots, num_kv_heads, head_dim)
 
     def step():
         normed, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -165,7 +173,7 @@ def test_kernels_capture_in_cuda_graph_with_padded_batch():
 
     graph, outputs = capture_graph(step)
 
-    for replay in range(3):
+    for _replay in range(3):
         for tensor in (x, residual, qkv, gate_up):
             tensor.copy_(randn(*tensor.shape, dtype=dtype, gen=gen))
         positions.zero_()  # padding slots sit at position 0
@@ -202,8 +210,15 @@ def run_steps(shard, config, prompts, blocks, decode_tokens: list[list[int]]):
 
     The decoded tokens are given, not sampled, so both paths see the same inputs at every step.
     """
-    caches = allocate_kv_cache(config.num_hidden_layers, 4 * len(prompts), BLOCK_SIZE, config.num_key_value_heads,
-                               config.head_dim, torch.bfloat16, DEVICE)
+    caches = allocate_kv_cache(
+        config.num_hidden_layers,
+        4 * len(prompts),
+        BLOCK_SIZE,
+        config.num_key_value_heads,
+        config.head_dim,
+        torch.bfloat16,
+        DEVICE,
+    )
     steps = [[SequenceChunk(p, 0, b) for p, b in zip(prompts, blocks)]]
     for i, tokens in enumerate(decode_tokens):
         steps.append([SequenceChunk([t], len(p) + i, b) for t, p, b in zip(tokens, prompts, blocks)])
@@ -230,8 +245,11 @@ def test_bf16_shard_forward_fused_matches_torch_path():
     want = run_steps(shard, config, prompts, blocks, decode_tokens)
     set_fused_kernels(shard, None)  # the default: fused because the tensors are on CUDA
     got = run_steps(shard, config, prompts, blocks, decode_tokens)
-    errors = {(step, name): relative_error(g, w) for step, (got_step, want_step) in enumerate(zip(got, want))
-              for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step)}
+    errors = {
+        (step, name): relative_error(g, w)
+        for step, (got_step, want_step) in enumerate(zip(got, want))
+        for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step)
+    }
     print("relative errors:", {f"{step} {name}": f"{e:.2e}" for (step, name), e in errors.items()})
     for step, (got_step, want_step) in enumerate(zip(got, want)):
         for name, g, w in zip(("hidden", "residual", "logits"), got_step, want_step):
@@ -250,12 +268,20 @@ def test_bf16_shard_decode_step_is_cuda_graph_capturable():
     config = llama_1b_like(num_layers=2)
     shard = random_bf16_shard(config)
     prompts, blocks = prompts_and_blocks(32, seed=2)
-    caches = allocate_kv_cache(config.num_hidden_layers, 4 * len(prompts), BLOCK_SIZE, config.num_key_value_heads,
-                               config.head_dim, torch.bfloat16, DEVICE)
+    caches = allocate_kv_cache(
+        config.num_hidden_layers,
+        4 * len(prompts),
+        BLOCK_SIZE,
+        config.num_key_value_heads,
+        config.head_dim,
+        torch.bfloat16,
+        DEVICE,
+    )
     prefill = build_step_inputs([SequenceChunk(p, 0, b) for p, b in zip(prompts, blocks)], BLOCK_SIZE, device=DEVICE)
     shard(prefill.input_ids, prefill.positions, None, None, caches, prefill.meta)
-    decode = build_step_inputs([SequenceChunk([7], len(p), b) for p, b in zip(prompts, blocks)], BLOCK_SIZE,
-                               device=DEVICE)
+    decode = build_step_inputs(
+        [SequenceChunk([7], len(p), b) for p, b in zip(prompts, blocks)], BLOCK_SIZE, device=DEVICE
+    )
 
     def step():
         hidden, residual = shard(decode.input_ids, decode.positions, None, None, caches, decode.meta)
@@ -303,10 +329,14 @@ def test_fused_kernels_beat_the_torch_path_at_decode_batch_256():
     positions = torch.randint(0, 4096, (tokens,), device=DEVICE, generator=gen)
     gate_up = randn(tokens, 2 * intermediate, dtype=dtype, gen=gen)
     pairs = {
-        "add+rmsnorm": (lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
-                        lambda: fused_add_rms_norm_reference(x, residual, weight, 1e-5)),
-        "rotary": (lambda: rotary_embedding_(positions, q, k, rotary.cos, rotary.sin),
-                   lambda: rotary_embedding_reference(positions, q, k, rotary.cos, rotary.sin)),
+        "add+rmsnorm": (
+            lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
+            lambda: fused_add_rms_norm_reference(x, residual, weight, 1e-5),
+        ),
+        "rotary": (
+            lambda: rotary_embedding_(positions, q, k, rotary.cos, rotary.sin),
+            lambda: rotary_embedding_reference(positions, q, k, rotary.cos, rotary.sin),
+        ),
         "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: silu_and_mul_reference(gate_up)),
     }
     for name, (fused, torch_path) in pairs.items():

@@ -20,11 +20,12 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
+from tiny_models import write_tiny_model  # noqa: E402
+
 from strata.kernels.paged_attention import choose_launch_config  # noqa: E402
 from strata.services.worker.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.paged_inputs import SequenceChunk  # noqa: E402
 from tests.shard_pipeline import Pipeline, greedy_decode, hf_greedy, random_prompts, shuffled_block_tables  # noqa: E402
-from tiny_models import write_tiny_model  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96
@@ -37,8 +38,14 @@ def tiny_dirs(tmp_path_factory):
 
 
 def gpu_pipeline(model_dir, num_stages: int) -> Pipeline:
-    return Pipeline(model_dir, num_stages, device="cuda", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-                    attn_backend=TritonAttentionBackend())
+    return Pipeline(
+        model_dir,
+        num_stages,
+        device="cuda",
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        attn_backend=TritonAttentionBackend(),
+    )
 
 
 def hf_model(model_dir):
@@ -55,9 +62,16 @@ def test_prefill_logits_match_hf_on_the_kernels(arch, num_stages, tiny_dirs):
     lengths = [300, 150]
     config = pipeline.config
     # The launch this step takes: every query at least 64 tokens at GQA 2 fills a 128-row block.
-    launch = choose_launch_config(num_seqs=2, num_q_heads=config.num_attention_heads,
-                                  num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                  max_query_len=300, max_seq_len=300, sm_count=132, min_query_len=150)
+    launch = choose_launch_config(
+        num_seqs=2,
+        num_q_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_query_len=300,
+        max_seq_len=300,
+        sm_count=132,
+        min_query_len=150,
+    )
     assert launch.block_q * config.num_attention_heads // config.num_key_value_heads == 128
     prompts = random_prompts(lengths, config.vocab_size, seed=1)
     tables = shuffled_block_tables(lengths, seed=num_stages, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)

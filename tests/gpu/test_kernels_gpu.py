@@ -73,9 +73,16 @@ def random_case(seed: int) -> dict:
 
 def build(case: dict, dtype: torch.dtype, seed: int):
     return make_paged_batch(
-        case["query_lens"], case["context_lens"], num_q_heads=case["num_kv_heads"] * case["group"],
-        num_kv_heads=case["num_kv_heads"], head_dim=case["head_dim"], block_size=case["block_size"],
-        dtype=dtype, device="cuda", seed=seed)
+        case["query_lens"],
+        case["context_lens"],
+        num_q_heads=case["num_kv_heads"] * case["group"],
+        num_kv_heads=case["num_kv_heads"],
+        head_dim=case["head_dim"],
+        block_size=case["block_size"],
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -110,22 +117,39 @@ def test_random_mixed_batches_forced_split_kv(seed):
     assert_close_to_reference(got, want, torch.bfloat16)
 
 
-@pytest.mark.parametrize("num_seqs,context,head_dim,group,num_kv_heads", [
-    (1, 32768, 128, 4, 8),
-    (2, 16000, 64, 4, 8),
-    (4, 9000, 128, 8, 2),
-    (3, 20001, 128, 1, 4),
-])
+@pytest.mark.parametrize(
+    "num_seqs,context,head_dim,group,num_kv_heads",
+    [
+        (1, 32768, 128, 4, 8),
+        (2, 16000, 64, 4, 8),
+        (4, 9000, 128, 8, 2),
+        (3, 20001, 128, 1, 4),
+    ],
+)
 def test_long_context_decode_uses_split_kv(num_seqs, context, head_dim, group, num_kv_heads):
     contexts = [context - 977 * i for i in range(num_seqs)]
-    batch = make_paged_batch([1] * num_seqs, contexts, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=context)
+    batch = make_paged_batch(
+        [1] * num_seqs,
+        contexts,
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=context,
+    )
     chosen = choose_launch_config(
-        num_seqs=num_seqs, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_query_len=1, max_seq_len=batch.max_seq_len,
-        sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        num_seqs=num_seqs,
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_query_len=1,
+        max_seq_len=batch.max_seq_len,
+        sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+    )
     assert chosen.num_kv_splits > 1, "automatic choice should split this small long-context batch"
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     want = paged_attention_reference(*batch.attention_args(), scale)
     got_auto = paged_attention(*batch.attention_args(), scale)
     got_single = paged_attention(*batch.attention_args(), scale, num_kv_splits=1)
@@ -138,8 +162,17 @@ def test_large_mixed_step_llama_1b_shapes():
     rng = random.Random(7)
     query_lens = [2048, 333] + [1] * 200
     context_lens = [1500, 0] + [rng.randint(1, 1200) for _ in range(200)]
-    batch = make_paged_batch(query_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_dim=64,
-                             block_size=16, dtype=torch.bfloat16, device="cuda", seed=7)
+    batch = make_paged_batch(
+        query_lens,
+        context_lens,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=7,
+    )
     got = paged_attention(*batch.attention_args(), 0.125)
     want = paged_attention_reference(*batch.attention_args(), 0.125)
     assert_close_to_reference(got, want, torch.bfloat16)
@@ -169,18 +202,37 @@ def test_decode_step_is_cuda_graph_capturable(num_kv_splits):
     """
     num_seqs, group, num_kv_heads, head_dim, max_seq_len_bound = 8, 4, 2, 128, 4096
     contexts = [17, 400, 1023, 2000, 1, 64, 999, 3000]
-    batch = make_paged_batch([1] * num_seqs, contexts, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=3,
-                             poison_unowned=False)
-    scale = head_dim ** -0.5
+    batch = make_paged_batch(
+        [1] * num_seqs,
+        contexts,
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=3,
+        poison_unowned=False,
+    )
+    scale = head_dim**-0.5
     key = torch.randn(num_seqs, num_kv_heads, head_dim, device="cuda").to(torch.bfloat16)
     value = torch.randn_like(key)
     out = torch.empty_like(batch.query)
 
     def step():
         write_kv_cache(key, value, batch.kv_cache, batch.slot_mapping)
-        paged_attention(batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                        1, max_seq_len_bound, scale, out=out, num_kv_splits=num_kv_splits)
+        paged_attention(
+            batch.query,
+            batch.kv_cache,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            1,
+            max_seq_len_bound,
+            scale,
+            out=out,
+            num_kv_splits=num_kv_splits,
+        )
 
     graph, _ = capture_graph(step)
 
@@ -199,6 +251,14 @@ def test_decode_step_is_cuda_graph_capturable(num_kv_splits):
         torch.cuda.synchronize()
         flat = kv_by_slot(batch.kv_cache)
         assert torch.equal(flat[0, batch.slot_mapping], key) and torch.equal(flat[1, batch.slot_mapping], value)
-        want = paged_attention_reference(batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
-                                         batch.block_tables, 1, max_seq_len_bound, scale)
+        want = paged_attention_reference(
+            batch.query,
+            batch.kv_cache,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            1,
+            max_seq_len_bound,
+            scale,
+        )
         assert_close_to_reference(out, want, torch.bfloat16)

@@ -8,6 +8,7 @@ and the worker's ModelRunner taking them for mixed steps.
 The pieces run the GEMMs over the padded token count, where cuBLAS may pick other kernels than
 for the real count, so activations and caches are compared to bf16 rounding, not bit for bit.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def split(whole: CausalLMShard) -> list[CausalLMShard]:
     """The layers of `whole` as two stages (2 + the rest), sharing its weights."""
     config = whole.config
     first = CausalLMShard(config, 0, 2, device="cuda", dtype=torch.bfloat16, attn_backend=whole.attn_backend)
-    second = CausalLMShard(config, 2, config.num_hidden_layers, device="cuda", dtype=torch.bfloat16,
-                           attn_backend=whole.attn_backend)
+    second = CausalLMShard(
+        config, 2, config.num_hidden_layers, device="cuda", dtype=torch.bfloat16, attn_backend=whole.attn_backend
+    )
     first.embed_tokens, first.layers = whole.embed_tokens, torch.nn.ModuleList(whole.layers[:2])
     second.layers = torch.nn.ModuleList(whole.layers[2:])
     return [first, second]
@@ -41,8 +43,9 @@ def test_replayed_pieces_match_the_eager_forward_on_mixed_steps(two_stages):
     with torch.inference_mode():
         eager, eager_caches = run_mixed_steps(stages, piecewise=False, **run)
         pieces, piece_caches = run_mixed_steps(stages, piecewise=True, **run)
-    for got, want in [pair for step in zip(pieces, eager) for pair in zip(*step)] + \
-            [pair for stage in zip(piece_caches, eager_caches) for pair in zip(*stage)]:
+    for got, want in [pair for step in zip(pieces, eager) for pair in zip(*step)] + [
+        pair for stage in zip(piece_caches, eager_caches) for pair in zip(*stage)
+    ]:
         assert got.shape == want.shape
         # bf16 rounding of values up to max |want| (a sum of larger terms can round to a small one).
         torch.testing.assert_close(got.float(), want.float(), atol=0.02 * want.abs().max().item(), rtol=0)

@@ -7,8 +7,8 @@ Oracles: the Sampler run eagerly on the graph's own logits (the in-graph draw mu
 tokens), and a second runner given every input token explicitly (placeholders must resolve to
 the tokens the worker sampled).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -17,9 +17,9 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
+from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
 from strata.services.worker.runner import ModelRunner  # noqa: E402
 from strata.services.worker.sampler import Sampler, SamplingTensors  # noqa: E402
-from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 
@@ -37,10 +37,19 @@ def shard_and_config():
 
 
 def new_runner(shard, config, blocks_per_seq: int = BLOCKS_PER_SEQ, piecewise_max_tokens: int = 0) -> ModelRunner:
-    runner = ModelRunner(shard, config, stage_index=0, num_stages=1, block_size=BLOCK_SIZE,
-                         max_model_len=BLOCK_SIZE * blocks_per_seq, device=torch.device("cuda"),
-                         dtype=torch.bfloat16, max_num_seqs=MAX_SEQS, cuda_graph_max_batch=MAX_SEQS,
-                         piecewise_max_tokens=piecewise_max_tokens)
+    runner = ModelRunner(
+        shard,
+        config,
+        stage_index=0,
+        num_stages=1,
+        block_size=BLOCK_SIZE,
+        max_model_len=BLOCK_SIZE * blocks_per_seq,
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        max_num_seqs=MAX_SEQS,
+        cuda_graph_max_batch=MAX_SEQS,
+        piecewise_max_tokens=piecewise_max_tokens,
+    )
     runner.init_cache(MAX_SEQS * blocks_per_seq)
     return runner
 
@@ -49,35 +58,59 @@ def admit_plan(settings, prompts, first_seq_id: int = 1, blocks_per_seq: int = B
     seq_ids = list(range(first_seq_id, first_seq_id + len(prompts)))
     return engine_pb2.StepPlan(
         step_id=1,
-        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
-            temperature=t, top_k=k, top_p=1.0, seed=seed, logprobs=-1)) for s, (t, k, seed) in zip(seq_ids, settings)],
-        seq_ids=seq_ids, num_computed=[0] * len(prompts), num_scheduled=[len(p) for p in prompts],
-        input_token_ids=[t for p in prompts for t in p], table_keep=[0] * len(prompts),
+        new_sequences=[
+            engine_pb2.NewSequence(
+                seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=t, top_k=k, top_p=1.0, seed=seed, logprobs=-1)
+            )
+            for s, (t, k, seed) in zip(seq_ids, settings)
+        ],
+        seq_ids=seq_ids,
+        num_computed=[0] * len(prompts),
+        num_scheduled=[len(p) for p in prompts],
+        input_token_ids=[t for p in prompts for t in p],
+        table_keep=[0] * len(prompts),
         table_append_counts=[blocks_per_seq] * len(prompts),
         table_append_ids=[(s - 1) * blocks_per_seq + b for s in seq_ids for b in range(blocks_per_seq)],
-        sample=[True] * len(prompts))
+        sample=[True] * len(prompts),
+    )
 
 
 def decode_plan(step_id: int, lengths: list[int], tokens: list[int]) -> engine_pb2.StepPlan:
     n = len(lengths)
     return engine_pb2.StepPlan(
-        step_id=step_id, seq_ids=list(range(1, n + 1)), num_computed=lengths, num_scheduled=[1] * n,
-        input_token_ids=tokens, table_keep=[BLOCKS_PER_SEQ] * n, table_append_counts=[0] * n, sample=[True] * n)
+        step_id=step_id,
+        seq_ids=list(range(1, n + 1)),
+        num_computed=lengths,
+        num_scheduled=[1] * n,
+        input_token_ids=tokens,
+        table_keep=[BLOCKS_PER_SEQ] * n,
+        table_append_counts=[0] * n,
+        sample=[True] * n,
+    )
 
 
 def prompts_for(n: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 8192, (int(length),), generator=gen).tolist()
-            for length in torch.randint(5, 40, (n,), generator=gen)]
+    return [
+        torch.randint(3, 8192, (int(length),), generator=gen).tolist()
+        for length in torch.randint(5, 40, (n,), generator=gen)
+    ]
 
 
 def eager_sample(runner: ModelRunner, settings, lengths: list[int]) -> torch.Tensor:
     """The Sampler on the logits the last replayed graph produced, with the rows' own settings."""
     n = len(lengths)
     logits = runner.graphs.outputs[runner.graphs.padded_size(n)][0][:n]
-    st = SamplingTensors.build(temperature=[t for t, _, _ in settings], top_k=[k for _, k, _ in settings],
-                               top_p=[1.0] * n, min_p=[0.0] * n, seeds=[s for _, _, s in settings],
-                               positions=[length + 1 for length in lengths], num_logprobs=-1, device="cuda")
+    st = SamplingTensors.build(
+        temperature=[t for t, _, _ in settings],
+        top_k=[k for _, k, _ in settings],
+        top_p=[1.0] * n,
+        min_p=[0.0] * n,
+        seeds=[s for _, _, s in settings],
+        positions=[length + 1 for length in lengths],
+        num_logprobs=-1,
+        device="cuda",
+    )
     return Sampler()(logits, st).token_ids.cpu()
 
 
@@ -97,8 +130,9 @@ def test_graph_draw_and_placeholders_match_explicit_tokens_and_the_sampler(shard
         got = list(pending.finish().token_ids)
         want = list(explicit.execute(decode_plan(step - 1, lengths, tokens)).finish().token_ids)
         assert got == want, f"step {step - 1}: placeholders resolved to other tokens than the sampled ones"
-        assert torch.equal(eager_sample(explicit, UNFILTERED, lengths), torch.tensor(got)), \
+        assert torch.equal(eager_sample(explicit, UNFILTERED, lengths), torch.tensor(got)), (
             f"step {step - 1}: the in-graph draw differs from the Sampler on the same logits"
+        )
         assert len(set(got)) > 1
         lengths = [x + 1 for x in lengths]
         tokens, pending = got, launched
@@ -132,8 +166,9 @@ def _compiled_variants() -> dict[str, int]:
     import importlib
     import pkgutil
 
-    from strata import kernels
     from triton.runtime.jit import JITFunction
+
+    from strata import kernels
 
     counts = {}
     for info in pkgutil.iter_modules(kernels.__path__):
@@ -165,10 +200,16 @@ def verify_plan(step_id: int, lengths: list[int], last: list[int], drafts: list[
     """Each sequence computes its last token and its drafts; lengths: tokens before the last."""
     n = len(lengths)
     return engine_pb2.StepPlan(
-        step_id=step_id, seq_ids=list(range(1, n + 1)), num_computed=lengths,
-        num_scheduled=[1 + len(d) for d in drafts], input_token_ids=[t for x, d in zip(last, drafts) for t in [x, *d]],
-        table_keep=[BLOCKS_PER_SEQ] * n, table_append_counts=[0] * n, sample=[True] * n,
-        num_draft_tokens=[len(d) for d in drafts])
+        step_id=step_id,
+        seq_ids=list(range(1, n + 1)),
+        num_computed=lengths,
+        num_scheduled=[1 + len(d) for d in drafts],
+        input_token_ids=[t for x, d in zip(last, drafts) for t in [x, *d]],
+        table_keep=[BLOCKS_PER_SEQ] * n,
+        table_append_counts=[0] * n,
+        sample=[True] * n,
+        num_draft_tokens=[len(d) for d in drafts],
+    )
 
 
 def test_verification_graphs_accept_the_plain_decode_tokens(shard_and_config):
@@ -188,30 +229,34 @@ def test_verification_graphs_accept_the_plain_decode_tokens(shard_and_config):
     assert list(spec.execute(admit_plan(settings, prompts)).finish().token_ids) == first
     lengths, out = [len(p) for p in prompts], [[t] for t in first]
     for step in range(2, 2 + 2 * k):  # the plain run: 2k more tokens per sequence
-        out_step = plain.execute(decode_plan(step, [x + len(o) - 1 for x, o in zip(lengths, out)],
-                                             [o[-1] for o in out])).finish().token_ids
+        out_step = (
+            plain.execute(decode_plan(step, [x + len(o) - 1 for x, o in zip(lengths, out)], [o[-1] for o in out]))
+            .finish()
+            .token_ids
+        )
         for o, t in zip(out, out_step):
             o.append(t)
     # Round 1, uniform (graphs): drafts are the plain run's next k tokens, the last one wrong for seq 2.
-    drafts = [o[1:1 + k] for o in out]
+    drafts = [o[1 : 1 + k] for o in out]
     drafts[2] = drafts[2][:2] + [(drafts[2][2] + 1) % config.vocab_size]
     result = spec.execute(verify_plan(10, lengths, [o[0] for o in out], drafts)).finish()
     # Round 2, mixed draft counts (eager).
     emitted = _split(result)
-    agree = sum(e == o[1:1 + len(e)] for e, o in zip(emitted, out))
+    agree = sum(e == o[1 : 1 + len(e)] for e, o in zip(emitted, out))
     assert [len(e) for e in emitted][2] <= 3 and agree >= 3, (emitted, out)
     nxt = [len(e) for e in emitted]
-    mixed = [o[1 + m:1 + m + d] for o, m, d in zip(out, nxt, (0, 1, 2, 1))]
-    result = spec.execute(verify_plan(11, [x + m for x, m in zip(lengths, nxt)],
-                                      [o[m] for o, m in zip(out, nxt)], mixed)).finish()
+    mixed = [o[1 + m : 1 + m + d] for o, m, d in zip(out, nxt, (0, 1, 2, 1))]
+    result = spec.execute(
+        verify_plan(11, [x + m for x, m in zip(lengths, nxt)], [o[m] for o, m in zip(out, nxt)], mixed)
+    ).finish()
     for e, o, m in zip(_split(result), out, nxt):
-        assert e == o[1 + m:1 + m + len(e)] or len(e) == 1
+        assert e == o[1 + m : 1 + m + len(e)] or len(e) == 1
 
 
 def _split(result) -> list[list[int]]:
     tokens, pos, out = list(result.token_ids), 0, []
     for n in result.num_tokens:
-        out.append(tokens[pos:pos + n])
+        out.append(tokens[pos : pos + n])
         pos += n
     return out
 
@@ -226,18 +271,34 @@ def _table(seq: int, shares: bool) -> list[int]:
     return [0, 1] + own[2:] if shares else own
 
 
-def shared_prefix_plan(step_id: int, seqs: list[int], computed: list[int], tokens: list[list[int]],
-                       new: list[int], shares: set[int], grouped: bool) -> engine_pb2.StepPlan:
+def shared_prefix_plan(
+    step_id: int,
+    seqs: list[int],
+    computed: list[int],
+    tokens: list[list[int]],
+    new: list[int],
+    shares: set[int],
+    grouped: bool,
+) -> engine_pb2.StepPlan:
     """Sequences in plan order (the sharing ones last, consecutive, as the scheduler sends them);
     new: those admitted in this step, with their whole block table."""
     plan = engine_pb2.StepPlan(
-        step_id=step_id, seq_ids=seqs, num_computed=computed, num_scheduled=[len(t) for t in tokens],
-        input_token_ids=[t for ts in tokens for t in ts], sample=[True] * len(seqs),
-        new_sequences=[engine_pb2.NewSequence(seq_id=s, sampling=engine_pb2.SamplingOptions(
-            temperature=0.0, top_p=1.0, seed=s, logprobs=-1)) for s in new],
+        step_id=step_id,
+        seq_ids=seqs,
+        num_computed=computed,
+        num_scheduled=[len(t) for t in tokens],
+        input_token_ids=[t for ts in tokens for t in ts],
+        sample=[True] * len(seqs),
+        new_sequences=[
+            engine_pb2.NewSequence(
+                seq_id=s, sampling=engine_pb2.SamplingOptions(temperature=0.0, top_p=1.0, seed=s, logprobs=-1)
+            )
+            for s in new
+        ],
         table_keep=[0 if s in new else BLOCKS_PER_SEQ for s in seqs],
         table_append_counts=[BLOCKS_PER_SEQ if s in new else 0 for s in seqs],
-        table_append_ids=[b for s in seqs if s in new for b in _table(s, s in shares and s != 1)])
+        table_append_ids=[b for s in seqs if s in new for b in _table(s, s in shares and s != 1)],
+    )
     if grouped:
         plan.shared_prefix_group.extend([1 if s in shares else 0 for s in seqs])
         plan.shared_prefix_lens.append(SHARED)
@@ -273,20 +334,44 @@ def test_cascade_graphs_and_eager_cascade_match_plain_attention(shard_and_config
         first = [5, 6, 1]
         run(shared_prefix_plan(1, first, [0] * 3, [prompts[s] for s in first], first, shares, False), first)
         joining = [2, 3, 4]  # take sequence 1's two blocks, compute only their own tokens
-        run(shared_prefix_plan(2, joining, [SHARED] * 3, [prompts[s][SHARED:] for s in joining], joining, shares,
-                               False), joining)
+        run(
+            shared_prefix_plan(
+                2, joining, [SHARED] * 3, [prompts[s][SHARED:] for s in joining], joining, shares, False
+            ),
+            joining,
+        )
         length = {s: len(prompts[s]) for s in prompts}
         order = [5, 6, 1, 2, 3, 4]
         logits = []
         for step in range(3, 7):  # decode steps: the cascade graph replays
-            run(shared_prefix_plan(step, order, [length[s] + len(out[s]) - 1 for s in order],
-                                   [[out[s][-1]] for s in order], [], shares, grouped), order)
+            run(
+                shared_prefix_plan(
+                    step,
+                    order,
+                    [length[s] + len(out[s]) - 1 for s in order],
+                    [[out[s][-1]] for s in order],
+                    [],
+                    shares,
+                    grouped,
+                ),
+                order,
+            )
             graphs = runner.cascade_graphs if grouped else runner.graphs
             logits.append(graphs.outputs[graphs.padded_size(6, 1 if grouped else 0)][0][:6].float().clone())
         # An eager step: sequence 7's prompt beside the group's decodes.
         mixed = [7, 5, 6, 1, 2, 3, 4]
-        run(shared_prefix_plan(7, mixed, [0] + [length[s] + len(out[s]) - 1 for s in mixed[1:]],
-                               [prompts[7]] + [[out[s][-1]] for s in mixed[1:]], [7], shares, grouped), mixed)
+        run(
+            shared_prefix_plan(
+                7,
+                mixed,
+                [0] + [length[s] + len(out[s]) - 1 for s in mixed[1:]],
+                [prompts[7]] + [[out[s][-1]] for s in mixed[1:]],
+                [7],
+                shares,
+                grouped,
+            ),
+            mixed,
+        )
         runs[grouped] = (out, logits, runner.cascade_graphs.step)
     (cascade_out, cascade_logits, cascade_replays), (plain_out, plain_logits, plain_replays) = runs[True], runs[False]
     assert cascade_replays == 4 and plain_replays == 0, "the grouped decode steps replay the cascade graphs"
@@ -306,8 +391,9 @@ def test_cascade_graphs_and_eager_cascade_match_plain_attention(shard_and_config
                 assert top2[0] - top2[1] <= tolerance, f"step {step}, sequence {seq}: a clear argmax differs"
                 compared[row] = False
     assert sum(compared) >= len(order) - 1, "more than one tie: the comparison would say little"
-    assert {s: t for s, t in cascade_out.items() if s not in order or compared[order.index(s)]} == \
-        {s: t for s, t in plain_out.items() if s not in order or compared[order.index(s)]}
+    assert {s: t for s, t in cascade_out.items() if s not in order or compared[order.index(s)]} == {
+        s: t for s, t in plain_out.items() if s not in order or compared[order.index(s)]
+    }
 
 
 def test_mixed_steps_replay_the_piecewise_graphs(shard_and_config):
@@ -317,8 +403,10 @@ def test_mixed_steps_replay_the_piecewise_graphs(shard_and_config):
     token is right, is compared no further: its later inputs differ)."""
     shard, config = shard_and_config
     gen = torch.Generator().manual_seed(12)
-    prompts = {s: torch.randint(3, 8192, (int(n),), generator=gen).tolist()
-               for s, n in zip(range(1, 8), torch.randint(5, 60, (7,), generator=gen))}
+    prompts = {
+        s: torch.randint(3, 8192, (int(n),), generator=gen).tolist()
+        for s, n in zip(range(1, 8), torch.randint(5, 60, (7,), generator=gen))
+    }
     runs = {}
     for piecewise in (True, False):
         runner = new_runner(shard, config, piecewise_max_tokens=256 if piecewise else 0)
@@ -342,9 +430,15 @@ def test_mixed_steps_replay_the_piecewise_graphs(shard_and_config):
                 generated[s].append(t)
             new = [step + 2] if step + 2 in prompts else []
             computed = [len(prompts[s]) + len(generated[s]) - 1 for s in running]
-            plan = shared_prefix_plan(step, new + running, [0] * len(new) + computed,
-                                      [prompts[s] for s in new] + [[PLACEHOLDER_TOKEN]] * len(running), new, set(),
-                                      False)
+            plan = shared_prefix_plan(
+                step,
+                new + running,
+                [0] * len(new) + computed,
+                [prompts[s] for s in new] + [[PLACEHOLDER_TOKEN]] * len(running),
+                new,
+                set(),
+                False,
+            )
             running = new + running
         runs[piecewise] = (steps, replays)
     (pieces, replays), (eager, _) = runs[True], runs[False]

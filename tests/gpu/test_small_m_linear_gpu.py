@@ -20,9 +20,8 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 pytestmark = compiled_gpu_kernels_only()
 
 from strata.kernels.small_m_linear import LinearLaunchConfig, small_m_linear, use_small_m_linear  # noqa: E402
-from tests.test_small_m_linear import MODEL_SHAPES  # noqa: E402
-
 from tests.linear_checks import assert_close_to_reference, make_x, reference, weight_for  # noqa: E402
+from tests.test_small_m_linear import MODEL_SHAPES  # noqa: E402
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
@@ -37,21 +36,25 @@ def test_model_shapes_bf16_match_linear(name, n, k, m):
     assert_close_to_reference(small_m_linear(x, weight), want, torch.bfloat16, baseline=cublas)
 
 
-@pytest.mark.parametrize("config", [
-    LinearLaunchConfig(block_n=16, block_k=256, split_k=1, num_stages=3),
-    LinearLaunchConfig(block_n=16, block_k=128, split_k=4, num_stages=4),
-    LinearLaunchConfig(block_n=32, block_k=512, split_k=2, num_stages=3),
-    LinearLaunchConfig(block_n=64, block_k=256, split_k=1, num_stages=3),  # wgmma
-    LinearLaunchConfig(block_n=8, block_k=512, use_dot=False, num_stages=1),
-    LinearLaunchConfig(block_n=32, block_k=256, split_k=2, use_dot=False, num_warps=8, num_stages=1),
-], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [
+        LinearLaunchConfig(block_n=16, block_k=256, split_k=1, num_stages=3),
+        LinearLaunchConfig(block_n=16, block_k=128, split_k=4, num_stages=4),
+        LinearLaunchConfig(block_n=32, block_k=512, split_k=2, num_stages=3),
+        LinearLaunchConfig(block_n=64, block_k=256, split_k=1, num_stages=3),  # wgmma
+        LinearLaunchConfig(block_n=8, block_k=512, use_dot=False, num_stages=1),
+        LinearLaunchConfig(block_n=32, block_k=256, split_k=2, use_dot=False, num_warps=8, num_stages=1),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_forced_configs_with_bias(config, bias):
     """Variants the benchmark's sweep times: every one must be right, with a ragged N (2000)."""
     n, k = 2000, 2048
     weight = weight_for(n, k, torch.bfloat16)
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    for m in ([1] if not config.use_dot else [1, 5, 16]):
+    for m in [1] if not config.use_dot else [1, 5, 16]:
         x = make_x(m, k, torch.bfloat16, seed=m)
         assert_close_to_reference(small_m_linear(x, weight, b, config=config), reference(x, weight, b), torch.bfloat16)
 

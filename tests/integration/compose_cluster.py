@@ -1,4 +1,5 @@
 """Drives one docker-compose project (the repo's docker-compose.yml) for the container tests."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ SERVICES = ("worker0", "worker1", "scheduler", "gateway")
 class ComposeCluster:
     """`docker-compose -p PROJECT` over the repo's compose file, with bounded waits."""
 
-    def __init__(self, engine: DockerEngine, repo_root: Path, project: str, env: dict[str, str],
-                 files: tuple[str, ...] = ("docker-compose.yml",)) -> None:
+    def __init__(
+        self,
+        engine: DockerEngine,
+        repo_root: Path,
+        project: str,
+        env: dict[str, str],
+        files: tuple[str, ...] = ("docker-compose.yml",),
+    ) -> None:
         self.engine, self.repo_root, self.project = engine, repo_root, project
         self.env = {**engine.env, **env}
         self.files = files
@@ -31,8 +38,16 @@ class ComposeCluster:
     # ------------------------------------------------------------ state
     def container_id(self, service: str) -> str:
         # By label, not `compose ps`: v1 and v2 list stopped containers differently.
-        out = self.engine.docker("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.project}",
-                                 "--filter", f"label=com.docker.compose.service={service}", timeout=60)
+        out = self.engine.docker(
+            "ps",
+            "-a",
+            "-q",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+            timeout=60,
+        )
         ids = out.stdout.split()
         if not ids:
             raise RuntimeError(f"no container for service {service} in project {self.project}")
@@ -57,8 +72,10 @@ class ComposeCluster:
                 return
             dead = {s: v for s, v in status.items() if v in ("exited", "dead", "unhealthy")}
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"cluster not healthy ({status}) after "
-                                   f"{timeout - max(0.0, deadline - time.monotonic()):.0f}s\n{self.logs(80)}")
+                raise RuntimeError(
+                    f"cluster not healthy ({status}) after "
+                    f"{timeout - max(0.0, deadline - time.monotonic()):.0f}s\n{self.logs(80)}"
+                )
             time.sleep(1)
 
     def logs(self, tail: int = 200) -> str:
@@ -72,8 +89,15 @@ class ComposeCluster:
         """`up -d`; fails fast, with logs, when a container exits or restarts meanwhile
         (`up` itself waits for each depends_on health condition, for up to start_period)."""
         with tempfile.TemporaryFile("w+") as output:
-            proc = subprocess.Popen(self._command("up", "-d", "--no-build"), env=self.env, cwd=self.repo_root,
-                                    stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(
+                self._command("up", "-d", "--no-build"),
+                env=self.env,
+                cwd=self.repo_root,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
             deadline = time.monotonic() + timeout
             try:
                 while proc.poll() is None:
@@ -90,9 +114,15 @@ class ComposeCluster:
                 raise RuntimeError(f"compose up exited {proc.returncode}:\n{output.read()[-4000:]}\n{self.logs(80)}")
 
     def _broken_containers(self) -> dict[str, str]:
-        out = self.engine.docker("ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}",
-                                 "--format", '{{.Label "com.docker.compose.service"}} {{.State}}',
-                                 timeout=60).stdout
+        out = self.engine.docker(
+            "ps",
+            "-a",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--format",
+            '{{.Label "com.docker.compose.service"}} {{.State}}',
+            timeout=60,
+        ).stdout
         states = dict(line.split(maxsplit=1) for line in out.splitlines() if line.strip())
         return {s: v for s, v in states.items() if v in ("exited", "dead", "restarting")}
 

@@ -6,6 +6,7 @@ here is stopped. Module scope, not session: the rest of the test run then does n
 two cores with an idle cluster. Images stay in the daemon's data-root, so a rerun on the
 same machine reuses the base image and the build cache.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from compose_cluster import ComposeCluster
 from docker_engine import DockerEngine, install_debian_packages, run, why_docker_cannot_run
 
@@ -106,8 +106,15 @@ def _remove_stale_projects(engine: DockerEngine) -> None:
     """Clusters an interrupted run left in a daemon this test owns would eat the CPU."""
     if not engine.owned:
         return
-    out = engine.docker("ps", "-a", "--filter", "label=com.docker.compose.project",
-                        "--format", '{{.Label "com.docker.compose.project"}}', timeout=60).stdout
+    out = engine.docker(
+        "ps",
+        "-a",
+        "--filter",
+        "label=com.docker.compose.project",
+        "--format",
+        '{{.Label "com.docker.compose.project"}}',
+        timeout=60,
+    ).stdout
     for project in sorted({p for p in out.split() if p.startswith(PROJECT_PREFIX)}):
         ComposeCluster(engine, REPO_ROOT, project, {"STRATA_IMAGE": IMAGE}).down()
 
@@ -116,8 +123,9 @@ def _host_torch_wheel() -> Path | None:
     """This machine's torch wheel, if pip's find-links hold it: the image then gets the same torch."""
     version = importlib.metadata.version("torch")
     dirs = os.environ.get("PIP_FIND_LINKS", "").split()
-    config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                            timeout=60).stdout
+    config = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+    ).stdout
     for line in config.splitlines():
         key, _, value = line.partition("=")
         if key.endswith("find-links"):
@@ -161,13 +169,25 @@ def strata_image(docker_engine):
     if not docker_engine.image_exists(BASE_IMAGE):
         with _timed("base image: debootstrap + import"):
             install_debian_packages(["debootstrap"])
-            run(["bash", str(HERE / "build_base_image.sh"), BASE_IMAGE], timeout=1200,
-                env={**docker_engine.env, "DOCKER": docker_engine.client})
+            run(
+                ["bash", str(HERE / "build_base_image.sh"), BASE_IMAGE],
+                timeout=1200,
+                env={**docker_engine.env, "DOCKER": docker_engine.client},
+            )
     with _timed("project image: docker build"), _torch_build_args() as torch_args:
         # The tiny model in the image (no download): the cluster mounts the host-built one anyway.
-        docker_engine.docker("build", "-t", IMAGE, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-                             "--build-arg", "DEFAULT_MODEL=tiny-random", *torch_args,
-                             str(REPO_ROOT), timeout=1800)
+        docker_engine.docker(
+            "build",
+            "-t",
+            IMAGE,
+            "--build-arg",
+            f"BASE_IMAGE={BASE_IMAGE}",
+            "--build-arg",
+            "DEFAULT_MODEL=tiny-random",
+            *torch_args,
+            str(REPO_ROOT),
+            timeout=1800,
+        )
     return IMAGE
 
 
@@ -176,14 +196,24 @@ def strata_image(docker_engine):
 def host_model_dir(tmp_path_factory) -> Path:
     """The default model built on the host; mounted into the containers, so both sides share weights."""
     out = tmp_path_factory.mktemp("strata-model") / "model"
-    run([sys.executable, "-m", "strata.cli", "build-model", "tiny-random", "--output", str(out)], timeout=300, cwd=REPO_ROOT)
+    run(
+        [sys.executable, "-m", "strata.cli", "build-model", "tiny-random", "--output", str(out)],
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     # The services run as an unprivileged user in the containers.
     for root, dirs, files in os.walk(out):
         for name in dirs + files + [""]:
             path = os.path.join(root, name)
             mode = os.stat(path).st_mode
-            os.chmod(path, mode | stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
-                     | (stat.S_IXGRP | stat.S_IXOTH if stat.S_ISDIR(mode) else 0))
+            os.chmod(
+                path,
+                mode
+                | stat.S_IRUSR
+                | stat.S_IRGRP
+                | stat.S_IROTH
+                | (stat.S_IXGRP | stat.S_IXOTH if stat.S_ISDIR(mode) else 0),
+            )
     return out
 
 
@@ -191,14 +221,19 @@ def host_model_dir(tmp_path_factory) -> Path:
 def compose_cluster(docker_engine, strata_image, host_model_dir, tmp_path_factory):
     port = free_port()
     project = f"{PROJECT_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
-    cluster = ComposeCluster(docker_engine, REPO_ROOT, project, {
-        "STRATA_IMAGE": strata_image,
-        "STRATA_MODEL_DIR": str(host_model_dir),
-        "STRATA_GATEWAY_BIND": "127.0.0.1",
-        "STRATA_GATEWAY_PORT": str(port),
-        "STRATA_HTTP_PORT": str(free_port()),
-        "STRATA_CLUSTER_TOKEN": secrets.token_hex(16),
-    })
+    cluster = ComposeCluster(
+        docker_engine,
+        REPO_ROOT,
+        project,
+        {
+            "STRATA_IMAGE": strata_image,
+            "STRATA_MODEL_DIR": str(host_model_dir),
+            "STRATA_GATEWAY_BIND": "127.0.0.1",
+            "STRATA_GATEWAY_PORT": str(port),
+            "STRATA_HTTP_PORT": str(free_port()),
+            "STRATA_CLUSTER_TOKEN": secrets.token_hex(16),
+        },
+    )
     cluster.gateway_address = f"127.0.0.1:{port}"
     try:
         with _timed("cluster: up until healthy"):
@@ -224,7 +259,18 @@ def node_client(tmp_path_factory) -> Path:
         install_debian_packages(["node", "npm"])
     folder = tmp_path_factory.mktemp("node-client")
     with _timed("node client: npm install"):
-        run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
-             "@grpc/grpc-js@^1.14", "@grpc/proto-loader@^0.8"], cwd=folder, timeout=300)
+        run(
+            [
+                "npm",
+                "install",
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                "@grpc/grpc-js@^1.14",
+                "@grpc/proto-loader@^0.8",
+            ],
+            cwd=folder,
+            timeout=300,
+        )
     shutil.copy(HERE / "generate_client.js", folder / "generate_client.js")
     return folder / "generate_client.js"

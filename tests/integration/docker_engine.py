@@ -5,6 +5,7 @@ debootstrap), and when no daemon answers, a private dockerd is started with its 
 pidfile, exec-root and data-root, and stopped again by `stop()`. A daemon found running is
 used as is and never stopped.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ import time
 from pathlib import Path
 
 # Tool -> Debian package that provides it.
-DEBIAN_PACKAGES = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstrap": "debootstrap",
-                   "node": "nodejs", "npm": "npm"}
+DEBIAN_PACKAGES = {
+    "dockerd": "docker.io",
+    "docker-compose": "docker-compose",
+    "debootstrap": "debootstrap",
+    "node": "nodejs",
+    "npm": "npm",
+}
 
 # Where a daemon started here keeps its state. Images survive between runs on one machine
 # (the base image and build cache make a rerun fast); everything else is torn down.
@@ -26,12 +32,21 @@ PRIVATE_EXEC_ROOT = Path("/run/strata-it")  # sockets live here: keep the path s
 PRIVATE_SOCKET = f"unix://{PRIVATE_EXEC_ROOT}/docker.sock"
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = True,
-        cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float, env: dict | None = None, check: bool = True, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
     """Runs a command with a deadline, output captured; a failure message carries its output."""
     try:
-        proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            cwd=cwd,
+            timeout=timeout,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         raise RuntimeError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n{out[-4000:]}") from None
@@ -81,14 +96,19 @@ def _client_for(dockerd: str | None) -> str:
 def _daemon_answers(host: str | None, client: str | None = None) -> bool:
     if not host:
         return False
-    if host.startswith("unix://") and not Path(host[len("unix://"):]).exists():
+    if host.startswith("unix://") and not Path(host[len("unix://") :]).exists():
         return False
     client = client or shutil.which("docker")
     if client is None:
         return False
     try:
-        proc = subprocess.run([client, "version", "--format", "{{.Server.Version}}"], timeout=20,
-                              env={**os.environ, "DOCKER_HOST": host}, capture_output=True, text=True)
+        proc = subprocess.run(
+            [client, "version", "--format", "{{.Server.Version}}"],
+            timeout=20,
+            env={**os.environ, "DOCKER_HOST": host},
+            capture_output=True,
+            text=True,
+        )
     except subprocess.TimeoutExpired:
         return False
     return proc.returncode == 0 and proc.stdout.strip() != ""
@@ -108,7 +128,7 @@ class DockerEngine:
         self._proc: subprocess.Popen | None = None  # set when this process is dockerd's parent
 
     # ------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 120) -> "DockerEngine":
+    def start(self, timeout: float = 120) -> DockerEngine:
         for host in (os.environ.get("DOCKER_HOST"), "unix:///var/run/docker.sock"):
             if _daemon_answers(host):
                 self.host, self.client = host, _client_for(shutil.which("dockerd"))
@@ -128,11 +148,21 @@ class DockerEngine:
         self.client = _client_for(dockerd)
         PRIVATE_ROOT.mkdir(parents=True, exist_ok=True)
         PRIVATE_EXEC_ROOT.mkdir(parents=True, exist_ok=True)
-        cmd = [dockerd, "--data-root", str(PRIVATE_ROOT / "data"), "--exec-root", str(PRIVATE_EXEC_ROOT / "exec"),
-               "--pidfile", str(PRIVATE_EXEC_ROOT / "dockerd.pid"), "--host", PRIVATE_SOCKET]
+        cmd = [
+            dockerd,
+            "--data-root",
+            str(PRIVATE_ROOT / "data"),
+            "--exec-root",
+            str(PRIVATE_EXEC_ROOT / "exec"),
+            "--pidfile",
+            str(PRIVATE_EXEC_ROOT / "dockerd.pid"),
+            "--host",
+            PRIVATE_SOCKET,
+        ]
         with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self._proc, self.pid, self.owned, self.host = proc, proc.pid, True, PRIVATE_SOCKET
         deadline = time.monotonic() + timeout
         while not _daemon_answers(self.host, self.client):
@@ -205,8 +235,12 @@ class DockerEngine:
 
     def _supports_buildkit(self) -> bool:
         """BuildKit is built into clients before 23.0; later ones need the buildx plugin."""
-        version = run([self.client, "version", "--format", "{{json .Client.Version}}"], timeout=30,
-                      env={**os.environ, "DOCKER_HOST": self.host or ""}, check=False).stdout.strip()
+        version = run(
+            [self.client, "version", "--format", "{{json .Client.Version}}"],
+            timeout=30,
+            env={**os.environ, "DOCKER_HOST": self.host or ""},
+            check=False,
+        ).stdout.strip()
         try:
             major = int(json.loads(version).split(".")[0])
         except (ValueError, json.JSONDecodeError):

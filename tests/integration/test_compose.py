@@ -5,6 +5,7 @@ image and the project image, and bring docker-compose.yml up with the host-built
 model mounted read-only; these tests then talk to the published gateway port only.
 Tests run in file order: the worker restart and the final stop come last.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from docker_engine import run
+
 from strata.v1 import generate_pb2, generate_pb2_grpc
 from tests.cluster import collect, hf_greedy
 
@@ -46,8 +47,12 @@ def gateway(compose_cluster):
 
 
 def _request(prompt: str, max_tokens: int) -> generate_pb2.GenerateRequest:
-    return generate_pb2.GenerateRequest(prompt=prompt, params=generate_pb2.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=generate_pb2.DELTA))
+    return generate_pb2.GenerateRequest(
+        prompt=prompt,
+        params=generate_pb2.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=generate_pb2.DELTA
+        ),
+    )
 
 
 def _generate(gateway, prompt: str, max_tokens: int, timeout: float = 120) -> list[generate_pb2.GenerateResponse]:
@@ -79,8 +84,11 @@ def test_greedy_matches_transformers_with_two_stages(gateway, host_model_dir):
 
 def test_node_client_streams_a_completion(compose_cluster, gateway, node_client):
     prompt, max_tokens = PROMPTS[0], 20
-    proc = run(["node", str(node_client), compose_cluster.gateway_address, str(PROTO_ROOT),
-                prompt, str(max_tokens)], timeout=150, check=False)
+    proc = run(
+        ["node", str(node_client), compose_cluster.gateway_address, str(PROTO_ROOT), prompt, str(max_tokens)],
+        timeout=150,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout
     responses = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -128,8 +136,10 @@ def test_worker_stop_and_restart_is_survived(compose_cluster, gateway):
     for t in threads:
         t.join(timeout=240)
 
-    print(f"worker1 stopped in {stop_seconds:.1f}s with {in_flight} request(s) in flight; outcomes:",
-          [o["result"][0] if o["result"][0] == "ok" else o["result"][0].name for o in outcomes if "result" in o])
+    print(
+        f"worker1 stopped in {stop_seconds:.1f}s with {in_flight} request(s) in flight; outcomes:",
+        [o["result"][0] if o["result"][0] == "ok" else o["result"][0].name for o in outcomes if "result" in o],
+    )
     assert not any(t.is_alive() for t in threads), "a request in flight hung past its deadline"
     assert in_flight > 0, "the requests finished before the worker stopped: make them longer"
     assert stop_seconds < 15, f"worker1 took {stop_seconds:.1f}s to stop: SIGTERM not handled?"
