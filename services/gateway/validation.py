@@ -8,11 +8,11 @@ internal messages the scheduler and the workers read (SamplingOptions, StopCrite
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from strata.protocol import GREEDY_TEMPERATURE, MAX_LOGPROBS
+from strata import sampling_rules
+from strata.protocol import MAX_LOGPROBS
 from strata.v1 import engine_pb2, generate_pb2
 
 # The public API's defaults (as vLLM's SamplingParams), defined here only.
@@ -85,9 +85,12 @@ class ValidatedParams:
         )
 
 
-def _fmt(value: float) -> str:
-    # Proto floats are float32: print 1.1, not 1.100000023841858.
-    return f"{value:.7g}"
+def _sampling_rule(check, value, field: str, **kw) -> None:
+    """One of the sampling rules every boundary shares (strata.sampling_rules), on a public field."""
+    try:
+        check(value, field, **kw)
+    except sampling_rules.SamplingRuleError as e:
+        raise InvalidRequest(e.field, e.message) from None
 
 
 def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -152,23 +155,14 @@ def validate_request(
     p = req.params
 
     temperature = p.temperature if p.HasField("temperature") else DEFAULT_TEMPERATURE
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(
-            "params.temperature",
-            f"params.temperature must be finite and >= 0, got {_fmt(temperature)}",
-        )
-    if temperature < GREEDY_TEMPERATURE:
+    _sampling_rule(sampling_rules.check_temperature, temperature, "params.temperature")
+    if sampling_rules.is_greedy(temperature):
         temperature = 0.0
 
     top_p = p.top_p if p.HasField("top_p") else DEFAULT_TOP_P
-    if not 0.0 < top_p <= 1.0:  # NaN fails too
-        raise InvalidRequest("params.top_p", f"params.top_p must be in (0, 1], got {_fmt(top_p)}")
-
-    if p.top_k < -1:
-        raise InvalidRequest("params.top_k", f"params.top_k must be -1, 0 (off) or positive, got {p.top_k}")
-
-    if not 0.0 <= p.min_p <= 1.0:
-        raise InvalidRequest("params.min_p", f"params.min_p must be in [0, 1], got {_fmt(p.min_p)}")
+    _sampling_rule(sampling_rules.check_top_p, top_p, "params.top_p")
+    _sampling_rule(sampling_rules.check_top_k, p.top_k, "params.top_k", allow_minus_one=True)
+    _sampling_rule(sampling_rules.check_min_p, p.min_p, "params.min_p")
 
     n = p.n or 1
     if n > max_n:
@@ -182,8 +176,8 @@ def validate_request(
         )
 
     logprobs = p.logprobs if p.HasField("logprobs") else None
-    if logprobs is not None and logprobs > max_logprobs:
-        raise InvalidRequest("params.logprobs", f"params.logprobs must be at most {max_logprobs}, got {logprobs}")
+    if logprobs is not None:
+        _sampling_rule(sampling_rules.check_logprobs, logprobs, "params.logprobs", most=max_logprobs)
 
     if any(s == "" for s in p.stop):
         raise InvalidRequest("params.stop", "params.stop must not contain empty strings")

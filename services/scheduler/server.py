@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import grpc
 
-from strata.protocol import MAX_LOGPROBS
+from strata.sampling_rules import check_sampling_options
 from strata.services.scheduler.engine import Engine, RequestFailed
 from strata.services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
@@ -23,17 +22,7 @@ def request_from_proto(msg: engine_pb2.EngineRequest, model: generate_pb2.ModelI
         raise ValueError("request_id is empty")
     vocab = model.vocab_size
     _check_ids("prompt_token_ids", msg.prompt_token_ids, vocab)
-    s = msg.sampling
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise ValueError(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
-    if not 0 < s.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if not 0 <= s.min_p <= 1:
-        raise ValueError(f"sampling.min_p must be in [0, 1], got {s.min_p}")
-    if s.top_k < 0:
-        raise ValueError(f"sampling.top_k must be >= 0, got {s.top_k}")
-    if not -1 <= s.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"sampling.logprobs must be in [-1, {MAX_LOGPROBS}], got {s.logprobs}")
+    check_sampling_options(msg.sampling)  # a SamplingRuleError is a ValueError
     stop = msg.stop
     if len(msg.prompt_token_ids) + stop.max_tokens > model.max_model_len:
         raise ValueError(

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON, gumbel_argmax, gumbel_from_keys, gumbel_row_keys
-from strata.protocol import GREEDY_TEMPERATURE
+from strata.sampling_rules import check_min_p, check_temperature, check_top_p, greedy_and_inverse_temperature
 from strata.services.worker.host_to_device import upload
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingTensors", "keep_threshold", "sample_unfiltered"]
@@ -101,21 +101,17 @@ class SamplingTensors:
         n = temperature.shape[0]
         if not all(a.shape[0] == n for a in (top_k, top_p, min_p, seeds, positions)):
             raise ValueError("sampling settings must all have one entry per row")
-        if not np.all(temperature >= 0):  # also rejects NaN
-            raise ValueError("temperature must be >= 0")
-        if not np.all((top_p > 0) & (top_p <= 1)):
-            raise ValueError("top_p must be in (0, 1]")
-        if not np.all((min_p >= 0) & (min_p <= 1)):
-            raise ValueError("min_p must be in [0, 1]")
+        check_temperature(temperature)  # each a ValueError naming the setting
+        check_top_p(top_p)
+        check_min_p(min_p)
 
-        greedy = temperature < GREEDY_TEMPERATURE
+        greedy, inv_temperature = greedy_and_inverse_temperature(temperature)
         sampled = ~greedy
         # Filters only matter on sampled rows; turning them off elsewhere avoids needless sorts.
         top_k = np.where(sampled & (top_k > 0), top_k, 0)
         top_p = np.where(sampled, top_p, np.float32(1.0))
         min_p = np.where(sampled, min_p, np.float32(0.0))
         temperature = np.where(greedy, np.float32(0.0), temperature)
-        inv_temperature = np.float32(1.0) / np.where(greedy, np.float32(1.0), temperature)
         with np.errstate(divide="ignore", invalid="ignore"):
             min_p_offset = np.where(min_p > 0, temperature * np.log(min_p), -np.inf).astype(np.float32)
         sampled_rows = np.nonzero(sampled)[0].astype(np.int64)

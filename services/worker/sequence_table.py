@@ -8,11 +8,9 @@ gathers by row, never a loop over tokens.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from strata.protocol import GREEDY_TEMPERATURE, MAX_LOGPROBS
+from strata.sampling_rules import SamplingRuleError, check_sampling_options, greedy_and_inverse_temperature
 from strata.v1 import engine_pb2
 
 
@@ -63,7 +61,10 @@ class SequenceTable:
         if not self.free_rows:
             raise PlanError("more live sequences than this worker was sized for")
         s = seq.sampling
-        _check_sampling(s)
+        try:  # the scheduler checked these; a bad plan fails here, not with NaNs on the device
+            check_sampling_options(s)
+        except SamplingRuleError as e:
+            raise PlanError(f"invalid sampling options: {e}") from None
         row = self.free_rows.pop()
         self.rows[seq.seq_id] = row
         self.num_blocks[row] = 0
@@ -74,12 +75,10 @@ class SequenceTable:
         # Seeds are uint64 on the wire; keep their bits in int64.
         self.seed[row] = np.uint64(s.seed).astype(np.int64)
         self.logprobs[row] = s.logprobs
-        # The same float32 arithmetic as SamplingTensors.prepare, on one row (prepare's array
-        # overhead, paid per admission, showed up in the launch of prefill steps).
-        temperature = self.temperature[row]
-        greedy = bool(temperature < GREEDY_TEMPERATURE)
+        # SamplingTensors.prepare's rule on one row (prepare's array overhead, paid per
+        # admission, showed up in the launch of prefill steps).
+        greedy, self.inv_temperature[row] = greedy_and_inverse_temperature(self.temperature[row])
         self.greedy[row] = greedy
-        self.inv_temperature[row] = np.float32(1.0) / (np.float32(1.0) if greedy else temperature)
         self.unfiltered[row] = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
 
     def release(self, seq_id: int) -> None:
@@ -117,17 +116,3 @@ class SequenceTable:
                 raise PlanError("block table longer than max_model_len allows")
             self.block_tables[row, k : k + n] = ids[offsets[i] : offsets[i] + n]
             self.num_blocks[row] = k + n
-
-
-def _check_sampling(s: engine_pb2.SamplingOptions) -> None:
-    """The scheduler checked these; a worker checks again so that a bad plan fails with a clear
-    PlanError instead of NaNs or an out-of-range read on the device."""
-    if not (
-        math.isfinite(s.temperature)
-        and s.temperature >= 0
-        and 0 < s.top_p <= 1
-        and 0 <= s.min_p <= 1
-        and s.top_k >= 0
-        and -1 <= s.logprobs <= MAX_LOGPROBS
-    ):
-        raise PlanError(f"invalid sampling options: {s}".replace("\n", " "))
