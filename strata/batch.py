@@ -8,6 +8,11 @@ as BatchLLM does) and sent as prefix groups (Gateway.GenerateGroups), so each pr
 once. A bad line gets an error line and the rest run. Output lines are written as requests
 finish; run again after an interruption, it skips the custom_ids OUTPUT already answers, so
 nothing finished is lost or done twice.
+
+Against a running gateway (--address) the prompts are tokenized by the gateway itself
+(Gateway.TokenizeBatch, in chunks, a few calls in flight), so prefixes are found over exactly the
+served model's ids. A local --tokenizer is a shortcut that must first tokenize a few probes as the
+gateway does; the batch refuses to run on a mismatch, before any request is sent.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import json
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from strata import openai_format
+from strata.batch_tokenize import GatewayTokenizer, TokenizerMismatch, check_tokenizer
 from strata.client import gateway_channel
+from strata.prompt_tokens import ChatTemplateError, PromptInput, token_ids
 from strata.v1 import generate_pb2, generate_pb2_grpc
 
 # Shorter shared prefixes are not worth a group (a block or two of KV).
@@ -38,9 +46,41 @@ class Item:
     params: generate_pb2.SamplingParams
 
 
-def read_items(path: Path, done: set[str], tokenizer, max_model_len: int) -> tuple[list[Item], list[dict]]:
-    """The input's requests not answered yet, and error lines for the bad ones."""
-    items, errors, seen = [], [], set(done)
+@dataclass
+class Entry:
+    """A line read, its prompt not tokenized yet (token ids given in the line pass through)."""
+
+    custom_id: str
+    line: int
+    chat: bool
+    prompt: PromptInput | list[int]
+    params: generate_pb2.SamplingParams
+
+
+# Tokenizes prompts: each one's ids, or the message that refuses it.
+Tokenize = Callable[[list[PromptInput]], list[list[int] | str]]
+
+
+def read_items(path: Path, done: set[str], tokenize: Tokenize, max_model_len: int) -> tuple[list[Item], list[dict]]:
+    """The input's requests not answered yet, tokenized, and error lines for the bad ones."""
+    entries, errors = read_entries(path, done)
+    texts = [e.prompt for e in entries if isinstance(e.prompt, PromptInput)]
+    tokenized = iter(tokenize(texts))
+    items = []
+    for entry in entries:
+        prompt = entry.prompt if isinstance(entry.prompt, list) else next(tokenized)
+        if isinstance(prompt, str):
+            errors.append(error_line(entry.custom_id, 400, f"line {entry.line}: {prompt}"))
+            continue
+        if entry.chat and not entry.params.HasField("max_tokens") and len(prompt) < max_model_len:
+            entry.params.max_tokens = max_model_len - len(prompt)  # a chat answer may fill the context
+        items.append(Item(entry.custom_id, entry.chat, prompt, entry.params))
+    return items, errors
+
+
+def read_entries(path: Path, done: set[str]) -> tuple[list[Entry], list[dict]]:
+    """The input's lines not answered yet, parsed, and error lines for the bad ones."""
+    entries, errors, seen = [], [], set(done)
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -60,16 +100,16 @@ def read_items(path: Path, done: set[str], tokenizer, max_model_len: int) -> tup
                 if key in seen:
                     raise openai_format.BadField("custom_id", f"{key!r} appears twice")
                 seen.add(key)
-                items.append(_item(entry, key, tokenizer, max_model_len))
+                entries.append(_entry(entry, key, number))
             except json.JSONDecodeError as e:
                 if key not in done:
                     errors.append(error_line(key, 400, f"line {number}: not JSON: {e}"))
             except openai_format.BadField as e:
                 errors.append(error_line(key, 400, f"line {number}: {e}"))
-    return items, errors
+    return entries, errors
 
 
-def _item(entry: dict, custom_id: str, tokenizer, max_model_len: int) -> Item:
+def _entry(entry: dict, custom_id: str, line: int) -> Entry:
     url = entry.get("url")
     if url not in (openai_format.COMPLETIONS, openai_format.CHAT_COMPLETIONS):
         raise openai_format.BadField("url", f"must be {openai_format.COMPLETIONS} or {openai_format.CHAT_COMPLETIONS}")
@@ -81,11 +121,23 @@ def _item(entry: dict, custom_id: str, tokenizer, max_model_len: int) -> Item:
     if body.get("stream"):
         raise openai_format.BadField("body.stream", "a batch request cannot stream")
     chat = url == openai_format.CHAT_COMPLETIONS
-    prompt = openai_format.prompt_ids(body, chat, tokenizer)
-    params = openai_format.sampling_params(body, chat)
-    if chat and not params.HasField("max_tokens") and len(prompt) < max_model_len:
-        params.max_tokens = max_model_len - len(prompt)  # a chat answer may fill the context
-    return Item(custom_id, chat, prompt, params)
+    prompt = openai_format.prompt_input(body, chat)
+    return Entry(custom_id, line, chat, prompt, openai_format.sampling_params(body, chat))
+
+
+def local_tokenize(tokenizer) -> Tokenize:
+    """Tokenizes with a local tokenizer, through the gateway's own function (prompt_tokens)."""
+
+    def tokenize(prompts: list[PromptInput]) -> list[list[int] | str]:
+        out: list[list[int] | str] = []
+        for prompt in prompts:
+            try:
+                out.append(token_ids(tokenizer, prompt))
+            except ChatTemplateError as e:
+                out.append(f"messages: {e}")
+        return out
+
+    return tokenize
 
 
 def shared_prefix_groups(items: list[Item]) -> list[tuple[int, list[Item]]]:
@@ -187,13 +239,15 @@ def run_batch(
     input_path: Path,
     output_path: Path,
     address: str,
-    tokenizer,
+    tokenizer=None,
     api_key: str | None = None,
     progress: bool = True,
     timeout: float = 7 * 24 * 3600.0,
     tls_ca: str | None = None,
 ) -> int:
-    """Runs the batch against the gateway at `address`; returns the number of error lines."""
+    """Runs the batch against the gateway at `address`; returns the number of error lines.
+    Without `tokenizer` the gateway tokenizes; with one, it is checked against the gateway first
+    (TokenizerMismatch before any request is sent)."""
     from tqdm import tqdm
 
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
@@ -201,7 +255,12 @@ def run_batch(
     with gateway_channel(address, tls_ca) as channel:
         stub = generate_pb2_grpc.GatewayStub(channel)
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=60, metadata=metadata)
-        items, errors = read_items(input_path, done, tokenizer, info.max_model_len)
+        tokenize: Tokenize = GatewayTokenizer(stub, metadata)
+        if tokenizer is not None:
+            local = local_tokenize(tokenizer)
+            check_tokenizer(local, tokenize, tokenizer.name_or_path, info.model_name)
+            tokenize = local
+        items, errors = read_items(input_path, done, tokenize, info.max_model_len)
         by_id = {item.custom_id: item for item in items}
         with (
             open(output_path, "a", encoding="utf-8") as out,
@@ -230,26 +289,43 @@ def run_batch(
 
 
 def batch_cli(args) -> int:
-    from transformers import AutoTokenizer
-
-    from strata.model_source import resolve_model
-
     input_path, output_path = Path(args.input), Path(args.output)
     if not input_path.is_file():
         print(f"error: {input_path} is not a file", file=sys.stderr)
         return 2
-    model_dir = args.tokenizer or resolve_model(args.model)[0]
-    if model_dir is None:
-        print("error: the batch needs a tokenizer: --model DIR or --tokenizer DIR", file=sys.stderr)
-        return 2
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     progress = not args.no_progress
-    if args.address:
-        failed = run_batch(input_path, output_path, args.address, tokenizer, args.api_key, progress, tls_ca=args.tls_ca)
-    else:
-        failed = _with_local_cluster(args, input_path, output_path, tokenizer, progress)
+    try:
+        if args.address:
+            if args.model:
+                print(
+                    "error: --model starts a local cluster; with --address the gateway's model is used "
+                    "(--tokenizer DIR tokenizes locally, once checked against it)",
+                    file=sys.stderr,
+                )
+                return 2
+            tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+            failed = run_batch(
+                input_path, output_path, args.address, tokenizer, args.api_key, progress, tls_ca=args.tls_ca
+            )
+        else:
+            from strata.model_source import resolve_model
+
+            model_dir = args.tokenizer or resolve_model(args.model)[0]
+            if model_dir is None:
+                print("error: the batch needs a tokenizer: --model DIR or --tokenizer DIR", file=sys.stderr)
+                return 2
+            failed = _with_local_cluster(args, input_path, output_path, _load_tokenizer(model_dir), progress)
+    except TokenizerMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{output_path}: done, {failed} error line(s)", file=sys.stderr)
     return 0
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _with_local_cluster(args, input_path: Path, output_path: Path, tokenizer, progress: bool) -> int:

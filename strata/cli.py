@@ -53,9 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="model directory: the local cluster's model and the tokenizer (unset: the embedded default)",
+        help="model directory: the local cluster's model and the tokenizer (unset: the embedded default); "
+        "not with --address, where the gateway's model is used",
     )
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory, with --address (default: --model's)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer directory: with --address, prompts are tokenized here instead of by the gateway, "
+        "once a few probes show it tokenizes as the gateway does (a mismatch stops the batch before any "
+        "request); without --address, the local cluster's tokenizer (default: --model's)",
+    )
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
     add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
     p.add_argument("--device", default="auto", help="the local cluster's device")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from strata.prompt_tokens import PromptInput, token_ids
 from strata.v1 import generate_pb2
 
 COMPLETIONS = "/v1/completions"
@@ -90,36 +91,109 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return value
 
 
-def prompt_ids(body: dict, chat: bool, tokenizer) -> list[int]:
-    """The prompt's token ids: a completion's prompt (text or ids), or chat messages through the
-    tokenizer's chat template (with the assistant's turn opened)."""
+def prompt_input(body: dict, chat: bool) -> PromptInput | list[int]:
+    """What a request body asks to be tokenized (a completion's prompt text, or chat messages),
+    or a completion's prompt given as token ids. vLLM's add_special_tokens and
+    add_generation_prompt apply as on its endpoints."""
+    special = _optional_bool(body, "add_special_tokens")
     if chat:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise BadField("messages", "must be a non-empty list of {role, content} objects with string content")
-        if not getattr(tokenizer, "chat_template", None):
-            raise BadField("messages", "the model's tokenizer has no chat template")
-        return chat_prompt_ids(tokenizer, messages)
+        generation_prompt = _optional_bool(body, "add_generation_prompt")
+        return PromptInput(
+            messages=chat_messages(body.get("messages")),
+            add_special_tokens=special,
+            add_generation_prompt=True if generation_prompt is None else generation_prompt,
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt)
+        return PromptInput(text=prompt, add_special_tokens=special)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise BadField("prompt", "must be a non-empty string or list of token ids")
 
 
+def tokenize_input(body: dict) -> PromptInput:
+    """A /tokenize body: {"prompt"} or {"messages"} (vLLM's two request shapes)."""
+    if "messages" in body:
+        return prompt_input(body, chat=True)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise BadField("prompt", "must be a non-empty string (or give messages)")
+    return prompt_input(body, chat=False)
+
+
+def _optional_bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadField(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def chat_messages(messages, field: str = "messages") -> tuple[dict, ...]:
+    """OpenAI's chat messages as the chat template reads them: {"role", "content"}, each content
+    a string or a list of text parts joined as vLLM joins them."""
+    if not isinstance(messages, list) or not messages:
+        raise BadField(field, "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise BadField(f"{field}[{i}]", "must be an object with a non-empty string role")
+        out.append({"role": message["role"], "content": content_text(message.get("content"), f"{field}[{i}].content")})
+    return tuple(out)
+
+
+def content_text(content, field: str) -> str:
+    """A message's content: a string, or a list of content parts of which Strata serves the text
+    parts ({"type": "text", "text": ...}), joined with "\n" as vLLM does for chat templates that
+    take string content. Any other part (image_url, input_audio, file, ...) is refused, naming
+    its type."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadField(field, "must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise BadField(f"{field}[{i}].type", "each content part must be an object with a string type")
+        if kind != "text":
+            raise BadField(f"{field}[{i}].type", f"content parts of type {kind!r} are not supported; only 'text'")
+        if not isinstance(part.get("text"), str):
+            raise BadField(f"{field}[{i}].text", "a text part's text must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def prompt_from_proto(request: generate_pb2.TokenizeRequest) -> PromptInput:
+    """A TokenizeRequest's prompt; its chat goes through the same message parsing as JSON's."""
+    special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        if not request.prompt:
+            raise BadField("prompt", "must not be empty")
+        return PromptInput(text=request.prompt, add_special_tokens=special)
+    if which != "chat":
+        raise BadField("prompt", "prompt or chat is required")
+    chat = request.chat
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if m.content and m.content_parts:
+            raise BadField(f"chat.messages[{i}]", "set content or content_parts, not both")
+        content = m.content
+        if m.content_parts:
+            parts = [{"type": p.type, "text": p.text} for p in m.content_parts]
+            content = content_text(parts, f"chat.messages[{i}].content_parts")
+        messages.append({"role": m.role, "content": content})
+    return PromptInput(
+        messages=chat_messages(messages, "chat.messages"),
+        add_special_tokens=special,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+    )
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages through the tokenizer's chat template, the assistant's turn opened. The
-    template writes every special token itself, so the text is tokenized without adding any."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Chat messages through the tokenizer's chat template, the assistant's turn opened, as
+    /v1/chat/completions tokenizes them."""
+    return token_ids(tokenizer, PromptInput(messages=chat_messages(messages)))
 
 
 def logprobs_body(output: generate_pb2.CompletionOutput, chat: bool, token_text) -> dict | None:

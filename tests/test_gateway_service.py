@@ -9,6 +9,7 @@ import pytest
 
 from strata.default_model import build_tiny_tokenizer
 from strata.services.gateway.server import Gateway, GatewayServicer
+from strata.services.gateway.validation import Limits
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 
@@ -152,3 +153,180 @@ def test_client_cancel_aborts_every_child(tokenizer):
     fake = asyncio.run(go())
     assert sorted(fake.cancelled) == ["0_p", "1_p", "2_p", "3_p"]
     assert len({r.sampling.seed for r in fake.submitted}) == 4  # unseeded: independent seeds
+
+
+# Tokenize, TokenizeBatch and Detokenize: the ids Generate runs on, the same checks and limits.
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    tok = build_tiny_tokenizer(tmp_path_factory.mktemp("chat-tok"), vocab_size=384)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _run_against_gateway(tokenizer, calls, **gateway_kw):
+    """Runs `calls(stub, fake)` against a gateway (over a fake scheduler) built with gateway_kw."""
+
+    async def go():
+        fake = FakeScheduler()
+        sched_server = grpc.aio.server()
+        engine_pb2_grpc.add_SchedulerServicer_to_server(fake, sched_server)
+        sched_port = sched_server.add_insecure_port("127.0.0.1:0")
+        await sched_server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{sched_port}")
+        gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, "fake", **gateway_kw)
+        gw_server = grpc.aio.server()
+        generate_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), gw_server)
+        gw_port = gw_server.add_insecure_port("127.0.0.1:0")
+        await gw_server.start()
+        client_channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw_port}")
+        try:
+            return await calls(generate_pb2_grpc.GatewayStub(client_channel), fake)
+        finally:
+            await _close((client_channel, gw_server, channel, sched_server))
+
+    return asyncio.run(go())
+
+
+def _chat(*messages, **kw) -> generate_pb2.TokenizeRequest:
+    return generate_pb2.TokenizeRequest(chat=generate_pb2.ChatConversation(messages=list(messages), **kw))
+
+
+def test_tokenize_gives_the_ids_generate_submits_for_the_same_prompt(chat_tokenizer):
+    prompt = "The old lighthouse stood at the edge of the harbour."
+
+    async def calls(stub, fake):
+        tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=10)
+        params = generate_pb2.SamplingParams(max_tokens=3)
+        [r async for r in stub.Generate(generate_pb2.GenerateRequest(prompt=prompt, params=params), timeout=10)]
+        return tokenized, list(fake.submitted[0].prompt_token_ids)
+
+    tokenized, submitted = _run_against_gateway(chat_tokenizer, calls)
+    assert list(tokenized.tokens) == submitted == chat_tokenizer.encode(prompt)
+    assert (tokenized.count, tokenized.max_model_len) == (len(submitted), 256)
+
+
+def test_tokenize_chat_parts_and_switches_as_vllm(chat_tokenizer):
+    system = generate_pb2.ChatMessage(role="system", content="Be brief.")
+    text = generate_pb2.ChatMessage(role="user", content="Name a harbour.\nOne only.")
+    parts = generate_pb2.ChatMessage(
+        role="user",
+        content_parts=[
+            generate_pb2.ContentPart(type="text", text="Name a harbour."),
+            generate_pb2.ContentPart(type="text", text="One only."),
+        ],
+    )
+
+    async def calls(stub, fake):
+        get = lambda request: stub.Tokenize(request, timeout=10)  # noqa: E731
+        return [
+            list((await get(_chat(system, text))).tokens),
+            list((await get(_chat(system, parts))).tokens),
+            list((await get(_chat(system, parts, add_generation_prompt=False))).tokens),
+            list(
+                (
+                    await get(generate_pb2.TokenizeRequest(chat=_chat(system, parts).chat, add_special_tokens=True))
+                ).tokens
+            ),
+            list((await get(generate_pb2.TokenizeRequest(prompt="hello", add_special_tokens=False))).tokens),
+        ]
+
+    as_text, as_parts, no_turn, with_bos, bare = _run_against_gateway(chat_tokenizer, calls)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour.\nOne only."}]
+    rendered = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert as_text == as_parts == chat_tokenizer.encode(rendered, add_special_tokens=False)  # parts join with "\n"
+    unopened = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert no_turn == chat_tokenizer.encode(unopened, add_special_tokens=False) != as_text
+    assert with_bos == [chat_tokenizer.bos_token_id, *as_text]
+    assert bare == chat_tokenizer.encode("hello", add_special_tokens=False) != chat_tokenizer.encode("hello")
+
+
+def test_tokenize_refuses_bad_input_naming_the_field_and_a_batch_keeps_the_good_ones(chat_tokenizer):
+    image = generate_pb2.ChatMessage(
+        role="user",
+        content_parts=[
+            generate_pb2.ContentPart(type="text", text="What is in it?"),
+            generate_pb2.ContentPart(type="image_url", text="http://example.com/x.png"),
+        ],
+    )
+    both = generate_pb2.ChatMessage(role="user", content="a", content_parts=[generate_pb2.ContentPart(type="text")])
+    bad = {
+        "image part": (_chat(image), "chat.messages[0].content_parts[1].type", "image_url"),
+        "content twice": (_chat(both), "chat.messages[0]", "not both"),
+        "no role": (_chat(generate_pb2.ChatMessage(content="hi")), "chat.messages[0]", "role"),
+        "no messages": (_chat(), "chat.messages", "non-empty"),
+        "empty prompt": (generate_pb2.TokenizeRequest(prompt=""), "prompt", "empty"),
+        "nothing": (generate_pb2.TokenizeRequest(), "prompt", "required"),
+        "too long": (generate_pb2.TokenizeRequest(prompt="x" * 101), "prompt", "at most 100"),
+    }
+
+    async def calls(stub, fake):
+        errors = {}
+        for name, (request, _, _) in bad.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Tokenize(request, timeout=10)
+            errors[name] = err.value
+        good = generate_pb2.TokenizeRequest(prompt="fine")
+        batch = await stub.TokenizeBatch(
+            generate_pb2.TokenizeBatchRequest(requests=[good, bad["image part"][0], good, bad["too long"][0]]),
+            timeout=10,
+        )
+        return errors, batch
+
+    errors, batch = _run_against_gateway(chat_tokenizer, calls, limits=Limits(max_prompt_chars=100))
+    for name, (_, field, words) in bad.items():
+        assert errors[name].code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert field in errors[name].details() and words in errors[name].details(), (name, errors[name].details())
+    results = batch.results
+    assert [r.WhichOneof("result") for r in results] == ["response", "error", "response", "error"]
+    assert list(results[0].response.tokens) == list(results[2].response.tokens) == chat_tokenizer.encode("fine")
+    assert (
+        results[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "image_url" in results[1].error.message
+    )
+
+
+def test_detokenize_round_trips_and_refuses_ids_out_of_the_vocabulary(chat_tokenizer):
+    text = "Bread is one of the oldest prepared foods."
+
+    async def calls(stub, fake):
+        ids = (await stub.Tokenize(generate_pb2.TokenizeRequest(prompt=text, add_special_tokens=False))).tokens
+        back = await stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=ids), timeout=10)
+        errors = []
+        for tokens in ([5, 384], [-1], list(range(101))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=tokens), timeout=10)
+            errors.append(err.value)
+        return back.prompt, errors
+
+    back, errors = _run_against_gateway(chat_tokenizer, calls, limits=Limits(max_prompt_chars=100))
+    assert back == text
+    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in e.details() for e in errors)
+    assert "384" in errors[0].details() and "-1" in errors[1].details() and "at most 100" in errors[2].details()
+
+
+def test_tokenize_and_detokenize_need_the_api_key_as_generate_does(chat_tokenizer):
+    key = [("authorization", "Bearer sesame")]
+
+    async def calls(stub, fake):
+        codes = []
+        for call, request in (
+            (stub.Tokenize, generate_pb2.TokenizeRequest(prompt="x")),
+            (
+                stub.TokenizeBatch,
+                generate_pb2.TokenizeBatchRequest(requests=[generate_pb2.TokenizeRequest(prompt="x")]),
+            ),
+            (stub.Detokenize, generate_pb2.DetokenizeRequest(tokens=[5])),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request, timeout=10)
+            codes.append(err.value.code())
+            await call(request, timeout=10, metadata=key)  # with the key it answers
+        return codes
+
+    assert _run_against_gateway(chat_tokenizer, calls, api_key="sesame") == [grpc.StatusCode.UNAUTHENTICATED] * 3

@@ -4,6 +4,8 @@ event loop, calling the same Gateway object as the gRPC front (no second network
   GET  /v1/models            the served model
   POST /v1/completions       prompt (text or token ids) -> text; streamed as server-sent events
   POST /v1/chat/completions  messages through the model's chat template
+  POST /tokenize             a prompt or messages -> {count, max_model_len, tokens} (vLLM's shapes)
+  POST /detokenize           {tokens} -> {prompt}
   GET  /health               200 while the scheduler answers, else 503
   GET  /metrics              the gateway's Prometheus metrics
 
@@ -28,7 +30,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from strata import openai_format
+from strata.prompt_tokens import PromptInput
 from strata.services.gateway.server import Gateway, GatewayError
+from strata.services.gateway.validation import InvalidRequest
 from strata.v1 import generate_pb2
 
 _HTTP_STATUS = {
@@ -96,7 +100,8 @@ def build_app(gateway: Gateway) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    async def generate(request: Request, chat: bool) -> Response:
+    async def json_body(request: Request) -> dict | JSONResponse:
+        """The request's JSON object, or the response that refuses the request."""
         if (denied := await authorize(request)) is not None:
             return denied
         try:
@@ -105,17 +110,39 @@ def build_app(gateway: Gateway) -> Starlette:
             return error_response(400, "the body must be JSON")
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
+        return body
+
+    async def served_model(body: dict) -> generate_pb2.ModelInfo | JSONResponse:
+        """The model info, or a 404 when the body names another model (or 503 without a scheduler)."""
         try:
             info = await gateway.model_info()
-            if body.get("model") not in (None, info.model_name):
-                return error_response(
-                    404, f"model {body['model']!r} is not served here (it serves {info.model_name!r})", "model"
-                )
+        except GatewayError as e:
+            return _from_gateway(e)
+        if body.get("model") not in (None, info.model_name):
+            return error_response(
+                404, f"model {body['model']!r} is not served here (it serves {info.model_name!r})", "model"
+            )
+        return info
+
+    async def prompt_ids(prompt: PromptInput | list[int]) -> list[int]:
+        """Gateway.prompt_ids, the path Generate and Tokenize share; ids pass through."""
+        if isinstance(prompt, list):
+            return prompt
+        return await gateway.prompt_ids(prompt, "messages" if prompt.is_chat else "prompt")
+
+    async def generate(request: Request, chat: bool) -> Response:
+        if isinstance(body := await json_body(request), Response):
+            return body
+        if isinstance(info := await served_model(body), Response):
+            return info
+        try:
             stream = bool(body.get("stream", False))
             kind = generate_pb2.DELTA if stream else generate_pb2.FINAL_ONLY
             params = openai_format.sampling_params(body, chat, kind)
-            prompt = await _prompt(body, chat, info.max_model_len)
+            prompt = await prompt_ids(openai_format.prompt_input(body, chat))
         except openai_format.BadField as e:
+            return error_response(400, str(e), e.field)
+        except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         except GatewayError as e:
             return _from_gateway(e)
@@ -130,25 +157,34 @@ def build_app(gateway: Gateway) -> Starlette:
             return await _streamed(responses, chat, info.model_name, usage, request)
         return await _whole(responses, chat, info.model_name, request)
 
-    async def _prompt(body: dict, chat: bool, max_model_len: int) -> list[int]:
-        """The prompt's ids; its text's length is checked first, and a long one is tokenized on a
-        thread (as Gateway.encode does), so a huge body never stalls the event loop."""
-        text = body.get("prompt") if not chat else None
-        if chat and isinstance(body.get("messages"), list):
-            size = sum(
-                len(m.get("content", ""))
-                for m in body["messages"]
-                if isinstance(m, dict) and isinstance(m.get("content"), str)
-            )
-        else:
-            size = len(text) if isinstance(text, str) else 0
-        limit = gateway.limits.prompt_chars(max_model_len)
-        if size > limit:
-            field = "messages" if chat else "prompt"
-            raise openai_format.BadField(field, f"has {size:,} characters; at most {limit:,}")
-        if size < 4096:
-            return openai_format.prompt_ids(body, chat, gateway.tokenizer)
-        return await asyncio.to_thread(openai_format.prompt_ids, body, chat, gateway.tokenizer)
+    async def tokenize(request: Request) -> Response:
+        if isinstance(body := await json_body(request), Response):
+            return body
+        if isinstance(info := await served_model(body), Response):
+            return info
+        try:
+            ids = await prompt_ids(openai_format.tokenize_input(body))
+        except (openai_format.BadField, InvalidRequest) as e:
+            return error_response(400, str(e), e.field)
+        except GatewayError as e:
+            return _from_gateway(e)
+        return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        if isinstance(body := await json_body(request), Response):
+            return body
+        if isinstance(info := await served_model(body), Response):
+            return info
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return error_response(400, "tokens: must be a list of integers", "tokens")
+        try:
+            response = await gateway.detokenize(generate_pb2.DetokenizeRequest(tokens=tokens))
+        except ValueError:  # an id outside int32: certainly not in the vocabulary
+            return error_response(400, f"tokens must be in [0, {info.vocab_size})", "tokens")
+        except GatewayError as e:
+            return _from_gateway(e)
+        return JSONResponse({"prompt": response.prompt})
 
     def token_text(token_id: int) -> str:
         return gateway.tokenizer.decode([token_id])
@@ -225,6 +261,8 @@ def build_app(gateway: Gateway) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ]

@@ -15,7 +15,13 @@ from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import add_service, aio_channel, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
 from strata.services.gateway.http_api import http_server
-from strata.services.gateway.server import Gateway, GatewayError, GatewayServicer
+from strata.services.gateway.server import (
+    GENERATE_PROMPT_FIELD,
+    TOKENIZE_PROMPT_FIELD,
+    Gateway,
+    GatewayError,
+    GatewayServicer,
+)
 from strata.services.gateway.validation import Limits
 from strata.v1 import engine_pb2_grpc, generate_pb2
 
@@ -44,7 +50,10 @@ async def serve(args) -> None:
         server,
         GatewayServicer(gateway),
         generate_pb2.DESCRIPTOR.services_by_name["Gateway"],
-        prechecks={"Generate": gateway.refuse_huge_prompt},
+        prechecks={
+            "Generate": gateway.prompt_precheck(GENERATE_PROMPT_FIELD),
+            "Tokenize": gateway.prompt_precheck(TOKENIZE_PROMPT_FIELD),
+        },
     )
     service_names = [generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)

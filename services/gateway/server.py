@@ -2,8 +2,11 @@
 
 Gateway (the core) authorises, tokenizes and validates a request, then runs it through the n > 1
 fan-out (fanout.py), which streams merged, detokenized outputs back; it records the serving
-metrics. GatewayServicer is the gRPC front over it (the primary contract); http_api.py is the
-OpenAI-compatible HTTP front over the same object, in the same process and event loop.
+metrics. Every prompt, whichever front and method it comes through (Generate, Tokenize, the HTTP
+completions and chat), is tokenized by Gateway.prompt_ids, so Tokenize answers with exactly the
+ids Generate runs on. GatewayServicer is the gRPC front over it (the primary contract);
+http_api.py is the OpenAI-compatible HTTP front over the same object, in the same process and
+event loop.
 """
 
 from __future__ import annotations
@@ -15,13 +18,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from strata import openai_format
+from strata.prompt_tokens import ChatTemplateError, PromptInput, token_ids
 from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
 from strata.services.gateway.validation import InvalidRequest, Limits, top_level_field_size, validate_request
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
-PROMPT_FIELD = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+GENERATE_PROMPT_FIELD = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+TOKENIZE_PROMPT_FIELD = generate_pb2.TokenizeRequest.DESCRIPTOR.fields_by_name["prompt"].number
+# Prompts shorter than this are tokenized on the event loop: a thread hop costs more.
+_INLINE_CHARACTERS = 4096
 
 log = logging.getLogger("strata.gateway")
 
@@ -71,29 +79,109 @@ class Gateway:
             self._model_info = info
         return self._model_info
 
-    async def encode(self, text: str, field: str = "prompt", special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt's text. Its length is checked before it is tokenized, and a long
-        one is tokenized on a thread, so a huge prompt is cheap to reject and never stalls the
-        event loop (every other call, health checks included)."""
-        limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
-        if len(text) > limit:
-            raise InvalidRequest(field, f"{field} has {len(text):,} characters; at most {limit:,}")
-        if len(text) < 4096:
-            return self.tokenizer.encode(text, add_special_tokens=special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special_tokens)
+    async def prompt_ids(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
+        """The token ids of a prompt's text or chat; raises InvalidRequest naming `field`."""
+        (ids,) = await self.prompts_ids([(prompt, field)])
+        if isinstance(ids, InvalidRequest):
+            raise ids
+        return ids
 
-    async def refuse_huge_prompt(self, raw: bytes) -> str | None:
-        """Generate's check before parsing: a prompt of more than 4 bytes per allowed character is
-        too long whatever its text (UTF-8 takes at most 4), and refusing it from the wire format
-        spares the event loop the parse and the text's copy (about 80 ms for 10 MB on 2 cores)."""
-        try:
-            limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
-        except GatewayError:
-            return None  # the scheduler is away: Generate itself says so
-        size = top_level_field_size(raw, PROMPT_FIELD)
-        if size > 4 * limit:
-            return f"prompt has more than {limit:,} characters ({size:,} bytes); at most {limit:,}"
-        return None
+    async def prompts_ids(self, prompts: list[tuple[PromptInput, str]]) -> list[list[int] | InvalidRequest]:
+        """The one tokenization path: each (prompt, field)'s ids, or the InvalidRequest that refuses
+        it. A prompt's length is checked before it is tokenized, and long ones are tokenized on a
+        thread, so a huge prompt is cheap to reject and never stalls the event loop (every other
+        call, health checks included)."""
+        limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
+
+        def tokenize(prompt: PromptInput, field: str) -> list[int] | InvalidRequest:
+            size = prompt.characters()
+            if size > limit:
+                return InvalidRequest(field, f"{field} has {size:,} characters; at most {limit:,}")
+            try:
+                return token_ids(self.tokenizer, prompt)
+            except ChatTemplateError as e:
+                return InvalidRequest(field, f"{field}: {e}")
+
+        def tokenize_all() -> list[list[int] | InvalidRequest]:
+            return [tokenize(prompt, field) for prompt, field in prompts]
+
+        if sum(min(p.characters(), limit + 1) for p, _ in prompts) < _INLINE_CHARACTERS:
+            return tokenize_all()
+        return await asyncio.to_thread(tokenize_all)
+
+    async def encode(self, text: str, field: str = "prompt", special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt's text (prompt_ids for text)."""
+        return await self.prompt_ids(PromptInput(text=text, add_special_tokens=special_tokens), field)
+
+    def prompt_precheck(self, field_number: int):
+        """A check of a request before it is parsed: a prompt (top-level field `field_number`) of
+        more than 4 bytes per allowed character is too long whatever its text (UTF-8 takes at most
+        4), and refusing it from the wire format spares the event loop the parse and the text's
+        copy (about 80 ms for 10 MB on 2 cores)."""
+
+        async def refuse_huge_prompt(raw: bytes) -> str | None:
+            try:
+                limit = self.limits.prompt_chars((await self.model_info()).max_model_len)
+            except GatewayError:
+                return None  # the scheduler is away: the call itself says so
+            size = top_level_field_size(raw, field_number)
+            if size > 4 * limit:
+                return f"prompt has more than {limit:,} characters ({size:,} bytes); at most {limit:,}"
+            return None
+
+        return refuse_huge_prompt
+
+    async def tokenize(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
+        """A TokenizeRequest's ids, as Generate (or /v1/chat/completions) would run them."""
+        info = await self.model_info()
+        (ids,) = await self._tokenized_requests([request])
+        if isinstance(ids, InvalidRequest):
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(ids), ids.field)
+        return generate_pb2.TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
+
+    async def tokenize_batch(self, request: generate_pb2.TokenizeBatchRequest) -> generate_pb2.TokenizeBatchResponse:
+        info = await self.model_info()
+        results = []
+        for ids in await self._tokenized_requests(request.requests):
+            if isinstance(ids, InvalidRequest):
+                error = generate_pb2.RequestError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(ids))
+                results.append(generate_pb2.TokenizeResult(error=error))
+            else:
+                response = generate_pb2.TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
+                results.append(generate_pb2.TokenizeResult(response=response))
+        return generate_pb2.TokenizeBatchResponse(results=results)
+
+    async def _tokenized_requests(self, requests) -> list[list[int] | InvalidRequest]:
+        parsed: list[tuple[PromptInput, str] | InvalidRequest] = []
+        for r in requests:
+            try:
+                prompt = openai_format.prompt_from_proto(r)
+                parsed.append((prompt, "chat" if prompt.is_chat else "prompt"))
+            except openai_format.BadField as e:
+                parsed.append(InvalidRequest(e.field, str(e)))
+        tokenized = iter(await self.prompts_ids([p for p in parsed if not isinstance(p, InvalidRequest)]))
+        return [p if isinstance(p, InvalidRequest) else next(tokenized) for p in parsed]
+
+    async def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
+        """The ids' text. The ids are checked as a prompt's are: in the vocabulary, and no more of
+        them than the longest prompt has characters."""
+        info = await self.model_info()
+        ids = list(request.tokens)
+        limit = self.limits.prompt_chars(info.max_model_len)
+        if len(ids) > limit:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"tokens holds {len(ids):,} ids; at most {limit:,}", "tokens"
+            )
+        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < info.vocab_size)
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"tokens must be in [0, {info.vocab_size}), got {bad}", "tokens"
+            )
+        if len(ids) < _INLINE_CHARACTERS // 4:
+            text = self.tokenizer.decode(ids)
+        else:
+            text = await asyncio.to_thread(self.tokenizer.decode, ids)
+        return generate_pb2.DetokenizeResponse(prompt=text)
 
     async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt_input")
@@ -102,7 +190,7 @@ class Gateway:
         if which == "prompt":
             prompt = request.prompt  # each read copies the whole text out of the message: once
             if prompt:
-                return await self.encode(prompt)
+                return await self.prompt_ids(PromptInput(text=prompt))
         raise InvalidRequest("prompt", "prompt is empty: set prompt or prompt_token_ids")
 
     async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -167,6 +255,27 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
         await self._authorize(context)
         try:
             return await self.gateway.model_info()
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def Tokenize(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.gateway.tokenize(request)
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def TokenizeBatch(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.gateway.tokenize_batch(request)
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def Detokenize(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.gateway.detokenize(request)
         except GatewayError as e:
             await context.abort(e.code, e.message)
 

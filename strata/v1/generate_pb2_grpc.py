@@ -44,6 +44,21 @@ class GatewayStub:
                 request_serializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/strata.v1.Gateway/Tokenize',
+                request_serializer=strata_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.TokenizeBatch = channel.unary_unary(
+                '/strata.v1.Gateway/TokenizeBatch',
+                request_serializer=strata_dot_v1_dot_generate__pb2.TokenizeBatchRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_generate__pb2.TokenizeBatchResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/strata.v1.Gateway/Detokenize',
+                request_serializer=strata_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GenerateGroups = channel.stream_stream(
                 '/strata.v1.Gateway/GenerateGroups',
                 request_serializer=strata_dot_v1_dot_generate__pb2.PrefixGroup.SerializeToString,
@@ -63,6 +78,31 @@ class GatewayServicer:
 
     def GetModelInfo(self, request, context):
         """Describes the served model and cluster.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The token ids Generate uses for a prompt's text or a chat conversation (the same tokenizer,
+        chat template and checks), with their count and the model's context length, as vLLM's
+        /tokenize. A prompt longer than the context is tokenized all the same: compare count with
+        max_model_len.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizeBatch(self, request, context):
+        """Many Tokenize requests in one call (a client tokenizing a large batch file): one result per
+        request, in order. A bad request gets an error of its own and the rest are tokenized.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, as vLLM's /detokenize.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +130,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=strata_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=strata_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizeBatch,
+                    request_deserializer=strata_dot_v1_dot_generate__pb2.TokenizeBatchRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_generate__pb2.TokenizeBatchResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=strata_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GenerateGroups': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateGroups,
@@ -151,6 +206,87 @@ class Gateway:
             '/strata.v1.Gateway/GetModelInfo',
             strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             strata_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Gateway/Tokenize',
+            strata_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            strata_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Gateway/TokenizeBatch',
+            strata_dot_v1_dot_generate__pb2.TokenizeBatchRequest.SerializeToString,
+            strata_dot_v1_dot_generate__pb2.TokenizeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Gateway/Detokenize',
+            strata_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            strata_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
