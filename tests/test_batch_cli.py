@@ -203,3 +203,119 @@ def test_a_rerun_after_an_interruption_answers_every_line_exactly_once(cluster, 
     ids = [line["custom_id"] for line in read_output(tmp_path / "out.jsonl")]
     assert sorted(ids) == sorted(e["custom_id"] for e in entries)  # each exactly once
     assert all(line["error"] is None for line in read_output(tmp_path / "out.jsonl"))
+
+
+def run_batch_through_gateway(c, tmp_path, *extra, name="out.jsonl"):
+    """`strata batch --address` with no --model: whatever tokenizes, it is not a guess."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "batch",
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / name),
+            "--address",
+            c.gateway_address,
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_without_a_tokenizer_the_gateway_tokenizes_and_every_answer_equals_a_plain_generate(cluster, tmp_path):
+    import httpx
+
+    c, client = cluster
+    entries = lines()
+    as_parts = {
+        "custom_id": "parts",
+        "url": "/v1/chat/completions",
+        "body": {
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": CONTEXTS[0]}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Summarise it,"}, {"type": "text", "text": "0."}],
+                },
+            ],
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+    ids = {
+        "custom_id": "ids",
+        "url": "/v1/completions",
+        "body": {"prompt": [1, 40, 41, 42, 43], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    bad = {
+        "image": {"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": [image]}]}},
+        "too-long": {"url": "/v1/completions", "body": {"prompt": "x" * 20_000}},  # 512 x 32 characters at most
+        "out-of-vocab": {"url": "/v1/completions", "body": {"prompt": [1, 10**6]}},
+    }
+    write_input(
+        tmp_path / "in.jsonl",
+        [*entries, as_parts, ids, *({"custom_id": k, **v} for k, v in bad.items())],
+    )
+    done = run_batch_through_gateway(c, tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = {line["custom_id"]: line for line in read_output(tmp_path / "out.jsonl")}
+    assert len(out) == len(entries) + 2 + len(bad)
+    assert {k for k, line in out.items() if line["error"]} == set(bad)
+    assert "image_url" in out["image"]["error"]["message"] and "characters" in out["too-long"]["error"]["message"]
+    assert "prompt_token_ids" in out["out-of-vocab"]["error"]["message"]
+
+    def plain(entry) -> tuple[str, int]:
+        """What the same request alone gives: gRPC Generate on the text, or HTTP chat."""
+        body = entry["body"]
+        if "messages" in body:
+            r = httpx.post(c.http_address + "/v1/chat/completions", json=body, timeout=60).json()
+            return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens"]
+        (last,) = [
+            r for r in client.generate(body["prompt"], max_tokens=5, temperature=0.0, ignore_eos=True) if r.finished
+        ]
+        return last.outputs[0].text, last.usage.prompt_tokens
+
+    for entry in [*entries, as_parts, ids]:
+        body = out[entry["custom_id"]]["response"]["body"]
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if "messages" in entry["body"] else choice["text"]
+        assert (text, body["usage"]["prompt_tokens"]) == plain(entry), entry["custom_id"]
+    # The parts join as vLLM joins them: the same prompt as the string "Summarise it,\n0.".
+    chat0 = next(e for e in entries if e["custom_id"] == "chat0")
+    joined = dict(
+        chat0["body"], messages=[chat0["body"]["messages"][0], {"role": "user", "content": "Summarise it,\n0."}]
+    )
+    assert plain({"body": joined}) == plain(as_parts)
+
+
+def test_a_tokenizer_of_another_model_is_refused_before_any_request(cluster, model_dir, tmp_path):
+    from strata.default_model import build_tiny_tokenizer
+
+    c, _ = cluster
+    other = tmp_path / "other-tokenizer"
+    build_tiny_tokenizer(other, vocab_size=320)  # trained on the same text: close, but not the same ids
+    write_input(tmp_path / "in.jsonl", lines())
+    before = scheduler_stats(c)
+    done = run_batch_through_gateway(c, tmp_path, "--tokenizer", str(other))
+    assert done.returncode == 2
+    assert str(other) in done.stderr and repr(model_dir.name) in done.stderr, done.stderr
+    after = scheduler_stats(c)
+    assert after.prefill_tokens_computed == before.prefill_tokens_computed  # no Generate, no group
+    assert after.finished_requests == before.finished_requests
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+    # The served model's own tokenizer passes the check and the batch runs.
+    assert run_batch_through_gateway(c, tmp_path, "--tokenizer", str(model_dir)).returncode == 0
+    assert len(read_output(tmp_path / "out.jsonl")) == len(lines())
+
+
+def test_with_an_address_a_model_is_not_taken_for_the_gateways(cluster, model_dir, tmp_path):
+    c, _ = cluster
+    write_input(tmp_path / "in.jsonl", lines()[:1])
+    done = run_batch_through_gateway(c, tmp_path, "--model", str(model_dir))
+    assert done.returncode == 2 and "--model" in done.stderr

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from strata.openai_format import chat_prompt_ids
 from strata.v1 import generate_pb2
@@ -301,6 +302,9 @@ def test_api_key_and_503_while_the_pipeline_is_down(model_dir):
         auth = {"Authorization": "Bearer sesame"}
         ok = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
         assert httpx.post(url, json=ok, headers=auth, timeout=30).status_code == 200
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+            assert httpx.post(c.http_address + path, json=body, timeout=30).status_code == 401
+            assert httpx.post(c.http_address + path, json=body, headers=auth, timeout=30).status_code == 200
         worker = next(proc for name, proc in c.procs if name == "worker 0")
         worker.kill()
         worker.wait()
@@ -323,3 +327,106 @@ def test_api_key_and_503_while_the_pipeline_is_down(model_dir):
         assert r.status_code == 200, r.text
         after = metric_values(c)
         assert after[E2E + "_count"] == 2 and after["strata_generation_tokens_total"] == 4
+
+
+def test_tokenize_detokenize_round_trip_and_give_the_ids_generate_runs_on(cluster, model_dir, oai):
+    c, client = cluster
+    url = c.http_address
+    prompt = "The old lighthouse stood"
+    got = httpx.post(url + "/tokenize", json={"model": model_dir.name, "prompt": prompt}, timeout=30).json()
+    over_grpc = client.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=30)
+    assert got["tokens"] == list(over_grpc.tokens) and got["count"] == len(got["tokens"]) == over_grpc.count
+    assert got["max_model_len"] == client.model_info().max_model_len == over_grpc.max_model_len
+    # Generate on the text and Generate on the ids Tokenize gave: the same prompt, the same tokens.
+    by_text = grpc_text(client, prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert grpc_text(client, got["tokens"], max_tokens=8, temperature=0.0, ignore_eos=True) == by_text
+    completion = oai.completions.create(model=model_dir.name, prompt=prompt, max_tokens=1)
+    assert completion.usage.prompt_tokens == got["count"]
+
+    bare = httpx.post(url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False}, timeout=30).json()
+    assert bare["tokens"] == got["tokens"][1:]  # the tiny tokenizer adds one BOS
+    back = httpx.post(url + "/detokenize", json={"model": model_dir.name, "tokens": bare["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": prompt}
+    assert client.stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=bare["tokens"]), timeout=30).prompt == prompt
+
+    # A chat: its ids are the ones /v1/chat/completions runs on (same usage, same greedy answer).
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour."}]
+    chat_ids = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    assert chat_ids == chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), messages)
+    chat = oai.chat.completions.create(
+        model=model_dir.name, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert (
+        grpc_text(client, chat_ids, max_tokens=6, temperature=0.0, ignore_eos=True)[0]
+        == chat.choices[0].message.content
+    )
+    grpc_chat = generate_pb2.TokenizeRequest(
+        chat=generate_pb2.ChatConversation(messages=[generate_pb2.ChatMessage(**m) for m in messages])
+    )
+    assert list(client.stub.Tokenize(grpc_chat, timeout=30).tokens) == chat_ids
+    unopened = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30)
+    assert unopened.json()["tokens"] != chat_ids and chat_ids[: unopened.json()["count"]] == unopened.json()["tokens"]
+
+
+TOKENIZE_BAD = [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": ""}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x" * 20_000}, 400, "prompt"),  # the tiny model's 512 x 32 characters
+    ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
+    ("/tokenize", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1, 10**12]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, field", TOKENIZE_BAD)
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(cluster, path, body, status, field):
+    c, _ = cluster
+    r = httpx.post(c.http_address + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_huge_tokenize_prompt_is_refused_before_it_is_parsed(cluster):
+    import grpc
+
+    _, client = cluster
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Tokenize(generate_pb2.TokenizeRequest(prompt="p" * (10 << 20)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+    assert time.monotonic() - started < 5
+
+
+def test_chat_content_as_text_parts_through_the_openai_client(model_dir, oai):
+    kw = dict(model=model_dir.name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Name a harbour."}, {"type": "text", "text": "One."}]},
+    ]
+    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour.\nOne."}]
+    by_parts = oai.chat.completions.create(messages=parts, **kw)
+    by_text = oai.chat.completions.create(messages=joined, **kw)
+    assert by_parts.choices[0].message.content == by_text.choices[0].message.content
+    assert by_parts.usage.prompt_tokens == by_text.usage.prompt_tokens
+    streamed = oai.chat.completions.create(messages=parts, stream=True, **kw)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == by_text.choices[0].message.content
+    )
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}], **kw
+        )
+    assert err.value.status_code == 400 and "image_url" in err.value.message
+    assert err.value.body["param"] == "messages[0].content[1].type"
