@@ -15,7 +15,6 @@ import json
 import math
 import os
 import platform
-import secrets
 import signal
 import subprocess
 import time
@@ -24,12 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.flags import service_args
+from strata.flags import SPECULATIVE_FLAGS, argv_for, service_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The clusters a benchmark starts and the scheduler calls it makes share one cluster token (with
-# --address, the running cluster's, from the environment).
-os.environ.setdefault("STRATA_CLUSTER_TOKEN", secrets.token_hex(16))
 DEFAULT_GPU_MODEL = "dummy:llama-3.2-1b"
 # Token ids below this are the special tokens of the embedded default model (BOS, EOS);
 # random prompts stay clear of them.
@@ -127,60 +123,54 @@ def with_overrides(args, **overrides):
     return argparse.Namespace(**{**vars(args), **overrides})
 
 
+# The `strata serve` flags a benchmark's cluster takes from the benchmark's own flags; the
+# speculative ones only when a method is set (a draft model alone would turn speculation on).
+SERVE_FLAGS = (
+    "pipeline_stages",
+    "device",
+    "dtype",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "max_plans_in_flight",
+    "model",
+    "tokenizer",
+    "num_kv_blocks",
+    "enforce_eager",
+    "no_prefix_caching",
+    "disable_cascade_attn",
+    "profile_output",
+)
+SPECULATIVE_SERVE_FLAGS = (*SPECULATIVE_FLAGS, "draft_num_layers", "draft_model")
+
+
 def serve_argv(args, model: str | None) -> list[str]:
     """`strata serve` arguments for the cluster a benchmark starts."""
     from strata.launcher import free_port
 
-    argv = [
-        "serve",
-        "--port",
-        str(free_port()),
-        "--http-port",
-        str(free_port()),
-        "--pipeline-stages",
-        str(args.pipeline_stages),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--block-size",
-        str(args.block_size),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-plans-in-flight",
-        str(args.max_plans_in_flight),
-    ]
-    if model:
-        argv += ["--model", model]
-    if getattr(args, "tokenizer", None):
-        argv += ["--tokenizer", args.tokenizer]
-    if args.num_kv_blocks:
-        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
-    if getattr(args, "no_prefix_caching", False):
-        argv.append("--no-prefix-caching")
-    if getattr(args, "disable_cascade_attn", False):
-        argv.append("--disable-cascade-attn")
-    if getattr(args, "profile_output", None):
-        argv += ["--profile-output", args.profile_output]
+    settings = {**vars(args), "model": model, "port": free_port(), "http_port": free_port()}
+    names = ("port", "http_port", *SERVE_FLAGS)
     if getattr(args, "speculative_method", None):
-        argv += [
-            "--speculative-method",
-            args.speculative_method,
-            "--num-speculative-tokens",
-            str(args.num_speculative_tokens),
-        ]
-        for flag in ("ngram_min", "ngram_max", "speculative_max_batch", "draft_num_layers", "draft_model"):
-            if getattr(args, flag, None):
-                argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return argv
+        names += SPECULATIVE_SERVE_FLAGS
+    return ["serve", *argv_for(settings, names)]
+
+
+@contextlib.contextmanager
+def cluster_token_env(token: str):
+    """$STRATA_CLUSTER_TOKEN is `token` while the block runs (restored after): the scheduler calls
+    this process makes (scheduler_channel) carry the token of the cluster it started. With
+    --address they carry the running cluster's, which the environment names."""
+    previous = os.environ.get("STRATA_CLUSTER_TOKEN")
+    os.environ["STRATA_CLUSTER_TOKEN"] = token
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("STRATA_CLUSTER_TOKEN", None)
+        else:
+            os.environ["STRATA_CLUSTER_TOKEN"] = previous
 
 
 @contextlib.contextmanager
@@ -207,12 +197,13 @@ def cluster_for(args):
         flush=True,
     )
     try:
-        yield Endpoints(
-            cluster.gateway_address,
-            cluster.scheduler_address,
-            own_cluster=True,
-            service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
-        )
+        with cluster_token_env(cluster.cluster_token):
+            yield Endpoints(
+                cluster.gateway_address,
+                cluster.scheduler_address,
+                own_cluster=True,
+                service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
+            )
     finally:
         cluster.stop()
 
@@ -391,8 +382,9 @@ async def run_all_at_once(
             for prompt, p in zip(prompts, per_prompt):
                 tasks.append(asyncio.create_task(one(prompt, p)))
                 # Let the loop send it before building the next: gathered at once, the first
-                # request left only after all were built and started (~100 ms for 1,000 prompts
-                # of 512 tokens), time the server spent idle at the start of the measurement.
+                # request left only after all were built and started, time the server spent idle
+                # at the start of the measurement (bench/RESULTS.md, "Figures moved from code
+                # comments").
                 await asyncio.sleep(0)
             return list(await asyncio.gather(*tasks))
 

@@ -23,8 +23,9 @@ import json
 import os
 
 from strata.bench import common
+from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
-from strata.bench_cli import add_bench_parser
+from strata.flags import DEFAULTS
 
 # (decode chain, PDL, one-launch decode attention)
 WAYS = {
@@ -37,20 +38,8 @@ WAYS = {
 
 
 def roofline_args(model: str, max_batch: int):
-    parser = argparse.ArgumentParser(prog="strata")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(
-        [
-            "bench",
-            "roofline",
-            "--model",
-            model,
-            "--device",
-            "cuda",
-            "--max-num-batched-tokens",
-            str(max(2048, max_batch)),
-        ]
-    )
+    budget = max(DEFAULTS["max_num_batched_tokens"], max_batch)
+    return bench_settings(model=model, device="cuda", max_num_batched_tokens=budget)
 
 
 def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool) -> None:

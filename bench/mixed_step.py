@@ -22,6 +22,7 @@ import statistics
 import numpy as np
 
 from strata.bench import common
+from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import (
     _layer_matmul_weights,
     back_to_back,
@@ -30,7 +31,7 @@ from strata.bench.roofline import (
     measure_copy_bandwidth,
     measure_matmul_flops,
 )
-from strata.bench_cli import add_bench_parser
+from strata.flags import DEFAULTS
 
 
 def mixed_plan(decodes: int, chunk: int, context_len: int, block_size: int, vocab_size: int, new: bool):
@@ -105,12 +106,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     largest = max(d + c for d, c in shapes)
-    budget = max(2048, largest)
-    parser = argparse.ArgumentParser(prog="strata")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        ["bench", "roofline", "--model", a.model, "--device", a.device, "--max-num-batched-tokens", str(budget)]
-    )
+    budget = max(DEFAULTS["max_num_batched_tokens"], largest)
+    args = bench_settings(model=a.model, device=a.device, max_num_batched_tokens=budget)
     max_decodes = max(d for d, _ in shapes)
     runner = load_runner(
         args,

@@ -13,8 +13,9 @@ import time
 
 import torch
 
+from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_plans, load_runner, prefill_plan
-from strata.bench_cli import add_bench_parser
+from strata.flags import DEFAULTS
 
 
 def main() -> None:
@@ -34,13 +35,9 @@ def main() -> None:
     p.add_argument("--skip-host-profile", action="store_true", help="no cProfile table of the host side")
     p.add_argument("--rows", type=int, default=30, help="rows of the GPU kernel table")
     a = p.parse_args()
-    argv = ["bench", "roofline", "--model", a.model, "--device", "cuda"]
-    if a.enforce_eager:
-        argv.append("--enforce-eager")
-    argv += ["--max-num-batched-tokens", str(max(2048, a.batch * a.prefill_len))]
-    parser = argparse.ArgumentParser(prog="strata")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)  # the roofline benchmark's flags: load_runner reads them
+    budget = max(DEFAULTS["max_num_batched_tokens"], a.batch * a.prefill_len)
+    # The benchmarks' flags at their defaults but these: load_runner reads them.
+    args = bench_settings(model=a.model, device="cuda", enforce_eager=a.enforce_eager, max_num_batched_tokens=budget)
     runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size, a.temperature, 0)
     if a.prefill_len:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from strata.bench import common
-from strata.flags import service_args
+from strata.flags import argv_for, service_args
 
 # ---------------------------------------------------------------- the floor
 
@@ -155,34 +155,17 @@ def load_runner(args, batch: int, context_len: int, extra: list[str] = ()):
     block_size = args.block_size
     blocks_per_seq = math.ceil(context_len / block_size)
     num_blocks = batch * blocks_per_seq + 1  # block 0 left unused: tables are padded with it
-    max_model_len = (blocks_per_seq + 1) * block_size
-    model = common.resolve_model(args)
-    argv = [
-        "worker",
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--block-size",
-        str(block_size),
-        "--max-model-len",
-        str(max_model_len),
-        "--num-kv-blocks",
-        str(num_blocks),
-        "--max-num-seqs",
-        str(batch),
-        "--max-num-batched-tokens",
-        str(max(batch, args.max_num_batched_tokens)),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--seed",
-        str(args.seed),
-    ]
-    if model:
-        argv += ["--model", model]
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
-    runner, _ = build(service_args(argv + list(extra)))
+    settings = {
+        **vars(args),
+        "max_model_len": (blocks_per_seq + 1) * block_size,
+        "num_kv_blocks": num_blocks,
+        "max_num_seqs": batch,
+        "max_num_batched_tokens": max(batch, args.max_num_batched_tokens),
+        "model": common.resolve_model(args),
+    }
+    names = ("device", "dtype", "block_size", "max_model_len", "num_kv_blocks", "max_num_seqs")
+    names += ("max_num_batched_tokens", "gpu_memory_utilization", "seed", "model", "enforce_eager")
+    runner, _ = build(service_args(["worker", *argv_for(settings, names), *extra]))
     runner.init_cache(num_blocks)
     return runner
 

@@ -16,6 +16,7 @@ import argparse
 import collections
 import random
 
+from strata.flags import DEFAULTS, OFFLINE_MAX_NUM_BATCHED_TOKENS
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
@@ -55,9 +56,16 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=1000, help="requests, all submitted at once")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="the scheduler's running-sequence cap")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the scheduler's token budget per step")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"], help="the scheduler's running-sequence cap"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=OFFLINE_MAX_NUM_BATCHED_TOKENS,  # the offline workload's budget
+        help="the scheduler's token budget per step",
+    )
+    p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="KV block size in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     args = p.parse_args()
     steps = simulate(args)

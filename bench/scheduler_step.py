@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 
+from strata.flags import DEFAULTS
 from strata.gc_tuning import SERVING_GEN0_THRESHOLD
 from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
 from strata.services.scheduler.plan_codec import plan_to_proto
@@ -141,7 +142,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=40, help="untimed steps first (prefill and the first decodes)")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats; the best and the median are printed")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="KV block size in tokens")
     p.add_argument(
         "--lookahead",
         type=int,

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from strata.bench.cluster_flags import add_common_flags
+from strata.flags import OFFLINE_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_SEQS
+
 DESCRIPTIONS = {
     "throughput": "Offline throughput: every prompt submitted at once through gateway -> scheduler -> workers, "
     "then the same workload through HF transformers generate() on the same device, then the "
@@ -30,83 +33,6 @@ DESCRIPTIONS = {
     "checked against the plain run. With a draft model, also the step costs and the speedups "
     "they predict.",
 }
-
-
-def _common_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and cluster")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
-        "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)",
-    )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="HF tokenizer directory for the gateway (default: --model's; a dummy model's: the "
-        "embedded default model's)",
-    )
-    g.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages (worker processes)")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget of one step (throughput: 16384, where large prefill steps pay off; "
-        "2048 elsewhere keeps decodes beside prefill chunks fast)",
-    )
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory a worker may use")
-    g.add_argument("--max-model-len", type=int, default=0, help="longest sequence (0: the model's)")
-    g.add_argument("--num-kv-blocks", type=int, default=0, help="force this many KV blocks (0: size from memory)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument(
-        "--max-plans-in-flight",
-        type=int,
-        default=0,
-        help="scheduler plans in flight (0: the scheduler's default; see `strata scheduler --help`)",
-    )
-    g.add_argument(
-        "--address", default=None, help="gateway host:port of a running cluster (default: start one for this run)"
-    )
-    g.add_argument(
-        "--scheduler-address", default=None, help="with --address: the scheduler's host:port, for its statistics"
-    )
-    g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the cluster")
-    g.add_argument("--service-log-level", default="WARNING", help="log level of the services this run starts")
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and dummy weights")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    g.add_argument("--request-timeout", type=float, default=3600.0, help="deadline of each request, in seconds")
-    g.add_argument("--warmup-requests", type=int, default=2, help="short requests sent before measuring")
-    g.add_argument("--output", default=None, help="write the results to this JSON file")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g = p.add_argument_group("speculative decoding (off unless --speculative-method)")
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None, help="the proposer")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
-    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
-    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
-    g.add_argument(
-        "--speculative-max-batch",
-        type=int,
-        default=32,
-        help="running requests above which the server stops speculating",
-    )
-    g.add_argument("--draft-model", default=None, help="HF directory of the draft model (method draft)")
-    g.add_argument(
-        "--draft-num-layers",
-        type=int,
-        default=0,
-        help="the draft: the target's first N layers (method draft without --draft-model)",
-    )
-    g.add_argument(
-        "--spy-dir",
-        default=None,
-        help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
-        "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)",
-    )
 
 
 def _workload(p, num_prompts: int, input_len: int, output_len: int) -> None:
@@ -150,12 +76,11 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     )
     p.add_argument("--roofline-batch", type=int, default=256, help="decode batch of the roofline")
     p.add_argument("--roofline-steps", type=int, default=20, help="timed decode steps")
-    _common_flags(p)
-    # vLLM's offline default on GPUs of >= 70 GiB. Measured on an H200, on one machine: 37.1-37.5k
-    # output tok/s, against 30.8-32.3k with the common default of 2048 and 36.0k with 4096. (It
-    # must follow _common_flags: argparse lets an argument's own default win over an earlier
-    # set_defaults.)
-    p.set_defaults(max_num_batched_tokens=16384)
+    add_common_flags(p)
+    # The offline step budget (strata.flags; bench/RESULTS.md has what it gains over the serving
+    # default). It must follow add_common_flags: argparse lets an argument's own default win over
+    # an earlier set_defaults.
+    p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
     p = sub.add_parser(
         "latency",
@@ -178,7 +103,7 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         help="time the bare model decode step at batch --concurrency in-process",
     )
     p.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps")
-    _common_flags(p)
+    add_common_flags(p)
 
     p = sub.add_parser(
         "roofline",
@@ -197,7 +122,7 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         default=True,
         help="also run --batch requests through a cluster for the scheduler's view of the step",
     )
-    _common_flags(p)
+    add_common_flags(p)
 
     p = sub.add_parser(
         "parallel-sampling",
@@ -214,7 +139,7 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         default=True,
         help="a new cluster per phase, so each phase's peak KV blocks is its own",
     )
-    _common_flags(p)
+    add_common_flags(p)
     _speculative_parser(sub, formatter_class)
     _prefix_groups_parser(sub, formatter_class)
     return bench
@@ -247,7 +172,7 @@ def _speculative_parser(sub, formatter_class) -> None:
         default=True,
         help="run the requests through clusters with and without speculation (--no-through-stack: only the cost model)",
     )
-    _common_flags(p)
+    add_common_flags(p)
     # Speculation on in the speculating run (the plain run turns it off), up to batch 64.
     p.set_defaults(temperature=0.0, speculative_method="ngram", speculative_max_batch=64)
 
@@ -276,9 +201,9 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
         help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
         "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)",
     )
-    _common_flags(p)
-    # All 512 requests run at once (vLLM's offline budget, as for the throughput benchmark).
-    p.set_defaults(max_num_seqs=512, max_num_batched_tokens=16384)
+    add_common_flags(p)
+    # All 512 requests run at once (the offline budget, as for the throughput benchmark).
+    p.set_defaults(max_num_seqs=OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
 
 def run_bench(args) -> int:

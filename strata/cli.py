@@ -11,7 +11,15 @@ import logging
 import os
 import sys
 
-from strata.flags import Formatter, add_flag, add_service_parsers, env
+from strata.flags import (
+    DEFAULTS,
+    OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    OFFLINE_MAX_NUM_SEQS,
+    Formatter,
+    add_flag,
+    add_service_parsers,
+    env,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(p, "--api-key", "STRATA_API_KEY", None, "bearer token, when the gateway requires one")
     add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
-    p.add_argument("--device", default="auto", help="the local cluster's device")
-    p.add_argument("--max-num-seqs", type=int, default=512, help="the local cluster's most sequences at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the local cluster's step budget")
+    # An offline batch: the local cluster takes the offline step budget (strata.flags).
+    p.add_argument("--device", default=DEFAULTS["device"], help="the local cluster's device")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=OFFLINE_MAX_NUM_SEQS, help="the local cluster's most sequences at once"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=OFFLINE_MAX_NUM_BATCHED_TOKENS,
+        help="the local cluster's step budget",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from strata.flags import ENGINE_FLAGS, GATEWAY_FLAGS
+from strata.flags import BATCH_FLAGS, ENGINE_FLAGS, GATEWAY_FLAGS, SPECULATIVE_FLAGS, WORKER_FLAGS, argv_for
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
 
@@ -97,72 +97,38 @@ class Cluster:
                 proc.wait()
 
 
+_WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", *WORKER_FLAGS)
+
+
 def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
-    argv = [
+    """`strata worker` arguments of one stage of the cluster `strata serve` args describe."""
+    return [
         "worker",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        model,
-        "--stage-index",
-        str(stage),
-        "--num-stages",
-        str(args.pipeline_stages),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--block-size",
-        str(args.block_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--kv-cache-memory-gb",
-        str(args.kv_cache_memory_gb),
-        "--num-kv-blocks",
-        str(args.num_kv_blocks),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--piecewise-graph-max-tokens",
-        str(args.piecewise_graph_max_tokens),
+        *argv_for(_worker_settings(args, stage, port, model), _WORKER_ARGV),
+        *speculation_argv(args, None),
     ]
+
+
+def _worker_settings(args, stage: int, port: int, model: str) -> dict:
+    settings = {**vars(args), "host": "127.0.0.1", "port": port, "model": model, "stage_index": stage}
+    settings["num_stages"] = args.pipeline_stages
     if args.device in ("cuda", "auto") and args.pipeline_stages > 1:
         import torch
 
         gpus = torch.cuda.device_count()
         if gpus:
             # Stages round-robin over the GPUs; those sharing one split its memory share.
-            argv[argv.index("--device") + 1] = f"cuda:{stage % gpus}"
+            settings["device"] = f"cuda:{stage % gpus}"
             per_gpu = -(-args.pipeline_stages // gpus)
-            argv[argv.index("--gpu-memory-utilization") + 1] = str(args.gpu_memory_utilization / per_gpu)
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
-    if getattr(args, "profile_output", None):  # one file per stage
-        path = args.profile_output if args.pipeline_stages == 1 else f"{args.profile_output}.stage{stage}"
-        argv += ["--profile-output", path, "--profile-steps", args.profile_steps]
-    return argv + speculation_argv(args, None)  # the workers size their graphs by it
+            settings["gpu_memory_utilization"] = args.gpu_memory_utilization / per_gpu
+    if settings.get("profile_output") and args.pipeline_stages > 1:  # one file per stage
+        settings["profile_output"] = f"{args.profile_output}.stage{stage}"
+    return settings
 
 
 # A draft worker shares stage 0's GPU: it gets this part of the memory share (its KV pool needs
 # as many blocks as the target's, at a fraction of the bytes per block).
 DRAFT_MEMORY_SHARE = 0.2
-
-
-def forwarded_flags(args, names) -> list[str]:
-    """`--flag value` for each of names as args holds it (a true switch: `--flag`)."""
-    argv = []
-    for name in names:
-        value = getattr(args, name)
-        if value is True:
-            argv.append("--" + name.replace("_", "-"))
-        elif value is not False and value is not None:
-            argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
 
 
 def draft_model_of(args, target_model: str) -> str | None:
@@ -177,14 +143,14 @@ def draft_model_of(args, target_model: str) -> str | None:
 
 
 def draft_worker_argv(args, port: int, model: str) -> list[str]:
-    argv = worker_argv(args, 0, port, model)
-    argv[argv.index("--num-stages") + 1] = "1"
-    utilization = argv.index("--gpu-memory-utilization") + 1
-    argv[utilization] = str(float(argv[utilization]) * DRAFT_MEMORY_SHARE)
-    argv += ["--role", "draft"]
+    """The draft worker's arguments: stage 0's, as the whole (one-stage) draft model."""
+    settings = _worker_settings(args, 0, port, model)
+    settings.update(num_stages=1, role="draft")
+    settings["gpu_memory_utilization"] *= DRAFT_MEMORY_SHARE
+    names = (*_WORKER_ARGV, "role")
     if not args.draft_model:  # the target's own first layers
-        argv += ["--draft-num-layers", str(args.draft_num_layers)]
-    return argv
+        names += ("draft_num_layers",)
+    return ["worker", *argv_for(settings, names), *speculation_argv(args, None)]
 
 
 def speculation_argv(args, draft_address: str | None) -> list[str]:
@@ -192,19 +158,8 @@ def speculation_argv(args, draft_address: str | None) -> list[str]:
     method = "draft" if args.draft_model else args.speculative_method
     if not method:
         return []
-    argv = [
-        "--speculative-method",
-        method,
-        "--num-speculative-tokens",
-        str(args.num_speculative_tokens),
-        "--ngram-min",
-        str(args.ngram_min),
-        "--ngram-max",
-        str(args.ngram_max),
-        "--speculative-max-batch",
-        str(args.speculative_max_batch),
-    ]
-    return argv + (["--draft-worker", draft_address] if draft_address else [])
+    settings = {**vars(args), "speculative_method": method, "draft_worker": draft_address}
+    return argv_for(settings, (*SPECULATIVE_FLAGS, "draft_worker"))
 
 
 def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
@@ -230,38 +185,18 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
             draft_address = f"127.0.0.1:{port}"
             cluster.start("draft worker", draft_worker_argv(args, port, draft))
         sched_port = free_port()
+        sched = {**vars(args), "host": "127.0.0.1", "port": sched_port, "workers": ",".join(worker_addresses)}
         sched_argv = [
             "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(sched_port),
-            "--workers",
-            ",".join(worker_addresses),
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens),
-            *forwarded_flags(args, ENGINE_FLAGS),
+            *argv_for(sched, ("host", "port", "workers", *BATCH_FLAGS, *ENGINE_FLAGS)),
             *speculation_argv(args, draft_address),
         ]
         cluster.start("scheduler", sched_argv)
         cluster.worker_addresses = worker_addresses
         cluster.scheduler_address = f"127.0.0.1:{sched_port}"
-        gateway_argv = [
-            "gateway",
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-            "--http-port",
-            str(args.http_port),
-            "--scheduler-address",
-            f"127.0.0.1:{sched_port}",
-            "--model",
-            model_path or "",
-        ]
-        gateway_argv += forwarded_flags(args, GATEWAY_FLAGS)
+        gateway = {**vars(args), "scheduler_address": f"127.0.0.1:{sched_port}", "model": model_path or ""}
+        names = ("host", "port", "http_port", "scheduler_address", "model", *GATEWAY_FLAGS)
+        gateway_argv = ["gateway", *argv_for(gateway, names)]
         cluster.start("gateway", gateway_argv)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         cluster.gateway_address = f"{host}:{args.port}"

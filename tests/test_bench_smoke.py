@@ -55,7 +55,9 @@ def cluster():
     )
     running = start_cluster(serve_args, startup_timeout=180)
     try:
-        yield ["--address", running.gateway_address, "--scheduler-address", running.scheduler_address]
+        # With --address a benchmark's scheduler calls carry the token the environment names.
+        with common.cluster_token_env(running.cluster_token):
+            yield ["--address", running.gateway_address, "--scheduler-address", running.scheduler_address]
     finally:
         running.stop()
 
