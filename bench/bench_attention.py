@@ -323,8 +323,9 @@ def prefill_cases(args) -> None:
         del batch
 
 
-# (query rows = tokens x GQA group, key tile, warps, stages, full tiles unmasked): the shapes the
-# H100 candidates at c4a906c ranked first, each with and without the unmasked full tiles.
+# (query rows = tokens x GQA group, key tile, warps, stages, full tiles unmasked): the shapes an
+# earlier candidates run ranked first (bench/RESULTS.md, "Prefill attention tiles"), each with and
+# without the unmasked full tiles.
 CANDIDATES = [
     (rows, tile_n, warps, stages, unmasked)
     for unmasked in (False, True)

@@ -1,10 +1,10 @@
-"""Decode-sized linear layers (M = 1..16 rows) on one GPU: cuBLAS (F.linear) against Triton's
-small_m_linear, both against the memory floor; at M = 1 also the decode chain's GEMV
-(kernels/decode_linear.py), whose back-to-back calls overlap through PDL (and without it).
+"""Decode-sized linear layers (M = 1..16 rows) on one GPU: cuBLAS (F.linear) against the memory
+floor; at M = 1 also the decode chain's GEMV (kernels/decode_linear.py), whose back-to-back calls
+overlap through PDL (and without it). (The Triton small-M GEMM it was written to judge lost to
+cuBLAS and was removed: bench/RESULTS.md.)
 
     python -m strata.bench.bench_linear                              # every shape, M = 1, 2, 4, 8, 16
     python -m strata.bench.bench_linear --models 1b --m 1,16         # a subset
-    python -m strata.bench.bench_linear --sweep --models 1b --m 1    # also time alternative launch configs
 
 Floor: (W + x + y bytes) / copy bandwidth, the bandwidth measured in the same run as a
 device-to-device copy of a large buffer (read + write bytes over its time, as bench_attention).
@@ -18,7 +18,6 @@ totals add layers x (qkv + o_proj + gate_up + down) + lm_head.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -28,7 +27,6 @@ import torch
 import triton
 
 from strata.kernels.decode_linear import plain_linear
-from strata.kernels.small_m_linear import LinearLaunchConfig, choose_linear_config, small_m_linear
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 
@@ -89,59 +87,26 @@ def graph_time_us(call, copies: int, *, calls: int, replays: int, repeats: int) 
     return statistics.median(times)
 
 
-def describe(config: LinearLaunchConfig) -> str:
-    path = "dot" if config.use_dot else "fma"
-    return f"{path} {config.block_n}x{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
-
-
-def sweep_configs(m: int, n: int, k: int) -> list[LinearLaunchConfig]:
-    """Alternatives to the heuristic's pick: dot tiles x steps x splits x stages, and at M = 1 the
-    FMA path; those over the shared-memory budget or with < 2 steps per split are left out."""
-    steps = lambda block_k: triton.cdiv(k, block_k)  # noqa: E731
-    grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (3, 4, 6))
-    configs = [
-        LinearLaunchConfig(block_n, block_k, split, True, 4, stages)
-        for block_n, block_k, split, stages in grid
-        if stages * (block_n + 16) * block_k * 2 <= 200 * 1024 and steps(block_k) >= 2 * split
-    ]
-    if m == 1:
-        configs += [
-            LinearLaunchConfig(block_n, block_k, split, False, warps, 1)
-            for block_n, block_k, split, warps in itertools.product((8, 16, 32), (256, 512), (1, 2), (4, 8))
-            if block_n * block_k <= 64 * 32 * warps and steps(block_k) >= 2 * split
-        ]
-    return configs
-
-
 def bench_shape(
     model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args, copy_gbps: float
 ) -> list[dict]:
-    """Every M for one weight shape: cuBLAS, small_m_linear, floor; the sweep's best on request."""
+    """Every M for one weight shape: cuBLAS and floor (and the chain's GEMV at M = 1)."""
     element = torch.finfo(dtype).bits // 8
     weight_bytes = n * k * element
     copies = max(1, -(-args.footprint_mb * 2**20 // weight_bytes))
     calls = max(copies, args.min_calls)
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     weights = [(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
-    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=DEVICE, dtype=dtype)
-        out = torch.empty(m, n, device=DEVICE, dtype=dtype)
-        config = choose_linear_config(n=n, k=k, sm_count=sm_count, element_size=element)
-        if not args.no_check:
-            want = torch.nn.functional.linear(x.float(), weights[0].float())
-            error = (small_m_linear(x, weights[0]).float() - want).abs().max().item()
-            assert error < 5e-2, f"small_m_linear disagrees with F.linear at N={n} K={k} M={m}: max abs error {error}"
-            del want
 
         def timed(fn) -> float:
             return graph_time_us(fn, copies, calls=calls, replays=args.replays, repeats=args.repeats)
 
         cublas_us = timed(lambda i: torch.nn.functional.linear(x, weights[i]))
-        triton_us = timed(lambda i: small_m_linear(x, weights[i], out=out, config=config))
         floor_us = (weight_bytes + (m * k + m * n) * element) / (copy_gbps * 1e3)
-        row = dict(n=n, k=k, m=m, cublas_us=cublas_us, triton_us=triton_us, floor_us=floor_us, config=describe(config))
+        row = dict(n=n, k=k, m=m, cublas_us=cublas_us, floor_us=floor_us)
         if m == 1:  # the batch-1 decode chain's GEMV (decode_linear), with and without PDL between calls
             row["chain_us"] = timed(lambda i: plain_linear(x, weights[i]))
             os.environ["STRATA_DISABLE_PDL"] = "1"
@@ -149,17 +114,6 @@ def bench_shape(
                 row["chain_no_pdl_us"] = timed(lambda i: plain_linear(x, weights[i]))
             finally:
                 os.environ.pop("STRATA_DISABLE_PDL")
-        if args.sweep:
-            timings = []
-            for alternative in sweep_configs(m, n, k):
-                try:
-                    timings.append(
-                        (timed(lambda i, c=alternative: small_m_linear(x, weights[i], out=out, config=c)), alternative)
-                    )
-                except Exception as error:  # out of shared memory / registers for this combination
-                    print(f"    {describe(alternative)}: {type(error).__name__}", flush=True)
-            timings.sort(key=lambda t: t[0])
-            row["sweep"] = [(us, describe(c)) for us, c in timings[: args.sweep_top]]
         rows.append(row)
         print_row(model, linear, row)
     weights.clear()  # free the copies before the next shape
@@ -167,18 +121,14 @@ def bench_shape(
     return rows
 
 
-HEADER = (
-    f"{'model':<13} {'linear':<8} {'N x K':>14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>9} "
-    f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}  config (heuristic)"
-)
+HEADER = f"{'model':<13} {'linear':<8} {'N x K':>14} {'M':>3} {'cuBLAS us':>10} {'floor us':>9} {'cuBLAS/floor':>13}"
 
 
 def print_row(model: str, linear: str, row: dict) -> None:
     f = row["floor_us"]
     print(
         f"{model:<13} {linear:<8} {row['n']:>6} x {row['k']:<5} {row['m']:>3} {row['cublas_us']:10.2f} "
-        f"{row['triton_us']:10.2f} {f:9.2f} {row['cublas_us'] / f:13.2f} {row['triton_us'] / f:13.2f} "
-        f"{row['triton_us'] / row['cublas_us']:14.2f}  {row['config']}",
+        f"{f:9.2f} {row['cublas_us'] / f:13.2f}",
         flush=True,
     )
     if "chain_us" in row:
@@ -187,17 +137,12 @@ def print_row(model: str, linear: str, row: dict) -> None:
             f"(without PDL {row['chain_no_pdl_us']:7.2f} us = {row['chain_no_pdl_us'] / f:4.2f}x)",
             flush=True,
         )
-    for us, name in row.get("sweep", []):
-        print(f"{'':>40} sweep {us:9.2f} us = {us / f:4.2f}x floor  {name}", flush=True)
 
 
 def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
-    """Per model and M: layers x (qkv + o_proj + gate_up + down) + lm_head, both paths and floor."""
+    """Per model and M: layers x (qkv + o_proj + gate_up + down) + lm_head, cuBLAS and floor."""
     print("\nper-model linear time per decode step (layers x (qkv + o_proj + gate_up + down) + lm_head):")
-    print(
-        f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'triton us':>10} {'floor us':>10} "
-        f"{'cuBLAS/floor':>13} {'triton/floor':>13} {'triton/cuBLAS':>14}"
-    )
+    print(f"  {'model':<14} {'M':>3} {'cuBLAS us':>10} {'floor us':>10} {'cuBLAS/floor':>13}")
     for key in models:
         model = MODELS[key]
         for m in ms:
@@ -208,12 +153,11 @@ def print_totals(results: dict, models: list[str], ms: list[int]) -> None:
                 field: sum(
                     row[field] * (1 if linear == "lm_head" else model.layers) for linear, row in zip(LINEARS, rows)
                 )
-                for field in ("cublas_us", "triton_us", "floor_us")
+                for field in ("cublas_us", "floor_us")
             }
             print(
-                f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['triton_us']:10.1f} "
-                f"{total['floor_us']:10.1f} {total['cublas_us'] / total['floor_us']:13.2f} "
-                f"{total['triton_us'] / total['floor_us']:13.2f} {total['triton_us'] / total['cublas_us']:14.2f}"
+                f"  {model.name:<14} {m:>3} {total['cublas_us']:10.1f} {total['floor_us']:10.1f} "
+                f"{total['cublas_us'] / total['floor_us']:13.2f}"
             )
             if all("chain_us" in row for row in rows):
                 for field, label in (("chain_us", "decode chain GEMV"), ("chain_no_pdl_us", "  without PDL")):
@@ -269,14 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--replays", type=int, default=20, help="graph replays between the two timing events")
     p.add_argument("--repeats", type=int, default=5, help="timed batches of replays; the median is reported")
-    p.add_argument("--no-check", action="store_true", help="skip the check of small_m_linear against F.linear")
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help="also time alternative launch configs (tiles, splits, stages, the FMA path at M=1) for "
-        "each shape and M, and list the fastest; minutes per shape: narrow --models/--linears/--m",
-    )
-    p.add_argument("--sweep-top", type=int, default=5, help="how many of the sweep's fastest configs to list")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_linear: no CUDA device here, nothing to time (needs an NVIDIA GPU); skipped.")

@@ -6,7 +6,7 @@
 torch's F.linear takes cuBLASLt's first heuristic answer. This asks cuBLASLt (through ctypes on
 the libcublasLt that torch loads) for up to 64 algorithms per shape, adds split-K variants of the
 first six (2-8 parts, reduced in the compute or the output type), checks each against torch's
-output and times it as bench_gemm does (CUDA-graph replays over enough weight copies to overflow
+output and times it as bench_linear does (CUDA-graph replays over enough weight copies to overflow
 L2). It prints the five fastest per shape and the per-step total of the best of each shape
 against torch's. Needs the CUDA toolkit's cublasLt.h for the enum values (/usr/local/cuda).
 """

@@ -64,8 +64,8 @@ class PrefixLaunchConfig:
     prefix_splits: int  # parts of the prefix computed in parallel
     tile_n: int = 64
     num_warps: int = 4
-    # Two stages beat three and four at every shape swept (H200, bench/cascade_attention.py
-    # --sweep: 32 x 16 over 2,000 keys 124 vs 144 us, 128 x 2 over 1,024 keys 107 vs 128 us).
+    # Two stages beat three and four at every shape swept (bench/cascade_attention.py --sweep;
+    # figures: bench/RESULTS.md, "Figures moved from code comments").
     num_stages: int = 2
     # Launch the own keys' kernel as a programmatic dependent of the prefix kernel (Hopper and
     # later): its programs fill the SMs that the prefix kernel's last wave leaves idle, and wait
@@ -100,7 +100,7 @@ def choose_prefix_config(
 def choose_own_keys_config(**shape) -> AttentionLaunchConfig:
     """The paged kernel's launch for each sequence's own keys: single pass, and for decodes three
     stages instead of two, since a member's few own tiles leave no loop to pipeline across
-    otherwise (H200, 512 members of ~225 own keys: 71.5-72.0 vs 73.8-74.2 us)."""
+    otherwise (measured faster for 512 members of ~225 own keys: bench/RESULTS.md)."""
     config = choose_launch_config(**shape, num_kv_splits=1)
     return dataclasses.replace(config, num_stages=3) if config.block_q == 1 else config
 

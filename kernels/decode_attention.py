@@ -4,10 +4,10 @@ and of every decode step small enough to be latency-bound (decode_attention_serv
 in services/worker/model.py decides).
 
 Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
-merge of the splits), each a few microseconds of latency that waits for the one before it. On
-an H200 (`python -m strata.bench.profile_step --batch 1`, critical path) they held 2.0 + 4.5 +
-1.4 us of every 1B layer and 3.4 + 5.7 + 1.6 us of every 8B layer, while the projections around
-them stream their weights at ~1.1x the copy floor.
+merge of the splits), each a few microseconds of latency that waits for the one before it, and
+together they held a large share of the layer's critical path while the projections around them
+stream their weights near the copy floor (`python -m strata.bench.profile_step --batch 1`;
+figures: bench/RESULTS.md, "Figures moved from code comments").
 
 How the work is cut: one program per (sequence, KV head, split of the cached keys).
 - Before the dependent-launch wait (kernels/dependent_launch.py) a program reads only what no
@@ -422,11 +422,10 @@ def kernel_constants(
 
 
 # Warps per SM (counted as split launches take them) up to which the one launch beats rotary +
-# paged attention (+ merge): H200, `python -m strata.bench.decode_chain --batches 1,...,256` at
-# 576 cached tokens (bench/RESULTS.md). 1B: 1.5-7% faster at batch 1-64, level at 128, 1% slower
-# at 256. 8B: 3% and 1% faster at batch 1 and 16, 3% slower at 32 (still split, 8 warps), level
-# to 1% slower from 64. Below this the launches' latency is what the fusion saves; above it the
-# attention is bandwidth-bound and the rotary launch it saves is worth about what it loses.
+# paged attention (+ merge), as `python -m strata.bench.decode_chain --batches 1,...,256` measured
+# it on the 1B and 8B shapes (bench/RESULTS.md). Below this the launches' latency is what the
+# fusion saves; above it the attention is bandwidth-bound and the rotary launch it saves is worth
+# about what it loses.
 MAX_WARPS_PER_SM = 8
 
 

@@ -1,11 +1,11 @@
 """The linear layers of a batch-1 decode step as one chain of GEMV kernels that
 absorb the elementwise work around them and launch as programmatic dependents.
 
-At batch 1 a Llama-3.2-1B layer's weights stream in ~28 us of floor, but a layer of separate
-kernels (norm, qkv, rotary, attention, o_proj, add + norm, gate_up, SiLU, down) took ~65 us on an
-H200: every kernel boundary drains the GPU, launches the next grid and ramps its loads up again,
-and qkv (12.6 MB) or o_proj (8.4 MB) stream in 2-3 us, too short to reach full bandwidth on their
-own. This module cuts both costs:
+At batch 1 a layer of separate kernels (norm, qkv, rotary, attention, o_proj, add + norm,
+gate_up, SiLU, down) took over twice its weights' streaming floor: every kernel boundary drains
+the GPU, launches the next grid and ramps its loads up again, and a projection such as qkv or
+o_proj streams its few MB too briefly to reach full bandwidth on its own (figures:
+bench/RESULTS.md, "Figures moved from code comments"). This module cuts both costs:
 
 - Fewer kernels. The RMSNorm moves into the prologue of the projection that consumes it, the
   SiLU-and-mul into down_proj's, and the residual add into the epilogue of the projection that
@@ -20,8 +20,8 @@ own. This module cuts both costs:
 
 A first version walked K in tiles with x padded to 16 rows for a tensor-core dot: its x operand
 went through the prologue's arithmetic, so the pipeliner did not prefetch it, and every K step
-waited out an L2 round trip (2x slower than cuBLAS over a 1B step, H200). Holding whole rows
-removes that loop. It serves batch 1 only (MAX_ROWS); larger batches take the batched GEMMs.
+waited out an L2 round trip (slower than cuBLAS over a 1B step: bench/RESULTS.md). Holding whole
+rows removes that loop. It serves batch 1 only (MAX_ROWS); larger batches take the batched GEMMs.
 
 Rounding follows the unfused path: the projection output is rounded to the activation dtype
 before the residual add, the sum is rounded, the normalised row is rounded before the weight
@@ -60,13 +60,13 @@ __all__ = [
 ]
 
 # One row: a second row of x was a second serial pass (L2 load, norm, product, reduction) over
-# the program's W tile, and 4 rows ran 2x slower than cuBLAS over a 1B step (H200).
+# the program's W tile, and a few rows already ran slower than cuBLAS (bench/RESULTS.md).
 MAX_ROWS = 1
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # W bytes a program loads before its wait (64 registers a thread at 8 warps). Every program also
 # reads x's row and the norm weight from L2 (4 K bytes): at 16 KB, 2 rows of the 8B's K = 4096,
-# that was half as much as W itself. Swept on an H200 (bench.decode_chain --tile-kb): the 1B
-# step is level from 16 to 64 KB, the 8B step 4.69 / 4.51 / 4.26 ms at 16 / 32 / 64 KB.
+# that was half as much as W itself. Swept with bench.decode_chain --tile-kb: the 1B step is
+# level from 16 to 64 KB, the 8B step fastest at 64 KB (bench/RESULTS.md).
 TILE_BYTES = 64 * 1024
 
 # What the prologue makes of x before the product.

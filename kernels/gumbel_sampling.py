@@ -340,7 +340,7 @@ _TRITON_BLOCK = 1024
 
 
 def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, int, bool]:
-    """(chunk, block, num_warps, prefetch), from an H200 sweep (bench/bench_sampling.py).
+    """(chunk, block, num_warps, prefetch), from a sweep (bench/bench_sampling.py; bench/RESULTS.md).
     Small batches cut each row into 4096-entry splits of 8 warps (latency-bound: more programs in
     flight); once those would fill the GPU several times over, 16384-entry splits of 4 warps,
     fewer programs and fewer partials to merge."""

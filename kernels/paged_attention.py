@@ -100,9 +100,9 @@ def choose_launch_config(
         if max_query_len == 1 and programs < 2 * sm_count:
             # Too few programs to keep every SM's loads in flight: cut each context into splits,
             # aiming at ~4 programs per SM, down to one 64-key tile per split. A program of a few
-            # tiles is latency-bound (each tile waits on a block-table load, then on K/V): at
-            # batch 1 over 576 keys (9 tiles), 2 splits take 10.0 us, 8 take 6.3 and 16 (one
-            # tile each) 5.4, merge included (H200, bench_attention.py --cases small).
+            # tiles is latency-bound (each tile waits on a block-table load, then on K/V), so more,
+            # shorter splits win at batch 1, merge included (bench_attention.py --cases small;
+            # figures: bench/RESULTS.md, "Figures moved from code comments").
             want = triton.cdiv(4 * sm_count, programs)
             most = triton.next_power_of_2(triton.cdiv(max_seq_len, 64))
             num_kv_splits = min(want, most, MAX_KV_SPLITS)
@@ -111,17 +111,16 @@ def choose_launch_config(
     assert num_kv_splits >= 1
     if block_q == 1:
         # Decode: a 16-row dot per tile, so the loads are the whole job; 2 warps per program keep
-        # more programs resident per SM (H200 sweep, bench_attention.py: 98 -> 88 us per layer at
-        # B=256 D=64, 88 -> 86 us at B=128 D=128).
+        # more programs resident per SM, which was faster at every batch swept (bench_attention.py;
+        # figures: bench/RESULTS.md, "Figures moved from code comments").
         return AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=num_kv_splits, num_warps=2, num_stages=2)
     if head_dim <= 128 and min_query_len >= 128 // group:
-        # Prefill where every sequence fills a 128-row block: 8 warps, 2 stages. H100 at dd348a5
-        # (bench_attention.py --cases prefill --candidates, full tiles unmasked in both), against
-        # 64 rows, 4 warps, 3 stages: 0.83x the time on 32 fresh prompts of 512 (an offline
-        # prefill step), 0.85x on 4 x 2048, 0.83x on 8 x 512 chunks over 2048 cached, 0.94x on
-        # 16 x 200 over 2000, and 0.94x at D = 128 on 4 x 2048. Not beside short queries: decodes
-        # in the launch (one token in a block of 32) took 1.1-1.5x the time of the 64-row launch
-        # (ab278ba, --cases mixed).
+        # Prefill where every sequence fills a 128-row block: 8 warps, 2 stages, faster than 64
+        # rows, 4 warps, 3 stages on every prefill case measured, D = 128 included
+        # (bench_attention.py --cases prefill --candidates). Not beside short queries: decodes in
+        # the launch (one token in a block of 32) leave most of the 128 rows idle, and the 64-row
+        # launch was faster there (--cases mixed). Figures: bench/RESULTS.md, "Figures moved from
+        # code comments".
         return AttentionLaunchConfig(
             block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits, num_warps=8, num_stages=2
         )

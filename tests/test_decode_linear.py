@@ -2,9 +2,9 @@
 under Triton's interpreter, and their sm_90 compile (registers, spills, the weight prefetch
 issued before the dependent-launch wait) without a GPU.
 
-As in tests/test_small_m_linear.py, this process holds launcher tests only unless it was started
-with TRITON_INTERPRET=1; float32 (and float16) here, bf16 and the model shapes in
-tests/gpu/test_decode_linear_gpu.py.
+This process holds launcher tests only unless it was started with TRITON_INTERPRET=1 (triton.jit
+reads it when a kernel is defined; tests/triton_interpreter.py); float32 (and float16) here, bf16
+and the model shapes in tests/gpu/test_decode_linear_gpu.py.
     TRITON_INTERPRET=1 python -m pytest tests/test_decode_linear.py -k norm
 """
 

@@ -20,8 +20,8 @@ from strata.v1 import engine_pb2
 
 # A cascade costs a second kernel and a merge of partials, and the plain kernel already reads a
 # prefix that neighbouring sequences share partly from L2: pairs (which save under half the
-# reads) ran 0.94x as fast as cascades (H200, 128 pairs over 1,024 keys: 105.5 vs 99.0 us per
-# layer), 16-member groups 2.6x faster (bench/cascade_attention.py).
+# reads) ran slower as cascades, 16-member groups much faster (bench/cascade_attention.py;
+# figures: bench/RESULTS.md, "Figures moved from code comments").
 MIN_SAVED_FRACTION = 0.5
 
 

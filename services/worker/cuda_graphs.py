@@ -8,8 +8,8 @@ for the next plan's decode lookahead.
 A decode step launches a few hundred small kernels; replaying a graph turns that host work into
 one launch. The host's part of a step is then mostly numpy, plus a handful of torch calls: every
 torch call releases and retakes the GIL, which the worker's gRPC and result threads contend for,
-so each one is a chance to stall the launch behind them (measured on an H200 at 16 streams:
-~2 ms of host time per step with ~80 torch calls, against a 1.3 ms GPU step).
+so each one is a chance to stall the launch behind them (at 16 streams the host's time per step
+once exceeded the GPU's: bench/RESULTS.md, "Figures moved from code comments").
 
 Padding sequences get seq_len 0 and slot -1, so they read and write no KV; their sampled token
 goes to a scratch row of the worker's `last_sampled`.

@@ -285,7 +285,7 @@ class Sampler:
         if not use_triton or needs_torch_ops:
             logits = logits.float()  # the fused kernel upcasts as it reads; torch ops need float32
         # One torch.topk serves both the top-k/top-p cut and the top logprobs. (A per-chunk
-        # tl.topk first stage measured slower than torch.topk on an H200.)
+        # tl.topk first stage measured slower than torch.topk.)
         filter_width = 0
         if not st.all_greedy and (st.any_top_k or st.any_top_p) and not st.needs_full_sort:
             filter_width = st.max_top_k
