@@ -36,10 +36,10 @@ def check_consistent(bm, live):
     blocks; the cached count is the free blocks that still hold a hash."""
     counts = Counter(b for req in live for b in req.block_ids)
     for block in range(bm.num_blocks):
-        assert bm._ref[block] == counts.get(block, 0), block
+        assert bm.ref_count(block) == counts.get(block, 0), block
     free = [b for b in range(bm.num_blocks) if counts.get(b, 0) == 0]
     assert bm.num_free_blocks == len(free)
-    assert bm.num_cached_blocks == sum(1 for b in free if bm._hash[b] is not None)
+    assert bm.num_cached_blocks == sum(1 for b in free if bm.is_cached(b))
 
 
 def test_allocate_free_and_refcounts():
@@ -48,7 +48,7 @@ def test_allocate_free_and_refcounts():
     assert bm.blocks_needed(req, 10) == 3
     assert schedule_tokens(bm, req, 10) is None
     assert len(req.block_ids) == 3 and len(set(req.block_ids)) == 3
-    assert all(bm._ref[b] == 1 for b in req.block_ids)
+    assert all(bm.ref_count(b) == 1 for b in req.block_ids)
     assert (bm.num_free_blocks, bm.num_used_blocks) == (5, 3)
     # Growing within the last partial block needs nothing; crossing into a new one needs one.
     assert bm.blocks_needed(req, 12) == 0
@@ -92,7 +92,7 @@ def test_prefix_hit_within_same_step_before_any_result():
     schedule_tokens(bm, a, 13)  # nothing computed yet: the step has not run
     assert admit(bm, b) == 12
     assert b.block_ids == a.block_ids[:3]
-    assert [bm._ref[x] for x in a.block_ids] == [2, 2, 2, 1]
+    assert [bm.ref_count(x) for x in a.block_ids] == [2, 2, 2, 1]
     schedule_tokens(bm, b, 13)
     assert b.block_ids[3] != a.block_ids[3]
     check_consistent(bm, [a, b])
@@ -146,19 +146,19 @@ def test_copy_on_write_of_shared_partial_block():
     for child in children:  # share the prompt but for its last token
         bm.acquire(child, leader.block_ids, cached=False)
         child.num_computed_tokens = 5
-    assert bm._ref[y] == 3
+    assert bm.ref_count(y) == 3
     # A child writing position 5 into the shared block copies it first.
     assert bm.blocks_needed(children[0], 6) == 1
     src, dst = bm.reserve(children[0], 6)
     assert (src, children[0].block_ids) == (y, [x, dst])
-    assert bm._ref[y] == 2 and bm._ref[dst] == 1
+    assert bm.ref_count(y) == 2 and bm.ref_count(dst) == 1
     src, dst2 = bm.reserve(children[1], 6)
     assert src == y and dst2 not in (dst, y)
     # The last holder writes in place.
-    assert bm._ref[y] == 1
+    assert bm.ref_count(y) == 1
     assert bm.blocks_needed(leader, 7) == 0
     assert bm.reserve(leader, 7) is None and leader.block_ids == [x, y]
-    assert bm._ref[x] == 3
+    assert bm.ref_count(x) == 3
     check_consistent(bm, [leader, *children])
     for req in (leader, *children):
         bm.free(req)
@@ -175,7 +175,7 @@ def test_cached_block_is_immutable_even_for_its_only_holder():
     b.num_computed_tokens = 3
     bm.free(a)
     (block,) = b.block_ids
-    assert bm._ref[block] == 1 and bm._hash[block] is not None
+    assert bm.ref_count(block) == 1 and bm.is_cached(block)
     assert bm.blocks_needed(b, 4) == 1
     src, dst = bm.reserve(b, 4)
     assert src == block and b.block_ids == [dst]
@@ -277,7 +277,7 @@ def test_random_mix_leaves_every_block_free():
         bm.free(req)
     assert bm.num_cached_blocks > 0
     assert bm.num_free_blocks == bm.num_blocks
-    assert all(bm._ref[b] == 0 for b in range(bm.num_blocks))
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     check_consistent(bm, [])
 
 
@@ -301,7 +301,7 @@ def test_writes_in_place_exactly_when_reserve_would_change_nothing():
     assert not bm.writes_in_place(req) and bm.blocks_needed(req, 5) == 1
     for end in range(5, 13):
         req.num_computed_tokens = end - 1
-        table, refs = list(req.block_ids), [bm._ref[b] for b in range(16)]
+        table, refs = list(req.block_ids), [bm.ref_count(b) for b in range(16)]
         in_place = bm.writes_in_place(req)
         copy = bm.reserve(req, end)
-        assert in_place == (copy is None and req.block_ids == table and [bm._ref[b] for b in range(16)] == refs)
+        assert in_place == (copy is None and req.block_ids == table and [bm.ref_count(b) for b in range(16)] == refs)

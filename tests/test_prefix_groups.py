@@ -139,7 +139,7 @@ def test_cancelled_and_preempted_members_leak_nothing():
             sched.abort(rid)
             aborted.add(rid)
         driver.step()
-    assert aborted and not sched._prefix_groups and sched._reserved_blocks == 0
+    assert aborted and not sched.sharing.prefix_groups and sched.sharing.reserved_blocks == 0
     done = [r for r in everyone if r.request_id not in aborted]
     assert_matches_reference(driver, done, 40)
     assert_all_blocks_free(sched, driver.workers)
@@ -148,18 +148,18 @@ def test_cancelled_and_preempted_members_leak_nothing():
 def check_plan_groups(plan, seen: list) -> None:
     """A plan's groups are consecutive runs numbered in order, each of >= 2 members that hold the
     same physical blocks for the whole prefix and compute only past it."""
-    if not plan.shared_prefix_lens:
+    if not plan.shared_kv_run_lens:
         return
     groups = {}
-    for s, g in zip(plan.seqs, plan.shared_prefix_group):
+    for s, g in zip(plan.seqs, plan.shared_kv_run):
         if g:
             groups.setdefault(g, []).append(s)
-    assert sorted(groups) == list(range(1, len(plan.shared_prefix_lens) + 1))
-    order = [g for g in plan.shared_prefix_group if g]
+    assert sorted(groups) == list(range(1, len(plan.shared_kv_run_lens) + 1))
+    order = [g for g in plan.shared_kv_run if g]
     assert order == sorted(order)  # members are consecutive
-    assert plan.shared_prefix_group[-len(order) :] == order  # after every sequence outside a group
+    assert plan.shared_kv_run[-len(order) :] == order  # after every sequence outside a group
     for g, seqs in groups.items():
-        prefix_len = plan.shared_prefix_lens[g - 1]
+        prefix_len = plan.shared_kv_run_lens[g - 1]
         blocks = prefix_len // BS
         assert len(seqs) >= 2 and prefix_len % BS == 0 and blocks > 0
         assert len({tuple(s.request.block_ids[:blocks]) for s in seqs}) == 1  # the same physical blocks
@@ -184,7 +184,7 @@ def test_plans_name_the_groups_that_share_a_prefix():
 
     def check(plan):
         check_plan_groups(plan, seen)
-        assert all(s.request is not alone for s, g in zip(plan.seqs, plan.shared_prefix_group) if g)
+        assert all(s.request is not alone for s, g in zip(plan.seqs, plan.shared_kv_run) if g)
 
     driver.run(on_plan=check)
     assert {"g"} in [parents for parents, _ in seen] and {"p"} in [parents for parents, _ in seen]
@@ -223,7 +223,7 @@ def test_disable_cascade_attn_sends_no_groups_and_changes_no_output():
     driver = Driver(sched)
     plans = []
     driver.run(on_plan=plans.append)
-    assert plans and not any(p.shared_prefix_group or p.shared_prefix_lens for p in plans)
+    assert plans and not any(p.shared_kv_run or p.shared_kv_run_lens for p in plans)
     assert_matches_reference(driver, members, 64)
     assert stats_of(sched).prefill_tokens_computed == 10 + sum(r.num_prompt_tokens - 10 for r in members)
     assert_all_blocks_free(sched, driver.workers)
@@ -234,7 +234,7 @@ def test_common_prefix_len_agrees_with_a_plain_walk_whatever_the_guess():
     element-by-element walk, over random tables that share some leading run."""
     import os
 
-    from strata.services.scheduler.scheduler import _common_prefix_len
+    from strata.common_prefix import common_prefix_len as _common_prefix_len
 
     rng = random.Random(11)
     for _ in range(5000):

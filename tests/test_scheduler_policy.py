@@ -202,7 +202,7 @@ class Driver:
 def assert_all_blocks_free(sched, workers=None):
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    assert all(bm._ref[b] == 0 for b in range(bm.num_blocks))
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     stats = stats_of(sched)
     assert stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0
     assert sched._num_in_flight == 0
@@ -534,7 +534,7 @@ def test_speculative_drafts_roll_back_rejected_slots():
             for _ in range(rng.randint(1, 4)):
                 token = true_token(req.sampling.seed, ctx + drafts)
                 drafts.append(token if rng.random() < 0.7 else (token + 1) % VOCAB)
-            req.draft_token_ids = drafts
+            req.spec.draft_token_ids = drafts
 
     original_update = sched.update
 
@@ -593,7 +593,7 @@ def test_random_mix_leaves_every_block_free(seed):
     def propose(s):
         for req in s.running:
             if not req.in_flight and rng.random() < 0.3:
-                req.draft_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
+                req.spec.draft_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
 
     for _ in range(20_000):
         while pending and rng.random() < 0.3:  # arrivals over time
@@ -701,7 +701,7 @@ def scheduler_state(sched):
         [r.request_id for r in sched.waiting],
         tuple(sched._pending_releases),
         stats_of(sched),
-        bm._ref,
+        [bm.ref_count(b) for b in range(bm.num_blocks)],
         bm._hash,
         list(bm._free),
         bm._cached,
@@ -795,8 +795,8 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
                         position_token(req, req.num_tokens + j) if rng.random() < 0.7 else rng.randrange(VOCAB)
                         for j in range(rng.randint(1, 3))
                     ]
-                    req.draft_token_ids = drafts
-                    general._requests[req.request_id].draft_token_ids = list(drafts)
+                    req.spec.draft_token_ids = drafts
+                    general._requests[req.request_id].spec.draft_token_ids = list(drafts)
             plan, general_plan = fast.schedule(), general.schedule()
             assert plan_fields(plan) == plan_fields(general_plan)
             if plan is not None:

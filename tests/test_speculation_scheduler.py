@@ -132,7 +132,7 @@ def test_draft_model_slots_are_k_or_nothing_and_leave_no_blocks():
     stats = stats_of(sched)
     assert list(stats.spec_decode_accepted_per_position)[:2] == [stats.spec_decode_drafts] * 2
     assert_all_blocks_free(sched, driver.workers)
-    assert sorted(sched.draft_releases) == []  # nothing reached a draft worker in this test
+    assert sorted(sched.spec.draft_releases) == []  # nothing reached a draft worker in this test
 
 
 def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():

@@ -91,6 +91,14 @@ class KVBlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def ref_count(self, block: int) -> int:
+        """How many holders reference the block (tables and pins); 0 when it is free."""
+        return self._ref[block]
+
+    def is_cached(self, block: int) -> bool:
+        """Whether the block holds a full block of tokens the prefix cache can find."""
+        return self._hash[block] is not None
+
     def carry_counters(self, old: KVBlockManager) -> None:
         """Running totals survive a pool rebuilt after a lost stage."""
         self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits

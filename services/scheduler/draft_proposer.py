@@ -4,9 +4,9 @@ speculating sequences, and its tokens put in place of the target plan's draft pl
 The draft model's KV cache follows the target's block tables: the positions are the same, so the
 scheduler keeps one table per sequence for both models (the target's verify step reserved blocks
 for every position the draft writes). What the draft worker holds of each table, and which
-positions its KV is valid for, is tracked on the request (draft_seq_id, draft_synced_blocks,
-draft_computed): each call catches the draft up from there to the sequence's last token, then
-draws k tokens in k autoregressive steps on the draft worker.
+positions its KV is valid for, is tracked in the request's SpecState (req.spec.draft_seq_id,
+draft_synced_blocks, draft_computed; speculation.py): each call catches the draft up from there
+to the sequence's last token, then draws k tokens in k autoregressive steps on the draft worker.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ def draft_plan(plan: StepPlan, k: int, releases: list[int]) -> engine_pb2.StepPl
     releases.clear()
     for s in seqs:
         req = s.request
-        if req.draft_seq_id != s.seq_id:  # new to the draft worker (admitted, or re-admitted)
+        spec = req.spec
+        if spec.draft_seq_id != s.seq_id:  # new to the draft worker (admitted, or re-admitted)
             msg.new_sequences.add(seq_id=s.seq_id, sampling=req.sampling)
-            req.draft_seq_id, req.draft_synced_blocks, req.draft_computed = s.seq_id, 0, 0
+            spec.draft_seq_id, spec.draft_synced_blocks, spec.draft_computed = s.seq_id, 0, 0
         # The verify step starts at the sequence's last token; the draft catches up to it.
         last = s.num_computed
-        start = min(req.draft_computed, last)
+        start = min(spec.draft_computed, last)
         table = req.blocks.block_ids
-        keep = req.draft_synced_blocks
+        keep = spec.draft_synced_blocks
         msg.seq_ids.append(s.seq_id)
         msg.num_computed.append(start)
         msg.num_scheduled.append(last + 1 - start)
@@ -42,7 +43,7 @@ def draft_plan(plan: StepPlan, k: int, releases: list[int]) -> engine_pb2.StepPl
         msg.table_append_ids.extend(table[keep:])
         msg.sample.append(True)
         msg.num_draft_tokens.append(0)
-        req.draft_synced_blocks = len(table)
+        spec.draft_synced_blocks = len(table)
     return msg
 
 
@@ -59,4 +60,4 @@ def fill_drafts(plan: StepPlan, result: engine_pb2.StepResult, k: int) -> None:
             raise RuntimeError(f"draft worker returned no {s.num_draft} tokens for seq {s.seq_id}")
         s.input_token_ids[-s.num_draft :] = tokens
         # It fed the last token and every draft but the last: its KV is valid up to there.
-        s.request.draft_computed = s.num_computed + s.num_draft
+        s.request.spec.draft_computed = s.num_computed + s.num_draft

@@ -37,7 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else P
     enable_prefix_caching: bool = True
-    cascade_attention: bool = True  # send shared-prefix groups in the plans (worker: cascade attention)
+    cascade_attention: bool = True  # send shared-KV runs in the plans (worker: cascade attention)
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
     # A new request waits this long for a pipeline that is reconnecting, then gets UNAVAILABLE (503
     # over HTTP) so that clients retry elsewhere; requests already running pause until it is back.
@@ -325,7 +325,7 @@ class Engine:
     async def _propose_drafts(self, plan) -> None:
         """The draft model's tokens for the plan's speculating sequences, before it goes out."""
         k = self.config.speculation.num_speculative_tokens
-        msg = draft_plan(plan, k, self.scheduler.draft_releases)
+        msg = draft_plan(plan, k, self.scheduler.spec.draft_releases)
         if msg is not None:
             try:
                 result = await asyncio.wait_for(self.pipeline.propose(msg), self.config.step_timeout)

@@ -35,10 +35,11 @@ class StepPlan:
     seqs: list[ScheduledSeq]
     # Copy-on-write block copies (src, dst), done by the workers before the step, in order.
     copies: list[tuple[int, int]]
-    # Shared prefixes for cascade attention (scheduler.group_shared_prefixes): per sequence its
-    # group's index + 1 (0: none), per group its prefix in tokens. Empty when nothing is shared.
-    shared_prefix_group: list[int] = field(default_factory=list)
-    shared_prefix_lens: list[int] = field(default_factory=list)
+    # Shared-KV runs for cascade attention (shared_kv_runs.find_shared_kv_runs): per sequence its
+    # run's index + 1 (0: none), per run its shared prefix in tokens. Empty when nothing is
+    # shared. On the wire: StepPlan.shared_prefix_group / shared_prefix_lens.
+    shared_kv_run: list[int] = field(default_factory=list)
+    shared_kv_run_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
     verifies: bool = False  # some sequence verifies drafts
 

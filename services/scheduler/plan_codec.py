@@ -25,8 +25,9 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         num_draft_tokens=[s.num_draft for s in seqs],
         copy_src_blocks=[src for src, _ in plan.copies],
         copy_dst_blocks=[dst for _, dst in plan.copies],
-        shared_prefix_group=plan.shared_prefix_group,
-        shared_prefix_lens=plan.shared_prefix_lens,
+        # The shared-KV runs keep the wire names they had before they were called runs.
+        shared_prefix_group=plan.shared_kv_run,
+        shared_prefix_lens=plan.shared_kv_run_lens,
     )
     return msg
 

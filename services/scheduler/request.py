@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from strata.services.scheduler.block_manager import BlockTable
 from strata.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from strata.services.scheduler.prefix_sharing import SharingState
+    from strata.services.scheduler.speculation import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -58,17 +63,8 @@ class Request:
     seq_id: int | None = None  # worker-side id of the current admission; None when not admitted
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the cache at first admission
     stop_token_id: int | None = None  # the stop_token_ids entry that ended it, if any
-    # Speculative tokens proposed for the next step (set by a proposer, consumed by schedule()).
-    draft_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_synced_blocks: int = 0  # leading block-table entries the workers already hold
-    # Draft model (speculative decoding): the draft worker's view of this request.
-    draft_seq_id: int | None = None  # the seq_id the draft worker holds state for
-    draft_synced_blocks: int = 0  # leading block-table entries the draft worker holds
-    draft_computed: int = 0  # positions whose draft KV is valid (its tokens never changed since)
-    spec_retry_at: int = 0  # output tokens before it speculates again (after a proposal found nothing)
-    num_shared_blocks: int = 0  # leading full blocks it took from others at its latest admission
-    reserved_blocks: int = 0  # blocks its started prefix group holds for its admission
     in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
     pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1
@@ -80,6 +76,10 @@ class Request:
 
     # ---- owned by the block manager (the scheduler only reads it)
     blocks: BlockTable = field(default_factory=BlockTable)
+
+    # ---- each feature's state, in an object of that feature, set by Scheduler.add_request
+    spec: SpecState | None = None  # speculation.py: drafts, the draft worker's view of it
+    sharing: SharingState | None = None  # prefix_sharing.py: blocks shared and reserved
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,25 @@
+"""The scheduler's running totals, written into engine.proto's SchedulerStats by fill_stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.v1 import engine_pb2
+
+
+@dataclass(slots=True)
+class Counters:
+    steps: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    lookahead_decodes: int = 0
+    prefill_tokens: int = 0  # context (re)computed: prompts, and outputs again after a preemption
+    decode_tokens: int = 0  # each decode's input token, plus the drafts it verifies
+
+    def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
+        stats.lookahead_decodes = self.lookahead_decodes
+        stats.prefill_tokens_computed = self.prefill_tokens
+        stats.decode_tokens_computed = self.decode_tokens
+        stats.steps = self.steps
+        stats.preemptions = self.preemptions
+        stats.finished_requests = self.finished
