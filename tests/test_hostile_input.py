@@ -171,8 +171,8 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
             "Worker/Steps": lambda md: list(
                 worker.Steps(iter([engine_pb2.StepPlan(step_id=1)]), timeout=30, metadata=md)
             ),
-            "Worker/Forward": lambda md: worker.Forward(
-                iter([engine_pb2.Activations(step_id=10**9)]), timeout=30, metadata=md
+            "Worker/Forward": lambda md: list(
+                worker.Forward(iter([engine_pb2.Activations(step_id=10**9)]), timeout=30, metadata=md)
             ),
         }
         for name, call in internal.items():

@@ -57,7 +57,15 @@ async def serve(args) -> None:
     async def on_serving(serving: bool) -> None:  # NOT_SERVING while a stage is down
         await set_serving(health, ["strata.v1.Scheduler"], serving=serving)
 
-    engine = Engine(Pipeline(addresses, draft_address=draft, token=args.cluster_token), config, on_serving=on_serving)
+    pipeline = Pipeline(
+        addresses,
+        draft_address=draft,
+        token=args.cluster_token,
+        stage_transport=args.stage_transport,
+        # Longer than a step may take: the engine's step deadline notices a hung stage first.
+        transport_timeout=max(120.0, 4 * args.step_timeout),
+    )
+    engine = Engine(pipeline, config, on_serving=on_serving)
     add_service(
         server, SchedulerServicer(engine), engine_pb2.DESCRIPTOR.services_by_name["Scheduler"], token=args.cluster_token
     )

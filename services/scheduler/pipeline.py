@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from strata.grpc_util import aio_channel
+from strata.services.worker.stage_transport import TransportError, choose_transport, host_of, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.scheduler")
@@ -38,8 +40,15 @@ class Pipeline:
         connect_timeout: float = 120.0,
         draft_address: str | None = None,
         token: str | None = None,
+        stage_transport: str = "auto",
+        transport_timeout: float = 120.0,
     ):
         self.token = token  # the cluster token every call to a worker carries
+        # How activations move between stages (auto: per link, from the stages' Describe), and the
+        # longest any transport wait may take (longer than a step may: the engine's step deadline
+        # notices a hung stage first).
+        self.stage_transport = stage_transport
+        self.transport_timeout = transport_timeout
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
@@ -75,19 +84,54 @@ class Pipeline:
         if max_kv_blocks:
             blocks = min(blocks, max_kv_blocks)
         self.num_kv_blocks = blocks
-        for i, stage in enumerate(every):
-            next_address = self.addresses[i + 1] if i + 1 < len(stages) else ""
-            await stage.stub.InitCache(
-                engine_pb2.InitCacheRequest(num_kv_blocks=blocks, next_stage_address=next_address), timeout=300
-            )
+        transports = await self._init_caches(stages, blocks)
+        if self.draft is not None:
+            await self._init_cache(self.draft, engine_pb2.InitCacheRequest(num_kv_blocks=blocks))
         for stage in every:
             stage.call = stage.stub.Steps()
         log.info(
-            "pipeline of %d stage(s) ready: %d KV blocks of %d tokens",
+            "pipeline of %d stage(s) ready: %d KV blocks of %d tokens; stage transport: %s",
             len(stages),
             blocks,
             stages[0].description.block_size,
+            ", ".join(f"{i}->{i + 1} {name_of(k)}" for i, k in enumerate(transports)) or "-",
         )
+
+    async def _init_caches(self, stages: list[StageHandle], blocks: int) -> list[int]:
+        """InitCache from the last stage to the first: each stage opens the receiving end of the
+        link into it and returns it, and the previous stage opens the sending end with it."""
+        try:
+            transports = [
+                choose_transport(a.description, b.description, self.stage_transport) for a, b in zip(stages, stages[1:])
+            ]
+        except TransportError as e:
+            raise PipelineError(str(e)) from e
+        session = secrets.randbits(63)  # a new pipeline: its links and stores are new ones
+        link = None
+        for i in reversed(range(len(stages))):
+            request = engine_pb2.InitCacheRequest(
+                num_kv_blocks=blocks, session=session, transport_timeout_seconds=self.transport_timeout
+            )
+            if i + 1 < len(stages):
+                request.next_stage_address = stages[i + 1].address
+                request.next_stage_link.CopyFrom(link)
+            if i > 0:
+                request.previous_stage_transport = transports[i - 1]
+                request.previous_stage_address = stages[i - 1].address
+            reply = await self._init_cache(stages[i], request)
+            link = reply.previous_stage_link
+            if link.rendezvous_address:  # the receiver's store, at its host as this scheduler reaches it
+                port = link.rendezvous_address.rsplit(":", 1)[-1]
+                host = host_of(stages[i].address)
+                link.rendezvous_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return transports
+
+    @staticmethod
+    async def _init_cache(stage: StageHandle, request: engine_pb2.InitCacheRequest) -> engine_pb2.InitCacheReply:
+        try:
+            return await stage.stub.InitCache(request, timeout=300)
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"InitCache on {stage.address} failed: {e.details()}") from e
 
     async def _open(self, address: str, timeout: float) -> StageHandle:
         channel = aio_channel(address, self.token)

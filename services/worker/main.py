@@ -15,6 +15,7 @@ from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
+from strata.services.worker.stage_transport import local_location, set_nccl_environment
 from strata.services.worker.weights import load_shard
 from strata.v1 import engine_pb2, generate_pb2
 
@@ -83,6 +84,7 @@ def piecewise_max_tokens(args) -> int:
 
 
 def build(args):
+    set_nccl_environment()
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     model_path, dummy = resolve_model(args.model)
@@ -134,6 +136,7 @@ def build(args):
         device=str(device),
         model_fingerprint=shard.fingerprint,
         draft=draft,
+        location=local_location(device),
         model=generate_pb2.ModelInfo(
             model_name=name,
             architecture=config.architecture,
@@ -146,11 +149,20 @@ def build(args):
     return runner, description
 
 
+def max_activation_rows(args, runner: ModelRunner) -> int:
+    """The most rows of one step's activations between stages (padded graph batches included):
+    the stage transport's buffers hold this many (a larger step goes inline over gRPC)."""
+    graph_rows = runner.cuda_graph_max_batch * (len(runner.verify_query_lens) + 1)
+    return max(args.max_num_batched_tokens, graph_rows, runner.piecewise_max_tokens, 1)
+
+
 async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
     profiler = StepProfiler.from_flags(args.profile_output, args.profile_steps)
-    servicer = WorkerServicer(runner, description, profiler, token=args.cluster_token)
+    servicer = WorkerServicer(
+        runner, description, profiler, token=args.cluster_token, max_activation_rows=max_activation_rows(args, runner)
+    )
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Worker"], token=args.cluster_token)
     port = bind(server, args.host, args.port)
     await set_serving(health, ["strata.v1.Worker"], serving=False)

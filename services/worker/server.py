@@ -1,8 +1,9 @@
 """Worker service: one process per pipeline stage.
 
-Plans arrive from the scheduler on the Steps stream, activations from the previous stage on the
-Forward stream. A single executor thread runs steps strictly in step order, so the event loop
-keeps receiving plans and activations while the model computes.
+Plans arrive from the scheduler on the Steps stream; each step's activations come from the
+previous stage through the stage transport (stage_transport.py), announced on the Forward
+stream. A single executor thread runs steps strictly in step order, so the event loop keeps
+receiving plans and activations while the model computes.
 """
 
 from __future__ import annotations
@@ -12,24 +13,26 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 
-from strata.codec import tensor_from_proto, tensor_to_proto
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
 from strata.services.worker.draft_steps import DraftProposal, propose
 from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
+from strata.services.worker.stage_transport import (
+    MAX_PENDING_ACTIVATIONS,
+    Receiver,
+    Sender,
+    StepFailed,
+    TransportError,
+    name_of,
+    open_receiver,
+    open_sender,
+)
 from strata.services.worker.step_results import PendingResult
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
-# Steps whose activations may wait for their plan: far more than the plans in flight (one per stage).
-MAX_PENDING_ACTIVATIONS = 64
-
-
-class StepFailed(Exception):
-    pass
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
@@ -39,15 +42,22 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         description: engine_pb2.WorkerDescription,
         profiler: StepProfiler | None = None,
         token: str | None = None,
+        max_activation_rows: int = 4096,
+        ring_slots: int = 0,
     ):
         self.token = token  # the cluster token, for the stream to the next stage
+        # The most rows (tokens, padding included) of one step's activations, which sizes the
+        # transport's buffers, and the IPC ring's slots (0: one more than the stages).
+        self.max_activation_rows = max_activation_rows
+        self.ring_slots = ring_slots or description.num_stages + 1
         self.runner = runner
         self.profiler = profiler or StepProfiler(None)
         self.description = description
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         # Waits for sampled tokens to reach the host while the step thread launches the next plan.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
-        self._activations: dict[int, asyncio.Future] = {}
+        self._receiver: Receiver | None = None  # the link from the previous stage
+        self._sender: Sender | None = None  # the link to the next stage
         self._forward_queue: asyncio.Queue | None = None
         self._forward_task: asyncio.Task | None = None
         self._session = 0  # bumped by InitCache: stale streams stop touching state
@@ -66,9 +76,15 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "next_stage_address must be set on every stage but the last"
             )
+        if not 0 <= request.transport_timeout_seconds <= 3600:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transport_timeout_seconds must be in [0, 3600]")
+        if request.next_stage_address and not request.next_stage_link.transport:  # an older scheduler: gRPC
+            request.next_stage_link.transport = engine_pb2.STAGE_TRANSPORT_GRPC
+            request.next_stage_link.session = request.session
+        if not self.runner.is_first and not request.previous_stage_transport:
+            request.previous_stage_transport = engine_pb2.STAGE_TRANSPORT_GRPC
         self._session += 1
-        await self._close_forward()
-        self._fail_pending_activations()
+        await self._close_links()
         loop = asyncio.get_running_loop()
         thaw()  # a second InitCache (the scheduler came back) replaces the frozen cache and graphs
         await loop.run_in_executor(self.executor, self.runner.init_cache, request.num_kv_blocks)
@@ -76,18 +92,46 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         # no longer walks them (a full collection of an idle worker took 70 ms on CPU), and the
         # steps' short-lived objects trigger it far less often, as in the scheduler and gateway.
         tune_for_serving()
-        if request.next_stage_address:
-            self._forward_queue = asyncio.Queue()
-            self._forward_task = asyncio.create_task(self._forward_to(request.next_stage_address, self._forward_queue))
+        reply = engine_pb2.InitCacheReply()
+        try:
+            if not self.runner.is_first:
+                self._receiver = open_receiver(
+                    request,
+                    device=self.runner.device,
+                    dtype=self.runner.dtype,
+                    hidden_size=self.runner.config.hidden_size,
+                    max_rows=self.max_activation_rows,
+                    slots=self.ring_slots,
+                )
+                reply.previous_stage_link.CopyFrom(self._receiver.link())
+            if request.next_stage_address:
+                queue: asyncio.Queue = asyncio.Queue()
+
+                def emit(msg, queue=queue):  # from any thread
+                    loop.call_soon_threadsafe(queue.put_nowait, msg)
+
+                self._sender = open_sender(request, emit, device=self.runner.device)
+                self._forward_queue = queue
+                self._forward_task = asyncio.create_task(
+                    self._forward_to(request.next_stage_address, queue, self._sender)
+                )
+        except (TransportError, RuntimeError, ValueError) as e:
+            await self._close_links()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage transport: {e}")
+        self.description.previous_stage_transport = self._receiver.kind if self._receiver else 0
+        self.description.next_stage_transport = self._sender.kind if self._sender else 0
         log.info(
-            "stage %d: KV cache of %d blocks; next stage %s",
+            "stage %d: KV cache of %d blocks; activations in by %s, out by %s to %s (session %d)",
             self.runner.stage_index,
             request.num_kv_blocks,
+            name_of(self.description.previous_stage_transport),
+            name_of(self.description.next_stage_transport),
             request.next_stage_address or "-",
+            request.session,
         )
-        return engine_pb2.InitCacheReply()
+        return reply
 
-    async def _forward_to(self, address: str, queue: asyncio.Queue) -> None:
+    async def _forward_to(self, address: str, queue: asyncio.Queue, sender: Sender) -> None:
         async def messages():
             while True:
                 msg = await queue.get()
@@ -98,12 +142,16 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         async with aio_channel(address, self.token) as channel:
             stub = engine_pb2_grpc.WorkerStub(channel)
             try:
-                await stub.Forward(messages())
+                async for ack in stub.Forward(messages()):  # credits for the transport's buffers
+                    sender.on_ack(ack)
             except grpc.aio.AioRpcError as e:
                 # The scheduler sees the downstream stage fail and re-initialises the pipeline.
                 log.warning("forward stream to %s ended: %s", address, e.details())
 
-    async def _close_forward(self) -> None:
+    async def _close_links(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._forward_queue is not None:
             self._forward_queue.put_nowait(None)
         if self._forward_task is not None:
@@ -113,34 +161,44 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             except (asyncio.CancelledError, Exception):
                 pass
         self._forward_queue = self._forward_task = None
-
-    def _fail_pending_activations(self) -> None:
-        for fut in self._activations.values():
-            if not fut.done():
-                fut.set_exception(StepFailed("pipeline re-initialised"))
-        self._activations.clear()
-
-    def _activation_future(self, step_id: int) -> asyncio.Future:
-        fut = self._activations.get(step_id)
-        if fut is None:
-            fut = self._activations[step_id] = asyncio.get_running_loop().create_future()
-        return fut
+        if self._receiver is not None:
+            self._receiver.close()  # steps waiting for activations fail
+            self._receiver = None
 
     # ------------------------------------------------------------ data path
 
     async def Forward(self, request_iterator, context):
-        async for msg in request_iterator:
-            if msg.step_id not in self._activations and len(self._activations) >= MAX_PENDING_ACTIVATIONS:
-                # Activations of steps no plan has asked for yet: a sender running far ahead of the
-                # plans (or sending step ids that never come) must not grow this without bound.
+        receiver = self._receiver
+        if receiver is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no link from a previous stage: InitCache first")
+        overflow = False
+
+        async def read():
+            nonlocal overflow
+            try:
+                async for msg in request_iterator:
+                    if msg.session != receiver.session:
+                        continue  # a stream of an older pipeline
+                    if not receiver.deliver(msg):
+                        # Activations of steps no plan has asked for yet: a sender running far ahead
+                        # of the plans (or sending step ids that never come) must not grow this.
+                        overflow = True
+                        break
+            finally:
+                receiver.acks.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (ack := await receiver.acks.get()) is not None:
+                yield ack
+            if overflow:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"more than {MAX_PENDING_ACTIVATIONS} steps' activations waiting for their plans",
                 )
-            fut = self._activation_future(msg.step_id)
-            if not fut.done():
-                fut.set_result(msg)
-        return engine_pb2.ForwardReply()
+            await reader  # a malformed message ends the call with its status
+        finally:
+            reader.cancel()
 
     async def Steps(self, request_iterator, context):
         if not self.runner.kv_caches:
@@ -198,36 +256,39 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
         runner = self.runner
-        act = None
+        error = ""
+        hidden = residual = None
         if not runner.is_first:
-            act = await self._activation_future(plan.step_id)
-            self._activations.pop(plan.step_id, None)
-        error = act.error if act is not None else ""
+            receiver = self._receiver
+            try:  # a failed upstream step, or a transport that failed it, fails this step only
+                if receiver is None:
+                    raise StepFailed("no link from the previous stage")
+                hidden, residual = await receiver.receive(plan.step_id)
+            except StepFailed as e:
+                error = str(e)
         out = None
         if not error:
             self.profiler.step_launched()
             try:
-                hidden = residual = None
-                if act is not None:  # a malformed tensor fails this step, not the worker
-                    hidden = tensor_from_proto(act.hidden, runner.device).to(runner.dtype)
-                    residual = tensor_from_proto(act.residual, runner.device).to(runner.dtype)
                 if plan.propose_tokens:  # a draft worker's proposal: k steps
                     out = await loop.run_in_executor(self.executor, propose, runner, plan)
-                else:
+                elif runner.is_last:
                     out = await loop.run_in_executor(self.executor, runner.execute, plan, hidden, residual)
+                else:
+                    sender = self._sender
+                    await loop.run_in_executor(self.executor, _execute_and_send, runner, sender, plan, hidden, residual)
+                    return
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
         if runner.is_last:
             await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
-            return
-        if error:
-            msg = engine_pb2.Activations(step_id=plan.step_id, error=error)
-        else:
-            msg = await loop.run_in_executor(self.executor, _encode_activations, plan.step_id, *out)
-        if self._forward_queue is not None:
-            self._forward_queue.put_nowait(msg)
+        elif self._sender is not None:
+            self._sender.send_error(plan.step_id, error)
 
 
-def _encode_activations(step_id: int, hidden: torch.Tensor, residual: torch.Tensor) -> engine_pb2.Activations:
-    return engine_pb2.Activations(step_id=step_id, hidden=tensor_to_proto(hidden), residual=tensor_to_proto(residual))
+def _execute_and_send(runner: ModelRunner, sender: Sender | None, plan, hidden, residual) -> None:
+    """On the step thread: launch the step, hand its activations to the transport (no wait)."""
+    out = runner.execute(plan, hidden, residual)
+    if sender is not None:
+        sender.send(plan.step_id, *out)

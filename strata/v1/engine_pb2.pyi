@@ -15,10 +15,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class StageTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STAGE_TRANSPORT_UNSPECIFIED: _ClassVar[StageTransport]
+    STAGE_TRANSPORT_GRPC: _ClassVar[StageTransport]
+    STAGE_TRANSPORT_IPC: _ClassVar[StageTransport]
+    STAGE_TRANSPORT_DISTRIBUTED: _ClassVar[StageTransport]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+STAGE_TRANSPORT_UNSPECIFIED: StageTransport
+STAGE_TRANSPORT_GRPC: StageTransport
+STAGE_TRANSPORT_IPC: StageTransport
+STAGE_TRANSPORT_DISTRIBUTED: StageTransport
 METRIC_FIELD_NUMBER: _ClassVar[int]
 metric: _descriptor.FieldDescriptor
 
@@ -171,7 +182,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft", "location", "previous_stage_transport", "next_stage_transport")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +193,9 @@ class WorkerDescription(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STAGE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -192,19 +206,94 @@ class WorkerDescription(_message.Message):
     device: str
     model_fingerprint: str
     draft: bool
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ...) -> None: ...
+    location: WorkerLocation
+    previous_stage_transport: StageTransport
+    next_stage_transport: StageTransport
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ...) -> None: ...
+
+class WorkerLocation(_message.Message):
+    __slots__ = ("hostname", "boot_id", "ipc_namespace", "device_uuid", "visible_device_uuids")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    boot_id: str
+    ipc_namespace: str
+    device_uuid: str
+    visible_device_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., ipc_namespace: _Optional[str] = ..., device_uuid: _Optional[str] = ..., visible_device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "next_stage_address")
+    __slots__ = ("num_kv_blocks", "next_stage_address", "session", "previous_stage_transport", "previous_stage_address", "next_stage_link", "transport_timeout_seconds")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STAGE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_LINK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     next_stage_address: str
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., next_stage_address: _Optional[str] = ...) -> None: ...
+    session: int
+    previous_stage_transport: StageTransport
+    previous_stage_address: str
+    next_stage_link: StageLink
+    transport_timeout_seconds: float
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., session: _Optional[int] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., previous_stage_address: _Optional[str] = ..., next_stage_link: _Optional[_Union[StageLink, _Mapping]] = ..., transport_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class InitCacheReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("previous_stage_link",)
+    PREVIOUS_STAGE_LINK_FIELD_NUMBER: _ClassVar[int]
+    previous_stage_link: StageLink
+    def __init__(self, previous_stage_link: _Optional[_Union[StageLink, _Mapping]] = ...) -> None: ...
+
+class StageLink(_message.Message):
+    __slots__ = ("transport", "session", "rendezvous_address", "backend", "ring", "slots", "slot_elements", "dtype", "device_uuid", "ready_events", "consumed_events")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    transport: StageTransport
+    session: int
+    rendezvous_address: str
+    backend: str
+    ring: CudaIpcMemory
+    slots: int
+    slot_elements: int
+    dtype: str
+    device_uuid: str
+    ready_events: _containers.RepeatedScalarFieldContainer[bytes]
+    consumed_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, transport: _Optional[_Union[StageTransport, str]] = ..., session: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., ring: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., slots: _Optional[int] = ..., slot_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ..., consumed_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CudaIpcMemory(_message.Message):
+    __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "sampling")
@@ -293,17 +382,27 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Activations(_message.Message):
-    __slots__ = ("step_id", "hidden", "residual", "error")
+    __slots__ = ("step_id", "hidden", "residual", "error", "session", "via_transport", "slot")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    VIA_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     hidden: Tensor
     residual: Tensor
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., residual: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    session: int
+    via_transport: bool
+    slot: int
+    def __init__(self, step_id: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., residual: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., session: _Optional[int] = ..., via_transport: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...
 
-class ForwardReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class ForwardAck(_message.Message):
+    __slots__ = ("step_id", "slot")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    slot: int
+    def __init__(self, step_id: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...

@@ -219,10 +219,10 @@ class WorkerStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.StepPlan.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.StepResult.FromString,
                 _registered_method=True)
-        self.Forward = channel.stream_unary(
+        self.Forward = channel.stream_stream(
                 '/strata.v1.Worker/Forward',
                 request_serializer=strata_dot_v1_dot_engine__pb2.Activations.SerializeToString,
-                response_deserializer=strata_dot_v1_dot_engine__pb2.ForwardReply.FromString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.ForwardAck.FromString,
                 _registered_method=True)
 
 
@@ -238,7 +238,9 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitCache(self, request, context):
-        """Allocates the KV cache and connects to the next stage.
+        """Allocates the KV cache and opens the stage transport's ends: the scheduler initialises the
+        stages from the last to the first, so each stage's reply (its receiving end) reaches the
+        previous stage's request (its sending end).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,7 +254,9 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request_iterator, context):
-        """Stage i -> stage i+1: activations of each step.
+        """Stage i -> stage i+1: each step's activations (or only their shapes, when the stage
+        transport moves the bytes, or the step's error); stage i+1 answers with credits for the
+        transport's buffers it has read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,10 +280,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=strata_dot_v1_dot_engine__pb2.StepPlan.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.StepResult.SerializeToString,
             ),
-            'Forward': grpc.stream_unary_rpc_method_handler(
+            'Forward': grpc.stream_stream_rpc_method_handler(
                     servicer.Forward,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.Activations.FromString,
-                    response_serializer=strata_dot_v1_dot_engine__pb2.ForwardReply.SerializeToString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.ForwardAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -386,12 +390,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/strata.v1.Worker/Forward',
             strata_dot_v1_dot_engine__pb2.Activations.SerializeToString,
-            strata_dot_v1_dot_engine__pb2.ForwardReply.FromString,
+            strata_dot_v1_dot_engine__pb2.ForwardAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,343 @@
+"""Stage transports: how a step's activations (hidden state and residual) reach the next stage.
+
+The Forward stream (gRPC) always carries each step's id, its tensors' dtype and shape, and its
+error when a stage failed it; a transport moves the bytes:
+
+- `grpc`: inline in the Forward message, through both hosts (today's path; A/B runs and the
+  last fallback), in grpc_transport.py;
+- `ipc`: CUDA IPC on one host (one GPU or peer GPUs): a ring of device buffers the receiver
+  allocates once, written by the sender on a side stream, guarded by interprocess events and
+  credits on the Forward stream, in ipc_transport.py;
+- `distributed`: torch.distributed send/recv in a process group of two per link (NCCL between
+  GPUs, gloo between CPUs), in distributed_transport.py.
+
+The scheduler picks one per link at InitCache (`choose_transport`, from each stage's Describe);
+the receiving stage opens its end first and returns a StageLink, which the scheduler passes to the
+sending stage. Every wait has a deadline, and a new InitCache closes both ends.
+
+This module imports no torch at import time: the scheduler uses `choose_transport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+
+from strata.v1 import engine_pb2
+
+log = logging.getLogger("strata.worker")
+
+GRPC = engine_pb2.STAGE_TRANSPORT_GRPC
+IPC = engine_pb2.STAGE_TRANSPORT_IPC
+DISTRIBUTED = engine_pb2.STAGE_TRANSPORT_DISTRIBUTED
+NAMES = {"grpc": GRPC, "ipc": IPC, "distributed": DISTRIBUTED}
+CHOICES = ("auto", *NAMES)
+
+# Steps whose activations may wait for their plan: far more than the plans in flight (one per stage).
+MAX_PENDING_ACTIVATIONS = 64
+# Set in every worker before torch.distributed or NCCL start: NVLink multicast (NVLS) stays off.
+NCCL_ENVIRONMENT = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    # A collective past its timeout aborts its communicator and fails its work, not the process:
+    # the scheduler rebuilds the pipeline (a new InitCache) around a lost peer.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
+def set_nccl_environment() -> None:
+    """At worker start, before torch.distributed or NCCL read them (explicit settings win)."""
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def name_of(kind: int) -> str:
+    return {v: k for k, v in NAMES.items()}.get(kind, "none")
+
+
+class StepFailed(Exception):
+    """This step's activations never come: an upstream stage failed it, or the transport did."""
+
+
+class TransportError(Exception):
+    """A link cannot be opened as asked."""
+
+
+# ------------------------------------------------------------------ where a worker runs
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def local_location(device) -> engine_pb2.WorkerLocation:
+    """This process's host, boot, IPC namespace and CUDA devices, for the scheduler's choice."""
+    try:
+        ipc_namespace = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc_namespace = ""
+    loc = engine_pb2.WorkerLocation(
+        hostname=socket.gethostname(), boot_id=_read("/proc/sys/kernel/random/boot_id"), ipc_namespace=ipc_namespace
+    )
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        loc.visible_device_uuids.extend(
+            str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+        )
+        loc.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return loc
+
+
+def same_ipc_domain(a: engine_pb2.WorkerLocation, b: engine_pb2.WorkerLocation) -> bool:
+    """One host, one boot and one IPC namespace: CUDA IPC handles of one open in the other."""
+    return bool(a.hostname and a.boot_id and a.ipc_namespace) and (
+        (a.hostname, a.boot_id, a.ipc_namespace) == (b.hostname, b.boot_id, b.ipc_namespace)
+    )
+
+
+def choose_transport(
+    sender: engine_pb2.WorkerDescription, receiver: engine_pb2.WorkerDescription, requested: str = "auto"
+) -> int:
+    """The transport of the link sender -> receiver. `auto`: CUDA IPC where the sender can open
+    the receiver's device memory (both on CUDA, one host and IPC namespace, the receiver's GPU
+    visible to the sender), else torch.distributed (NCCL between GPUs, gloo between CPUs)."""
+    both_cuda = sender.device.startswith("cuda") and receiver.device.startswith("cuda")
+    ipc_ok = (
+        both_cuda
+        and same_ipc_domain(sender.location, receiver.location)
+        and receiver.location.device_uuid in sender.location.visible_device_uuids
+    )
+    if requested == "auto":
+        return IPC if ipc_ok else DISTRIBUTED
+    if requested not in NAMES:
+        raise TransportError(f"unknown stage transport {requested!r}: one of {', '.join(CHOICES)}")
+    if requested == "ipc" and not ipc_ok:
+        raise TransportError(
+            "--stage-transport ipc needs both stages on CUDA in one host and IPC namespace, the receiver's GPU "
+            f"visible to the sender ({sender.device} on {sender.location.hostname}, {receiver.device} on "
+            f"{receiver.location.hostname})"
+        )
+    return NAMES[requested]
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this host's interface on the route to `host` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def host_of(address: str) -> str:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]") or "127.0.0.1"
+
+
+# ------------------------------------------------------------------ the two ends
+
+
+class Sender:
+    """The sending end of a link. send() runs on the step thread and returns at once: the
+    transport's own thread moves the bytes and emits the Forward message (emit is thread-safe)."""
+
+    kind = GRPC
+
+    def __init__(self, session: int, emit: Callable[[engine_pb2.Activations], None], timeout: float):
+        self.session = session
+        self.emit = emit
+        self.timeout = timeout
+        self.closed = False
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"transport-send-{session}", daemon=True)
+        self._thread.start()
+
+    def send(self, step_id: int, hidden, residual) -> None:
+        """Queues one step's activations. On a GPU the tensors may be buffers the next step
+        overwrites: a transport copies them (on the device, queued on the current stream) first."""
+        self._jobs.put((step_id, *self._prepare(hidden, residual)))
+
+    def send_error(self, step_id: int, error: str) -> None:
+        self.emit(engine_pb2.Activations(step_id=step_id, error=error, session=self.session))
+
+    def on_ack(self, ack: engine_pb2.ForwardAck) -> None:
+        """A credit back from the receiver (event loop thread)."""
+
+    def close(self) -> None:
+        """Never blocks: the thread ends after its current job (bounded by the deadline)."""
+        self.closed = True
+        self._jobs.put(None)
+
+    # ---- the transport thread
+
+    def _prepare(self, hidden, residual) -> tuple:
+        """On the step thread: what _transfer gets (launches only, no host synchronisation)."""
+        return tuple(t.clone() if t.device.type == "cuda" else t for t in (hidden, residual))
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            step_id, *payload = job
+            if self.closed:
+                break
+            try:
+                msg = self._transfer(step_id, *payload)
+                if msg is not None:
+                    self.emit(msg)
+            except Exception as e:  # this step fails downstream; the next ones try again
+                log.warning("stage transport (%s): step %d not sent: %s", name_of(self.kind), step_id, e)
+                self.send_error(step_id, f"stage transport ({name_of(self.kind)}): {type(e).__name__}: {e}")
+        self._finish()
+
+    def _transfer(self, step_id: int, hidden, residual, *_) -> engine_pb2.Activations | None:
+        """Moves the bytes (or puts them inline); returns the Forward message (None: emitted)."""
+        from strata.codec import tensor_to_proto
+
+        return engine_pb2.Activations(
+            step_id=step_id, session=self.session, hidden=tensor_to_proto(hidden), residual=tensor_to_proto(residual)
+        )
+
+    def _finish(self) -> None:
+        """On the transport thread, once closed: release what the link holds."""
+
+
+class Receiver:
+    """The receiving end of a link: Forward delivers each step's message (event loop thread),
+    the step awaits receive(step_id). Inline tensors (grpc, or a step too large for the
+    transport) are accepted on every transport."""
+
+    kind = GRPC
+
+    def __init__(self, session: int, device, dtype, hidden_size: int, max_rows: int, timeout: float):
+        self.session = session
+        self.device = device
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        self.max_rows = max_rows
+        self.timeout = timeout
+        self.acks: asyncio.Queue = asyncio.Queue()  # ForwardAck messages for the sender
+        self._futures: dict[int, asyncio.Future] = {}
+
+    def link(self) -> engine_pb2.StageLink:
+        return engine_pb2.StageLink(transport=self.kind, session=self.session)
+
+    def _future(self, step_id: int) -> asyncio.Future:
+        fut = self._futures.get(step_id)
+        if fut is None:
+            fut = self._futures[step_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def deliver(self, msg: engine_pb2.Activations) -> bool:
+        """Takes one Forward message; False when too many steps wait for their plans already
+        (a sender running far ahead, or step ids that never come)."""
+        if msg.step_id not in self._futures and len(self._futures) >= MAX_PENDING_ACTIVATIONS:
+            return False
+        fut = self._future(msg.step_id)
+        if fut.done():
+            return True
+        if msg.error:
+            fut.set_exception(StepFailed(msg.error))
+            return True
+        try:
+            self._check(msg)
+        except Exception as e:  # a malformed message fails its step, not the worker
+            fut.set_exception(StepFailed(f"stage transport: {e}"))
+            return True
+        if msg.via_transport:
+            self._accept(msg, fut)
+        else:
+            fut.set_result(msg)
+        return True
+
+    def _check(self, msg: engine_pb2.Activations) -> None:
+        # Inline tensors are bounded by the gRPC message size; the transport's by its buffers.
+        rows = self.max_rows if msg.via_transport else 1 << 40
+        for t in (msg.hidden, msg.residual):
+            if len(t.shape) != 2 or t.shape[1] != self.hidden_size or not 0 < t.shape[0] <= rows:
+                raise ValueError(f"activations of shape {list(t.shape)}, expected [1..{rows}, {self.hidden_size}]")
+        if msg.via_transport and self.kind == GRPC:
+            raise ValueError("bytes announced on a transport this link does not have")
+
+    def _accept(self, msg: engine_pb2.Activations, fut: asyncio.Future) -> None:
+        raise NotImplementedError
+
+    async def receive(self, step_id: int):
+        """(hidden, residual) of this step on this stage's device and dtype; raises StepFailed."""
+        fut = self._future(step_id)
+        try:
+            got = await fut
+        finally:
+            self._futures.pop(step_id, None)
+        if isinstance(got, engine_pb2.Activations):  # inline bytes
+            from strata.codec import tensor_from_proto
+
+            try:
+                return (
+                    tensor_from_proto(got.hidden, self.device).to(self.dtype),
+                    tensor_from_proto(got.residual, self.device).to(self.dtype),
+                )
+            except Exception as e:
+                raise StepFailed(f"stage transport: {type(e).__name__}: {e}") from e
+        return self._opened(got)
+
+    def _opened(self, got):
+        return got
+
+    def close(self) -> None:
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(StepFailed("pipeline re-initialised"))
+        self._futures.clear()
+        self.acks.put_nowait(None)  # ends the Forward call serving this link
+
+
+def resolve_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error=None) -> None:
+    def done():
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    loop.call_soon_threadsafe(done)
+
+
+# ------------------------------------------------------------------ opening a link
+
+
+def open_receiver(request: engine_pb2.InitCacheRequest, *, device, dtype, hidden_size: int, max_rows: int, slots: int):
+    kind = request.previous_stage_transport
+    args = (request.session, device, dtype, hidden_size, max_rows, request.transport_timeout_seconds or 120.0)
+    if kind == IPC:
+        from strata.services.worker.ipc_transport import IpcReceiver
+
+        return IpcReceiver(*args, slots=slots)
+    if kind == DISTRIBUTED:
+        from strata.services.worker.distributed_transport import DistributedReceiver
+
+        return DistributedReceiver(*args, peer_host=host_of(request.previous_stage_address))
+    return Receiver(*args)
+
+
+def open_sender(request: engine_pb2.InitCacheRequest, emit, *, device):
+    link = request.next_stage_link
+    timeout = request.transport_timeout_seconds or 120.0
+    if link.session != request.session:
+        raise TransportError(f"the next stage's link belongs to session {link.session}, not {request.session}")
+    if link.transport == IPC:
+        from strata.services.worker.ipc_transport import IpcSender
+
+        return IpcSender(request.session, emit, timeout, link=link, device=device)
+    if link.transport == DISTRIBUTED:
+        from strata.services.worker.distributed_transport import DistributedSender
+
+        return DistributedSender(request.session, emit, timeout, link=link, device=device)
+    return Sender(request.session, emit, timeout)

@@ -1,0 +1,299 @@
+"""The stage transport: auto's choice from the stages' Describe, a gloo link between two ends
+(bytes, errors, deadlines, a rebuilt link), and greedy, seeded and n > 1 outputs through 2 and 3
+real stages on every transport a CPU runs (grpc, distributed over gloo) equal to HF and one stage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from strata.grpc_util import bearer
+from strata.services.worker.stage_transport import (
+    DISTRIBUTED,
+    GRPC,
+    IPC,
+    StepFailed,
+    TransportError,
+    choose_transport,
+    local_location,
+    open_receiver,
+    open_sender,
+    same_ipc_domain,
+)
+from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
+from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir
+
+GPU0, GPU1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def _stage(device="cuda:0", host="h1", boot="b1", ns="ipc:[4026531839]", uuid=GPU0, visible=(GPU0, GPU1)):
+    loc = engine_pb2.WorkerLocation(hostname=host, boot_id=boot, ipc_namespace=ns)
+    if device.startswith("cuda"):
+        loc.device_uuid = uuid
+        loc.visible_device_uuids.extend(visible)
+    return engine_pb2.WorkerDescription(device=device, location=loc)
+
+
+# ------------------------------------------------------------------ auto's choice
+
+
+def test_auto_picks_ipc_for_gpus_of_one_host_and_ipc_namespace():
+    assert choose_transport(_stage(), _stage(uuid=GPU0)) == IPC  # both stages on one GPU
+    assert choose_transport(_stage(), _stage(device="cuda:1", uuid=GPU1)) == IPC  # peer GPUs
+
+
+@pytest.mark.parametrize(
+    "receiver",
+    [
+        _stage(host="h2"),  # another host
+        _stage(boot="b2"),  # the same name after a reboot, or another machine that shares it
+        _stage(ns="ipc:[4026532000]"),  # containers that do not share an IPC namespace
+        _stage(device="cuda:0", uuid="GPU-not-visible-to-the-sender"),
+        _stage(device="cpu"),
+    ],
+    ids=["other-host", "other-boot", "other-ipc-namespace", "gpu-not-visible", "cpu-receiver"],
+)
+def test_auto_picks_distributed_where_the_handles_cannot_open(receiver):
+    assert choose_transport(_stage(), receiver) == DISTRIBUTED
+
+
+def test_auto_on_cpu_stages_is_distributed_over_gloo_and_overrides_are_honoured():
+    cpu = _stage(device="cpu")
+    assert choose_transport(cpu, cpu) == DISTRIBUTED
+    assert choose_transport(cpu, cpu, "grpc") == GRPC
+    assert choose_transport(_stage(), _stage(host="h2"), "distributed") == DISTRIBUTED
+    assert choose_transport(_stage(), _stage(), "ipc") == IPC
+    with pytest.raises(TransportError, match="ipc needs both stages on CUDA"):
+        choose_transport(cpu, cpu, "ipc")
+    with pytest.raises(TransportError, match="ipc needs"):
+        choose_transport(_stage(), _stage(host="h2"), "ipc")
+    with pytest.raises(TransportError, match="unknown stage transport"):
+        choose_transport(cpu, cpu, "carrier-pigeon")
+
+
+def test_this_process_reports_where_it_runs():
+    loc = local_location(torch.device("cpu"))
+    assert loc.hostname and loc.ipc_namespace.startswith("ipc:[") and not loc.device_uuid
+    assert same_ipc_domain(loc, local_location(torch.device("cpu")))
+    assert not same_ipc_domain(loc, engine_pb2.WorkerLocation())
+
+
+# ------------------------------------------------------------------ a gloo link, both ends in one process
+
+HIDDEN = 8
+
+
+def _open_link(loop, timeout=20.0, session=7):
+    """The scheduler's order: the receiver opens its end, its link goes to the sender."""
+    request = engine_pb2.InitCacheRequest(
+        session=session,
+        previous_stage_transport=DISTRIBUTED,
+        previous_stage_address="127.0.0.1:1",
+        transport_timeout_seconds=timeout,
+    )
+    receiver = open_receiver(request, device="cpu", dtype=torch.float32, hidden_size=HIDDEN, max_rows=16, slots=3)
+    link = receiver.link()
+    assert link.transport == DISTRIBUTED and link.backend == "gloo" and link.rendezvous_address.startswith("127.0.0.1:")
+    messages: asyncio.Queue = asyncio.Queue()
+    sender = open_sender(
+        engine_pb2.InitCacheRequest(session=session, next_stage_link=link, transport_timeout_seconds=timeout),
+        lambda msg: loop.call_soon_threadsafe(messages.put_nowait, msg),
+        device="cpu",
+    )
+    return receiver, sender, messages
+
+
+async def _pump(receiver, messages, n):
+    for _ in range(n):
+        msg = await asyncio.wait_for(messages.get(), 30)
+        assert msg.session == receiver.session
+        assert receiver.deliver(msg)
+
+
+def test_a_gloo_link_moves_the_bytes_and_forwards_errors():
+    async def main():
+        receiver, sender, messages = _open_link(asyncio.get_running_loop())
+        try:
+            sent = {}
+            for step, rows in ((1, 3), (2, 16), (3, 1), (5, 40)):  # 40 rows: above the link's, inline
+                h, r = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN)
+                sent[step] = (h, r)
+                sender.send(step, h, r)
+            sender.send_error(4, "stage 0: RuntimeError: boom")
+            await _pump(receiver, messages, 5)
+            for step, (h, r) in sent.items():
+                got_h, got_r = await asyncio.wait_for(receiver.receive(step), 30)
+                assert torch.equal(got_h, h) and torch.equal(got_r, r)
+            with pytest.raises(StepFailed, match="boom"):
+                await receiver.receive(4)
+        finally:
+            sender.close()
+            receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_malformed_announcement_fails_its_step_not_the_link():
+    async def main():
+        receiver, sender, messages = _open_link(asyncio.get_running_loop())
+        try:
+            bad = engine_pb2.Activations(
+                step_id=9,
+                session=receiver.session,
+                via_transport=True,
+                hidden=engine_pb2.Tensor(dtype="float32", shape=[99, HIDDEN]),  # more rows than the link takes
+                residual=engine_pb2.Tensor(dtype="float32", shape=[99, HIDDEN]),
+            )
+            assert receiver.deliver(bad)
+            with pytest.raises(StepFailed, match="shape"):
+                await receiver.receive(9)
+            h = torch.ones(2, HIDDEN)
+            sender.send(10, h, h)
+            await _pump(receiver, messages, 1)
+            got, _ = await asyncio.wait_for(receiver.receive(10), 30)
+            assert torch.equal(got, h)
+        finally:
+            sender.close()
+            receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_lost_peer_fails_the_step_within_the_deadline_and_a_new_link_works():
+    async def main():
+        loop = asyncio.get_running_loop()
+        receiver, sender, messages = _open_link(loop, timeout=3.0, session=1)
+        h = torch.ones(2, HIDDEN)
+        sender.send(1, h, h)
+        await _pump(receiver, messages, 1)
+        await asyncio.wait_for(receiver.receive(1), 30)
+        # The receiver goes away (its stage was lost): the sender's next step fails in time and
+        # the stage itself lives on.
+        receiver.close()
+        receiver.store = None
+        start = time.monotonic()
+        sender.send(2, h, h)
+        sender.send(3, h, h)
+        got = [await asyncio.wait_for(messages.get(), 30) for _ in range(3)]
+        assert any(m.error and m.step_id in (2, 3) for m in got[1:]), got
+        assert time.monotonic() - start < 20
+        sender.close()
+        # A rebuilt pipeline: a new session, a new store, a new group.
+        receiver, sender, messages = _open_link(loop, session=2)
+        try:
+            sender.send(1, h * 2, h)
+            await _pump(receiver, messages, 1)
+            got_h, _ = await asyncio.wait_for(receiver.receive(1), 30)
+            assert torch.equal(got_h, h * 2)
+        finally:
+            sender.close()
+            receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_receiver_waiting_for_a_step_fails_it_when_the_pipeline_is_rebuilt():
+    async def main():
+        receiver, sender, _ = _open_link(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(receiver.receive(5))
+        await asyncio.sleep(0.1)
+        receiver.close()
+        sender.close()
+        with pytest.raises(StepFailed, match="re-initialised"):
+            await waiting
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ through the real services
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, seed=5, layers=3)
+
+
+def _describe(cluster):
+    out = []
+    for address in cluster.worker_addresses:
+        with grpc.insecure_channel(address) as ch:
+            out.append(
+                engine_pb2_grpc.WorkerStub(ch).Describe(
+                    engine_pb2.DescribeRequest(), timeout=10, metadata=bearer(cluster.cluster_token)
+                )
+            )
+    return out
+
+
+PROMPTS = [[5, 17, 42, 99, 3], [7] * 12, list(range(20, 61)), [300, 2, 250]]
+LENGTHS = [12, 6, 20, 9]
+
+
+def _greedy(client):
+    return [
+        collect(
+            client.generate(
+                p, max_tokens=n, temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=300
+            )
+        )[0]
+        for p, n in zip(PROMPTS, LENGTHS)
+    ]
+
+
+def _sampled(client):
+    """Seeded, filtered and n > 1 requests, run concurrently (their batches mix)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kws = [
+        dict(temperature=0.9, top_p=0.9, seed=11),
+        dict(temperature=0.7, top_k=20, seed=12, n=3),
+        dict(temperature=1.2, min_p=0.05, seed=13, n=2),
+    ]
+
+    def one(i):
+        return collect(
+            client.generate(
+                PROMPTS[i],
+                max_tokens=16,
+                ignore_eos=True,
+                output_kind=generate_pb2.DELTA,
+                timeout=300,
+                **kws[i],
+            )
+        )
+
+    with ThreadPoolExecutor(len(kws)) as pool:
+        return list(pool.map(one, range(len(kws))))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "distributed"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_greedy_through_stages_equals_hf_on_every_cpu_transport(model_dir, transport, stages):
+    expected = hf_greedy(model_dir, PROMPTS, LENGTHS)
+    with running_cluster(model_dir, stages, "--stage-transport", transport, "--max-num-batched-tokens", "32") as (
+        cluster,
+        client,
+    ):
+        got = _greedy(client)
+        descriptions = _describe(cluster)
+    assert got == expected
+    want = GRPC if transport == "grpc" else DISTRIBUTED
+    assert [d.next_stage_transport for d in descriptions] == [want] * (stages - 1) + [0]
+    assert [d.previous_stage_transport for d in descriptions] == [0] + [want] * (stages - 1)
+
+
+def test_auto_on_cpus_is_gloo_and_seeded_sampling_and_n_match_one_stage(model_dir):
+    with running_cluster(model_dir, 1) as (_, client):
+        alone = _sampled(client)
+    with running_cluster(model_dir, 2) as (cluster, client):  # --stage-transport auto
+        piped = _sampled(client)
+        descriptions = _describe(cluster)
+    assert piped == alone
+    assert [len(out) for out in piped] == [1, 3, 2]
+    assert descriptions[0].next_stage_transport == DISTRIBUTED
+    assert descriptions[1].previous_stage_transport == DISTRIBUTED
+    assert descriptions[0].location.hostname == descriptions[1].location.hostname
