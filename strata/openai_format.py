@@ -1,9 +1,11 @@
-"""OpenAI's API shapes over Strata's: request bodies of /v1/completions and /v1/chat/completions
-to SamplingParams and prompts, and finished GenerateResponses to OpenAI response bodies.
+"""OpenAI's API shapes over Strata's: request bodies of /v1/completions, /v1/chat/completions and
+/tokenize to SamplingParams and prompts (prompt_tokens.PromptInput), and finished
+GenerateResponses to OpenAI response bodies.
 
-Shared by every front that speaks OpenAI's format (`strata batch`'s batch files, the HTTP API).
+Shared by every front that speaks OpenAI's format (`strata batch`'s batch files, the HTTP API, and
+the gRPC chat form of Tokenize), so chat messages and their content parts are parsed here only.
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids); a bad field raises BadField naming it.
+stop_token_ids, add_special_tokens, add_generation_prompt); a bad field raises BadField naming it.
 """
 
 from __future__ import annotations
