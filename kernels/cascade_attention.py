@@ -48,9 +48,9 @@ from strata.kernels.paged_attention import (
     choose_launch_config,
     launch_paged_attention,
 )
-from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+from strata.kernels.shared_kv_runs import SharedKVRuns
 
-__all__ = ["SharedPrefixGroups", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
+__all__ = ["SharedKVRuns", "PrefixLaunchConfig", "cascade_attention", "choose_prefix_config"]
 
 
 # Prefix splits are 1, 2, 4 or 8: each is a variant of both kernels and of the merge, compiled
@@ -220,7 +220,7 @@ def cascade_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    groups: SharedPrefixGroups,
+    groups: SharedKVRuns,
     max_query_len: int,
     max_seq_len: int,
     scale: float,
@@ -294,7 +294,7 @@ def launch_shared_prefix(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    groups: SharedPrefixGroups,
+    groups: SharedKVRuns,
     scale: float,
     prefix_config: PrefixLaunchConfig,
     partials: Partials,
@@ -355,7 +355,7 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
     for q_lens in ((1, 1), (3, 1)):
         query = torch.zeros(sum(q_lens), num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
         seq_lens = ints(*(q + 1 for q in q_lens))  # one shared key, then each member's own
-        groups = SharedPrefixGroups(
+        groups = SharedKVRuns(
             token_start=ints(0, sum(q_lens)),
             prefix_lens=ints(1),
             table_rows=ints(0),

@@ -117,8 +117,8 @@ def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[
     their first prefix_lens[g] keys as the server does: whole blocks through the block table, and
     the block the prefix ends in (if it ends mid-block) as a copy of the first member's, so only
     the keys before prefix_len are alike. Every member must have at least prefix_lens[g] cached
-    keys. Returns the cascade's SharedPrefixGroups for the batch."""
-    from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+    keys. Returns the cascade's SharedKVRuns for the batch."""
+    from strata.kernels.shared_kv_runs import SharedKVRuns
 
     block_size = batch.kv_cache.shape[3]
     qsl = batch.query_start_loc.tolist()
@@ -145,7 +145,7 @@ def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    return SharedPrefixGroups(
+    return SharedKVRuns(
         token_start=ints(token_start),
         prefix_lens=ints(list(prefix_lens)),
         table_rows=ints(table_rows),

@@ -40,7 +40,7 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
         assert choose(prefix_splits=3).prefix_splits == 3
 
 else:
-    from strata.kernels.cascade_attention import PrefixLaunchConfig, SharedPrefixGroups, cascade_attention
+    from strata.kernels.cascade_attention import PrefixLaunchConfig, SharedKVRuns, cascade_attention
     from strata.kernels.paged_attention import AttentionLaunchConfig
     from strata.kernels.reference import cascade_attention_reference, paged_attention_reference
     from strata.kernels.testing import make_paged_batch, share_prefixes
@@ -128,7 +128,7 @@ else:
         batch, groups = grouped_batch([1] * 6, [30, 31, 45, 40, 41, 0], [2, 3], [24, 40])
         batch.seq_lens[5] = 0  # a padding row: reads nothing
         end = int(groups.token_start[-1])
-        padded = SharedPrefixGroups(
+        padded = SharedKVRuns(
             token_start=torch.cat([groups.token_start, torch.full((3,), end, dtype=torch.int32)]),
             prefix_lens=torch.cat([groups.prefix_lens, torch.zeros(3, dtype=torch.int32)]),
             table_rows=torch.cat([groups.table_rows, torch.zeros(3, dtype=torch.int32)]),
@@ -143,7 +143,7 @@ else:
 
     def test_no_groups_equals_paged_attention():
         batch = make_paged_batch([1, 3], [10, 4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
-        none = SharedPrefixGroups(
+        none = SharedKVRuns(
             token_start=torch.zeros(1, dtype=torch.int32),
             prefix_lens=torch.zeros(0, dtype=torch.int32),
             table_rows=torch.zeros(0, dtype=torch.int32),

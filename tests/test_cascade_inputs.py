@@ -4,7 +4,7 @@ the arrays cascade attention gets, when it is skipped, and the malformed structu
 import numpy as np
 import pytest
 
-from strata.services.worker.cascade_inputs import prefix_group_inputs
+from strata.services.worker.cascade_inputs import shared_kv_run_inputs
 from strata.services.worker.sequence_table import PlanError
 from strata.v1 import engine_pb2
 
@@ -22,7 +22,7 @@ def step(group_of, lens, q_lens, num_computed, tables):
 
 def inputs(*args):
     plan, qsl, num_computed, seq_lens, tables = step(*args)
-    return prefix_group_inputs(plan, qsl, num_computed, seq_lens, tables, BS)
+    return shared_kv_run_inputs(plan, qsl, num_computed, seq_lens, tables, BS)
 
 
 def test_two_groups_after_an_ungrouped_sequence():

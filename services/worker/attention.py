@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from strata.kernels.reference import cascade_attention_reference, paged_attention_reference, write_kv_cache_reference
-from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+from strata.kernels.shared_kv_runs import SharedKVRuns
 
 
 @dataclass
@@ -30,7 +30,7 @@ class AttentionMetadata:
     min_query_len: int = 1
     # Sequences that share a prefix of KV: attention reads it once per group (cascade). Layers
     # with a sliding window ignore it (a window may not see the whole prefix).
-    shared_prefixes: SharedPrefixGroups | None = None
+    shared_kv_runs: SharedKVRuns | None = None
 
 
 class AttentionBackend(Protocol):
@@ -87,14 +87,14 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if meta.shared_prefixes is not None and sliding_window is None:
+        if meta.shared_kv_runs is not None and sliding_window is None:
             result = cascade_attention_reference(
                 query,
                 kv_cache,
                 meta.query_start_loc,
                 meta.seq_lens,
                 meta.block_tables,
-                meta.shared_prefixes,
+                meta.shared_kv_runs,
                 meta.max_query_len,
                 meta.max_seq_len,
                 scale,

@@ -1,8 +1,9 @@
-"""A plan's shared-prefix groups as cascade-attention inputs: checked, and used only where they pay.
+"""A plan's shared-KV runs as cascade-attention inputs: checked, and used only where they pay.
 
 The scheduler lists the sequences that share leading KV blocks (explicit prefix groups, n > 1
-siblings, shared prefix-cache hits) as consecutive runs with a prefix length per group
-(StepPlan.shared_prefix_group / shared_prefix_lens). Attention trusts that structure to read a
+siblings, shared prefix-cache hits) as consecutive runs with a prefix length per run
+(services/scheduler/shared_kv_runs.py; on the wire StepPlan.shared_prefix_group /
+shared_prefix_lens, names older than "runs": a run is numbered like a group there). Attention trusts that structure to read a
 prefix through one member's block table for all of them, so a wrong plan would silently mix
 sequences: it is checked here as strictly as any other plan field.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+from strata.kernels.shared_kv_runs import SharedKVRuns
 from strata.services.worker.sequence_table import PlanError
 from strata.v1 import engine_pb2
 
@@ -26,8 +27,8 @@ MIN_SAVED_FRACTION = 0.5
 
 
 @dataclass
-class PrefixGroupInputs:
-    """Host twin of kernels' SharedPrefixGroups (numpy, in plan order)."""
+class SharedKVRunInputs:
+    """Host twin of kernels' SharedKVRuns (numpy, in plan order)."""
 
     token_start: np.ndarray  # [G+1] first batch token of each group, then the end of the last
     prefix_lens: np.ndarray  # [G]
@@ -41,15 +42,15 @@ class PrefixGroupInputs:
         }
 
 
-def prefix_group_inputs(
+def shared_kv_run_inputs(
     plan: engine_pb2.StepPlan,
     query_start_loc: np.ndarray,
     num_computed: np.ndarray,
     seq_lens: np.ndarray,
     block_tables: np.ndarray,
     block_size: int,
-) -> PrefixGroupInputs | None:
-    """The step's groups, or None when it has none or a cascade would not pay. Raises PlanError
+) -> SharedKVRunInputs | None:
+    """The step's shared-KV runs, or None when it has none or a cascade would not pay. Raises PlanError
     on a malformed structure: members not consecutive, queries inside the prefix, or members
     whose block tables differ where the prefix lives."""
     if not plan.shared_prefix_group and not plan.shared_prefix_lens:
@@ -90,7 +91,7 @@ def prefix_group_inputs(
     seq_prefix = np.zeros(len(seq_lens), dtype=np.int64)
     seq_prefix[members] = member_prefix
     ends = query_start_loc[members[np.r_[first[1:], len(members)] - 1] + 1]
-    return PrefixGroupInputs(
+    return SharedKVRunInputs(
         token_start=np.r_[query_start_loc[leaders[0]], ends],
         prefix_lens=lens,
         table_rows=leaders,
@@ -98,16 +99,16 @@ def prefix_group_inputs(
     )
 
 
-def shared_prefixes(h, uploaded: dict[str, torch.Tensor]) -> SharedPrefixGroups | None:
-    """The kernels' view of HostInputs h's groups, from its uploaded arrays (StepInputBuilder.upload)."""
-    groups = h.prefix_groups
-    if groups is None:
+def shared_kv_runs(h, uploaded: dict[str, torch.Tensor]) -> SharedKVRuns | None:
+    """The kernels' view of HostInputs h's runs, from its uploaded arrays (StepInputBuilder.upload)."""
+    runs = h.shared_kv_runs
+    if runs is None:
         return None
-    return SharedPrefixGroups(
+    return SharedKVRuns(
         token_start=uploaded["cascade.token_start"],
         prefix_lens=uploaded["cascade.prefix_lens"],
         table_rows=uploaded["cascade.table_rows"],
         seq_prefix_lens=uploaded["cascade.seq_prefix_lens"],
-        max_grouped_tokens=int(groups.token_start[-1] - groups.token_start[0]),
-        max_prefix_len=int(groups.prefix_lens.max()),
+        max_grouped_tokens=int(runs.token_start[-1] - runs.token_start[0]),
+        max_prefix_len=int(runs.prefix_lens.max()),
     )

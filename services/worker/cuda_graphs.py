@@ -22,7 +22,7 @@ import bisect
 import numpy as np
 import torch
 
-from strata.kernels.shared_prefix_groups import SharedPrefixGroups
+from strata.kernels.shared_kv_runs import SharedKVRuns
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype
 from strata.services.worker.sampler import sample_unfiltered
@@ -164,7 +164,7 @@ class DecodeGraphs:
                 num_kv_heads=self.kv_caches[0].shape[2],
                 sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count,
             ).prefix_splits
-            shared = SharedPrefixGroups(
+            shared = SharedKVRuns(
                 token_start=rows["group_token_start"][: g + 1],
                 prefix_lens=rows["group_prefix_lens"][:g],
                 table_rows=rows["group_table_rows"][:g],
@@ -180,7 +180,7 @@ class DecodeGraphs:
             slot_mapping=rows["slot_mapping"][: bs * self.query_len],
             max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
-            shared_prefixes=shared,
+            shared_kv_runs=shared,
         )
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, ...]:
@@ -293,7 +293,7 @@ class DecodeGraphs:
 
     def _stage_groups(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:
         """The step's groups, then empty ones up to the graph's group count (they own no tokens)."""
-        groups, g, most = h.prefix_groups, len(h.prefix_groups.prefix_lens), self.max_groups(bs)
+        groups, g, most = h.shared_kv_runs, len(h.shared_kv_runs.prefix_lens), self.max_groups(bs)
         rows["seq_prefix_lens"][:n] = groups.seq_prefix_lens  # padding rows: 0 (_PADDING)
         rows["group_token_start"][: g + 1] = groups.token_start
         rows["group_token_start"][g + 1 : most + 1] = groups.token_start[-1]

@@ -280,7 +280,7 @@ class Attention(nn.Module):
         num_seqs = meta.seq_lens.shape[0]
         if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
             return False
-        if self.sliding_window is not None or meta.shared_prefixes is not None:
+        if self.sliding_window is not None or meta.shared_kv_runs is not None:
             return False
         from strata.kernels.decode_attention import decode_attention_serves
 

@@ -15,7 +15,7 @@ import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
 from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
-from strata.services.worker.cascade_inputs import shared_prefixes
+from strata.services.worker.cascade_inputs import shared_kv_runs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sequence_table import SequenceTable
@@ -179,14 +179,14 @@ class ModelRunner:
         h = self.inputs.build(plan, rows)
         gpu_start = self.timeline.mark() if self.timeline else None
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
-        cascade = h.prefix_groups is not None and h.max_query_len == 1  # (verification graphs do without)
+        cascade = h.shared_kv_runs is not None and h.max_query_len == 1  # (verification graphs do without)
         if cascade:
             graphs = self.cascade_graphs
         if graphs is None and h.verify is not None and h.max_query_len in self.verify_graphs:
             padded = self.inputs.pad_queries(h, h.max_query_len)  # mixed draft counts: pad to one length
             if padded is not None:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
-        num_groups = len(h.prefix_groups.prefix_lens) if cascade else 0
+        num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
@@ -201,7 +201,7 @@ class ModelRunner:
             max_query_len=h.max_query_len,
             max_seq_len=int(h.seq_lens.max()),
             min_query_len=int(np.diff(h.query_start_loc).min()),
-            shared_prefixes=shared_prefixes(h, d),
+            shared_kv_runs=shared_kv_runs(h, d),
         )
         tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
         if tp is not None:

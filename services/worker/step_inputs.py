@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker.cascade_inputs import PrefixGroupInputs, prefix_group_inputs
+from strata.services.worker.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import SamplingTensors
 from strata.services.worker.sequence_table import PlanError, SequenceTable
@@ -41,7 +41,7 @@ class HostInputs:
     sample_positions: np.ndarray  # [R] absolute position of the token it samples
     sample_seq_ids: list[int]  # [S] the sequences that sample
     verify: Verification | None  # set when some sequence verifies drafts
-    prefix_groups: PrefixGroupInputs | None = None  # sequences sharing a prefix, for cascade attention
+    shared_kv_runs: SharedKVRunInputs | None = None  # sequences sharing KV blocks, for cascade attention
 
 
 @dataclass
@@ -126,7 +126,7 @@ class StepInputBuilder:
         )
         if any(plan.num_draft_tokens):
             self._add_verification(h, plan, q_lens, sample_idx, rows)
-        h.prefix_groups = prefix_group_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
+        h.shared_kv_runs = shared_kv_run_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
         return h
 
     def _add_verification(
@@ -217,8 +217,8 @@ class StepInputBuilder:
             )
             if h.input_ids is not None:
                 arrays["input_ids"] = h.input_ids
-            if h.prefix_groups is not None:
-                arrays.update(h.prefix_groups.arrays())
+            if h.shared_kv_runs is not None:
+                arrays.update(h.shared_kv_runs.arrays())
         flags = None
         if self.last_stage and h.sample_seq_ids:
             t, r = self.table, h.sample_rows

@@ -26,14 +26,14 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if meta.shared_prefixes is not None and sliding_window is None:
+        if meta.shared_kv_runs is not None and sliding_window is None:
             return cascade_attention(
                 query,
                 kv_cache,
                 meta.query_start_loc,
                 meta.seq_lens,
                 meta.block_tables,
-                meta.shared_prefixes,
+                meta.shared_kv_runs,
                 meta.max_query_len,
                 meta.max_seq_len,
                 scale,

@@ -21,7 +21,7 @@ pytestmark = compiled_gpu_kernels_only()
 
 from strata.kernels.cascade_attention import PrefixLaunchConfig, cascade_attention  # noqa: E402
 from strata.kernels.reference import paged_attention_reference  # noqa: E402
-from strata.kernels.shared_prefix_groups import SharedPrefixGroups  # noqa: E402
+from strata.kernels.shared_kv_runs import SharedKVRuns  # noqa: E402
 from strata.kernels.testing import make_paged_batch, share_prefixes  # noqa: E402
 from tests.gpu.test_kernels_gpu import assert_close_to_reference  # noqa: E402
 
@@ -101,7 +101,7 @@ def test_cuda_graph_replay_with_padding_groups():
 
     batch = fresh(3)
     scale = 0.125
-    buffers = SharedPrefixGroups(
+    buffers = SharedKVRuns(
         token_start=torch.zeros(most + 1, dtype=torch.int32, device="cuda"),
         prefix_lens=torch.zeros(most, dtype=torch.int32, device="cuda"),
         table_rows=torch.zeros(most, dtype=torch.int32, device="cuda"),

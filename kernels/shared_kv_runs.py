@@ -1,5 +1,7 @@
-"""What cascade attention needs to know about a batch: which consecutive sequences share which
-prefix of KV. Its own module, free of Triton, so the CPU path (the torch reference) takes it too."""
+"""What cascade attention needs to know about a batch: its shared-KV runs, consecutive sequences
+that share a prefix of KV (the scheduler finds them: services/scheduler/shared_kv_runs.py). Its
+own module, free of Triton, so the CPU path (the torch reference) takes it too. Inside the
+kernels a run is still called a group (num_groups, max_grouped_tokens, g)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import torch
 
 
 @dataclass
-class SharedPrefixGroups:
-    """Which sequences of a batch share a prefix: device tensors, plus host bounds that shape the launch."""
+class SharedKVRuns:
+    """A batch's shared-KV runs: device tensors, plus host bounds that shape the launch."""
 
     token_start: torch.Tensor  # int32 [G+1]: group g's queries are batch tokens [token_start[g], token_start[g+1])
     prefix_lens: torch.Tensor  # int32 [G]: keys [0, prefix_lens[g]) are the same blocks for every member
