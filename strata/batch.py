@@ -30,6 +30,7 @@ import grpc
 from strata import openai_format
 from strata.batch_tokenize import GatewayTokenizer, TokenizerMismatch, check_tokenizer
 from strata.client import gateway_channel
+from strata.common_prefix import sort_by_prefix
 from strata.prompt_tokens import ChatTemplateError, PromptInput, token_ids
 from strata.v1 import generate_pb2, generate_pb2_grpc
 
@@ -144,13 +145,13 @@ def shared_prefix_groups(items: list[Item]) -> list[tuple[int, list[Item]]]:
     """(shared prefix length, members) groups: prompts sorted by token ids, then runs of
     neighbours whose common prefix stays >= MIN_SHARED_PREFIX (the run's prefix is the least
     common prefix in it). Every member keeps at least one token of its own."""
-    order = sorted(items, key=lambda item: item.prompt)
+    order, neighbours = sort_by_prefix(items, key=lambda item: item.prompt)
     groups: list[tuple[int, list[Item]]] = []
     members: list[Item] = []
     prefix = 0
-    for item in order:
-        if members:
-            common = min(prefix, _common_prefix(members[-1].prompt, item.prompt), len(item.prompt) - 1)
+    for i, item in enumerate(order):
+        if members:  # members[-1] is order[i - 1]
+            common = min(prefix, neighbours[i - 1], len(item.prompt) - 1)
             if common >= MIN_SHARED_PREFIX and len(members) < MAX_GROUP_MEMBERS:
                 members.append(item)
                 prefix = common
@@ -160,14 +161,6 @@ def shared_prefix_groups(items: list[Item]) -> list[tuple[int, list[Item]]]:
     if members:
         groups.append((prefix if len(members) > 1 else 0, members))
     return groups
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def group_messages(groups: list[tuple[int, list[Item]]]):
