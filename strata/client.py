@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import grpc
 
+from strata import openai_format
 from strata.grpc_util import CHANNEL_OPTIONS
+from strata.prompt_tokens import PromptInput, to_proto
 from strata.v1 import generate_pb2, generate_pb2_grpc
 
 
@@ -35,6 +37,26 @@ class StrataClient:
         else:
             req.prompt_token_ids.ids.extend(prompt)
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
+
+    def tokenize(
+        self,
+        prompt: str | list[dict],
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        timeout: float = 30.0,
+    ) -> generate_pb2.TokenizeResponse:
+        """The ids Generate runs on for a prompt's text, or for chat messages ({"role", "content"},
+        content a string or OpenAI's text parts) as /v1/chat/completions formats them."""
+        if isinstance(prompt, str):
+            request = to_proto(PromptInput(text=prompt, add_special_tokens=add_special_tokens))
+        else:
+            messages = openai_format.chat_messages(prompt)
+            request = to_proto(PromptInput(None, messages, add_special_tokens, add_generation_prompt))
+        return self.stub.Tokenize(request, timeout=timeout, metadata=self.metadata)
+
+    def detokenize(self, ids: list[int], timeout: float = 30.0) -> str:
+        request = generate_pb2.DetokenizeRequest(tokens=ids)
+        return self.stub.Detokenize(request, timeout=timeout, metadata=self.metadata).prompt
 
     def model_info(self, timeout: float = 30.0) -> generate_pb2.ModelInfo:
         return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)

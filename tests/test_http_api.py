@@ -334,7 +334,7 @@ def test_tokenize_detokenize_round_trip_and_give_the_ids_generate_runs_on(cluste
     url = c.http_address
     prompt = "The old lighthouse stood"
     got = httpx.post(url + "/tokenize", json={"model": model_dir.name, "prompt": prompt}, timeout=30).json()
-    over_grpc = client.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=30)
+    over_grpc = client.tokenize(prompt)
     assert got["tokens"] == list(over_grpc.tokens) and got["count"] == len(got["tokens"]) == over_grpc.count
     assert got["max_model_len"] == client.model_info().max_model_len == over_grpc.max_model_len
     # Generate on the text and Generate on the ids Tokenize gave: the same prompt, the same tokens.
@@ -347,7 +347,7 @@ def test_tokenize_detokenize_round_trip_and_give_the_ids_generate_runs_on(cluste
     assert bare["tokens"] == got["tokens"][1:]  # the tiny tokenizer adds one BOS
     back = httpx.post(url + "/detokenize", json={"model": model_dir.name, "tokens": bare["tokens"]}, timeout=30)
     assert back.json() == {"prompt": prompt}
-    assert client.stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=bare["tokens"]), timeout=30).prompt == prompt
+    assert client.detokenize(bare["tokens"]) == prompt
 
     # A chat: its ids are the ones /v1/chat/completions runs on (same usage, same greedy answer).
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a harbour."}]
@@ -365,6 +365,8 @@ def test_tokenize_detokenize_round_trip_and_give_the_ids_generate_runs_on(cluste
         chat=generate_pb2.ChatConversation(messages=[generate_pb2.ChatMessage(**m) for m in messages])
     )
     assert list(client.stub.Tokenize(grpc_chat, timeout=30).tokens) == chat_ids
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a harbour."}]}]
+    assert list(client.tokenize(parts).tokens) == chat_ids
     unopened = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30)
     assert unopened.json()["tokens"] != chat_ids and chat_ids[: unopened.json()["count"]] == unopened.json()["tokens"]
 
