@@ -63,12 +63,19 @@ def worker(cluster, name):
     return next(proc for pname, proc in cluster.procs if pname == name)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
-def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop):
+@pytest.mark.parametrize(
+    "stop,transport",
+    [(signal.SIGKILL, "auto"), (signal.SIGTERM, "auto"), (signal.SIGKILL, "grpc")],
+    ids=["killed", "stopped", "killed-grpc-transport"],
+)
+def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport):
     """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
-    scheduler must treat both as a lost stage, never as an engine failure."""
+    scheduler must treat both as a lost stage, never as an engine failure. On CPUs `auto` is the
+    distributed transport (gloo): its link to the lost stage breaks, and the rebuilt pipeline forms
+    a new one."""
     work = requests()
-    with running_cluster(model_dir, 2, "--stage-recovery-timeout", "60") as (cluster, client):
+    argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport)
+    with running_cluster(model_dir, 2, *argv) as (cluster, client):
         threads, plain, errors = run_all(client, work)
         for t in threads:
             t.join()

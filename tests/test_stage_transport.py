@@ -71,6 +71,9 @@ def test_auto_on_cpu_stages_is_distributed_over_gloo_and_overrides_are_honoured(
         choose_transport(cpu, cpu, "ipc")
     with pytest.raises(TransportError, match="ipc needs"):
         choose_transport(_stage(), _stage(host="h2"), "ipc")
+    with pytest.raises(TransportError, match="NCCL cannot pair two stages on one GPU"):
+        choose_transport(_stage(), _stage(), "distributed")
+    assert choose_transport(_stage(), _stage(device="cuda:1", uuid=GPU1), "distributed") == DISTRIBUTED
     with pytest.raises(TransportError, match="unknown stage transport"):
         choose_transport(cpu, cpu, "carrier-pigeon")
 

@@ -128,6 +128,9 @@ def choose_transport(
             f"visible to the sender ({sender.device} on {sender.location.hostname}, {receiver.device} on "
             f"{receiver.location.hostname})"
         )
+    if requested == "distributed" and both_cuda and same_ipc_domain(sender.location, receiver.location):
+        if sender.location.device_uuid == receiver.location.device_uuid:
+            raise TransportError("--stage-transport distributed: NCCL cannot pair two stages on one GPU (use ipc)")
     return NAMES[requested]
 
 
