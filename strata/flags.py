@@ -390,6 +390,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
             "seed",
             "role",
             "draft_num_layers",
+            "tokenizer",  # the last stage's constrained decoding reads it (a dummy model has none)
             *WORKER_FLAGS,
             *SPECULATIVE_FLAGS,  # sizes the verification (or, on a draft worker, decode) graphs
         ),

@@ -97,7 +97,7 @@ class Cluster:
                 proc.wait()
 
 
-_WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", *WORKER_FLAGS)
+_WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", "tokenizer", *WORKER_FLAGS)
 
 
 def worker_argv(args, stage: int, port: int, model: str) -> list[str]:

@@ -10,6 +10,7 @@ stop_token_ids, add_special_tokens, add_generation_prompt); a bad field raises B
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -30,15 +31,56 @@ _NUMBERS = {
 }
 
 
+# Every request field /v1/completions and /v1/chat/completions (and `strata batch` lines) read,
+# in one place: anything else, OpenAI's or vLLM's, is refused with 400 naming it, never ignored.
+ACCEPTED_FIELDS = frozenset(
+    {
+        "model", "stream", "stream_options", "n", "seed", "max_tokens", "min_tokens",
+        "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
+        "allowed_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "add_special_tokens", "skip_special_tokens",
+    }
+)  # fmt: skip
+COMPLETIONS_FIELDS = frozenset({"prompt"})
+CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "add_generation_prompt",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
+# Accepted and without effect, as OpenAI's own API treats them.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store"})
+# Fields Strata does not implement, accepted only at the value that asks for nothing.
+NO_OP_VALUES = {"echo": False, "best_of": 1, "use_beam_search": False, "include_stop_str_in_output": False}
+
+
 class BadField(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
 
 
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuses a field Strata does not implement (null counts as absent)."""
+    own = CHAT_FIELDS if chat else COMPLETIONS_FIELDS
+    for name, value in body.items():
+        if name in ACCEPTED_FIELDS or name in own or name in IGNORED_FIELDS or value is None:
+            continue
+        if name in NO_OP_VALUES and value == NO_OP_VALUES[name] and type(value) is type(NO_OP_VALUES[name]):
+            continue
+        raise BadField(name, f"is not supported by this server ({'chat completions' if chat else 'completions'})")
+
+
 def sampling_params(body: dict, chat: bool, output_kind: int = generate_pb2.FINAL_ONLY) -> generate_pb2.SamplingParams:
     """SamplingParams of a request body; unset fields keep the gateway's defaults (OpenAI's:
     temperature 1, top_p 1, max_tokens 16)."""
+    check_fields(body, chat)
     params = generate_pb2.SamplingParams(output_kind=output_kind)
     for name, field in _NUMBERS.items():
         if body.get(name) is not None:
@@ -73,7 +115,136 @@ def sampling_params(body: dict, chat: bool, output_kind: int = generate_pb2.FINA
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         params.logprobs = logprobs
+    if body.get("skip_special_tokens") is not None:
+        params.skip_special_tokens = _bool(body, "skip_special_tokens")
+    _penalties(body, params)
+    structured_output(body, params)
     return params
+
+
+def _bool(body: dict, name: str) -> bool:
+    if not isinstance(body[name], bool):
+        raise BadField(name, f"must be true or false, got {body[name]!r}")
+    return body[name]
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadField(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _int_list(body: dict, name: str) -> list[int] | None:
+    ids = body.get(name)
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadField(name, "must be a list of integers")
+    if any(not -(2**31) <= i < 2**31 for i in ids):
+        raise BadField(name, "token ids must be in the vocabulary")
+    return ids
+
+
+def _penalties(body: dict, params: generate_pb2.SamplingParams) -> None:
+    """vLLM's names: presence_penalty, frequency_penalty, repetition_penalty, logit_bias (token
+    id, as a string key as OpenAI sends it, -> bias), bad_words, allowed_token_ids."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            setattr(params, name, value)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadField("logit_bias", "must be an object of token id -> bias")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise BadField("logit_bias", f"keys must be token ids, got {key!r}") from None
+            if not 0 <= token < 2**31:
+                raise BadField("logit_bias", f"token ids must be in the vocabulary, got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise BadField("logit_bias", f"biases must be numbers, got {value!r} for {key!r}")
+            params.logit_bias[token] = float(value)
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise BadField("bad_words", "must be a list of strings")
+        params.bad_words.extend(words)
+    allowed = _int_list(body, "allowed_token_ids")
+    if allowed is not None:
+        if not allowed:
+            raise BadField("allowed_token_ids", "must not be empty")
+        params.allowed_token_ids.extend(allowed)
+
+
+def _schema_text(value, field: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value)
+    raise BadField(field, "must be a JSON schema (an object, or its JSON text)")
+
+
+def structured_output(body: dict, params: generate_pb2.SamplingParams) -> None:
+    """The constraint of OpenAI's response_format (json_object; json_schema with its schema),
+    vLLM's structured_outputs {json, regex, choice, grammar} and its older guided_json,
+    guided_regex, guided_choice and guided_grammar; at most one of them."""
+    found: list[tuple[str, str, object]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise BadField("response_format.json_schema", "must be an object with a schema")
+            found.append(
+                (
+                    "response_format.json_schema.schema",
+                    "json_schema",
+                    _schema_text(spec["schema"], "response_format.json_schema.schema"),
+                )
+            )
+        elif kind != "text":
+            raise BadField("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise BadField("structured_outputs", "must be an object")
+        for key, value in so.items():
+            if value is None:
+                continue
+            if key not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise BadField(f"structured_outputs.{key}", "is not supported by this server")
+            found.append((f"structured_outputs.{key}", key, value))
+    for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(key) is not None:
+            found.append((key, key.removeprefix("guided_"), body[key]))
+    if not found:
+        return
+    if len(found) > 1:
+        raise BadField(found[1][0], f"only one constraint may be given ({found[0][0]} is set)")
+    field, kind, value = found[0]
+    if kind in ("json", "json_schema"):
+        params.json_schema = _schema_text(value, field)
+    elif kind == "json_object":
+        if value is not True:
+            raise BadField(field, "must be true")
+        params.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise BadField(field, "must be a list of strings")
+        params.choice.SetInParent()
+        params.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise BadField(field, "must be a string")
+        setattr(params, kind, value)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

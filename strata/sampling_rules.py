@@ -87,13 +87,100 @@ def check_logprobs(logprobs, field: str = "logprobs", most: int = MAX_LOGPROBS) 
         _fail(ok, field, logprobs, "must be -1 (none) or more", fmt=int)
 
 
-def check_sampling_options(s: engine_pb2.SamplingOptions, prefix: str = "sampling.") -> None:
+MAX_LOGIT_BIAS = 100.0  # biases are clamped to [-100, 100], as OpenAI's and vLLM's
+MAX_BIASED_TOKENS = 1024  # logit_bias entries, allowed_token_ids, bad words' tokens: each at most this many
+
+
+def check_penalty(value, field: str) -> None:
+    """presence_penalty and frequency_penalty: in [-2, 2] (OpenAI's and vLLM's range)."""
+    ok = (value >= -2) & (value <= 2)
+    if ok is not True:
+        _fail(ok, field, value, "must be in [-2, 2]")
+
+
+def check_repetition_penalty(value, field: str, allow_zero: bool = False) -> None:
+    """> 0 (1 is off); internally 0 means unset (off) too."""
+    ok = (abs(value) < math.inf) & ((value > 0) | (allow_zero & (value == 0)))
+    if ok is not True:
+        _fail(ok, field, value, "must be finite and > 0")
+
+
+def check_logit_bias(values, field: str) -> None:
+    """Finite numbers (each is then clamped to [-100, 100])."""
+    values = np.asarray(values, dtype=np.float64)
+    ok = abs(values) < math.inf
+    if not bool(np.all(ok)):
+        _fail(ok, field, values, "values must be finite numbers")
+
+
+def check_token_ids(ids, field: str, vocab_size: int | None = None, most: int = MAX_BIASED_TOKENS) -> None:
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size > most:
+        raise SamplingRuleError(field, f"{field} holds {ids.size} token ids; at most {most}")
+    upper = vocab_size if vocab_size is not None else 2**31
+    ok = (ids >= 0) & (ids < upper)
+    if ids.size and not bool(np.all(ok)):
+        rule = f"must be token ids in [0, {vocab_size})" if vocab_size is not None else "must be >= 0"
+        _fail(ok, field, ids, rule, fmt=int)
+
+
+def uses_penalties(s: engine_pb2.SamplingOptions) -> bool:
+    """Whether a sequence's sampling reads per-sequence token counts or biases its logits."""
+    return bool(
+        s.presence_penalty
+        or s.frequency_penalty
+        or (s.repetition_penalty and s.repetition_penalty != 1)
+        or s.logit_bias_token_ids
+        or s.bad_words
+        or s.allowed_token_ids
+    )
+
+
+def history_needed(s: engine_pb2.SamplingOptions) -> tuple[bool, bool]:
+    """(whether the last stage needs a sequence's earlier tokens at admission, whether the prompt's
+    too): counts for the penalties, the output for a constraint's matcher and bad words."""
+    needs = uses_penalties(s) or s.constraint_kind != 0
+    return needs, bool(s.repetition_penalty and s.repetition_penalty != 1)
+
+
+def check_sampling_options(
+    s: engine_pb2.SamplingOptions, prefix: str = "sampling.", vocab_size: int | None = None
+) -> None:
     """Every rule on an internal SamplingOptions message (what the scheduler and workers receive)."""
     check_temperature(s.temperature, prefix + "temperature")
     check_top_p(s.top_p, prefix + "top_p")
     check_min_p(s.min_p, prefix + "min_p")
     check_top_k(s.top_k, prefix + "top_k")
     check_logprobs(s.logprobs, prefix + "logprobs")
+    if not uses_penalties(s) and not s.constraint_kind:
+        return
+    check_penalty(s.presence_penalty, prefix + "presence_penalty")
+    check_penalty(s.frequency_penalty, prefix + "frequency_penalty")
+    check_repetition_penalty(s.repetition_penalty, prefix + "repetition_penalty", allow_zero=True)
+    if len(s.logit_bias_token_ids) != len(s.logit_bias_values):
+        raise SamplingRuleError(prefix + "logit_bias_values", f"{prefix}logit_bias_values needs one value per token id")
+    check_token_ids(s.logit_bias_token_ids, prefix + "logit_bias_token_ids", vocab_size)
+    if len(set(s.logit_bias_token_ids)) != len(s.logit_bias_token_ids):
+        raise SamplingRuleError(prefix + "logit_bias_token_ids", f"{prefix}logit_bias_token_ids must be distinct")
+    check_logit_bias(list(s.logit_bias_values), prefix + "logit_bias_values")
+    ok = np.abs(np.asarray(s.logit_bias_values, dtype=np.float64)) <= MAX_LOGIT_BIAS
+    if not bool(np.all(ok)):
+        _fail(
+            ok,
+            prefix + "logit_bias_values",
+            list(s.logit_bias_values),
+            f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+    check_token_ids(s.allowed_token_ids, prefix + "allowed_token_ids", vocab_size)
+    if len(s.bad_words) > MAX_BIASED_TOKENS or any(not w.ids for w in s.bad_words):
+        raise SamplingRuleError(
+            prefix + "bad_words", f"{prefix}bad_words: at most {MAX_BIASED_TOKENS} non-empty token sequences"
+        )
+    check_token_ids(
+        [t for w in s.bad_words for t in w.ids], prefix + "bad_words", vocab_size, most=16 * MAX_BIASED_TOKENS
+    )
+    if s.constraint_kind not in (0, 1, 2, 3, 4):
+        raise SamplingRuleError(prefix + "constraint_kind", f"{prefix}constraint_kind {s.constraint_kind} is unknown")
 
 
 def is_greedy(temperature):

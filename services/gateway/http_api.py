@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from strata import openai_format
 from strata.prompt_tokens import PromptInput
+from strata.services.gateway import tools
 from strata.services.gateway.server import Gateway, GatewayError
 from strata.services.gateway.validation import InvalidRequest
 from strata.v1 import generate_pb2
@@ -139,6 +140,7 @@ def build_app(gateway: Gateway) -> Starlette:
             stream = bool(body.get("stream", False))
             kind = generate_pb2.DELTA if stream else generate_pb2.FINAL_ONLY
             params = openai_format.sampling_params(body, chat, kind)
+            calls = tools.tool_calls(body, params) if chat else None
             prompt = await prompt_ids(openai_format.prompt_input(body, chat))
         except openai_format.BadField as e:
             return error_response(400, str(e), e.field)
@@ -154,8 +156,8 @@ def build_app(gateway: Gateway) -> Starlette:
         responses = gateway.generate(generate_request)
         if stream:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await _streamed(responses, chat, info.model_name, usage, request)
-        return await _whole(responses, chat, info.model_name, request)
+            return await _streamed(responses, chat, info.model_name, usage, request, calls)
+        return await _whole(responses, chat, info.model_name, request, calls)
 
     async def tokenize(request: Request) -> Response:
         if isinstance(body := await json_body(request), Response):
@@ -189,7 +191,7 @@ def build_app(gateway: Gateway) -> Starlette:
     def token_text(token_id: int) -> str:
         return gateway.tokenizer.decode([token_id])
 
-    async def _whole(responses, chat: bool, model: str, request: Request) -> Response:
+    async def _whole(responses, chat: bool, model: str, request: Request, calls=None) -> Response:
         """The final response; a client that disconnects before it cancels the request."""
 
         async def final():
@@ -211,9 +213,12 @@ def build_app(gateway: Gateway) -> Starlette:
             response = work.result()
         except GatewayError as e:
             return _from_gateway(e)
-        return JSONResponse(openai_format.response_body(response, chat, model, token_text))
+        body = openai_format.response_body(response, chat, model, token_text)
+        return JSONResponse(calls.message(body) if calls is not None else body)
 
-    async def _streamed(responses, chat: bool, model: str, include_usage: bool, request: Request) -> Response:
+    async def _streamed(
+        responses, chat: bool, model: str, include_usage: bool, request: Request, calls=None
+    ) -> Response:
         # The first response decides the status: a request rejected at validation gets its 400.
         try:
             first = await responses.__anext__()
@@ -222,6 +227,7 @@ def build_app(gateway: Gateway) -> Starlette:
         except StopAsyncIteration:
             first = None
         rid, created, started = openai_format.response_id(chat), int(time.time()), set()
+        texts: dict[int, str] = {}  # each output's text so far (tool calls)
 
         async def events():
             last = None
@@ -230,6 +236,8 @@ def build_app(gateway: Gateway) -> Starlette:
                 while response is not None:
                     last = response
                     chunk = openai_format.chunk_body(response, chat, model, rid, created, started, token_text)
+                    if calls is not None:
+                        chunk = calls.chunk(chunk, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
                     response = await anext(responses, None)
                 if include_usage and last is not None:

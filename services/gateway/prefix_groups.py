@@ -120,6 +120,7 @@ class GroupRunner:
                     max_model_len=self.info.max_model_len,
                     max_stop_strings=limits.max_stop_strings,
                     max_stop_length=limits.max_stop_length,
+                    encode=self.gateway.encode_plain,
                 )
             except InvalidRequest as e:
                 errors.append(_error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))

@@ -109,6 +109,10 @@ class Gateway:
             return tokenize_all()
         return await asyncio.to_thread(tokenize_all)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """A short text's ids without special tokens (bad_words)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     async def encode(self, text: str, field: str = "prompt", special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt's text (prompt_ids for text)."""
         return await self.prompt_ids(PromptInput(text=text, add_special_tokens=special_tokens), field)
@@ -207,6 +211,7 @@ class Gateway:
                 max_model_len=info.max_model_len,
                 max_stop_strings=self.limits.max_stop_strings,
                 max_stop_length=self.limits.max_stop_length,
+                encode=self.encode_plain,
             )
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None

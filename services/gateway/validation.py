@@ -8,10 +8,10 @@ internal messages the scheduler and the workers read (SamplingOptions, StopCrite
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from strata import sampling_rules
+from strata import constraints, sampling_rules
 from strata.protocol import MAX_LOGPROBS
 from strata.v1 import engine_pb2, generate_pb2
 
@@ -62,6 +62,15 @@ class ValidatedParams:
     logprobs: int | None  # None: no logprobs; k: the sampled token's plus the top k
     output_kind: int  # generate_pb2.OutputKind value
     skip_special_tokens: bool
+    # Penalties, biases and the constraint, as SamplingOptions carries them (off by default).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias clamped to [-100, 100])
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences
+    allowed_token_ids: tuple[int, ...] = ()
+    constraint_kind: int = 0  # engine_pb2.ConstraintKind
+    constraint: str = ""
 
     def sampling_options(self, seed: int) -> engine_pb2.SamplingOptions:
         """What the last stage needs to sample one child (seed: the child's own)."""
@@ -72,6 +81,15 @@ class ValidatedParams:
             min_p=self.min_p,
             seed=seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=0.0 if self.repetition_penalty == 1 else self.repetition_penalty,
+            logit_bias_token_ids=[t for t, _ in self.logit_bias],
+            logit_bias_values=[b for _, b in self.logit_bias],
+            bad_words=[generate_pb2.TokenIds(ids=w) for w in self.bad_words],
+            allowed_token_ids=self.allowed_token_ids,
+            constraint_kind=self.constraint_kind,
+            constraint=self.constraint,
         )
 
     def stop_criteria(self, eos_token_ids: Sequence[int]) -> engine_pb2.StopCriteria:
@@ -146,8 +164,10 @@ def validate_request(
     max_logprobs: int = MAX_LOGPROBS,
     max_stop_strings: int = 32,
     max_stop_length: int = 1024,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> ValidatedParams:
     """Check `req` (whose prompt tokenizes to `prompt_token_ids`) and resolve its defaults.
+    encode: text -> token ids without special tokens (the tokenizer's), for bad_words.
 
     Raises InvalidRequest naming the first bad field.
     """
@@ -195,6 +215,7 @@ def validate_request(
             f"params.output_kind must be CUMULATIVE, DELTA or FINAL_ONLY, got {p.output_kind}",
         )
 
+    controls = _sampling_controls(p, vocab_size, encode)
     return ValidatedParams(
         n=n,
         temperature=temperature,
@@ -210,7 +231,76 @@ def validate_request(
         logprobs=logprobs,
         output_kind=p.output_kind,
         skip_special_tokens=p.skip_special_tokens,
+        **controls,
     )
+
+
+def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM tokenizes them: the word as written (stripped of
+    leading spaces) and, when that tokenizes to a new first token of the same length, with one
+    leading space (a word in the middle of a text)."""
+    out = []
+    for word in words:
+        plain = encode(word.lstrip())
+        if plain:
+            out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+def _sampling_controls(p: generate_pb2.SamplingParams, vocab_size: int, encode) -> dict:
+    """Penalties, biases and the constraint of public params, checked (ValidatedParams' fields)."""
+    out: dict = {}
+    _sampling_rule(sampling_rules.check_penalty, p.presence_penalty, "params.presence_penalty")
+    _sampling_rule(sampling_rules.check_penalty, p.frequency_penalty, "params.frequency_penalty")
+    out["presence_penalty"], out["frequency_penalty"] = p.presence_penalty, p.frequency_penalty
+    if p.HasField("repetition_penalty"):
+        _sampling_rule(sampling_rules.check_repetition_penalty, p.repetition_penalty, "params.repetition_penalty")
+        out["repetition_penalty"] = p.repetition_penalty
+    if p.logit_bias:
+        items = sorted(p.logit_bias.items())
+        _sampling_rule(
+            sampling_rules.check_token_ids, [t for t, _ in items], "params.logit_bias", vocab_size=vocab_size
+        )
+        _sampling_rule(sampling_rules.check_logit_bias, [b for _, b in items], "params.logit_bias")
+        limit = sampling_rules.MAX_LOGIT_BIAS
+        out["logit_bias"] = tuple((t, min(max(b, -limit), limit)) for t, b in items)
+    if p.allowed_token_ids:
+        _sampling_rule(
+            sampling_rules.check_token_ids, p.allowed_token_ids, "params.allowed_token_ids", vocab_size=vocab_size
+        )
+        out["allowed_token_ids"] = tuple(sorted(set(p.allowed_token_ids)))
+    if p.bad_words:
+        if encode is None:
+            raise InvalidRequest("params.bad_words", "params.bad_words needs the gateway's tokenizer")
+        if len(p.bad_words) > 256 or any(not w.strip() or len(w) > 1024 for w in p.bad_words):
+            raise InvalidRequest("params.bad_words", "params.bad_words: at most 256 non-blank words of 1024 characters")
+        out["bad_words"] = tuple(tuple(ids) for ids in bad_words_token_ids(p.bad_words, encode))
+    which = p.WhichOneof("constraint")
+    if which is not None:
+        field_name = f"params.{which}"
+        if which == "choice":
+            _sampling_rule(constraints.check_choices, list(p.choice.choices), field_name)
+            kind, text = engine_pb2.CONSTRAINT_KIND_GRAMMAR, constraints.choice_grammar(p.choice.choices)
+        elif which == "json_object":
+            if not p.json_object:
+                raise InvalidRequest(field_name, f"{field_name} must be true when set")
+            kind, text = engine_pb2.CONSTRAINT_KIND_JSON_OBJECT, ""
+        else:
+            kind = {
+                "json_schema": engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA,
+                "regex": engine_pb2.CONSTRAINT_KIND_REGEX,
+                "grammar": engine_pb2.CONSTRAINT_KIND_GRAMMAR,
+            }[which]
+            text = getattr(p, which)
+        try:  # parsing is cheap (the worker compiles it against the tokenizer)
+            constraints.grammar(kind, text, field_name)
+        except sampling_rules.SamplingRuleError as e:
+            raise InvalidRequest(e.field, e.message) from None
+        out["constraint_kind"], out["constraint"] = kind, text
+    return out
 
 
 def top_level_field_size(raw: bytes, field_number: int) -> int:

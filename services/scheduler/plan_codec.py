@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import itertools
 
+from strata.sampling_rules import history_needed
 from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2, generate_pb2
+
+
+def new_sequence(r) -> engine_pb2.NewSequence:
+    """A sequence's admission. Sampling that keeps state on the last stage (penalties, a
+    constraint) gets the tokens known so far, which the worker reads up to its first step's
+    num_computed (cached blocks and recomputed output it never sees as input)."""
+    msg = engine_pb2.NewSequence(seq_id=r.seq_id, sampling=r.sampling)
+    needs, needs_prompt = history_needed(r.sampling)
+    if needs:
+        num_prompt = len(r.prompt_token_ids)
+        msg.num_prompt_tokens = num_prompt
+        msg.history_start = 0 if needs_prompt else num_prompt
+        if needs_prompt:
+            msg.history_token_ids.extend(r.prompt_token_ids)
+        msg.history_token_ids.extend(r.output_token_ids)
+    return msg
 
 
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     seqs = plan.seqs
     msg = engine_pb2.StepPlan(
         step_id=plan.step_id,
-        new_sequences=[engine_pb2.NewSequence(seq_id=r.seq_id, sampling=r.sampling) for r in plan.new_requests],
+        new_sequences=[new_sequence(r) for r in plan.new_requests],
         released_seq_ids=plan.released_seq_ids,
         seq_ids=[s.seq_id for s in seqs],
         num_computed=[s.num_computed for s in seqs],

@@ -123,6 +123,7 @@ def build(args):
         num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
         speculative_max_batch=args.speculative_max_batch,
         piecewise_max_tokens=piecewise_max_tokens(args),
+        tokenizer_dir=getattr(args, "tokenizer", None) or (None if dummy else model_path),
     )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"

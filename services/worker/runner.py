@@ -18,6 +18,7 @@ from strata.services.worker.attention import AttentionMetadata, allocate_kv_cach
 from strata.services.worker.cascade_inputs import shared_kv_runs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
+from strata.services.worker.sampling_controls import SamplingControls
 from strata.services.worker.sequence_table import SequenceTable
 from strata.services.worker.step_inputs import HostInputs, StepInputBuilder
 from strata.services.worker.step_results import GpuTimeline, PendingResult
@@ -44,6 +45,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         speculative_max_batch: int = 0,
         piecewise_max_tokens: int = 0,
+        tokenizer_dir: str | None = None,
     ):
         self.shard = shard
         self.config = model_config
@@ -80,6 +82,19 @@ class ModelRunner:
         # decode graphs' padding rows write to.
         self.scratch_row = max_num_seqs
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        # Penalties, biases and grammars of the sequences that use them (last stage).
+        self.controls = None
+        if self.is_last:
+            self.controls = SamplingControls(
+                max_num_seqs,
+                model_config.vocab_size,
+                max_model_len,
+                device,
+                self.last_sampled,
+                tokenizer_dir,
+                getattr(model_config, "eos_token_id", None),
+            )
+            self.table.controls = self.controls
         self.timeline = GpuTimeline() if device.type == "cuda" else None
 
     # ------------------------------------------------------------ cache
@@ -177,6 +192,8 @@ class ModelRunner:
         start = time.perf_counter()
         rows = self.apply_plan(plan)
         h = self.inputs.build(plan, rows)
+        if self.controls is not None and self.controls.active:
+            self.controls.begin_step(plan, h)
         gpu_start = self.timeline.mark() if self.timeline else None
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
         cascade = h.shared_kv_runs is not None and h.max_query_len == 1  # (verification graphs do without)
@@ -272,7 +289,12 @@ class ModelRunner:
     ) -> PendingResult:
         if not h.sample_seq_ids:
             return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, gpu_start)
+        controlled = self.controls is not None and self.controls.active
+        if controlled:
+            logits, grammar_rows = self.controls.apply(logits, h)
         out = self.sampler(logits, sampling)
+        if controlled:
+            self.controls.after_draw(h, out.token_ids, grammar_rows)
         # Kept on the device for the next plan's decode lookahead (placeholder input tokens).
         self.last_sampled[sample_rows] = out.token_ids
         tensors = [out.token_ids]
