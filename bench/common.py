@@ -459,6 +459,7 @@ COUNTERS = (
     "worker_gpu_idle_seconds",
     "worker_timed_steps",
     "worker_launch_seconds",
+    "busy_seconds",
 )
 
 

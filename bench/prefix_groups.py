@@ -149,7 +149,11 @@ def run(args) -> int:
                 ("req/s", f"{p['requests_per_s']:,.1f} ({p['output_tokens_per_s']:,.0f} output tok/s)"),
                 ("prefill tokens computed", common.fmt(s.get("prefill_tokens_computed"), ",")),
                 ("peak KV blocks", common.fmt(s.get("peak_used_kv_blocks"), ",")),
-                ("steps", f"{common.fmt(s.get('steps'), ',')}, GPU busy {s.get('worker_gpu_busy_seconds', 0):.2f} s"),
+                ("steps", common.fmt(s.get("steps"), ",")),
+                # Where a way loses time: wall with no step in flight (the client's requests not
+                # yet arrived, a group waiting for its members), the host launching, the GPU.
+                ("no step in flight", f"{p['elapsed_s'] - s.get('busy_seconds', 0):.3f} s of the wall time"),
+                *common.gpu_timeline_rows(s, p["elapsed_s"]),
             ],
         )
     rps = {way: phases[way]["requests_per_s"] for way in WAYS}

@@ -2,6 +2,7 @@
 prefix computed once and pinned until the last member ends, nothing leaked on cancellation or
 preemption; and the plans' shared-prefix groups that cascade attention reads."""
 
+import collections
 import random
 
 from strata.services.scheduler.scheduler import Scheduler
@@ -241,3 +242,52 @@ def test_common_prefix_len_agrees_with_a_plain_walk_whatever_the_guess():
         a = [rng.randrange(4) for _ in range(rng.randint(0, 30))]
         b = a[: rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 30))]
         assert _common_prefix_len(a, b, rng.randint(0, 40)) == len(os.path.commonprefix([a, b])), (a, b)
+
+
+def test_a_started_groups_members_keep_their_seats():
+    # Six groups of 4 members, 16 seats. While a group's first member computes the prefix, the
+    # others wait for it; the next groups' first members must not take their seats. Without held
+    # seats the first step admitted six first members, the batch then filled with parts of six
+    # groups, and first members decoded alone while their siblings waited a wave.
+    rng = random.Random(7)
+    groups = [
+        group(f"g{g}", [rng.randrange(VOCAB) for _ in range(12)], suffixes(rng, 4, 2, 2), max_tokens=5, seed=10 * g)
+        for g in range(6)
+    ]
+    sched = Scheduler(num_blocks=256, block_size=BS, max_model_len=64, max_num_seqs=16, max_num_batched_tokens=128)
+    for req in [r for members in groups for r in members]:
+        sched.add_request(req)
+    driver = Driver(sched, pipeline=2)
+    admitted_at: dict[str, list[int]] = collections.defaultdict(list)  # group -> its members' admission steps
+    full_batches = []
+
+    def on_plan(plan):
+        for req in plan.new_requests:
+            admitted_at[req.parent_id].append(plan.step_id)
+        assert len(sched.running) + sched.sharing.reserved_seats <= sched.max_num_seqs
+        if len(sched.running) == sched.max_num_seqs:
+            full_batches.append(collections.Counter(r.parent_id for r in sched.running))
+
+    driver.run(on_plan=on_plan)
+    # A group's members join within two steps of its first (the prefix's step, then one in flight).
+    assert all(max(steps) - min(steps) <= 2 for steps in admitted_at.values()), dict(admitted_at)
+    assert full_batches and all(sorted(c.values()) == [4, 4, 4, 4] for c in full_batches[:1]), full_batches
+    assert_matches_reference(driver, [r for members in groups for r in members], 64)
+    assert_all_blocks_free(sched, driver.workers)
+
+
+def test_a_group_larger_than_the_seats_left_starts_with_what_is_free():
+    # 6 seats: a group of 5 runs, and a group of 10 (more than the seats) starts beside it once a
+    # quarter of the seats (at least) are free, its other members taking seats as they free up.
+    rng = random.Random(8)
+    small = group("small", [rng.randrange(VOCAB) for _ in range(8)], suffixes(rng, 5, 2, 2), max_tokens=8, seed=1)
+    large = group("large", [rng.randrange(VOCAB) for _ in range(8)], suffixes(rng, 10, 2, 2), max_tokens=3, seed=2)
+    sched = Scheduler(num_blocks=128, block_size=BS, max_model_len=64, max_num_seqs=6, max_num_batched_tokens=64)
+    for req in small + large:
+        sched.add_request(req)
+    driver = Driver(sched)
+    running = []
+    driver.run(on_plan=lambda plan: running.append(collections.Counter(r.parent_id for r in sched.running)))
+    assert any(counts["small"] and counts["large"] for counts in running), running
+    assert_matches_reference(driver, small + large, 64)
+    assert_all_blocks_free(sched, driver.workers)

@@ -6,10 +6,14 @@ computing them again (copying the shared partial block on write); while a siblin
 computing them, the others wait (HOLD) rather than compute them twice.
 
 An explicit prefix group (EngineRequest.group_size, the client's PrefixGroup) is admitted
-together: it starts once all of its members arrived and its prefix plus every member's own first
-blocks fit beside what started groups hold in reserve; its full prefix blocks are pinned (kept out
-of the free queue) until its last member ends, so members admitted later, or re-admitted after a
-preemption, find them.
+together: it starts once all of its members arrived, its prefix plus every member's own first
+blocks fit beside what started groups hold in reserve, and its members find running seats
+(max_num_seqs) beside the seats other started groups hold; its full prefix blocks are pinned (kept
+out of the free queue) until its last member ends, so members admitted later, or re-admitted after
+a preemption, find them. Held seats keep a group together: without them, the next groups' first
+members took the seats of members waiting for their prefix, and a group's first member decoded
+alone beside the others' runs (a long context outside every shared-KV run, the cascade's slowest
+program) while its siblings waited a whole wave.
 
 Which sequences of a step share KV blocks, however they came to share them, is another question,
 answered per step for cascade attention: shared_kv_runs.py.
@@ -36,6 +40,7 @@ class SharingState:
 
     num_shared_blocks: int = 0  # leading full blocks it took from others at its latest admission
     reserved_blocks: int = 0  # blocks its started prefix group holds for its admission
+    has_seat: bool = False  # its started prefix group holds a running seat for its admission
 
 
 @dataclass
@@ -50,11 +55,16 @@ class PrefixGroup:
 class PrefixSharing:
     """The scheduler's families (requests by parent_id) and prefix groups."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_num_seqs: int) -> None:
         self.block_size = block_size
+        # A group larger than this many seats starts with what is free (at least this many) and
+        # its other members compete for seats as other requests do: waiting for all of its seats
+        # would leave the rest of the batch empty.
+        self.min_seats_to_start = max(1, max_num_seqs // 4)
         self.families: dict[str, list[Request]] = {}  # parent_id -> unfinished children or group members
         self.prefix_groups: dict[str, PrefixGroup] = {}  # explicit prefix groups, by parent_id
         self.reserved_blocks = 0  # promised to members of started groups not admitted yet
+        self.reserved_seats = 0  # running seats promised to members of started groups not admitted yet
 
     # ------------------------------------------------------------------ arrival
 
@@ -99,14 +109,16 @@ class PrefixSharing:
 
     # ------------------------------------------------------------------ admission
 
-    def shared_prefix(self, req: Request, step_id: int, bm: KVBlockManager) -> tuple[list[int], int] | object | None:
+    def shared_prefix(
+        self, req: Request, step_id: int, bm: KVBlockManager, free_seats: int
+    ) -> tuple[list[int], int] | object | None:
         """What req, about to be admitted, takes from its siblings: (blocks, tokens) instead of
         computing them; HOLD to wait for a sibling or the group's other members; NO_ROOM when its
         prefix group cannot start yet; None when req computes them itself (the prefix cache may
-        still hold them)."""
+        still hold them). free_seats: running seats neither taken nor held for started groups."""
         group = self.prefix_groups.get(req.parent_id) if req.group_size else None
         if group is not None and not group.started:
-            verdict = self._start_group(req.parent_id, group, bm)
+            verdict = self._start_group(req, group, bm, free_seats)
             if verdict is not True:
                 return verdict
         if not req.parent_id:
@@ -127,18 +139,26 @@ class PrefixSharing:
         return self.reserved_blocks - req.sharing.reserved_blocks
 
     def admitted(self, req: Request) -> None:
-        """req took its blocks: its group's reservation for it ends."""
-        self.reserved_blocks -= req.sharing.reserved_blocks
-        req.sharing.reserved_blocks = 0
+        """req took its blocks and its seat: its group's reservations for it end."""
+        self._release(req.sharing)
 
-    def _start_group(self, parent_id: str, group: PrefixGroup, bm: KVBlockManager) -> bool | object:
-        """A prefix group starts once all of its members arrived and its prefix plus every
-        member's own first blocks fit beside what started groups hold in reserve. True: start
-        (the blocks of the members admitted later are reserved); HOLD: members are missing;
-        NO_ROOM: not enough free blocks yet."""
-        members = self.families[parent_id]
+    def _release(self, state: SharingState) -> None:
+        self.reserved_blocks -= state.reserved_blocks
+        state.reserved_blocks = 0
+        self.reserved_seats -= state.has_seat
+        state.has_seat = False
+
+    def _start_group(self, req: Request, group: PrefixGroup, bm: KVBlockManager, free_seats: int) -> bool | object:
+        """A prefix group starts once all of its members arrived, its prefix plus every member's
+        own first blocks fit beside what started groups hold in reserve, and its members find
+        seats. True: start (the blocks and seats of the members admitted later are reserved); HOLD:
+        members are missing; NO_ROOM: not enough free blocks or seats yet."""
+        members = self.families[req.parent_id]
         if len(members) < group.size:
             return HOLD
+        seats = min(len(members), free_seats)
+        if seats < min(len(members), self.min_seats_to_start):
+            return NO_ROOM
         bs = self.block_size
         shared_blocks = members[0].shared_len // bs
         own = [cdiv(m.num_prompt_tokens, bs) - shared_blocks for m in members]
@@ -152,6 +172,10 @@ class PrefixSharing:
         for member, blocks in zip(members, own):
             member.sharing.reserved_blocks = blocks
             self.reserved_blocks += blocks
+        # req (admitted now) first, then the others in arrival order.
+        for member in [req] + [m for m in members if m is not req][: seats - 1]:
+            member.sharing.has_seat = True
+        self.reserved_seats += seats
         return True
 
     def _sibling_source(self, req: Request, need: int, step_id: int, bm: KVBlockManager) -> Request | object | None:
@@ -199,8 +223,7 @@ class PrefixSharing:
 
     def finished(self, req: Request, bm: KVBlockManager) -> None:
         """req (with a parent_id) ended: it leaves its family; the last to leave unpins the prefix."""
-        self.reserved_blocks -= req.sharing.reserved_blocks
-        req.sharing.reserved_blocks = 0
+        self._release(req.sharing)
         siblings = self.families[req.parent_id]
         siblings.remove(req)
         group = self.prefix_groups.get(req.parent_id)

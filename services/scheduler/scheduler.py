@@ -82,7 +82,7 @@ class Scheduler:
         self.speculation = speculation
         self.spec = Speculation(speculation) if speculation is not None else None  # proposals
         self.acceptance = Acceptance(speculation.num_speculative_tokens if speculation else 0)
-        self.sharing = PrefixSharing(block_size)
+        self.sharing = PrefixSharing(block_size, max_num_seqs)
         self.counters = Counters()
 
         self.waiting: deque[Request] = deque()
@@ -216,6 +216,9 @@ class Scheduler:
         held: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not (preempted and seqs):
             req = self.waiting.popleft()
+            if not req.sharing.has_seat and len(self.running) + self.sharing.reserved_seats >= self.max_num_seqs:
+                self.waiting.appendleft(req)  # the free seats are held for started prefix groups
+                break
             admitted = self._admit(req, step_id, budget, seqs, copies)
             if admitted is HOLD:
                 held.append(req)
@@ -279,7 +282,10 @@ class Scheduler:
         scheduled, HOLD to wait for a sibling (or a prefix group's other members), or None when
         its blocks do not fit now."""
         bm = self.block_manager
-        found = self.sharing.shared_prefix(req, step_id, bm) if req.parent_id or req.group_size else None
+        found = None
+        if req.parent_id or req.group_size:
+            free_seats = self.max_num_seqs - len(self.running) - self.sharing.reserved_seats
+            found = self.sharing.shared_prefix(req, step_id, bm, free_seats)
         if found is HOLD:
             return HOLD
         if found is NO_ROOM:
