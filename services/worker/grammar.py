@@ -150,7 +150,8 @@ class GrammarState:
             if k == len(r.consumed):
                 if m.is_terminated():  # a decode lookahead past the end: the scheduler drops it
                     return
-                m.accept_token(int(t))  # False: a token the grammar refuses (never after a masked draw)
+                if not m.accept_token(int(t)):  # refused (never after a masked draw): keep the matcher as it was
+                    return
                 r.consumed.append(int(t))
                 r.pos = p + 1
 
