@@ -45,6 +45,18 @@ def test_two_groups_after_an_ungrouped_sequence():
     }
 
 
+def test_prompt_chunks_save_no_prefix_reads():
+    # Three members over a 40-token prefix: as decodes they read it once for the run (a cascade);
+    # as 20-token prompt chunks each reads it once per query tile either way (no cascade); beside
+    # a decoding pair of the same run, the pair alone saves under half the reads; five decodes more.
+    tables = [list(range(10)) + [97 + i, 200 + i] for i in range(3)]
+    assert inputs([1, 1, 1], [40], [1, 1, 1], [40, 40, 40], tables) is not None
+    assert inputs([1, 1, 1], [40], [20, 20, 20], [40, 40, 40], tables) is None
+    assert inputs([1, 1, 1], [40], [20, 1, 1], [40, 40, 40], tables) is None
+    six = [list(range(10)) + [97 + i, 200 + i] for i in range(6)]
+    assert inputs([1] * 6, [40], [20, 1, 1, 1, 1, 1], [40] * 6, six) is not None  # five decodes save 60%
+
+
 def test_no_groups_or_too_little_shared_means_no_cascade():
     assert inputs([], [], [1, 1], [4, 4], [[1, 2], [3, 4]]) is None
     # Two members sharing 4 of their 2 x 41 keys: not worth a second kernel and a merge.

@@ -24,6 +24,11 @@ from strata.v1 import engine_pb2
 # reads) ran slower as cascades, 16-member groups much faster (bench/cascade_attention.py;
 # figures: bench/RESULTS.md, "Figures moved from code comments").
 MIN_SAVED_FRACTION = 0.5
+# Only a member whose queries fit one tile of the prefix kernel (decodes, verify steps) reads its
+# run's prefix once for the run: a prompt chunk reads the prefix once per query tile either way,
+# and the paged kernel's tuned prefill launch beats the cascade's on it (prefill-only runs:
+# figures in bench/RESULTS.md, "Prefix groups against the prefix cache").
+SHORT_QUERY = 16
 
 
 @dataclass
@@ -85,7 +90,9 @@ def shared_kv_run_inputs(
     if (column & (block_tables[members, :width] != leader_rows)).any():
         raise PlanError("shared-prefix members must share the blocks that hold their prefix")
 
-    saved = int(((np.bincount(ids - 1, minlength=num_groups) - 1) * lens).sum())
+    short = (query_start_loc[members + 1] - query_start_loc[members]) <= SHORT_QUERY
+    readers = np.bincount(ids - 1, weights=short, minlength=num_groups)  # members that read the prefix once
+    saved = int((np.maximum(readers - 1, 0) * lens).sum())
     if saved < MIN_SAVED_FRACTION * int(seq_lens.sum()):
         return None
     seq_prefix = np.zeros(len(seq_lens), dtype=np.int64)
