@@ -4,9 +4,9 @@ The scheduler's step loop, the gateway's streams and the worker's step inputs al
 short-lived objects that the collector tracks (plans, per-sequence records, token lists) and
 that almost never form cycles. With Python's default first-generation threshold (700) the
 collector runs several times per engine step and walks every live prompt and output list (in a
-worker, every object of torch and the model: 70 ms for a full collection on CPU) each time it
-reaches the older generations: `python -m strata.bench.scheduler_step` measured 0.79 -> 0.61 ms
-per step at 256 running decodes and 1.93 -> 1.26-1.44 ms at 512 with the threshold below. What
+worker, every object of torch and the model) each time it reaches the older generations; the
+threshold below cut the scheduler's step time by a quarter to a third (`python -m
+strata.bench.scheduler_step`; figures in bench/RESULTS.md, "Figures moved from code comments"). What
 start-up allocated (modules, the model and its graphs, the tokenizer) is frozen so that full
 collections skip it.
 """
