@@ -143,6 +143,27 @@ FLAGS: dict[str, Flag] = {
         "stage the plans after the first are decode lookaheads of its requests",
         int,
     ),
+    "no_pipelined_decode": Flag(
+        "STRATA_NO_PIPELINED_DECODE",
+        False,
+        "with several pipeline stages, every decode waits for its input token to come back through the "
+        "scheduler (A/B runs); by default the last stage hands sampled tokens to stage 0 and decodes run ahead",
+        bool,
+    ),
+    "pipeline_micro_batches": Flag(
+        "STRATA_PIPELINE_MICRO_BATCHES",
+        0,
+        "pipelined decode: micro-batches of requests, each up to --max-num-seqs sequences, whose plans "
+        "follow each other through the stages (0: stages + 1)",
+        int,
+    ),
+    "micro_batch_min_seqs": Flag(
+        "STRATA_MICRO_BATCH_MIN_SEQS",
+        32,
+        "pipelined decode: another micro-batch opens only when the requests would give each at least this "
+        "many (a small batch's step costs the weights' read whatever its size)",
+        int,
+    ),
     "max_kv_blocks": Flag("STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", int),
     "no_prefix_caching": Flag("STRATA_NO_PREFIX_CACHING", False, "disable the automatic prefix cache", bool),
     "disable_cascade_attn": Flag(
@@ -274,6 +295,9 @@ WORKER_FLAGS = (
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (
     "max_plans_in_flight",
+    "no_pipelined_decode",
+    "pipeline_micro_batches",
+    "micro_batch_min_seqs",
     "max_kv_blocks",
     "no_prefix_caching",
     "disable_cascade_attn",

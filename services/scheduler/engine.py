@@ -35,7 +35,13 @@ class RequestFailed(Exception):
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else P
+    max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
+    # Pipelined decode over P > 1 stages: the last stage hands its tokens to stage 0, and requests
+    # run in micro-batches (0: P + 1), each a chain of plans whose decodes are lookaheads of the
+    # previous plan's; a micro-batch opens past micro_batch_min_seqs sequences in the others.
+    pipelined_decode: bool = True
+    pipeline_micro_batches: int = 0
+    micro_batch_min_seqs: int = 32
     enable_prefix_caching: bool = True
     cascade_attention: bool = True  # send shared-KV runs in the plans (worker: cascade attention)
     max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
@@ -181,21 +187,46 @@ class Engine:
             cascade_attention=self.config.cascade_attention,
             cache_salt=desc.model_fingerprint,
             # With one stage the worker that samples also embeds: it can fill in the token itself,
-            # so every plan in flight but the first can be a lookahead of the same requests.
-            decode_lookahead=self.max_in_flight - 1 if self.pipeline.num_stages == 1 else 0,
+            # so every plan in flight but the first can be a lookahead of the same requests. With P
+            # stages the last stage hands its tokens to stage 0 (pipelined decode), and a request
+            # may be in P + 1 plans: its micro-batch's next plans go out before results come back.
+            decode_lookahead=self.max_in_flight - 1 if self.pipeline.num_stages == 1 else self.lookahead_stages,
             speculation=self.config.speculation,
+            num_micro_batches=self.num_micro_batches,
+            micro_batch_min_seqs=self.config.micro_batch_min_seqs,
         )
         self._ready.set()
+
+    @property
+    def pipelined(self) -> bool:
+        """P > 1 stages whose last hands its sampled tokens to stage 0 (decode lookahead on P stages)."""
+        return self.pipeline.num_stages > 1 and bool(self.pipeline.token_transport) and self.config.pipelined_decode
+
+    @property
+    def lookahead_stages(self) -> int:
+        return self.pipeline.num_stages if self.pipelined else 0
+
+    @property
+    def num_micro_batches(self) -> int:
+        if not self.pipelined:
+            return 1
+        return self.config.pipeline_micro_batches or self.pipeline.num_stages + 1
 
     @property
     def max_in_flight(self) -> int:
         # One stage: 3 plans, the later two decode lookaheads of the first's requests, so the
         # host has two GPU steps to turn a result into the next plan (H200, 1B, same run against
-        # 2 plans: ITL 1.18x vs 1.55x the bare step, full-batch step 3.54 vs 3.76 ms). P stages:
-        # one micro-batch per stage.
+        # 2 plans: ITL 1.18x vs 1.55x the bare step, full-batch step 3.54 vs 3.76 ms). P stages,
+        # pipelined decode: two plans per micro-batch (the one running and its lookahead; a lone
+        # micro-batch takes up to P + 1, its lookahead depth), so none waits for the scheduler;
+        # without it: one plan per stage.
         if self.config.max_plans_in_flight:
             return self.config.max_plans_in_flight
-        return 3 if self.pipeline.num_stages == 1 else self.pipeline.num_stages
+        if self.pipeline.num_stages == 1:
+            return 3
+        if self.pipelined:
+            return max(2 * self.num_micro_batches, self.pipeline.num_stages + 1)
+        return self.pipeline.num_stages
 
     @property
     def ready(self) -> bool:

@@ -57,6 +57,9 @@ class Pipeline:
         self.stages: list[StageHandle] = []
         self.draft: StageHandle | None = None
         self.num_kv_blocks = 0
+        # Pipelined decode: the last stage hands its sampled tokens to stage 0 over this link
+        # (0: none, one stage), so decode lookaheads work on P stages too.
+        self.token_transport = 0
 
     @property
     def num_stages(self) -> int:
@@ -84,20 +87,61 @@ class Pipeline:
         if max_kv_blocks:
             blocks = min(blocks, max_kv_blocks)
         self.num_kv_blocks = blocks
-        transports = await self._init_caches(stages, blocks)
+        transports, session = await self._init_caches(stages, blocks)
+        self.token_transport = await self._open_token_link(stages, session) if len(stages) > 1 else 0
         if self.draft is not None:
             await self._init_cache(self.draft, engine_pb2.InitCacheRequest(num_kv_blocks=blocks))
         for stage in every:
             stage.call = stage.stub.Steps()
         log.info(
-            "pipeline of %d stage(s) ready: %d KV blocks of %d tokens; stage transport: %s",
+            "pipeline of %d stage(s) ready: %d KV blocks of %d tokens; stage transport: %s%s",
             len(stages),
             blocks,
             stages[0].description.block_size,
             ", ".join(f"{i}->{i + 1} {name_of(k)}" for i, k in enumerate(transports)) or "-",
+            f"; sampled tokens {len(stages) - 1}->0 {name_of(self.token_transport)}" if self.token_transport else "",
         )
 
-    async def _init_caches(self, stages: list[StageHandle], blocks: int) -> list[int]:
+    async def _open_token_link(self, stages: list[StageHandle], session: int) -> int:
+        """The link last stage -> stage 0 for sampled tokens (pipelined decode), on the transport
+        chosen as for any link (--stage-transport; auto: ipc on one host's GPUs, else
+        distributed): stage 0 opens its receiving end, the last stage its sending end."""
+        first, last = stages[0], stages[-1]
+        try:
+            kind = choose_transport(last.description, first.description, self.stage_transport)
+        except TransportError as e:
+            raise PipelineError(f"token link: {e}") from e
+        request = engine_pb2.TokenLinkRequest(
+            session=session, transport=kind, peer_address=last.address, transport_timeout_seconds=self.transport_timeout
+        )
+        try:
+            reply = await first.stub.OpenTokenLink(request, timeout=120)
+            link = reply.link
+            if link.rendezvous_address:  # stage 0's store, at its host as this scheduler reaches it
+                port = link.rendezvous_address.rsplit(":", 1)[-1]
+                host = host_of(first.address)
+                link.rendezvous_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            request.send, request.peer_address = True, first.address
+            request.link.CopyFrom(link)
+            await last.stub.OpenTokenLink(request, timeout=120)
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(
+                f"opening the token link {last.address} -> {first.address} failed: {e.details()}"
+            ) from e
+        return kind
+
+    async def worker_stats(self) -> list[engine_pb2.WorkerStats]:
+        """Each stage's own timeline and transport counters (WorkerStats), in stage order."""
+        try:
+            return list(
+                await asyncio.gather(
+                    *(s.stub.GetStats(engine_pb2.WorkerStatsRequest(), timeout=10) for s in self.stages)
+                )
+            )
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"GetStats failed: {e.details()}") from e
+
+    async def _init_caches(self, stages: list[StageHandle], blocks: int) -> tuple[list[int], int]:
         """InitCache from the last stage to the first: each stage opens the receiving end of the
         link into it and returns it, and the previous stage opens the sending end with it."""
         try:
@@ -124,7 +168,7 @@ class Pipeline:
                 port = link.rendezvous_address.rsplit(":", 1)[-1]
                 host = host_of(stages[i].address)
                 link.rendezvous_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return transports
+        return transports, session
 
     @staticmethod
     async def _init_cache(stage: StageHandle, request: engine_pb2.InitCacheRequest) -> engine_pb2.InitCacheReply:

@@ -61,6 +61,8 @@ class Scheduler:
         cache_salt: str = "",
         decode_lookahead: int = 0,
         speculation: SpeculativeConfig | None = None,
+        num_micro_batches: int = 1,
+        micro_batch_min_seqs: int = 32,
     ) -> None:
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
@@ -72,6 +74,18 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
+        # Pipelined decode over P stages: requests run in micro-batches, each a chain of plans
+        # (the next a lookahead of the previous), up to max_num_seqs sequences each, so up to
+        # num_micro_batches * max_num_seqs run (each stage holds KV for 1/P of the layers).
+        # A micro-batch opens only past micro_batch_min_seqs sequences in the others: a small
+        # batch's step costs the weights' read whatever its size, so splitting it costs latency.
+        if num_micro_batches < 1 or micro_batch_min_seqs < 1:
+            raise ValueError("num_micro_batches and micro_batch_min_seqs must be >= 1")
+        self.num_micro_batches = num_micro_batches
+        self.micro_batch_min_seqs = micro_batch_min_seqs
+        self.max_running = max_num_seqs * num_micro_batches
+        self.micro_batch_seqs = [0] * num_micro_batches  # running requests per micro-batch
+        self._next_micro_batch = 0
         self.cascade_attention = cascade_attention  # plans list their shared-KV runs
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
         # that cannot stop its request). They give the same plans and outputs as the general
@@ -82,7 +96,7 @@ class Scheduler:
         self.speculation = speculation
         self.spec = Speculation(speculation) if speculation is not None else None  # proposals
         self.acceptance = Acceptance(speculation.num_speculative_tokens if speculation else 0)
-        self.sharing = PrefixSharing(block_size, max_num_seqs)
+        self.sharing = PrefixSharing(block_size, self.max_running)
         self.counters = Counters()
 
         self.waiting: deque[Request] = deque()
@@ -144,7 +158,20 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> StepPlan | None:
-        """Builds the next plan from requests not in flight, or None when none can run now."""
+        """Builds the next plan from requests not in flight, or None when none can run now.
+        With micro-batches, the next one in turn that has work (round robin)."""
+        n = self.num_micro_batches
+        if n == 1:
+            return self._schedule(0)
+        for k in range(n):
+            mb = (self._next_micro_batch + k) % n
+            plan = self._schedule(mb)
+            if plan is not None:
+                self._next_micro_batch = (mb + 1) % n
+                return plan
+        return None
+
+    def _schedule(self, micro_batch: int) -> StepPlan | None:
         step_id = self._next_step_id
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -162,9 +189,23 @@ class Scheduler:
         # plan, each paying a whole step; instead, while a verification is in flight, every decode
         # waits for it (no lookahead either), and the next plan holds them all.
         merge_cohorts = speculate and self.decode_lookahead > 0 and spec.verifying_plans > 0
+        micro_batches = self.num_micro_batches > 1
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if micro_batches:  # another micro-batch's, or a prefill chunk that may follow its last
+                if req.micro_batch != micro_batch:
+                    i += 1
+                    continue
+                if req.in_flight and self._can_follow_chunk(req):
+                    num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                    end = req.num_computed_tokens + num_new
+                    fits, evicted = self._make_room(req, end, i, lookahead=True)
+                    if fits:
+                        self._schedule_seq(req, end, 0, step_id, seqs, copies)
+                        budget -= num_new
+                    i += 1
+                    continue
             out = req.output_token_ids
             # A request due to speculate gets no decode lookahead: it must come back from its plan
             # in flight, so that a proposal can follow its latest token.
@@ -214,9 +255,12 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS. After a preemption, admitting new work would only thrash.
         held: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not (preempted and seqs):
+        seats = self._micro_batch_seats(micro_batch) if micro_batches else self.max_running
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and not (preempted and seqs):
+            if micro_batches and self.micro_batch_seqs[micro_batch] >= seats:
+                break  # this micro-batch has its share: the next plans' micro-batches take the rest
             req = self.waiting.popleft()
-            if not req.sharing.has_seat and len(self.running) + self.sharing.reserved_seats >= self.max_num_seqs:
+            if not req.sharing.has_seat and len(self.running) + self.sharing.reserved_seats >= self.max_running:
                 self.waiting.appendleft(req)  # the free seats are held for started prefix groups
                 break
             admitted = self._admit(req, step_id, budget, seqs, copies)
@@ -227,6 +271,8 @@ class Scheduler:
                 self.waiting.appendleft(req)  # not enough blocks: keep its place in line
                 break
             new_requests.append(req)
+            req.micro_batch = micro_batch
+            self.micro_batch_seqs[micro_batch] += 1
             budget -= admitted
         self.waiting.extendleft(reversed(held))
 
@@ -243,6 +289,24 @@ class Scheduler:
         self.counters.steps += 1
         return plan
 
+    def _micro_batch_seats(self, micro_batch: int) -> int:
+        """Sequences a micro-batch may hold: what runs and waits, shared evenly (by decode
+        tokens; each plan's prefill is bounded by its own token budget) over as many
+        micro-batches as hold micro_batch_min_seqs each (at least one, at most all), at most
+        max_num_seqs each. An empty micro-batch opens only while fewer than that many hold any."""
+        demand = len(self.running) + len(self.waiting)
+        used = min(self.num_micro_batches, max(1, -(-demand // self.micro_batch_min_seqs)))
+        counts = self.micro_batch_seqs
+        if not counts[micro_batch] and sum(1 for c in counts if c) >= used:
+            return 0
+        return min(self.max_num_seqs, -(-demand // used))
+
+    def _can_follow_chunk(self, req: Request) -> bool:
+        """A prompt's next chunk may follow its previous one without waiting for that plan's
+        result: a chunk samples nothing, and every stage runs plans in step order, so its KV is
+        written before the next chunk reads it (micro-batches: prefill stays pipelined)."""
+        return not req.pending_sample and not req.spec.draft_token_ids and req.num_computed_tokens < req.num_tokens
+
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens to compute this step including drafts, drafts) for a running request."""
         remaining = req.num_tokens - req.num_computed_tokens
@@ -251,12 +315,15 @@ class Scheduler:
         num_draft = drafts_that_fit(req, budget)  # they ride behind the last sampled token
         return 1 + num_draft, num_draft
 
-    def _make_room(self, req: Request, end: int, index: int) -> tuple[bool, bool]:
+    def _make_room(self, req: Request, end: int, index: int, lookahead: bool = False) -> tuple[bool, bool]:
         """Frees blocks until req can compute up to `end`, preempting the latest-arrived
         running requests not in flight (those after `index`, then req itself).
-        Returns (req still runs, someone was preempted)."""
+        Returns (req still runs, someone was preempted). lookahead: req is in flight (a chunk
+        following its previous one), so it preempts nobody and is not preempted: (False, False)."""
         bm = self.block_manager
         preempted = False
+        if lookahead:
+            return bm.blocks_needed(req, end) <= bm.num_free_blocks, False
         while bm.blocks_needed(req, end) > bm.num_free_blocks:
             victim = None
             for j in range(len(self.running) - 1, index, -1):
@@ -475,6 +542,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.reset()
         self.running = []
+        self.micro_batch_seqs = [0] * self.num_micro_batches
         self._num_in_flight = 0
         self._pending_releases = []
         self.counters.preemptions += len(resumed)
@@ -572,6 +640,7 @@ class Scheduler:
         index = bisect.bisect_left(self.running, req.arrival, key=_arrival)
         assert self.running[index] is req
         del self.running[index]
+        self.micro_batch_seqs[req.micro_batch] -= 1
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         """Writes the scheduler's part of the statistics (declared in engine.proto)."""

@@ -199,8 +199,7 @@ class DistributedReceiver(Receiver):
                 if self._error is not None:
                     raise TransportError(f"link from the previous stage is down: {self._error}")
                 tensors = [
-                    torch.empty(tuple(m.shape), dtype=self.dtype, device=self.device)
-                    for m in (msg.hidden, msg.residual)
+                    torch.empty(tuple(m.shape), dtype=self.dtype, device=self.device) for m in self._announced(msg)
                 ]
                 works = [self.pg.recv([t], 0, _tag(msg.step_id)) for t in tensors]
                 for w in works:
@@ -208,14 +207,26 @@ class DistributedReceiver(Receiver):
                         w.wait()  # the current (default) stream waits for NCCL's: no host wait
                     else:
                         w.wait(datetime.timedelta(seconds=self.timeout))
-                resolve_threadsafe(loop, fut, tuple(tensors))
+                self._received(msg, fut, loop, tensors)
             except Exception as e:
                 if not isinstance(e, TransportError):
                     self._error = e
-                resolve_threadsafe(loop, fut, error=StepFailed(f"stage transport (distributed): {e}"))
+                self._failed(msg, fut, loop, StepFailed(f"stage transport (distributed): {e}"))
         if self.pg is not None and self.backend == "nccl":
             _abort(self.pg)
         self.pg = None
+
+    # ---- what one message announces and what becomes of it (the token link overrides these)
+
+    @staticmethod
+    def _announced(msg) -> tuple:
+        return (msg.hidden, msg.residual)
+
+    def _received(self, msg, fut, loop, tensors) -> None:
+        resolve_threadsafe(loop, fut, tuple(tensors))
+
+    def _failed(self, msg, fut, loop, error: Exception) -> None:
+        resolve_threadsafe(loop, fut, error=error)
 
     def close(self) -> None:
         super().close()

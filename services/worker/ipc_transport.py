@@ -29,7 +29,8 @@ from strata.services.worker.stage_transport import IPC, Receiver, Sender, Transp
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# int64: the token link's ring (token_handoff.py).
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 

@@ -19,7 +19,7 @@ from strata.services.worker.cascade_inputs import shared_kv_runs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling_controls import SamplingControls
-from strata.services.worker.sequence_table import SequenceTable
+from strata.services.worker.sequence_table import PlanError, SequenceTable
 from strata.services.worker.step_inputs import HostInputs, StepInputBuilder
 from strata.services.worker.step_results import GpuTimeline, PendingResult
 from strata.services.worker.warm_up import warm_up, warn_on_late_compiles
@@ -96,6 +96,10 @@ class ModelRunner:
             )
             self.table.controls = self.controls
         self.timeline = GpuTimeline() if device.type == "cuda" else None
+        # Pipelined decode over P > 1 stages (token_handoff.py): stage 0's TokenIntake, which
+        # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet.
+        self.handoff = None
+        self.gpu_start = None  # the latest step's start event (CUDA)
 
     # ------------------------------------------------------------ cache
 
@@ -192,9 +196,14 @@ class ModelRunner:
         start = time.perf_counter()
         rows = self.apply_plan(plan)
         h = self.inputs.build(plan, rows)
+        if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
+            self.handoff.before_step(plan.step_id, h)
+        elif h.has_placeholders and not self.is_last:
+            raise PlanError("a decode lookahead on stage 0 of several needs the token link (OpenTokenLink)")
         if self.controls is not None and self.controls.active:
             self.controls.begin_step(plan, h)
         gpu_start = self.timeline.mark() if self.timeline else None
+        self.gpu_start = gpu_start  # the stage's own timeline (stage_stats.py) reads it
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
         cascade = h.shared_kv_runs is not None and h.max_query_len == 1  # (verification graphs do without)
         if cascade:

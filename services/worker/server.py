@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,6 +20,7 @@ from strata.grpc_util import aio_channel
 from strata.services.worker.draft_steps import DraftProposal, propose
 from strata.services.worker.profiling import StepProfiler
 from strata.services.worker.runner import ModelRunner
+from strata.services.worker.stage_stats import StageStats
 from strata.services.worker.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
     Receiver,
@@ -30,6 +32,7 @@ from strata.services.worker.stage_transport import (
     open_sender,
 )
 from strata.services.worker.step_results import PendingResult
+from strata.services.worker.token_handoff import TokenIntake, TokenOutlet, open_token_receiver, open_token_sender
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
@@ -61,6 +64,13 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self._forward_queue: asyncio.Queue | None = None
         self._forward_task: asyncio.Task | None = None
         self._session = 0  # bumped by InitCache: stale streams stop touching state
+        self._link_session = 0  # the scheduler's session of the last InitCache (the token link's)
+        # Pipelined decode's token link (token_handoff.py): stage 0 receives, the last stage sends.
+        self._token_receiver = None
+        self._token_sender: Sender | None = None
+        self._token_queue: asyncio.Queue | None = None
+        self._token_task: asyncio.Task | None = None
+        self.stats = StageStats(runner.device.type == "cuda")
 
     # ------------------------------------------------------------ setup
 
@@ -84,6 +94,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         if not self.runner.is_first and not request.previous_stage_transport:
             request.previous_stage_transport = engine_pb2.STAGE_TRANSPORT_GRPC
         self._session += 1
+        self._link_session = request.session
         await self._close_links()
         loop = asyncio.get_running_loop()
         thaw()  # a second InitCache (the scheduler came back) replaces the frozen cache and graphs
@@ -148,7 +159,149 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 # The scheduler sees the downstream stage fail and re-initialises the pipeline.
                 log.warning("forward stream to %s ended: %s", address, e.details())
 
+    async def OpenTokenLink(self, request, context):
+        """Pipelined decode: stage 0 opens the receiving end of the token link, returns it and
+        calls the last stage's HandTokens; the last stage opens the sending end with it (after
+        InitCache of the same session)."""
+        runner = self.runner
+        if not request.session or request.session != self._link_session:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "OpenTokenLink needs InitCache of its session first"
+            )
+        if runner.is_first == runner.is_last or request.send != runner.is_last:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the token link runs from the last stage to stage 0 of several"
+            )
+        if not 0 <= request.transport_timeout_seconds <= 3600:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transport_timeout_seconds must be in [0, 3600]")
+        await self._close_token_link()
+        reply = engine_pb2.TokenLinkReply()
+        loop = asyncio.get_running_loop()
+        try:
+            if not request.send:
+                intake = TokenIntake(runner.last_sampled, request.transport_timeout_seconds or 120.0)
+                receiver = open_token_receiver(
+                    request,
+                    intake,
+                    max_tokens=runner.table.block_tables.shape[0],
+                    vocab_size=runner.config.vocab_size,
+                    slots=self.ring_slots + 1,
+                )
+                self._token_receiver = receiver
+                runner.handoff = intake
+                reply.link.CopyFrom(receiver.link())
+                self._token_task = asyncio.create_task(self._take_tokens_from(request.peer_address, receiver))
+            else:
+                queue: asyncio.Queue = asyncio.Queue()
+
+                def emit(msg, queue=queue):  # from any thread
+                    loop.call_soon_threadsafe(queue.put_nowait, msg)
+
+                self._token_sender = open_token_sender(request, emit, device=runner.device)
+                self._token_queue = queue
+                runner.handoff = TokenOutlet(runner.last_sampled)
+        except (TransportError, RuntimeError, ValueError) as e:
+            await self._close_token_link()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"token link: {e}")
+        log.info(
+            "stage %d: token link %s by %s (session %d)",
+            runner.stage_index,
+            "to stage 0" if request.send else "from the last stage",
+            name_of(request.transport),
+            request.session,
+        )
+        return reply
+
+    async def _take_tokens_from(self, address: str, receiver) -> None:
+        """Stage 0: the HandTokens stream from the last stage, its tokens into the intake and
+        credits back. When it ends, steps waiting for tokens fail at once (the scheduler rebuilds
+        the pipeline around a lost last stage)."""
+
+        async def credits():
+            yield engine_pb2.TokenCredit(session=receiver.session, hello=True)
+            while (ack := await receiver.acks.get()) is not None:
+                yield engine_pb2.TokenCredit(session=receiver.session, step_id=ack.step_id, slot=ack.slot)
+
+        try:
+            async with aio_channel(address, self.token) as channel:
+                stub = engine_pb2_grpc.WorkerStub(channel)
+                async for msg in stub.HandTokens(credits(), wait_for_ready=True):
+                    if msg.session == receiver.session:
+                        receiver.deliver_tokens(msg)
+        except grpc.aio.AioRpcError as e:
+            log.warning("token stream from %s ended: %s", address, e.details())
+        finally:
+            receiver.intake.close("the last stage's token stream ended")
+
+    async def HandTokens(self, request_iterator, context):
+        """The last stage: each sampling step's tokens to stage 0, which called."""
+        hello = await anext(aiter(request_iterator), None)
+        if hello is None or not hello.hello:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HandTokens starts with a hello naming the session")
+        # Stage 0 calls as soon as its end is open; this end opens right after (OpenTokenLink).
+        deadline = time.monotonic() + 60.0
+        while self._token_sender is None or self._token_sender.session != hello.session:
+            if time.monotonic() > deadline:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no token link of session {hello.session}")
+            await asyncio.sleep(0.01)
+        sender, queue = self._token_sender, self._token_queue
+        if sender is None or sender.session != hello.session:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no token link of session {hello.session}")
+
+        async def read():
+            async for credit in request_iterator:
+                sender.on_ack(engine_pb2.ForwardAck(step_id=credit.step_id, slot=credit.slot))
+
+        reader = asyncio.create_task(read())
+        try:
+            while (msg := await queue.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+
+    async def _close_token_link(self) -> None:
+        self.runner.handoff = None
+        if self._token_sender is not None:
+            self._token_sender.close()
+            self._token_sender = None
+        if self._token_queue is not None:
+            self._token_queue.put_nowait(None)  # ends the HandTokens call serving it
+            self._token_queue = None
+        if self._token_receiver is not None:
+            self._token_receiver.close()  # a step waiting for tokens fails; the credits end
+            self._token_receiver = None
+        if self._token_task is not None:
+            self._token_task.cancel()
+            try:
+                await self._token_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._token_task = None
+
+    async def GetStats(self, request, context):
+        s = self.stats
+        s.poll()
+        out = engine_pb2.WorkerStats(
+            stage_index=self.runner.stage_index,
+            steps=s.steps,
+            busy_seconds=s.busy_seconds,
+            idle_seconds=s.idle_seconds,
+            timed_steps=s.timed_steps,
+            launch_seconds=s.launch_seconds,
+            input_wait_seconds=s.input_wait_seconds,
+        )
+        if isinstance(self.runner.handoff, TokenIntake):
+            out.token_wait_seconds = self.runner.handoff.wait_seconds
+            out.token_waits = self.runner.handoff.waits
+        for sender, prefix in ((self._sender, "activation"), (self._token_sender, "token")):
+            if sender is not None:
+                setattr(out, f"{prefix}_steps_sent", sender.steps_sent)
+                setattr(out, f"{prefix}_bytes_sent", sender.bytes_sent)
+                setattr(out, f"{prefix}_send_seconds", sender.send_seconds)
+        return out
+
     async def _close_links(self) -> None:
+        await self._close_token_link()
         if self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -260,12 +413,14 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         hidden = residual = None
         if not runner.is_first:
             receiver = self._receiver
+            waited = time.perf_counter()
             try:  # a failed upstream step, or a transport that failed it, fails this step only
                 if receiver is None:
                     raise StepFailed("no link from the previous stage")
                 hidden, residual = await receiver.receive(plan.step_id)
             except StepFailed as e:
                 error = str(e)
+            self.stats.input_wait_seconds += time.perf_counter() - waited
         out = None
         if not error:
             self.profiler.step_launched()
@@ -273,22 +428,46 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 if plan.propose_tokens:  # a draft worker's proposal: k steps
                     out = await loop.run_in_executor(self.executor, propose, runner, plan)
                 elif runner.is_last:
-                    out = await loop.run_in_executor(self.executor, runner.execute, plan, hidden, residual)
+                    out = await loop.run_in_executor(
+                        self.executor, _execute_last, runner, self.stats, self._token_sender, plan, hidden, residual
+                    )
                 else:
                     sender = self._sender
-                    await loop.run_in_executor(self.executor, _execute_and_send, runner, sender, plan, hidden, residual)
+                    await loop.run_in_executor(
+                        self.executor, _execute_and_send, runner, self.stats, sender, plan, hidden, residual
+                    )
                     return
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
         if runner.is_last:
+            if error and self._token_sender is not None and any(plan.sample):
+                self._token_sender.send_error(plan.step_id, error)  # stage 0 must not wait for them
             await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
         elif self._sender is not None:
             self._sender.send_error(plan.step_id, error)
 
 
-def _execute_and_send(runner: ModelRunner, sender: Sender | None, plan, hidden, residual) -> None:
+def _token_waits(runner: ModelRunner) -> float:
+    handoff = runner.handoff
+    return handoff.wait_seconds if isinstance(handoff, TokenIntake) else 0.0
+
+
+def _execute_and_send(runner: ModelRunner, stats: StageStats, sender: Sender | None, plan, hidden, residual) -> None:
     """On the step thread: launch the step, hand its activations to the transport (no wait)."""
+    start, waited = time.perf_counter(), _token_waits(runner)
     out = runner.execute(plan, hidden, residual)
+    stats.step(runner.gpu_start, start, _token_waits(runner) - waited)
     if sender is not None:
         sender.send(plan.step_id, *out)
+
+
+def _execute_last(runner: ModelRunner, stats: StageStats, token_sender: Sender | None, plan, hidden, residual):
+    """On the last stage's step thread: launch the step, then hand its sampled tokens to stage 0
+    (pipelined decode) on the device, behind the draw."""
+    start = time.perf_counter()
+    out = runner.execute(plan, hidden, residual)
+    if token_sender is not None and isinstance(runner.handoff, TokenOutlet):
+        runner.handoff.hand(plan.step_id, token_sender)
+    stats.step(runner.gpu_start, start)
+    return out

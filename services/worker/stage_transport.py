@@ -26,6 +26,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from strata.v1 import engine_pb2
@@ -163,6 +164,10 @@ class Sender:
         self.emit = emit
         self.timeout = timeout
         self.closed = False
+        # What the link moved (WorkerStats): steps, their bytes, the transport thread's time on them.
+        self.steps_sent = 0
+        self.bytes_sent = 0
+        self.send_seconds = 0.0
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"transport-send-{session}", daemon=True)
         self._thread.start()
@@ -195,9 +200,13 @@ class Sender:
             if self.closed:
                 break
             try:
+                started = time.perf_counter()
                 msg = self._transfer(step_id, *payload)
                 if msg is not None:
                     self.emit(msg)
+                self.send_seconds += time.perf_counter() - started
+                self.steps_sent += 1
+                self.bytes_sent += sum(t.numel() * t.element_size() for t in payload if hasattr(t, "numel"))
             except Exception as e:  # this step fails downstream; the next ones try again
                 log.warning("stage transport (%s): step %d not sent: %s", name_of(self.kind), step_id, e)
                 self.send_error(step_id, f"stage transport ({name_of(self.kind)}): {type(e).__name__}: {e}")

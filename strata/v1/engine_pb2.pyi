@@ -443,3 +443,91 @@ class ForwardAck(_message.Message):
     step_id: int
     slot: int
     def __init__(self, step_id: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class TokenLinkRequest(_message.Message):
+    __slots__ = ("session", "transport", "send", "peer_address", "link", "transport_timeout_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    transport: StageTransport
+    send: bool
+    peer_address: str
+    link: StageLink
+    transport_timeout_seconds: float
+    def __init__(self, session: _Optional[int] = ..., transport: _Optional[_Union[StageTransport, str]] = ..., send: _Optional[bool] = ..., peer_address: _Optional[str] = ..., link: _Optional[_Union[StageLink, _Mapping]] = ..., transport_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class TokenLinkReply(_message.Message):
+    __slots__ = ("link",)
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    link: StageLink
+    def __init__(self, link: _Optional[_Union[StageLink, _Mapping]] = ...) -> None: ...
+
+class SampledTokens(_message.Message):
+    __slots__ = ("step_id", "session", "tokens", "via_transport", "slot", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIA_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    session: int
+    tokens: Tensor
+    via_transport: bool
+    slot: int
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., session: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., via_transport: _Optional[bool] = ..., slot: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TokenCredit(_message.Message):
+    __slots__ = ("session", "step_id", "slot", "hello")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    step_id: int
+    slot: int
+    hello: bool
+    def __init__(self, session: _Optional[int] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., hello: _Optional[bool] = ...) -> None: ...
+
+class WorkerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("stage_index", "steps", "busy_seconds", "idle_seconds", "timed_steps", "launch_seconds", "input_wait_seconds", "token_wait_seconds", "token_waits", "activation_steps_sent", "activation_bytes_sent", "activation_send_seconds", "token_steps_sent", "token_bytes_sent", "token_send_seconds")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_WAITS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_STEPS_SENT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STEPS_SENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    steps: int
+    busy_seconds: float
+    idle_seconds: float
+    timed_steps: int
+    launch_seconds: float
+    input_wait_seconds: float
+    token_wait_seconds: float
+    token_waits: int
+    activation_steps_sent: int
+    activation_bytes_sent: int
+    activation_send_seconds: float
+    token_steps_sent: int
+    token_bytes_sent: int
+    token_send_seconds: float
+    def __init__(self, stage_index: _Optional[int] = ..., steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., timed_steps: _Optional[int] = ..., launch_seconds: _Optional[float] = ..., input_wait_seconds: _Optional[float] = ..., token_wait_seconds: _Optional[float] = ..., token_waits: _Optional[int] = ..., activation_steps_sent: _Optional[int] = ..., activation_bytes_sent: _Optional[int] = ..., activation_send_seconds: _Optional[float] = ..., token_steps_sent: _Optional[int] = ..., token_bytes_sent: _Optional[int] = ..., token_send_seconds: _Optional[float] = ...) -> None: ...

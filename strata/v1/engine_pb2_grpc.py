@@ -224,6 +224,21 @@ class WorkerStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.Activations.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.ForwardAck.FromString,
                 _registered_method=True)
+        self.OpenTokenLink = channel.unary_unary(
+                '/strata.v1.Worker/OpenTokenLink',
+                request_serializer=strata_dot_v1_dot_engine__pb2.TokenLinkRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.TokenLinkReply.FromString,
+                _registered_method=True)
+        self.HandTokens = channel.stream_stream(
+                '/strata.v1.Worker/HandTokens',
+                request_serializer=strata_dot_v1_dot_engine__pb2.TokenCredit.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.SampledTokens.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/strata.v1.Worker/GetStats',
+                request_serializer=strata_dot_v1_dot_engine__pb2.WorkerStatsRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -262,6 +277,31 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTokenLink(self, request, context):
+        """Pipelined decode (more than one stage): the scheduler opens the link that hands each step's
+        sampled tokens from the last stage to stage 0, after InitCache, receiving end (stage 0) first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandTokens(self, request_iterator, context):
+        """Served by the last stage, called by stage 0 (which opens it, so a restarted last stage is
+        reached as any next stage is): each sampling step's tokens (or their count, when the link's
+        transport moves them, or the step's error); stage 0 sends a hello, then credits for the
+        link's buffers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """This stage's own timeline and transport counters (benchmarks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +324,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.Activations.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.ForwardAck.SerializeToString,
+            ),
+            'OpenTokenLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTokenLink,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.TokenLinkRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.TokenLinkReply.SerializeToString,
+            ),
+            'HandTokens': grpc.stream_stream_rpc_method_handler(
+                    servicer.HandTokens,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.TokenCredit.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.SampledTokens.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.WorkerStatsRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +451,87 @@ class Worker:
             '/strata.v1.Worker/Forward',
             strata_dot_v1_dot_engine__pb2.Activations.SerializeToString,
             strata_dot_v1_dot_engine__pb2.ForwardAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTokenLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Worker/OpenTokenLink',
+            strata_dot_v1_dot_engine__pb2.TokenLinkRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.TokenLinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandTokens(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Worker/HandTokens',
+            strata_dot_v1_dot_engine__pb2.TokenCredit.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.SampledTokens.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Worker/GetStats',
+            strata_dot_v1_dot_engine__pb2.WorkerStatsRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,375 @@
+"""Pipelined decode: the last stage hands each step's sampled tokens straight to stage 0.
+
+With one stage, a decode lookahead's input token (PLACEHOLDER_TOKEN in the plan) is the one the
+worker sampled last for that sequence, which it keeps on the device in `last_sampled`, one entry
+per sequence-table row (runner.py, kernels/embedding.py). With P stages the sampler runs on the
+last stage and the embedding on stage 0; this module closes the loop the same way, so the
+placeholder resolution is one mechanism for 1 and P stages: stage 0 keeps its own `last_sampled`
+per row and the last stage hands it each step's tokens over a link of its own, last -> first,
+on the stage transport the scheduler chose for that pair (`choose_transport`):
+
+- `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
+  copies them to the host, off the step thread);
+- `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store);
+- `ipc`: a small ring of int64 token buffers on stage 0's GPU, shared by handle, with
+  interprocess `ready` / `consumed` events and credits back on the HandTokens stream.
+
+The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
+stage gathers `last_sampled` at the sampling rows on its compute stream after the step's draw,
+and stage 0 scatters the tokens into its `last_sampled` on its compute stream.
+
+Order (TokenIntake, stage 0): both stages see every plan. When stage 0 launches a step, it notes
+the step id as the latest sampling step of each row that samples in it, and keeps those rows
+(on the device) under the step id. Tokens arrive in step order (one sender, one stream); each
+step's are scattered at its rows. A step whose input has placeholders first waits (on its own
+step thread, with a deadline) until the tokens of the latest sampling step of every placeholder's
+row are applied; nothing later can have touched those rows, since any later step that samples
+them is launched after this one. A released row reused by a new sequence is safe too: the new
+sequence's placeholders need a later step's tokens, which are applied after the old ones.
+A step that failed on the last stage hands an error instead: its rows keep their old tokens
+(valid ids), and the scheduler fails that step's requests, so nothing reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender, _tag
+from strata.services.worker.host_to_device import upload
+from strata.services.worker.stage_transport import (
+    DISTRIBUTED,
+    GRPC,
+    IPC,
+    Sender,
+    StepFailed,
+    TransportError,
+    host_of,
+    name_of,
+)
+from strata.v1 import engine_pb2
+
+log = logging.getLogger("strata.worker")
+
+
+def sampler_rows(h) -> np.ndarray:
+    """The state row of each sequence that samples in the step, in plan order (a verifying
+    sequence has d + 1 sample rows: its row once)."""
+    if h.verify is None:
+        return h.sample_rows
+    return h.sample_rows[np.cumsum(h.verify.rows_per_seq) - 1]
+
+
+# ------------------------------------------------------------------ stage 0
+
+
+class TokenIntake:
+    """Stage 0's half of pipelined decode (see the module docstring): the rows each sampling
+    step's tokens go to, their application in step order, and the wait of a step whose
+    placeholders need them."""
+
+    def __init__(self, last_sampled: torch.Tensor, timeout: float):
+        self.last_sampled = last_sampled
+        self.device = last_sampled.device
+        self.timeout = timeout
+        self.last_step = np.zeros(last_sampled.shape[0], dtype=np.int64)  # per row: its latest sampling step
+        self._rows: dict[int, torch.Tensor] = {}
+        self.applied = 0  # every sampling step up to this one has its tokens in last_sampled
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+        self.wait_seconds = 0.0
+        self.waits = 0
+
+    def before_step(self, step_id: int, h) -> None:
+        """On the step thread, before the step is launched."""
+        if h.has_placeholders:
+            rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
+            need = int(self.last_step[rows].max())
+            if need > self.applied:
+                self._wait(need)
+        if h.sample_seq_ids:
+            rows = sampler_rows(h)
+            self.last_step[rows] = step_id
+            self._rows[step_id] = upload({"rows": rows.astype(np.int64)}, self.device)["rows"]
+
+    def _wait(self, step_id: int) -> None:
+        started = time.perf_counter()
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.applied >= step_id or self._closed, self.timeout)
+            closed = self._closed
+        self.wait_seconds += time.perf_counter() - started
+        self.waits += 1
+        if closed:
+            raise StepFailed(f"token link closed: {closed}")
+        if not ok:
+            raise StepFailed(f"step {step_id}'s sampled tokens did not reach stage 0 in {self.timeout:.0f} s")
+
+    def apply(self, step_id: int, tokens: torch.Tensor | None) -> None:
+        """Step `step_id`'s tokens (None: it failed) into last_sampled, on the calling thread's
+        current stream; steps come in order."""
+        rows = self._rows.pop(step_id, None)
+        if rows is not None and tokens is not None:
+            if tokens.shape[0] != rows.shape[0]:
+                log.error("token link: step %d handed %d tokens for %d rows", step_id, tokens.shape[0], rows.shape[0])
+            else:
+                self.last_sampled.index_copy_(0, rows, tokens)
+        with self._cond:
+            self.applied = max(self.applied, step_id)
+            self._cond.notify_all()
+
+    def close(self, reason: str = "pipeline re-initialised") -> None:
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+
+
+class _TokenReceiving:
+    """The receiving end's common part: HandTokens delivers each message (event loop thread)."""
+
+    intake: TokenIntake
+    max_tokens: int
+    vocab_size: int
+
+    def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
+        if msg.error:
+            self.intake.apply(msg.step_id, None)
+            return
+        t = msg.tokens
+        if t.dtype != "int64" or len(t.shape) != 1 or not 0 < t.shape[0] <= self.max_tokens:
+            log.error("token link: step %d: tokens of %s %s", msg.step_id, t.dtype, list(t.shape))
+            self.intake.apply(msg.step_id, None)
+            return
+        if msg.via_transport:
+            self._accept_tokens(msg)
+            return
+        host = np.frombuffer(t.data, dtype=np.int64).copy()
+        if host.shape[0] != t.shape[0] or (host < 0).any() or (host >= self.vocab_size).any():
+            log.error("token link: step %d: malformed token bytes", msg.step_id)
+            self.intake.apply(msg.step_id, None)
+            return
+        self.intake.apply(msg.step_id, upload({"t": host}, self.intake.device)["t"])
+
+    def _accept_tokens(self, msg) -> None:
+        log.error("token link: step %d announced on a transport this link does not have", msg.step_id)
+        self.intake.apply(msg.step_id, None)
+
+    def close_tokens(self) -> None:
+        self.intake.close()
+
+
+class GrpcTokenReceiver(_TokenReceiving):
+    kind = GRPC
+
+    def __init__(self, session: int, intake: TokenIntake, max_tokens: int, vocab_size: int):
+        self.session, self.intake, self.max_tokens, self.vocab_size = session, intake, max_tokens, vocab_size
+        self.acks: asyncio.Queue = asyncio.Queue()
+
+    def link(self) -> engine_pb2.StageLink:
+        return engine_pb2.StageLink(transport=GRPC, session=self.session)
+
+    def close(self) -> None:
+        self.close_tokens()
+        self.acks.put_nowait(None)
+
+
+def _ipc_receiver_class():
+    from strata.services.worker.ipc_transport import IpcReceiver
+
+    class IpcTokenReceiver(_TokenReceiving, IpcReceiver):
+        """A ring of `slots` int64 buffers of max_tokens on stage 0's GPU (the activation ring's
+        layout, so the sending end opens it as it opens one)."""
+
+        def _accept_tokens(self, msg) -> None:
+            if msg.slot >= self.slots:
+                log.error("token link: ring slot %d of %d", msg.slot, self.slots)
+                self.intake.apply(msg.step_id, None)
+                return
+            s, n = msg.slot, msg.tokens.shape[0]
+            with torch.cuda.device(self.device):
+                stream = torch.cuda.current_stream(self.device)  # the step thread's (default) stream
+                stream.wait_event(self.ready[s])
+                base = 2 * s * self.slot_elements
+                self.intake.apply(msg.step_id, self.ring[base : base + n])
+                self.consumed[s].record(stream)
+            self.acks.put_nowait(engine_pb2.ForwardAck(step_id=msg.step_id, slot=s))
+
+        def close(self) -> None:
+            self.close_tokens()
+            super().close()
+
+    return IpcTokenReceiver
+
+
+class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
+    """recv of each step's tokens on the link's thread, then the scatter on that thread's stream.
+    Every message goes through that thread, errors too, so steps are applied in order."""
+
+    def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
+        if not msg.error and not (msg.via_transport and msg.tokens.dtype == "int64"):
+            msg = engine_pb2.SampledTokens(step_id=msg.step_id, error="malformed tokens")
+        elif not msg.error and not (len(msg.tokens.shape) == 1 and 0 < msg.tokens.shape[0] <= self.max_tokens):
+            msg = engine_pb2.SampledTokens(step_id=msg.step_id, error="malformed tokens")
+        self._jobs.put((msg, None, None))
+
+    @staticmethod
+    def _announced(msg) -> tuple:
+        return () if msg.error else (msg.tokens,)
+
+    def _received(self, msg, fut, loop, tensors) -> None:
+        self.intake.apply(msg.step_id, tensors[0] if tensors else None)
+
+    def _failed(self, msg, fut, loop, error: Exception) -> None:
+        log.warning("token link: step %d: %s", msg.step_id, error)
+        self.intake.apply(msg.step_id, None)
+
+    def close(self) -> None:
+        self.close_tokens()
+        super().close()
+
+
+def open_token_receiver(
+    request: engine_pb2.TokenLinkRequest, intake: TokenIntake, *, max_tokens: int, vocab_size: int, slots: int
+):
+    kind, session = request.transport, request.session
+    timeout = request.transport_timeout_seconds or 120.0
+    device = intake.device
+    if kind == IPC:
+        receiver = _ipc_receiver_class()(session, device, torch.int64, 1, max_tokens, timeout, slots=slots)
+    elif kind == DISTRIBUTED:
+        receiver = DistributedTokenReceiver(
+            session, device, torch.int64, 1, max_tokens, timeout, peer_host=host_of(request.peer_address)
+        )
+    else:
+        return GrpcTokenReceiver(session, intake, max_tokens, vocab_size)
+    receiver.intake, receiver.max_tokens, receiver.vocab_size = intake, max_tokens, vocab_size
+    return receiver
+
+
+# ------------------------------------------------------------------ the last stage
+
+
+class TokenOutlet:
+    """The last stage's half: the rows of the step's sampling sequences (before_step, from the
+    runner), then their tokens gathered from last_sampled and handed to the link (hand)."""
+
+    def __init__(self, last_sampled: torch.Tensor):
+        self.last_sampled = last_sampled
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def before_step(self, step_id: int, h) -> None:
+        self._pending = None
+        if h.sample_seq_ids:
+            rows = sampler_rows(h).astype(np.int64)
+            self._pending = (step_id, upload({"rows": rows}, self.last_sampled.device)["rows"])
+
+    def hand(self, step_id: int, sender) -> None:
+        """On the step thread, after the step (and its draw) is launched."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == step_id:
+            sender.send(step_id, self.last_sampled.index_select(0, pending[1]))
+
+
+class _Failed:
+    def __init__(self, error: str):
+        self.error = error
+
+
+class _TokenSending:
+    """A Sender for the token link: one int64 tensor per step, SampledTokens messages, in step
+    order (a step's error goes through the transport thread's queue behind earlier steps)."""
+
+    def send(self, step_id: int, tokens: torch.Tensor) -> None:
+        self._jobs.put((step_id, *self._prepare_tokens(tokens)))
+
+    def send_error(self, step_id: int, error: str) -> None:
+        if threading.current_thread() is self._thread:  # this step's transfer failed: in order
+            self.emit(engine_pb2.SampledTokens(step_id=step_id, error=error, session=self.session))
+        else:
+            self._jobs.put((step_id, _Failed(error)))
+
+    def _prepare_tokens(self, tokens: torch.Tensor) -> tuple:
+        return (tokens,)  # a fresh gather: nothing overwrites it
+
+    def _transfer(self, step_id: int, tokens, *rest):
+        if isinstance(tokens, _Failed):
+            return engine_pb2.SampledTokens(step_id=step_id, error=tokens.error, session=self.session)
+        return self._transfer_tokens(step_id, tokens, *rest)
+
+
+def _meta(tokens: torch.Tensor) -> engine_pb2.Tensor:
+    return engine_pb2.Tensor(dtype="int64", shape=list(tokens.shape))
+
+
+class GrpcTokenSender(_TokenSending, Sender):
+    def _transfer_tokens(self, step_id: int, tokens):
+        t = tokens.cpu()  # on the transport thread: waits for the step's draw, not the step thread
+        msg = engine_pb2.SampledTokens(step_id=step_id, session=self.session, tokens=_meta(t))
+        msg.tokens.data = t.numpy().tobytes()
+        return msg
+
+
+class DistributedTokenSender(_TokenSending, DistributedSender):
+    def _transfer_tokens(self, step_id: int, tokens):
+        if self._error is not None:
+            raise TransportError(f"token link to stage 0 is down: {self._error}")
+        tokens = tokens.contiguous()
+        work = self.pg.send([tokens], 1, _tag(step_id))
+        self.emit(
+            engine_pb2.SampledTokens(step_id=step_id, session=self.session, via_transport=True, tokens=_meta(tokens))
+        )
+        if self.backend == "nccl":
+            self._inflight.append(([work], tokens, None))
+            return None
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            self._error = e
+            raise
+        return None
+
+
+def _ipc_sender_class():
+    from strata.services.worker.ipc_transport import IpcSender
+
+    class IpcTokenSender(_TokenSending, IpcSender):
+        def _prepare_tokens(self, tokens: torch.Tensor) -> tuple:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            return tokens, done
+
+        def _transfer_tokens(self, step_id: int, tokens, done=None):
+            if tokens.numel() > self.slot_elements:
+                raise TransportError(f"{tokens.numel()} tokens, the ring's slots hold {self.slot_elements}")
+            s = self._take_slot()
+            src, dst = self.src_stream, self.dst_stream
+            src.wait_event(done)
+            dst.wait_event(self.consumed[s])  # stage 0 has scattered the slot's last tokens
+            with torch.cuda.stream(src), torch.cuda.stream(dst):
+                base = 2 * s * self.slot_elements
+                self.ring[base : base + tokens.numel()].copy_(tokens, non_blocking=True)
+                tokens.record_stream(src)
+                self.ready[s].record(dst)
+            return engine_pb2.SampledTokens(
+                step_id=step_id, session=self.session, via_transport=True, slot=s, tokens=_meta(tokens)
+            )
+
+    return IpcTokenSender
+
+
+def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
+    link = request.link
+    timeout = request.transport_timeout_seconds or 120.0
+    if link.session != request.session or link.transport != request.transport:
+        raise TransportError(f"stage 0's token link ({name_of(link.transport)}, session {link.session}) does not match")
+    if link.transport == IPC:
+        return _ipc_sender_class()(request.session, emit, timeout, link=link, device=device)
+    if link.transport == DISTRIBUTED:
+        return DistributedTokenSender(request.session, emit, timeout, link=link, device=device)
+    return GrpcTokenSender(request.session, emit, timeout)
