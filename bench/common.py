@@ -114,6 +114,7 @@ class Endpoints:
     scheduler: str | None  # None: stats are not available (--address without --scheduler-address)
     own_cluster: bool
     service_pids: dict[str, int] = field(default_factory=dict)  # of a cluster this run started
+    workers: list[str] = field(default_factory=list)  # its workers' addresses, in stage order
 
 
 def with_overrides(args, **overrides):
@@ -135,6 +136,11 @@ SERVE_FLAGS = (
     "gpu_memory_utilization",
     "max_model_len",
     "max_plans_in_flight",
+    # The pipeline's: only `strata bench pipeline` sets them (argv_for skips what args lack).
+    "stage_transport",
+    "no_pipelined_decode",
+    "pipeline_micro_batches",
+    "micro_batch_min_seqs",
     "model",
     "tokenizer",
     "num_kv_blocks",
@@ -203,6 +209,7 @@ def cluster_for(args):
                 cluster.scheduler_address,
                 own_cluster=True,
                 service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
+                workers=list(cluster.worker_addresses),
             )
     finally:
         cluster.stop()
@@ -450,6 +457,7 @@ def failures(records: list[RequestRecord]) -> list[str]:
 COUNTERS = (
     "prefill_tokens_computed",
     "decode_tokens_computed",
+    "lookahead_decodes",
     "steps",
     "prefix_cache_queries",
     "prefix_cache_hits",

@@ -27,6 +27,10 @@ DESCRIPTIONS = {
     "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
     "a group batch (cascade and paged) against its floor.",
+    "pipeline": "Pipeline parallelism against one stage in one run: the offline workload and --concurrency "
+    "streams at 1, 2 (and 4 where GPUs allow) stages, per stage transport; each stage's busy and idle "
+    "time (the bubbles), the hops' bytes and time per step, tok/s and TPOT relative to one stage, and "
+    "the targets.",
     "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
     "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
     "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
@@ -142,7 +146,55 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     add_common_flags(p)
     _speculative_parser(sub, formatter_class)
     _prefix_groups_parser(sub, formatter_class)
+    _pipeline_parser(sub, formatter_class)
     return bench
+
+
+def _pipeline_parser(sub, formatter_class) -> None:
+    from strata.flags import DEFAULTS
+
+    p = sub.add_parser(
+        "pipeline",
+        formatter_class=formatter_class,
+        help="pipeline parallelism vs one stage",
+        description=DESCRIPTIONS["pipeline"],
+    )
+    _workload(p, 1000, 512, 128)
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
+    p.add_argument(
+        "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 4 per stream)"
+    )
+    p.add_argument(
+        "--stages",
+        default="auto",
+        help="stage counts, comma-separated (auto: 1,2 and 4 where 4 GPUs are visible; stages share a GPU "
+        "when there are fewer GPUs than stages)",
+    )
+    p.add_argument(
+        "--transports",
+        default="auto",
+        help="stage transports of the multi-stage runs, comma-separated: auto, ipc, distributed, grpc",
+    )
+    p.add_argument(
+        "--no-pipelined-decode",
+        action="store_true",
+        help="multi-stage runs without pipelined decode (every decode waits for the scheduler; A/B)",
+    )
+    p.add_argument(
+        "--pipeline-micro-batches",
+        type=int,
+        default=DEFAULTS["pipeline_micro_batches"],
+        help="micro-batches of the multi-stage runs (0: stages + 1)",
+    )
+    p.add_argument(
+        "--micro-batch-min-seqs",
+        type=int,
+        default=DEFAULTS["micro_batch_min_seqs"],
+        help="another micro-batch opens only past this many sequences each",
+    )
+    add_common_flags(p)
+    # The offline step budget, as for the throughput benchmark (the streams run on it too).
+    p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
 
 def _batches(value: str) -> list[int]:
@@ -207,6 +259,10 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
 
 
 def run_bench(args) -> int:
+    if args.bench_command == "pipeline":
+        from strata.bench import pipeline
+
+        return pipeline.run(args)
     if args.bench_command == "throughput":
         from strata.bench import offline
 

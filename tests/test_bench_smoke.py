@@ -334,3 +334,45 @@ def test_mixed_step_times_each_shape_against_its_floor():
     )
     assert [(r["decodes"], r["chunk"]) for r in rows] == [(2, 6), (3, 20)]
     assert all(r["eager"]["median_s"] > 0 and r["pieces"] is None and r["floor_s"] > 0 for r in rows)
+
+
+def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path):
+    r = bench(
+        tmp_path,
+        "pipeline",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--concurrency",
+        "2",
+        "--latency-num-prompts",
+        "2",
+        "--stages",
+        "1,2",
+        "--transports",
+        "grpc",
+        "--max-num-batched-tokens",
+        "64",
+    )
+    assert_environment(r)
+    runs = r["runs"]
+    assert [(x["stages"], x["transport"]) for x in runs] == [(1, "-"), (2, "grpc")]
+    for x in runs:
+        off, lat = x["offline"], x["latency"]
+        assert off["failed"] == lat["failed"] == 0
+        assert off["output_tokens"] == 6 * OUTPUT_LEN and lat["output_tokens"] == 2 * OUTPUT_LEN
+        assert len(off["stages"]) == x["stages"]
+        for stage in off["stages"] + lat["stages"]:
+            assert stage["steps"] > 0 and stage["timed_steps"] > 0 and stage["busy_seconds"] > 0
+        assert lat["tpot_ms"]["p50"] > 0
+    two = runs[1]["offline"]
+    first, last = two["stages"]
+    assert first["activation_steps_sent"] == first["steps"] and first["activation_bytes_sent"] > 0
+    assert last["token_steps_sent"] > 0 and last["token_bytes_sent"] == 8 * two["output_tokens"]
+    assert two["scheduler"]["lookahead_decodes"] > 0
+    ratios = runs[1]["ratios"]
+    assert ratios["offline_tok_s"] > 0 and ratios["tpot_p50"] > 0 and ratios["token_hop_us"] > 0
+    assert "| 2 | grpc |" in r["markdown_row"]

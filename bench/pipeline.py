@@ -1,0 +1,307 @@
+"""`strata bench pipeline`: pipeline parallelism against one stage, in one run (issue 29).
+
+For each stage count (1, 2, and 4 where the GPUs allow; stages share a GPU when the host has
+fewer GPUs than stages) and each stage transport (--transports), a fresh cluster runs:
+
+- the offline workload (--num-prompts x --input-len / --output-len, all at once, FINAL_ONLY):
+  output tokens/s;
+- the latency workload (--concurrency streams in a closed loop, DELTA): TPOT and ITL.
+
+It prints, per run and phase, each stage's own timeline (WorkerStats: time inside steps and idle
+between them, from CUDA events on GPUs, host time on CPUs: the bubbles), the hops (activations
+stage i -> i+1 and sampled tokens last -> stage 0: bytes and the sender's transport time per
+step, and the time stage 0's steps waited for tokens), tok/s and TPOT relative to one stage, and
+the targets measured against in the same run, plus a RESULTS.md row per multi-stage run.
+"""
+
+from __future__ import annotations
+
+import time
+
+from strata.bench import common
+
+TARGET_OFFLINE_RATIO = 0.9  # output tok/s of P stages / one stage, 1B offline
+TARGET_TPOT_RATIO = 1.25  # TPOT p50 of P stages / one stage, 16 streams
+TARGET_IDLE = 0.10  # each stage's GPU idle between steps / its timeline, offline
+TARGET_HOP_US = 100.0  # the sampled tokens' hop per decode step (batch 256)
+
+WORKER_COUNTERS = (
+    "steps",
+    "busy_seconds",
+    "idle_seconds",
+    "timed_steps",
+    "launch_seconds",
+    "input_wait_seconds",
+    "token_wait_seconds",
+    "token_waits",
+    "activation_steps_sent",
+    "activation_bytes_sent",
+    "activation_send_seconds",
+    "token_steps_sent",
+    "token_bytes_sent",
+    "token_send_seconds",
+)
+
+
+def stage_counts(value: str) -> list[int]:
+    """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
+    if value != "auto":
+        return [int(s) for s in value.split(",") if s.strip()]
+    counts = [1, 2]
+    try:
+        import torch
+
+        if torch.cuda.device_count() >= 4:
+            counts.append(4)
+    except Exception:
+        pass
+    return counts
+
+
+async def worker_stats(addresses: list[str]):
+    from strata.v1 import engine_pb2, engine_pb2_grpc
+
+    out = []
+    for address in addresses:
+        async with common.scheduler_channel(address) as channel:  # internal: carries the cluster token
+            out.append(await engine_pb2_grpc.WorkerStub(channel).GetStats(engine_pb2.WorkerStatsRequest(), timeout=30))
+    return out
+
+
+def _worker_delta(before, after) -> list[dict]:
+    return [{name: getattr(a, name) - getattr(b, name) for name in WORKER_COUNTERS} for b, a in zip(before, after)]
+
+
+async def _phase(endpoints, workers, run):
+    before_w = await worker_stats(workers)
+    before = await common.scheduler_stats(endpoints.scheduler)
+    start = time.perf_counter()
+    records = await run()
+    elapsed = time.perf_counter() - start
+    after = await common.scheduler_stats(endpoints.scheduler)
+    # Stages finish their last steps' timing as their events complete: read them after a moment.
+    after_w = await worker_stats(workers)
+    done = [r for r in records if not r.error]
+    output_tokens = sum(r.output_tokens for r in done)
+    tpots = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itls = [x for r in done for x in r.inter_token_latencies()]
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(done),
+        "errors": common.failures(records)[:5],
+        "elapsed_s": elapsed,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "tpot_ms": common.summarize(tpots),
+        "itl_ms": common.summarize(itls),
+        "scheduler": common.stats_delta(before, after),
+        "stages": _worker_delta(before_w, after_w),
+    }
+
+
+async def _run_config(endpoints, workers, args) -> dict:
+    from strata.v1 import generate_pb2
+
+    info = await common.model_info(endpoints.gateway)
+    if args.warmup_requests:
+        warm = common.random_prompts(args.warmup_requests, args.input_len, info.vocab_size, args.seed + 1)
+        await common.run_all_at_once(
+            endpoints.gateway,
+            warm,
+            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
+            args.request_timeout,
+            progress=False,
+        )
+    prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
+    offline = await _phase(
+        endpoints,
+        workers,
+        lambda: common.run_all_at_once(
+            endpoints.gateway,
+            prompts,
+            common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY),
+            args.request_timeout,
+            desc="offline",
+            progress=not args.no_progress,
+        ),
+    )
+    num = args.latency_num_prompts or 4 * args.concurrency
+    stream_prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
+    latency = await _phase(
+        endpoints,
+        workers,
+        lambda: common.run_closed_loop(
+            endpoints.gateway,
+            stream_prompts,
+            common.sampling_params(args.output_len, args.temperature, generate_pb2.DELTA),
+            args.concurrency,
+            args.request_timeout,
+            desc=f"{args.concurrency} streams",
+            progress=not args.no_progress,
+        ),
+    )
+    return {"offline": offline, "latency": latency}
+
+
+def _stage_rows(phase: dict) -> list[tuple[str, str]]:
+    rows = []
+    stages = phase["stages"]
+    for i, s in enumerate(stages):
+        timed = s["timed_steps"]
+        busy, idle = s["busy_seconds"], s["idle_seconds"]
+        share = idle / max(busy + idle, 1e-9)
+        line = (
+            f"{s['steps']:,} steps: busy {busy:.2f} s, idle between steps {idle:.2f} s ({share:.1%} of its "
+            f"timeline{', CUDA events' if common.resolve_device('auto').startswith('cuda') else ', host time'})"
+            if timed
+            else f"{s['steps']:,} steps (no timeline)"
+        )
+        if s["input_wait_seconds"] and i > 0:
+            line += f"; waited {s['input_wait_seconds'] / max(s['steps'], 1) * 1e3:.3f} ms/step for activations"
+        if s["token_waits"]:
+            line += f"; {s['token_waits']:,} steps waited for tokens, {s['token_wait_seconds'] * 1e3 / s['token_waits']:.3f} ms each"
+        rows.append((f"stage {i}", line))
+        if s["activation_steps_sent"]:
+            n = s["activation_steps_sent"]
+            rows.append(
+                (
+                    f"hop {i} -> {i + 1}",
+                    f"activations: {s['activation_bytes_sent'] / n / 1024:,.1f} KiB and "
+                    f"{s['activation_send_seconds'] / n * 1e6:,.1f} us of transport per step",
+                )
+            )
+        if s["token_steps_sent"]:
+            n = s["token_steps_sent"]
+            rows.append(
+                (
+                    f"hop {i} -> 0",
+                    f"sampled tokens: {s['token_bytes_sent'] / n:,.0f} bytes and "
+                    f"{s['token_send_seconds'] / n * 1e6:,.1f} us of transport per step",
+                )
+            )
+    return rows
+
+
+def _idle_share(phase: dict) -> float | None:
+    shares = [
+        s["idle_seconds"] / (s["busy_seconds"] + s["idle_seconds"])
+        for s in phase["stages"]
+        if s["timed_steps"] and s["busy_seconds"] + s["idle_seconds"] > 0
+    ]
+    return max(shares) if shares else None
+
+
+def _token_hop_us(phase: dict) -> float | None:
+    last = phase["stages"][-1] if phase["stages"] else None
+    if not last or not last["token_steps_sent"]:
+        return None
+    return last["token_send_seconds"] / last["token_steps_sent"] * 1e6
+
+
+def run(args) -> int:
+    env = common.environment_info(args)
+    common.print_header("pipeline", env)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    configs = []
+    for stages in stage_counts(args.stages):
+        for transport in transports if stages > 1 else ["-"]:
+            configs.append((stages, transport))
+    runs = []
+    failed = 0
+    for stages, transport in configs:
+        run_args = common.with_overrides(
+            args, pipeline_stages=stages, stage_transport=None if transport == "-" else transport
+        )
+        name = f"{stages} stage(s)" + ("" if stages == 1 else f", {transport}")
+        print(f"\n--- {name}", flush=True)
+        with common.cluster_for(run_args) as endpoints:
+            workers = list(endpoints.workers)
+            phases = common.run(_run_config(endpoints, workers, run_args))
+        runs.append({"stages": stages, "transport": transport, **phases})
+        failed += phases["offline"]["failed"] + phases["latency"]["failed"]
+
+    base = next((r for r in runs if r["stages"] == 1), None)
+    result = {"benchmark": "pipeline", "environment": env, "config": common.args_dict(args), "runs": runs}
+    rows_md = []
+    for r in runs:
+        off, lat = r["offline"], r["latency"]
+        title = f"{r['stages']} stage(s)" + ("" if r["stages"] == 1 else f", {r['transport']} transport")
+        sched = off["scheduler"]
+        common.print_section(
+            f"{title}: offline {args.num_prompts} x {args.input_len}/{args.output_len}",
+            [
+                (
+                    "requests",
+                    f"{off['requests'] - off['failed']} ok, {off['failed']} failed in {off['elapsed_s']:.2f} s",
+                ),
+                ("output tokens/s", f"{off['output_tokens_per_s']:,.0f}"),
+                (
+                    "lookahead decodes",
+                    f"{sched.get('lookahead_decodes', 0):,} of {sched.get('decode_tokens_computed', 0):,}",
+                ),
+                *_stage_rows(off),
+            ],
+        )
+        common.print_section(
+            f"{title}: {args.concurrency} streams, closed loop",
+            [
+                ("requests", f"{lat['requests'] - lat['failed']} ok in {lat['elapsed_s']:.2f} s"),
+                (
+                    "TPOT ms",
+                    f"p50 {common.fmt(lat['tpot_ms'].get('p50'), '.2f')}  p99 {common.fmt(lat['tpot_ms'].get('p99'), '.2f')}",
+                ),
+                ("ITL ms", f"p50 {common.fmt(lat['itl_ms'].get('p50'), '.2f')}"),
+                *_stage_rows(lat),
+            ],
+        )
+        if base is None or r is base:
+            continue
+        tok = common.ratio(off["output_tokens_per_s"], base["offline"]["output_tokens_per_s"])
+        tpot = common.ratio(lat["tpot_ms"].get("p50"), base["latency"]["tpot_ms"].get("p50"))
+        idle = _idle_share(off)
+        hop = _token_hop_us(off)
+        r["ratios"] = {"offline_tok_s": tok, "tpot_p50": tpot, "max_stage_idle_share": idle, "token_hop_us": hop}
+        common.print_section(
+            f"Targets, {title} against one stage (same run)",
+            [
+                ("offline output tok/s", f"{common.fmt(tok, '.2f')}x   (target >= {TARGET_OFFLINE_RATIO:g}x)"),
+                ("16-stream TPOT p50", f"{common.fmt(tpot, '.2f')}x   (target <= {TARGET_TPOT_RATIO:g}x)"),
+                (
+                    "GPU idle between steps",
+                    f"{common.fmt(idle and idle * 100, '.1f')}% on the idlest stage, offline   "
+                    f"(target <= {TARGET_IDLE:.0%})",
+                ),
+                (
+                    "token hop per decode step",
+                    f"{common.fmt(hop, ',.1f')} us, offline   (target <= {TARGET_HOP_US:g} us at batch 256)",
+                ),
+            ],
+        )
+        f = common.fmt
+        rows_md.append(
+            "| "
+            + " | ".join(
+                [
+                    env["date"][:10],
+                    env["commit"],
+                    env["device_name"],
+                    env["model"],
+                    str(r["stages"]),
+                    r["transport"],
+                    f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+                    f(off["output_tokens_per_s"], ",.0f"),
+                    f(tok, ".2f"),
+                    f(lat["tpot_ms"].get("p50"), ".2f"),
+                    f(tpot, ".2f"),
+                    f(idle and idle * 100, ".1f"),
+                    f(hop, ",.1f"),
+                ]
+            )
+            + " |"
+        )
+    result["markdown_rows"] = rows_md
+    result["markdown_row"] = "\n".join(rows_md)
+    if rows_md:
+        print("RESULTS.md row(s):\n" + result["markdown_row"])
+    common.write_json(args.output, result)
+    return 1 if failed else 0
