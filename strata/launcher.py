@@ -112,7 +112,11 @@ def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
 def _worker_settings(args, stage: int, port: int, model: str) -> dict:
     settings = {**vars(args), "host": "127.0.0.1", "port": port, "model": model, "stage_index": stage}
     settings["num_stages"] = args.pipeline_stages
-    if args.device in ("cuda", "auto") and args.pipeline_stages > 1:
+    if args.pipeline_stages > 1 and args.device.startswith("cuda") and ":" in args.device:
+        # Every stage on the one GPU named: they split its memory share (each sizes its KV cache
+        # from the free memory it measures, and the first would take what the others need).
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization / args.pipeline_stages
+    elif args.device in ("cuda", "auto") and args.pipeline_stages > 1:
         import torch
 
         gpus = torch.cuda.device_count()

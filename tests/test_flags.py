@@ -69,3 +69,10 @@ def test_bench_settings_are_the_common_flags():
     args = bench_settings(model="dummy:llama-3.2-1b", max_num_batched_tokens=4096)
     assert (args.model, args.max_num_batched_tokens, args.block_size) == ("dummy:llama-3.2-1b", 4096, 16)
     assert args.pipeline_stages == DEFAULTS["pipeline_stages"]
+
+
+def test_stages_on_one_named_gpu_split_its_memory_share():
+    serve = build_parser().parse_args("serve --device cuda:1 --pipeline-stages 2 --gpu-memory-utilization 0.8".split())
+    for stage in (0, 1):
+        worker = service_args(worker_argv(serve, stage, 50061 + stage, "m"))
+        assert (worker.device, worker.gpu_memory_utilization) == ("cuda:1", 0.4)

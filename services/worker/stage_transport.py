@@ -291,7 +291,7 @@ class Receiver:
             got = await fut
         finally:
             self._futures.pop(step_id, None)
-        if isinstance(got, engine_pb2.Activations):  # inline bytes
+        if isinstance(got, engine_pb2.Activations) and not got.via_transport:  # inline bytes
             from strata.codec import tensor_from_proto
 
             try:
