@@ -10,7 +10,10 @@ run, each on a fresh cluster:
   no cache            the same requests with the prefix cache off (and so no shared prefixes)
 
 Default workload (issue 12): 32 groups of 16 requests, each group sharing a 2,000-token prefix,
-each request 200 tokens of its own and 100 generated. It prints req/s, output tok/s, prefill
+each request 200 tokens of its own and 100 generated. Where pinning matters, the prefixes do not
+all fit in the KV cache at once, and the cache way recomputes the ones it evicted:
+
+    strata bench prefix-groups --num-kv-blocks 2500 --max-model-len 4096   # 32 prefixes = 4,000 blocks It prints req/s, output tok/s, prefill
 tokens computed and peak KV blocks of each way, and the ratios. On a GPU it then times the decode
 attention of a group batch (cascade against paged) against its floor, in process
 (strata.bench.cascade_attention).
