@@ -118,7 +118,9 @@ def build(args):
         max_model_len=max_model_len,
         device=device,
         dtype=dtype,
-        max_num_seqs=max(args.max_num_seqs * 4, 1024),
+        # Live sequences: max_num_seqs per micro-batch, stages + 1 micro-batches with pipelined
+        # decode (the scheduler's default), and released ones until the next plan says so.
+        max_num_seqs=max(args.max_num_seqs * max(4, args.num_stages + 2), 1024),
         cuda_graph_max_batch=0 if args.enforce_eager else graph_batch,
         num_speculative_tokens=args.num_speculative_tokens if speculate and not draft else 0,
         speculative_max_batch=args.speculative_max_batch,
