@@ -18,7 +18,9 @@ proposal) is rolled back to it.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +33,9 @@ from strata.services.worker.step_results import accepted_rows
 
 MAX_COMPILED_GRAMMARS = 256
 MAX_ROLLBACK_TOKENS = 64
+# Threads xgrammar fills a decode step's bitmask rows on (the worker's host has one core per few
+# GPU streams; the step thread waits on them while the GPU runs the forward).
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarCompilerPool:
@@ -91,6 +96,13 @@ class GrammarState:
         self.device = device
         self.rows: dict[int, _Row] = {}
         self.has_row = np.zeros(max_seqs + 1, dtype=bool)
+        self._batch = None  # xgr.BatchGrammarMatcher: fills a decode step's rows on a thread pool
+        self._bitmask = None  # host bitmask rows (pinned on CUDA), grown on demand
+        self._bitmask_copied = None  # (CUDA) recorded after its upload
+        self._tokens = None  # pinned host copy of the last constrained draw's tokens
+        self._pending = None  # (rows, positions, verify, event): tokens drawn but not yet accepted
+        self.fill_seconds = 0.0  # host time spent filling bitmasks (bench_constrained reports it)
+        self.fill_rows = 0
 
     def add(self, row: int, s, num_prompt_tokens: int, history_start: int, history) -> bool:
         if not s.constraint_kind:
@@ -157,76 +169,150 @@ class GrammarState:
 
     def feed_inputs(self, h, plan_tokens: np.ndarray, draft: np.ndarray, num_computed: dict) -> None:
         """Before a step's draw: the output tokens of its inputs (drafts and placeholders
-        excepted: placeholders are the tokens this stage sampled, which the matcher took)."""
-        step_rows = set(h.token_rows[np.nonzero(self.has_row[h.token_rows])[0]].tolist())
-        for row in step_rows:
+        excepted: placeholders are the tokens this stage sampled, which the matchers take after
+        the draw). One pass over the step's tokens, not one per row."""
+        token_rows = h.token_rows
+        mine = self.has_row[token_rows]
+        for row in np.unique(token_rows[mine]).tolist():
             r = self.rows[row]
-            start = num_computed[row]
             if r.pending is not None:
-                n = max(0, start - r.prompt_len)
+                n = max(0, num_computed[row] - r.prompt_len)
                 self._feed(r, r.prompt_len, r.pending[:n])
                 r.pending = None
-            sel = np.nonzero((h.token_rows == row) & ~draft & (plan_tokens != PLACEHOLDER_TOKEN))[0]
-            if sel.size:
-                self._feed(r, int(h.positions[sel[0]]), plan_tokens[sel].tolist())
+        sel = np.nonzero(mine & ~draft & (plan_tokens != PLACEHOLDER_TOKEN))[0]
+        if not sel.size:
+            return
+        self._drain()  # real input tokens: the draw before them was read back (no wait on the GPU)
+        rows = token_rows[sel]
+        order = np.argsort(rows, kind="stable")  # each row's tokens stay in position order
+        sel, rows = sel[order], rows[order]
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+        ends = np.r_[starts[1:], rows.size]
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            part = sel[a:b]
+            self._feed(self.rows[int(rows[a])], int(h.positions[part[0]]), plan_tokens[part].tolist())
 
     def sample_rows(self, h) -> np.ndarray:
         return np.nonzero(self.has_row[h.sample_rows])[0]
 
-    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
-        """Masks sample rows idx of logits with their grammars' next-token bitmasks."""
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(idx), self.vocab_size)
-        bitmask.fill_(-1)
-        seq_of = counts = None
-        if h.verify is not None:  # a verifying sequence's rows are consecutive: drafts, then the bonus row
-            counts = h.verify.rows_per_seq
-            seq_of = np.repeat(np.arange(len(counts)), counts)
-        i = 0
-        while i < len(idx):
-            m = self._matcher(self.rows[h.sample_rows[idx[i]]])
-            n_rows = 1 if seq_of is None else int(counts[seq_of[idx[i]]])
-            accepted, ok = 0, True
-            for j in range(n_rows):
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            shape = xgr.allocate_token_bitmask(max(n, 64), self.vocab_size).shape
+            pin = self.device.type == "cuda"
+            self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+            self._bitmask_copied = torch.cuda.Event() if pin else None
+        elif self._bitmask_copied is not None:
+            self._bitmask_copied.synchronize()  # the previous upload has left the host buffer
+        return self._bitmask[:n]
+
+    def _fill(self, h, idx: np.ndarray, bitmask: torch.Tensor) -> None:
+        """Fills bitmask row i for sample row idx[i] (all ones where unconstrained)."""
+        import xgrammar as xgr
+
+        start = time.perf_counter()
+        if h.verify is None:  # one token per sequence: every matcher at once, on xgrammar's threads
+            matchers, rows = [], []
+            for i, row in enumerate(h.sample_rows[idx].tolist()):
+                m = self._matcher(self.rows[row])
                 if m is None or m.is_terminated():
-                    break  # unconstrained (all ones) from here: nothing after an end is emitted
-                if ok:
-                    m.fill_next_token_bitmask(bitmask, i + j)
-                else:  # a draft the grammar refuses: the masked draw cannot equal it, later rows are not emitted
-                    bitmask[i + j] = bitmask[i + j - 1]
-                if j < n_rows - 1 and ok:
-                    ok = m.accept_token(int(h.verify.drafts[idx[i] + j]))
-                    accepted += ok
-            if accepted:
-                m.rollback(accepted)
-            i += n_rows
-        sub = logits.float()
-        rows = torch.from_numpy(idx.astype(np.int64)).to(logits.device)
-        part = sub.index_select(0, rows) if len(idx) != logits.shape[0] else sub.clone()
+                    bitmask[i].fill_(-1)  # unconstrained: nothing after an end is emitted
+                else:
+                    matchers.append(m)
+                    rows.append(i)
+            if matchers:
+                if self._batch is None:
+                    self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        else:
+            bitmask.fill_(-1)
+            counts = h.verify.rows_per_seq  # a verifying sequence's rows are consecutive: drafts, then the bonus row
+            seq_of = np.repeat(np.arange(len(counts)), counts)
+            i = 0
+            while i < len(idx):
+                m = self._matcher(self.rows[h.sample_rows[idx[i]]])
+                n_rows = int(counts[seq_of[idx[i]]])
+                accepted, ok = 0, True
+                for j in range(n_rows):
+                    if m is None or m.is_terminated():
+                        break  # unconstrained (all ones) from here: nothing after an end is emitted
+                    if ok:
+                        m.fill_next_token_bitmask(bitmask, i + j)
+                    else:  # a draft the grammar refuses: the masked draw cannot equal it, later rows are not emitted
+                        bitmask[i + j] = bitmask[i + j - 1]
+                    if j < n_rows - 1 and ok:
+                        ok = m.accept_token(int(h.verify.drafts[idx[i] + j]))
+                        accepted += ok
+                if accepted:
+                    m.rollback(accepted)
+                i += n_rows
+        self.fill_seconds += time.perf_counter() - start
+        self.fill_rows += len(idx)
+
+    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
+        """Masks sample rows idx of logits with their grammars' next-token bitmasks, in place
+        (-inf is exact in any dtype, so the draw sees what it would on a float32 copy). The
+        runner calls this after launching the step's forward: accepting the previous draw and
+        filling the bitmask on the host overlap the GPU's forward."""
+        import xgrammar as xgr
+
+        self._drain()
+        bitmask = self._bitmask_rows(len(idx))
+        self._fill(h, idx, bitmask)
+        if logits.device.type == "cpu" and logits.dtype != torch.float32:
+            logits = logits.float()  # xgrammar's CPU kernel takes float32
         mask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(part, mask, vocab_size=self.vocab_size)
-        if len(idx) == logits.shape[0]:
-            return part
-        return sub.index_copy(0, rows, part)
+        if self._bitmask_copied is not None:
+            self._bitmask_copied.record()
+        whole = len(idx) == logits.shape[0] and bool((idx == np.arange(len(idx))).all())
+        if whole:
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
+            return logits
+        full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+        full[torch.from_numpy(idx.astype(np.int64)).to(logits.device)] = mask
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=self.vocab_size, indices=idx.tolist())
+        return logits
 
     def after_draw(self, h, idx: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Accepts the tokens the step emitted for constrained sequences (one host read)."""
-        tokens = token_ids.cpu().numpy()
-        if h.verify is None:
-            emitted_rows = idx
-            positions = h.sample_positions[idx]
-            for k, i in enumerate(emitted_rows):
-                r = self.rows[h.sample_rows[i]]
-                self._feed(r, int(positions[k]), [int(tokens[i])])
+        """Starts the read-back of the step's tokens (non-blocking, into pinned memory); the
+        matchers accept them at the next step (_drain), after its forward is launched, or
+        whenever the runner drains them."""
+        n = token_ids.shape[0]
+        if self.device.type == "cuda":
+            if self._tokens is None or self._tokens.shape[0] < n:
+                self._tokens = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            host = self._tokens[:n]
+            host.copy_(token_ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = token_ids.cpu(), None
+        rows = {i: self.rows[r] for i, r in zip(idx.tolist(), h.sample_rows[idx].tolist())}
+        self._pending = (rows, h.sample_positions.copy(), h.verify, idx, host, event)
+
+    def _drain(self) -> None:
+        """The matchers accept the tokens of the last constrained draw (the step's one wait)."""
+        if self._pending is None:
             return
-        num_tokens, emitted = accepted_rows(tokens, h.verify)
-        counts = h.verify.rows_per_seq
+        rows, positions, verify, idx, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        tokens = host.numpy()
+        live = set(map(id, self.rows.values()))  # released sequences take nothing
+        if verify is None:
+            for i in idx.tolist():
+                r = rows[i]
+                if id(r) in live:
+                    self._feed(r, int(positions[i]), [int(tokens[i])])
+            return
+        num_tokens, _ = accepted_rows(tokens, verify)
+        counts = verify.rows_per_seq
         first = np.cumsum(counts) - counts
         wanted = set(idx.tolist())
-        for s, f in enumerate(first):
-            if f not in wanted:
+        for s, f in enumerate(first.tolist()):
+            if f not in wanted or id(rows[f]) not in live:
                 continue
-            r = self.rows[h.sample_rows[f]]
             n = int(num_tokens[s])
-            self._feed(r, int(h.sample_positions[f]), tokens[f : f + n].tolist())
+            self._feed(rows[f], int(positions[f]), tokens[f : f + n].tolist())

@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.kernels.gumbel_sampling import HAVE_TRITON
+from strata.kernels.penalties import apply_penalties, apply_penalties_reference
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.sampling_rules import MAX_LOGIT_BIAS, uses_penalties
 from strata.services.worker.host_to_device import upload
@@ -63,7 +65,9 @@ class PenaltyState:
         self.capacity = 0
         self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
         self.prompt_seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
-        self.history: torch.Tensor | None = None
+        # By position, for the sparse penalties' candidates and bad words of several tokens.
+        self.history = torch.zeros((0, max_model_len), dtype=torch.int32, device=device)
+        self.bias: torch.Tensor | None = None  # [slots, V] float32 once a row uses logit bias
         self.free_slots: list[int] = []
         self.has_row = np.zeros(max_seqs + 1, dtype=bool)
         self.pending: set[int] = set()  # rows whose admission history is not counted yet
@@ -77,10 +81,13 @@ class PenaltyState:
         counts[: self.capacity] = self.counts
         seen[: self.capacity] = self.prompt_seen
         self.counts, self.prompt_seen = counts, seen
-        if self.history is not None:
-            history = torch.zeros((new, self.max_model_len), dtype=torch.int32, device=self.device)
-            history[: self.capacity] = self.history
-            self.history = history
+        history = torch.zeros((new, self.max_model_len), dtype=torch.int32, device=self.device)
+        history[: self.capacity] = self.history
+        self.history = history
+        if self.bias is not None:
+            bias = torch.zeros((new, self.vocab_size), dtype=torch.float32, device=self.device)
+            bias[: self.capacity] = self.bias
+            self.bias = bias
         self.free_slots.extend(range(new - 1, self.capacity - 1, -1))
         self.capacity = new
 
@@ -102,8 +109,12 @@ class PenaltyState:
         words = [list(w.ids) for w in s.bad_words]
         r.single_bad = np.asarray([w[0] for w in words if len(w) == 1], dtype=np.int64)
         r.multi_bad = [w for w in words if len(w) > 1]
-        if r.multi_bad and self.history is None:
-            self.history = torch.zeros((self.capacity, self.max_model_len), dtype=torch.int32, device=self.device)
+        if r.bias_ids.size:
+            if self.bias is None:
+                self.bias = torch.zeros((self.capacity, self.vocab_size), dtype=torch.float32, device=self.device)
+            self.bias[r.slot].zero_()
+            ids = upload({"ids": r.bias_ids, "values": r.bias_values}, self.device)
+            self.bias[r.slot, ids["ids"]] = ids["values"]
         r.prompt_len = int(num_prompt_tokens)
         r.pending_history = (int(history_start), np.asarray(history, dtype=np.int64))
         self.rows[row] = r
@@ -165,8 +176,7 @@ class PenaltyState:
         if prompt_idx.size:
             i = d["prompt_idx"]
             self.prompt_seen[d["slots"][i], tok[i]] = True
-        if self.history is not None:
-            self.history[d["slots"], d["positions"].clamp_max(self.max_model_len - 1)] = tok.to(torch.int32)
+        self.history[d["slots"], d["positions"].clamp_max(self.max_model_len - 1)] = tok.to(torch.int32)
 
     # ------------------------------------------------------------ at the draw
 
@@ -184,16 +194,6 @@ class PenaltyState:
         local = np.arange(n)
         slots = np.fromiter((r.slot for r in rows), np.int64, n)
         arrays = {"idx": idx.astype(np.int64), "slots": slots}
-        # Drafts before each verify row: (local row, token) pairs added to its counts.
-        if h.verify is not None:
-            counts_per_seq = h.verify.rows_per_seq
-            first = np.repeat(np.cumsum(counts_per_seq) - counts_per_seq, counts_per_seq)
-            offset = np.arange(first.size) - first  # j of each sample row
-            j = offset[idx]
-            pair_row = np.repeat(local, j)
-            k = np.arange(pair_row.size) - np.repeat(np.cumsum(j) - j, j)
-            arrays["draft_row"] = pair_row
-            arrays["draft_tok"] = h.verify.drafts[np.repeat(first[idx], j) + k]
         bias_rows = [i for i, r in enumerate(rows) if r.bias_ids.size]
         if bias_rows:
             arrays["bias_row"] = np.repeat(bias_rows, [rows[i].bias_ids.size for i in bias_rows])
@@ -228,44 +228,71 @@ class PenaltyState:
         pres = np.fromiter((r.presence for r in rows), np.float32, n)
         any_rep, any_count = bool((rep != 1).any()), bool((freq != 0).any() or (pres != 0).any())
         arrays.update(rep=rep, freq=freq, pres=pres)
+        if any_rep or any_count or bias_rows:
+            arrays.update(self._sparse_inputs(h, idx, rows))
+            sample_pos_max, bias_width = arrays["sample_pos"].max(), arrays["bias_tok"].shape[1]
         d = upload(arrays, self.device)
 
-        out = logits.float()
-        sub = out.index_select(0, d["idx"]) if n != logits.shape[0] else out.clone()
+        # Penalties and bias at the row's seen and biased tokens only (kernels/penalties.py), from
+        # the logits into their float32 copy; then the masks (-inf whatever came before).
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if any_rep or any_count or bias_rows:
+            apply = apply_penalties if (logits.is_cuda and HAVE_TRITON) else apply_penalties_reference
+            apply(
+                logits,
+                out,
+                d["idx"],
+                d["slots"],
+                d["sample_pos"],
+                self.history,
+                self.counts,
+                self.prompt_seen,
+                self.bias if bias_rows else None,
+                d["bias_tok"],
+                d["drafts"],
+                d["n_drafts"],
+                d["rep"],
+                d["freq"],
+                d["pres"],
+                int(sample_pos_max) + bias_width,
+            )
         if allow_rows:
-            mask = torch.zeros((n, V), dtype=torch.bool, device=sub.device)
-            mask[d["allow_rows"]] = True
-            mask[d["allow_row"], d["allow_tok"]] = False
-            sub.masked_fill_(mask, _NEG_INF)
+            rows_t = d["idx"][d["allow_rows"]]
+            keep = torch.zeros((len(allow_rows), V), dtype=torch.bool, device=out.device)
+            local = torch.searchsorted(d["allow_rows"], d["allow_row"])
+            keep[local, d["allow_tok"]] = True
+            out[rows_t] = out[rows_t].masked_fill(~keep, _NEG_INF)
         if ban_rows:
-            sub[d["ban_row"], d["ban_tok"]] = _NEG_INF
+            out[d["idx"][d["ban_row"]], d["ban_tok"]] = _NEG_INF
         if multi:
             slot = d["slots"][d["multi_row"]]
             tail = self.history[slot.unsqueeze(1), d["multi_pos"].clamp_min(0)]
             prefix = d["multi_prefix"]
             match = ((tail == prefix) | (prefix < 0)).all(dim=1) & d["multi_ok"]
             ban = torch.where(match, _NEG_INF, 0.0)
-            sub.index_put_((d["multi_row"], d["multi_last"]), ban, accumulate=True)
-        if bias_rows:
-            sub.index_put_((d["bias_row"], d["bias_tok"]), d["bias_val"], accumulate=True)
-        if any_rep or any_count:
-            counts = self.counts.index_select(0, d["slots"])
-            if "draft_row" in d and d["draft_row"].numel():
-                counts.index_put_(
-                    (d["draft_row"], d["draft_tok"]),
-                    torch.ones_like(d["draft_tok"], dtype=torch.int32),
-                    accumulate=True,
-                )
-            if any_rep:
-                seen = self.prompt_seen.index_select(0, d["slots"]) | (counts > 0)
-                r = d["rep"].unsqueeze(1)
-                sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-            if any_count:
-                c = counts.to(sub.dtype)
-                sub = sub - d["freq"].unsqueeze(1) * c - d["pres"].unsqueeze(1) * (c > 0).to(sub.dtype)
-        if n == logits.shape[0]:
-            return sub
-        return out.index_copy(0, d["idx"], sub)
+            out.index_put_((d["idx"][d["multi_row"]], d["multi_last"]), ban, accumulate=True)
+        return out
+
+    def _sparse_inputs(self, h, idx: np.ndarray, rows: list) -> dict:
+        """Per penalised sample row: the position it samples (its history before it is the
+        candidates), its biased tokens and the drafts before it (verify rows), padded."""
+        n = len(rows)
+        sample_pos = np.minimum(h.sample_positions[idx].astype(np.int64), self.max_model_len)
+        width = max((r.bias_ids.size for r in rows), default=0)
+        bias_tok = np.full((n, width), -1, np.int64)
+        for i, r in enumerate(rows):
+            bias_tok[i, : r.bias_ids.size] = r.bias_ids
+        drafts, n_drafts = np.full((n, 1), -1, np.int64), np.zeros(n, np.int64)
+        if h.verify is not None:
+            per_seq = h.verify.rows_per_seq
+            first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+            j = (np.arange(first.size) - first)[idx]  # drafts before each row
+            if j.max(initial=0) > 0:
+                k = np.arange(j.max())
+                at = np.minimum(first[idx][:, None] + k, len(h.verify.drafts) - 1)
+                drafts = np.where(k < j[:, None], h.verify.drafts[at], -1).astype(np.int64)
+                n_drafts = j.astype(np.int64)
+        return {"sample_pos": sample_pos, "bias_tok": bias_tok, "drafts": drafts, "n_drafts": n_drafts}
 
     def commit_drafts(self, h, token_ids: torch.Tensor) -> None:
         """After a verify step's draw: adds each penalised sequence's accepted drafts to its
