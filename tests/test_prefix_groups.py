@@ -245,16 +245,16 @@ def test_common_prefix_len_agrees_with_a_plain_walk_whatever_the_guess():
 
 
 def test_a_started_groups_members_keep_their_seats():
-    # Six groups of 4 members, 16 seats. While a group's first member computes the prefix, the
+    # Ten groups of 4 members, 32 seats. While a group's first member computes the prefix, the
     # others wait for it; the next groups' first members must not take their seats. Without held
-    # seats the first step admitted six first members, the batch then filled with parts of six
+    # seats the first step admitted ten first members, the batch then filled with parts of ten
     # groups, and first members decoded alone while their siblings waited a wave.
     rng = random.Random(7)
     groups = [
         group(f"g{g}", [rng.randrange(VOCAB) for _ in range(12)], suffixes(rng, 4, 2, 2), max_tokens=5, seed=10 * g)
-        for g in range(6)
+        for g in range(10)
     ]
-    sched = Scheduler(num_blocks=256, block_size=BS, max_model_len=64, max_num_seqs=16, max_num_batched_tokens=128)
+    sched = Scheduler(num_blocks=512, block_size=BS, max_model_len=64, max_num_seqs=32, max_num_batched_tokens=256)
     for req in [r for members in groups for r in members]:
         sched.add_request(req)
     driver = Driver(sched, pipeline=2)
@@ -271,14 +271,14 @@ def test_a_started_groups_members_keep_their_seats():
     driver.run(on_plan=on_plan)
     # A group's members join within two steps of its first (the prefix's step, then one in flight).
     assert all(max(steps) - min(steps) <= 2 for steps in admitted_at.values()), dict(admitted_at)
-    assert full_batches and all(sorted(c.values()) == [4, 4, 4, 4] for c in full_batches[:1]), full_batches
+    assert full_batches and all(sorted(c.values()) == [4] * 8 for c in full_batches[:1]), full_batches
     assert_matches_reference(driver, [r for members in groups for r in members], 64)
     assert_all_blocks_free(sched, driver.workers)
 
 
 def test_a_group_larger_than_the_seats_left_starts_with_what_is_free():
-    # 6 seats: a group of 5 runs, and a group of 10 (more than the seats) starts beside it once a
-    # quarter of the seats (at least) are free, its other members taking seats as they free up.
+    # 6 seats: a group of 5 runs, and a group of 10 (more than the seats) starts beside it once an
+    # eighth of the seats (at least one) are free, its other members taking seats as they free up.
     rng = random.Random(8)
     small = group("small", [rng.randrange(VOCAB) for _ in range(8)], suffixes(rng, 5, 2, 2), max_tokens=8, seed=1)
     large = group("large", [rng.randrange(VOCAB) for _ in range(8)], suffixes(rng, 10, 2, 2), max_tokens=3, seed=2)

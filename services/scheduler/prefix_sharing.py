@@ -59,8 +59,9 @@ class PrefixSharing:
         self.block_size = block_size
         # A group larger than this many seats starts with what is free (at least this many) and
         # its other members compete for seats as other requests do: waiting for all of its seats
-        # would leave the rest of the batch empty.
-        self.min_seats_to_start = max(1, max_num_seqs // 4)
+        # would leave the rest of the batch empty (16 x 400 at 512 seats: a second group must
+        # start in the 112 seats the first leaves).
+        self.min_seats_to_start = max(1, max_num_seqs // 8)
         self.families: dict[str, list[Request]] = {}  # parent_id -> unfinished children or group members
         self.prefix_groups: dict[str, PrefixGroup] = {}  # explicit prefix groups, by parent_id
         self.reserved_blocks = 0  # promised to members of started groups not admitted yet
