@@ -361,6 +361,22 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
 
 
+async def warm_up(gateway: str, args, vocab_size: int, prompt_len: int, seed: int, output_kind=None) -> None:
+    """--warmup-requests short requests before a timed phase, so start-up work (first compiles,
+    the first steps of each shape) stays out of it."""
+    if not args.warmup_requests:
+        return
+    from strata.v1 import generate_pb2
+
+    await run_all_at_once(
+        gateway,
+        random_prompts(args.warmup_requests, prompt_len, vocab_size, seed),
+        sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY if output_kind is None else output_kind),
+        args.request_timeout,
+        progress=False,
+    )
+
+
 async def run_all_at_once(
     address: str,
     prompts,

@@ -22,15 +22,7 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
     from strata.v1 import generate_pb2
 
     info = await common.model_info(endpoints.gateway)
-    if args.warmup_requests:
-        warm = common.random_prompts(args.warmup_requests, args.input_len, info.vocab_size, args.seed + 1)
-        await common.run_all_at_once(
-            endpoints.gateway,
-            warm,
-            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
-            args.request_timeout,
-            progress=False,
-        )
+    await common.warm_up(endpoints.gateway, args, info.vocab_size, args.input_len, args.seed + 1)
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
     before = await common.scheduler_stats(endpoints.scheduler)

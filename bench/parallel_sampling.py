@@ -25,15 +25,7 @@ async def _phase(endpoints, args, name: str) -> dict:
 
     info = await common.model_info(endpoints.gateway)
     seed = args.seed + 10 * (PHASES.index(name) + 1)  # no prompt is shared between phases
-    if args.warmup_requests:
-        warm = common.random_prompts(args.warmup_requests, 8, info.vocab_size, seed + 1)
-        await common.run_all_at_once(
-            endpoints.gateway,
-            warm,
-            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
-            args.request_timeout,
-            progress=False,
-        )
+    await common.warm_up(endpoints.gateway, args, info.vocab_size, 8, seed + 1)
     n = args.n
     if name == "n":
         prompts = common.random_prompts(1, args.input_len, info.vocab_size, seed)

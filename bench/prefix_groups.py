@@ -96,18 +96,9 @@ async def _as_requests(endpoints, args, groups) -> tuple[int, int]:
 
 
 async def _phase(endpoints, args, way: str) -> dict:
-    from strata.v1 import generate_pb2
 
     info = await common.model_info(endpoints.gateway)
-    if args.warmup_requests:
-        warm = common.random_prompts(args.warmup_requests, 8, info.vocab_size, args.seed + 99)
-        await common.run_all_at_once(
-            endpoints.gateway,
-            warm,
-            common.sampling_params(4, args.temperature, generate_pb2.FINAL_ONLY),
-            args.request_timeout,
-            progress=False,
-        )
+    await common.warm_up(endpoints.gateway, args, info.vocab_size, 8, args.seed + 99)
     groups = workload(args, info.vocab_size)
     before = await common.scheduler_stats(endpoints.scheduler)
     start = time.perf_counter()
