@@ -51,6 +51,16 @@ def scheduler_stats(cluster) -> engine_pb2.SchedulerStats:
         )
 
 
+def worker_calls(cluster, method: str, request) -> list:
+    """One Worker RPC (Describe, GetStats, ...) on every stage of a running cluster, in stage order."""
+    out = []
+    for address in cluster.worker_addresses:
+        with grpc.insecure_channel(address) as ch:
+            call = getattr(engine_pb2_grpc.WorkerStub(ch), method)
+            out.append(call(request, timeout=10, metadata=bearer(cluster.cluster_token)))
+    return out
+
+
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
     """HF transformers generate(), greedy, float32, one prompt at a time (no padding effects)."""
     from transformers import AutoModelForCausalLM

@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 import torch
 
-from strata.grpc_util import bearer
 from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     GRPC,
@@ -24,8 +22,8 @@ from strata.services.worker.stage_transport import (
     open_sender,
     same_ipc_domain,
 )
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir
+from strata.v1 import engine_pb2, generate_pb2
+from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir, worker_calls
 
 GPU0, GPU1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
 
@@ -221,15 +219,7 @@ def model_dir(tmp_path_factory):
 
 
 def _describe(cluster):
-    out = []
-    for address in cluster.worker_addresses:
-        with grpc.insecure_channel(address) as ch:
-            out.append(
-                engine_pb2_grpc.WorkerStub(ch).Describe(
-                    engine_pb2.DescribeRequest(), timeout=10, metadata=bearer(cluster.cluster_token)
-                )
-            )
-    return out
+    return worker_calls(cluster, "Describe", engine_pb2.DescribeRequest())
 
 
 PROMPTS = [[5, 17, 42, 99, 3], [7] * 12, list(range(20, 61)), [300, 2, 250]]

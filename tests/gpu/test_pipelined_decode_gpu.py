@@ -8,13 +8,11 @@ scheduler (lookahead_decodes) and every stage reports its own CUDA-event timelin
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from strata.grpc_util import bearer
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+from strata.v1 import engine_pb2, generate_pb2
+from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,15 +39,7 @@ def _run(client):
 
 
 def _worker_stats(cluster):
-    out = []
-    for address in cluster.worker_addresses:
-        with grpc.insecure_channel(address) as ch:
-            out.append(
-                engine_pb2_grpc.WorkerStub(ch).GetStats(
-                    engine_pb2.WorkerStatsRequest(), timeout=10, metadata=bearer(cluster.cluster_token)
-                )
-            )
-    return out
+    return worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
 
 
 FLAGS = ("--dtype", "float32", "--micro-batch-min-seqs", "4")

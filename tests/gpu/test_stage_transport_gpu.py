@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import multiprocessing
 
-import grpc
 import pytest
 import torch
 
-from strata.grpc_util import bearer
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
+from strata.v1 import engine_pb2, generate_pb2
 from tests import stage_transport_peers as peers
-from tests.cluster import collect, running_cluster, tiny_llama_dir
+from tests.cluster import collect, running_cluster, tiny_llama_dir, worker_calls
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -94,14 +92,7 @@ def _greedy(client) -> list[list[int]]:
 
 
 def _transports(cluster) -> list[int]:
-    out = []
-    for address in cluster.worker_addresses:
-        with grpc.insecure_channel(address) as ch:
-            d = engine_pb2_grpc.WorkerStub(ch).Describe(
-                engine_pb2.DescribeRequest(), timeout=10, metadata=bearer(cluster.cluster_token)
-            )
-        out.append(d.next_stage_transport)
-    return out
+    return [d.next_stage_transport for d in worker_calls(cluster, "Describe", engine_pb2.DescribeRequest())]
 
 
 @pytest.fixture(scope="module")
