@@ -215,8 +215,8 @@ class Engine:
     @property
     def max_in_flight(self) -> int:
         # One stage: 3 plans, the later two decode lookaheads of the first's requests, so the
-        # host has two GPU steps to turn a result into the next plan (H200, 1B, same run against
-        # 2 plans: ITL 1.18x vs 1.55x the bare step, full-batch step 3.54 vs 3.76 ms). P stages,
+        # host has two GPU steps to turn a result into the next plan (against 2 plans, ITL fell
+        # from 1.55x to 1.18x the bare step: bench/RESULTS.md, "Figures moved from code comments"). P stages,
         # pipelined decode: two plans per micro-batch (the one running and its lookahead; a lone
         # micro-batch takes up to P + 1, its lookahead depth), so none waits for the scheduler;
         # without it: one plan per stage.

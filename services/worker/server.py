@@ -100,7 +100,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         thaw()  # a second InitCache (the scheduler came back) replaces the frozen cache and graphs
         await loop.run_in_executor(self.executor, self.runner.init_cache, request.num_kv_blocks)
         # The model, its graphs and torch's own objects are start-up state: frozen, the collector
-        # no longer walks them (a full collection of an idle worker took 70 ms on CPU), and the
+        # no longer walks them (a full collection of an idle worker took tens of ms), and the
         # steps' short-lived objects trigger it far less often, as in the scheduler and gateway.
         tune_for_serving()
         reply = engine_pb2.InitCacheReply()
