@@ -256,33 +256,25 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
         if not self.gateway.authorized(dict(context.invocation_metadata() or ()).get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-    async def GetModelInfo(self, request, context):
+    async def _unary(self, context, call):
+        """An authorised unary call whose GatewayError becomes the call's status."""
         await self._authorize(context)
         try:
-            return await self.gateway.model_info()
+            return await call()
         except GatewayError as e:
             await context.abort(e.code, e.message)
+
+    async def GetModelInfo(self, request, context):
+        return await self._unary(context, self.gateway.model_info)
 
     async def Tokenize(self, request, context):
-        await self._authorize(context)
-        try:
-            return await self.gateway.tokenize(request)
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+        return await self._unary(context, lambda: self.gateway.tokenize(request))
 
     async def TokenizeBatch(self, request, context):
-        await self._authorize(context)
-        try:
-            return await self.gateway.tokenize_batch(request)
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+        return await self._unary(context, lambda: self.gateway.tokenize_batch(request))
 
     async def Detokenize(self, request, context):
-        await self._authorize(context)
-        try:
-            return await self.gateway.detokenize(request)
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+        return await self._unary(context, lambda: self.gateway.detokenize(request))
 
     async def Generate(self, request, context):
         await self._authorize(context)
