@@ -202,7 +202,7 @@ def _drive(sched: Scheduler, requests: list[Request], max_in_flight: int, seed: 
     for _ in range(100_000):
         while pending and rng.random() < 0.5:
             sched.add_request(pending.pop(0))
-        if not (pending or sched._requests or in_flight):
+        if not (pending or sched.unfinished_request_ids() or in_flight):
             break
         plan = sched.schedule() if len(in_flight) < max_in_flight else None
         if plan is not None:

@@ -133,10 +133,10 @@ def test_cancelled_and_preempted_members_leak_nothing():
             sched.add_request(req)
     aborted = set()
     for _ in range(100_000):
-        if not (sched._requests or driver.in_flight):
+        if not (sched.unfinished_request_ids() or driver.in_flight):
             break
-        if rng.random() < 0.05 and sched._requests:
-            rid = rng.choice(sorted(sched._requests))
+        if rng.random() < 0.05 and sched.unfinished_request_ids():
+            rid = rng.choice(sorted(sched.unfinished_request_ids()))
             sched.abort(rid)
             aborted.add(rid)
         driver.step()

@@ -191,7 +191,7 @@ class Driver:
 
     def run(self, max_steps=100_000, propose=None, on_plan=None):
         for _ in range(max_steps):
-            if not (bool(self.sched._requests) or self.in_flight):
+            if not (bool(self.sched.unfinished_request_ids()) or self.in_flight):
                 return
             plan = self.step(propose)
             if plan is not None and on_plan:
@@ -205,9 +205,9 @@ def assert_all_blocks_free(sched, workers=None):
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     stats = stats_of(sched)
     assert stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0
-    assert sched._num_in_flight == 0
+    assert sched.num_in_flight == 0
     if workers is not None:  # every sequence the workers hold is released by the next plan
-        assert set(workers.tables) == set(tuple(sched._pending_releases))
+        assert set(workers.tables) == set(sched.pending_releases)
 
 
 def make_requests(rng, count, max_prompt, max_tokens, prefix=(), **kw):
@@ -361,7 +361,7 @@ def test_abort_mid_flight_frees_blocks_at_once():
     assert not sched.abort(victim.request_id) and not sched.abort("nope")
     assert victim.status is RequestStatus.FINISHED_ABORTED and victim.block_ids == []
     assert sched.block_manager.num_free_blocks == free_before + blocks
-    assert sched._num_in_flight == len(plan.seqs) - 1
+    assert sched.num_in_flight == len(plan.seqs) - 1
     sched.add_request(waiting_victim)
     assert sched.abort("waiting") and not sched.waiting
     # The in-flight plan's result for the victim is ignored; its seq id is released next.
@@ -598,13 +598,13 @@ def test_random_mix_leaves_every_block_free(seed):
     for _ in range(20_000):
         while pending and rng.random() < 0.3:  # arrivals over time
             sched.add_request(pending.pop(0))
-        if rng.random() < 0.03 and bool(sched._requests):  # client cancellations
+        if rng.random() < 0.03 and bool(sched.unfinished_request_ids()):  # client cancellations
             req = rng.choice([r for r in everyone if r.arrival >= 0 and not r.is_finished])
             assert sched.abort(req.request_id)
             aborted.add(req.request_id)
-        if not (pending or bool(sched._requests) or driver.in_flight):
+        if not (pending or bool(sched.unfinished_request_ids()) or driver.in_flight):
             break
-        if bool(sched._requests) or driver.in_flight:
+        if bool(sched.unfinished_request_ids()) or driver.in_flight:
             driver.step(propose)
     else:
         raise AssertionError("did not finish")
@@ -685,7 +685,10 @@ def plan_fields(plan):
 
 
 def scheduler_state(sched):
-    """Every request's fields, the block manager's tables, cache and free queue, and the stats."""
+    """Every request's fields, the block manager's tables, cache and free queue, and the stats.
+    White-box on purpose (the fast paths must leave exactly the state the general path leaves, down
+    to the free queue's order): the one place tests read the scheduler's and block manager's private
+    tables."""
     bm = sched.block_manager
     clocks = ("arrival_time", "queue_seconds")  # wall-clock readings, not scheduling state
     requests = {
@@ -699,14 +702,14 @@ def scheduler_state(sched):
         requests,
         [r.request_id for r in sched.running],
         [r.request_id for r in sched.waiting],
-        tuple(sched._pending_releases),
+        sched.pending_releases,
         stats_of(sched),
         [bm.ref_count(b) for b in range(bm.num_blocks)],
         bm._hash,
         list(bm._free),
         bm._cached,
         bm.num_cached_blocks,
-        sched._num_in_flight,
+        sched.num_in_flight,
     )
 
 

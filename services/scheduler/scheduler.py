@@ -155,6 +155,20 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The requests added and not finished yet, in arrival order."""
+        return list(self._requests)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences in plans whose results have not come back (one per plan they are in)."""
+        return self._num_in_flight
+
+    @property
+    def pending_releases(self) -> tuple[int, ...]:
+        """Worker seq ids the next plan releases (finished, aborted or preempted since the last)."""
+        return tuple(self._pending_releases)
+
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> StepPlan | None:
