@@ -1,6 +1,6 @@
 """Two processes joined by one stage-transport link, without the services: the receiver opens its
-end and hands its StageLink to the sender, the Forward messages and the credits travel through
-multiprocessing queues instead of the Forward stream. Each step's tensors hold values derived
+end and hands its StageLink to the sender; the Forward messages and the credits travel through
+multiprocessing queues instead of the Forward stream (ipc has its own doorbell). Each step's tensors hold values derived
 from its step id, so a slot overwritten before it was read, or read before it was written, shows.
 
 Run in spawned processes by tests/gpu/test_stage_transport_gpu.py (module-level functions)."""
@@ -47,6 +47,18 @@ def receiver_main(
         link_q.put(receiver.link().SerializeToString())
         loop = asyncio.get_running_loop()
         bad = []
+        if receiver.on_step_thread:  # ipc: announcements come on its doorbell, not the queues
+            for step in range(steps):
+                hidden, residual = await loop.run_in_executor(None, receiver.take, step)
+                if delay:  # a slow reader: the sender must wait for credits, never overwrite
+                    await asyncio.sleep(delay)
+                want_h, want_r = step_tensors(step, rows_of(step), device)
+                if not (torch.equal(hidden, want_h) and torch.equal(residual, want_r)):
+                    bad.append(step)
+            torch.cuda.synchronize()
+            result_q.put(bad)
+            receiver.close()
+            return
         for _ in range(steps):
             msg = engine_pb2.Activations.FromString(await loop.run_in_executor(None, msg_q.get))
             assert receiver.deliver(msg)

@@ -1,6 +1,7 @@
-"""The stage transport: auto's choice from the stages' Describe, a gloo link between two ends
-(bytes, errors, deadlines, a rebuilt link), and greedy, seeded and n > 1 outputs through 2 and 3
-real stages on every transport a CPU runs (grpc, distributed over gloo) equal to HF and one stage."""
+"""The stage transport: auto's choice from the stages' Describe, a gloo link and an ipc link (host
+shared memory and its doorbell) between two ends (bytes, order, errors, deadlines, a lost peer, a
+rebuilt link), and greedy, seeded and n > 1 outputs through 2 and 3 real stages on every transport
+a CPU runs (grpc, distributed over gloo, ipc) equal to HF and one stage."""
 
 from __future__ import annotations
 
@@ -59,14 +60,16 @@ def test_auto_picks_distributed_where_the_handles_cannot_open(receiver):
     assert choose_transport(_stage(), receiver) == DISTRIBUTED
 
 
-def test_auto_on_cpu_stages_is_distributed_over_gloo_and_overrides_are_honoured():
+def test_auto_on_cpu_stages_is_ipc_on_one_host_else_gloo_and_overrides_are_honoured():
     cpu = _stage(device="cpu")
-    assert choose_transport(cpu, cpu) == DISTRIBUTED
+    assert choose_transport(cpu, cpu) == IPC  # a ring in /dev/shm
+    assert choose_transport(cpu, _stage(device="cpu", host="h2")) == DISTRIBUTED
     assert choose_transport(cpu, cpu, "grpc") == GRPC
+    assert choose_transport(cpu, cpu, "distributed") == DISTRIBUTED
     assert choose_transport(_stage(), _stage(host="h2"), "distributed") == DISTRIBUTED
     assert choose_transport(_stage(), _stage(), "ipc") == IPC
-    with pytest.raises(TransportError, match="ipc needs both stages on CUDA"):
-        choose_transport(cpu, cpu, "ipc")
+    with pytest.raises(TransportError, match="ipc needs both stages in one host"):
+        choose_transport(cpu, _stage(), "ipc")  # a CPU stage cannot write a GPU's ring
     with pytest.raises(TransportError, match="ipc needs"):
         choose_transport(_stage(), _stage(host="h2"), "ipc")
     with pytest.raises(TransportError, match="NCCL cannot pair two stages on one GPU"):
@@ -210,6 +213,127 @@ def test_a_receiver_waiting_for_a_step_fails_it_when_the_pipeline_is_rebuilt():
     asyncio.run(main())
 
 
+# ------------------------------------------------------------------ an ipc link between CPU ends
+
+
+def _open_ipc_link(timeout=20.0, session=7, slots=3):
+    request = engine_pb2.InitCacheRequest(
+        session=session,
+        previous_stage_transport=IPC,
+        previous_stage_address="127.0.0.1:1",
+        transport_timeout_seconds=timeout,
+    )
+    receiver = open_receiver(request, device="cpu", dtype=torch.float32, hidden_size=HIDDEN, max_rows=16, slots=slots)
+    link = receiver.link()
+    assert link.transport == IPC and link.doorbell_path and link.host_ring_path and link.slots == slots
+    emitted = []  # the Forward stream: nothing goes there on an ipc link
+    sender = open_sender(
+        engine_pb2.InitCacheRequest(session=session, next_stage_link=link, transport_timeout_seconds=timeout),
+        emitted.append,
+        device="cpu",
+    )
+    return receiver, sender, emitted
+
+
+def _step_tensors(step, rows):
+    h = torch.arange(rows * HIDDEN, dtype=torch.float32).reshape(rows, HIDDEN) + 1000 * step
+    return h, -h
+
+
+def test_an_ipc_link_moves_every_step_in_order_reuses_slots_only_after_they_are_read_and_forwards_errors():
+    import threading
+
+    receiver, sender, emitted = _open_ipc_link(slots=2)
+    got, failed = {}, {}
+
+    def take_all():  # the receiving step thread, slower than the sender
+        for step in range(1, 31):
+            try:
+                got[step] = receiver.take(step)
+            except StepFailed as e:
+                failed[step] = str(e)
+            time.sleep(0.002)
+
+    reader = threading.Thread(target=take_all)
+    reader.start()
+    try:
+        for step in range(1, 31):  # 2 slots for 30 steps: the sender waits for each credit
+            if step % 7 == 0:
+                sender.send_error(step, f"stage 0: RuntimeError: step {step} broke")
+            else:
+                sender.send(step, *_step_tensors(step, 1 + step % 16))
+        reader.join(30)
+        assert not reader.is_alive()
+    finally:
+        sender.close()
+        receiver.close()
+    assert emitted == []
+    assert sorted(failed) == [7, 14, 21, 28] and "step 14 broke" in failed[14]
+    for step, (h, r) in got.items():
+        want_h, want_r = _step_tensors(step, 1 + step % 16)
+        assert torch.equal(h, want_h) and torch.equal(r, want_r), step
+    assert len(got) == 26 and sender.steps_sent == 26
+
+
+def test_an_ipc_receiver_drops_steps_no_plan_asked_for_and_keeps_a_later_one():
+    receiver, sender, _ = _open_ipc_link()
+    try:
+        for step in (3, 4, 6):
+            sender.send(step, *_step_tensors(step, 2))
+        assert torch.equal(receiver.take(4)[0], _step_tensors(4, 2)[0])  # 3's is dropped
+        with pytest.raises(StepFailed, match="step 5's activations never came"):
+            receiver.take(5)
+        assert torch.equal(receiver.take(6)[0], _step_tensors(6, 2)[0])  # kept for its step
+        h = torch.ones(17, HIDDEN)  # more rows than the ring's slots: this step fails, in order
+        sender.send(7, h, h)
+        with pytest.raises(StepFailed, match="does not fit"):
+            receiver.take(7)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_an_ipc_take_fails_at_once_when_the_sender_is_gone_or_the_link_closes():
+    import threading
+
+    receiver, sender, _ = _open_ipc_link(timeout=30.0)
+    sender.close()  # its process died: end of file on the doorbell
+    start = time.monotonic()
+    with pytest.raises(StepFailed, match="gone|closed"):
+        receiver.take(1)
+    assert time.monotonic() - start < 5
+    receiver.close()
+
+    receiver, sender, _ = _open_ipc_link(timeout=30.0)
+    errors = []
+
+    def wait():
+        try:
+            receiver.take(1)
+        except StepFailed as e:
+            errors.append(str(e))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.2)
+    receiver.close()  # a new InitCache closes the link under the waiting step thread
+    waiting.join(5)
+    sender.close()
+    assert not waiting.is_alive() and errors and "closed" in errors[0]
+
+
+def test_an_ipc_take_has_a_deadline():
+    receiver, sender, _ = _open_ipc_link(timeout=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StepFailed, match="in 0 s|in 1 s"):
+            receiver.take(1)
+        assert time.monotonic() - start < 5
+    finally:
+        sender.close()
+        receiver.close()
+
+
 # ------------------------------------------------------------------ through the real services
 
 
@@ -263,7 +387,7 @@ def _sampled(client):
         return list(pool.map(one, range(len(kws))))
 
 
-@pytest.mark.parametrize("transport", ["grpc", "distributed"])
+@pytest.mark.parametrize("transport", ["grpc", "distributed", "ipc"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_greedy_through_stages_equals_hf_on_every_cpu_transport(model_dir, transport, stages):
     expected = hf_greedy(model_dir, PROMPTS, LENGTHS)
@@ -274,12 +398,12 @@ def test_greedy_through_stages_equals_hf_on_every_cpu_transport(model_dir, trans
         got = _greedy(client)
         descriptions = _describe(cluster)
     assert got == expected
-    want = GRPC if transport == "grpc" else DISTRIBUTED
+    want = {"grpc": GRPC, "distributed": DISTRIBUTED, "ipc": IPC}[transport]
     assert [d.next_stage_transport for d in descriptions] == [want] * (stages - 1) + [0]
     assert [d.previous_stage_transport for d in descriptions] == [0] + [want] * (stages - 1)
 
 
-def test_auto_on_cpus_is_gloo_and_seeded_sampling_and_n_match_one_stage(model_dir):
+def test_auto_on_cpus_of_one_host_is_ipc_and_seeded_sampling_and_n_match_one_stage(model_dir):
     with running_cluster(model_dir, 1) as (_, client):
         alone = _sampled(client)
     with running_cluster(model_dir, 2) as (cluster, client):  # --stage-transport auto
@@ -287,6 +411,6 @@ def test_auto_on_cpus_is_gloo_and_seeded_sampling_and_n_match_one_stage(model_di
         descriptions = _describe(cluster)
     assert piped == alone
     assert [len(out) for out in piped] == [1, 3, 2]
-    assert descriptions[0].next_stage_transport == DISTRIBUTED
-    assert descriptions[1].previous_stage_transport == DISTRIBUTED
+    assert descriptions[0].next_stage_transport == IPC
+    assert descriptions[1].previous_stage_transport == IPC
     assert descriptions[0].location.hostname == descriptions[1].location.hostname

@@ -1,31 +1,36 @@
-"""`ipc`: CUDA IPC between two stages on one host (one GPU, or peer GPUs), device to device.
+"""`ipc`: two stages on one host, device to device (one GPU or peer GPUs, by CUDA IPC) or through
+host shared memory (CPU stages), with each step announced on a doorbell (doorbell.py) from one
+step thread straight to the other.
 
-The receiver allocates, once per InitCache, a ring of `slots` slots on its GPU, each a hidden and
-a residual buffer of max_rows x hidden_size, and two interprocess events per slot (`ready`,
-`consumed`), and exports them in its StageLink; the sender opens them (the GPU found by its UUID).
+The receiver allocates, once per InitCache, a ring of `slots` slots, each `parts` buffers of
+slot_elements (hidden and residual; or one for the token link), and exports it in its StageLink
+with its doorbell's path; the sender opens both. On CUDA the ring is one device allocation with
+two interprocess events per slot (`ready`, `consumed`), the GPU found by its UUID; on CPUs it is a
+file in /dev/shm that both map.
 
-One step, slot s = the next in turn:
-  sender, step thread:      clone hidden/residual on the compute stream, record event E
-  sender, transport thread: wait for s's credit (host, with a deadline); on a side stream: wait E,
-                            wait consumed[s], copy into the slot, record ready[s]; then send the
-                            Forward message (step id, slot, shapes)
-  receiver, event loop:     on the compute stream: wait ready[s], copy out of the slot, record
-                            consumed[s]; then credit s back on the Forward stream (ForwardAck)
-No host thread waits for the GPU. The sender's event wait happens after the receiver's record
-(it waits for the credit, sent after the record), and the receiver's after the sender's (it waits
-for the message, sent after the record), as interprocess events require. A step larger than a
-slot goes inline in the Forward message instead.
+Announcement i uses slot i % slots. One step:
+  sender, step thread:   wait for the credit of announcement i - slots (host, with a deadline);
+                         on the compute stream: wait consumed[s], copy into the slot, record
+                         ready[s]; announce (step id, slot, shape) on the doorbell
+  receiver, step thread: take the announcement; on the compute stream: wait ready[s], copy out
+                         of the slot, record consumed[s]; credit i + 1 on the doorbell
+No host thread waits for the GPU, and no thread other than the two step threads is involved. Each
+event wait is issued after the peer's record (the credit and the announcement are sent after
+their records), as interprocess events require. A failed step is announced with its error, in
+order, and uses no slot.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
+import os
+import secrets
+import time
 
 import torch
 
-from strata.services.worker.stage_transport import IPC, Receiver, Sender, TransportError
+from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
+from strata.services.worker.stage_transport import IPC, Receiver, Sender, StepFailed, TransportError
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -76,156 +81,298 @@ def open_memory(m: engine_pb2.CudaIpcMemory, device: torch.device, dtype: torch.
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
 
+# ------------------------------------------------------------------ the ring
+
+
+class Ring:
+    """`slots` x `parts` buffers of slot_elements, in one allocation the receiver owns, and the
+    per-slot ordering between the two processes (interprocess events on CUDA; on CPUs the copies
+    are done when they return, and the doorbell's system calls order them)."""
+
+    def __init__(self, buffer: torch.Tensor, slots: int, parts: int, slot_elements: int, ready=None, consumed=None):
+        self.buffer, self.slots, self.parts, self.slot_elements = buffer, slots, parts, slot_elements
+        self.device = buffer.device
+        self.ready, self.consumed = ready, consumed  # CUDA only
+        self.path = ""  # CPU: the shared file, unlinked by the receiver once the sender has it
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int) -> Ring:
+        numel = slots * parts * slot_elements
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                buffer = torch.empty(numel, dtype=dtype, device=device)
+                ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+                consumed = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+                stream = torch.cuda.current_stream(device)
+                for e in ready + consumed:  # created on this GPU before their handles go out
+                    e.record(stream)
+            return cls(buffer, slots, parts, slot_elements, ready, consumed)
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        if directory is None:
+            raise TransportError("the ipc stage transport between CPU stages needs /dev/shm")
+        path = os.path.join(directory, f"strata-ring-{os.getpid()}-{secrets.token_hex(8)}")
+        ring = cls(torch.from_file(path, shared=True, size=numel, dtype=dtype), slots, parts, slot_elements)
+        ring.path = path
+        return ring
+
+    def export(self, link: engine_pb2.StageLink) -> None:
+        link.slots, link.parts, link.slot_elements = self.slots, self.parts, self.slot_elements
+        link.dtype = _NAMES[self.buffer.dtype]
+        if self.path:
+            link.host_ring_path = self.path
+            return
+        link.ring.CopyFrom(export_memory(self.buffer))
+        link.device_uuid = device_uuid(self.device.index)
+        link.ready_events.extend(e.ipc_handle() for e in self.ready)
+        link.consumed_events.extend(e.ipc_handle() for e in self.consumed)
+
+    @classmethod
+    def open(cls, link: engine_pb2.StageLink, device: torch.device) -> Ring:
+        if link.dtype not in _DTYPES or not link.slots or not link.parts or not link.doorbell_path:
+            raise TransportError("a malformed ipc link")
+        dtype, numel = _DTYPES[link.dtype], link.slots * link.parts * link.slot_elements
+        if link.host_ring_path:
+            if device.type != "cpu":
+                raise TransportError("the previous stage's ring is in host memory, this stage is on " + str(device))
+            try:
+                buffer = torch.from_file(link.host_ring_path, shared=True, size=numel, dtype=dtype)
+            except RuntimeError as e:
+                raise TransportError(f"cannot map the next stage's ring {link.host_ring_path}: {e}") from None
+            return cls(buffer, link.slots, link.parts, link.slot_elements)
+        if device.type != "cuda" or len(link.ready_events) != link.slots or len(link.consumed_events) != link.slots:
+            raise TransportError("a CUDA ipc ring needs a CUDA stage and an event pair per slot")
+        ring_device = device_of_uuid(link.device_uuid)
+        buffer = open_memory(link.ring, ring_device, dtype, numel)
+        with torch.cuda.device(ring_device):
+            ready = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.ready_events]
+            consumed = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.consumed_events]
+        return cls(buffer, link.slots, link.parts, link.slot_elements, ready, consumed)
+
+    def view(self, slot: int, part: int, shape) -> torch.Tensor:
+        start = (slot * self.parts + part) * self.slot_elements
+        n = 1
+        for d in shape:
+            n *= d
+        return self.buffer[start : start + n].view(tuple(shape))
+
+    def write(self, slot: int, tensors) -> None:
+        """Sender, on its step thread: queued behind the work that produced the tensors. On CUDA
+        the copy is ordered on the ring GPU's current stream (torch syncs a peer copy with both
+        devices' current streams), which first waits until the receiver has read the slot."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self.consumed[slot])
+            for part, t in enumerate(tensors):
+                self.view(slot, part, t.shape).copy_(t, non_blocking=True)
+            self.ready[slot].record(stream)
+        else:
+            for part, t in enumerate(tensors):
+                self.view(slot, part, t.shape).copy_(t)
+
+    def ready_wait(self, slot: int) -> None:
+        """Receiver: the compute stream waits for the sender's copy into the slot."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+
+    def consumed_record(self, slot: int) -> None:
+        """Receiver: after its reads of the slot are queued."""
+        if self.consumed is not None:
+            self.consumed[slot].record(torch.cuda.current_stream(self.device))
+
+    def unlink(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = ""
+
+
+def check_ipc_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise TransportError(f"the ipc stage transport runs between CUDA or CPU stages, not {device}")
+    return device
+
+
+# ------------------------------------------------------------------ the two ends
+
+
+class RingReader:
+    """The receiving end's order (shared with the token link): announcement i in slot i % slots,
+    taken in the sender's order on the step thread."""
+
+    def __init__(self, ring: Ring, timeout: float):
+        self.ring = ring
+        self.doorbell = DoorbellReceiver(timeout)
+        self.taken = 0  # announcements taken so far
+        self.wait_seconds = 0.0
+
+    def link(self, session: int) -> engine_pb2.StageLink:
+        link = engine_pb2.StageLink(transport=IPC, session=session, doorbell_path=self.doorbell.path)
+        self.ring.export(link)
+        return link
+
+    def next(self, block: bool) -> Announcement | None:
+        started = time.perf_counter()
+        try:
+            a = self.doorbell.next(block)
+        except DoorbellClosed as e:
+            raise StepFailed(f"stage transport (ipc): {e}") from None
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+        if a is None:
+            return None
+        if not a.error and a.slot != self.taken % self.ring.slots:
+            raise StepFailed(
+                f"stage transport (ipc): step {a.step_id} announced in slot {a.slot}, expected {self.taken % self.ring.slots}"
+            )
+        self.taken += 1
+        return a
+
+    def release(self) -> None:
+        """Every announcement taken so far is read (its reads queued): credit them back."""
+        try:
+            self.doorbell.release(self.taken)
+        except DoorbellClosed as e:
+            log.warning("stage transport (ipc): credit not sent: %s", e)
+
+    def close(self) -> None:
+        self.doorbell.close()
+        self.ring.unlink()
+
+
+class RingWriter:
+    """The sending end (shared with the token link), on the step thread: launches and a message."""
+
+    def __init__(self, link: engine_pb2.StageLink, device, timeout: float):
+        self.device = check_ipc_device(device)
+        self.ring = Ring.open(link, self.device)
+        try:
+            self.doorbell = DoorbellSender(link.doorbell_path, timeout)
+        except DoorbellClosed as e:
+            raise TransportError(str(e)) from None
+        self.announced = 0
+
+    def put(self, step_id: int, tensors) -> None:
+        ring = self.ring
+        for t in tensors:
+            if t.numel() > ring.slot_elements or _NAMES.get(t.dtype) != _NAMES[ring.buffer.dtype]:
+                raise TransportError(
+                    f"{t.dtype} {list(t.shape)} does not fit the ring's slots of {ring.slot_elements} {ring.buffer.dtype}"
+                )
+        slot = self.announced % ring.slots
+        self.doorbell.wait_released(self.announced - ring.slots + 1)
+        ring.write(slot, tensors)
+        t = tensors[0]
+        self.doorbell.announce(step_id, slot, t.shape[0], t.shape[1] if t.dim() > 1 else 0)
+        self.announced += 1
+
+    def put_error(self, step_id: int, error: str) -> None:
+        self.doorbell.wait_released(self.announced - self.ring.slots + 1)
+        self.doorbell.announce(step_id, 0, 0, 0, error or "failed upstream")
+        self.announced += 1
+
+    def close(self) -> None:
+        self.doorbell.close()
+
+
 class IpcReceiver(Receiver):
+    """Activations in: the step thread takes each step's announcement itself (take), not the
+    Forward stream (which carries nothing on this link)."""
+
     kind = IPC
+    on_step_thread = True
 
     def __init__(self, session, device, dtype, hidden_size, max_rows, timeout, *, slots: int):
         super().__init__(session, device, dtype, hidden_size, max_rows, timeout)
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise TransportError("the ipc stage transport needs a CUDA stage")
-        self.slots = slots
-        self.slot_elements = max_rows * hidden_size
-        with torch.cuda.device(self.device):
-            self.ring = torch.empty(slots * 2 * self.slot_elements, dtype=dtype, device=self.device)
-            self.ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
-            self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
-            stream = torch.cuda.current_stream(self.device)
-            for e in self.ready + self.consumed:  # created on this GPU before their handles go out
-                e.record(stream)
+        self.device = check_ipc_device(device)
+        self.reader = RingReader(Ring.create(self.device, dtype, slots, 2, max_rows * hidden_size), timeout)
+        self._held: Announcement | None = None  # a later step's announcement, taken early (take)
+        ring = self.reader.ring
         log.info(
             "stage transport: ipc ring of %d slots x 2 x %d elements (%.1f MiB) on %s",
             slots,
-            self.slot_elements,
-            self.ring.numel() * self.ring.element_size() / 2**20,
+            ring.slot_elements,
+            ring.buffer.numel() * ring.buffer.element_size() / 2**20,
             self.device,
         )
 
+    @property
+    def wait_seconds(self) -> float:
+        return self.reader.wait_seconds
+
     def link(self) -> engine_pb2.StageLink:
-        return engine_pb2.StageLink(
-            transport=IPC,
-            session=self.session,
-            ring=export_memory(self.ring),
-            slots=self.slots,
-            slot_elements=self.slot_elements,
-            dtype=_NAMES[self.dtype],
-            device_uuid=device_uuid(self.device.index),
-            ready_events=[e.ipc_handle() for e in self.ready],
-            consumed_events=[e.ipc_handle() for e in self.consumed],
-        )
+        return self.reader.link(self.session)
 
-    def _check(self, msg: engine_pb2.Activations) -> None:
-        super()._check(msg)
-        if msg.via_transport:
-            if msg.slot >= self.slots:
-                raise ValueError(f"ring slot {msg.slot} of {self.slots}")
-            if msg.hidden.dtype != _NAMES[self.dtype] or msg.residual.dtype != msg.hidden.dtype:
-                raise ValueError(f"activations of dtype {msg.hidden.dtype}, the ring holds {_NAMES[self.dtype]}")
+    def take(self, step_id: int):
+        """On the step thread: this step's (hidden, residual), queued on the compute stream behind
+        the sender's copy; raises StepFailed. Announcements come in step order: an earlier step's
+        that no plan here asked for is dropped, a later one's is kept for its own step."""
+        reader = self.reader
+        while True:
+            a, self._held = self._held or reader.next(block=True), None
+            if a.step_id >= step_id:
+                break
+            reader.release()
+        if a.step_id > step_id:
+            self._held = a
+            raise StepFailed(f"step {step_id}'s activations never came (step {a.step_id}'s did)")
+        if a.error:
+            reader.release()
+            raise StepFailed(a.error)
+        if a.cols != self.hidden_size or not 0 < a.rows <= self.max_rows:
+            reader.release()
+            raise StepFailed(f"stage transport (ipc): activations of shape [{a.rows}, {a.cols}]")
+        ring = reader.ring
+        ring.ready_wait(a.slot)
+        out = tuple(ring.view(a.slot, part, (a.rows, a.cols)).clone() for part in range(2))
+        ring.consumed_record(a.slot)
+        reader.release()
+        return out
 
-    def _accept(self, msg: engine_pb2.Activations, fut: asyncio.Future) -> None:
-        fut.set_result(msg)  # the slot is read when the step runs (receive -> _opened)
-
-    def _opened(self, msg: engine_pb2.Activations):
-        s, e = msg.slot, self.slot_elements
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.current_stream(self.device)  # the step thread's stream: the default one
-            stream.wait_event(self.ready[s])
-            base = 2 * s * e
-            out = []
-            for i, meta in enumerate((msg.hidden, msg.residual)):
-                n = meta.shape[0] * meta.shape[1]
-                start = base + i * e
-                out.append(self.ring[start : start + n].view(tuple(meta.shape)).clone())
-            self.consumed[s].record(stream)
-        self.acks.put_nowait(engine_pb2.ForwardAck(step_id=msg.step_id, slot=s))
-        return tuple(out)
+    def close(self) -> None:
+        self.reader.close()
+        super().close()
 
 
 class IpcSender(Sender):
+    """Activations out, from the step thread itself: no transport thread, no Forward message."""
+
     kind = IPC
+    uses_thread = False
 
     def __init__(self, session: int, emit, timeout: float, *, link: engine_pb2.StageLink, device):
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise TransportError("the ipc stage transport needs a CUDA stage")
-        if link.dtype not in _DTYPES or not link.slots or len(link.ready_events) != link.slots:
-            raise TransportError("a malformed ipc link")
-        self.ring_device = device_of_uuid(link.device_uuid)
-        self.dtype = _DTYPES[link.dtype]
-        self.slots = link.slots
-        self.slot_elements = link.slot_elements
-        self.ring = open_memory(link.ring, self.ring_device, self.dtype, link.slots * 2 * link.slot_elements)
-        with torch.cuda.device(self.ring_device):
-            self.ready = [torch.cuda.Event.from_ipc_handle(self.ring_device, h) for h in link.ready_events]
-            self.consumed = [torch.cuda.Event.from_ipc_handle(self.ring_device, h) for h in link.consumed_events]
-            self.dst_stream = torch.cuda.Stream(self.ring_device)
-        # The copy runs on the source GPU's side stream (torch orders a peer copy against both
-        # devices' current streams); on one GPU the two streams are one.
-        self.src_stream = torch.cuda.Stream(self.device) if self.ring_device != self.device else self.dst_stream
-        self._free = [True] * self.slots
-        self._next = 0
-        self._credit = threading.Condition()
-        self._broken: str | None = None
+        self.writer = RingWriter(link, device, timeout)
         super().__init__(session, emit, timeout)
         log.info(
             "stage transport: ipc ring of %d slots opened on %s (this stage on %s)",
-            self.slots,
-            self.ring_device,
-            self.device,
+            link.slots,
+            self.writer.ring.device,
+            self.writer.device,
         )
 
-    def _prepare(self, hidden, residual) -> tuple:
-        h, r = hidden.clone(), residual.clone()  # the next step may overwrite the originals
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        return h, r, done
+    def send(self, step_id: int, *tensors) -> None:
+        """On the step thread, right after the step's launch: launches and one message."""
+        started = time.perf_counter()
+        try:
+            self.writer.put(step_id, tensors)
+        except TransportError as e:  # this step fails downstream (in order); the next ones try again
+            self.send_error(step_id, f"stage transport (ipc): {e}")
+            return
+        except DoorbellClosed as e:  # the peer is gone: the scheduler rebuilds the pipeline
+            log.warning("stage transport (ipc): step %d not sent: %s", step_id, e)
+            return
+        self.send_seconds += time.perf_counter() - started
+        self.steps_sent += 1
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
-    def on_ack(self, ack: engine_pb2.ForwardAck) -> None:
-        if ack.slot < self.slots:
-            with self._credit:
-                self._free[ack.slot] = True
-                self._credit.notify_all()
+    def send_error(self, step_id: int, error: str) -> None:
+        try:
+            self.writer.put_error(step_id, error)
+        except DoorbellClosed as e:
+            log.warning("stage transport (ipc): step %d's error not sent: %s", step_id, e)
 
     def close(self) -> None:
         super().close()
-        with self._credit:
-            self._credit.notify_all()
-
-    def _take_slot(self) -> int:
-        s = self._next
-        with self._credit:
-            if self._broken:
-                raise TransportError(self._broken)
-            if not self._credit.wait_for(lambda: self._free[s] or self.closed, self.timeout):
-                self._broken = f"no credit for ring slot {s} in {self.timeout:.0f}s: the next stage stopped reading"
-                raise TransportError(self._broken)
-            if self.closed:
-                raise TransportError("link closed")
-            self._free[s] = False
-        self._next = (s + 1) % self.slots
-        return s
-
-    def _transfer(self, step_id: int, hidden, residual, done=None):
-        e = self.slot_elements
-        if hidden.numel() > e or residual.numel() > e or hidden.dtype != self.dtype:
-            torch.cuda.current_stream(self.device).wait_event(done)
-            return super()._transfer(step_id, hidden, residual)  # inline bytes, this step only
-        s = self._take_slot()
-        src, dst = self.src_stream, self.dst_stream
-        src.wait_event(done)
-        dst.wait_event(self.consumed[s])  # the receiver has copied the slot's last contents out
-        with torch.cuda.stream(src), torch.cuda.stream(dst):
-            base = 2 * s * e
-            for i, t in enumerate((hidden, residual)):
-                start = base + i * e
-                self.ring[start : start + t.numel()].view(t.shape).copy_(t, non_blocking=True)
-                t.record_stream(src)  # allocated on the compute stream, read on the side stream
-            self.ready[s].record(dst)
-        return engine_pb2.Activations(
-            step_id=step_id,
-            session=self.session,
-            via_transport=True,
-            slot=s,
-            hidden=engine_pb2.Tensor(dtype=_NAMES[hidden.dtype], shape=list(hidden.shape)),
-            residual=engine_pb2.Tensor(dtype=_NAMES[residual.dtype], shape=list(residual.shape)),
-        )
+        self.writer.close()

@@ -9,6 +9,7 @@ receiving plans and activations while the model computes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,13 @@ from strata.services.worker.stage_transport import (
     open_sender,
 )
 from strata.services.worker.step_results import PendingResult
-from strata.services.worker.token_handoff import TokenIntake, TokenOutlet, open_token_receiver, open_token_sender
+from strata.services.worker.token_handoff import (
+    TOKEN_RING_SLOTS,
+    TokenIntake,
+    TokenOutlet,
+    open_token_receiver,
+    open_token_sender,
+)
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
@@ -185,7 +192,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     intake,
                     max_tokens=runner.table.block_tables.shape[0],
                     vocab_size=runner.config.vocab_size,
-                    slots=self.ring_slots + 1,
+                    slots=TOKEN_RING_SLOTS,
                 )
                 self._token_receiver = receiver
                 runner.handoff = intake
@@ -410,14 +417,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
         runner = self.runner
         error = ""
-        hidden = residual = None
+        inputs = None  # the activations, or how the step thread takes them (an ipc link)
         if not runner.is_first:
             receiver = self._receiver
             waited = time.perf_counter()
             try:  # a failed upstream step, or a transport that failed it, fails this step only
                 if receiver is None:
                     raise StepFailed("no link from the previous stage")
-                hidden, residual = await receiver.receive(plan.step_id)
+                if receiver.on_step_thread:
+                    inputs = functools.partial(receiver.take, plan.step_id)
+                else:
+                    inputs = await receiver.receive(plan.step_id)
             except StepFailed as e:
                 error = str(e)
             self.stats.input_wait_seconds += time.perf_counter() - waited
@@ -429,23 +439,27 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     out = await loop.run_in_executor(self.executor, propose, runner, plan)
                 elif runner.is_last:
                     out = await loop.run_in_executor(
-                        self.executor, _execute_last, runner, self.stats, self._token_sender, plan, hidden, residual
+                        self.executor, _execute_last, runner, self.stats, self._token_sender, plan, inputs
                     )
                 else:
                     sender = self._sender
                     await loop.run_in_executor(
-                        self.executor, _execute_and_send, runner, self.stats, sender, plan, hidden, residual
+                        self.executor, _execute_and_send, runner, self.stats, sender, plan, inputs
                     )
                     return
+            except StepFailed as e:  # its activations never came
+                error = str(e)
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
+        # A failed step's error goes on in step order, from the step thread as its data would.
         if runner.is_last:
             if error and self._token_sender is not None and any(plan.sample):
-                self._token_sender.send_error(plan.step_id, error)  # stage 0 must not wait for them
+                # stage 0 must not wait for its tokens
+                await loop.run_in_executor(self.executor, self._token_sender.send_error, plan.step_id, error)
             await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
         elif self._sender is not None:
-            self._sender.send_error(plan.step_id, error)
+            await loop.run_in_executor(self.executor, self._sender.send_error, plan.step_id, error)
 
 
 def _token_waits(runner: ModelRunner) -> float:
@@ -453,8 +467,21 @@ def _token_waits(runner: ModelRunner) -> float:
     return handoff.wait_seconds if isinstance(handoff, TokenIntake) else 0.0
 
 
-def _execute_and_send(runner: ModelRunner, stats: StageStats, sender: Sender | None, plan, hidden, residual) -> None:
+def _activations(stats: StageStats, inputs) -> tuple:
+    """(hidden, residual), or (None, None) on stage 0; an ipc link's taken here, on the step
+    thread (raises StepFailed)."""
+    if inputs is None:
+        return None, None
+    if callable(inputs):
+        waited = time.perf_counter()
+        inputs = inputs()
+        stats.input_wait_seconds += time.perf_counter() - waited
+    return inputs
+
+
+def _execute_and_send(runner: ModelRunner, stats: StageStats, sender: Sender | None, plan, inputs) -> None:
     """On the step thread: launch the step, hand its activations to the transport (no wait)."""
+    hidden, residual = _activations(stats, inputs)
     start, waited = time.perf_counter(), _token_waits(runner)
     out = runner.execute(plan, hidden, residual)
     stats.step(runner.gpu_start, start, _token_waits(runner) - waited)
@@ -462,9 +489,10 @@ def _execute_and_send(runner: ModelRunner, stats: StageStats, sender: Sender | N
         sender.send(plan.step_id, *out)
 
 
-def _execute_last(runner: ModelRunner, stats: StageStats, token_sender: Sender | None, plan, hidden, residual):
+def _execute_last(runner: ModelRunner, stats: StageStats, token_sender: Sender | None, plan, inputs):
     """On the last stage's step thread: launch the step, then hand its sampled tokens to stage 0
     (pipelined decode) on the device, behind the draw."""
+    hidden, residual = _activations(stats, inputs)
     start = time.perf_counter()
     out = runner.execute(plan, hidden, residual)
     if token_sender is not None and isinstance(runner.handoff, TokenOutlet):

@@ -5,9 +5,10 @@ error when a stage failed it; a transport moves the bytes:
 
 - `grpc`: inline in the Forward message, through both hosts (today's path; A/B runs and the
   last fallback), in grpc_transport.py;
-- `ipc`: CUDA IPC on one host (one GPU or peer GPUs): a ring of device buffers the receiver
-  allocates once, written by the sender on a side stream, guarded by interprocess events and
-  credits on the Forward stream, in ipc_transport.py;
+- `ipc`: one host (one GPU or peer GPUs by CUDA IPC, or CPU stages through /dev/shm): a ring of
+  buffers the receiver allocates once, each step announced and each slot credited back on a
+  doorbell socket between the two step threads (the Forward stream carries nothing), in
+  ipc_transport.py and doorbell.py;
 - `distributed`: torch.distributed send/recv in a process group of two per link (NCCL between
   GPUs, gloo between CPUs), in distributed_transport.py.
 
@@ -110,14 +111,15 @@ def same_ipc_domain(a: engine_pb2.WorkerLocation, b: engine_pb2.WorkerLocation) 
 def choose_transport(
     sender: engine_pb2.WorkerDescription, receiver: engine_pb2.WorkerDescription, requested: str = "auto"
 ) -> int:
-    """The transport of the link sender -> receiver. `auto`: CUDA IPC where the sender can open
-    the receiver's device memory (both on CUDA, one host and IPC namespace, the receiver's GPU
-    visible to the sender), else torch.distributed (NCCL between GPUs, gloo between CPUs)."""
+    """The transport of the link sender -> receiver. `auto`: ipc where the sender can open the
+    receiver's ring (one host and IPC namespace; on CUDA, the receiver's GPU visible to the
+    sender; or both on CPUs, through /dev/shm), else torch.distributed (NCCL between GPUs, gloo
+    between CPUs)."""
     both_cuda = sender.device.startswith("cuda") and receiver.device.startswith("cuda")
-    ipc_ok = (
-        both_cuda
-        and same_ipc_domain(sender.location, receiver.location)
-        and receiver.location.device_uuid in sender.location.visible_device_uuids
+    both_cpu = sender.device.startswith("cpu") and receiver.device.startswith("cpu")
+    same_domain = same_ipc_domain(sender.location, receiver.location)
+    ipc_ok = same_domain and (
+        both_cpu or (both_cuda and receiver.location.device_uuid in sender.location.visible_device_uuids)
     )
     if requested == "auto":
         return IPC if ipc_ok else DISTRIBUTED
@@ -125,8 +127,8 @@ def choose_transport(
         raise TransportError(f"unknown stage transport {requested!r}: one of {', '.join(CHOICES)}")
     if requested == "ipc" and not ipc_ok:
         raise TransportError(
-            "--stage-transport ipc needs both stages on CUDA in one host and IPC namespace, the receiver's GPU "
-            f"visible to the sender ({sender.device} on {sender.location.hostname}, {receiver.device} on "
+            "--stage-transport ipc needs both stages in one host and IPC namespace, both on CPUs or both on CUDA "
+            f"with the receiver's GPU visible to the sender ({sender.device} on {sender.location.hostname}, {receiver.device} on "
             f"{receiver.location.hostname})"
         )
     if requested == "distributed" and both_cuda and same_ipc_domain(sender.location, receiver.location):
@@ -155,9 +157,11 @@ def host_of(address: str) -> str:
 
 class Sender:
     """The sending end of a link. send() runs on the step thread and returns at once: the
-    transport's own thread moves the bytes and emits the Forward message (emit is thread-safe)."""
+    transport's own thread moves the bytes and emits the Forward message (emit is thread-safe),
+    except where the transport needs no thread (uses_thread False: ipc)."""
 
     kind = GRPC
+    uses_thread = True
 
     def __init__(self, session: int, emit: Callable[[engine_pb2.Activations], None], timeout: float):
         self.session = session
@@ -170,7 +174,8 @@ class Sender:
         self.send_seconds = 0.0
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"transport-send-{session}", daemon=True)
-        self._thread.start()
+        if self.uses_thread:
+            self._thread.start()
 
     def send(self, step_id: int, hidden, residual) -> None:
         """Queues one step's activations. On a GPU the tensors may be buffers the next step
@@ -227,9 +232,12 @@ class Sender:
 class Receiver:
     """The receiving end of a link: Forward delivers each step's message (event loop thread),
     the step awaits receive(step_id). Inline tensors (grpc, or a step too large for the
-    transport) are accepted on every transport."""
+    transport) are accepted on every transport. A receiver with on_step_thread (ipc) instead
+    has the step thread take each step's activations itself: take(step_id)."""
 
     kind = GRPC
+    on_step_thread = False
+    wait_seconds = 0.0  # on_step_thread: the step thread's time waiting for announcements
 
     def __init__(self, session: int, device, dtype, hidden_size: int, max_rows: int, timeout: float):
         self.session = session

@@ -11,8 +11,9 @@ on the stage transport the scheduler chose for that pair (`choose_transport`):
 - `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
   copies them to the host, off the step thread);
 - `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store);
-- `ipc`: a small ring of int64 token buffers on stage 0's GPU, shared by handle, with
-  interprocess `ready` / `consumed` events and credits back on the HandTokens stream.
+- `ipc`: a ring of int64 token buffers on stage 0's device (ipc_transport.py), each step
+  announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
+  what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
 
 The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
 stage gathers `last_sampled` at the sampling rows on its compute stream after the step's draw,
@@ -22,7 +23,7 @@ Order (TokenIntake, stage 0): both stages see every plan. When stage 0 launches 
 the step id as the latest sampling step of each row that samples in it, and keeps those rows
 (on the device) under the step id. Tokens arrive in step order (one sender, one stream); each
 step's are scattered at its rows. A step whose input has placeholders first waits (on its own
-step thread, with a deadline) until the tokens of the latest sampling step of every placeholder's
+step thread, with a deadline; on ipc by taking announcements from the doorbell itself) until the tokens of the latest sampling step of every placeholder's
 row are applied; nothing later can have touched those rows, since any later step that samples
 them is launched after this one. A released row reused by a new sequence is safe too: the new
 sequence's placeholders need a later step's tokens, which are applied after the old ones.
@@ -57,6 +58,9 @@ from strata.services.worker.stage_transport import (
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
+# The token ring's slots. Tokens not yet taken by stage 0 are at most the plans in flight plus one
+# (stage 0 takes all that arrived before each step), and a slot is max_num_seqs int64s: plenty.
+TOKEN_RING_SLOTS = 64
 
 
 def sampler_rows(h) -> np.ndarray:
@@ -86,9 +90,14 @@ class TokenIntake:
         self._closed: str | None = None
         self.wait_seconds = 0.0
         self.waits = 0
+        # ipc: the step thread takes the tokens that have arrived itself, pump(need) blocking until
+        # step `need`'s are applied (0: only what is there); else a receiving thread applies them.
+        self.pump = None
 
     def before_step(self, step_id: int, h) -> None:
         """On the step thread, before the step is launched."""
+        if self.pump is not None:
+            self.pump(0)  # what has arrived: frees the ring's slots
         if h.has_placeholders:
             rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
             need = int(self.last_step[rows].max())
@@ -101,6 +110,13 @@ class TokenIntake:
 
     def _wait(self, step_id: int) -> None:
         started = time.perf_counter()
+        if self.pump is not None:
+            try:
+                self.pump(step_id)
+            finally:
+                self.wait_seconds += time.perf_counter() - started
+                self.waits += 1
+            return
         with self._cond:
             ok = self._cond.wait_for(lambda: self.applied >= step_id or self._closed, self.timeout)
             closed = self._closed
@@ -180,29 +196,52 @@ class GrpcTokenReceiver(_TokenReceiving):
 
 
 def _ipc_receiver_class():
-    from strata.services.worker.ipc_transport import IpcReceiver
+    from strata.services.worker.ipc_transport import Ring, RingReader
 
-    class IpcTokenReceiver(_TokenReceiving, IpcReceiver):
-        """A ring of `slots` int64 buffers of max_tokens on stage 0's GPU (the activation ring's
-        layout, so the sending end opens it as it opens one)."""
+    class IpcTokenReceiver(_TokenReceiving):
+        """A ring of `slots` int64 buffers of max_tokens on stage 0's device; stage 0's step thread
+        takes each step's announcement from the doorbell (pump) and scatters the tokens from the
+        slot. The HandTokens stream carries nothing but its end (the last stage is gone)."""
 
-        def _accept_tokens(self, msg) -> None:
-            if msg.slot >= self.slots:
-                log.error("token link: ring slot %d of %d", msg.slot, self.slots)
-                self.intake.apply(msg.step_id, None)
-                return
-            s, n = msg.slot, msg.tokens.shape[0]
-            with torch.cuda.device(self.device):
-                stream = torch.cuda.current_stream(self.device)  # the step thread's (default) stream
-                stream.wait_event(self.ready[s])
-                base = 2 * s * self.slot_elements
-                self.intake.apply(msg.step_id, self.ring[base : base + n])
-                self.consumed[s].record(stream)
-            self.acks.put_nowait(engine_pb2.ForwardAck(step_id=msg.step_id, slot=s))
+        kind = IPC
+
+        def __init__(self, session: int, device, max_tokens: int, timeout: float, slots: int):
+            self.session = session
+            self.reader = RingReader(Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens), timeout)
+            self.acks: asyncio.Queue = asyncio.Queue()  # no credits on the stream: they go on the doorbell
+
+        def link(self) -> engine_pb2.StageLink:
+            return self.reader.link(self.session)
+
+        def pump(self, need: int) -> None:
+            """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
+            the link's deadline) until step `need`'s are applied."""
+            intake, reader = self.intake, self.reader
+            while True:
+                if intake._closed:
+                    raise StepFailed(f"token link closed: {intake._closed}")
+                a = reader.next(block=intake.applied < need)
+                if a is None:
+                    return
+                if a.error:
+                    intake.apply(a.step_id, None)
+                elif a.cols or not 0 < a.rows <= self.max_tokens:
+                    log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
+                    intake.apply(a.step_id, None)
+                else:
+                    ring = reader.ring
+                    ring.ready_wait(a.slot)
+                    intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
+                    ring.consumed_record(a.slot)
+                reader.release()
+
+        def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
+            log.error("token link: step %d sent on the stream of an ipc link", msg.step_id)
 
         def close(self) -> None:
             self.close_tokens()
-            super().close()
+            self.reader.close()
+            self.acks.put_nowait(None)
 
     return IpcTokenReceiver
 
@@ -241,7 +280,8 @@ def open_token_receiver(
     timeout = request.transport_timeout_seconds or 120.0
     device = intake.device
     if kind == IPC:
-        receiver = _ipc_receiver_class()(session, device, torch.int64, 1, max_tokens, timeout, slots=slots)
+        receiver = _ipc_receiver_class()(session, device, max_tokens, timeout, slots)
+        intake.pump = receiver.pump
     elif kind == DISTRIBUTED:
         receiver = DistributedTokenReceiver(
             session, device, torch.int64, 1, max_tokens, timeout, peer_host=host_of(request.peer_address)
@@ -335,41 +375,15 @@ class DistributedTokenSender(_TokenSending, DistributedSender):
         return None
 
 
-def _ipc_sender_class():
-    from strata.services.worker.ipc_transport import IpcSender
-
-    class IpcTokenSender(_TokenSending, IpcSender):
-        def _prepare_tokens(self, tokens: torch.Tensor) -> tuple:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            return tokens, done
-
-        def _transfer_tokens(self, step_id: int, tokens, done=None):
-            if tokens.numel() > self.slot_elements:
-                raise TransportError(f"{tokens.numel()} tokens, the ring's slots hold {self.slot_elements}")
-            s = self._take_slot()
-            src, dst = self.src_stream, self.dst_stream
-            src.wait_event(done)
-            dst.wait_event(self.consumed[s])  # stage 0 has scattered the slot's last tokens
-            with torch.cuda.stream(src), torch.cuda.stream(dst):
-                base = 2 * s * self.slot_elements
-                self.ring[base : base + tokens.numel()].copy_(tokens, non_blocking=True)
-                tokens.record_stream(src)
-                self.ready[s].record(dst)
-            return engine_pb2.SampledTokens(
-                step_id=step_id, session=self.session, via_transport=True, slot=s, tokens=_meta(tokens)
-            )
-
-    return IpcTokenSender
-
-
 def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
     link = request.link
     timeout = request.transport_timeout_seconds or 120.0
     if link.session != request.session or link.transport != request.transport:
         raise TransportError(f"stage 0's token link ({name_of(link.transport)}, session {link.session}) does not match")
-    if link.transport == IPC:
-        return _ipc_sender_class()(request.session, emit, timeout, link=link, device=device)
+    if link.transport == IPC:  # the activations' sender: tokens are one more tensor in a slot
+        from strata.services.worker.ipc_transport import IpcSender
+
+        return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:
         return DistributedTokenSender(request.session, emit, timeout, link=link, device=device)
     return GrpcTokenSender(request.session, emit, timeout)

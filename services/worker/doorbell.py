@@ -1,0 +1,182 @@
+"""The doorbell of an `ipc` link: each step's announcement, and the ring slots' credits, sent
+straight from one stage's step thread to the other's over a Unix SEQPACKET socket.
+
+Why not the Forward stream: there, each announcement took a transport thread's wake-up, a gRPC
+message and an event-loop hop on both sides, 446-669 us per step on the H200 (bench/RESULTS.md,
+"Pipeline parallelism"). A SEQPACKET message from one step thread to the other, blocked in recv,
+takes microseconds; it keeps message boundaries; the system call orders the ring's writes before
+the announcement on every CPU; and its end of file says at once that the peer is gone (kill -9),
+where a gRPC stream waits for its keepalive.
+
+The receiving stage listens on a path in /dev/shm (an ipc link's two processes share it, as they
+share torch's CUDA IPC reference counters there) and names it in its StageLink; the sender
+connects. Each end is used by one thread, its stage's step thread; close() from any other thread
+wakes a blocked recv. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+import tempfile
+import time
+from typing import NamedTuple
+
+_ANNOUNCE = struct.Struct("<QIII")  # step id, ring slot, rows, columns; an error's text follows
+_CREDIT = struct.Struct("<Q")  # the receiver has released every announcement before this count
+MAX_ERROR_BYTES = 4096
+
+
+class DoorbellClosed(Exception):
+    """The link is closed, its peer is gone, or a wait passed its deadline."""
+
+
+class Announcement(NamedTuple):
+    step_id: int
+    slot: int
+    rows: int
+    cols: int
+    error: str  # the step failed upstream: nothing in the slot
+
+
+def _socket_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _End:
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.sock: socket.socket | None = None
+        self.closed = False
+
+    def _recv(self, size: int, block: bool, deadline: float) -> bytes | None:
+        """One message; None when none is waiting and block is False."""
+        if self.closed or self.sock is None:
+            raise DoorbellClosed("link closed")
+        if block:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DoorbellClosed(f"no message from the peer stage in {self.timeout:.0f} s")
+            self.sock.settimeout(left)
+        else:
+            self.sock.settimeout(0.0)
+        try:
+            data = self.sock.recv(size)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except TimeoutError:
+            raise DoorbellClosed(f"no message from the peer stage in {self.timeout:.0f} s") from None
+        except OSError as e:
+            raise DoorbellClosed(f"link closed ({e})") from None
+        if not data:
+            raise DoorbellClosed("link closed" if self.closed else "the peer stage is gone")
+        return data
+
+    def _send(self, data: bytes) -> None:
+        if self.closed or self.sock is None:
+            raise DoorbellClosed("link closed")
+        try:
+            self.sock.settimeout(self.timeout)
+            self.sock.send(data)
+        except OSError as e:
+            raise DoorbellClosed(f"the peer stage is gone ({e})") from None
+
+    def close(self) -> None:
+        """From any thread: a recv blocked on the step thread returns at once."""
+        self.closed = True
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+
+class DoorbellReceiver(_End):
+    """The receiving stage's end: listens at `path` until the sender connects."""
+
+    def __init__(self, timeout: float):
+        super().__init__(timeout)
+        self.path = os.path.join(_socket_directory(), f"strata-link-{os.getpid()}-{secrets.token_hex(8)}.sock")
+        self._listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(self.path)
+        self._listener.listen(1)
+        self.released = 0
+
+    def _connect(self, block: bool, deadline: float) -> bool:
+        if self.sock is not None:
+            return True
+        if self.closed or self._listener is None:
+            raise DoorbellClosed("link closed")
+        self._listener.settimeout(max(deadline - time.monotonic(), 1e-3) if block else 0.0)
+        try:
+            self.sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except TimeoutError:
+            raise DoorbellClosed(f"the sending stage did not connect in {self.timeout:.0f} s") from None
+        except OSError as e:
+            raise DoorbellClosed(f"link closed ({e})") from None
+        self._stop_listening()
+        return True
+
+    def next(self, block: bool = True) -> Announcement | None:
+        """The next announcement, in the sender's order; None if none waits and block is False."""
+        deadline = time.monotonic() + self.timeout
+        if not self._connect(block, deadline):
+            return None
+        data = self._recv(_ANNOUNCE.size + MAX_ERROR_BYTES, block, deadline)
+        if data is None:
+            return None
+        if len(data) < _ANNOUNCE.size:
+            raise DoorbellClosed(f"a malformed announcement of {len(data)} bytes")
+        step_id, slot, rows, cols = _ANNOUNCE.unpack_from(data)
+        return Announcement(step_id, slot, rows, cols, data[_ANNOUNCE.size :].decode(errors="replace"))
+
+    def release(self, count: int) -> None:
+        """Every announcement before `count` is read: their slots may be written again."""
+        self.released = count
+        self._send(_CREDIT.pack(count))
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        super().close()
+        self._stop_listening()
+
+
+class DoorbellSender(_End):
+    """The sending stage's end, connected to the receiver's path."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__(timeout)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+        except OSError as e:
+            self.sock.close()
+            raise DoorbellClosed(f"cannot reach the next stage's doorbell at {path}: {e}") from None
+        self.released = 0
+
+    def announce(self, step_id: int, slot: int, rows: int, cols: int, error: str = "") -> None:
+        self._send(_ANNOUNCE.pack(step_id, slot, rows, cols) + error.encode()[:MAX_ERROR_BYTES])
+
+    def wait_released(self, count: int) -> None:
+        """Until the receiver has released every announcement before `count` (its credits)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            data = self._recv(_CREDIT.size, self.released < count, deadline)
+            if data is None:
+                return  # released >= count, and no newer credit waits
+            (released,) = _CREDIT.unpack_from(data)
+            self.released = max(self.released, released)
