@@ -274,6 +274,38 @@ def test_a_small_batch_stays_in_one_micro_batch_with_p_plus_one_plans_in_flight(
     assert sched.micro_batch_seqs == [4, 0, 0]
 
 
+def test_a_lone_micro_batch_of_staggered_arrivals_stays_one_cohort_with_six_plans_allowed():
+    """The engine allows 2 plans per micro-batch (6 at P = 2); a micro-batch takes at most P + 1,
+    so requests that arrived at different steps still decode together, every step holding all
+    of them (two alternating cohorts would read the weights twice per token)."""
+    sched = Scheduler(
+        num_blocks=400,
+        block_size=4,
+        max_model_len=128,
+        decode_lookahead=2,
+        num_micro_batches=3,
+        micro_batch_min_seqs=32,
+    )
+    pipe, in_flight, sizes = FakePipeline(), deque(), []
+    arrivals = [Request(f"r{i}", [1, 2, 3 + i], max_tokens=40, sampling=engine_pb2.SamplingOptions()) for i in range(8)]
+    for _ in range(200):
+        if arrivals:  # one arrival per scheduling round
+            sched.add_request(arrivals.pop(0))
+        while len(in_flight) < 6 and (plan := sched.schedule()) is not None:
+            assert plan.micro_batch == 0
+            sizes.append(len(plan.seqs))
+            in_flight.append((plan, pipe.execute(plan)))
+        if not in_flight:
+            break
+        sched.update(*in_flight.popleft())
+    assert not sched.unfinished_request_ids()
+    assert max(sched.micro_batch_plans) == 0
+    # Rises as they arrive, holds all 8, falls as they finish: never two alternating cohorts.
+    peak = sizes.index(8)
+    assert sizes[: peak + 1] == sorted(sizes[: peak + 1]) and sizes[peak:] == sorted(sizes[peak:], reverse=True), sizes
+    assert sizes.count(8) >= 25, sizes
+
+
 def test_a_long_prompts_chunks_follow_each_other_without_waiting_for_results():
     sched = Scheduler(
         num_blocks=200,

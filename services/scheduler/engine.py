@@ -387,6 +387,7 @@ class Engine:
         self._worker_launch_seconds += result.launch_seconds
         try:
             if result.error:
+                self.scheduler.retire(plan)
                 raise RuntimeError(result.error)
             sampled, logprobs = split_result(result)
             updates = self.scheduler.update(plan, sampled)

@@ -42,6 +42,8 @@ class StepPlan:
     shared_kv_run_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
     verifies: bool = False  # some sequence verifies drafts
+    micro_batch: int = 0  # pipelined decode: the micro-batch it runs
+    retired: bool = False  # its result came back (Scheduler.retire), whatever it was
 
 
 @dataclass(slots=True)

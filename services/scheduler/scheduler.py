@@ -85,6 +85,11 @@ class Scheduler:
         self.micro_batch_min_seqs = micro_batch_min_seqs
         self.max_running = max_num_seqs * num_micro_batches
         self.micro_batch_seqs = [0] * num_micro_batches  # running requests per micro-batch
+        # Plans in flight per micro-batch, at most decode_lookahead + 1: a micro-batch's requests
+        # are each in every one of its plans in flight. With more (the engine allows two per
+        # micro-batch), a lone micro-batch would split into two cohorts that alternate steps,
+        # each reading all the weights for half the tokens.
+        self.micro_batch_plans = [0] * num_micro_batches
         self._next_micro_batch = 0
         self.cascade_attention = cascade_attention  # plans list their shared-KV runs
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
@@ -179,11 +184,22 @@ class Scheduler:
             return self._schedule(0)
         for k in range(n):
             mb = (self._next_micro_batch + k) % n
+            if self.decode_lookahead and self.micro_batch_plans[mb] > self.decode_lookahead:
+                continue
             plan = self._schedule(mb)
             if plan is not None:
                 self._next_micro_batch = (mb + 1) % n
+                plan.micro_batch = mb
+                self.micro_batch_plans[mb] += 1
                 return plan
         return None
+
+    def retire(self, plan: StepPlan) -> None:
+        """The plan's result came back, or its step failed (update() calls it too)."""
+        if not plan.retired:
+            plan.retired = True
+            if self.num_micro_batches > 1:
+                self.micro_batch_plans[plan.micro_batch] = max(0, self.micro_batch_plans[plan.micro_batch] - 1)
 
     def _schedule(self, micro_batch: int) -> StepPlan | None:
         step_id = self._next_step_id
@@ -557,6 +573,7 @@ class Scheduler:
             self.spec.reset()
         self.running = []
         self.micro_batch_seqs = [0] * self.num_micro_batches
+        self.micro_batch_plans = [0] * self.num_micro_batches
         self._num_in_flight = 0
         self._pending_releases = []
         self.counters.preemptions += len(resumed)
@@ -570,6 +587,7 @@ class Scheduler:
         """Applies a plan's result: sampled[seq_id] holds the tokens of every sequence that
         sampled (1, or accepted drafts + 1). Sequences aborted since the plan are ignored.
         An update's new_token_ids may be the list from `sampled` itself."""
+        self.retire(plan)
         live: list[ScheduledSeq] = []
         for s in plan.seqs:  # validate everything before changing anything
             req = s.request
