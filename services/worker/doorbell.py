@@ -26,7 +26,9 @@ from typing import NamedTuple
 
 _ANNOUNCE = struct.Struct("<QIII")  # step id, ring slot, rows, columns; an error's text follows
 _CREDIT = struct.Struct("<Q")  # the receiver has released every announcement before this count
-MAX_ERROR_BYTES = 4096
+# The socket's send buffer (net.core.wmem_default, about 200 KB) holds about 77 announcements;
+# credits keep at most a ring's slots unread, so rings stay below 64 slots (errors are short).
+MAX_ERROR_BYTES = 1024
 
 
 class DoorbellClosed(Exception):

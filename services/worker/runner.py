@@ -190,12 +190,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: engine_pb2.StepPlan, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+        self,
+        plan: engine_pb2.StepPlan,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        take_inputs=None,
     ):
-        """Launches one step. Returns (hidden, residual) on a middle stage, a PendingResult on the last."""
+        """Launches one step. Returns (hidden, residual) on a middle stage, a PendingResult on the last.
+        take_inputs: how a later stage takes (hidden, residual) from its link (ipc), called once the
+        step's host inputs are built, so that work overlaps the wait."""
         start = time.perf_counter()
         rows = self.apply_plan(plan)
         h = self.inputs.build(plan, rows)
+        if take_inputs is not None:
+            hidden, residual = take_inputs()
         if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
             self.handoff.before_step(plan.step_id, h)
         elif h.has_placeholders and not self.is_last:

@@ -295,7 +295,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             idle_seconds=s.idle_seconds,
             timed_steps=s.timed_steps,
             launch_seconds=s.launch_seconds,
-            input_wait_seconds=s.input_wait_seconds,
+            # Awaited on the event loop (Forward), or taken on the step thread (ipc).
+            input_wait_seconds=s.input_wait_seconds + (self._receiver.wait_seconds if self._receiver else 0.0),
         )
         if isinstance(self.runner.handoff, TokenIntake):
             out.token_wait_seconds = self.runner.handoff.wait_seconds
@@ -418,8 +419,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         runner = self.runner
         error = ""
         inputs = None  # the activations, or how the step thread takes them (an ipc link)
+        receiver = self._receiver
         if not runner.is_first:
-            receiver = self._receiver
             waited = time.perf_counter()
             try:  # a failed upstream step, or a transport that failed it, fails this step only
                 if receiver is None:
@@ -439,12 +440,11 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     out = await loop.run_in_executor(self.executor, propose, runner, plan)
                 elif runner.is_last:
                     out = await loop.run_in_executor(
-                        self.executor, _execute_last, runner, self.stats, self._token_sender, plan, inputs
+                        self.executor, _execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs
                     )
                 else:
-                    sender = self._sender
                     await loop.run_in_executor(
-                        self.executor, _execute_and_send, runner, self.stats, sender, plan, inputs
+                        self.executor, _execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs
                     )
                     return
             except StepFailed as e:  # its activations never came
@@ -467,35 +467,36 @@ def _token_waits(runner: ModelRunner) -> float:
     return handoff.wait_seconds if isinstance(handoff, TokenIntake) else 0.0
 
 
-def _activations(stats: StageStats, inputs) -> tuple:
-    """(hidden, residual), or (None, None) on stage 0; an ipc link's taken here, on the step
-    thread (raises StepFailed)."""
-    if inputs is None:
-        return None, None
+def _execute(runner: ModelRunner, plan, inputs):
+    """inputs: (hidden, residual), None on stage 0, or an ipc link's take, which the runner calls
+    once the step's host inputs are built (raises StepFailed)."""
     if callable(inputs):
-        waited = time.perf_counter()
-        inputs = inputs()
-        stats.input_wait_seconds += time.perf_counter() - waited
-    return inputs
+        return runner.execute(plan, take_inputs=inputs)
+    return runner.execute(plan, *(inputs or ()))
 
 
-def _execute_and_send(runner: ModelRunner, stats: StageStats, sender: Sender | None, plan, inputs) -> None:
+def _waits(runner: ModelRunner, receiver: Receiver | None) -> float:
+    """The step thread's waits inside a launch so far: tokens (stage 0), activations (ipc)."""
+    return _token_waits(runner) + (receiver.wait_seconds if receiver is not None else 0.0)
+
+
+def _execute_and_send(
+    runner: ModelRunner, stats: StageStats, receiver: Receiver | None, sender: Sender | None, plan, inputs
+) -> None:
     """On the step thread: launch the step, hand its activations to the transport (no wait)."""
-    hidden, residual = _activations(stats, inputs)
-    start, waited = time.perf_counter(), _token_waits(runner)
-    out = runner.execute(plan, hidden, residual)
-    stats.step(runner.gpu_start, start, _token_waits(runner) - waited)
+    start, waited = time.perf_counter(), _waits(runner, receiver)
+    out = _execute(runner, plan, inputs)
+    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited)
     if sender is not None:
         sender.send(plan.step_id, *out)
 
 
-def _execute_last(runner: ModelRunner, stats: StageStats, token_sender: Sender | None, plan, inputs):
+def _execute_last(runner: ModelRunner, stats: StageStats, receiver: Receiver | None, token_sender, plan, inputs):
     """On the last stage's step thread: launch the step, then hand its sampled tokens to stage 0
     (pipelined decode) on the device, behind the draw."""
-    hidden, residual = _activations(stats, inputs)
-    start = time.perf_counter()
-    out = runner.execute(plan, hidden, residual)
+    start, waited = time.perf_counter(), _waits(runner, receiver)
+    out = _execute(runner, plan, inputs)
     if token_sender is not None and isinstance(runner.handoff, TokenOutlet):
         runner.handoff.hand(plan.step_id, token_sender)
-    stats.step(runner.gpu_start, start)
+    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited)
     return out

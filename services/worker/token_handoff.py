@@ -59,8 +59,9 @@ from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
 # The token ring's slots. Tokens not yet taken by stage 0 are at most the plans in flight plus one
-# (stage 0 takes all that arrived before each step), and a slot is max_num_seqs int64s: plenty.
-TOKEN_RING_SLOTS = 64
+# (stage 0 takes all that arrived before each step); a slot is max_num_seqs int64s. Below the
+# doorbell socket's buffer (doorbell.py).
+TOKEN_RING_SLOTS = 32
 
 
 def sampler_rows(h) -> np.ndarray:
