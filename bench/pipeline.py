@@ -194,22 +194,29 @@ def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("pipeline", env)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    micro_batches = [int(m) for m in str(args.pipeline_micro_batches).split(",") if m.strip()] or [0]
     configs = []
     for stages in stage_counts(args.stages):
         for transport in transports if stages > 1 else ["-"]:
-            configs.append((stages, transport))
+            for mb in micro_batches if stages > 1 else [0]:
+                configs.append((stages, transport, mb))
     runs = []
     failed = 0
-    for stages, transport in configs:
+    for stages, transport, mb in configs:
         run_args = common.with_overrides(
-            args, pipeline_stages=stages, stage_transport=None if transport == "-" else transport
+            args,
+            pipeline_stages=stages,
+            stage_transport=None if transport == "-" else transport,
+            pipeline_micro_batches=mb,
         )
-        name = f"{stages} stage(s)" + ("" if stages == 1 else f", {transport}")
+        name = (
+            f"{stages} stage(s)" + ("" if stages == 1 else f", {transport}") + (f", {mb} micro-batches" if mb else "")
+        )
         print(f"\n--- {name}", flush=True)
         with common.cluster_for(run_args) as endpoints:
             workers = list(endpoints.workers)
             phases = common.run(_run_config(endpoints, workers, run_args))
-        runs.append({"stages": stages, "transport": transport, **phases})
+        runs.append({"stages": stages, "transport": transport, "micro_batches": mb, **phases})
         failed += phases["offline"]["failed"] + phases["latency"]["failed"]
 
     base = next((r for r in runs if r["stages"] == 1), None)
@@ -218,6 +225,8 @@ def run(args) -> int:
     for r in runs:
         off, lat = r["offline"], r["latency"]
         title = f"{r['stages']} stage(s)" + ("" if r["stages"] == 1 else f", {r['transport']} transport")
+        if r["micro_batches"]:
+            title += f", {r['micro_batches']} micro-batches"
         sched = off["scheduler"]
         common.print_section(
             f"{title}: offline {args.num_prompts} x {args.input_len}/{args.output_len}",
@@ -279,7 +288,7 @@ def run(args) -> int:
                     env["device_name"],
                     env["model"],
                     str(r["stages"]),
-                    r["transport"],
+                    r["transport"] + (f", {r['micro_batches']} micro-batches" if r["micro_batches"] else ""),
                     f"{args.num_prompts} x {args.input_len}/{args.output_len}",
                     f(off["output_tokens_per_s"], ",.0f"),
                     f(tok, ".2f"),

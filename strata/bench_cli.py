@@ -182,9 +182,8 @@ def _pipeline_parser(sub, formatter_class) -> None:
     )
     p.add_argument(
         "--pipeline-micro-batches",
-        type=int,
-        default=DEFAULTS["pipeline_micro_batches"],
-        help="micro-batches of the multi-stage runs (0: stages + 1)",
+        default=str(DEFAULTS["pipeline_micro_batches"]),
+        help="micro-batches of the multi-stage runs, comma-separated, each a run of its own (0: the server's default)",
     )
     p.add_argument(
         "--micro-batch-min-seqs",

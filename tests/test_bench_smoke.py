@@ -353,13 +353,15 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
         "--stages",
         "1,2",
         "--transports",
-        "grpc",
+        "ipc",
+        "--pipeline-micro-batches",
+        "2",
         "--max-num-batched-tokens",
         "64",
     )
     assert_environment(r)
     runs = r["runs"]
-    assert [(x["stages"], x["transport"]) for x in runs] == [(1, "-"), (2, "grpc")]
+    assert [(x["stages"], x["transport"], x["micro_batches"]) for x in runs] == [(1, "-", 0), (2, "ipc", 2)]
     for x in runs:
         off, lat = x["offline"], x["latency"]
         assert off["failed"] == lat["failed"] == 0
@@ -375,4 +377,4 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert two["scheduler"]["lookahead_decodes"] > 0
     ratios = runs[1]["ratios"]
     assert ratios["offline_tok_s"] > 0 and ratios["tpot_p50"] > 0 and ratios["token_hop_us"] > 0
-    assert "| 2 | grpc |" in r["markdown_row"]
+    assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
