@@ -43,19 +43,20 @@ WORKER_COUNTERS = (
 )
 
 
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
 def stage_counts(value: str) -> list[int]:
     """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
     if value != "auto":
         return [int(s) for s in value.split(",") if s.strip()]
-    counts = [1, 2]
-    try:
-        import torch
-
-        if torch.cuda.device_count() >= 4:
-            counts.append(4)
-    except Exception:
-        pass
-    return counts
+    return [1, 2, 4] if _visible_gpus() >= 4 else [1, 2]
 
 
 async def worker_stats(addresses: list[str]):
@@ -183,6 +184,17 @@ def _idle_share(phase: dict) -> float | None:
     return max(shares) if shares else None
 
 
+def _shared_gpu_idle(phase: dict) -> float | None:
+    """Stages sharing one GPU take turns on it, so each stage's own idle share counts the others'
+    steps: the GPU's idle is what no stage's steps cover, 1 - sum of busy / the longest timeline
+    (exact where steps do not overlap, as in a lone micro-batch's chain; a floor otherwise)."""
+    timed = [s for s in phase["stages"] if s["timed_steps"]]
+    span = max((s["busy_seconds"] + s["idle_seconds"] for s in timed), default=0.0)
+    if not timed or span <= 0:
+        return None
+    return max(0.0, 1.0 - sum(s["busy_seconds"] for s in timed) / span)
+
+
 def _token_hop_us(phase: dict) -> float | None:
     last = phase["stages"][-1] if phase["stages"] else None
     if not last or not last["token_steps_sent"]:
@@ -260,8 +272,18 @@ def run(args) -> int:
         tok = common.ratio(off["output_tokens_per_s"], base["offline"]["output_tokens_per_s"])
         tpot = common.ratio(lat["tpot_ms"].get("p50"), base["latency"]["tpot_ms"].get("p50"))
         idle = _idle_share(off)
+        shared = 0 < _visible_gpus() < r["stages"]
+        # The issue's idle target is the 16-stream run's; on a shared GPU, the GPU's own idle.
+        stream_idle = _shared_gpu_idle(lat) if shared else _idle_share(lat)
+        base_idle = _idle_share(base["latency"])
         hop = _token_hop_us(off)
-        r["ratios"] = {"offline_tok_s": tok, "tpot_p50": tpot, "max_stage_idle_share": idle, "token_hop_us": hop}
+        r["ratios"] = {
+            "offline_tok_s": tok,
+            "tpot_p50": tpot,
+            "max_stage_idle_share": idle,
+            "streams_gpu_idle_share": stream_idle,
+            "token_hop_us": hop,
+        }
         common.print_section(
             f"Targets, {title} against one stage (same run)",
             [
@@ -269,9 +291,11 @@ def run(args) -> int:
                 ("16-stream TPOT p50", f"{common.fmt(tpot, '.2f')}x   (target <= {TARGET_TPOT_RATIO:g}x)"),
                 (
                     "GPU idle between steps",
-                    f"{common.fmt(idle and idle * 100, '.1f')}% on the idlest stage, offline   "
-                    f"(target <= {TARGET_IDLE:.0%})",
+                    f"{common.fmt(stream_idle and stream_idle * 100, '.1f')}% at {args.concurrency} streams"
+                    f"{' (stages share the GPU: 1 - sum of busy / timeline)' if shared else ', idlest stage'}, "
+                    f"{common.fmt(base_idle and base_idle * 100, '.1f')}% one stage   (target <= {TARGET_IDLE:.0%})",
                 ),
+                ("idlest stage, offline", f"{common.fmt(idle and idle * 100, '.1f')}% of its timeline"),
                 (
                     "token hop per decode step",
                     f"{common.fmt(hop, ',.1f')} us, offline   (target <= {TARGET_HOP_US:g} us at batch 256)",
@@ -295,6 +319,7 @@ def run(args) -> int:
                     f(lat["tpot_ms"].get("p50"), ".2f"),
                     f(tpot, ".2f"),
                     f(idle and idle * 100, ".1f"),
+                    f(stream_idle and stream_idle * 100, ".1f"),
                     f(hop, ",.1f"),
                 ]
             )

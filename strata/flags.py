@@ -154,7 +154,7 @@ FLAGS: dict[str, Flag] = {
         "STRATA_PIPELINE_MICRO_BATCHES",
         0,
         "pipelined decode: micro-batches of requests, each up to --max-num-seqs sequences, whose plans "
-        "follow each other through the stages (0: stages + 1; workers hold max(4, stages + 2) x "
+        "follow each other through the stages (0: stages + 1, or stages where they all share one GPU; workers hold max(4, stages + 2) x "
         "--max-num-seqs sequences, so more than stages + 1 needs a smaller --max-num-seqs)",
         int,
     ),

@@ -306,6 +306,33 @@ def test_a_lone_micro_batch_of_staggered_arrivals_stays_one_cohort_with_six_plan
     assert sizes.count(8) >= 25, sizes
 
 
+@pytest.mark.parametrize(
+    "uuids,expected",
+    [(("GPU-a", "GPU-a"), 2), (("GPU-a", "GPU-b"), 3), (("", ""), 3)],
+    ids=["one-shared-gpu", "a-gpu-each", "cpu-stages"],
+)
+def test_stages_sharing_one_gpu_run_p_micro_batches_else_p_plus_one(uuids, expected):
+    from strata.services.scheduler.engine import Engine, SchedulerConfig
+    from strata.services.scheduler.pipeline import Pipeline, StageHandle
+
+    pipeline = Pipeline(["s0:1", "s1:1"])
+    pipeline.stages = [
+        StageHandle(
+            f"s{i}:1",
+            None,
+            None,
+            engine_pb2.WorkerDescription(
+                device="cuda:0" if u else "cpu", location=engine_pb2.WorkerLocation(device_uuid=u)
+            ),
+        )
+        for i, u in enumerate(uuids)
+    ]
+    pipeline.token_transport = engine_pb2.STAGE_TRANSPORT_IPC
+    engine = Engine(pipeline, SchedulerConfig())
+    assert engine.pipelined and engine.num_micro_batches == expected
+    assert Engine(pipeline, SchedulerConfig(pipeline_micro_batches=4)).num_micro_batches == 4
+
+
 def test_a_long_prompts_chunks_follow_each_other_without_waiting_for_results():
     sched = Scheduler(
         num_blocks=200,

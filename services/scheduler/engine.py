@@ -210,7 +210,13 @@ class Engine:
     def num_micro_batches(self) -> int:
         if not self.pipelined:
             return 1
-        return self.config.pipeline_micro_batches or self.pipeline.num_stages + 1
+        if self.config.pipeline_micro_batches:
+            return self.config.pipeline_micro_batches
+        # P + 1 keep P GPUs busy while one micro-batch's tokens travel back. Stages sharing one GPU
+        # take turns on it: P suffice, and fewer, larger micro-batches mean fewer steps, each
+        # costing every stage a whole step's host work (H200, 2 stages, offline: 0.91x one stage
+        # at 2 micro-batches, 0.82x at 3, which ran 788 steps against 536; bench/RESULTS.md).
+        return self.pipeline.num_stages + (0 if self.pipeline.stages_share_one_gpu else 1)
 
     @property
     def max_in_flight(self) -> int:

@@ -66,6 +66,12 @@ class Pipeline:
         return len(self.addresses)
 
     @property
+    def stages_share_one_gpu(self) -> bool:
+        """Every stage on the same GPU (a small host, a test): their steps take turns on it."""
+        uuids = {s.description.location.device_uuid for s in self.stages}
+        return len(self.stages) > 1 and len(uuids) == 1 and "" not in uuids
+
+    @property
     def model_info(self) -> engine_pb2.WorkerDescription:
         return self.stages[0].description
 
