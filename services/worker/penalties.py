@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
-from strata.kernels.penalties import apply_penalties, apply_penalties_reference
+from strata.kernels.penalties import (
+    apply_penalties,
+    apply_penalties_reference,
+    kernels_run_on,
+    penalty_patches,
+    penalty_patches_reference,
+)
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.sampling_rules import MAX_LOGIT_BIAS, uses_penalties
 from strata.services.worker.host_to_device import upload
@@ -184,21 +190,19 @@ class PenaltyState:
         """Indices of the step's sample rows whose sequence is penalised."""
         return np.nonzero(self.has_row[h.sample_rows])[0]
 
-    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
-        """The float32 logits of sample rows idx (of logits [R, V]) with every penalty and bias
-        applied, in vLLM's order: allowed tokens, bad words, logit bias, then the repetition,
-        frequency and presence penalties over the counts as they are at each row's position."""
-        V = self.vocab_size
+    def masks_only_counts(self, row: int) -> bool:
+        """Whether a penalised sequence's controls are values only (penalties, logit bias), which
+        the controlled draw applies as a patch; allowed tokens and bad words take the general path."""
+        r = self.rows[row]
+        return r.allowed is None and not r.single_bad.size and not r.multi_bad
+
+    def _inputs(self, h, idx: np.ndarray) -> tuple[dict, dict]:
+        """(host arrays, host flags) of sample rows idx, for apply() and patches()."""
         rows = [self.rows[r] for r in h.sample_rows[idx]]
         n = len(rows)
-        local = np.arange(n)
         slots = np.fromiter((r.slot for r in rows), np.int64, n)
         arrays = {"idx": idx.astype(np.int64), "slots": slots}
-        bias_rows = [i for i, r in enumerate(rows) if r.bias_ids.size]
-        if bias_rows:
-            arrays["bias_row"] = np.repeat(bias_rows, [rows[i].bias_ids.size for i in bias_rows])
-            arrays["bias_tok"] = np.concatenate([rows[i].bias_ids for i in bias_rows])
-            arrays["bias_val"] = np.concatenate([rows[i].bias_values for i in bias_rows])
+        bias_rows = [i for i, r in enumerate(rows) if r.bias_ids.size]  # (their values: self.bias)
         ban_rows = [i for i, r in enumerate(rows) if r.single_bad.size]
         if ban_rows:
             arrays["ban_row"] = np.repeat(ban_rows, [rows[i].single_bad.size for i in ban_rows])
@@ -228,43 +232,58 @@ class PenaltyState:
         pres = np.fromiter((r.presence for r in rows), np.float32, n)
         any_rep, any_count = bool((rep != 1).any()), bool((freq != 0).any() or (pres != 0).any())
         arrays.update(rep=rep, freq=freq, pres=pres)
-        if any_rep or any_count or bias_rows:
+        flags = dict(
+            values=any_rep or any_count or bool(bias_rows),
+            bias=bool(bias_rows),
+            allow=len(allow_rows),
+            ban=bool(ban_rows),
+            multi=bool(multi),
+            width=0,
+        )
+        if flags["values"]:
             arrays.update(self._sparse_inputs(h, idx, rows))
-            sample_pos_max, bias_width = arrays["sample_pos"].max(), arrays["bias_tok"].shape[1]
+            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
+        return arrays, flags
+
+    def _kernel_args(self, d: dict, flags: dict) -> tuple:
+        return (
+            d["slots"],
+            d["sample_pos"],
+            self.history,
+            self.counts,
+            self.prompt_seen,
+            self.bias if flags["bias"] else None,
+            d["bias_tok"],
+            d["drafts"],
+            d["n_drafts"],
+            d["rep"],
+            d["freq"],
+            d["pres"],
+        )
+
+    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
+        """The float32 logits of sample rows idx (of logits [R, V]) with every penalty and bias
+        applied, in vLLM's order: allowed tokens, bad words, logit bias, then the repetition,
+        frequency and presence penalties over the counts as they are at each row's position."""
+        V = self.vocab_size
+        arrays, flags = self._inputs(h, idx)
         d = upload(arrays, self.device)
 
         # Penalties and bias at the row's seen and biased tokens only (kernels/penalties.py), from
         # the logits into their float32 copy; then the masks (-inf whatever came before).
         out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        if any_rep or any_count or bias_rows:
+        if flags["values"]:
             apply = apply_penalties if (logits.is_cuda and HAVE_TRITON) else apply_penalties_reference
-            apply(
-                logits,
-                out,
-                d["idx"],
-                d["slots"],
-                d["sample_pos"],
-                self.history,
-                self.counts,
-                self.prompt_seen,
-                self.bias if bias_rows else None,
-                d["bias_tok"],
-                d["drafts"],
-                d["n_drafts"],
-                d["rep"],
-                d["freq"],
-                d["pres"],
-                int(sample_pos_max) + bias_width,
-            )
-        if allow_rows:
+            apply(logits, out, d["idx"], *self._kernel_args(d, flags), flags["width"])
+        if flags["allow"]:
             rows_t = d["idx"][d["allow_rows"]]
-            keep = torch.zeros((len(allow_rows), V), dtype=torch.bool, device=out.device)
+            keep = torch.zeros((flags["allow"], V), dtype=torch.bool, device=out.device)
             local = torch.searchsorted(d["allow_rows"], d["allow_row"])
             keep[local, d["allow_tok"]] = True
             out[rows_t] = out[rows_t].masked_fill(~keep, _NEG_INF)
-        if ban_rows:
+        if flags["ban"]:
             out[d["idx"][d["ban_row"]], d["ban_tok"]] = _NEG_INF
-        if multi:
+        if flags["multi"]:
             slot = d["slots"][d["multi_row"]]
             tail = self.history[slot.unsqueeze(1), d["multi_pos"].clamp_min(0)]
             prefix = d["multi_prefix"]
@@ -272,6 +291,23 @@ class PenaltyState:
             ban = torch.where(match, _NEG_INF, 0.0)
             out.index_put_((d["idx"][d["multi_row"]], d["multi_last"]), ban, accumulate=True)
         return out
+
+    def patch_inputs(self, h, idx: np.ndarray, logits_rows: np.ndarray) -> tuple[dict, dict]:
+        """The host half of patches(): arrays to upload (with the caller's other arrays) and
+        flags. Sample rows idx must all pass masks_only_counts(); logits_rows: their rows in the
+        logits the patch kernel reads."""
+        arrays, flags = self._inputs(h, idx)
+        arrays["idx"] = np.asarray(logits_rows, np.int64)
+        return arrays, flags
+
+    def patches(self, logits: torch.Tensor, d: dict, flags: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The penalised values of the rows patch_inputs() described (d: those arrays on the
+        device) as a sparse patch (kernels/penalties.penalty_patches), their tokens set to -inf
+        in the logits in place; None when no row has penalties or a bias."""
+        if not flags["values"]:
+            return None
+        patch = penalty_patches if kernels_run_on(logits) else penalty_patches_reference
+        return patch(logits, d["idx"], *self._kernel_args(d, flags), flags["width"])
 
     def _sparse_inputs(self, h, idx: np.ndarray, rows: list) -> dict:
         """Per penalised sample row: the position it samples (its history before it is the
