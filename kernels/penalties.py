@@ -151,7 +151,11 @@ if triton is not None:
         t_bias = tl.load(bias_tok_ptr + i * bias_width + (p - num_hist), mask=from_bias, other=-1)
         return tl.where(from_hist, t_hist, t_bias)
 
-    @triton.jit(do_not_specialize=["bias_width", "has_bias", "max_drafts"])
+    # Every runtime int is left unspecialised: one compiled variant whatever the model's strides,
+    # the bias width or the draft count (the worker's warm-up compiles it, kernels never compile mid-serving).
+    _INTS = ["src_stride", "history_stride", "table_stride", "has_bias", "bias_width", "max_drafts"]
+
+    @triton.jit(do_not_specialize=[*_INTS, "dst_stride"])
     def _penalties_kernel(
         src_ptr,
         src_stride,
@@ -205,7 +209,7 @@ if triton is not None:
         )
         tl.store(dst_ptr + row * dst_stride + t, y, mask=ok)
 
-    @triton.jit(do_not_specialize=["bias_width", "has_bias", "max_drafts", "width"])
+    @triton.jit(do_not_specialize=[*_INTS, "width"])
     def _penalty_patches_kernel(
         src_ptr,
         src_stride,

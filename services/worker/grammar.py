@@ -210,10 +210,10 @@ class GrammarState:
         return np.nonzero(self.has_row[h.sample_rows])[0]
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
-        import xgrammar as xgr
-
-        if self._bitmask is None or self._bitmask.shape[0] < n:
-            shape = xgr.allocate_token_bitmask(max(n, 64), self.pool.mask_vocab).shape
+        self.pool._get_compiler()  # sets mask_vocab (built already once a grammar compiled)
+        width = (self.pool.mask_vocab + 31) // 32  # xgrammar's bitmask: a bit per token in int32 words
+        if self._bitmask is None or self._bitmask.shape[0] < n or self._bitmask.shape[1] != width:
+            shape = (max(n, 64), width)
             pin = self.device.type == "cuda"
             self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
             self._bitmask_copied = torch.cuda.Event() if pin else None
