@@ -173,29 +173,35 @@ if HAVE_TRITON:
         mask_base = mask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
         row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         start = split * CHUNK
-        best_vals = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_cols = tl.full((BLOCK,), 2147483647, tl.int32)
-        x_next = tl.load(
-            row_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < vocab_size, other=float("-inf")
-        )
+        # The logits in tiles of [BLOCK / 32 bitmask words, 32 tokens]: each word is loaded once
+        # and its bits broadcast along the tile's rows (a load per token cost as much as the draw).
+        WORDS: tl.constexpr = BLOCK // 32
+        bit = tl.arange(0, 32)[None, :]
+        tile = tl.arange(0, WORDS)[:, None] * 32 + bit
+        best_vals = tl.full((WORDS, 32), float("-inf"), tl.float32)
+        best_cols = tl.full((WORDS, 32), 2147483647, tl.int32)
+        x_next = tl.load(row_ptr + start + tile, mask=start + tile < vocab_size, other=float("-inf"))
         for offset in range(0, CHUNK, BLOCK):
-            cols = start + offset + tl.arange(0, BLOCK)
+            cols = start + offset + tile
             in_vocab = cols < vocab_size
             x = x_next.to(tl.float32)
             next_cols = cols + BLOCK
             x_next = tl.load(
                 row_ptr + next_cols, mask=(next_cols < vocab_size) & (offset + BLOCK < CHUNK), other=float("-inf")
             )
-            words = tl.load(mask_base + (cols >> 5), mask=has_mask & in_vocab & (cols < mask_vocab), other=0)
-            allowed = (mask_row < 0) | (((words >> (cols & 31)) & 1) != 0)
+            word = (start + offset) // 32 + tl.arange(0, WORDS)
+            words = tl.load(mask_base + word, mask=has_mask & (word < mask_stride), other=0)
+            allowed = (mask_row < 0) | ((((words[:, None] >> bit) & 1) != 0) & (cols < mask_vocab))
             x = tl.where(allowed, x, float("-inf"))
             val = x
             if greedy == 0:
                 val = _perturbed_tl(x, cols, key_a, key_b, inv_t, INTERPRETED)
             val = tl.where(in_vocab, val, float("-inf"))
-            better = val > best_vals
+            better = val > best_vals  # strict: each lane keeps its first maximum
             best_vals = tl.where(better, val, best_vals)
             best_cols = tl.where(better, cols, best_cols)
+        best = tl.max(tl.max(best_vals, axis=1), axis=0)
+        best_col = tl.min(tl.min(tl.where(best_vals == best, best_cols, 2147483647), axis=1), axis=0)
         patch_row = tl.load(patch_index_ptr + i)  # -1: no penalised tokens
         if patch_row >= 0:
             patch_base = patch_row.to(tl.int64) * patch_width
@@ -213,15 +219,14 @@ if HAVE_TRITON:
                 if greedy == 0:
                     val = _perturbed_tl(y, t, key_a, key_b, inv_t, INTERPRETED)
                 val = tl.where(inside, val, float("-inf"))
-                cand = tl.where(inside, t, 2147483647)
+                block_best = tl.max(val, axis=0)
+                block_col = tl.min(tl.where((val == block_best) & inside, t, 2147483647), axis=0)
                 # Patch tokens come in any order: the first token wins a tie here too.
-                better = (val > best_vals) | ((val == best_vals) & (cand < best_cols))
-                best_vals = tl.where(better, val, best_vals)
-                best_cols = tl.where(better, cand, best_cols)
+                better = (block_best > best) | ((block_best == best) & (block_col < best_col))
+                best = tl.where(better, block_best, best)
+                best_col = tl.where(better, block_col, best_col)
                 p0 += BLOCK
-        best = tl.max(best_vals, axis=0)
-        best_col = tl.min(tl.where(best_vals == best, best_cols, 2147483647), axis=0)
-        best_col = tl.where(best == float("-inf"), start, best_col)
+        best_col = tl.where(best == float("-inf"), start, best_col)  # nothing above -inf: the split's start
         part = i * num_splits + split
         tl.store(best_val_ptr + part, best)
         tl.store(best_idx_ptr + part, best_col)

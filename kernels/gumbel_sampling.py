@@ -398,7 +398,12 @@ def gumbel_argmax(
         launch = _launch_shape(num_rows, vocab, _device_sm_count(device))
     chunk, block, num_warps, prefetch = launch
     num_splits = triton.cdiv(vocab, chunk)
-    partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=device, dtype=torch.float32)
+    # Each partial plane starts 16-byte aligned whatever rows x splits is: Triton specialises on
+    # pointer alignment, and a plane offset of 2 rows x 13 splits x 4 bytes (a 50,000 vocabulary)
+    # made the warm-up compile another variant than the one serving 8 rows needs.
+    plane = triton.cdiv(num_rows * num_splits, 4) * 4
+    planes = torch.empty((4 if want_log_norm else 2, plane), device=device, dtype=torch.float32)
+    partial = planes[:, : num_rows * num_splits]
     best_idx = torch.empty((num_rows, num_splits), device=device, dtype=torch.int32)
     token_ids = out if out is not None else torch.empty(num_rows, device=device, dtype=torch.int64)
     log_norm = torch.empty(num_rows, device=device, dtype=torch.float32) if want_log_norm else None

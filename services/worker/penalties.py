@@ -77,6 +77,17 @@ class PenaltyState:
         self.free_slots: list[int] = []
         self.has_row = np.zeros(max_seqs + 1, dtype=bool)
         self.pending: set[int] = set()  # rows whose admission history is not counted yet
+        # The same settings by state row, so a step gathers them with numpy, not a loop over rows.
+        n = max_seqs + 1
+        self.slot_of = np.zeros(n, np.int64)
+        self.prompt_len_of = np.zeros(n, np.int64)
+        self.rep_of, self.freq_of, self.pres_of = (
+            np.ones(n, np.float32),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.float32),
+        )
+        self.bias_tok_of = np.full((n, 0), -1, np.int64)  # each row's biased tokens, -1 padded
+        self.values_only = np.zeros(n, bool)  # no allowed tokens, no bad words
 
     # ------------------------------------------------------------ admission
 
@@ -123,6 +134,15 @@ class PenaltyState:
             self.bias[r.slot, ids["ids"]] = ids["values"]
         r.prompt_len = int(num_prompt_tokens)
         r.pending_history = (int(history_start), np.asarray(history, dtype=np.int64))
+        self.slot_of[row], self.prompt_len_of[row] = r.slot, r.prompt_len
+        self.rep_of[row], self.freq_of[row], self.pres_of[row] = r.repetition, r.frequency, r.presence
+        if r.bias_ids.size > self.bias_tok_of.shape[1]:
+            wider = np.full((self.bias_tok_of.shape[0], r.bias_ids.size), -1, np.int64)
+            wider[:, : self.bias_tok_of.shape[1]] = self.bias_tok_of
+            self.bias_tok_of = wider
+        self.bias_tok_of[row] = -1
+        self.bias_tok_of[row, : r.bias_ids.size] = r.bias_ids
+        self.values_only[row] = r.allowed is None and not words
         self.rows[row] = r
         self.has_row[row] = True
         self.pending.add(row)
@@ -146,7 +166,7 @@ class PenaltyState:
         slots, positions, tokens, is_draft, token_rows = [], [], [], [], []
         if sel.size:
             rows = h.token_rows[sel]
-            slots.append(np.fromiter((self.rows[r].slot for r in rows), np.int64, rows.size))
+            slots.append(self.slot_of[rows])
             positions.append(h.positions[sel])
             tokens.append(plan_tokens[sel])
             is_draft.append(draft[sel])
@@ -167,7 +187,7 @@ class PenaltyState:
             return
         slots, positions, tokens = np.concatenate(slots), np.concatenate(positions), np.concatenate(tokens)
         is_draft, token_rows = np.concatenate(is_draft), np.concatenate(token_rows)
-        prompt_len = np.fromiter((self.rows[r].prompt_len for r in token_rows), np.int64, token_rows.size)
+        prompt_len = self.prompt_len_of[token_rows]
         output = (positions >= prompt_len) & ~is_draft
         prompt = positions < prompt_len
         arrays = {"slots": slots, "positions": positions, "tokens": tokens, "rows": token_rows, "output": output}
@@ -193,12 +213,22 @@ class PenaltyState:
     def masks_only_counts(self, row: int) -> bool:
         """Whether a penalised sequence's controls are values only (penalties, logit bias), which
         the controlled draw applies as a patch; allowed tokens and bad words take the general path."""
-        r = self.rows[row]
-        return r.allowed is None and not r.single_bad.size and not r.multi_bad
+        return bool(self.values_only[row])
 
     def _inputs(self, h, idx: np.ndarray) -> tuple[dict, dict]:
         """(host arrays, host flags) of sample rows idx, for apply() and patches()."""
-        rows = [self.rows[r] for r in h.sample_rows[idx]]
+        state_rows = h.sample_rows[idx]
+        if self.values_only[state_rows].all():  # gathered by row, no loop over rows
+            rep, freq, pres = self.rep_of[state_rows], self.freq_of[state_rows], self.pres_of[state_rows]
+            bias_tok = self.bias_tok_of[state_rows]
+            width = int((bias_tok >= 0).sum(axis=1).max(initial=0))
+            arrays = {"idx": idx.astype(np.int64), "slots": self.slot_of[state_rows], "rep": rep, "freq": freq}
+            arrays["pres"] = pres
+            arrays.update(self._sparse_inputs(h, idx, bias_tok[:, :width]))
+            flags = dict(values=True, bias=width > 0, allow=0, ban=False, multi=False)
+            flags["width"] = int(arrays["sample_pos"].max()) + width
+            return arrays, flags
+        rows = [self.rows[r] for r in state_rows]
         n = len(rows)
         slots = np.fromiter((r.slot for r in rows), np.int64, n)
         arrays = {"idx": idx.astype(np.int64), "slots": slots}
@@ -241,8 +271,9 @@ class PenaltyState:
             width=0,
         )
         if flags["values"]:
-            arrays.update(self._sparse_inputs(h, idx, rows))
-            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
+            width = max((r.bias_ids.size for r in rows), default=0)
+            arrays.update(self._sparse_inputs(h, idx, self.bias_tok_of[state_rows, :width]))
+            flags["width"] = int(arrays["sample_pos"].max()) + width
         return arrays, flags
 
     def _kernel_args(self, d: dict, flags: dict) -> tuple:
@@ -309,15 +340,13 @@ class PenaltyState:
         patch = penalty_patches if kernels_run_on(logits) else penalty_patches_reference
         return patch(logits, d["idx"], *self._kernel_args(d, flags), flags["width"])
 
-    def _sparse_inputs(self, h, idx: np.ndarray, rows: list) -> dict:
+    def _sparse_inputs(self, h, idx: np.ndarray, bias_tok: np.ndarray) -> dict:
         """Per penalised sample row: the position it samples (its history before it is the
-        candidates), its biased tokens and the drafts before it (verify rows), padded."""
-        n = len(rows)
+        candidates), its biased tokens (bias_tok, -1 padded) and the drafts before it (verify
+        rows), padded."""
+        n = len(idx)
         sample_pos = np.minimum(h.sample_positions[idx].astype(np.int64), self.max_model_len)
-        width = max((r.bias_ids.size for r in rows), default=0)
-        bias_tok = np.full((n, width), -1, np.int64)
-        for i, r in enumerate(rows):
-            bias_tok[i, : r.bias_ids.size] = r.bias_ids
+        bias_tok = np.ascontiguousarray(bias_tok)
         drafts, n_drafts = np.full((n, 1), -1, np.int64), np.zeros(n, np.int64)
         if h.verify is not None:
             per_seq = h.verify.rows_per_seq

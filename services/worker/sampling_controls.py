@@ -167,6 +167,10 @@ class SamplingControls:
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
             side = self._side
+        events = None
+        if self.profile and cuda:  # the graph done -> the inputs ready (the GPU waiting for the host) -> drawn
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record(main)
         start = time.perf_counter()
         pidx, gidx = self.penalties.sample_rows(h), self.grammar.sample_rows(h)
         cidx = np.union1d(pidx, gidx)
@@ -203,10 +207,6 @@ class SamplingControls:
                     value.record_stream(main)
                 ready = torch.cuda.Event()
                 ready.record(side)
-        events = None
-        if self.profile and cuda:  # graph done -> inputs ready (the GPU waiting for the host) -> draw done
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record(main)
         if cuda:
             main.wait_event(ready)
         if events is not None:

@@ -211,3 +211,62 @@ def test_controlled_rows_in_verification_graphs(shard_and_config):
     assert got == _split(general.execute(plan).finish())
     agree = sum(e == o[1 : 1 + len(e)] for e, o in zip(got, out))
     assert len(got[2]) <= 2 and agree >= len(ROWS) - 2, (got, out)
+
+
+@pytest.mark.parametrize("rows", [8, 192])  # both launch shapes
+def test_controlled_draw_kernel_equals_the_sampler_on_the_controlled_logits(rows):
+    """The compiled kernel at the 1B vocabulary: a patch (penalised values, their tokens -inf in
+    the logits) and a bitmask per row give the sampler kernel's tokens on the float32 logits
+    with the patch written in and the mask applied, greedy and sampled rows alike."""
+    from strata.kernels.controlled_sampling import apply_bitmask_, controlled_draw
+    from strata.kernels.gumbel_sampling import gumbel_argmax
+
+    V, mask_vocab, width = 128_256, 128_000, 600
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, V, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    logits[:, 1000:1008] = 9.0  # greedy ties
+    n = rows - 2  # two rows left to the graph's draw
+    sel = torch.arange(1, n + 1, device="cuda")
+    # Distinct tokens per row (a penalised token seen twice has one value, written twice).
+    patch_tok = torch.rand(n, V, device="cuda", generator=gen).argsort(dim=1)[:, :width].to(torch.int32)
+    patch_tok[:, 0] = torch.where((patch_tok[:, 1:] == 1003).any(dim=1), patch_tok[:, 0], 1003)  # ties
+    patch_tok[:, -50:] = -1
+    patch_val = torch.randn(n, width, device="cuda", generator=gen) * 4
+    patch_index = torch.where(torch.arange(n, device="cuda") % 3 == 0, -1, torch.arange(n, device="cuda"))
+    words = (mask_vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (n, words), device="cuda", generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    mask_index = torch.where(torch.arange(n, device="cuda") % 4 == 1, -1, torch.arange(n, device="cuda"))
+    seeds = torch.randint(-(2**62), 2**62, (rows,), device="cuda", generator=gen)
+    positions = torch.randint(0, 2**30, (rows,), device="cuda", generator=gen)
+    inv_t = torch.rand(rows, device="cuda", generator=gen) + 0.5
+    greedy = (torch.arange(rows, device="cuda") % 5 == 0).to(torch.uint8)
+    keys = (seeds, positions, inv_t, greedy)
+
+    dense = logits.float()
+    for i in range(n):  # the patch written into the float32 copy (the general path's penalties)
+        p = int(patch_index[i])
+        if p >= 0:
+            keep = patch_tok[p] >= 0
+            dense[i + 1, patch_tok[p][keep].long()] = patch_val[p][keep]
+    masked = mask_index >= 0
+    apply_bitmask_(dense, bitmask[mask_index[masked]], sel[masked], mask_vocab)
+    want = gumbel_argmax(dense, *keys, None, False)[0]
+
+    src = logits.clone()
+    for i in range(n):
+        p = int(patch_index[i])
+        if p >= 0:
+            keep = patch_tok[p] >= 0
+            src[i + 1, patch_tok[p][keep].long()] = float("-inf")
+    tokens = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
+    controlled_draw(
+        src,
+        sel,
+        *keys,
+        tokens,
+        mask=(bitmask, mask_index.to(torch.int32), mask_vocab),
+        patch=(patch_tok, patch_val, patch_index.to(torch.int32)),
+    )
+    assert torch.equal(tokens[1 : n + 1], want[1 : n + 1])
+    assert tokens[0] == -1 and tokens[-1] == -1
