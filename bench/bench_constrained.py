@@ -16,7 +16,8 @@ one per step, ending at --context. Four cases, each on freshly admitted sequence
 Two timings per case: serial (launch a step, wait for its tokens: no overlap between steps: the
 median step) and back-to-back (each step launched while the previous one's tokens travel to the
 host, as the worker's step and finisher threads run them: the median period between
-completions), plus the GPU's busy time per step (CUDA events, serial steps).
+completions), plus the GPU's busy time per step (CUDA events, serial steps) and the host's time
+to launch a step (execute(): the step thread's whole share, the controls' included).
 The ratios to the unconstrained case are the issue's targets (json <= 1.1x, penalties <= 1.03x,
 mixed ~1.0x: unconstrained rows lose nothing). Where the time goes: the host's part of the
 controlled draw (inputs: counts and penalty arrays; masks: accepting the last tokens, waiting for
@@ -128,12 +129,13 @@ def run_case(runner, batch: int, context: int, options) -> dict:
     if cuda:
         torch.cuda.synchronize(runner.device)
     before = _counters(runner)
-    serial, gpu = [], []
+    serial, gpu, launch = [], [], []
     for _ in range(TIMED):
         t0 = time.perf_counter()
         result = runner.execute(next(plans)).finish()
         serial.append(time.perf_counter() - t0)
         gpu.append(result.gpu_seconds)
+        launch.append(result.launch_seconds)
     after = _counters(runner)
     if cuda:
         torch.cuda.synchronize(runner.device)
@@ -158,6 +160,7 @@ def run_case(runner, batch: int, context: int, options) -> dict:
         "b2b_ms": float(np.median(periods)) * 1e3,
         "b2b_mean_ms": float(np.mean(periods)) * 1e3,
         "gpu_ms": float(np.median(gpu)) * 1e3 if cuda else float("nan"),
+        "launch_ms": float(np.median(launch)) * 1e3,
         "parts_ms": parts,
         "gpu_wait_ms": float(np.median(waits)) if waits else float("nan"),
         "gpu_controls_ms": float(np.median(draws)) if draws else float("nan"),
@@ -194,12 +197,15 @@ def main(argv=None) -> None:
     plain = [r for name, r in results.items() if name.startswith("unconstrained")]
     base = {k: float(np.mean([r[k] for r in plain])) for k in ("serial_ms", "b2b_ms", "gpu_ms")}
     print(f"decode step, batch {args.batch}, context up to {args.context}, {runner.device}, vocab {vocab}:")
-    print(f"  {'case':20s} {'serial ms':>10s} {'(x)':>6s} {'b2b ms':>8s} {'(x)':>6s} {'GPU ms':>8s} {'(x)':>6s}")
+    print(
+        f"  {'case':20s} {'serial ms':>10s} {'(x)':>6s} {'b2b ms':>8s} {'(x)':>6s} {'GPU ms':>8s} {'(x)':>6s}"
+        f" {'host launch ms':>15s}"
+    )
     for name, r in results.items():
         print(
             f"  {name:20s} {r['serial_ms']:10.3f} {r['serial_ms'] / base['serial_ms']:6.3f}"
             f" {r['b2b_ms']:8.3f} {r['b2b_ms'] / base['b2b_ms']:6.3f}"
-            f" {r['gpu_ms']:8.3f} {r['gpu_ms'] / base['gpu_ms']:6.3f}"
+            f" {r['gpu_ms']:8.3f} {r['gpu_ms'] / base['gpu_ms']:6.3f} {r['launch_ms']:15.3f}"
         )
     print(
         "  (b2b: the median period; means: "

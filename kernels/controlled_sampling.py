@@ -303,7 +303,7 @@ def controlled_draw(
         patch_tok,
         patch_val,
         patch_index,
-        patch_tok.shape[1] if patch is not None else 0,
+        patch_tok.shape[1] if patch_tok.dim() == 2 else 0,
         best_val,
         best_idx,
         arrival_counters(device, n, "controlled_draw"),

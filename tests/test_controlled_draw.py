@@ -9,6 +9,7 @@ forbidden under a grammar on both paths."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,8 +101,15 @@ def _verify_step(positions, tokens, drafts):
 
 
 @pytest.mark.skipif(not TOKENIZER.exists(), reason="needs the default model's tokenizer")
-def test_controlled_draw_gives_the_general_paths_tokens():
+@pytest.mark.parametrize("kinds", ["both", "penalties only", "grammar only"])
+def test_controlled_draw_gives_the_general_paths_tokens(kinds, monkeypatch):
+    if kinds != "both":  # steps without a bitmask, or without a patch: their stand-ins
+        drop = "constraint" if kinds == "penalties only" else "presence_penalty"
+        rows = [(t, {} if drop in options else options) for t, options in ROWS]
+        monkeypatch.setattr(sys.modules[__name__], "ROWS", rows)
     general, fused = _controls(), _controls()
+    assert bool(general.penalties.rows) == (kinds != "grammar only")
+    assert bool(general.grammar.rows) == (kinds != "penalties only")
     assert general.drawable[: len(ROWS)].all() and not general.controlled[3]
     gen = torch.Generator().manual_seed(0)
     positions, tokens = [len(PROMPT) - 1] * len(ROWS), [PROMPT[-1]] * len(ROWS)
@@ -151,5 +159,6 @@ def test_controlled_draw_gives_the_general_paths_tokens():
             assert max(o) < 49_152 and tok.decode(o).lstrip().startswith("["), tok.decode(o)
         else:
             assert max(o) >= 49_152  # the bias and the shifted logits: unmasked rows do emit them
-    counts = [general.penalties.counts[general.penalties.rows[r].slot] for r in (0, 2, 5)]
-    assert all(torch.equal(a, fused.penalties.counts[fused.penalties.rows[r].slot]) for a, r in zip(counts, (0, 2, 5)))
+    for r in general.penalties.rows:
+        slot = general.penalties.rows[r].slot
+        assert torch.equal(general.penalties.counts[slot], fused.penalties.counts[fused.penalties.rows[r].slot])

@@ -190,19 +190,29 @@ class PenaltyState:
         prompt_len = self.prompt_len_of[token_rows]
         output = (positions >= prompt_len) & ~is_draft
         prompt = positions < prompt_len
-        arrays = {"slots": slots, "positions": positions, "tokens": tokens, "rows": token_rows, "output": output}
+        # (Everything that can be is derived here, on the host: each torch call costs the step
+        # thread tens of microseconds on a slow host.)
+        arrays = {
+            "slots": slots,
+            "positions": np.minimum(positions, self.max_model_len - 1),
+            "tokens": tokens,
+            "output": output.astype(np.int32),
+        }
+        placeholders = bool((tokens == PLACEHOLDER_TOKEN).any())
+        if placeholders:
+            arrays["rows"] = token_rows
         prompt_idx = np.nonzero(prompt)[0]
         if prompt_idx.size:
             arrays["prompt_idx"] = prompt_idx
         d = upload(arrays, self.device)
         tok = d["tokens"]
-        if (tokens == PLACEHOLDER_TOKEN).any():  # decode lookahead: the token this stage sampled last
+        if placeholders:  # decode lookahead: the token this stage sampled last
             tok = torch.where(tok == PLACEHOLDER_TOKEN, last_sampled[d["rows"]], tok)
-        self.counts.index_put_((d["slots"], tok), d["output"].to(torch.int32), accumulate=True)
+        self.counts.index_put_((d["slots"], tok), d["output"], accumulate=True)
         if prompt_idx.size:
             i = d["prompt_idx"]
             self.prompt_seen[d["slots"][i], tok[i]] = True
-        self.history[d["slots"], d["positions"].clamp_max(self.max_model_len - 1)] = tok.to(torch.int32)
+        self.history[d["slots"], d["positions"]] = tok.to(torch.int32)
 
     # ------------------------------------------------------------ at the draw
 
@@ -226,7 +236,7 @@ class PenaltyState:
             arrays["pres"] = pres
             arrays.update(self._sparse_inputs(h, idx, bias_tok[:, :width]))
             flags = dict(values=True, bias=width > 0, allow=0, ban=False, multi=False)
-            flags["width"] = int(arrays["sample_pos"].max()) + width
+            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
             return arrays, flags
         rows = [self.rows[r] for r in state_rows]
         n = len(rows)
@@ -273,7 +283,7 @@ class PenaltyState:
         if flags["values"]:
             width = max((r.bias_ids.size for r in rows), default=0)
             arrays.update(self._sparse_inputs(h, idx, self.bias_tok_of[state_rows, :width]))
-            flags["width"] = int(arrays["sample_pos"].max()) + width
+            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
         return arrays, flags
 
     def _kernel_args(self, d: dict, flags: dict) -> tuple:
@@ -346,7 +356,8 @@ class PenaltyState:
         rows), padded."""
         n = len(idx)
         sample_pos = np.minimum(h.sample_positions[idx].astype(np.int64), self.max_model_len)
-        bias_tok = np.ascontiguousarray(bias_tok)
+        # At least one column (-1): a kernel's pointer into an empty array could point past its allocation.
+        bias_tok = np.ascontiguousarray(bias_tok) if bias_tok.shape[1] else np.full((n, 1), -1, np.int64)
         drafts, n_drafts = np.full((n, 1), -1, np.int64), np.zeros(n, np.int64)
         if h.verify is not None:
             per_seq = h.verify.rows_per_seq

@@ -57,6 +57,7 @@ class SamplingControls:
         self._side = None  # (CUDA) the stream the controlled draw's inputs go up on
         self._mask_device = None  # (CUDA) the uploaded bitmask rows, grown on demand
         self._launched = None  # (CUDA) recorded on the main stream just before a graph's launch
+        self._no_values = None  # a float32 stand-in: the patch values of a step without penalties
         # Host seconds of the controlled draw's parts, and the GPU's (CUDA event pairs around
         # the patch and the draw) when `profile` is set: bench_constrained reports them.
         self.profile = False
@@ -179,15 +180,16 @@ class SamplingControls:
             if cuda:
                 side.wait_event(self._launched)
             self.begin_step(plan, h)
+            # The controlled draw's per-row indices: -1 where a row has no patch or no bitmask.
             arrays = {"rows": logits_rows.astype(np.int64)}
+            arrays["patch_index"] = np.full(cidx.size, -1, np.int32)
+            arrays["mask_index"] = np.full(cidx.size, -1, np.int32)
             flags = None
             if pidx.size:
                 where = np.searchsorted(cidx, pidx)
                 pen, flags = self.penalties.patch_inputs(h, pidx, logits_rows[where])
-                patch_index = np.full(cidx.size, -1, np.int32)
-                patch_index[where] = np.arange(pidx.size, dtype=np.int32)
+                arrays["patch_index"][where] = np.arange(pidx.size, dtype=np.int32)
                 arrays.update({f"pen.{k}": v for k, v in pen.items()})
-                arrays["patch_index"] = patch_index
             self.host_seconds["inputs"] += time.perf_counter() - start
             mask = None
             if gidx.size:
@@ -195,34 +197,36 @@ class SamplingControls:
                 bitmask, masked = self.grammar.host_masks(h, gidx)
                 self.host_seconds["masks"] += time.perf_counter() - t0
                 if masked.any():
-                    mask_index = np.full(cidx.size, -1, np.int32)
                     where = np.searchsorted(cidx, gidx)
-                    mask_index[where[masked]] = np.nonzero(masked)[0].astype(np.int32)
-                    arrays["mask_index"] = mask_index
+                    arrays["mask_index"][where[masked]] = np.nonzero(masked)[0].astype(np.int32)
                     mask = self._upload_mask(bitmask, main)
             t0 = time.perf_counter()
             d = upload(arrays, self.device)
-            if cuda:
-                for value in d.values():  # made on the side stream, read on the main one
-                    value.record_stream(main)
+            if cuda:  # made on the side stream, read on the main one (one storage: one record)
+                next(iter(d.values())).record_stream(main)
                 ready = torch.cuda.Event()
                 ready.record(side)
         if cuda:
             main.wait_event(ready)
         if events is not None:
             events[1].record(main)
-        patch = None
+        # Absent parts are given as empty stand-ins (their indices are all -1): the kernel is one
+        # compiled variant either way, and no per-step fill of a -1 tensor is launched.
+        if self._no_values is None:
+            self._no_values = torch.zeros(1, dtype=torch.float32, device=self.device)  # (never read)
+        patch = (d["patch_index"], self._no_values, d["patch_index"])
         if flags is not None:
             pen = {k.removeprefix("pen."): v for k, v in d.items() if k.startswith("pen.")}
             patched = self.penalties.patches(logits, pen, flags)
             if patched is not None:
                 patch = (*patched, d["patch_index"])
+        mask_vocab = self.grammar.pool.mask_vocab
         controlled_draw(
             logits,
             d["rows"],
             *settings,
             tokens,
-            mask=(mask, d["mask_index"], self.grammar.pool.mask_vocab) if "mask_index" in d else None,
+            mask=(mask if mask is not None else d["mask_index"], d["mask_index"], mask_vocab),
             patch=patch,
             store=store,
         )
