@@ -185,6 +185,17 @@ if triton is not None:
         return key_a, key_b
 
     @triton.jit
+    def _perturbed_tl(x, cols, key_a, key_b, inv_t, INTERPRETED: tl.constexpr):
+        """x * inv_t + Gumbel noise of (row key, cols), as float32: the sampled rows' draw value.
+        Every kernel that draws calls this one function, so their values agree bit for bit."""
+        h = _mix32_tl(cols.to(tl.uint32) * 0x61C88647 + key_a)
+        h = _mix32_tl(h ^ key_b)
+        u = tl.maximum((h >> 8).to(tl.float32), 1.0) * 5.9604644775390625e-08  # 2**-24
+        # Gumbel noise -ln(-ln u), as ln y = ln2 * log2 y.
+        exponential = -0.6931471805599453 * _log2_approx(u, INTERPRETED)
+        return x * inv_t - 0.6931471805599453 * _log2_approx(exponential, INTERPRETED)
+
+    @triton.jit
     def _gumbel_argmax_kernel(
         logits_ptr,
         row_stride,
@@ -202,6 +213,7 @@ if triton is not None:
         log_norm_ptr,
         store_rows_ptr,
         store_ptr,
+        skip_ptr,
         vocab_size,
         num_splits,
         CHUNK: tl.constexpr,
@@ -212,12 +224,17 @@ if triton is not None:
         STORE: tl.constexpr,
         INTERPRETED: tl.constexpr,
         PREFETCH: tl.constexpr,
+        SKIP: tl.constexpr = False,
     ):
         # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and stores
         # its best perturbed value and index (plus max and sum of exp of the raw logits when
         # LOG_NORM); the row's last split to arrive merges them (kernels/arrival_counters.py).
+        # SKIP: rows whose skip flag is set are left alone (another kernel draws them).
         row = tl.program_id(0)
         split = tl.program_id(1)
+        if SKIP:
+            if tl.load(skip_ptr + row) != 0:
+                return
         key_a, key_b = _row_keys_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
         inv_t = tl.load(inv_temp_ptr + row)
         greedy = tl.load(greedy_ptr + row)
@@ -252,12 +269,7 @@ if triton is not None:
                 x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
             val = x
             if greedy == 0:
-                h = _mix32_tl(cols.to(tl.uint32) * 0x61C88647 + key_a)
-                h = _mix32_tl(h ^ key_b)
-                u = tl.maximum((h >> 8).to(tl.float32), 1.0) * 5.9604644775390625e-08  # 2**-24
-                # Gumbel noise -ln(-ln u), as ln y = ln2 * log2 y.
-                exponential = -0.6931471805599453 * _log2_approx(u, INTERPRETED)
-                val = x * inv_t - 0.6931471805599453 * _log2_approx(exponential, INTERPRETED)
+                val = _perturbed_tl(x, cols, key_a, key_b, inv_t, INTERPRETED)
                 if HAS_THRESHOLD:
                     val = tl.where(x >= threshold, val, float("-inf"))
             val = tl.where(in_vocab, val, float("-inf"))
@@ -368,12 +380,16 @@ def gumbel_argmax(
     want_log_norm: bool,
     store: tuple[Tensor, Tensor] | None = None,
     launch: tuple[int, int, int, bool] | None = None,
+    skip: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per row: argmax of logits * inv_temperature + Gumbel noise over logits >= threshold
     (plain argmax where greedy), reading the logits once; also logsumexp of the raw logits when
     want_log_norm. One launch, no host sync. Torch reference: draw_reference below.
     store (out, rows): also out[rows[i]] = token i (int64 out). launch: (chunk, block, num_warps,
-    prefetch) instead of _launch_shape's, for sweeps."""
+    prefetch) instead of _launch_shape's, for sweeps. skip: uint8 [rows], nonzero where the row
+    is left alone (no token, no store: the controlled draw of kernels/controlled_sampling.py
+    draws it). out: the int64 token tensor to write (default: a new one)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -382,9 +398,14 @@ def gumbel_argmax(
         launch = _launch_shape(num_rows, vocab, _device_sm_count(device))
     chunk, block, num_warps, prefetch = launch
     num_splits = triton.cdiv(vocab, chunk)
-    partial = torch.empty((4 if want_log_norm else 2, num_rows, num_splits), device=device, dtype=torch.float32)
+    # Each partial plane starts 16-byte aligned whatever rows x splits is: Triton specialises on
+    # pointer alignment, and a plane offset of 2 rows x 13 splits x 4 bytes (a 50,000 vocabulary)
+    # made the warm-up compile another variant than the one serving 8 rows needs.
+    plane = triton.cdiv(num_rows * num_splits, 4) * 4
+    planes = torch.empty((4 if want_log_norm else 2, plane), device=device, dtype=torch.float32)
+    partial = planes[:, : num_rows * num_splits]
     best_idx = torch.empty((num_rows, num_splits), device=device, dtype=torch.int32)
-    token_ids = torch.empty(num_rows, device=device, dtype=torch.int64)
+    token_ids = out if out is not None else torch.empty(num_rows, device=device, dtype=torch.int64)
     log_norm = torch.empty(num_rows, device=device, dtype=torch.float32) if want_log_norm else None
     _gumbel_argmax_kernel[(num_rows, num_splits)](
         logits,
@@ -402,6 +423,7 @@ def gumbel_argmax(
         token_ids,
         log_norm if want_log_norm else partial[0],
         *(reversed(store) if store else (token_ids, token_ids)),
+        skip.view(torch.uint8) if skip is not None else greedy.view(torch.uint8),
         vocab,
         num_splits,
         CHUNK=chunk,
@@ -412,6 +434,7 @@ def gumbel_argmax(
         STORE=store is not None,
         INTERPRETED=_INTERPRETED,
         PREFETCH=prefetch,
+        SKIP=skip is not None,
         num_warps=num_warps,
     )
     return token_ids, log_norm

@@ -2,8 +2,10 @@
 batch size and replayed with new inputs written into static buffers. Every sequence of a graph
 computes the same number of tokens: 1 for a decode, d + 1 for a speculative verification of d
 drafts (query_len). On the last stage the graph also samples every token's row (rows without
-top-k/top-p/min-p or logprobs, the common case); a decode graph keeps the tokens on the device
-for the next plan's decode lookahead.
+top-k/top-p/min-p or logprobs, the common case), except rows flagged skip_draw (rows under
+penalties or a grammar, which the controlled draw takes after the graph, and every row of a step
+that the Sampler draws eagerly); a decode graph keeps the tokens on the device for the next
+plan's decode lookahead.
 
 A decode step launches a few hundred small kernels; replaying a graph turns that host work into
 one launch. The host's part of a step is then mostly numpy, plus a handful of torch calls: every
@@ -46,6 +48,7 @@ _ROW_FIELDS = (
     ("inv_temperature", np.float32),
     ("seq_lens", np.int32),
     ("greedy", np.uint8),
+    ("skip_draw", np.uint8),  # the graph's draw leaves the row to the controlled draw (sampling_controls.py)
     # Cascade graphs (shared prefixes): per sequence, then per group (at most max_batch // 2 + 1).
     ("seq_prefix_lens", np.int32),
     ("group_token_start", np.int32),
@@ -62,6 +65,7 @@ _PADDING = {
     "inv_temperature": 1.0,
     "seq_lens": 0,
     "greedy": 1,
+    "skip_draw": 0,
     "seq_prefix_lens": 0,
 }
 
@@ -209,8 +213,20 @@ class DecodeGraphs:
             rows["inv_temperature"][:t],
             rows["greedy"][:t],
             store=(self.last_sampled, state_rows) if self.query_len == 1 else None,
+            skip=rows["skip_draw"][:t],
         )
         return logits, tokens
+
+    def draw_settings(self, t: int) -> tuple[torch.Tensor, ...]:
+        """The first t rows' draw settings as the graph holds them (seeds, sample positions,
+        inverse temperatures, greedy flags), for the controlled draw of the rows it skipped."""
+        rows = self.rows
+        return rows["seeds"][:t], rows["sample_positions"][:t], rows["inv_temperature"][:t], rows["greedy"][:t]
+
+    def draw_store(self, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a decode graph keeps its tokens for the next plan's lookahead: (last_sampled,
+        the first t rows' state rows); None for a verification graph."""
+        return (self.last_sampled, self.rows["state_rows"][:t]) if self.query_len == 1 else None
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
-from strata.kernels.penalties import apply_penalties, apply_penalties_reference
+from strata.kernels.penalties import (
+    apply_penalties,
+    apply_penalties_reference,
+    kernels_run_on,
+    penalty_patches,
+    penalty_patches_reference,
+)
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.sampling_rules import MAX_LOGIT_BIAS, uses_penalties
 from strata.services.worker.host_to_device import upload
@@ -71,6 +77,17 @@ class PenaltyState:
         self.free_slots: list[int] = []
         self.has_row = np.zeros(max_seqs + 1, dtype=bool)
         self.pending: set[int] = set()  # rows whose admission history is not counted yet
+        # The same settings by state row, so a step gathers them with numpy, not a loop over rows.
+        n = max_seqs + 1
+        self.slot_of = np.zeros(n, np.int64)
+        self.prompt_len_of = np.zeros(n, np.int64)
+        self.rep_of, self.freq_of, self.pres_of = (
+            np.ones(n, np.float32),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.float32),
+        )
+        self.bias_tok_of = np.full((n, 0), -1, np.int64)  # each row's biased tokens, -1 padded
+        self.values_only = np.zeros(n, bool)  # no allowed tokens, no bad words
 
     # ------------------------------------------------------------ admission
 
@@ -117,6 +134,15 @@ class PenaltyState:
             self.bias[r.slot, ids["ids"]] = ids["values"]
         r.prompt_len = int(num_prompt_tokens)
         r.pending_history = (int(history_start), np.asarray(history, dtype=np.int64))
+        self.slot_of[row], self.prompt_len_of[row] = r.slot, r.prompt_len
+        self.rep_of[row], self.freq_of[row], self.pres_of[row] = r.repetition, r.frequency, r.presence
+        if r.bias_ids.size > self.bias_tok_of.shape[1]:
+            wider = np.full((self.bias_tok_of.shape[0], r.bias_ids.size), -1, np.int64)
+            wider[:, : self.bias_tok_of.shape[1]] = self.bias_tok_of
+            self.bias_tok_of = wider
+        self.bias_tok_of[row] = -1
+        self.bias_tok_of[row, : r.bias_ids.size] = r.bias_ids
+        self.values_only[row] = r.allowed is None and not words
         self.rows[row] = r
         self.has_row[row] = True
         self.pending.add(row)
@@ -140,7 +166,7 @@ class PenaltyState:
         slots, positions, tokens, is_draft, token_rows = [], [], [], [], []
         if sel.size:
             rows = h.token_rows[sel]
-            slots.append(np.fromiter((self.rows[r].slot for r in rows), np.int64, rows.size))
+            slots.append(self.slot_of[rows])
             positions.append(h.positions[sel])
             tokens.append(plan_tokens[sel])
             is_draft.append(draft[sel])
@@ -161,22 +187,32 @@ class PenaltyState:
             return
         slots, positions, tokens = np.concatenate(slots), np.concatenate(positions), np.concatenate(tokens)
         is_draft, token_rows = np.concatenate(is_draft), np.concatenate(token_rows)
-        prompt_len = np.fromiter((self.rows[r].prompt_len for r in token_rows), np.int64, token_rows.size)
+        prompt_len = self.prompt_len_of[token_rows]
         output = (positions >= prompt_len) & ~is_draft
         prompt = positions < prompt_len
-        arrays = {"slots": slots, "positions": positions, "tokens": tokens, "rows": token_rows, "output": output}
+        # (Everything that can be is derived here, on the host: each torch call costs the step
+        # thread tens of microseconds on a slow host.)
+        arrays = {
+            "slots": slots,
+            "positions": np.minimum(positions, self.max_model_len - 1),
+            "tokens": tokens,
+            "output": output.astype(np.int32),
+        }
+        placeholders = bool((tokens == PLACEHOLDER_TOKEN).any())
+        if placeholders:
+            arrays["rows"] = token_rows
         prompt_idx = np.nonzero(prompt)[0]
         if prompt_idx.size:
             arrays["prompt_idx"] = prompt_idx
         d = upload(arrays, self.device)
         tok = d["tokens"]
-        if (tokens == PLACEHOLDER_TOKEN).any():  # decode lookahead: the token this stage sampled last
+        if placeholders:  # decode lookahead: the token this stage sampled last
             tok = torch.where(tok == PLACEHOLDER_TOKEN, last_sampled[d["rows"]], tok)
-        self.counts.index_put_((d["slots"], tok), d["output"].to(torch.int32), accumulate=True)
+        self.counts.index_put_((d["slots"], tok), d["output"], accumulate=True)
         if prompt_idx.size:
             i = d["prompt_idx"]
             self.prompt_seen[d["slots"][i], tok[i]] = True
-        self.history[d["slots"], d["positions"].clamp_max(self.max_model_len - 1)] = tok.to(torch.int32)
+        self.history[d["slots"], d["positions"]] = tok.to(torch.int32)
 
     # ------------------------------------------------------------ at the draw
 
@@ -184,21 +220,29 @@ class PenaltyState:
         """Indices of the step's sample rows whose sequence is penalised."""
         return np.nonzero(self.has_row[h.sample_rows])[0]
 
-    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
-        """The float32 logits of sample rows idx (of logits [R, V]) with every penalty and bias
-        applied, in vLLM's order: allowed tokens, bad words, logit bias, then the repetition,
-        frequency and presence penalties over the counts as they are at each row's position."""
-        V = self.vocab_size
-        rows = [self.rows[r] for r in h.sample_rows[idx]]
+    def masks_only_counts(self, row: int) -> bool:
+        """Whether a penalised sequence's controls are values only (penalties, logit bias), which
+        the controlled draw applies as a patch; allowed tokens and bad words take the general path."""
+        return bool(self.values_only[row])
+
+    def _inputs(self, h, idx: np.ndarray) -> tuple[dict, dict]:
+        """(host arrays, host flags) of sample rows idx, for apply() and patches()."""
+        state_rows = h.sample_rows[idx]
+        if self.values_only[state_rows].all():  # gathered by row, no loop over rows
+            rep, freq, pres = self.rep_of[state_rows], self.freq_of[state_rows], self.pres_of[state_rows]
+            bias_tok = self.bias_tok_of[state_rows]
+            width = int((bias_tok >= 0).sum(axis=1).max(initial=0))
+            arrays = {"idx": idx.astype(np.int64), "slots": self.slot_of[state_rows], "rep": rep, "freq": freq}
+            arrays["pres"] = pres
+            arrays.update(self._sparse_inputs(h, idx, bias_tok[:, :width]))
+            flags = dict(values=True, bias=width > 0, allow=0, ban=False, multi=False)
+            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
+            return arrays, flags
+        rows = [self.rows[r] for r in state_rows]
         n = len(rows)
-        local = np.arange(n)
         slots = np.fromiter((r.slot for r in rows), np.int64, n)
         arrays = {"idx": idx.astype(np.int64), "slots": slots}
-        bias_rows = [i for i, r in enumerate(rows) if r.bias_ids.size]
-        if bias_rows:
-            arrays["bias_row"] = np.repeat(bias_rows, [rows[i].bias_ids.size for i in bias_rows])
-            arrays["bias_tok"] = np.concatenate([rows[i].bias_ids for i in bias_rows])
-            arrays["bias_val"] = np.concatenate([rows[i].bias_values for i in bias_rows])
+        bias_rows = [i for i, r in enumerate(rows) if r.bias_ids.size]  # (their values: self.bias)
         ban_rows = [i for i, r in enumerate(rows) if r.single_bad.size]
         if ban_rows:
             arrays["ban_row"] = np.repeat(ban_rows, [rows[i].single_bad.size for i in ban_rows])
@@ -228,43 +272,59 @@ class PenaltyState:
         pres = np.fromiter((r.presence for r in rows), np.float32, n)
         any_rep, any_count = bool((rep != 1).any()), bool((freq != 0).any() or (pres != 0).any())
         arrays.update(rep=rep, freq=freq, pres=pres)
-        if any_rep or any_count or bias_rows:
-            arrays.update(self._sparse_inputs(h, idx, rows))
-            sample_pos_max, bias_width = arrays["sample_pos"].max(), arrays["bias_tok"].shape[1]
+        flags = dict(
+            values=any_rep or any_count or bool(bias_rows),
+            bias=bool(bias_rows),
+            allow=len(allow_rows),
+            ban=bool(ban_rows),
+            multi=bool(multi),
+            width=0,
+        )
+        if flags["values"]:
+            width = max((r.bias_ids.size for r in rows), default=0)
+            arrays.update(self._sparse_inputs(h, idx, self.bias_tok_of[state_rows, :width]))
+            flags["width"] = int(arrays["sample_pos"].max()) + arrays["bias_tok"].shape[1]
+        return arrays, flags
+
+    def _kernel_args(self, d: dict, flags: dict) -> tuple:
+        return (
+            d["slots"],
+            d["sample_pos"],
+            self.history,
+            self.counts,
+            self.prompt_seen,
+            self.bias if flags["bias"] else None,
+            d["bias_tok"],
+            d["drafts"],
+            d["n_drafts"],
+            d["rep"],
+            d["freq"],
+            d["pres"],
+        )
+
+    def apply(self, logits: torch.Tensor, h, idx: np.ndarray) -> torch.Tensor:
+        """The float32 logits of sample rows idx (of logits [R, V]) with every penalty and bias
+        applied, in vLLM's order: allowed tokens, bad words, logit bias, then the repetition,
+        frequency and presence penalties over the counts as they are at each row's position."""
+        V = self.vocab_size
+        arrays, flags = self._inputs(h, idx)
         d = upload(arrays, self.device)
 
         # Penalties and bias at the row's seen and biased tokens only (kernels/penalties.py), from
         # the logits into their float32 copy; then the masks (-inf whatever came before).
         out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        if any_rep or any_count or bias_rows:
+        if flags["values"]:
             apply = apply_penalties if (logits.is_cuda and HAVE_TRITON) else apply_penalties_reference
-            apply(
-                logits,
-                out,
-                d["idx"],
-                d["slots"],
-                d["sample_pos"],
-                self.history,
-                self.counts,
-                self.prompt_seen,
-                self.bias if bias_rows else None,
-                d["bias_tok"],
-                d["drafts"],
-                d["n_drafts"],
-                d["rep"],
-                d["freq"],
-                d["pres"],
-                int(sample_pos_max) + bias_width,
-            )
-        if allow_rows:
+            apply(logits, out, d["idx"], *self._kernel_args(d, flags), flags["width"])
+        if flags["allow"]:
             rows_t = d["idx"][d["allow_rows"]]
-            keep = torch.zeros((len(allow_rows), V), dtype=torch.bool, device=out.device)
+            keep = torch.zeros((flags["allow"], V), dtype=torch.bool, device=out.device)
             local = torch.searchsorted(d["allow_rows"], d["allow_row"])
             keep[local, d["allow_tok"]] = True
             out[rows_t] = out[rows_t].masked_fill(~keep, _NEG_INF)
-        if ban_rows:
+        if flags["ban"]:
             out[d["idx"][d["ban_row"]], d["ban_tok"]] = _NEG_INF
-        if multi:
+        if flags["multi"]:
             slot = d["slots"][d["multi_row"]]
             tail = self.history[slot.unsqueeze(1), d["multi_pos"].clamp_min(0)]
             prefix = d["multi_prefix"]
@@ -273,15 +333,31 @@ class PenaltyState:
             out.index_put_((d["idx"][d["multi_row"]], d["multi_last"]), ban, accumulate=True)
         return out
 
-    def _sparse_inputs(self, h, idx: np.ndarray, rows: list) -> dict:
+    def patch_inputs(self, h, idx: np.ndarray, logits_rows: np.ndarray) -> tuple[dict, dict]:
+        """The host half of patches(): arrays to upload (with the caller's other arrays) and
+        flags. Sample rows idx must all pass masks_only_counts(); logits_rows: their rows in the
+        logits the patch kernel reads."""
+        arrays, flags = self._inputs(h, idx)
+        arrays["idx"] = np.asarray(logits_rows, np.int64)
+        return arrays, flags
+
+    def patches(self, logits: torch.Tensor, d: dict, flags: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The penalised values of the rows patch_inputs() described (d: those arrays on the
+        device) as a sparse patch (kernels/penalties.penalty_patches), their tokens set to -inf
+        in the logits in place; None when no row has penalties or a bias."""
+        if not flags["values"]:
+            return None
+        patch = penalty_patches if kernels_run_on(logits) else penalty_patches_reference
+        return patch(logits, d["idx"], *self._kernel_args(d, flags), flags["width"])
+
+    def _sparse_inputs(self, h, idx: np.ndarray, bias_tok: np.ndarray) -> dict:
         """Per penalised sample row: the position it samples (its history before it is the
-        candidates), its biased tokens and the drafts before it (verify rows), padded."""
-        n = len(rows)
+        candidates), its biased tokens (bias_tok, -1 padded) and the drafts before it (verify
+        rows), padded."""
+        n = len(idx)
         sample_pos = np.minimum(h.sample_positions[idx].astype(np.int64), self.max_model_len)
-        width = max((r.bias_ids.size for r in rows), default=0)
-        bias_tok = np.full((n, width), -1, np.int64)
-        for i, r in enumerate(rows):
-            bias_tok[i, : r.bias_ids.size] = r.bias_ids
+        # At least one column (-1): a kernel's pointer into an empty array could point past its allocation.
+        bias_tok = np.ascontiguousarray(bias_tok) if bias_tok.shape[1] else np.full((n, 1), -1, np.int64)
         drafts, n_drafts = np.full((n, 1), -1, np.int64), np.zeros(n, np.int64)
         if h.verify is not None:
             per_seq = h.verify.rows_per_seq

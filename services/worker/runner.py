@@ -208,8 +208,6 @@ class ModelRunner:
             self.handoff.before_step(plan.step_id, h)
         elif h.has_placeholders and not self.is_last:
             raise PlanError("a decode lookahead on stage 0 of several needs the token link (OpenTokenLink)")
-        if self.controls is not None and self.controls.active:
-            self.controls.begin_step(plan, h)
         gpu_start = self.timeline.mark() if self.timeline else None
         self.gpu_start = gpu_start  # the stage's own timeline (stage_stats.py) reads it
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
@@ -250,26 +248,62 @@ class ModelRunner:
         if h.sample_seq_ids:
             idx = d["sample_token_index"]
             logits = self.shard.compute_logits(hidden[idx], residual[idx])
-        return self._sample(plan.step_id, h, logits, d["sample_rows"], sampling, start, gpu_start)
+        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, gpu_start)
 
     def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, hidden, residual, start: float, gpu_start):
         """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
         draws the token after it, from (seed, position + 1)); when every token is a sample row
         without filters or logprobs, that draw is the result. Otherwise the sampler runs on the
-        graph's logits (and overwrites a decode graph's tokens in last_sampled)."""
+        graph's logits (the graph's draw skips every row then). Rows under penalties or a grammar
+        beside unfiltered ones: the graph draws the others and the controlled draw these
+        (sampling_controls.py), one draw per row either way."""
         t, token_rows = self.table, h.token_rows
         num_tokens = len(token_rows)
+        all_rows = len(h.sample_rows) == num_tokens
+        padded = not all_rows and h.verify is not None  # pad_queries: every real token samples
+        draws = graphs.samples and (all_rows or padded)
+        in_graph = draws and bool(t.unfiltered[token_rows].all())
+        c = self.controls
+        controlled = (
+            draws
+            and not in_graph
+            and c is not None
+            and bool((t.unfiltered[token_rows] | c.drawable[token_rows]).all())
+            and c.can_draw(token_rows)
+        )
         sampling_rows = None
         if graphs.samples:
+            skip = c.controlled[token_rows] if controlled else np.full(num_tokens, not in_graph)
             sampling_rows = {
                 "seeds": t.seed[token_rows],
                 "sample_positions": h.positions + 1,
                 "inv_temperature": t.inv_temperature[token_rows],
                 "greedy": t.greedy[token_rows],
+                "skip_draw": skip,
             }
-        all_rows = len(h.sample_rows) == num_tokens
-        padded = not all_rows and h.verify is not None  # pad_queries: every real token samples
-        in_graph = graphs.samples and (all_rows or padded) and bool(t.unfiltered[token_rows].all())
+        if controlled:
+            c.mark_launch()
+            logits, tokens = graphs.run(bs, h, token_rows, sampling_rows, hidden, residual)
+            c.draw_controlled(
+                plan,
+                h,
+                logits,
+                tokens,
+                graphs.draw_settings(num_tokens),
+                h.sample_token_index if padded else None,
+                graphs.draw_store(num_tokens),
+            )
+            return PendingResult(
+                plan.step_id,
+                start,
+                h.sample_seq_ids,
+                t.logprobs[h.sample_rows],
+                [tokens],
+                self.timeline,
+                gpu_start,
+                h.verify,
+                take=h.sample_token_index if padded else None,
+            )
         d = sampling = None
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
@@ -292,11 +326,11 @@ class ModelRunner:
         if h.sample_seq_ids:
             logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
             sample_rows = d["sample_rows"]
-        return self._sample(plan.step_id, h, logits, sample_rows, sampling, start, gpu_start)
+        return self._sample(plan, h, logits, sample_rows, sampling, start, gpu_start)
 
     def _sample(
         self,
-        step_id: int,
+        plan: engine_pb2.StepPlan,
         h: HostInputs,
         logits,
         sample_rows,
@@ -304,9 +338,12 @@ class ModelRunner:
         start: float,
         gpu_start,
     ) -> PendingResult:
+        step_id = plan.step_id
+        controlled = self.controls is not None and self.controls.active
+        if controlled:  # after the forward's launch: its host work overlaps the GPU's
+            self.controls.begin_step(plan, h)
         if not h.sample_seq_ids:
             return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, gpu_start)
-        controlled = self.controls is not None and self.controls.active
         if controlled:
             logits, grammar_rows = self.controls.apply(logits, h)
         out = self.sampler(logits, sampling)

@@ -241,13 +241,15 @@ def sample_unfiltered(
     inv_temperature: Tensor,
     greedy: Tensor,
     store: tuple[Tensor, Tensor] | None = None,
+    skip: Tensor | None = None,
 ) -> Tensor:
     """The tokens Sampler draws for rows with no top-k/top-p/min-p filter and no logprobs, from
     device tensors alone (no host-side flags), so that a CUDA graph can capture the draw: greedy
     rows take the first argmax, as logits.argmax does, the others the seeded Gumbel-max draw.
     inv_temperature and greedy as SamplingTensors holds them; store (out, rows): also
-    out[rows] = tokens, in the same launch. Needs Triton on CUDA."""
-    return gumbel_argmax(logits, seeds, positions, inv_temperature, greedy, None, False, store)[0]
+    out[rows] = tokens, in the same launch; skip (uint8): rows left alone (no token, no store).
+    Needs Triton on CUDA."""
+    return gumbel_argmax(logits, seeds, positions, inv_temperature, greedy, None, False, store, skip=skip)[0]
 
 
 # ---------------------------------------------------------------------------------------------

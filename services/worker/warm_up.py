@@ -34,8 +34,8 @@ def warm_up(
 ) -> None:
     """Runs eager steps whose token counts are odd and a multiple of 16 (Triton specialises on
     both), one of long queries only (prefill attention's larger tiles), and, on the last stage
-    (`sampler` given), every sampler variant (filters, logprobs). Block 0 is read and nothing is
-    written (slot -1)."""
+    (`sampler` given), every sampler variant (filters, logprobs) and the kernels of penalised and
+    constrained rows. Block 0 is read and nothing is written (slot -1)."""
     block_size = kv_caches[0].shape[3]
     for q_lens in ([3, 1, 1], [15, 1], [129, 128]):
         total = sum(q_lens)
@@ -86,7 +86,96 @@ def warm_up(
                         device=device,
                     ),
                 )
+            # The general path's Sampler draws penalised rows from their float32 copy.
+            sampler(logits.float(), _plain_settings(rows, device))
+        warm_up_controls(shard.config.vocab_size, dtype, device)
     torch.cuda.synchronize(device)
+
+
+def _plain_settings(rows: int, device: torch.device) -> SamplingTensors:
+    return SamplingTensors.build(
+        temperature=[1.0] * rows,
+        top_k=[0] * rows,
+        top_p=[1.0] * rows,
+        min_p=[0.0] * rows,
+        seeds=list(range(rows)),
+        positions=[0] * rows,
+        num_logprobs=-1,
+        device=device,
+    )
+
+
+def warm_up_controls(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The kernels of penalised and constrained rows (sampling_controls.py): the controlled draw
+    (both launch shapes, with and without the lookahead's store), the penalty patches, and the
+    general path's penalties into a float32 copy and bitmask (on the logits' dtype and on float32).
+    Whether a row has a bitmask, a patch, a bias or drafts is a runtime value in each of them."""
+    from strata.kernels.controlled_sampling import apply_bitmask_, controlled_draw
+    from strata.kernels.penalties import apply_penalties, penalty_patches
+
+    words = (vocab + 31) // 32
+    slots, history_len = 2, 64
+    state = dict(
+        history=torch.zeros((slots, history_len), dtype=torch.int32, device=device),
+        counts=torch.zeros((slots, vocab), dtype=torch.int32, device=device),
+        seen=torch.zeros((slots, vocab), dtype=torch.bool, device=device),
+        bias=torch.zeros((slots, vocab), dtype=torch.float32, device=device),
+    )
+    for rows in batches_per_launch_shape(vocab, device):
+        logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
+        n = min(rows, slots)
+        d = upload(
+            {
+                "rows": np.arange(rows, dtype=np.int64),
+                "slots": np.arange(n, dtype=np.int64) % slots,
+                "sample_pos": np.full(n, 3, np.int64),
+                "bias_tok": np.full((n, 1), 5, np.int64),
+                "drafts": np.full((n, 1), -1, np.int64),
+                "n_drafts": np.zeros(n, np.int64),
+                "rep": np.full(n, 1.1, np.float32),
+                "freq": np.full(n, 0.1, np.float32),
+                "pres": np.full(n, 0.1, np.float32),
+                "seeds": np.arange(rows, dtype=np.int64),
+                "positions": np.zeros(rows, np.int64),
+                "inv_temperature": np.ones(rows, np.float32),
+                "greedy": np.zeros(rows, np.uint8),
+                "mask": np.full((rows, words), -1, np.int32),
+                "mask_index": np.arange(rows, dtype=np.int32),
+                "patch_index": np.where(np.arange(rows) < n, np.arange(rows), -1).astype(np.int32),
+                "store_rows": np.arange(rows, dtype=np.int64),
+            },
+            device,
+        )
+        pen = (
+            d["slots"],
+            d["sample_pos"],
+            state["history"],
+            state["counts"],
+            state["seen"],
+            state["bias"],
+            d["bias_tok"],
+            d["drafts"],
+            d["n_drafts"],
+            d["rep"],
+            d["freq"],
+            d["pres"],
+        )
+        apply_penalties(logits, logits.float(), d["rows"][:n], *pen, 4)
+        for target in (logits, logits.float()):
+            apply_bitmask_(target, d["mask"], d["rows"], vocab)
+        patch = penalty_patches(logits, d["rows"][:n], *pen, 4)
+        tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        settings = (d["seeds"], d["positions"], d["inv_temperature"], d["greedy"])
+        for store in (None, (torch.zeros(rows, dtype=torch.int64, device=device), d["store_rows"])):
+            controlled_draw(
+                logits,
+                d["rows"],
+                *settings,
+                tokens,
+                mask=(d["mask"], d["mask_index"], vocab),
+                patch=(*patch, d["patch_index"][:rows]),
+                store=store,
+            )
 
 
 def warn_on_late_compiles() -> None:
