@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
-from strata.services.scheduler.plan_codec import plan_to_proto, split_result
+from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
 from strata.v1 import engine_pb2
@@ -194,6 +194,7 @@ class Engine:
             speculation=self.config.speculation,
             num_micro_batches=self.num_micro_batches,
             micro_batch_min_seqs=self.config.micro_batch_min_seqs,
+            pipeline_stages=self.pipeline.num_stages,
         )
         self._ready.set()
 
@@ -389,7 +390,10 @@ class Engine:
             if result.error:
                 raise RuntimeError(result.error)
             sampled, logprobs = split_result(result)
-            updates = self.scheduler.update(plan, sampled)
+            spec = self.scheduler.spec
+            if spec is not None:  # the step's GPU time feeds the cost model
+                spec.observe(plan, result.gpu_seconds)
+            updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.
             log.error("step %d failed: %s", plan.step_id, e)
