@@ -113,7 +113,7 @@ def shift_positions_reference(
     index in meta (= in the step's sequences); sample_positions: per token, or None."""
     shift = shifts_reference(meta, rejected)
     tok = shift[token_seq]
-    positions -= tok
+    positions.sub_(tok).clamp_(min=0)  # (>= 0 unless a bug)
     if sample_positions is not None:
         sample_positions -= tok
     seq_lens -= shift[: seq_lens.shape[0]].to(seq_lens.dtype)
@@ -202,7 +202,7 @@ if triton is not None:
         row = tl.load(meta_ptr + s * meta_stride + 0, mask=mask, other=0)
         total = tl.load(rejected_ptr + tl.maximum(row, 0), mask=mask, other=0)
         shift = tl.where(known >= 0, total - known, 0)
-        pos = tl.load(positions_ptr + t, mask=mask, other=0) - shift
+        pos = tl.maximum(tl.load(positions_ptr + t, mask=mask, other=0) - shift, 0)  # (>= 0 unless a bug)
         tl.store(positions_ptr + t, pos, mask=mask)
         spos = tl.load(sample_positions_ptr + t, mask=mask, other=0)
         tl.store(sample_positions_ptr + t, spos - shift, mask=mask)

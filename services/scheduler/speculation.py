@@ -82,6 +82,7 @@ class SpecState:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (consumed by it)
     retry_at: int = 0  # output tokens before it speculates again (after a proposal found nothing)
     k: int = 0  # drafts it proposes now (AdaptiveK); set at admission
+    expected: float = 0.0  # tokens a verify step of its k drafts emits on average (0: not known yet)
     accepted: float = 0.0  # AdaptiveK's decayed counts: drafts accepted, proposals that ended in a miss
     missed: float = 0.0
     backoff: int = 0  # tokens it stays off after its acceptance fell too low (doubles each time)
@@ -212,7 +213,7 @@ class Speculation:
                 spec.proposed = k
             count += 1
             if k > 0:
-                expected += expected_tokens(adaptive.alpha(spec) if adaptive is not None else 0.7, k)
+                expected += spec.expected or expected_tokens(0.7, k)
                 longest = max(longest, k + 1)
             else:
                 expected += 1
@@ -287,11 +288,13 @@ class AdaptiveK:
         alpha = self.alpha(spec)
         c = max(marginal_cost, 1e-3)
         candidates = (self.k,) if self.all_or_nothing else range(1, self.k + 1)
-        best_k, best = 0, 1.0
+        best_k, best, best_tokens = 0, 1.0, 1.0
         for k in candidates:
-            value = expected_tokens(alpha, k) / (1 + c * k)
+            tokens = expected_tokens(alpha, k)
+            value = tokens / (1 + c * k)
             if value > best * 1.02:
-                best_k, best = k, value
+                best_k, best, best_tokens = k, value, tokens
+        spec.expected = best_tokens
         if best_k == 0 and spec.k > 0:
             spec.backoff = min(max(2 * spec.backoff, self.MIN_BACKOFF), self.MAX_BACKOFF)
             spec.retry_at = len(req.output_token_ids) + spec.backoff
@@ -303,6 +306,7 @@ class AdaptiveK:
         """Its backoff is over: it proposes again, from the prior."""
         spec.accepted = spec.missed = 0.0
         spec.k = self.k if self.all_or_nothing else max(1, self.k // 2)
+        spec.expected = expected_tokens(self.alpha(spec), spec.k)
 
 
 class CostModel:
@@ -323,6 +327,7 @@ class CostModel:
     def __init__(self) -> None:
         self.times: dict[tuple[int, int], float] = {}
         self.choices: dict[int, int] = {}
+        self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
 
     @staticmethod
@@ -334,9 +339,12 @@ class CostModel:
 
     def observe(self, batch: int, query: int, seconds: float) -> None:
         self.enabled = True
-        key = (self.bucket(batch), query)
+        b = self.bucket(batch)
+        key = (b, query)
         old = self.times.get(key)
         self.times[key] = seconds if old is None else old + 0.2 * (seconds - old)
+        if query > self.longest.get(b, 1):
+            self.longest[b] = query
 
     def speculate(self, batch: int, expected_per_seq: float, query: int) -> bool:
         if not self.enabled:
@@ -370,7 +378,7 @@ class CostModel:
         either way)."""
         b = self.bucket(batch)
         decode = self.times.get((b, 1))
-        longest = max((q for bb, q in self.times if bb == b and q > 1), default=0)
+        longest = self.longest.get(b, 0)
         if decode is None or not longest:
             return 0.05
         return max((self.times[(b, longest)] / decode - 1) / (longest - 1), 0.0)

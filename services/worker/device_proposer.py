@@ -182,6 +182,7 @@ class DeviceSpeculation:
     def reset(self) -> None:
         self._admitted.clear()
         self._prefix.clear()
+        self.staging.buffer.copy_(torch.as_tensor(self.pad_row, device=self.device).expand_as(self.staging.buffer))
         self.rejected.zero_()
         self.num_valid.zero_()
         self.hist_len.zero_()
