@@ -2,12 +2,17 @@
 
 Each proposing sequence has its tokens by position in a row of `history` (int32 [rows, L]), the
 first `hist_len[row]` of them valid. Its proposal: the longest suffix of n tokens (ngram_max down
-to ngram_min) that also occurs earlier; at its latest earlier occurrence, the up to k tokens that
-followed it. That is the scheduler's `ngram_proposer.propose_from`, computed per row as
+to ngram_min) that also occurs earlier; at its latest earlier occurrence that k tokens follow (or,
+if none does, its latest), the up to k tokens that followed it. Computed per row as
 
     m(p) = consecutive matches of the row's suffix ending at position p (at most ngram_max)
-    best = max over p <= L - 2 of (m(p), p) where m(p) >= ngram_min   (longest, then latest)
+    full(p) = at least k tokens follow p (p + k <= L - 1)
+    best = max over p <= L - 2 of (m(p), full(p), p) where m(p) >= ngram_min
     drafts = history[best.p + 1 : best.p + 1 + k]
+
+The scheduler's `ngram_proposer.propose_from` takes the latest occurrence whatever follows it;
+the two differ only where that one is too close to the end, as in a loop of a few tokens
+("a b a b a b": the latest "a b" is followed by one token, the one before it by k).
 
 so a row is one pass over its positions (a block of positions at a time, ngram_max loads each),
 never a loop over candidate n-grams. One Triton program per sequence; the torch reference does
@@ -29,7 +34,8 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs run the reference
     triton = None
 
-_KEY = 1 << 32  # (match length, position) packed into one int64: length first
+_KEY = 1 << 33  # (match length, k tokens follow, position) packed into one int64, in that order
+_FULL = 1 << 32
 
 
 def ngram_propose_reference(
@@ -64,10 +70,11 @@ def ngram_propose_reference(
         suffix = hist.gather(1, suffix_at.clamp(min=0).unsqueeze(1))
         alive = ok & (token == suffix)
         m += alive.to(torch.int64)
-    key = torch.where(m >= ngram_min, m * _KEY + p.unsqueeze(0), torch.full_like(m, -1))
-    best = key.max(dim=1).values
-    start = best % _KEY + 1
     k = num.long()
+    full = (p.unsqueeze(0) + k.unsqueeze(1) <= (length - 1).unsqueeze(1)).to(torch.int64)
+    key = torch.where(m >= ngram_min, m * _KEY + full * _FULL + p.unsqueeze(0), torch.full_like(m, -1))
+    best = key.max(dim=1).values
+    start = best % _FULL + 1
     count = torch.where(best >= 0, torch.minimum(k, length - start), torch.zeros_like(k)).clamp(min=0)
     j = torch.arange(max_k, device=history.device)
     index = (start.unsqueeze(1) + j).clamp(max=width - 1)
@@ -121,10 +128,12 @@ if triton is not None:
                     token = tl.load(base + q, mask=ok, other=-1)
                     alive = ok & (token == suffix)
                     m += alive.to(tl.int64)
-                best = tl.maximum(best, tl.where(m >= NGRAM_MIN, m * 4294967296 + p, -1))
+                full = (p + k <= length - 1).to(tl.int64)
+                key = m * 8589934592 + full * 4294967296 + p
+                best = tl.maximum(best, tl.where(m >= NGRAM_MIN, key, -1))
                 start += BLOCK
         top = tl.max(best, axis=0)
-        first = top % 4294967296 + 1
+        first = top % 4294967296 + 1  # (top >= 0: the position bits)
         count = tl.where(top >= 0, tl.minimum(k, length - first), 0)
         count = tl.maximum(count, 0)
         j = tl.arange(0, K_BLOCK).to(tl.int64)

@@ -38,7 +38,19 @@ def _propose(use_triton, history, hist_len, rows, num):
     return out, valid, packed
 
 
-def test_reference_lookup_equals_the_scheduler_proposer():
+def _lookup_python(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The device rule by brute force: the longest matching suffix; among its earlier
+    occurrences the latest that k tokens follow, else the latest."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1 : e + 1] == tokens[len(tokens) - n :]]
+        if ends:
+            full = [e for e in ends if e + k <= len(tokens) - 1]
+            e = (full or ends)[-1]
+            return tokens[e + 1 : e + 1 + k]
+    return []
+
+
+def test_reference_lookup_equals_a_plain_search():
     from strata.services.scheduler.ngram_proposer import propose_from
 
     rng = random.Random(0)
@@ -47,13 +59,20 @@ def test_reference_lookup_equals_the_scheduler_proposer():
     num = torch.tensor([rng.randint(0, K) for _ in range(25)])
     out, valid, packed = _propose(False, history, hist_len, rows, num)
     base = history.shape[0]
+    differs = 0
     for i, (row, k) in enumerate(zip(rows.tolist(), num.tolist())):
-        tokens = history[row, : hist_len[row]].numpy()
-        expected = propose_from(tokens, k, *NGRAM)
+        tokens = history[row, : hist_len[row]].tolist()
+        expected = _lookup_python(tokens, k, *NGRAM)
         assert int(valid[row]) == len(expected) == int(packed[i, 1])
         got = out[base + row * K : base + row * K + K].tolist()
         assert got[: len(expected)] == expected and all(t == 0 for t in got[len(expected) :])
         assert packed[i, 2:].tolist() == got
+        scheduler = propose_from(np.array(tokens, dtype=np.int32), k, *NGRAM)
+        differs += scheduler != expected
+        if scheduler != expected:  # only where the scheduler's latest match is too near the end
+            assert len(scheduler) < k and len(expected) > len(scheduler)
+    assert propose_from(np.array([5, 6, 5, 6, 5, 6], dtype=np.int32), 3, 1, 2) == [5, 6]  # the scheduler's
+    assert _lookup_python([5, 6, 5, 6, 5, 6], 3, 1, 2) == [5, 6, 5]  # the device's: k tokens follow
 
 
 def _verify_python(draws, first, d, valid, drafts):

@@ -369,7 +369,8 @@ class Engine:
         plan = self.in_flight.popleft()
         self._deadlines.popleft()
         now = time.monotonic()
-        self._recent_step_seconds.append(now - max(plan.sent_at, self._last_result))
+        step_seconds = now - max(plan.sent_at, self._last_result)
+        self._recent_step_seconds.append(step_seconds)
         self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
@@ -391,8 +392,10 @@ class Engine:
                 raise RuntimeError(result.error)
             sampled, logprobs = split_result(result)
             spec = self.scheduler.spec
-            if spec is not None:  # the step's GPU time feeds the cost model
-                spec.observe(plan, result.gpu_seconds)
+            if spec is not None and result.gpu_seconds > 0:
+                # The cost model: what a step costs the pipeline (result to result, the host's
+                # part included: a host-bound batch gains from fewer steps), on GPU workers.
+                spec.observe(plan, max(step_seconds, result.gpu_seconds))
             updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.

@@ -85,6 +85,7 @@ class SpecState:
     expected: float = 0.0  # tokens a verify step of its k drafts emits on average (0: not known yet)
     accepted: float = 0.0  # AdaptiveK's decayed counts: drafts accepted, proposals that ended in a miss
     missed: float = 0.0
+    found: float = -1.0  # AdaptiveK: drafts a proposal holds on average (-1: none seen yet)
     backoff: int = 0  # tokens it stays off after its acceptance fell too low (doubles each time)
     # Device proposals (proposer "device"), per admission (seq_id):
     on_device: bool = False  # its drafts stay on the last stage's device (one stage, no controls)
@@ -224,12 +225,12 @@ class Speculation:
     def record(self, req: Request, num_draft: int, valid: int, accepted: int) -> None:
         """A verify step's outcome for req: num_draft slots, valid of them real proposals."""
         if self.adaptive is not None:
-            self.adaptive.record(req, num_draft, accepted, self.costs.marginal_cost(self.batch))
+            self.adaptive.record(req, num_draft, valid, accepted, self.costs.marginal_cost(self.batch))
 
-    def observe(self, plan: StepPlan, gpu_seconds: float) -> None:
-        """A step's GPU time, for the cost model: pure decode or verify steps only."""
-        if self.costs is not None and plan.max_query and gpu_seconds > 0:
-            self.costs.observe(len(plan.seqs), plan.max_query, gpu_seconds)
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step's cost, for the cost model: pure decode or verify steps only."""
+        if self.costs is not None and plan.max_query and seconds > 0:
+            self.costs.observe(len(plan.seqs), plan.max_query, seconds)
 
     def release(self, req: Request) -> None:
         """req's seq_id ends: the draft worker may drop what it holds for it."""
@@ -248,7 +249,7 @@ class Speculation:
         self.draft_releases = []
 
 
-def expected_tokens(alpha: float, k: int) -> float:
+def expected_tokens(alpha: float, k: float) -> float:
     """Tokens one verification of k drafts emits when each draft is accepted with probability
     alpha once those before it were (a geometric run, plus the target's own token)."""
     if alpha >= 1:
@@ -257,16 +258,18 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class AdaptiveK:
-    """Each request's k, from its drafts accepted so far.
+    """Each request's k, from its drafts so far.
 
     A proposal's drafts are accepted left to right until the first miss, so a request's record
     is a run of accepted drafts and (unless all were) one miss per verify step: alpha, the chance
     that a draft is accepted once the ones before it were, is accepted / (accepted + missed),
-    over decayed counts (recent steps weigh more) with a prior of 2 / 3. k then maximises the
-    tokens a step emits per unit of its cost, expected_tokens(alpha, k) / (1 + c k), with c the
-    cost of one more position relative to a decode step (the cost model's, at the current
-    batch). Where no k beats a plain decode (alpha below about c), k is 0: the request proposes
-    nothing for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
+    over decayed counts (recent steps weigh more) with a prior of 2 / 3. A proposal also holds
+    only the drafts the lookup found (`found`, decayed, one more where it filled every slot: it
+    may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
+    and k maximises that per unit of the step's cost, (1 + c k), c being one more position's
+    cost relative to a decode step (the cost model's, at the current batch). Where no k beats a
+    plain decode (alpha below about c, or nothing found), k is 0: the request proposes nothing
+    for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
 
     DECAY = 0.8
     PRIOR_ACCEPTED, PRIOR_MISSED = 2.0, 1.0
@@ -281,16 +284,18 @@ class AdaptiveK:
             spec.accepted + spec.missed + self.PRIOR_ACCEPTED + self.PRIOR_MISSED
         )
 
-    def record(self, req: Request, num_draft: int, accepted: int, marginal_cost: float) -> None:
+    def record(self, req: Request, num_draft: int, valid: int, accepted: int, marginal_cost: float) -> None:
         spec = req.spec
         spec.accepted = spec.accepted * self.DECAY + accepted
-        spec.missed = spec.missed * self.DECAY + (1 if accepted < num_draft else 0)
+        spec.missed = spec.missed * self.DECAY + (1 if accepted < valid else 0)
+        seen = valid + (1 if valid == num_draft else 0)
+        spec.found = seen if spec.found < 0 else spec.found * self.DECAY + seen * (1 - self.DECAY)
         alpha = self.alpha(spec)
         c = max(marginal_cost, 1e-3)
         candidates = (self.k,) if self.all_or_nothing else range(1, self.k + 1)
         best_k, best, best_tokens = 0, 1.0, 1.0
         for k in candidates:
-            tokens = expected_tokens(alpha, k)
+            tokens = expected_tokens(alpha, min(k, spec.found))
             value = tokens / (1 + c * k)
             if value > best * 1.02:
                 best_k, best, best_tokens = k, value, tokens
@@ -305,12 +310,14 @@ class AdaptiveK:
     def resume(self, spec: SpecState) -> None:
         """Its backoff is over: it proposes again, from the prior."""
         spec.accepted = spec.missed = 0.0
+        spec.found = -1.0
         spec.k = self.k if self.all_or_nothing else max(1, self.k // 2)
         spec.expected = expected_tokens(self.alpha(spec), spec.k)
 
 
 class CostModel:
-    """Verify or decode, per step, from the GPU time of steps (CUDA events on the last stage).
+    """Verify or decode, per step, from what steps cost the pipeline: the time from one result
+    to the next (or the step's GPU time, if longer), measured on GPU workers only.
 
     Times are kept per (batch bucket, query length), query length 1 for a plain decode step and
     1 + the most drafts of any sequence for a verify step (graphs pad the others to it): an
@@ -318,15 +325,20 @@ class CostModel:
     (Speculation.expected_per_seq), times the decode time beats the verify time: verifying k + 1
     positions must beat k + 1 plain steps, so that speculation never makes a batch slower than
     plain decoding. A bucket not measured yet is tried (plain first), and every REFRESH choices
-    the option not taken runs once, to follow the times as contexts grow. Without any GPU timing
-    (CPU workers) it has no data and speculation stays on, up to max_batch."""
+    the option not taken runs once, to follow the times as contexts grow. The host's part counts:
+    where the stack is host-bound, fewer steps for the same tokens pay even if the GPU's time
+    does not. Without GPU timing (CPU workers) it has no data and speculation stays on, up to
+    max_batch."""
 
     REFRESH = 256
-    MARGIN = 1.02
+    MARGIN = 1.05  # the other option must be this much faster to change the choice
+    HOLD = 32  # choices a change holds for: each change costs a bubble (a verify in flight
+    # must come back before its request decodes plainly), so estimates near the line must not flip it
 
     def __init__(self) -> None:
         self.times: dict[tuple[int, int], float] = {}
         self.choices: dict[int, int] = {}
+        self.current: dict[int, tuple[bool, int]] = {}  # per bucket: (speculating, choice it changed at)
         self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
 
@@ -359,8 +371,12 @@ class CostModel:
             if verify is None:
                 return True  # then a verify step
         n = self.choices[b] = self.choices.get(b, 0) + 1
-        choice = expected_per_seq * decode > verify * self.MARGIN
-        return (not choice) if n % self.REFRESH == 0 else choice
+        gain = expected_per_seq * decode / verify
+        current, since = self.current.get(b, (gain > 1, 0))
+        if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
+            current, since = not current, n
+        self.current[b] = (current, since)
+        return (not current) if n % self.REFRESH == 0 else current
 
     def _nearest_verify(self, b: int, query: int) -> float | None:
         """The time of the longest measured verify step at bucket b up to query (shorter queries
