@@ -86,13 +86,24 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-speculative-tokens", type=int, default=D["num_speculative_tokens"], help="draft tokens per step (k)"
     )
+    g.add_argument(
+        "--ngram-proposer",
+        choices=FLAGS["ngram_proposer"].choices,
+        default=D["ngram_proposer"],
+        help="where prompt lookup runs: the last stage's device or the scheduler",
+    )
+    g.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="k drafts for every request at every step (no per-request k, no cost model)",
+    )
     g.add_argument("--ngram-min", type=int, default=D["ngram_min"], help="shortest suffix prompt lookup matches")
     g.add_argument("--ngram-max", type=int, default=D["ngram_max"], help="longest suffix prompt lookup matches")
     g.add_argument(
         "--speculative-max-batch",
         type=int,
         default=D["speculative_max_batch"],
-        help="running requests above which the server stops speculating",
+        help="running requests above which the server stops speculating (a cap: below it the cost model decides)",
     )
     g.add_argument("--draft-model", default=D["draft_model"], help="HF directory of the draft model (method draft)")
     g.add_argument(

@@ -193,6 +193,9 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
                 if spec is None:
                     continue
                 diverged = _divergences(spec[(name, batch)]["outputs"], phase["outputs"])
+                phase["num_diverged"] = len(diverged)
+                if args.max_divergence_checks >= 0:  # (each is a rerun of the prompt alone)
+                    diverged = diverged[: args.max_divergence_checks]
                 cases = [(phase["prompts"][i], position, phase["outputs"][i]) for i, position in diverged]
                 margins = common.run(_margins(endpoints, args, cases)) if cases else []
                 phase["divergences"] = [(i, pos, *m) for (i, pos), m in zip(diverged, margins)]
@@ -289,7 +292,7 @@ def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
             "acceptance_rate": acceptance,
             "mean_accepted_length": mean_len,
             "requests": s["requests"],
-            "identical": s["requests"] - len(diverged),
+            "identical": s["requests"] - p.get("num_diverged", len(diverged)),
             "divergences": diverged,
         }
         rows.append(row)

@@ -218,6 +218,12 @@ def _speculative_parser(sub, formatter_class) -> None:
     )
     p.add_argument("--cost-context-len", type=int, default=512, help="context of the cost model's steps")
     p.add_argument(
+        "--max-divergence-checks",
+        type=int,
+        default=-1,
+        help="rerun at most this many diverging requests per phase for their logit margin (-1: all)",
+    )
+    p.add_argument(
         "--through-stack",
         action=argparse.BooleanOptionalAction,
         default=True,

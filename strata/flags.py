@@ -208,8 +208,8 @@ FLAGS: dict[str, Flag] = {
     "speculative_method": Flag(
         "STRATA_SPECULATIVE_METHOD",
         None,
-        "speculative decoding: 'ngram' (prompt lookup in the scheduler) or 'draft' (a draft model's "
-        "worker); unset: off. Either way every request gets the tokens it would get without it",
+        "speculative decoding: 'ngram' (prompt lookup, where --ngram-proposer says) or 'draft' (a draft "
+        "model's worker); unset: off. Either way every request gets the tokens it would get without it",
         choices=("ngram", "draft"),
     ),
     "num_speculative_tokens": Flag(
@@ -218,14 +218,30 @@ FLAGS: dict[str, Flag] = {
         "draft tokens proposed per step and sequence (k; the target verifies k + 1 positions)",
         int,
     ),
+    "ngram_proposer": Flag(
+        "STRATA_NGRAM_PROPOSER",
+        "device",
+        "where prompt lookup runs: 'device' (the last stage, over each sequence's tokens kept there; "
+        "with one stage the drafts never leave the GPU and verify steps go out before the previous "
+        "result) or 'scheduler' (on the host, before each plan)",
+        choices=("device", "scheduler"),
+    ),
     "ngram_min": Flag("STRATA_NGRAM_MIN", 1, "shortest suffix the n-gram proposer matches", int),
     "ngram_max": Flag("STRATA_NGRAM_MAX", 4, "longest suffix the n-gram proposer matches", int),
     "speculative_max_batch": Flag(
         "STRATA_SPECULATIVE_MAX_BATCH",
-        32,
-        "running requests above which steps decode without drafts (verifying costs more than it "
-        "gains on large batches)",
+        64,
+        "a cap: running requests above which steps decode without drafts (workers capture verification "
+        "graphs up to it). Below it each request's k follows its acceptance and a cost model fed with "
+        "measured step times decides per step whether verifying pays",
         int,
+    ),
+    "no_adaptive_speculation": Flag(
+        "STRATA_NO_ADAPTIVE_SPECULATION",
+        False,
+        "propose k drafts for every request at every step up to --speculative-max-batch, without the "
+        "per-request k and the cost model",
+        bool,
     ),
     # -------------------------------------------------------------- the gateway
     "scheduler_address": Flag("STRATA_SCHEDULER_ADDRESS", "127.0.0.1:50052", "scheduler host:port"),
@@ -309,7 +325,15 @@ ENGINE_FLAGS = (
 )
 # Who proposes drafts and how many: `serve` and the scheduler, and the workers (they size their
 # verification graphs, or on a draft worker its decode graphs, by them).
-SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch")
+SPECULATIVE_FLAGS = (
+    "speculative_method",
+    "num_speculative_tokens",
+    "ngram_proposer",
+    "ngram_min",
+    "ngram_max",
+    "speculative_max_batch",
+    "no_adaptive_speculation",
+)
 # The gateway's own flags, which `strata serve` forwards to the gateway it starts.
 GATEWAY_FLAGS = (
     "tokenizer",

@@ -16,3 +16,8 @@ MAX_LOGPROBS = 20
 # A draft token the draft model has not proposed yet: the scheduler's plan holds it until the
 # draft worker's tokens replace it, before the plan goes out.
 DRAFT_PLACEHOLDER = -2
+
+# A draft token that the last stage proposed by prompt lookup and keeps on its device: a
+# verifying sequence's draft j reads that worker's draft j for the sequence (one pipeline stage;
+# services/worker/device_proposer.py).
+DEVICE_DRAFT = -3

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
-from strata.services.scheduler.plan_codec import plan_to_proto, split_result
+from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
 from strata.v1 import engine_pb2
@@ -194,6 +194,7 @@ class Engine:
             speculation=self.config.speculation,
             num_micro_batches=self.num_micro_batches,
             micro_batch_min_seqs=self.config.micro_batch_min_seqs,
+            pipeline_stages=self.pipeline.num_stages,
         )
         self._ready.set()
 
@@ -374,7 +375,8 @@ class Engine:
         plan = self.in_flight.popleft()
         self._deadlines.popleft()
         now = time.monotonic()
-        self._recent_step_seconds.append(now - max(plan.sent_at, self._last_result))
+        step_seconds = now - max(plan.sent_at, self._last_result)
+        self._recent_step_seconds.append(step_seconds)
         self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
@@ -396,7 +398,12 @@ class Engine:
                 self.scheduler.retire(plan)
                 raise RuntimeError(result.error)
             sampled, logprobs = split_result(result)
-            updates = self.scheduler.update(plan, sampled)
+            spec = self.scheduler.spec
+            if spec is not None and result.gpu_seconds > 0:
+                # The cost model: what a step costs the pipeline (result to result, the host's
+                # part included: a host-bound batch gains from fewer steps), on GPU workers.
+                spec.observe(plan, max(step_seconds, result.gpu_seconds))
+            updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.
             log.error("step %d failed: %s", plan.step_id, e)

@@ -29,6 +29,8 @@ def speculation_from_args(args) -> SpeculativeConfig | None:
             args.ngram_min,
             args.ngram_max,
             args.speculative_max_batch,
+            proposer=args.ngram_proposer,
+            adaptive=not args.no_adaptive_speculation,
         )
     except ValueError as e:
         raise SystemExit(f"speculative decoding: {e}") from None

@@ -22,6 +22,8 @@ class ScheduledSeq:
     table_append: list[int]
     sample: bool  # the last stage samples after this step
     num_draft: int = 0
+    propose: int = 0  # drafts the last stage proposes after this step for the next (device prompt lookup)
+    shifted: bool = False  # sent before a verification of its request came back: may move back on the device
 
 
 @dataclass(slots=True)
@@ -41,9 +43,16 @@ class StepPlan:
     shared_kv_run: list[int] = field(default_factory=list)
     shared_kv_run_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
-    verifies: bool = False  # some sequence verifies drafts
+    verifies: bool = False  # some sequence verifies drafts that the plan carries
     micro_batch: int = 0  # pipelined decode: the micro-batch it runs
     retired: bool = False  # its result came back (Scheduler.retire), whatever it was
+    # Per sequence, when some sequence is `shifted`: the rejected drafts its num_computed
+    # accounts for (StepPlan.rejected_drafts); empty otherwise.
+    rejected_drafts: list[int] = field(default_factory=list)
+    # Every sequence decodes or verifies (no prefill chunk): 1 + the most drafts of any; 0 else.
+    # The cost model times such steps.
+    max_query: int = 0
+    send_prefixes: bool = False  # new sequences carry their tokens before their first step
 
 
 @dataclass(slots=True)

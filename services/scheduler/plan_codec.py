@@ -9,11 +9,14 @@ from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2, generate_pb2
 
 
-def new_sequence(r) -> engine_pb2.NewSequence:
+def new_sequence(r, prefix_len: int = 0) -> engine_pb2.NewSequence:
     """A sequence's admission. Sampling that keeps state on the last stage (penalties, a
     constraint) gets the tokens known so far, which the worker reads up to its first step's
-    num_computed (cached blocks and recomputed output it never sees as input)."""
+    num_computed (cached blocks and recomputed output it never sees as input). prefix_len: that
+    num_computed, when the last stage proposes drafts by prompt lookup (it needs those tokens)."""
     msg = engine_pb2.NewSequence(seq_id=r.seq_id, sampling=r.sampling)
+    if prefix_len:
+        msg.prefix_token_ids.extend(r.token_slice(0, prefix_len))
     needs, needs_prompt = history_needed(r.sampling)
     if needs:
         num_prompt = len(r.prompt_token_ids)
@@ -27,9 +30,14 @@ def new_sequence(r) -> engine_pb2.NewSequence:
 
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     seqs = plan.seqs
+    if plan.send_prefixes and plan.new_requests:
+        first = {id(s.request): s.num_computed for s in seqs}
+        new_sequences = [new_sequence(r, first.get(id(r), 0)) for r in plan.new_requests]
+    else:
+        new_sequences = [new_sequence(r) for r in plan.new_requests]
     msg = engine_pb2.StepPlan(
         step_id=plan.step_id,
-        new_sequences=[new_sequence(r) for r in plan.new_requests],
+        new_sequences=new_sequences,
         released_seq_ids=plan.released_seq_ids,
         seq_ids=[s.seq_id for s in seqs],
         num_computed=[s.num_computed for s in seqs],
@@ -45,8 +53,24 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         # The shared-KV runs keep the wire names they had before they were called runs.
         shared_prefix_group=plan.shared_kv_run,
         shared_prefix_lens=plan.shared_kv_run_lens,
+        rejected_drafts=plan.rejected_drafts,
     )
+    if any(s.propose for s in seqs):
+        msg.propose_drafts.extend([s.propose for s in seqs])
     return msg
+
+
+def split_proposals(result: engine_pb2.StepResult) -> dict[int, list[int]]:
+    """{seq_id: drafts the last stage proposed after the step} (prompt lookup on the device);
+    empty when it proposed none."""
+    if not result.num_proposed:
+        return {}
+    out, pos = {}, 0
+    tokens = result.proposed_token_ids
+    for seq_id, n in zip(result.seq_ids, result.num_proposed):
+        out[seq_id] = list(tokens[pos : pos + n])
+        pos += n
+    return out
 
 
 def split_result(result: engine_pb2.StepResult):

@@ -21,7 +21,7 @@ import bisect
 import time
 from collections import deque
 
-from strata.protocol import PLACEHOLDER_TOKEN
+from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.scheduler.block_manager import BlockTable, KVBlockManager
 from strata.services.scheduler.plan import RequestUpdate, ScheduledSeq, StepPlan
 from strata.services.scheduler.prefix_sharing import HOLD, NO_ROOM, PrefixSharing, SharingState
@@ -63,6 +63,7 @@ class Scheduler:
         speculation: SpeculativeConfig | None = None,
         num_micro_batches: int = 1,
         micro_batch_min_seqs: int = 32,
+        pipeline_stages: int = 1,
     ) -> None:
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
@@ -99,7 +100,7 @@ class Scheduler:
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, cache_salt)
         # The features.
         self.speculation = speculation
-        self.spec = Speculation(speculation) if speculation is not None else None  # proposals
+        self.spec = Speculation(speculation, pipeline_stages) if speculation is not None else None  # proposals
         self.acceptance = Acceptance(speculation.num_speculative_tokens if speculation else 0)
         self.sharing = PrefixSharing(block_size, self.max_running)
         self.counters = Counters()
@@ -126,7 +127,7 @@ class Scheduler:
         self._next_arrival += 1
         req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
-        req.spec, req.sharing = SpecState(), SharingState()
+        req.spec, req.sharing = SpecState(k=self.spec.k if self.spec is not None else 0), SharingState()
         self._requests[req.request_id] = req
         if req.parent_id:
             self.sharing.add(req)
@@ -214,10 +215,14 @@ class Scheduler:
         running = self.running  # preemption shrinks it in place: its length is read every time
         spec = self.spec
         speculate = spec is not None and spec.active(len(running))
-        # One stage keeps several plans in flight for decode lookahead, which speculating requests
-        # do not get. Scheduled as they come back, requests would split into cohorts, one per
-        # plan, each paying a whole step; instead, while a verification is in flight, every decode
-        # waits for it (no lookahead either), and the next plan holds them all.
+        # Drafts on the last stage's device with one stage: a request verifies them as soon as
+        # its previous step is launched, without waiting for its result (_schedule_verify_ahead).
+        drafts_stay = speculate and spec.drafts_stay
+        # One stage keeps several plans in flight for decode lookahead, which requests verifying
+        # drafts their plan carries do not get. Scheduled as they come back, requests would split
+        # into cohorts, one per plan, each paying a whole step; instead, while such a
+        # verification is in flight, every such decode waits for it (no lookahead either), and
+        # the next plan holds them all.
         merge_cohorts = speculate and self.decode_lookahead > 0 and spec.verifying_plans > 0
         micro_batches = self.num_micro_batches > 1
         i = 0
@@ -237,13 +242,16 @@ class Scheduler:
                     i += 1
                     continue
             out = req.output_token_ids
-            # A request due to speculate gets no decode lookahead: it must come back from its plan
-            # in flight, so that a proposal can follow its latest token.
-            spec_due = speculate and len(out) >= req.spec.retry_at
+            on_device = drafts_stay and req.spec.on_device
+            # A request due to speculate with drafts its plan carries gets no decode lookahead: it
+            # must come back from its plan in flight, so that a proposal can follow its latest token.
+            spec_due = speculate and not on_device and len(out) >= req.spec.retry_at and req.spec.k > 0
             if req.in_flight:
-                if (
+                if on_device and self._schedule_verify_ahead(req, step_id, seqs, copies, budget):
+                    budget -= seqs[-1].num_scheduled
+                elif (
                     not spec_due
-                    and not merge_cohorts
+                    and not (merge_cohorts and not on_device)
                     and self._can_look_ahead(req)
                     and self._schedule_lookahead(req, step_id, seqs, copies)
                 ):
@@ -251,11 +259,14 @@ class Scheduler:
                 i += 1
                 continue
             decoding = out and req.num_computed_tokens == len(req.prompt_token_ids) + len(out) - 1
-            if decoding and merge_cohorts:
+            if decoding and merge_cohorts and not on_device:
                 i += 1  # joins the next plan with the requests verifying now: one step for all
                 continue
-            if spec_due and decoding:
-                spec.propose(req)
+            if decoding:
+                if on_device:
+                    spec.device_drafts(req)
+                elif spec_due:
+                    spec.propose(req)
             if (
                 self.fast_paths
                 and out
@@ -309,11 +320,17 @@ class Scheduler:
         if not seqs:
             return None
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
-        plan.verifies = any(s.num_draft for s in seqs)
+        plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
         if spec is not None:
             spec.verifying_plans += plan.verifies
+            spec.after_plan(plan)
+            plan.send_prefixes = spec.on_device and bool(new_requests)
+            if all(s.sample and s.num_scheduled == s.num_draft + 1 for s in seqs) and not new_requests:
+                plan.max_query = 1 + max(s.num_draft for s in seqs)
         if self.cascade_attention and any(s.request.sharing.num_shared_blocks for s in seqs):
-            find_shared_kv_runs(plan, self.block_size)
+            find_shared_kv_runs(plan, self.block_size)  # (reorders plan.seqs)
+        if spec is not None and any(s.shifted for s in plan.seqs):
+            plan.rejected_drafts = [s.request.spec.rejected for s in plan.seqs]
         self._pending_releases = []
         self._next_step_id += 1
         self.counters.steps += 1
@@ -407,6 +424,8 @@ class Scheduler:
             bm.record_prefix_query(req.num_prompt_tokens, num_computed)
         req.seq_id = self._next_seq_id
         self._next_seq_id += 1
+        if self.spec is not None:
+            self.spec.admit(req)
         req.num_synced_blocks = 0
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=_arrival)
@@ -460,6 +479,12 @@ class Scheduler:
             )
         )
         req.pending_sample = seqs[-1].sample and not num_draft
+        if seqs[-1].sample:
+            spec.max_pending += num_draft + 1
+            spec.verify_pending = num_draft > 0
+            if num_draft:
+                seqs[-1].shifted = lookahead and spec.verifies_in_flight > 0
+                spec.verifies_in_flight += 1
         req.num_synced_blocks = len(req.block_ids)
         req.num_computed_at_step_start = start
         req.num_computed_tokens = end
@@ -488,6 +513,8 @@ class Scheduler:
         spec = req.spec
         if spec.draft_token_ids:  # a lookahead's drafts are dropped, as in _schedule_seq
             spec.draft_token_ids = []
+        spec.max_pending += 1
+        spec.verify_pending = False
         req.pending_sample = True
         req.num_synced_blocks = len(table)
         req.num_computed_at_step_start = start
@@ -536,6 +563,40 @@ class Scheduler:
         self.counters.lookahead_decodes += 1
         return True
 
+    def _schedule_verify_ahead(
+        self,
+        req: Request,
+        step_id: int,
+        seqs: list[ScheduledSeq],
+        copies: list[tuple[int, int]],
+        budget: int,
+    ) -> bool:
+        """Speculation's lookahead (one stage, drafts on the device): the next verify step of a
+        request whose previous plans are in flight and each sample its next token(s). Its input
+        is the token the last of them emits (PLACEHOLDER_TOKEN) and the drafts the last stage
+        proposes after it (DEVICE_DRAFT), and it assumes every draft in flight accepted: it
+        reserves slots from there, and the worker moves it back by the drafts rejected since
+        (the plan's rejected_drafts). Only while even all of those accepted stays within
+        max_tokens and max_model_len; False when it does not fit (a lookahead never preempts)."""
+        spec = req.spec
+        if not 0 < req.in_flight <= self.decode_lookahead or not (req.pending_sample or spec.verify_pending):
+            return False
+        num_output = len(req.output_token_ids)
+        if req.num_computed_tokens != len(req.prompt_token_ids) + num_output + spec.max_pending - 1:
+            return False  # a prefill chunk that samples nothing is in flight
+        room = req.max_output_tokens - num_output - spec.max_pending
+        num_draft = min(spec.k, spec.proposed, room - 1, budget - 1)
+        if num_draft < 1:
+            return False
+        end = req.num_computed_tokens + 1 + num_draft
+        bm = self.block_manager
+        if bm.blocks_needed(req, end) > bm.num_free_blocks:
+            return False
+        spec.draft_token_ids = [DEVICE_DRAFT] * num_draft
+        self._schedule_seq(req, end, num_draft, step_id, seqs, copies, lookahead=True)
+        self.counters.lookahead_decodes += 1
+        return True
+
     # ------------------------------------------------------------------ preemption and recovery
 
     def _preempt(self, req: Request) -> None:
@@ -545,7 +606,7 @@ class Scheduler:
         self._release_seq(req)
         self._remove_running(req)
         req.num_computed_tokens = 0
-        req.spec.draft_token_ids = []
+        req.spec.admitted()  # nothing of its seq_id is left (nor in flight: it was not)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -568,6 +629,7 @@ class Scheduler:
             req.in_flight = 0
             req.pending_sample = False
             req.spec.forget_draft_worker()
+            req.spec.admitted()
         self.sharing.reset()
         if self.spec is not None:
             self.spec.reset()
@@ -583,9 +645,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[RequestUpdate]:
+    def update(
+        self, plan: StepPlan, sampled: dict[int, list[int]], proposals: dict[int, list[int]] | None = None
+    ) -> list[RequestUpdate]:
         """Applies a plan's result: sampled[seq_id] holds the tokens of every sequence that
-        sampled (1, or accepted drafts + 1). Sequences aborted since the plan are ignored.
+        sampled (1, or accepted drafts + 1); proposals[seq_id] the drafts the last stage proposed
+        after the step (device prompt lookup). Sequences aborted since the plan are ignored.
         An update's new_token_ids may be the list from `sampled` itself."""
         self.retire(plan)
         live: list[ScheduledSeq] = []
@@ -600,28 +665,50 @@ class Scheduler:
             num_draft = s.num_draft
             if tokens is None or not 1 <= len(tokens) <= num_draft + 1:
                 raise ValueError(f"step {plan.step_id}: seq {s.seq_id} needs 1..{num_draft + 1} tokens, got {tokens!r}")
-            if num_draft:
+            if num_draft and s.input_token_ids[-1] != DEVICE_DRAFT:  # drafts the plan carried
                 accepted = len(tokens) - 1
                 if tokens[:accepted] != s.input_token_ids[-num_draft:][:accepted]:
                     raise ValueError(f"step {plan.step_id}: seq {s.seq_id} accepted tokens differ from its drafts")
 
         updates: list[RequestUpdate] = []
         self._num_in_flight -= len(live)
-        if self.spec is not None:
-            self.spec.verifying_plans -= plan.verifies
+        spec = self.spec
+        if spec is not None:
+            spec.verifying_plans -= plan.verifies
         for s in live:
             req = s.request
             req.in_flight -= 1
             if not s.sample:
                 continue
             tokens = sampled[s.seq_id]
+            state = req.spec
+            state.max_pending -= s.num_draft + 1
             if s.num_draft:
-                rejected = s.num_draft - (len(tokens) - 1)
-                if rejected:  # roll back the unaccepted draft slots and their surplus blocks
-                    rollback(req, rejected, self.block_manager)
-                self.acceptance.record(s.num_draft, len(tokens) - 1)
+                self._verified(req, s, len(tokens) - 1)
+            if proposals is not None:
+                found = proposals.get(s.seq_id, ())
+                state.last_proposed = len(found)
+                # Drafts for the next plan (P stages, controls): only if none is in flight.
+                state.returned = list(found) if not req.in_flight and not state.on_device else []
             updates.append(self._append_tokens(req, tokens))
         return updates
+
+    def _verified(self, req: Request, s: ScheduledSeq, accepted: int) -> None:
+        """A verify step's outcome: roll back the rejected drafts' slots (and the blocks past
+        the accepted tokens), count the acceptance, adapt the request's k."""
+        rejected = s.num_draft - accepted
+        if rejected:  # roll back the unaccepted draft slots and their surplus blocks
+            rollback(req, rejected, self.block_manager)
+        spec = req.spec
+        spec.rejected += rejected
+        spec.verifies_in_flight -= 1
+        valid = s.num_draft
+        if s.input_token_ids[-1] == DEVICE_DRAFT:  # the last stage found this many (its previous result)
+            valid = min(valid, spec.last_proposed)
+        if valid:
+            self.acceptance.record(valid, accepted)
+        if self.spec is not None:
+            self.spec.record(req, s.num_draft, valid, accepted)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
         out = req.output_token_ids
@@ -653,6 +740,7 @@ class Scheduler:
             self._remove_running(req)
             self._num_in_flight -= req.in_flight
             req.in_flight = 0
+            req.spec.admitted()  # its seq_id ends with whatever was in flight
         req.status = status
         req.spec.draft_token_ids = []
         if self.spec is not None:

@@ -1,29 +1,49 @@
-"""Speculative decoding in the scheduler: proposals, their slots, rollback and acceptance counts.
+"""Speculative decoding in the scheduler: proposals, their slots, rollback, acceptance counts,
+each request's k and the cost model that decides per step whether verifying pays.
 
 A speculating request decodes its latest token plus k draft tokens in one verify step (k + 1
 slots of KV); the last stage samples up to k + 1 tokens, and the slots of rejected drafts are
-rolled back when the result comes back. Drafts come from a prompt lookup here
-(ngram_proposer.py) or from a draft model's worker: then the plan carries DRAFT_PLACEHOLDERs that
-the engine fills in before it sends the plan (draft_proposer.py), and each request's SpecState
-tracks what the draft worker holds of it.
+rolled back when the result comes back. Drafts come from:
+
+- prompt lookup on the last stage's device (proposer "device", the default): every plan asks
+  the last stage to propose k drafts after its draw (StepPlan.propose_drafts). With one stage
+  the drafts never leave the device: a verify step's plan carries DEVICE_DRAFT placeholders, and
+  it may go out before the previous step's result came back (a lookahead for speculation, as
+  plain decoding has one): it assumes every draft in flight accepted, reserves the slots for
+  that, and the worker moves the sequence back by the rejections it counted since (the plan's
+  rejected_drafts says how many the scheduler knew of). With P stages, or for a request whose
+  sampling keeps state on the last stage (penalties, a grammar), the result returns the drafts
+  and the next plan carries them;
+- prompt lookup here (proposer "scheduler", ngram_proposer.py);
+- a draft model's worker: the plan carries DRAFT_PLACEHOLDERs that the engine fills in before it
+  sends the plan (draft_proposer.py), and each request's SpecState tracks what the draft worker
+  holds of it.
+
+Each request's k follows its acceptance (AdaptiveK: 0 turns drafting off for a while), and a
+CostModel fed with the GPU time of each step decides per step whether verification beats plain
+decoding at the current batch; max_batch (--speculative-max-batch) caps it.
 
 The scheduler core calls in at a few points: Speculation.active once per step, propose for a
-request due to speculate, drafts_that_fit when it sizes a decode, rollback and
-Acceptance.record when a verify step's result comes back. Drafts set on a request by anyone
-else (tests do) are scheduled and verified the same way.
+request due to speculate, drafts_that_fit when it sizes a decode, device_verify for a request
+whose drafts are on the device, after_plan on each plan, rollback and record when a verify
+step's result comes back. Drafts set on a request by anyone else (tests do) are scheduled and
+verified the same way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from strata.protocol import DRAFT_PLACEHOLDER
+from strata.protocol import DEVICE_DRAFT, DRAFT_PLACEHOLDER
+from strata.sampling_rules import history_needed
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.v1 import engine_pb2
 
 if TYPE_CHECKING:
+    from strata.services.scheduler.plan import StepPlan
     from strata.services.scheduler.request import Request
 
 # After a prompt lookup finds nothing, the request decodes this many tokens (pipelined with decode
@@ -33,27 +53,49 @@ NGRAM_RETRY_TOKENS = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: who proposes, how many tokens, and up to which batch it pays."""
+    """Speculative decoding: who proposes, how many tokens, and up to which batch it may run."""
 
-    method: str  # "ngram" (prompt lookup, here) or "draft" (a draft model's worker)
+    method: str  # "ngram" (prompt lookup) or "draft" (a draft model's worker)
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
-    max_batch: int = 32  # running requests above this decode without drafts
+    max_batch: int = 32  # running requests above this decode without drafts (a cap)
+    proposer: str = "scheduler"  # ngram: "device" (the last stage) or "scheduler" (here)
+    # k per request from its acceptance, and the cost model's per-step choice; off: every
+    # request always proposes k (up to max_batch), as before.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.method!r}")
+        if self.proposer not in ("device", "scheduler"):
+            raise ValueError(f"unknown n-gram proposer {self.proposer!r}")
         if self.num_speculative_tokens < 1 or self.max_batch < 0:
             raise ValueError("num_speculative_tokens >= 1 and max_batch >= 0")
 
 
 @dataclass(slots=True)
 class SpecState:
-    """One request's speculation: its drafts for the next step and the draft worker's view of it."""
+    """One request's speculation: its drafts for the next step, its k, what the last stage holds
+    of it (device proposals) and the draft worker's view of it."""
 
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (consumed by it)
     retry_at: int = 0  # output tokens before it speculates again (after a proposal found nothing)
+    k: int = 0  # drafts it proposes now (AdaptiveK); set at admission
+    expected: float = 0.0  # tokens a verify step of its k drafts emits on average (0: not known yet)
+    accepted: float = 0.0  # AdaptiveK's decayed counts: drafts accepted, proposals that ended in a miss
+    missed: float = 0.0
+    found: float = -1.0  # AdaptiveK: drafts a proposal holds on average (-1: none seen yet)
+    backoff: int = 0  # tokens it stays off after its acceptance fell too low (doubles each time)
+    # Device proposals (proposer "device"), per admission (seq_id):
+    on_device: bool = False  # its drafts stay on the last stage's device (one stage, no controls)
+    proposed: int = 0  # drafts its latest plan asked the last stage to propose for the next step
+    last_proposed: int = 0  # drafts the latest result said were found (0: no match)
+    returned: list[int] = field(default_factory=list)  # drafts a result returned, for the next plan
+    rejected: int = 0  # draft tokens rejected since admission, as results reported them
+    verifies_in_flight: int = 0  # plans in flight verifying its drafts
+    max_pending: int = 0  # tokens its plans in flight emit at most (all drafts accepted)
+    verify_pending: bool = False  # its latest plan verifies drafts
     # Draft model: what the draft worker holds (draft_proposer.py keeps these).
     draft_seq_id: int | None = None  # the seq_id the draft worker holds state for
     draft_synced_blocks: int = 0  # leading block-table entries the draft worker holds
@@ -71,36 +113,124 @@ class SpecState:
         self.draft_synced_blocks = self.draft_computed = 0
         self.draft_token_ids = []
 
+    def admitted(self) -> None:
+        """A new seq_id (admission, re-admission): the last stage holds nothing of it yet."""
+        self.proposed = self.last_proposed = self.rejected = 0
+        self.verifies_in_flight = self.max_pending = 0
+        self.verify_pending = False
+        self.returned = []
+        self.draft_token_ids = []
+
 
 class Speculation:
-    """The scheduler's proposer side: who proposes, for whom, and the draft worker's releases."""
+    """The scheduler's proposer side: who proposes, for whom, how many, and whether this step
+    verifies at all."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, pipeline_stages: int = 1) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_batch = config.max_batch
-        # ngram drafts come from here; a draft model's drafts are DRAFT_PLACEHOLDERs that the
-        # engine fills in from the draft worker before it sends the plan (all k or none, so that
-        # one call of k steps serves every sequence).
-        self.ngram = NgramProposer(self.k, config.ngram_min, config.ngram_max) if config.method == "ngram" else None
+        # Prompt lookup on the last stage's device; with one stage its drafts never leave it and
+        # verify steps may go out before the previous result (Scheduler._schedule_verify_ahead).
+        self.on_device = config.method == "ngram" and config.proposer == "device"
+        self.drafts_stay = self.on_device and pipeline_stages == 1
+        # Scheduler-side ngram drafts come from here; a draft model's drafts are DRAFT_PLACEHOLDERs
+        # that the engine fills in from the draft worker before it sends the plan (all k or none,
+        # so that one call of k steps serves every sequence).
+        self.ngram = (
+            NgramProposer(self.k, config.ngram_min, config.ngram_max)
+            if config.method == "ngram" and not self.on_device
+            else None
+        )
         self.draft_releases: list[int] = []  # seq ids the draft worker may drop (draft method)
-        self.verifying_plans = 0  # plans in flight that verify drafts
+        self.verifying_plans = 0  # plans in flight that verify drafts they carry (not the device's)
+        self.adaptive = AdaptiveK(self.k, all_or_nothing=config.method == "draft") if config.adaptive else None
+        self.costs = CostModel() if config.adaptive else None
+        # What the latest plan's sampling sequences expect per step if they verify, for the
+        # cost model's next choice: tokens per sequence, and the longest query.
+        self.expected_per_seq = expected_tokens(0.7, self.k)
+        self.max_query = self.k + 1
+        self.batch = 1  # running requests at the latest choice
+
+    def admit(self, req: Request) -> None:
+        """req got a (new) seq_id: the last stage holds nothing of it."""
+        spec = req.spec
+        spec.admitted()
+        # Sampling that keeps state on the last stage (penalties, a grammar) needs its drafts on
+        # the host before the step: they come back with the result and ride in the next plan.
+        spec.on_device = self.drafts_stay and not history_needed(req.sampling)[0]
 
     def active(self, num_running: int) -> bool:
-        """Whether requests speculate this step: up to max_batch running requests it pays."""
-        return num_running <= self.max_batch
+        """Whether requests verify drafts this step: up to max_batch running requests, where the
+        cost model finds that it pays at this batch."""
+        self.batch = num_running
+        if num_running > self.max_batch:
+            return False
+        if self.costs is None:
+            return True
+        return self.costs.speculate(num_running, self.expected_per_seq, self.max_query)
 
     def propose(self, req: Request) -> None:
-        """Drafts for a request about to decode its latest token, as long as even all of them
-        accepted (plus the bonus token) stays within max_tokens and max_model_len."""
+        """Drafts for a request about to decode its latest token (its plan carries them), as
+        long as even all of them accepted (plus the bonus token) stays within max_tokens and
+        max_model_len."""
         room = req.max_output_tokens - len(req.output_token_ids) - 1
         spec = req.spec
-        if self.ngram is not None:
-            spec.draft_token_ids = self.ngram.propose(req, room)
+        if spec.k <= 0:
+            return
+        if self.on_device:  # the drafts the latest result returned (P stages, or controls)
+            spec.draft_token_ids = spec.returned[: min(spec.k, room)]
+            spec.returned = []
+        elif self.ngram is not None:
+            spec.draft_token_ids = self.ngram.propose(req, min(spec.k, room))
             if not spec.draft_token_ids:  # nothing to look up: decode (with lookahead) for a while
                 spec.retry_at = len(req.output_token_ids) + NGRAM_RETRY_TOKENS
         elif room >= self.k:
             spec.draft_token_ids = [DRAFT_PLACEHOLDER] * self.k
+
+    def device_drafts(self, req: Request) -> None:
+        """A request not in flight, about to decode its latest token, whose drafts are on the
+        device: verify those the last stage found (its latest result says how many)."""
+        spec = req.spec
+        room = req.max_output_tokens - len(req.output_token_ids) - 1
+        n = min(spec.k, spec.proposed, spec.last_proposed, room)
+        spec.draft_token_ids = [DEVICE_DRAFT] * n if n > 0 else []
+
+    def after_plan(self, plan: StepPlan) -> None:
+        """The plan's sampling sequences of speculating requests ask the last stage for their next
+        drafts (device proposer), and their expected tokens per verify step feed the next choice."""
+        expected = count = 0.0
+        longest = 1
+        adaptive, on_device = self.adaptive, self.on_device
+        for s in plan.seqs:
+            if not s.sample:
+                continue
+            spec = s.request.spec
+            if adaptive is not None and spec.k <= 0 and len(s.request.output_token_ids) >= spec.retry_at:
+                adaptive.resume(spec)
+            k = spec.k
+            if on_device:
+                s.propose = k
+                spec.proposed = k
+            count += 1
+            if k > 0:
+                expected += spec.expected or expected_tokens(0.7, k)
+                longest = max(longest, k + 1)
+            else:
+                expected += 1
+        if count:
+            self.expected_per_seq = expected / count
+            self.max_query = longest
+
+    def record(self, req: Request, num_draft: int, valid: int, accepted: int) -> None:
+        """A verify step's outcome for req: num_draft slots, valid of them real proposals."""
+        if self.adaptive is not None:
+            self.adaptive.record(req, num_draft, valid, accepted, self.costs.marginal_cost(self.batch))
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step's cost, for the cost model: pure decode or verify steps only."""
+        if self.costs is not None and plan.max_query and seconds > 0:
+            self.costs.observe(len(plan.seqs), plan.max_query, seconds)
 
     def release(self, req: Request) -> None:
         """req's seq_id ends: the draft worker may drop what it holds for it."""
@@ -117,6 +247,157 @@ class Speculation:
         """The pipeline was rebuilt: nothing is in flight, the draft worker holds nothing."""
         self.verifying_plans = 0
         self.draft_releases = []
+
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens one verification of k drafts emits when each draft is accepted with probability
+    alpha once those before it were (a geometric run, plus the target's own token)."""
+    if alpha >= 1:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class AdaptiveK:
+    """Each request's k, from its drafts so far.
+
+    A proposal's drafts are accepted left to right until the first miss, so a request's record
+    is a run of accepted drafts and (unless all were) one miss per verify step: alpha, the chance
+    that a draft is accepted once the ones before it were, is accepted / (accepted + missed),
+    over decayed counts (recent steps weigh more) with a prior of 2 / 3. A proposal also holds
+    only the drafts the lookup found (`found`, decayed, one more where it filled every slot: it
+    may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
+    and k maximises that per unit of the step's cost, (1 + c k), c being one more position's
+    cost relative to a decode step (the cost model's, at the current batch). Where no k beats a
+    plain decode (alpha below about c, or nothing found), k is 0: the request proposes nothing
+    for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
+
+    DECAY = 0.8
+    PRIOR_ACCEPTED, PRIOR_MISSED = 2.0, 1.0
+    MIN_BACKOFF, MAX_BACKOFF = 16, 512
+
+    def __init__(self, k: int, all_or_nothing: bool = False) -> None:
+        self.k = k
+        self.all_or_nothing = all_or_nothing  # a draft model proposes k tokens or none
+
+    def alpha(self, spec: SpecState) -> float:
+        return (spec.accepted + self.PRIOR_ACCEPTED) / (
+            spec.accepted + spec.missed + self.PRIOR_ACCEPTED + self.PRIOR_MISSED
+        )
+
+    def record(self, req: Request, num_draft: int, valid: int, accepted: int, marginal_cost: float) -> None:
+        spec = req.spec
+        spec.accepted = spec.accepted * self.DECAY + accepted
+        spec.missed = spec.missed * self.DECAY + (1 if accepted < valid else 0)
+        seen = valid + (1 if valid == num_draft else 0)
+        spec.found = seen if spec.found < 0 else spec.found * self.DECAY + seen * (1 - self.DECAY)
+        alpha = self.alpha(spec)
+        c = max(marginal_cost, 1e-3)
+        candidates = (self.k,) if self.all_or_nothing else range(1, self.k + 1)
+        best_k, best, best_tokens = 0, 1.0, 1.0
+        for k in candidates:
+            tokens = expected_tokens(alpha, min(k, spec.found))
+            value = tokens / (1 + c * k)
+            if value > best * 1.02:
+                best_k, best, best_tokens = k, value, tokens
+        spec.expected = best_tokens
+        if best_k == 0 and spec.k > 0:
+            spec.backoff = min(max(2 * spec.backoff, self.MIN_BACKOFF), self.MAX_BACKOFF)
+            spec.retry_at = len(req.output_token_ids) + spec.backoff
+        elif best_k > 0 and alpha > 0.5:
+            spec.backoff = 0
+        spec.k = best_k
+
+    def resume(self, spec: SpecState) -> None:
+        """Its backoff is over: it proposes again, from the prior."""
+        spec.accepted = spec.missed = 0.0
+        spec.found = -1.0
+        spec.k = self.k if self.all_or_nothing else max(1, self.k // 2)
+        spec.expected = expected_tokens(self.alpha(spec), spec.k)
+
+
+class CostModel:
+    """Verify or decode, per step, from what steps cost the pipeline: the time from one result
+    to the next (or the step's GPU time, if longer), measured on GPU workers only.
+
+    Times are kept per (batch bucket, query length), query length 1 for a plain decode step and
+    1 + the most drafts of any sequence for a verify step (graphs pad the others to it): an
+    exponential average of each. A step verifies when the tokens it expects, per sequence
+    (Speculation.expected_per_seq), times the decode time beats the verify time: verifying k + 1
+    positions must beat k + 1 plain steps, so that speculation never makes a batch slower than
+    plain decoding. A bucket not measured yet is tried (plain first), and every REFRESH choices
+    the option not taken runs once, to follow the times as contexts grow. The host's part counts:
+    where the stack is host-bound, fewer steps for the same tokens pay even if the GPU's time
+    does not. Without GPU timing (CPU workers) it has no data and speculation stays on, up to
+    max_batch."""
+
+    REFRESH = 256
+    MARGIN = 1.05  # the other option must be this much faster to change the choice
+    HOLD = 32  # choices a change holds for: each change costs a bubble (a verify in flight
+    # must come back before its request decodes plainly), so estimates near the line must not flip it
+
+    def __init__(self) -> None:
+        self.times: dict[tuple[int, int], float] = {}
+        self.choices: dict[int, int] = {}
+        self.current: dict[int, tuple[bool, int]] = {}  # per bucket: (speculating, choice it changed at)
+        self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
+        self.enabled = False
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """The decode graphs' padded sizes: 1, 2, 4, 8, then multiples of 16."""
+        if batch <= 8:
+            return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
+        return -(-batch // 16) * 16
+
+    def observe(self, batch: int, query: int, seconds: float) -> None:
+        self.enabled = True
+        b = self.bucket(batch)
+        key = (b, query)
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else old + 0.2 * (seconds - old)
+        if query > self.longest.get(b, 1):
+            self.longest[b] = query
+
+    def speculate(self, batch: int, expected_per_seq: float, query: int) -> bool:
+        if not self.enabled:
+            return True
+        b = self.bucket(batch)
+        decode = self.times.get((b, 1))
+        if decode is None:
+            return False  # measure a plain step first
+        verify = self.times.get((b, query))
+        if verify is None:
+            verify = self._nearest_verify(b, query)
+            if verify is None:
+                return True  # then a verify step
+        n = self.choices[b] = self.choices.get(b, 0) + 1
+        gain = expected_per_seq * decode / verify
+        current, since = self.current.get(b, (gain > 1, 0))
+        if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
+            current, since = not current, n
+        self.current[b] = (current, since)
+        return (not current) if n % self.REFRESH == 0 else current
+
+    def _nearest_verify(self, b: int, query: int) -> float | None:
+        """The time of the longest measured verify step at bucket b up to query (shorter queries
+        cost less), else None."""
+        best = None
+        for q in range(query - 1, 1, -1):
+            if (b, q) in self.times:
+                best = self.times[(b, q)]
+                break
+        return best
+
+    def marginal_cost(self, batch: int) -> float:
+        """One more verified position's cost relative to a decode step at this batch, from its
+        longest verify step measured (0.05 until then: small batches read the weights once
+        either way)."""
+        b = self.bucket(batch)
+        decode = self.times.get((b, 1))
+        longest = self.longest.get(b, 0)
+        if decode is None or not longest:
+            return 0.05
+        return max((self.times[(b, longest)] / decode - 1) / (longest - 1), 0.0)
 
 
 def drafts_that_fit(req: Request, budget: int) -> int:

@@ -126,6 +126,10 @@ def build(args):
         speculative_max_batch=args.speculative_max_batch,
         piecewise_max_tokens=piecewise_max_tokens(args),
         tokenizer_dir=getattr(args, "tokenizer", None) or (None if dummy else model_path),
+        # Prompt lookup on this device (the last stage proposes drafts after each draw).
+        ngram_on_device=(args.ngram_min, args.ngram_max)
+        if args.speculative_method == "ngram" and args.ngram_proposer == "device" and not draft
+        else None,
     )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"

@@ -16,6 +16,7 @@ import torch
 from strata.kernels.gumbel_sampling import HAVE_TRITON
 from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
 from strata.services.worker.cascade_inputs import shared_kv_runs
+from strata.services.worker.device_proposer import DeviceSpeculation, shifting_verify_graphs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling_controls import SamplingControls
@@ -46,6 +47,7 @@ class ModelRunner:
         speculative_max_batch: int = 0,
         piecewise_max_tokens: int = 0,
         tokenizer_dir: str | None = None,
+        ngram_on_device: tuple[int, int] | None = None,
     ):
         self.shard = shard
         self.config = model_config
@@ -79,9 +81,28 @@ class ModelRunner:
         self.verify_query_lens = range(2, num_speculative_tokens + 2) if self.cuda_graph_max_batch else range(0)
         self.verify_max_batch = min(speculative_max_batch, self.cuda_graph_max_batch)
         # The last token sampled per state row (decode lookahead), plus a scratch row that the
-        # decode graphs' padding rows write to.
+        # decode graphs' padding rows write to (and, with prompt lookup on this device, each
+        # row's drafts after them: device_proposer.py).
         self.scratch_row = max_num_seqs
-        self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        spec_k = num_speculative_tokens if ngram_on_device is not None and self.is_last else 0
+        size = DeviceSpeculation.last_sampled_size(max_num_seqs, spec_k) if spec_k else max_num_seqs + 1
+        self.last_sampled = torch.zeros(size, dtype=torch.long, device=device)
+        # Speculation on this device (ngram_on_device: (ngram_min, ngram_max) of prompt lookup).
+        self.spec = None
+        if spec_k:
+            self.spec = DeviceSpeculation(
+                max_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_k=spec_k,
+                ngram_min=ngram_on_device[0],
+                ngram_max=ngram_on_device[1],
+                block_size=block_size,
+                last_sampled=self.last_sampled,
+                device=device,
+            )
+            self.table.speculation = self.spec
+            if self.is_first:
+                self.inputs.speculation = self.spec
         # Penalties, biases and grammars of the sequences that use them (last stage).
         self.controls = None
         if self.is_last:
@@ -141,13 +162,17 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
             )
+            if self.spec is not None:
+                self.spec.warm_up()
             warn_on_late_compiles()
 
     def _capture_graphs(self) -> None:
         from strata.services.worker.cuda_graphs import DecodeGraphs
 
         def capture(max_batch: int, query_len: int, cascade: bool = False) -> DecodeGraphs:
-            graphs = DecodeGraphs(
+            # Verification graphs move a plan's positions on the device first (speculation's lookahead).
+            cls = shifting_verify_graphs(self.spec) if self.spec is not None and query_len > 1 else DecodeGraphs
+            graphs = cls(
                 self.shard,
                 self.kv_caches,
                 max_batch=max_batch,
@@ -204,6 +229,10 @@ class ModelRunner:
         h = self.inputs.build(plan, rows)
         if take_inputs is not None:
             hidden, residual = take_inputs()
+        spec = None
+        if self.spec is not None:  # known tokens into the device history, the step's speculation rows
+            tokens = h.input_ids if h.input_ids is not None else np.asarray(plan.input_token_ids, dtype=np.int64)
+            spec = self.spec.begin_step(plan, h, tokens)
         if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
             self.handoff.before_step(plan.step_id, h)
         elif h.has_placeholders and not self.is_last:
@@ -221,8 +250,11 @@ class ModelRunner:
         num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
-            return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start)
+            return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start, spec)
         d, sampling = self.inputs.upload(h, eager=True)
+        if spec is not None:  # a plan sent before a verification came back: move its sequences
+            self.spec.stage(spec, h)
+            self.spec.shift_eager(spec, d, sampling)
         # A plan with placeholders (decode lookahead) uploads each token's state row to resolve them.
         placeholders = (d["token_rows"], self.last_sampled) if "token_rows" in d else None
         meta = AttentionMetadata(
@@ -248,9 +280,9 @@ class ModelRunner:
         if h.sample_seq_ids:
             idx = d["sample_token_index"]
             logits = self.shard.compute_logits(hidden[idx], residual[idx])
-        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, gpu_start)
+        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, gpu_start, spec)
 
-    def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, hidden, residual, start: float, gpu_start):
+    def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, hidden, residual, start: float, gpu_start, spec):
         """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
         draws the token after it, from (seed, position + 1)); when every token is a sample row
         without filters or logprobs, that draw is the result. Otherwise the sampler runs on the
@@ -264,8 +296,9 @@ class ModelRunner:
         draws = graphs.samples and (all_rows or padded)
         in_graph = draws and bool(t.unfiltered[token_rows].all())
         c = self.controls
-        controlled = (
-            draws
+        controlled = (  # a step that also speculates on the device takes the general path
+            spec is None
+            and draws
             and not in_graph
             and c is not None
             and bool((t.unfiltered[token_rows] | c.drawable[token_rows]).all())
@@ -283,7 +316,7 @@ class ModelRunner:
             }
         if controlled:
             c.mark_launch()
-            logits, tokens = graphs.run(bs, h, token_rows, sampling_rows, hidden, residual)
+            logits, tokens = graphs.run(bs, h, h.placeholder_rows, sampling_rows, hidden, residual)
             c.draw_controlled(
                 plan,
                 h,
@@ -305,12 +338,17 @@ class ModelRunner:
                 take=h.sample_token_index if padded else None,
             )
         d = sampling = None
+        if spec is not None:  # the verification graphs read it to move positions
+            self.spec.stage(spec, h, bs)
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
-        outs = graphs.run(bs, h, token_rows, sampling_rows, hidden, residual)
+            if spec is not None:
+                self.spec.shift_sampling(spec, sampling, d["sample_token_index"], graphs.query_len)
+        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, hidden, residual)
         if not self.is_last:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
+            packed = self.spec.after_draw(spec, outs[1], per_token=True) if spec is not None else None
             return PendingResult(
                 plan.step_id,
                 start,
@@ -321,12 +359,13 @@ class ModelRunner:
                 gpu_start,
                 h.verify,
                 take=h.sample_token_index if padded else None,
+                speculation=(packed, spec.sample_idx) if spec is not None else None,
             )
         logits = sample_rows = None
         if h.sample_seq_ids:
             logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
             sample_rows = d["sample_rows"]
-        return self._sample(plan, h, logits, sample_rows, sampling, start, gpu_start)
+        return self._sample(plan, h, logits, sample_rows, sampling, start, gpu_start, spec)
 
     def _sample(
         self,
@@ -337,6 +376,7 @@ class ModelRunner:
         sampling: SamplingTensors | None,
         start: float,
         gpu_start,
+        spec=None,
     ) -> PendingResult:
         step_id = plan.step_id
         controlled = self.controls is not None and self.controls.active
@@ -351,6 +391,8 @@ class ModelRunner:
             self.controls.after_draw(h, out.token_ids, grammar_rows)
         # Kept on the device for the next plan's decode lookahead (placeholder input tokens).
         self.last_sampled[sample_rows] = out.token_ids
+        # Speculation on the device: verify, commit the emitted tokens, propose the next drafts.
+        packed = self.spec.after_draw(spec, out.token_ids, per_token=False) if spec is not None else None
         tensors = [out.token_ids]
         if sampling.num_logprobs >= 0:
             tensors += [out.logprobs, out.top_ids, out.top_logprobs]
@@ -363,4 +405,5 @@ class ModelRunner:
             self.timeline,
             gpu_start,
             h.verify,
+            speculation=(packed, spec.sample_idx) if spec is not None else None,
         )

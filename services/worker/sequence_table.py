@@ -36,8 +36,10 @@ class SequenceTable:
         self.greedy = np.zeros(max_seqs, dtype=np.uint8)
         self.unfiltered = np.zeros(max_seqs, dtype=bool)  # no top-k/top-p/min-p, no logprobs
         self.rows: dict[int, int] = {}
-        # The last stage's penalties and grammars (sampling_controls.SamplingControls), if any.
+        # The last stage's penalties and grammars (sampling_controls.SamplingControls), if any,
+        # and its speculation state (device_proposer.DeviceSpeculation): both follow admissions.
         self.controls = None
+        self.speculation = None
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.num_kv_blocks = 0  # block ids must be below it (set with the cache)
 
@@ -84,6 +86,8 @@ class SequenceTable:
         self.unfiltered[row] = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
         if self.controls is not None and self.controls.add(row, seq):
             self.unfiltered[row] = False  # its logits go through the controls before the draw
+        if self.speculation is not None:
+            self.speculation.admit(row, seq)
 
     def release(self, seq_id: int) -> None:
         row = self.rows.pop(seq_id, None)
@@ -91,11 +95,15 @@ class SequenceTable:
             self.free_rows.append(row)
             if self.controls is not None:
                 self.controls.release(row)
+            if self.speculation is not None:
+                self.speculation.release(row)
 
     def reset(self, num_kv_blocks: int) -> None:
         """Forgets every sequence: a new KV cache of num_kv_blocks blocks was allocated."""
         for seq_id in list(self.rows):
             self.release(seq_id)
+        if self.speculation is not None:
+            self.speculation.reset()
         self.num_kv_blocks = num_kv_blocks
 
     def lookup(self, seq_ids) -> np.ndarray:

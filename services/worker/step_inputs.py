@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.protocol import PLACEHOLDER_TOKEN
+from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.worker.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import SamplingTensors
@@ -42,6 +42,13 @@ class HostInputs:
     sample_seq_ids: list[int]  # [S] the sequences that sample
     verify: Verification | None  # set when some sequence verifies drafts
     shared_kv_runs: SharedKVRunInputs | None = None  # sequences sharing KV blocks, for cascade attention
+    # [T] where a placeholder input token (< 0) is read from last_sampled: the token's state row,
+    # or for a DEVICE_DRAFT token the draft's slot (device_proposer.py); None: token_rows.
+    source_rows: np.ndarray | None = None
+
+    @property
+    def placeholder_rows(self) -> np.ndarray:
+        return self.token_rows if self.source_rows is None else self.source_rows
 
 
 @dataclass
@@ -74,6 +81,9 @@ class StepInputBuilder:
         self.first_stage = first_stage
         self.last_stage = last_stage
         self.device = device
+        # The last stage's DeviceSpeculation when it proposes drafts (one stage: stage 0 too),
+        # whose DEVICE_DRAFT input tokens then resolve to its drafts; None: they are refused.
+        self.speculation = None
 
     def build(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> HostInputs:
         """The step's inputs as numpy arrays: positions, slots and block tables, vectorised.
@@ -103,14 +113,17 @@ class StepInputBuilder:
             if len(plan.input_token_ids) != total:
                 raise PlanError(f"plan has {len(plan.input_token_ids)} input tokens for {total} scheduled")
             input_ids = np.asarray(plan.input_token_ids, dtype=np.int64)
-            if ((input_ids < 0) & (input_ids != PLACEHOLDER_TOKEN)).any() or (input_ids >= self.vocab_size).any():
+            placeholder = input_ids == PLACEHOLDER_TOKEN
+            if self.speculation is not None:
+                placeholder |= input_ids == DEVICE_DRAFT
+            if ((input_ids < 0) & ~placeholder).any() or (input_ids >= self.vocab_size).any():
                 raise PlanError(f"input token ids must be in [0, {self.vocab_size})")
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         last_token = qsl[1:] - 1
         h = HostInputs(
             input_ids=input_ids,
             token_rows=token_rows,
-            has_placeholders=input_ids is not None and bool((input_ids == PLACEHOLDER_TOKEN).any()),
+            has_placeholders=input_ids is not None and bool((input_ids < 0).any()),
             positions=positions,
             query_start_loc=qsl,
             seq_lens=seq_lens,
@@ -126,6 +139,8 @@ class StepInputBuilder:
         )
         if any(plan.num_draft_tokens):
             self._add_verification(h, plan, q_lens, sample_idx, rows)
+        if h.has_placeholders and self.speculation is not None:
+            self._add_device_drafts(h, plan, q_lens)
         h.shared_kv_runs = shared_kv_run_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
         return h
 
@@ -153,6 +168,19 @@ class StepInputBuilder:
             raise PlanError("a plan with drafts must carry every input token")
         following = np.minimum(h.sample_token_index + 1, tokens.shape[0] - 1)
         h.verify = Verification(counts, np.where(offset < np.repeat(d, counts), tokens[following], -1))
+
+    def _add_device_drafts(self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray) -> None:
+        """DEVICE_DRAFT input tokens read the last stage's draft j of their row, j their index
+        among the sequence's drafts (they must be drafts: the last num_draft_tokens inputs)."""
+        device = h.input_ids == DEVICE_DRAFT
+        if not device.any():
+            return
+        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64) if plan.num_draft_tokens else np.zeros_like(q_lens)
+        offset = np.arange(h.input_ids.shape[0]) - np.repeat(h.query_start_loc[:-1], q_lens)
+        j = offset - np.repeat(q_lens - drafts, q_lens)
+        if (j[device] < 0).any():
+            raise PlanError("DEVICE_DRAFT tokens must be a verifying sequence's drafts")
+        h.source_rows = np.where(device, self.speculation.source_row(h.token_rows, j), h.token_rows)
 
     def pad_queries(self, h: HostInputs, q: int) -> HostInputs | None:
         """A verification step whose sequences compute different numbers of tokens (1 + their
@@ -182,6 +210,10 @@ class StepInputBuilder:
         if h.input_ids is not None:
             input_ids = np.zeros(total, np.int64)
             input_ids[index] = h.input_ids
+        source_rows = None
+        if h.source_rows is not None:
+            source_rows = token_rows.copy()
+            source_rows[index] = h.source_rows
         return HostInputs(
             input_ids=input_ids,
             token_rows=token_rows,
@@ -198,6 +230,7 @@ class StepInputBuilder:
             sample_positions=h.sample_positions,
             sample_seq_ids=h.sample_seq_ids,
             verify=h.verify,
+            source_rows=source_rows,
         )
 
     def upload(self, h: HostInputs, *, eager: bool) -> tuple[dict[str, torch.Tensor], SamplingTensors | None]:
@@ -207,7 +240,7 @@ class StepInputBuilder:
         arrays = {"sample_rows": h.sample_rows, "sample_token_index": h.sample_token_index}
         if eager:
             if h.has_placeholders:
-                arrays["token_rows"] = h.token_rows
+                arrays["token_rows"] = h.placeholder_rows
             arrays.update(
                 positions=h.positions,
                 query_start_loc=h.query_start_loc.astype(np.int32),

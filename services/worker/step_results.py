@@ -63,11 +63,17 @@ class PendingResult:
         gpu_start: torch.cuda.Event | None = None,
         verify: Verification | None = None,
         take: np.ndarray | None = None,
+        speculation: tuple[torch.Tensor, np.ndarray] | None = None,
     ):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
         self.take = take  # the sample rows among the tokens drawn (a padded verification graph)
         self.host = [x.to("cpu", non_blocking=True) for x in tensors]
+        # Speculation on the device (device_proposer.py): its packed per-sequence outcome (tokens
+        # emitted, drafts proposed, the drafts) and the sampling sequences' rows in it.
+        self.speculation = None
+        if speculation is not None:
+            self.speculation = (speculation[0].to("cpu", non_blocking=True), speculation[1])
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = GpuTimeline.mark() if gpu_start is not None else None
         self.launch_seconds = time.perf_counter() - start
@@ -77,6 +83,9 @@ class PendingResult:
         if self.event is not None:
             self.event.synchronize()
             result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
+        packed = None
+        if self.speculation is not None:
+            packed = self.speculation[0].numpy()[self.speculation[1]]
         if self.seq_ids:
             result.seq_ids.extend(self.seq_ids)
             if self.verify is None:  # one token per sequence (most steps)
@@ -88,11 +97,20 @@ class PendingResult:
                 tokens = self.host[0].numpy()
                 if self.take is not None:
                     tokens = tokens[self.take]
-                num_tokens, emitted = accepted_rows(tokens, self.verify)
+                if packed is not None:  # verified on the device (its drafts may be there only)
+                    num_tokens, emitted = packed[:, 0], emitted_rows(packed[:, 0], self.verify)
+                else:
+                    num_tokens, emitted = accepted_rows(tokens, self.verify)
                 result.num_tokens.extend(num_tokens.tolist())
                 result.token_ids.extend(tokens[emitted].tolist())
             if len(self.host) > 1:
                 self._add_logprobs(result, emitted)
+            if packed is not None and packed[:, 1].any():
+                counts = packed[:, 1]
+                result.num_proposed.extend(counts.tolist())
+                result.proposed_token_ids.extend(
+                    packed[:, 2:][np.arange(packed.shape[1] - 2) < counts[:, None]].tolist()
+                )
         result.execute_seconds = time.perf_counter() - self.start
         return result
 
@@ -108,6 +126,15 @@ class PendingResult:
             result.num_top.append(k)
             result.top_token_ids.extend(top_ids[i, :k].tolist())
             result.top_logprobs.extend(top_lps[i, :k].tolist())
+
+
+def emitted_rows(num_tokens: np.ndarray, verify: Verification) -> np.ndarray:
+    """The sample rows a verify step emits, in order: each sequence's first num_tokens rows."""
+    counts = verify.rows_per_seq
+    first_row = np.cumsum(counts) - counts
+    width = int(counts.max())
+    index = first_row[:, None] + np.arange(width)
+    return index[np.arange(width) < num_tokens[:, None]]
 
 
 def accepted_rows(tokens: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:

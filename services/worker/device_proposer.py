@@ -1,0 +1,375 @@
+"""Speculative decoding on the last stage's device: each sequence's tokens kept by row, prompt
+lookup proposals made there after every draw, verification there, and the moves of a plan that
+went out before an earlier verification of its sequences came back.
+
+What lives on the device, per sequence-table row (DeviceSpeculation):
+- history [rows, max_model_len] int32: the sequence's tokens by position, written from the
+  plans' known input tokens (prompt, recomputed output; NewSequence.prefix_token_ids for what it
+  never sees as input) and from each step's emitted draws;
+- hist_len: how many of them are known (set by each sampling step's commit);
+- the drafts proposed for the row's next step, in an extension of the runner's `last_sampled`
+  (index draft_base + row * max_k + j), so that a plan's DEVICE_DRAFT input tokens resolve as
+  decode placeholders do: the embedding reads `last_sampled` at the token's source row
+  (step_inputs.HostInputs.source_rows), and nothing in the step needs a new input path;
+- num_valid: how many of those drafts the lookup found (the others are 0s, never accepted);
+- rejected: the draft tokens rejected since admission (the shifts of kernels/spec_decode.py).
+
+Per step (the runner calls in): begin_step writes the known tokens into history and builds the
+step's per-sequence meta rows (kernels/spec_decode.py's columns); stage() copies them to a static
+device buffer before the forward (the verification graphs read it to move positions); the
+eager path calls shift_eager; after the draw, after_draw verifies and commits every sampling
+sequence and proposes the next drafts (one kernel each), returning a packed int64 [n, 2 + max_k]
+tensor for the step's result: emitted tokens, drafts proposed, the drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.kernels.ngram_lookup import ngram_propose
+from strata.kernels.spec_decode import (
+    DEVICE,
+    DRAFTS,
+    FIRST_ROW,
+    FIRST_TOKEN,
+    HOST,
+    KNOWN,
+    POS,
+    PROPOSE,
+    ROW,
+    commit,
+    meta_columns,
+    shift_positions_reference,
+    shifts_reference,
+)
+from strata.protocol import DEVICE_DRAFT
+from strata.services.worker.host_to_device import upload
+from strata.services.worker.sequence_table import PlanError
+
+
+@dataclass
+class SpecStep:
+    """One step's speculation bookkeeping (host side)."""
+
+    meta: np.ndarray  # int64 [n, columns]: a row per sequence of the step, in plan order
+    sample_idx: np.ndarray  # the sequences that sample (indices into meta)
+    shifted: bool  # some sequence may move back (its plan was sent before a result)
+    proposes: bool  # some sequence asks for proposals
+    device_meta: torch.Tensor | None = None  # the staged meta rows (static buffer)
+
+
+class _Staging:
+    """A static device buffer of meta rows and two pinned host twins (the host fills one while
+    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device):
+        self.device = device
+        self.buffer = torch.full((rows, cols), -1, dtype=torch.int64, device=device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = [torch.full((rows, cols), -1, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+            for event in self.copied:
+                event.record()
+        self.step = 0
+
+    def stage(self, meta: np.ndarray, padded_rows: int, pad_row: np.ndarray) -> torch.Tensor:
+        n, total = meta.shape[0], max(padded_rows, meta.shape[0])
+        if not self.cuda:
+            out = self.buffer.numpy()
+            out[:n] = meta
+            out[n:total] = pad_row
+            return self.buffer[:total]
+        i = self.step % 2
+        self.step += 1
+        self.copied[i].synchronize()
+        host = self.host[i].numpy()
+        host[:n] = meta
+        host[n:total] = pad_row
+        self.buffer[:total].copy_(self.host[i][:total], non_blocking=True)
+        self.copied[i].record()
+        return self.buffer[:total]
+
+
+class DeviceSpeculation:
+    def __init__(
+        self,
+        *,
+        max_seqs: int,
+        max_model_len: int,
+        max_k: int,
+        ngram_min: int,
+        ngram_max: int,
+        block_size: int,
+        last_sampled: torch.Tensor,
+        device: torch.device,
+    ):
+        if last_sampled.shape[0] < self.last_sampled_size(max_seqs, max_k):
+            raise ValueError("last_sampled has no room for the drafts")
+        self.max_k, self.ngram_min, self.ngram_max = max_k, ngram_min, ngram_max
+        self.block_size = block_size
+        self.device = device
+        self.last_sampled = last_sampled
+        self.scratch_row = max_seqs
+        self.draft_base = max_seqs + 1
+        rows = max_seqs + 1
+        self.history = torch.zeros(rows, max_model_len, dtype=torch.int32, device=device)
+        self.hist_len = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rejected = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.num_valid = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.columns = meta_columns(max_k)
+        self.staging = _Staging(rows, self.columns, device)
+        self.pad_row = np.full(self.columns, -1, dtype=np.int64)
+        self.pad_row[ROW] = self.scratch_row
+        self.pad_row[[FIRST_ROW, FIRST_TOKEN, POS, DEVICE, PROPOSE]] = 0
+        self._admitted: list[int] = []  # rows admitted since the last step
+        self._prefix: dict[int, np.ndarray] = {}  # row -> tokens before its first step
+
+    @staticmethod
+    def last_sampled_size(max_seqs: int, max_k: int) -> int:
+        """last_sampled's length with the drafts' area: max_seqs rows and the scratch row, then
+        max_k drafts for each of them."""
+        return (max_seqs + 1) * (1 + max_k)
+
+    def source_row(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """last_sampled's index of draft j of each row."""
+        return self.draft_base + rows * self.max_k + j
+
+    def warm_up(self) -> None:
+        """Compiles the commit and lookup kernels (both draw layouts) on the scratch row, before
+        serving; leaves every state as it was."""
+        meta = torch.as_tensor(np.tile(self.pad_row, (2, 1)), device=self.device)
+        meta[0, DRAFTS], meta[0, PROPOSE], meta[0, DEVICE] = 1, self.max_k, 0
+        draws = torch.zeros(2, dtype=torch.int64, device=self.device)
+        row = self.scratch_row
+        saved = [t[row].clone() for t in (self.rejected, self.num_valid, self.hist_len, self.last_sampled)]
+        for first in (FIRST_ROW, FIRST_TOKEN):
+            packed = torch.zeros(2, 2 + self.max_k, dtype=torch.int64, device=self.device)
+            args = (self.rejected, self.num_valid, self.last_sampled, self.draft_base, self.last_sampled)
+            commit(draws, meta, *args, self.history, self.hist_len, packed, self.max_k, first_col=first)
+        ngram_propose(
+            self.history,
+            self.hist_len,
+            meta[:, ROW],
+            meta[:, PROPOSE],
+            self.last_sampled,
+            self.draft_base,
+            self.num_valid,
+            packed,
+            self.ngram_min,
+            self.ngram_max,
+            self.max_k,
+        )
+        for t, value in zip((self.rejected, self.num_valid, self.hist_len, self.last_sampled), saved):
+            t[row] = value
+        self.history[row].zero_()
+
+    # ------------------------------------------------------------ sequences
+
+    def admit(self, row: int, seq) -> None:
+        self._admitted.append(row)
+        if seq.prefix_token_ids:
+            self._prefix[row] = np.asarray(seq.prefix_token_ids, dtype=np.int64)
+        else:
+            self._prefix.pop(row, None)
+
+    def release(self, row: int) -> None:
+        self._prefix.pop(row, None)
+
+    def reset(self) -> None:
+        self._admitted.clear()
+        self._prefix.clear()
+        self.staging.buffer.copy_(torch.as_tensor(self.pad_row, device=self.device).expand_as(self.staging.buffer))
+        self.rejected.zero_()
+        self.num_valid.zero_()
+        self.hist_len.zero_()
+
+    # ------------------------------------------------------------ before the forward
+
+    def begin_step(self, plan, h, tokens: np.ndarray) -> SpecStep:
+        """The known tokens into history (admissions' prefixes, the plan's input tokens but
+        placeholders and drafts) and the step's meta rows. tokens: the plan's input ids."""
+        qsl = h.query_start_loc
+        n = len(qsl) - 1
+        q_lens = np.diff(qsl)
+        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64) if plan.num_draft_tokens else np.zeros(n, np.int64)
+        self._write_known(h, tokens, q_lens, drafts)
+        sample = np.asarray(plan.sample, dtype=bool)
+        sample_idx = np.nonzero(sample)[0]
+        first = qsl[:-1]
+        meta = np.empty((n, self.columns), dtype=np.int64)
+        meta[:, ROW] = h.token_rows[first]
+        counts = drafts[sample_idx] + 1
+        first_row = np.cumsum(counts) - counts
+        meta[:, FIRST_ROW] = 0
+        meta[sample_idx, FIRST_ROW] = first_row
+        meta[:, FIRST_TOKEN] = 0  # set by stage(), in the layout the step runs in
+        meta[:, DRAFTS] = -1
+        meta[sample_idx, DRAFTS] = drafts[sample_idx]
+        meta[:, POS] = h.seq_lens - drafts  # the position the first sample row draws
+        known = np.asarray(plan.rejected_drafts, dtype=np.int64) if plan.rejected_drafts else None
+        if known is not None and known.shape[0] != n:
+            raise PlanError("rejected_drafts needs one entry per sequence")
+        meta[:, KNOWN] = -1 if known is None else known
+        meta[:, PROPOSE] = 0
+        propose = np.asarray(plan.propose_drafts, dtype=np.int64) if plan.propose_drafts else None
+        if propose is not None:
+            if propose.shape[0] != n or (propose < 0).any() or (propose > self.max_k).any():
+                raise PlanError(f"propose_drafts needs one entry in [0, {self.max_k}] per sequence")
+            meta[sample_idx, PROPOSE] = propose[sample_idx]
+        meta[:, DEVICE] = 0
+        meta[:, HOST:] = -1
+        if drafts.any():
+            if (drafts > self.max_k).any():
+                raise PlanError(f"at most {self.max_k} drafts per sequence")
+            offset = np.arange(tokens.shape[0]) - np.repeat(first, q_lens)
+            is_draft = offset >= np.repeat(q_lens - drafts, q_lens)
+            seq_of = np.repeat(np.arange(n), q_lens)
+            device = np.zeros(n, dtype=bool)
+            device[seq_of[is_draft & (tokens == DEVICE_DRAFT)]] = True
+            meta[:, DEVICE] = device
+            j = offset - np.repeat(q_lens - drafts, q_lens)
+            host = is_draft & ~device[seq_of]
+            meta[seq_of[host], HOST + j[host]] = tokens[host]
+        return SpecStep(meta, sample_idx, known is not None and bool((known >= 0).any()), propose is not None)
+
+    def _write_known(self, h, tokens: np.ndarray, q_lens: np.ndarray, drafts: np.ndarray) -> None:
+        keep = tokens >= 0
+        if drafts.any():
+            offset = np.arange(tokens.shape[0]) - np.repeat(h.query_start_loc[:-1], q_lens)
+            keep &= offset < np.repeat(q_lens - drafts, q_lens)
+        parts_rows, parts_pos, parts_tok = [], [], []
+        if self._prefix:
+            for row in np.unique(h.token_rows).tolist():
+                prefix = self._prefix.pop(row, None)
+                if prefix is not None:
+                    parts_rows.append(np.full(prefix.size, row, np.int64))
+                    parts_pos.append(np.arange(prefix.size, dtype=np.int64))
+                    parts_tok.append(prefix)
+        if keep.any():
+            parts_rows.append(h.token_rows[keep])
+            parts_pos.append(h.positions[keep])
+            parts_tok.append(tokens[keep])
+        arrays = {}
+        if parts_rows:
+            arrays.update(rows=np.concatenate(parts_rows), pos=np.concatenate(parts_pos), tok=np.concatenate(parts_tok))
+        if self._admitted:
+            arrays["admitted"] = np.asarray(self._admitted, dtype=np.int64)
+            self._admitted.clear()
+        if not arrays:
+            return
+        d = upload(arrays, self.device)
+        if "admitted" in d:
+            self.rejected[d["admitted"]] = 0
+            self.num_valid[d["admitted"]] = 0
+            self.hist_len[d["admitted"]] = 0
+        if "rows" in d:
+            self.history[d["rows"], d["pos"].clamp(0, self.history.shape[1] - 1)] = d["tok"].to(torch.int32)
+
+    def stage(self, step: SpecStep, h, padded_seqs: int = 0) -> torch.Tensor:
+        """Copies the step's meta rows (and padding rows up to padded_seqs) to the static buffer
+        the verification graphs read; before the forward. h: the inputs as the step runs them
+        (a padded verification's), whose token layout a graph's draws follow."""
+        meta, idx = step.meta, step.sample_idx
+        meta[idx, FIRST_TOKEN] = h.sample_token_index[meta[idx, FIRST_ROW]]
+        step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row)
+        return step.device_meta
+
+    def shift_eager(self, step: SpecStep, d: dict, sampling) -> None:
+        """Moves the eager step's uploaded inputs back by each sequence's shift (when the plan
+        has sequences sent before a result)."""
+        if not step.shifted:
+            return
+        meta = step.device_meta[: step.meta.shape[0]]
+        q_lens = torch.diff(d["query_start_loc"]).long()
+        token_seq = torch.repeat_interleave(
+            torch.arange(q_lens.shape[0], device=q_lens.device), q_lens, output_size=d["positions"].shape[0]
+        )
+        shift_positions_reference(
+            meta,
+            self.rejected,
+            d["positions"],
+            None,
+            d["slot_mapping"],
+            d["seq_lens"],
+            d["block_tables"],
+            token_seq,
+            self.block_size,
+        )
+        if sampling is not None:
+            sampling.positions -= shifts_reference(meta, self.rejected)[token_seq][d["sample_token_index"]]
+
+    def shift_sampling(self, step: SpecStep, sampling, sample_token_index: torch.Tensor, query_len: int) -> None:
+        """The sampler's positions of a graph step whose draw runs outside the graph."""
+        if step.shifted and sampling is not None:
+            shift = shifts_reference(step.device_meta, self.rejected)
+            sampling.positions -= shift[sample_token_index // query_len]
+
+    # ------------------------------------------------------------ after the draw
+
+    def after_draw(self, step: SpecStep, draws: torch.Tensor, per_token: bool) -> torch.Tensor:
+        """Verifies and commits the step's sampling sequences, then proposes their next drafts.
+        draws: the step's drawn tokens, per sample row (per_token False) or per token of the
+        (padded) step layout. Returns packed [n, 2 + max_k] int64 (module docstring)."""
+        n = step.meta.shape[0]
+        meta = step.device_meta[:n]
+        packed = torch.zeros(n, 2 + self.max_k, dtype=torch.int64, device=self.device)
+        commit(
+            draws,
+            meta,
+            self.rejected,
+            self.num_valid,
+            self.last_sampled,
+            self.draft_base,
+            self.last_sampled,
+            self.history,
+            self.hist_len,
+            packed,
+            self.max_k,
+            first_col=FIRST_TOKEN if per_token else FIRST_ROW,
+        )
+        if step.proposes:
+            ngram_propose(
+                self.history,
+                self.hist_len,
+                meta[:, ROW],
+                meta[:, PROPOSE],
+                self.last_sampled,
+                self.draft_base,
+                self.num_valid,
+                packed,
+                self.ngram_min,
+                self.ngram_max,
+                self.max_k,
+            )
+        return packed
+
+
+def shifting_verify_graphs(spec: DeviceSpeculation):
+    """DecodeGraphs for verification steps whose graphs first move each sequence's positions,
+    sample positions, slots and length back by its shift (kernels/spec_decode.py), reading the
+    meta rows staged for the step: a plan sent before an earlier verification came back runs
+    from the graph's own copy of its inputs, moved on the device."""
+    from strata.kernels.spec_decode import shift_positions_in_graph
+    from strata.services.worker.cuda_graphs import DecodeGraphs
+
+    class ShiftingVerifyGraphs(DecodeGraphs):
+        def _forward(self, bs: int):
+            t, rows = bs * self.query_len, self.rows
+            shift_positions_in_graph(
+                spec.staging.buffer,
+                spec.rejected,
+                rows["positions"][:t],
+                rows["sample_positions"][:t],
+                rows["slot_mapping"][:t],
+                rows["seq_lens"][:bs],
+                self.block_tables[:bs],
+                self.query_len,
+                spec.block_size,
+            )
+            return super()._forward(bs)
+
+    return ShiftingVerifyGraphs

@@ -1,0 +1,195 @@
+"""Speculation with prompt lookup on the last stage's device (issue 31), in process on CPU: the
+real scheduler and the real worker ModelRunner (float32, eager), driven as the engine drives them
+with up to three plans in flight, so that verify steps go out before the previous result and the
+worker moves them back by the drafts rejected since. Every request must get exactly the tokens of
+plain decoding: greedy, seeded, top-k and top-p sampling, n > 1 siblings sharing a prompt.
+
+Through real clusters (1 and 2 stages, preemption, stops, n > 1): test_speculative_e2e.py; the
+kernels: test_spec_kernels.py. Also here: the cost model and each request's k."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+import torch
+
+from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result
+from strata.services.scheduler.request import Request
+from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
+from strata.services.scheduler.speculation import AdaptiveK, CostModel, SpecState, expected_tokens
+from strata.v1 import engine_pb2
+
+BLOCKS, BLOCK, MAX_LEN = 600, 4, 160
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    from strata.services.worker.weights import load_shard
+    from tests.tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("m"), seed=3)
+    return load_shard(model, 0, 1, torch.float32, "cpu")
+
+
+def _runner(shard, k: int = 0):
+    from strata.services.worker.runner import ModelRunner
+
+    runner = ModelRunner(
+        *shard,
+        stage_index=0,
+        num_stages=1,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_num_seqs=48,
+        num_speculative_tokens=k,
+        speculative_max_batch=48,
+        ngram_on_device=(1, 3) if k else None,
+    )
+    runner.init_cache(BLOCKS)
+    return runner
+
+
+def _requests(seed: int, n: int) -> list[Request]:
+    """Prompts that repeat a few tokens (prompt lookup finds them), every sampling kind, and
+    n > 1 siblings (parent_id, seed + i) sharing a prompt."""
+    rng = random.Random(seed)
+    base = [rng.randrange(5, 60) for _ in range(6)]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.9, seed=7),
+        dict(temperature=0.8, top_k=20, seed=8),
+        dict(temperature=1.0, top_p=0.8, seed=9),
+    ]
+    out = []
+    for i in range(n):
+        prompt = (base * 3)[: rng.randint(4, 18)] + [rng.randrange(5, 60) for _ in range(rng.randint(0, 3))]
+        kind = dict(kinds[i % len(kinds)])
+        kind.setdefault("top_p", 1.0)
+        kind["seed"] = kind.get("seed", 0) + i
+        out.append(
+            Request(
+                f"r{i}",
+                prompt,
+                engine_pb2.SamplingOptions(logprobs=-1, **kind),
+                max_tokens=rng.randint(5, 60),
+                ignore_eos=True,
+            )
+        )
+    parent_prompt = base * 2 + [3]
+    for j in range(3):  # n = 3 children of one sampled request
+        sampling = engine_pb2.SamplingOptions(temperature=0.8, top_p=1.0, seed=50 + j, logprobs=-1)
+        out.append(Request(f"{j}_p", parent_prompt, sampling, max_tokens=40, ignore_eos=True, parent_id="p"))
+    return out
+
+
+def _drive(runner, sched: Scheduler, requests: list[Request], in_flight: int):
+    """The engine loop: up to in_flight plans launched, the oldest result applied next."""
+    for req in requests:
+        sched.add_request(req)
+    queue, plans = deque(), []
+    while sched.unfinished_request_ids() or queue:
+        if len(queue) < in_flight:
+            plan = sched.schedule()
+            if plan is not None:
+                plans.append(plan)
+                queue.append((plan, runner.execute(plan_to_proto(plan))))
+                continue
+        plan, pending = queue.popleft()
+        result = pending.finish()
+        assert not result.error, result.error
+        sampled, _ = split_result(result)
+        sched.update(plan, sampled, split_proposals(result) if sched.spec is not None else None)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and sched.num_in_flight == 0
+    return {r.request_id: list(r.output_token_ids) for r in requests}, plans
+
+
+def _scheduler(in_flight: int, spec: SpeculativeConfig | None):
+    return Scheduler(
+        num_blocks=BLOCKS,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        max_num_seqs=16,
+        max_num_batched_tokens=96,
+        decode_lookahead=in_flight - 1,
+        speculation=spec,
+    )
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_device_proposals_give_the_plain_tokens(shard, in_flight):
+    want, _ = _drive(_runner(shard), _scheduler(in_flight, None), _requests(1, 10), in_flight)
+    spec = SpeculativeConfig("ngram", 4, 1, 3, max_batch=48, proposer="device")
+    sched = _scheduler(in_flight, spec)
+    got, plans = _drive(_runner(shard, 4), sched, _requests(1, 10), in_flight)
+    assert got == want
+    stats = engine_pb2.SchedulerStats()
+    sched.fill_stats(stats)
+    assert stats.spec_decode_accepted_tokens > 0 and stats.spec_decode_draft_tokens > stats.spec_decode_accepted_tokens
+    device_verifies = [s for p in plans for s in p.seqs if s.num_draft]
+    assert device_verifies and all(s.input_token_ids[-1] < 0 for s in device_verifies)  # drafts never on the host
+    if in_flight > 1:  # verify steps launched before the previous result, moved back on the device
+        assert any(p.rejected_drafts for p in plans)
+
+
+def test_lookahead_verification_matches_waiting_for_each_result(shard):
+    """The same workload, drafts on the device both ways: with 3 plans in flight (verify steps
+    launched ahead, moved back on the device) and with 1 (every plan exact)."""
+    spec = SpeculativeConfig("ngram", 3, 1, 3, max_batch=48, proposer="device", adaptive=False)
+    ahead, _ = _drive(_runner(shard, 3), _scheduler(3, spec), _requests(5, 8), 3)
+    exact, _ = _drive(_runner(shard, 3), _scheduler(1, spec), _requests(5, 8), 1)
+    assert ahead == exact
+
+
+def test_cost_model_measures_both_ways_then_picks_the_faster():
+    costs = CostModel()
+    assert costs.speculate(16, 2.0, 5)  # no GPU timing at all: speculation stays on
+    costs.observe(16, 5, 0.004)
+    assert not costs.speculate(16, 2.0, 5)  # the decode time at this batch is unknown: measure it
+    costs.observe(16, 1, 0.002)
+    assert costs.speculate(16, 2.5, 5)  # 2.5 tokens x 2 ms beats 4 ms
+    # A change of mind holds for HOLD choices, and takes a clear margin (each change costs a bubble).
+    choices = [costs.speculate(16, 1.5, 5) for _ in range(CostModel.HOLD)]  # 1.5 x 2 ms does not
+    assert choices[0] and not choices[-1]
+    assert not costs.speculate(16, 2.05, 5)  # within the margin of even: no change back
+    assert not costs.speculate(64, 3.0, 5)  # another bucket: plain first
+    costs.observe(64, 1, 0.003)
+    assert costs.speculate(64, 3.0, 5)  # then a verify step
+    costs.observe(64, 5, 0.012)
+    assert not costs.speculate(64, 3.0, 5)
+    choices = [costs.speculate(16, 2.5, 5) for _ in range(2 * CostModel.REFRESH)]
+    assert choices[-1] and choices.count(False) <= CostModel.HOLD + 2  # then the option not taken now and then
+    assert costs.marginal_cost(16) == pytest.approx((0.004 / 0.002 - 1) / 4)
+
+
+def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():
+    adaptive = AdaptiveK(4)
+    req = Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    req.spec = SpecState(k=4)
+    for _ in range(5):  # every draft accepted
+        adaptive.record(req, 4, 4, 4, marginal_cost=0.05)
+    assert req.spec.k == 4
+    adaptive.record(req, 4, 4, 1, marginal_cost=0.05)  # one miss after a good run changes little
+    assert req.spec.k == 4
+    short = Request("s", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    short.spec = SpecState(k=4)
+    for _ in range(6):  # the lookup finds one draft each time, always right: more slots are waste
+        adaptive.record(short, short.spec.k, 1, 1, marginal_cost=0.2)
+    assert short.spec.k in (1, 2) and short.spec.expected < 2.5  # (two emitted per step)
+    other = Request("o", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    other.spec = SpecState(k=4)
+    ks = []
+    for _ in range(8):  # the first draft is wrong every time, and a verify position costs 30%
+        adaptive.record(other, 4, 4, 0, marginal_cost=0.3)
+        ks.append(other.spec.k)
+    assert ks[0] == 1 and ks[-1] == 0  # fewer drafts first, then none
+    assert other.spec.retry_at == AdaptiveK.MIN_BACKOFF  # for 16 tokens, then it tries again
+    adaptive.resume(other.spec)
+    assert other.spec.k == 2
+    adaptive.resume(req.spec)
+    assert req.spec.k == 2
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 4) == 5
