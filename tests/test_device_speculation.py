@@ -162,8 +162,29 @@ def test_cost_model_measures_both_ways_then_picks_the_faster():
     costs.observe(64, 5, 0.012)
     assert not costs.speculate(64, 3.0, 5)
     choices = [costs.speculate(16, 2.5, 5) for _ in range(2 * CostModel.REFRESH)]
-    assert choices[-1] and choices.count(False) <= CostModel.HOLD + 2  # then the option not taken now and then
+    # then the option not taken, a window now and then
+    assert choices[-1] and choices.count(False) <= CostModel.HOLD + 2 * CostModel.WINDOW
     assert costs.marginal_cost(16) == pytest.approx((0.004 / 0.002 - 1) / 4)
+
+
+def test_cost_model_times_windows_of_steps_from_result_to_result():
+    """A step's own time counts from its send when that came after the previous result (a verify
+    step that waited for it), which leaves out the host's part in between: verify steps whose
+    results come 2.3 ms apart each look 1.4 ms long. Against plain steps of 0.84 ms, 1.94 tokens
+    per verify step lose (1.94 x 0.84 < 2.3), though 1.4 ms would seem to win (the H200's open set
+    kept speculating at 0.78x). Windows of steps, result to result, see the 2.3 ms."""
+    costs, now = CostModel(), 100.0
+    for _ in range(2 * CostModel.WINDOW):  # plain steps, one result every 0.84 ms
+        now += 0.00084
+        costs.observe(1, 1, 0.00084, now)
+    for _ in range(4 * CostModel.WINDOW):  # verify steps: sent 0.9 ms after a result, 1.4 ms to run
+        now += 0.0023
+        costs.observe(1, 5, 0.0014, now)
+    assert costs.times[(1, 5)] == pytest.approx(0.0023, rel=0.05)
+    assert costs.times[(1, 1)] == pytest.approx(0.00084, rel=0.05)
+    assert not costs.speculate(1, 1.94, 5)
+    # The lookup set's 4 tokens a verify step do pay (after the current choice's hold).
+    assert [costs.speculate(1, 4.0, 5) for _ in range(CostModel.HOLD + 1)][-1]
 
 
 def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():

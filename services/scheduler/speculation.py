@@ -227,10 +227,10 @@ class Speculation:
         if self.adaptive is not None:
             self.adaptive.record(req, num_draft, valid, accepted, self.costs.marginal_cost(self.batch))
 
-    def observe(self, plan: StepPlan, seconds: float) -> None:
+    def observe(self, plan: StepPlan, seconds: float, now: float | None = None) -> None:
         """A step's cost, for the cost model: pure decode or verify steps only."""
         if self.costs is not None and plan.max_query and seconds > 0:
-            self.costs.observe(len(plan.seqs), plan.max_query, seconds)
+            self.costs.observe(len(plan.seqs), plan.max_query, seconds, now)
 
     def release(self, req: Request) -> None:
         """req's seq_id ends: the draft worker may drop what it holds for it."""
@@ -316,16 +316,16 @@ class AdaptiveK:
 
 
 class CostModel:
-    """Verify or decode, per step, from what steps cost the pipeline: the time from one result
-    to the next (or the step's GPU time, if longer), measured on GPU workers only.
+    """Verify or decode, per step, from what steps cost the pipeline: the wall time of windows of
+    consecutive steps of one kind, result to result (WINDOW), measured on GPU workers only.
 
     Times are kept per (batch bucket, query length), query length 1 for a plain decode step and
-    1 + the most drafts of any sequence for a verify step (graphs pad the others to it): an
-    exponential average of each. A step verifies when the tokens it expects, per sequence
+    1 + the most drafts of any sequence for a verify step (graphs pad the others to it; a window
+    counts as its longest): an exponential average of each. A step verifies when the tokens it expects, per sequence
     (Speculation.expected_per_seq), times the decode time beats the verify time: verifying k + 1
     positions must beat k + 1 plain steps, so that speculation never makes a batch slower than
     plain decoding. A bucket not measured yet is tried (plain first), and every REFRESH choices
-    the option not taken runs once, to follow the times as contexts grow. The host's part counts:
+    the option not taken runs for a window, to follow the times as contexts grow. The host's part counts:
     where the stack is host-bound, fewer steps for the same tokens pay even if the GPU's time
     does not. Without GPU timing (CPU workers) it has no data and speculation stays on, up to
     max_batch."""
@@ -334,6 +334,12 @@ class CostModel:
     MARGIN = 1.05  # the other option must be this much faster to change the choice
     HOLD = 32  # choices a change holds for: each change costs a bubble (a verify in flight
     # must come back before its request decodes plainly), so estimates near the line must not flip it
+    # Consecutive steps of one kind (decode or verify, at one bucket) timed together. With several
+    # plans in flight results often arrive together, so one step's result-to-result time says
+    # little (the GPU time was its floor, and a host-bound verify step looked 1.4 ms long where the
+    # H200 run's steps took 2.3 ms: the open set kept speculating at 0.78x); a window's wall
+    # time is what its steps cost.
+    WINDOW = 8
 
     def __init__(self) -> None:
         self.times: dict[tuple[int, int], float] = {}
@@ -341,6 +347,8 @@ class CostModel:
         self.current: dict[int, tuple[bool, int]] = {}  # per bucket: (speculating, choice it changed at)
         self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
+        # The window being timed: (bucket, verifies), its start, steps, longest query.
+        self._window: tuple[tuple[int, bool], float, int, int] | None = None
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -349,9 +357,27 @@ class CostModel:
             return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
         return -(-batch // 16) * 16
 
-    def observe(self, batch: int, query: int, seconds: float) -> None:
+    def observe(self, batch: int, query: int, seconds: float, now: float | None = None) -> None:
+        """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
+        send), at time `now`: timed in windows of WINDOW steps of one kind. Without `now`, the
+        step's own time."""
         self.enabled = True
-        b = self.bucket(batch)
+        if now is None:
+            self._record(self.bucket(batch), query, seconds)
+            return
+        kind = (self.bucket(batch), query > 1)
+        window = self._window
+        if window is None or window[0] != kind:
+            window = (kind, now - seconds, 0, 1)  # a new kind of step: its time starts at the last result
+        _, start, steps, longest = window
+        steps, longest = steps + 1, max(longest, query)
+        if steps < self.WINDOW:
+            self._window = (kind, start, steps, longest)
+            return
+        self._record(kind[0], longest, (now - start) / steps)
+        self._window = (kind, now, 0, 1)
+
+    def _record(self, b: int, query: int, seconds: float) -> None:
         key = (b, query)
         old = self.times.get(key)
         self.times[key] = seconds if old is None else old + 0.2 * (seconds - old)
@@ -376,7 +402,8 @@ class CostModel:
         if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
             current, since = not current, n
         self.current[b] = (current, since)
-        return (not current) if n % self.REFRESH == 0 else current
+        # Now and then the option not taken runs for a window, to follow the times as contexts grow.
+        return (not current) if n % self.REFRESH < self.WINDOW and n >= self.REFRESH else current
 
     def _nearest_verify(self, b: int, query: int) -> float | None:
         """The time of the longest measured verify step at bucket b up to query (shorter queries
