@@ -275,6 +275,7 @@ def prompt_input(body: dict, chat: bool) -> PromptInput | list[int]:
             messages=chat_messages(body.get("messages")),
             add_special_tokens=special,
             add_generation_prompt=True if generation_prompt is None else generation_prompt,
+            tools_json=tools_json(body.get("tools")),
         )
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
@@ -292,6 +293,16 @@ def tokenize_input(body: dict) -> PromptInput:
     if not isinstance(prompt, str) or not prompt:
         raise BadField("prompt", "must be a non-empty string (or give messages)")
     return prompt_input(body, chat=False)
+
+
+def tools_json(tools, field: str = "tools") -> str:
+    """A chat's tools for its template: a list of objects, as JSON ("" for none). What each tool
+    must hold for a tool call is checked where tool_choice is read (services/gateway/tools.py)."""
+    if tools is None:
+        return ""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadField(field, "must be a list of {type: function, function: {name, parameters}} objects")
+    return json.dumps(tools) if tools else ""
 
 
 def _optional_bool(body: dict, name: str) -> bool | None:
@@ -356,10 +367,17 @@ def prompt_from_proto(request: generate_pb2.TokenizeRequest) -> PromptInput:
             parts = [{"type": p.type, "text": p.text} for p in m.content_parts]
             content = content_text(parts, f"chat.messages[{i}].content_parts")
         messages.append({"role": m.role, "content": content})
+    tools = None
+    if chat.tools_json:
+        try:
+            tools = json.loads(chat.tools_json)
+        except ValueError as e:
+            raise BadField("chat.tools_json", f"is not JSON: {e}") from None
     return PromptInput(
         messages=chat_messages(messages, "chat.messages"),
         add_special_tokens=special,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        tools_json=tools_json(tools, "chat.tools_json"),
     )
 
 

@@ -9,6 +9,7 @@ parts) into a PromptInput is openai_format's job.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -26,6 +27,9 @@ class PromptInput:
     messages: tuple[dict, ...] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    # A chat's tools, OpenAI's list as JSON: the chat template writes them into the prompt (HF
+    # apply_chat_template's `tools`, as vLLM passes them), so the model sees what it may call.
+    tools_json: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -39,7 +43,7 @@ class PromptInput:
     def characters(self) -> int:
         """What the prompt-length limit counts: the text, or every role and content."""
         if self.is_chat:
-            return sum(len(m["role"]) + len(m["content"]) for m in self.messages)
+            return sum(len(m["role"]) + len(m["content"]) for m in self.messages) + len(self.tools_json)
         return len(self.text)
 
 
@@ -56,7 +60,10 @@ def token_ids(tokenizer, prompt: PromptInput) -> list[int]:
         raise ChatTemplateError("the model's tokenizer has no chat template")
     try:
         text = tokenizer.apply_chat_template(
-            list(prompt.messages), add_generation_prompt=prompt.add_generation_prompt, tokenize=False
+            list(prompt.messages),
+            tools=json.loads(prompt.tools_json) if prompt.tools_json else None,
+            add_generation_prompt=prompt.add_generation_prompt,
+            tokenize=False,
         )
     except TemplateError as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
@@ -71,6 +78,7 @@ def to_proto(prompt: PromptInput) -> generate_pb2.TokenizeRequest:
         request.chat.messages.extend(
             generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt.messages
         )
+        request.chat.tools_json = prompt.tools_json
     else:
         request.prompt = prompt.text
     if prompt.add_special_tokens is not None:

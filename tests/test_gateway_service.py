@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -245,6 +246,41 @@ def test_tokenize_chat_parts_and_switches_as_vllm(chat_tokenizer):
     assert no_turn == chat_tokenizer.encode(unopened, add_special_tokens=False) != as_text
     assert with_bos == [chat_tokenizer.bos_token_id, *as_text]
     assert bare == chat_tokenizer.encode("hello", add_special_tokens=False) != chat_tokenizer.encode("hello")
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|begin_of_text|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    + CHAT_TEMPLATE
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_tide", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def test_a_chats_tools_reach_its_template_through_http_and_grpc_alike(tmp_path):
+    """OpenAI's `tools` go to the chat template (as vLLM passes them), so the model sees what it
+    may call: the same ids from an HTTP body and from the proto's tools_json."""
+    from strata import openai_format
+    from strata.prompt_tokens import token_ids
+
+    tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=384)
+    tok.chat_template = TOOLS_TEMPLATE
+    body = {"messages": [{"role": "user", "content": "When is high tide?"}], "tools": TOOLS}
+    from_http = token_ids(tok, openai_format.prompt_input(body, chat=True))
+    rendered = tok.apply_chat_template(body["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "tools: get_tide ring_bell" in rendered
+    assert from_http == tok.encode(rendered, add_special_tokens=False)
+    without = token_ids(tok, openai_format.prompt_input({"messages": body["messages"]}, chat=True))
+    assert without != from_http
+    user = generate_pb2.ChatMessage(role="user", content="When is high tide?")
+
+    async def calls(stub, fake):
+        return list((await stub.Tokenize(_chat(user, tools_json=json.dumps(TOOLS)), timeout=10)).tokens)
+
+    assert _run_against_gateway(tok, calls) == from_http
+    with pytest.raises(openai_format.BadField, match="tools"):
+        openai_format.prompt_input({"messages": body["messages"], "tools": "get_tide"}, chat=True)
 
 
 def test_tokenize_refuses_bad_input_naming_the_field_and_a_batch_keeps_the_good_ones(chat_tokenizer):
