@@ -631,3 +631,39 @@ def test_top_level_field_size_reads_the_prompt_length_from_the_wire_format():
     assert top_level_field_size(ids, prompt) == 0
     twice = generate_pb2.GenerateRequest(prompt="ab").SerializeToString() + raw  # the last occurrence wins
     assert top_level_field_size(twice, prompt) == 600
+
+
+# ---------------------------------------------------------------- tool calls, streamed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_required_tool_call_array_streams_each_call_as_it_is_generated(seed):
+    """ "required" tool calls stream incrementally: a call opens (id, name) once its name is
+    complete, then its parameters' text arrives as arguments, whatever the text's pieces, the
+    key order, the whitespace, or brackets and quotes inside strings."""
+    import json
+    import random
+
+    from strata.services.gateway.tools import RequiredCallScanner
+
+    calls = [
+        {"name": "get_tide", "parameters": {"port": 'St. Ives, "Cornwall"}', "days": [1, 2, {"x": "]"}]}},
+        {"parameters": {"bell": 3}, "name": "sonn\u00e9"},  # parameters first: they wait for the name
+        {"name": "noop", "parameters": {}},
+    ]
+    text = json.dumps(calls, indent=seed % 3 or None)
+    rng, scanner, deltas, i = random.Random(seed), RequiredCallScanner(), [], 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        deltas += scanner.feed(text[i : i + n])
+        i += n
+    got: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:  # the opening delta comes first, once
+            assert d["index"] not in got and d["type"] == "function"
+            got[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+        got[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert [got[k]["name"] for k in range(3)] == ["get_tide", "sonn\u00e9", "noop"]
+    assert [json.loads(got[k]["arguments"]) for k in range(3)] == [c["parameters"] for c in calls]
+    first_args = next(k for k, d in enumerate(deltas) if d["index"] == 0 and "id" not in d)
+    assert first_args < len(deltas) - 1  # streamed before the array was complete
