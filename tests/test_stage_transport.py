@@ -322,6 +322,30 @@ def test_an_ipc_take_fails_at_once_when_the_sender_is_gone_or_the_link_closes():
     assert not waiting.is_alive() and errors and "closed" in errors[0]
 
 
+def test_an_ipc_link_leaves_nothing_in_dev_shm_and_a_dead_owners_files_are_swept():
+    import os
+    import subprocess
+
+    def ours():
+        return {n for n in os.listdir("/dev/shm") if n.startswith(("strata-ring-", "strata-link-"))}
+
+    before = ours()
+    receiver, sender, _ = _open_ipc_link()
+    sender.send(1, *_step_tensors(1, 2))
+    receiver.take(1)
+    assert ours() == before  # the sender unlinked the ring once mapped, the receiver its socket once accepted
+    sender.close()
+    receiver.close()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/strata-ring-{dead.pid}-0123456789abcdef"
+    open(stale, "wb").close()
+    receiver, sender, _ = _open_ipc_link()  # a new ring sweeps what dead processes left
+    sender.close()
+    receiver.close()
+    assert not os.path.exists(stale)
+
+
 def test_an_ipc_take_has_a_deadline():
     receiver, sender, _ = _open_ipc_link(timeout=0.5)
     try:

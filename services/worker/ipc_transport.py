@@ -93,7 +93,7 @@ class Ring:
         self.buffer, self.slots, self.parts, self.slot_elements = buffer, slots, parts, slot_elements
         self.device = buffer.device
         self.ready, self.consumed = ready, consumed  # CUDA only
-        self.path = ""  # CPU: the shared file, unlinked by the receiver once the sender has it
+        self.path = ""  # CPU: the shared file (the sender unlinks it once mapped; close() too)
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int) -> Ring:
@@ -110,6 +110,13 @@ class Ring:
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         if directory is None:
             raise TransportError("the ipc stage transport between CPU stages needs /dev/shm")
+        need, free = numel * dtype.itemsize, _free_bytes(directory)
+        if need > free:  # a mapping past tmpfs's space would fault (SIGBUS) on first touch
+            raise TransportError(
+                f"the ipc ring needs {need / 2**20:.0f} MiB of /dev/shm and {free / 2**20:.0f} MiB are free: "
+                "give the container more (docker --shm-size) or use --stage-transport distributed"
+            )
+        sweep_stale_files(directory)
         path = os.path.join(directory, f"strata-ring-{os.getpid()}-{secrets.token_hex(8)}")
         ring = cls(torch.from_file(path, shared=True, size=numel, dtype=dtype), slots, parts, slot_elements)
         ring.path = path
@@ -138,6 +145,10 @@ class Ring:
                 buffer = torch.from_file(link.host_ring_path, shared=True, size=numel, dtype=dtype)
             except RuntimeError as e:
                 raise TransportError(f"cannot map the next stage's ring {link.host_ring_path}: {e}") from None
+            try:  # both ends have it mapped now: the name in /dev/shm is no longer needed
+                os.unlink(link.host_ring_path)
+            except OSError:
+                pass
             return cls(buffer, link.slots, link.parts, link.slot_elements)
         if device.type != "cuda" or len(link.ready_events) != link.slots or len(link.consumed_events) != link.slots:
             raise TransportError("a CUDA ipc ring needs a CUDA stage and an event pair per slot")
@@ -186,6 +197,31 @@ class Ring:
             except OSError:
                 pass
             self.path = ""
+
+
+def sweep_stale_files(directory: str) -> None:
+    """Rings and doorbells of processes that died before they unlinked them (kill -9 while a
+    link was being set up): their names carry the owner's pid."""
+    for name in os.listdir(directory):
+        if not name.startswith(("strata-ring-", "strata-link-")):
+            continue
+        try:
+            pid = int(name.split("-")[2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError):
+            continue
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        except PermissionError:
+            continue  # another user's live process
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def check_ipc_device(device) -> torch.device:
