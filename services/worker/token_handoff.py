@@ -23,9 +23,9 @@ Order (TokenIntake, stage 0): both stages see every plan. When stage 0 launches 
 the step id as the latest sampling step of each row that samples in it, and keeps those rows
 (on the device) under the step id. Tokens arrive in step order (one sender, one stream); each
 step's are scattered at its rows. A step whose input has placeholders first waits (on its own
-step thread, with a deadline; on ipc by taking announcements from the doorbell itself) until the tokens of the latest sampling step of every placeholder's
-row are applied; nothing later can have touched those rows, since any later step that samples
-them is launched after this one. A released row reused by a new sequence is safe too: the new
+step thread, with a deadline; on ipc by taking announcements from the doorbell itself) until
+the tokens of the latest sampling step of every placeholder's row are applied; nothing later
+can have touched those rows, since any later step that samples them is launched after this one. A released row reused by a new sequence is safe too: the new
 sequence's placeholders need a later step's tokens, which are applied after the old ones.
 A step that failed on the last stage hands an error instead: its rows keep their old tokens
 (valid ids), and the scheduler fails that step's requests, so nothing reads them.
@@ -45,6 +45,7 @@ import torch
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender, _tag
 from strata.services.worker.host_to_device import upload
+from strata.services.worker.ipc_transport import Ring, RingReader
 from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     GRPC,
@@ -196,55 +197,50 @@ class GrpcTokenReceiver(_TokenReceiving):
         self.acks.put_nowait(None)
 
 
-def _ipc_receiver_class():
-    from strata.services.worker.ipc_transport import Ring, RingReader
+class IpcTokenReceiver(_TokenReceiving):
+    """A ring of `slots` int64 buffers of max_tokens on stage 0's device; stage 0's step thread
+    takes each step's announcement from the doorbell (pump) and scatters the tokens from the
+    slot. The HandTokens stream carries nothing but its end (the last stage is gone)."""
 
-    class IpcTokenReceiver(_TokenReceiving):
-        """A ring of `slots` int64 buffers of max_tokens on stage 0's device; stage 0's step thread
-        takes each step's announcement from the doorbell (pump) and scatters the tokens from the
-        slot. The HandTokens stream carries nothing but its end (the last stage is gone)."""
+    kind = IPC
 
-        kind = IPC
+    def __init__(self, session: int, device, max_tokens: int, timeout: float, slots: int):
+        self.session = session
+        self.reader = RingReader(Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens), timeout)
+        self.acks: asyncio.Queue = asyncio.Queue()  # no credits on the stream: they go on the doorbell
 
-        def __init__(self, session: int, device, max_tokens: int, timeout: float, slots: int):
-            self.session = session
-            self.reader = RingReader(Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens), timeout)
-            self.acks: asyncio.Queue = asyncio.Queue()  # no credits on the stream: they go on the doorbell
+    def link(self) -> engine_pb2.StageLink:
+        return self.reader.link(self.session)
 
-        def link(self) -> engine_pb2.StageLink:
-            return self.reader.link(self.session)
+    def pump(self, need: int) -> None:
+        """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
+        the link's deadline) until step `need`'s are applied."""
+        intake, reader = self.intake, self.reader
+        while True:
+            if intake._closed:
+                raise StepFailed(f"token link closed: {intake._closed}")
+            a = reader.next(block=intake.applied < need)
+            if a is None:
+                return
+            if a.error:
+                intake.apply(a.step_id, None)
+            elif a.cols or not 0 < a.rows <= self.max_tokens:
+                log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
+                intake.apply(a.step_id, None)
+            else:
+                ring = reader.ring
+                ring.ready_wait(a.slot)
+                intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
+                ring.consumed_record(a.slot)
+            reader.release()
 
-        def pump(self, need: int) -> None:
-            """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
-            the link's deadline) until step `need`'s are applied."""
-            intake, reader = self.intake, self.reader
-            while True:
-                if intake._closed:
-                    raise StepFailed(f"token link closed: {intake._closed}")
-                a = reader.next(block=intake.applied < need)
-                if a is None:
-                    return
-                if a.error:
-                    intake.apply(a.step_id, None)
-                elif a.cols or not 0 < a.rows <= self.max_tokens:
-                    log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
-                    intake.apply(a.step_id, None)
-                else:
-                    ring = reader.ring
-                    ring.ready_wait(a.slot)
-                    intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
-                    ring.consumed_record(a.slot)
-                reader.release()
+    def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
+        log.error("token link: step %d sent on the stream of an ipc link", msg.step_id)
 
-        def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
-            log.error("token link: step %d sent on the stream of an ipc link", msg.step_id)
-
-        def close(self) -> None:
-            self.close_tokens()
-            self.reader.close()
-            self.acks.put_nowait(None)
-
-    return IpcTokenReceiver
+    def close(self) -> None:
+        self.close_tokens()
+        self.reader.close()
+        self.acks.put_nowait(None)
 
 
 class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
@@ -281,7 +277,7 @@ def open_token_receiver(
     timeout = request.transport_timeout_seconds or 120.0
     device = intake.device
     if kind == IPC:
-        receiver = _ipc_receiver_class()(session, device, max_tokens, timeout, slots)
+        receiver = IpcTokenReceiver(session, device, max_tokens, timeout, slots)
         intake.pump = receiver.pump
     elif kind == DISTRIBUTED:
         receiver = DistributedTokenReceiver(
