@@ -25,11 +25,11 @@ pytestmark = compiled_gpu_kernels_only()
 from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
 from strata.services.worker.runner import ModelRunner  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
-from tests.gpu.test_runner_gpu import _compiled_variants, _split  # noqa: E402
+from tests.gpu.test_runner_gpu import BLOCKS_PER_SEQ, _compiled_variants, _split, decode_plan  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 
 TOKENIZER = Path.home() / ".cache" / "strata" / "SmolLM2-135M-Instruct"
-BLOCK_SIZE, BLOCKS_PER_SEQ, MAX_SEQS = 16, 8, 16
+BLOCK_SIZE, MAX_SEQS = 16, 16
 SCHEMA = json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 64})
 JSON = dict(constraint_kind=engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA, constraint=SCHEMA)
 PENALTIES = dict(
@@ -108,20 +108,6 @@ def admit(prompts) -> engine_pb2.StepPlan:
     )
 
 
-def decode(step_id: int, lengths: list[int], tokens: list[int]) -> engine_pb2.StepPlan:
-    n = len(lengths)
-    return engine_pb2.StepPlan(
-        step_id=step_id,
-        seq_ids=list(range(1, n + 1)),
-        num_computed=lengths,
-        num_scheduled=[1] * n,
-        input_token_ids=tokens,
-        table_keep=[BLOCKS_PER_SEQ] * n,
-        table_append_counts=[0] * n,
-        sample=[True] * n,
-    )
-
-
 def verify(step_id: int, lengths: list[int], last: list[int], drafts: list[list[int]]) -> engine_pb2.StepPlan:
     n = len(lengths)
     return engine_pb2.StepPlan(
@@ -159,11 +145,11 @@ def test_controlled_rows_draw_the_general_paths_tokens_in_decode_graphs(shard_an
     # fused runs as the worker does under decode lookahead: placeholders, each step launched
     # before the previous step's tokens reached the host.
     n = len(ROWS)
-    pending = fused.execute(decode(2, lengths, [PLACEHOLDER_TOKEN] * n))
+    pending = fused.execute(decode_plan(2, lengths, [PLACEHOLDER_TOKEN] * n))
     for step in range(3, 19):
-        launched = fused.execute(decode(step, [x + 1 for x in lengths], [PLACEHOLDER_TOKEN] * n))
+        launched = fused.execute(decode_plan(step, [x + 1 for x in lengths], [PLACEHOLDER_TOKEN] * n))
         got = list(pending.finish().token_ids)
-        want = list(general.execute(decode(step - 1, lengths, [o[-1] for o in out])).finish().token_ids)
+        want = list(general.execute(decode_plan(step - 1, lengths, [o[-1] for o in out])).finish().token_ids)
         assert got == want, f"step {step - 1}: {got} != {want}"
         for o, t in zip(out, got):
             o.append(t)
@@ -200,7 +186,7 @@ def test_controlled_rows_in_verification_graphs(shard_and_config):
     lengths, out = [len(p) for p in prompts], [[t] for t in first]
     for step in range(2, 2 + 2 * k):
         step_out = plain.execute(
-            decode(step, [x + len(o) - 1 for x, o in zip(lengths, out)], [o[-1] for o in out])
+            decode_plan(step, [x + len(o) - 1 for x, o in zip(lengths, out)], [o[-1] for o in out])
         ).finish()
         for o, t in zip(out, step_out.token_ids):
             o.append(t)
