@@ -127,14 +127,32 @@ def _cluster_flags(args, way: str) -> dict:
     return flags
 
 
+def selected_ways(spec: str) -> tuple[str, ...]:
+    """--ways' names (dashes for the spaces and commas of WAYS) as WAYS' names, in the order given."""
+    by_flag = {way.replace(", ", "-").replace(" ", "-"): way for way in WAYS}
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in by_flag]
+    if unknown or not names:
+        raise SystemExit(f"--ways: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(by_flag)}")
+    return tuple(by_flag[name] for name in names)
+
+
+RATIOS = {  # (name, numerator way, denominator way, target)
+    "groups_over_cache": ("groups / prefix cache", "groups", "cache", TARGET_OVER_CACHE),
+    "groups_over_no_cache": ("groups / no prefix cache", "groups", "no cache", TARGET_OVER_NO_CACHE),
+    "groups_over_cache_no_cascade": ("groups / cache, no cascade", "groups", "cache, no cascade", None),
+}
+
+
 def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("prefix-groups", env)
+    ways = selected_ways(args.ways)
     phases = {}
-    for way in WAYS:
+    for way in ways:
         with common.cluster_for(common.with_overrides(args, **_cluster_flags(args, way))) as endpoints:
             phases[way] = common.run(_phase(endpoints, args, way))
-    for way in WAYS:
+    for way in ways:
         p, s = phases[way], phases[way]["scheduler"]
         common.print_section(
             way,
@@ -150,22 +168,15 @@ def run(args) -> int:
                 *common.gpu_timeline_rows(s, p["elapsed_s"]),
             ],
         )
-    rps = {way: phases[way]["requests_per_s"] for way in WAYS}
-    ratios = {
-        "groups_over_cache": rps["groups"] / rps["cache"],
-        "groups_over_no_cache": rps["groups"] / rps["no cache"],
-        "groups_over_cache_no_cascade": rps["groups"] / rps["cache, no cascade"],
-    }
+    rps = {way: phases[way]["requests_per_s"] for way in ways}
+    ratios = {key: rps[a] / rps[b] for key, (_, a, b, _) in RATIOS.items() if a in rps and b in rps}
     common.print_section(
         f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
         f"own {args.suffix_len}, output {args.output_len}",
         [
-            ("groups / prefix cache", f"{ratios['groups_over_cache']:.2f}x   (target >= {TARGET_OVER_CACHE:g}x)"),
-            (
-                "groups / no prefix cache",
-                f"{ratios['groups_over_no_cache']:.2f}x   (target >= {TARGET_OVER_NO_CACHE:g}x)",
-            ),
-            ("groups / cache, no cascade", f"{ratios['groups_over_cache_no_cascade']:.2f}x"),
+            (label, f"{ratios[key]:.2f}x" + (f"   (target >= {target:g}x)" if target else ""))
+            for key, (label, _, _, target) in RATIOS.items()
+            if key in ratios
         ],
     )
     attention = None
@@ -193,13 +204,14 @@ def run(args) -> int:
         env["device_name"],
         env["model"],
         f"{args.num_groups} x {args.group_size}, {args.prefix_len} + {args.suffix_len} / {args.output_len}",
-        " / ".join(f"{rps[way]:,.1f}" for way in WAYS),
-        f"{ratios['groups_over_cache']:.2f}",
-        f"{ratios['groups_over_no_cache']:.2f}",
-        f"{ratios['groups_over_cache_no_cascade']:.2f}",
-        " / ".join(common.fmt(phases[way]["scheduler"].get("prefill_tokens_computed"), ",") for way in WAYS),
+        " / ".join(f"{rps[way]:,.1f}" if way in rps else "-" for way in WAYS),
+        *(f"{ratios[key]:.2f}" if key in ratios else "-" for key in RATIOS),
+        " / ".join(
+            common.fmt(phases[way]["scheduler"].get("prefill_tokens_computed"), ",") if way in phases else "-"
+            for way in WAYS
+        ),
     ]
     result["markdown_row"] = "| " + " | ".join(cells) + " |"
     print("RESULTS.md row:\n" + result["markdown_row"])
     common.write_json(args.output, result)
-    return 1 if any(phases[way]["failed"] for way in WAYS) else 0
+    return 1 if any(phases[way]["failed"] for way in ways) else 0

@@ -253,6 +253,12 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
         help="on a GPU, time a group batch's decode attention against its floor in process",
     )
     p.add_argument(
+        "--ways",
+        default="groups,cache,cache-no-cascade,no-cache",
+        help="which ways to run, comma-separated, in this order (groups, cache, cache-no-cascade, "
+        "no-cache); a ratio is printed where both of its ways ran",
+    )
+    p.add_argument(
         "--profile-dir",
         default=None,
         help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "

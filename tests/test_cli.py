@@ -118,3 +118,14 @@ def test_serve_forwards_profiling_to_each_stage_worker():
     assert argv[argv.index("--profile-output") + 1] == "/tmp/p.txt.stage1"
     assert argv[argv.index("--profile-steps") + 1] == "5:3"
     assert "--profile-output" not in worker_argv(build_parser().parse_args(["serve"]), 0, 50061, "m")
+
+
+def test_prefix_groups_bench_runs_the_ways_asked_for():
+    import pytest
+
+    from strata.bench.prefix_groups import selected_ways
+
+    assert selected_ways("cache,groups") == ("cache", "groups")
+    assert selected_ways("cache-no-cascade, no-cache") == ("cache, no cascade", "no cache")
+    with pytest.raises(SystemExit, match="unknown cached"):
+        selected_ways("groups,cached")
