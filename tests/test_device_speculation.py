@@ -147,24 +147,39 @@ def test_lookahead_verification_matches_waiting_for_each_result(shard):
 
 def test_cost_model_measures_both_ways_then_picks_the_faster():
     costs = CostModel()
-    assert costs.speculate(16, 2.0, 5)  # no GPU timing at all: speculation stays on
-    costs.observe(16, 5, 0.004)
-    assert not costs.speculate(16, 2.0, 5)  # the decode time at this batch is unknown: measure it
+    assert costs.speculate(16, 2.0)  # no GPU timing at all: speculation stays on
+    costs.observe(16, 5, 0.004, tokens=40)  # 2.5 tokens per sequence
+    assert not costs.speculate(16, 2.0)  # the decode time at this batch is unknown: measure it
     costs.observe(16, 1, 0.002)
-    assert costs.speculate(16, 2.5, 5)  # 2.5 tokens x 2 ms beats 4 ms
+    assert costs.speculate(16, 2.0)  # 2.5 tokens (realized) x 2 ms beats 4 ms
     # A change of mind holds for HOLD choices, and takes a clear margin (each change costs a bubble).
-    choices = [costs.speculate(16, 1.5, 5) for _ in range(CostModel.HOLD)]  # 1.5 x 2 ms does not
+    for _ in range(8):
+        costs.observe(16, 5, 0.004, tokens=24)  # acceptance falls: 1.5 tokens a sequence
+    choices = [costs.speculate(16, 2.0) for _ in range(CostModel.HOLD)]
     assert choices[0] and not choices[-1]
-    assert not costs.speculate(16, 2.05, 5)  # within the margin of even: no change back
-    assert not costs.speculate(64, 3.0, 5)  # another bucket: plain first
+    for _ in range(3):
+        costs.observe(16, 5, 0.004, tokens=33)  # back to about 2: within the margin of even
+    assert not costs.speculate(16, 2.0)  # no change back
+    assert not costs.speculate(64, 3.0)  # another bucket: plain first
     costs.observe(64, 1, 0.003)
-    assert costs.speculate(64, 3.0, 5)  # then a verify step
-    costs.observe(64, 5, 0.012)
-    assert not costs.speculate(64, 3.0, 5)
-    choices = [costs.speculate(16, 2.5, 5) for _ in range(2 * CostModel.REFRESH)]
-    # then the option not taken, a window now and then
-    assert choices[-1] and choices.count(False) <= CostModel.HOLD + 2 * CostModel.WINDOW
+    assert costs.speculate(64, 3.0)  # then a verify step
+    costs.observe(64, 5, 0.012, tokens=192)
+    assert not costs.speculate(64, 3.0)  # 3 x 3 ms loses to 12 ms
     assert costs.marginal_cost(16) == pytest.approx((0.004 / 0.002 - 1) / 4)
+
+
+def test_cost_model_explores_the_other_option_less_often_while_the_choice_stands():
+    costs = CostModel()
+    costs.observe(1, 1, 0.001)
+    costs.observe(1, 5, 0.002, tokens=1)  # verifying emits 1 token for 2 ms: plain decoding wins
+    choices = [costs.speculate(1, 3.0) for _ in range(CostModel.REFRESH * 7 + 4 * CostModel.WINDOW)]
+    explored = [i for i, c in enumerate(choices) if c]  # plain from the start: these explore
+    # Windows of WINDOW verify steps after REFRESH, then 2 REFRESH, then 4 REFRESH choices.
+    starts = [i for i in explored if not choices[i - 1]]
+    assert starts[0] == CostModel.REFRESH - 1
+    assert len(explored) == CostModel.WINDOW * len(starts) and len(starts) == 3
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == [2 * CostModel.REFRESH + CostModel.WINDOW, 4 * CostModel.REFRESH + CostModel.WINDOW]
 
 
 def test_cost_model_times_windows_of_steps_from_result_to_result():
@@ -179,12 +194,16 @@ def test_cost_model_times_windows_of_steps_from_result_to_result():
         costs.observe(1, 1, 0.00084, now)
     for _ in range(4 * CostModel.WINDOW):  # verify steps: sent 0.9 ms after a result, 1.4 ms to run
         now += 0.0023
-        costs.observe(1, 5, 0.0014, now)
+        costs.observe(1, 5, 0.0014, now, tokens=2 if _ % 2 else 1)  # 1.5 tokens a step
     assert costs.times[(1, 5)] == pytest.approx(0.0023, rel=0.05)
     assert costs.times[(1, 1)] == pytest.approx(0.00084, rel=0.05)
-    assert not costs.speculate(1, 1.94, 5)
-    # The lookup set's 4 tokens a verify step do pay (after the current choice's hold).
-    assert [costs.speculate(1, 4.0, 5) for _ in range(CostModel.HOLD + 1)][-1]
+    assert costs.tokens[1] == pytest.approx(1.5)
+    # AdaptiveK's prediction (3 tokens) would verify; what verify steps delivered does not.
+    assert not costs.speculate(1, 3.0)
+    for _ in range(8 * CostModel.WINDOW):  # the lookup set's 4 tokens a verify step do pay
+        now += 0.0023
+        costs.observe(1, 5, 0.0014, now, tokens=4)
+    assert [costs.speculate(1, 1.0) for _ in range(CostModel.HOLD + 1)][-1]
 
 
 def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():

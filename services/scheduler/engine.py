@@ -401,8 +401,9 @@ class Engine:
             spec = self.scheduler.spec
             if spec is not None and result.gpu_seconds > 0:
                 # The cost model: what a step costs the pipeline (result to result, the host's
-                # part included: a host-bound batch gains from fewer steps), on GPU workers.
-                spec.observe(plan, max(step_seconds, result.gpu_seconds), now)
+                # part included: a host-bound batch gains from fewer steps), on GPU workers, and
+                # the tokens it emitted.
+                spec.observe(plan, max(step_seconds, result.gpu_seconds), now, len(result.token_ids))
             updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.

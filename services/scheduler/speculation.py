@@ -146,10 +146,9 @@ class Speculation:
         self.verifying_plans = 0  # plans in flight that verify drafts they carry (not the device's)
         self.adaptive = AdaptiveK(self.k, all_or_nothing=config.method == "draft") if config.adaptive else None
         self.costs = CostModel() if config.adaptive else None
-        # What the latest plan's sampling sequences expect per step if they verify, for the
-        # cost model's next choice: tokens per sequence, and the longest query.
+        # What the latest plan's sampling sequences expect per step if they verify (tokens per
+        # sequence), for the cost model's next choice until it has measured verify steps.
         self.expected_per_seq = expected_tokens(0.7, self.k)
-        self.max_query = self.k + 1
         self.batch = 1  # running requests at the latest choice
 
     def admit(self, req: Request) -> None:
@@ -168,7 +167,7 @@ class Speculation:
             return False
         if self.costs is None:
             return True
-        return self.costs.speculate(num_running, self.expected_per_seq, self.max_query)
+        return self.costs.speculate(num_running, self.expected_per_seq)
 
     def propose(self, req: Request) -> None:
         """Drafts for a request about to decode its latest token (its plan carries them), as
@@ -200,7 +199,6 @@ class Speculation:
         """The plan's sampling sequences of speculating requests ask the last stage for their next
         drafts (device proposer), and their expected tokens per verify step feed the next choice."""
         expected = count = 0.0
-        longest = 1
         adaptive, on_device = self.adaptive, self.on_device
         for s in plan.seqs:
             if not s.sample:
@@ -215,22 +213,21 @@ class Speculation:
             count += 1
             if k > 0:
                 expected += spec.expected or expected_tokens(0.7, k)
-                longest = max(longest, k + 1)
             else:
                 expected += 1
         if count:
             self.expected_per_seq = expected / count
-            self.max_query = longest
 
     def record(self, req: Request, num_draft: int, valid: int, accepted: int) -> None:
         """A verify step's outcome for req: num_draft slots, valid of them real proposals."""
         if self.adaptive is not None:
             self.adaptive.record(req, num_draft, valid, accepted, self.costs.marginal_cost(self.batch))
 
-    def observe(self, plan: StepPlan, seconds: float, now: float | None = None) -> None:
-        """A step's cost, for the cost model: pure decode or verify steps only."""
+    def observe(self, plan: StepPlan, seconds: float, now: float | None = None, tokens: int | None = None) -> None:
+        """A step's cost and the tokens it emitted, for the cost model: pure decode or verify
+        steps only."""
         if self.costs is not None and plan.max_query and seconds > 0:
-            self.costs.observe(len(plan.seqs), plan.max_query, seconds, now)
+            self.costs.observe(len(plan.seqs), plan.max_query, seconds, now, tokens)
 
     def release(self, req: Request) -> None:
         """req's seq_id ends: the draft worker may drop what it holds for it."""
@@ -316,39 +313,53 @@ class AdaptiveK:
 
 
 class CostModel:
-    """Verify or decode, per step, from what steps cost the pipeline: the wall time of windows of
-    consecutive steps of one kind, result to result (WINDOW), measured on GPU workers only.
+    """Verify or decode, per step, from what the two have delivered at this batch: the wall time
+    of windows of consecutive steps of one kind, result to result (WINDOW), and the tokens a
+    verify step emitted per sequence. Measured on GPU workers only.
 
-    Times are kept per (batch bucket, query length), query length 1 for a plain decode step and
-    1 + the most drafts of any sequence for a verify step (graphs pad the others to it; a window
-    counts as its longest): an exponential average of each. A step verifies when the tokens it expects, per sequence
-    (Speculation.expected_per_seq), times the decode time beats the verify time: verifying k + 1
-    positions must beat k + 1 plain steps, so that speculation never makes a batch slower than
-    plain decoding. A bucket not measured yet is tried (plain first), and every REFRESH choices
-    the option not taken runs for a window, to follow the times as contexts grow. The host's part counts:
-    where the stack is host-bound, fewer steps for the same tokens pay even if the GPU's time
-    does not. Without GPU timing (CPU workers) it has no data and speculation stays on, up to
-    max_batch."""
+    Per batch bucket it keeps an exponential average of a decode step's time, of a verify
+    step's time, and of the tokens per sequence verify steps emitted (realized, not predicted:
+    AdaptiveK's alpha starts from a prior and a verify step pads every query to its longest, so
+    the prediction ran high where acceptance was low, and the open set kept verifying at
+    0.78x). A step verifies when tokens per sequence x decode time beats the verify time:
+    verifying must beat the plain steps it replaces, so that speculation never makes a batch
+    slower than plain decoding. A bucket not measured yet is tried, plain first. The option not
+    taken runs for a window now and then (after REFRESH choices, a wait that doubles each time
+    the choice stood, up to MAX_REFRESH) to follow the times as contexts grow and
+    acceptance changes. The host's part counts: where the stack is host-bound, fewer steps for
+    the same tokens pay even if the GPU's time does not. Without GPU timing (CPU workers) it
+    has no data and speculation stays on, up to max_batch.
 
-    REFRESH = 256
+    Verify times are also kept per query length (the window's longest), for AdaptiveK's cost of
+    one more verified position (marginal_cost)."""
+
+    REFRESH, MAX_REFRESH = 256, 4096
     MARGIN = 1.05  # the other option must be this much faster to change the choice
     HOLD = 32  # choices a change holds for: each change costs a bubble (a verify in flight
     # must come back before its request decodes plainly), so estimates near the line must not flip it
     # Consecutive steps of one kind (decode or verify, at one bucket) timed together. With several
     # plans in flight results often arrive together, so one step's result-to-result time says
     # little (the GPU time was its floor, and a host-bound verify step looked 1.4 ms long where the
-    # H200 run's steps took 2.3 ms: the open set kept speculating at 0.78x); a window's wall
-    # time is what its steps cost.
+    # H200 run's steps took 2.3 ms); a window's wall time is what its steps cost.
     WINDOW = 8
+    AVERAGE = 0.2  # weight of a new window in the averages
 
     def __init__(self) -> None:
-        self.times: dict[tuple[int, int], float] = {}
+        self.times: dict[tuple[int, int], float] = {}  # (bucket, query) -> seconds a step
+        self.step: dict[tuple[int, bool], float] = {}  # (bucket, verifies) -> seconds a step
+        self.tokens: dict[int, float] = {}  # bucket -> tokens a verify step emitted per sequence
         self.choices: dict[int, int] = {}
         self.current: dict[int, tuple[bool, int]] = {}  # per bucket: (speculating, choice it changed at)
+        # Per bucket: the choice number the next exploration starts at, the wait before it, and
+        # the choice when the last one ended.
+        self.explore_at: dict[int, int] = {}
+        self.explore_wait: dict[int, int] = {}
+        self.explored_choice: dict[int, bool] = {}
         self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
-        # The window being timed: (bucket, verifies), its start, steps, longest query.
-        self._window: tuple[tuple[int, bool], float, int, int] | None = None
+        # The window being timed: (bucket, verifies), its start, steps, longest query, tokens
+        # emitted and sequences sampled.
+        self._window: tuple[tuple[int, bool], float, int, int, int, int] | None = None
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -357,63 +368,75 @@ class CostModel:
             return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
         return -(-batch // 16) * 16
 
-    def observe(self, batch: int, query: int, seconds: float, now: float | None = None) -> None:
+    def observe(
+        self, batch: int, query: int, seconds: float, now: float | None = None, tokens: int | None = None
+    ) -> None:
         """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
-        send), at time `now`: timed in windows of WINDOW steps of one kind. Without `now`, the
-        step's own time."""
+        send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
+        each): timed in windows of WINDOW steps of one kind. Without `now`, the step's own time."""
         self.enabled = True
+        tokens = batch if tokens is None else tokens
         if now is None:
-            self._record(self.bucket(batch), query, seconds)
+            self._record(self.bucket(batch), query, seconds, tokens / max(batch, 1))
             return
         kind = (self.bucket(batch), query > 1)
         window = self._window
         if window is None or window[0] != kind:
-            window = (kind, now - seconds, 0, 1)  # a new kind of step: its time starts at the last result
-        _, start, steps, longest = window
+            window = (kind, now - seconds, 0, 1, 0, 0)  # a new kind of step: its time starts at the last result
+        _, start, steps, longest, emitted, sampled = window
         steps, longest = steps + 1, max(longest, query)
+        emitted, sampled = emitted + tokens, sampled + batch
         if steps < self.WINDOW:
-            self._window = (kind, start, steps, longest)
+            self._window = (kind, start, steps, longest, emitted, sampled)
             return
-        self._record(kind[0], longest, (now - start) / steps)
-        self._window = (kind, now, 0, 1)
+        self._record(kind[0], longest, (now - start) / steps, emitted / max(sampled, 1))
+        self._window = (kind, now, 0, 1, 0, 0)
 
-    def _record(self, b: int, query: int, seconds: float) -> None:
-        key = (b, query)
-        old = self.times.get(key)
-        self.times[key] = seconds if old is None else old + 0.2 * (seconds - old)
-        if query > self.longest.get(b, 1):
-            self.longest[b] = query
+    def _record(self, b: int, query: int, seconds: float, tokens_per_seq: float) -> None:
+        verifies = query > 1
+        self._average(self.times, (b, query), seconds)
+        self._average(self.step, (b, verifies), seconds)
+        if verifies:
+            self._average(self.tokens, b, tokens_per_seq)
+            if query > self.longest.get(b, 1):
+                self.longest[b] = query
 
-    def speculate(self, batch: int, expected_per_seq: float, query: int) -> bool:
+    def _average(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.AVERAGE * (value - old)
+
+    def speculate(self, batch: int, expected_per_seq: float) -> bool:
+        """Whether this step verifies; expected_per_seq: the tokens per sequence AdaptiveK
+        predicts, used until verify steps at this batch have been measured."""
         if not self.enabled:
             return True
         b = self.bucket(batch)
-        decode = self.times.get((b, 1))
+        decode = self.step.get((b, False))
         if decode is None:
             return False  # measure a plain step first
-        verify = self.times.get((b, query))
+        verify = self.step.get((b, True))
         if verify is None:
-            verify = self._nearest_verify(b, query)
-            if verify is None:
-                return True  # then a verify step
+            return True  # then a verify step
         n = self.choices[b] = self.choices.get(b, 0) + 1
-        gain = expected_per_seq * decode / verify
+        gain = self.tokens.get(b, expected_per_seq) * decode / verify
         current, since = self.current.get(b, (gain > 1, 0))
         if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
             current, since = not current, n
         self.current[b] = (current, since)
-        # Now and then the option not taken runs for a window, to follow the times as contexts grow.
-        return (not current) if n % self.REFRESH < self.WINDOW and n >= self.REFRESH else current
+        return self._explore(b, n, current)
 
-    def _nearest_verify(self, b: int, query: int) -> float | None:
-        """The time of the longest measured verify step at bucket b up to query (shorter queries
-        cost less), else None."""
-        best = None
-        for q in range(query - 1, 1, -1):
-            if (b, q) in self.times:
-                best = self.times[(b, q)]
-                break
-        return best
+    def _explore(self, b: int, n: int, current: bool) -> bool:
+        """The choice, or for WINDOW steps now and then the option not taken. The wait between
+        two explorations doubles each time the choice stood, and starts over when it changed."""
+        start = self.explore_at.get(b, self.REFRESH)
+        if n < start:
+            return current
+        if n < start + self.WINDOW:
+            return not current
+        stood = self.explored_choice.get(b, current) == current
+        wait = min(2 * self.explore_wait.get(b, self.REFRESH), self.MAX_REFRESH) if stood else self.REFRESH
+        self.explore_wait[b], self.explore_at[b], self.explored_choice[b] = wait, n + wait, current
+        return current
 
     def marginal_cost(self, batch: int) -> float:
         """One more verified position's cost relative to a decode step at this batch, from its
