@@ -341,13 +341,14 @@ class Engine:
             msg = plan_to_proto(plan)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
-                    "step %d: %d sequences, %d verifying %d drafts, %d tokens, %d in flight",
+                    "step %d: %d sequences, %d verifying %d drafts, %d tokens, %d in flight, %d waiting",
                     plan.step_id,
                     len(plan.seqs),
                     sum(1 for s in plan.seqs if s.num_draft),
                     sum(s.num_draft for s in plan.seqs),
                     sum(s.num_scheduled for s in plan.seqs),
                     len(self.in_flight),
+                    len(self.scheduler.waiting),
                 )
             plan.sent_at = time.monotonic()
             self.in_flight.append(plan)
