@@ -121,7 +121,6 @@ def run_case(runner, batch: int, context: int, options) -> dict:
     plans = iter(step_plan(2 + i, batch, prompt_len + i, blocks) for i in range(total))
     cuda = runner.device.type == "cuda"
     controls = runner.controls
-    hits_before = getattr(controls.grammar, "ahead_hits", 0)
     if hasattr(controls, "profile"):
         controls.profile = cuda
         controls.gpu_events.clear()
@@ -166,7 +165,6 @@ def run_case(runner, batch: int, context: int, options) -> dict:
         "gpu_wait_ms": float(np.median(waits)) if waits else float("nan"),
         "gpu_controls_ms": float(np.median(draws)) if draws else float("nan"),
         "masked_rows": int(len(controls.grammar.rows)),
-        "bitmasks_filled_ahead": int(getattr(controls.grammar, "ahead_hits", 0) - hits_before),  # older trees: 0
     }
 
 
@@ -221,8 +219,7 @@ def main(argv=None) -> None:
         parts = " ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items())
         print(
             f"  {name:20s} host ms: {parts}; GPU ms: idle after the graph {r['gpu_wait_ms']:.3f},"
-            f" patch + draw {r['gpu_controls_ms']:.3f}; rows under a grammar {r['masked_rows']},"
-            f" steps with their bitmasks filled ahead {r['bitmasks_filled_ahead']}"
+            f" patch + draw {r['gpu_controls_ms']:.3f}; rows under a grammar {r['masked_rows']}"
         )
     print(json.dumps({"batch": args.batch, "context": args.context, "results": results}))
 

@@ -151,10 +151,6 @@ def test_controlled_draw_gives_the_general_paths_tokens(kinds, monkeypatch):
                 o.append(t)
             positions = [p + 1 for p in positions]
             tokens = want.tolist()
-    if kinds != "penalties only":
-        # The bitmasks of every decode step after a decode were filled ahead, while the step
-        # thread prepared the step (the first, the verify step and the one after it were not).
-        assert general.grammar.ahead_hits == fused.grammar.ahead_hits == 14 - 3
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))

@@ -9,10 +9,8 @@ here).
 
 A sequence's matcher consumes its output tokens in order: the ones known at admission (after a
 preemption), the output tokens of its input (a recomputed prefill), and after each draw the
-tokens the step emitted (read back from the device). A decode draw's tokens are accepted on a
-thread of their own, which then fills the bitmasks of the same rows' next tokens, while the step
-thread prepares the next step; that step uses them if it decodes the same rows in turn (it
-joins the thread before touching a matcher, so matchers never run two at a time). A verify step fills the bitmask of row j after accepting drafts 0 .. j-1
+tokens the step emitted (read back from the device: a step with constrained rows synchronises
+once, after its draw). A verify step fills the bitmask of row j after accepting drafts 0 .. j-1
 into the matcher, then rolls those back (GrammarMatcher.rollback); the emitted tokens are
 accepted after the draw. A matcher that is behind a plan (a draft worker's rolled-back
 proposal) is rolled back to it.
@@ -100,7 +98,7 @@ class GrammarCompilerPool:
 
 
 class _Row:
-    __slots__ = ("future", "matcher", "prompt_len", "pos", "consumed", "pending", "failed", "version")
+    __slots__ = ("future", "matcher", "prompt_len", "pos", "consumed", "pending", "failed")
 
 
 class GrammarState:
@@ -116,15 +114,6 @@ class GrammarState:
         self._tokens = None  # pinned host copy of the last constrained draw's tokens
 
         self._pending = None  # (rows, positions, verify, event): tokens drawn but not yet accepted
-        # Accepting a decode draw's tokens and filling the next step's bitmasks run on a thread
-        # of their own from the moment the draw is queued (_accept_and_fill_ahead), while the
-        # step thread prepares the next step; the step thread joins it before it touches a
-        # matcher. The bitmask filled ahead serves the next step if its constrained rows are
-        # the same, in the same order, each at the position its matcher expects.
-        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-ahead")
-        self._job: Future | None = None
-        self._filled_ahead = None  # (state rows, [(row, version, position)], masked) of the bitmask buffer
-        self.ahead_hits = 0  # steps whose bitmask was filled ahead (the rest filled on the step thread)
         # Host time (bench_constrained reports it): filling bitmasks, waiting for the last
         # draw's tokens, and accepting them (the wait included).
         self.fill_seconds = 0.0
@@ -135,10 +124,9 @@ class GrammarState:
     def add(self, row: int, s, num_prompt_tokens: int, history_start: int, history) -> bool:
         if not s.constraint_kind:
             return False
-        self._join()
         r = _Row()
         r.future = self.pool.compiled(s.constraint_kind, s.constraint)
-        r.matcher, r.failed, r.version = None, False, 0
+        r.matcher, r.failed = None, False
         r.prompt_len = int(num_prompt_tokens)
         r.pos = r.prompt_len  # the position of the next token the matcher takes
         r.consumed = []  # output tokens it took, in order
@@ -150,7 +138,6 @@ class GrammarState:
         return True
 
     def release(self, row: int) -> None:
-        self._join()
         if self.rows.pop(row, None) is not None:
             self.has_row[row] = False
 
@@ -181,7 +168,6 @@ class GrammarState:
                 if r.consumed[k] == t:
                     continue
                 back = len(r.consumed) - k
-                r.version += 1
                 if back <= MAX_ROLLBACK_TOKENS:
                     m.rollback(back)
                 else:
@@ -195,7 +181,6 @@ class GrammarState:
                     return
                 if not m.accept_token(int(t)):  # refused (never after a masked draw): keep the matcher as it was
                     return
-                r.version += 1
                 r.consumed.append(int(t))
                 r.pos = p + 1
 
@@ -203,7 +188,6 @@ class GrammarState:
         """Before a step's draw: the output tokens of its inputs (drafts and placeholders
         excepted: placeholders are the tokens this stage sampled, which the matchers take after
         the draw). One pass over the step's tokens, not one per row."""
-        self._join()
         token_rows = h.token_rows
         mine = self.has_row[token_rows]
         for row in np.unique(token_rows[mine]).tolist():
@@ -240,35 +224,29 @@ class GrammarState:
             self._bitmask_copied.synchronize()  # the previous upload has left the host buffer
         return self._bitmask[:n]
 
-    def _fill_decode(self, rows: list[_Row], bitmask: torch.Tensor) -> np.ndarray:
-        """Fills bitmask row i for the next token of rows[i], every matcher at once on xgrammar's
-        threads; returns which rows are masked (a row whose grammar ended, or failed to compile,
-        is unconstrained: its bitmask row is all ones)."""
+    def _fill(self, h, idx: np.ndarray, bitmask: torch.Tensor) -> np.ndarray:
+        """Fills bitmask row i for sample row idx[i]; returns which rows are masked (a row whose
+        grammar ended, or failed to compile, is unconstrained: its bitmask row is all ones)."""
         import xgrammar as xgr
 
-        masked = np.ones(len(rows), dtype=bool)
-        matchers, which, stops = [], [], self.pool.stop_set
-        for i, r in enumerate(rows):
-            m = r.matcher if r.matcher is not None else self._matcher(r)
-            # A matcher ends when it takes a stop token (xgrammar's is_terminated, a call per row).
-            if m is None or (r.consumed and r.consumed[-1] in stops and m.is_terminated()):
-                bitmask[i].fill_(-1)  # unconstrained: nothing after an end is emitted
-                masked[i] = False
-            else:
-                matchers.append(m)
-                which.append(i)
-        if matchers:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, which)
-        return masked
-
-    def _fill(self, h, idx: np.ndarray, bitmask: torch.Tensor) -> np.ndarray:
-        """Fills bitmask row i for sample row idx[i]; returns which rows are masked."""
         start = time.perf_counter()
         masked = np.ones(len(idx), dtype=bool)
-        if h.verify is None:  # one token per sequence
-            masked = self._fill_decode([self.rows[row] for row in h.sample_rows[idx].tolist()], bitmask)
+        if h.verify is None:  # one token per sequence: every matcher at once, on xgrammar's threads
+            matchers, rows, stops, table = [], [], self.pool.stop_set, self.rows
+            for i, row in enumerate(h.sample_rows[idx].tolist()):
+                r = table[row]
+                m = r.matcher if r.matcher is not None else self._matcher(r)
+                # A matcher ends when it takes a stop token (xgrammar's is_terminated, a call per row).
+                if m is None or (r.consumed and r.consumed[-1] in stops and m.is_terminated()):
+                    bitmask[i].fill_(-1)  # unconstrained: nothing after an end is emitted
+                    masked[i] = False
+                else:
+                    matchers.append(m)
+                    rows.append(i)
+            if matchers:
+                if self._batch is None:
+                    self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         else:
             bitmask.fill_(-1)
             counts = h.verify.rows_per_seq  # a verifying sequence's rows are consecutive: drafts, then the bonus row
@@ -302,27 +280,10 @@ class GrammarState:
         step's one wait for the GPU), then fills the bitmasks of sample rows idx into the pinned
         host buffer. Returns (bitmask rows [len(idx), W] int32, on the host; whether each row is
         masked). The caller uploads them and calls uploaded() after queuing the copy."""
-        self._join()
-        ahead, self._filled_ahead = self._filled_ahead, None
-        if ahead is not None and h.verify is None and self._still_valid(ahead, h, idx):
-            self.ahead_hits += 1
-            return self._bitmask[: len(idx)], ahead[2]
         self._drain()
         bitmask = self._bitmask_rows(len(idx))
         masked = self._fill(h, idx, bitmask)
         return bitmask, masked
-
-    def _still_valid(self, ahead, h, idx: np.ndarray) -> bool:
-        """Whether the bitmask filled ahead is this step's: the same rows in the same order, no
-        matcher changed since, each sampling the position its matcher takes next."""
-        rows, states, _ = ahead
-        if not np.array_equal(rows, h.sample_rows[idx]):
-            return False
-        positions = h.sample_positions[idx].tolist()
-        return all(
-            self.rows.get(row) is r and r.version == version and r.pos == p
-            for (row, r, version), p in zip(states, positions)
-        )
 
     def uploaded(self) -> None:
         """The host bitmask's copy is queued (on the current stream): it may be refilled once done."""
@@ -364,7 +325,6 @@ class GrammarState:
         matchers accept them at the next step (_drain), after its forward is launched, or
         whenever the runner drains them. token_ids: one per sample row, or, with index, the
         draw's tokens of which sample row i's is token_ids[index[i]]."""
-        self._join()
         n = token_ids.shape[0]
         if self.device.type == "cuda":
             if self._tokens is None or self._tokens.shape[0] < n:
@@ -377,35 +337,6 @@ class GrammarState:
             host, event = token_ids.cpu(), None
         rows = {i: self.rows[r] for i, r in zip(idx.tolist(), h.sample_rows[idx].tolist())}
         self._pending = (rows, h.sample_positions.copy(), h.verify, idx, host, event, index)
-        self._filled_ahead = None
-        if h.verify is None:
-            self._job = self._ahead.submit(self._accept_and_fill_ahead, h.sample_rows[idx].copy())
-
-    def _join(self) -> None:
-        """Waits for the accept and fill running ahead (raising what it raised)."""
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
-
-    def _accept_and_fill_ahead(self, state_rows: np.ndarray) -> None:
-        """On the ahead thread: the matchers accept the draw's tokens, then the bitmask of the
-        same rows' next tokens is filled (the next step's, if it decodes them in turn). In
-        inference mode, as the step thread: the buffers were made there."""
-        with torch.inference_mode():
-            self._accept_and_fill(state_rows)
-
-    def _accept_and_fill(self, state_rows: np.ndarray) -> None:
-        self._drain()
-        rows = [self.rows.get(row) for row in state_rows.tolist()]
-        if any(r is None for r in rows):
-            return
-        start = time.perf_counter()
-        bitmask = self._bitmask_rows(len(rows))
-        masked = self._fill_decode(rows, bitmask)
-        self.fill_seconds += time.perf_counter() - start
-        self.fill_rows += len(rows)
-        states = [(row, r, r.version) for row, r in zip(state_rows.tolist(), rows)]
-        self._filled_ahead = (state_rows, states, masked)
 
     def _drain(self) -> None:
         """The matchers accept the tokens of the last constrained draw (the step's one wait)."""
@@ -446,7 +377,6 @@ class GrammarState:
                     if ok:  # refused (never after a masked draw): the matcher stays as it was
                         r.consumed.append(t)
                         r.pos += 1
-                        r.version += 1
             self.accept_seconds += time.perf_counter() - start
             return
         num_tokens, _ = accepted_rows(tokens, verify)
