@@ -484,6 +484,7 @@ COUNTERS = (
     "worker_timed_steps",
     "worker_launch_seconds",
     "busy_seconds",
+    "spec_decode_verify_steps",
 )
 
 

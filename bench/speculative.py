@@ -306,7 +306,13 @@ def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
                 steps = stats["steps"]
                 rows_ = common.gpu_timeline_rows(stats, phase["elapsed_s"])
                 print(
-                    f"    {run}: {steps:,} steps, {phase['output_tokens'] / steps:.2f} output tokens per step; "
+                    f"    {run}: {steps:,} steps"
+                    + (
+                        f" ({stats['spec_decode_verify_steps']:,} verifying)"
+                        if "spec_decode_verify_steps" in stats
+                        else ""
+                    )
+                    + f", {phase['output_tokens'] / steps:.2f} output tokens per step; "
                     + "; ".join(f"{k}: {v}" for k, v in rows_)
                 )
         for i, position, margin, drifted in diverged:

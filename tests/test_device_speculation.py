@@ -165,7 +165,7 @@ def test_cost_model_measures_both_ways_then_picks_the_faster():
     assert costs.speculate(64, 3.0)  # then a verify step
     costs.observe(64, 5, 0.012, tokens=192)
     assert not costs.speculate(64, 3.0)  # 3 x 3 ms loses to 12 ms
-    assert costs.marginal_cost(16) == pytest.approx((0.004 / 0.002 - 1) / 4)
+    assert costs.verify_cost(16) == pytest.approx((0.0, (0.004 / 0.002 - 1) / 4))
 
 
 def test_cost_model_explores_the_other_option_less_often_while_the_choice_stands():
@@ -206,25 +206,63 @@ def test_cost_model_times_windows_of_steps_from_result_to_result():
     assert [costs.speculate(1, 1.0) for _ in range(CostModel.HOLD + 1)][-1]
 
 
+def test_cost_model_counts_steps_of_a_kind_though_others_come_between():
+    """Requests whose k fell to 0 decode plainly beside others' verify steps: plans alternate
+    between the two kinds, and each kind's windows still fill (before, a window restarted at
+    every change of kind, and neither was ever measured again)."""
+    costs, now = CostModel(), 100.0
+    for i in range(4 * CostModel.WINDOW):
+        verifies = i % 2 == 1
+        now += 0.0024 if verifies else 0.0012
+        costs.observe(16, 5 if verifies else 1, 0.001, now, tokens=24 if verifies else 16)
+    assert costs.step[(16, False)] == pytest.approx(0.0012, rel=0.05)  # (the first: its own time)
+    assert costs.step[(16, True)] == pytest.approx(0.002)  # at most twice the step's own time
+    assert costs.tokens[16] == pytest.approx(1.5)
+    assert not costs.speculate(16, 3.0)  # 1.5 x 1.2 ms < 2 ms
+
+
+def test_verify_cost_has_a_fixed_part_and_k_follows_it():
+    """At batch 1 a verify step cost about twice a decode step whatever its k (SmolLM2 on the
+    H200: the decode chain serves one-token steps only): a cost per position alone (from the
+    longest query, 1.77 / 0.75 ms over 8 more positions) made k = 8 look dear, and k stayed at
+    3 or 4 on the lookup set, where 8 emits more for about the same step."""
+    costs = CostModel()
+    costs.observe(1, 1, 0.00075)
+    for q, t in ((3, 0.00172), (5, 0.00174), (9, 0.00177)):
+        costs.observe(1, q, t, tokens=2)
+    fixed, per_position = costs.verify_cost(1)
+    assert fixed == pytest.approx(1.27, abs=0.02) and per_position == pytest.approx(0.013, abs=0.005)
+    adaptive, req = AdaptiveK(8), Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    req.spec = SpecState(k=8)
+    for _ in range(6):  # 7 of 8 drafts accepted each time
+        adaptive.record(req, 8, 8, 7, costs.verify_cost(1))
+    assert req.spec.k == 8
+    low = Request("s", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    low.spec = SpecState(k=8)
+    for _ in range(6):  # the open set's acceptance: a verify step would not pay for its fixed part
+        adaptive.record(low, 8, 8, 0, costs.verify_cost(1))
+    assert low.spec.k == 0
+
+
 def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():
     adaptive = AdaptiveK(4)
     req = Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
     req.spec = SpecState(k=4)
     for _ in range(5):  # every draft accepted
-        adaptive.record(req, 4, 4, 4, marginal_cost=0.05)
+        adaptive.record(req, 4, 4, 4, cost=(0.0, 0.05))
     assert req.spec.k == 4
-    adaptive.record(req, 4, 4, 1, marginal_cost=0.05)  # one miss after a good run changes little
+    adaptive.record(req, 4, 4, 1, cost=(0.0, 0.05))  # one miss after a good run changes little
     assert req.spec.k == 4
     short = Request("s", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
     short.spec = SpecState(k=4)
     for _ in range(6):  # the lookup finds one draft each time, always right: more slots are waste
-        adaptive.record(short, short.spec.k, 1, 1, marginal_cost=0.2)
+        adaptive.record(short, short.spec.k, 1, 1, cost=(0.0, 0.2))
     assert short.spec.k in (1, 2) and short.spec.expected < 2.5  # (two emitted per step)
     other = Request("o", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
     other.spec = SpecState(k=4)
     ks = []
     for _ in range(8):  # the first draft is wrong every time, and a verify position costs 30%
-        adaptive.record(other, 4, 4, 0, marginal_cost=0.3)
+        adaptive.record(other, 4, 4, 0, cost=(0.0, 0.3))
         ks.append(other.spec.k)
     assert ks[0] == 1 and ks[-1] == 0  # fewer drafts first, then none
     assert other.spec.retry_at == AdaptiveK.MIN_BACKOFF  # for 16 tokens, then it tries again

@@ -323,6 +323,7 @@ class Scheduler:
         plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
         if spec is not None:
             spec.verifying_plans += plan.verifies
+            self.acceptance.verify_steps += any(s.num_draft for s in seqs)
             spec.after_plan(plan)
             plan.send_prefixes = spec.on_device and bool(new_requests)
             if all(s.sample and s.num_scheduled == s.num_draft + 1 for s in seqs) and not new_requests:

@@ -32,15 +32,20 @@ verified the same way.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from strata.protocol import DEVICE_DRAFT, DRAFT_PLACEHOLDER
 from strata.sampling_rules import history_needed
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.v1 import engine_pb2
+
+log = logging.getLogger("strata.scheduler")
 
 if TYPE_CHECKING:
     from strata.services.scheduler.plan import StepPlan
@@ -221,7 +226,7 @@ class Speculation:
     def record(self, req: Request, num_draft: int, valid: int, accepted: int) -> None:
         """A verify step's outcome for req: num_draft slots, valid of them real proposals."""
         if self.adaptive is not None:
-            self.adaptive.record(req, num_draft, valid, accepted, self.costs.marginal_cost(self.batch))
+            self.adaptive.record(req, num_draft, valid, accepted, self.costs.verify_cost(self.batch))
 
     def observe(self, plan: StepPlan, seconds: float, now: float | None = None, tokens: int | None = None) -> None:
         """A step's cost and the tokens it emitted, for the cost model: pure decode or verify
@@ -263,9 +268,11 @@ class AdaptiveK:
     over decayed counts (recent steps weigh more) with a prior of 2 / 3. A proposal also holds
     only the drafts the lookup found (`found`, decayed, one more where it filled every slot: it
     may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
-    and k maximises that per unit of the step's cost, (1 + c k), c being one more position's
-    cost relative to a decode step (the cost model's, at the current batch). Where no k beats a
-    plain decode (alpha below about c, or nothing found), k is 0: the request proposes nothing
+    and k maximises that per unit of the step's cost, (1 + f + c k) decode steps: f the fixed
+    part of a verify step's extra cost and c one more position's (the cost model's, at the
+    current batch: at batch 1 a verify step costs about twice a decode step whatever its k, at
+    batch 64 its cost grows with k). Where no k beats a plain decode (alpha too low, or nothing
+    found), k is 0: the request proposes nothing
     for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
 
     DECAY = 0.8
@@ -281,19 +288,20 @@ class AdaptiveK:
             spec.accepted + spec.missed + self.PRIOR_ACCEPTED + self.PRIOR_MISSED
         )
 
-    def record(self, req: Request, num_draft: int, valid: int, accepted: int, marginal_cost: float) -> None:
+    def record(self, req: Request, num_draft: int, valid: int, accepted: int, cost: tuple[float, float]) -> None:
         spec = req.spec
         spec.accepted = spec.accepted * self.DECAY + accepted
         spec.missed = spec.missed * self.DECAY + (1 if accepted < valid else 0)
         seen = valid + (1 if valid == num_draft else 0)
         spec.found = seen if spec.found < 0 else spec.found * self.DECAY + seen * (1 - self.DECAY)
         alpha = self.alpha(spec)
-        c = max(marginal_cost, 1e-3)
+        fixed, c = cost
+        c = max(c, 1e-3)
         candidates = (self.k,) if self.all_or_nothing else range(1, self.k + 1)
         best_k, best, best_tokens = 0, 1.0, 1.0
         for k in candidates:
             tokens = expected_tokens(alpha, min(k, spec.found))
-            value = tokens / (1 + c * k)
+            value = tokens / (1 + fixed + c * k)
             if value > best * 1.02:
                 best_k, best, best_tokens = k, value, tokens
         spec.expected = best_tokens
@@ -331,7 +339,7 @@ class CostModel:
     has no data and speculation stays on, up to max_batch.
 
     Verify times are also kept per query length (the window's longest), for AdaptiveK's cost of
-    one more verified position (marginal_cost)."""
+    a verify step of k drafts (verify_cost)."""
 
     REFRESH, MAX_REFRESH = 256, 4096
     MARGIN = 1.05  # the other option must be this much faster to change the choice
@@ -357,9 +365,10 @@ class CostModel:
         self.explored_choice: dict[int, bool] = {}
         self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
-        # The window being timed: (bucket, verifies), its start, steps, longest query, tokens
+        # Per (bucket, verifies), the window being summed: seconds, steps, longest query, tokens
         # emitted and sequences sampled.
-        self._window: tuple[tuple[int, bool], float, int, int, int, int] | None = None
+        self._windows: dict[tuple[int, bool], tuple[float, int, int, int, int]] = {}
+        self._last_result: float | None = None
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -373,24 +382,28 @@ class CostModel:
     ) -> None:
         """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
         send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
-        each): timed in windows of WINDOW steps of one kind. Without `now`, the step's own time."""
+        each). A step costs the pipeline the time from the previous result to its own (with
+        `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed until WINDOW of
+        them were seen, whether or not steps of another kind came between."""
         self.enabled = True
         tokens = batch if tokens is None else tokens
         if now is None:
             self._record(self.bucket(batch), query, seconds, tokens / max(batch, 1))
             return
+        # From the previous result: the host's part between it and this step's send counts (a
+        # verify step that waited for it); at most twice the step's own time, which leaves out
+        # an idle gap with nothing in flight.
+        interval = seconds if self._last_result is None else min(max(seconds, now - self._last_result), 2 * seconds)
+        self._last_result = now
         kind = (self.bucket(batch), query > 1)
-        window = self._window
-        if window is None or window[0] != kind:
-            window = (kind, now - seconds, 0, 1, 0, 0)  # a new kind of step: its time starts at the last result
-        _, start, steps, longest, emitted, sampled = window
-        steps, longest = steps + 1, max(longest, query)
+        total, steps, longest, emitted, sampled = self._windows.get(kind, (0.0, 0, 1, 0, 0))
+        total, steps, longest = total + interval, steps + 1, max(longest, query)
         emitted, sampled = emitted + tokens, sampled + batch
         if steps < self.WINDOW:
-            self._window = (kind, start, steps, longest, emitted, sampled)
+            self._windows[kind] = (total, steps, longest, emitted, sampled)
             return
-        self._record(kind[0], longest, (now - start) / steps, emitted / max(sampled, 1))
-        self._window = (kind, now, 0, 1, 0, 0)
+        del self._windows[kind]
+        self._record(kind[0], longest, total / steps, emitted / max(sampled, 1))
 
     def _record(self, b: int, query: int, seconds: float, tokens_per_seq: float) -> None:
         verifies = query > 1
@@ -422,6 +435,14 @@ class CostModel:
         current, since = self.current.get(b, (gain > 1, 0))
         if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
             current, since = not current, n
+            log.info(
+                "speculation %s at batch %d: %.2f tokens a sequence per verify step of %.3f ms, decode %.3f ms",
+                "on" if current else "off",
+                b,
+                self.tokens.get(b, expected_per_seq),
+                verify * 1e3,
+                decode * 1e3,
+            )
         self.current[b] = (current, since)
         return self._explore(b, n, current)
 
@@ -438,16 +459,27 @@ class CostModel:
         self.explore_wait[b], self.explore_at[b], self.explored_choice[b] = wait, n + wait, current
         return current
 
-    def marginal_cost(self, batch: int) -> float:
-        """One more verified position's cost relative to a decode step at this batch, from its
-        longest verify step measured (0.05 until then: small batches read the weights once
-        either way)."""
+    def verify_cost(self, batch: int) -> tuple[float, float]:
+        """A verify step's extra cost over a decode step at this batch, in decode steps, as
+        (fixed, per position): a line through the verify times measured at each query length
+        (least squares; with one length, all of it per position; (0, 0.05) until then: small
+        batches read the weights once either way)."""
         b = self.bucket(batch)
         decode = self.times.get((b, 1))
-        longest = self.longest.get(b, 0)
-        if decode is None or not longest:
-            return 0.05
-        return max((self.times[(b, longest)] / decode - 1) / (longest - 1), 0.0)
+        points = [(q, t) for (bb, q), t in self.times.items() if bb == b and q > 1]
+        if decode is None or not points:
+            return 0.0, 0.05
+        if len(points) == 1:
+            ((q, t),) = points
+            return 0.0, max((t / decode - 1) / (q - 1), 0.0)
+        qs = np.array([q for q, _ in points], dtype=np.float64)
+        ts = np.array([t for _, t in points], dtype=np.float64) / decode
+        slope, intercept = np.polyfit(qs, ts, 1)
+        slope = max(float(slope), 0.0)
+        # verify(q) = intercept + slope q decode steps; k drafts: q = k + 1, so the extra cost
+        # over a decode step is (intercept + slope - 1) + slope k.
+        fixed = max(float(intercept) + slope - 1.0, 0.0)
+        return fixed, slope
 
 
 def drafts_that_fit(req: Request, budget: int) -> int:
@@ -478,6 +510,7 @@ class Acceptance:
         self.drafts = 0
         self.draft_tokens = 0
         self.accepted = [0] * k  # accepted[i]: verify steps that accepted draft i
+        self.verify_steps = 0  # plans that carried drafts
 
     def record(self, num_draft: int, accepted: int) -> None:
         self.drafts += 1
@@ -492,5 +525,6 @@ class Acceptance:
         stats.spec_decode_draft_tokens = self.draft_tokens
         stats.spec_decode_accepted_tokens = sum(self.accepted)
         stats.spec_decode_accepted_per_position.extend(self.accepted)
+        stats.spec_decode_verify_steps = self.verify_steps
         if self.draft_tokens:
             stats.spec_decode_acceptance_rate = sum(self.accepted) / self.draft_tokens
