@@ -221,6 +221,17 @@ def test_cost_model_counts_steps_of_a_kind_though_others_come_between():
     assert not costs.speculate(16, 3.0)  # 1.5 x 1.2 ms < 2 ms
 
 
+def test_cost_model_leaves_out_steps_that_waited_for_the_previous_result():
+    """A plain step after a verify step waits for its result (the change of kind's bubble): its
+    time is a round trip, not what plain decoding costs once pipelined."""
+    costs, now = CostModel(), 100.0
+    for i in range(4 * CostModel.WINDOW):
+        bubble = i % 4 == 3
+        now += 0.0016 if bubble else 0.001
+        costs.observe(1, 1, 0.0016 if bubble else 0.001, now, pipelined=not bubble)
+    assert costs.step[(1, False)] == pytest.approx(0.001)
+
+
 def test_verify_cost_has_a_fixed_part_and_k_follows_it():
     """At batch 1 a verify step cost about twice a decode step whatever its k (SmolLM2 on the
     H200: the decode chain serves one-token steps only): a cost per position alone (from the

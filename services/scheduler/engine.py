@@ -377,6 +377,7 @@ class Engine:
         self._deadlines.popleft()
         now = time.monotonic()
         step_seconds = now - max(plan.sent_at, self._last_result)
+        pipelined = plan.sent_at < self._last_result  # sent before the previous result came back
         self._recent_step_seconds.append(step_seconds)
         self._last_result = now
         if result.step_id != plan.step_id:
@@ -404,7 +405,7 @@ class Engine:
                 # The cost model: what a step costs the pipeline (result to result, the host's
                 # part included: a host-bound batch gains from fewer steps), on GPU workers, and
                 # the tokens it emitted.
-                spec.observe(plan, max(step_seconds, result.gpu_seconds), now, len(result.token_ids))
+                spec.observe(plan, max(step_seconds, result.gpu_seconds), now, len(result.token_ids), pipelined)
             updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.
