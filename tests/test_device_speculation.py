@@ -136,6 +136,17 @@ def test_device_proposals_give_the_plain_tokens(shard, in_flight):
         assert any(p.rejected_drafts for p in plans)
 
 
+def test_no_proposals_while_the_cost_model_keeps_speculation_off(shard, monkeypatch):
+    """Plain steps of a speculating cluster cost what plain steps cost: while speculation is
+    off, the last stage is not asked to look up drafts (a kernel and a read-back per step)."""
+    want, _ = _drive(_runner(shard), _scheduler(3, None), _requests(2, 6), 3)
+    monkeypatch.setattr(CostModel, "speculate", lambda self, batch, expected: False)
+    spec = SpeculativeConfig("ngram", 4, 1, 3, max_batch=48, proposer="device")
+    got, plans = _drive(_runner(shard, 4), _scheduler(3, spec), _requests(2, 6), 3)
+    assert got == want
+    assert not any(s.propose or s.num_draft for p in plans for s in p.seqs)
+
+
 def test_lookahead_verification_matches_waiting_for_each_result(shard):
     """The same workload, drafts on the device both ways: with 3 plans in flight (verify steps
     launched ahead, moved back on the device) and with 1 (every plan exact)."""

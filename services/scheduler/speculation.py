@@ -155,6 +155,7 @@ class Speculation:
         # sequence), for the cost model's next choice until it has measured verify steps.
         self.expected_per_seq = expected_tokens(0.7, self.k)
         self.batch = 1  # running requests at the latest choice
+        self.speculating = True  # the latest choice
 
     def admit(self, req: Request) -> None:
         """req got a (new) seq_id: the last stage holds nothing of it."""
@@ -169,10 +170,12 @@ class Speculation:
         cost model finds that it pays at this batch."""
         self.batch = num_running
         if num_running > self.max_batch:
-            return False
-        if self.costs is None:
-            return True
-        return self.costs.speculate(num_running, self.expected_per_seq)
+            self.speculating = False
+        elif self.costs is None:
+            self.speculating = True
+        else:
+            self.speculating = self.costs.speculate(num_running, self.expected_per_seq)
+        return self.speculating
 
     def propose(self, req: Request) -> None:
         """Drafts for a request about to decode its latest token (its plan carries them), as
@@ -213,8 +216,11 @@ class Speculation:
                 adaptive.resume(spec)
             k = spec.k
             if on_device:
-                s.propose = k
-                spec.proposed = k
+                # While speculation is off, no proposals: a plain step in a speculating cluster
+                # then costs what a plain cluster's does (the lookup kernel and its proposals'
+                # read-back made plain steps 35% dearer in host time). The step after it turns
+                # back on proposes; the one after that verifies.
+                s.propose = spec.proposed = k if self.speculating else 0
             count += 1
             if k > 0:
                 expected += spec.expected or expected_tokens(0.7, k)
