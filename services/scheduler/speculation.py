@@ -344,7 +344,8 @@ class CostModel:
     the prediction ran high where acceptance was low, and the open set kept verifying at
     0.78x). A step verifies when tokens per sequence x decode time beats the verify time:
     verifying must beat the plain steps it replaces, so that speculation never makes a batch
-    slower than plain decoding. A bucket not measured yet is tried, plain first. The option not
+    slower than plain decoding. A bucket not measured yet follows the nearest one measured for
+    a while, then measures what it lacks (_unmeasured). The option not
     taken runs for a window now and then (after REFRESH choices, a wait that doubles each time
     the choice stood, up to MAX_REFRESH) to follow the times as contexts grow and
     acceptance changes. The host's part counts: where the stack is host-bound, fewer steps for
@@ -370,6 +371,7 @@ class CostModel:
         self.step: dict[tuple[int, bool], float] = {}  # (bucket, verifies) -> seconds a step
         self.tokens: dict[int, float] = {}  # bucket -> tokens a verify step emitted per sequence
         self.choices: dict[int, int] = {}
+        self.borrowed: dict[int, int] = {}  # per bucket not measured yet: choices another bucket's made
         self.current: dict[int, tuple[bool, int]] = {}  # per bucket: (speculating, choice it changed at)
         # Per bucket: the choice number the next exploration starts at, the wait before it, and
         # the choice when the last one ended.
@@ -451,12 +453,9 @@ class CostModel:
         if not self.enabled:
             return True
         b = self.bucket(batch)
-        decode = self.step.get((b, False))
-        if decode is None:
-            return False  # measure a plain step first
-        verify = self.step.get((b, True))
-        if verify is None:
-            return True  # then a verify step
+        decode, verify = self.step.get((b, False)), self.step.get((b, True))
+        if decode is None or verify is None:
+            return self._unmeasured(b, decode is not None)
         n = self.choices[b] = self.choices.get(b, 0) + 1
         gain = self.tokens.get(b, expected_per_seq) * decode / verify
         current, since = self.current.get(b, (gain > 1, 0))
@@ -472,6 +471,20 @@ class CostModel:
             )
         self.current[b] = (current, since)
         return self._explore(b, n, current)
+
+    def _unmeasured(self, b: int, decode_known: bool) -> bool:
+        """A bucket without both times. As a batch drains (16 requests finishing one by one
+        pass buckets 16, 8, 4, 2, 1), measuring both kinds afresh at each bucket cost a short
+        run a window of each: the nearest bucket's choice stands in for HOLD choices, then the
+        kind not measured here runs until it is. With no choice anywhere yet: a plain step
+        first, then a verify step."""
+        decided = [other for other in self.current if other != b]
+        if decided:
+            n = self.borrowed[b] = self.borrowed.get(b, 0) + 1
+            if n <= self.HOLD:
+                nearest = min(decided, key=lambda other: abs(math.log2(other) - math.log2(b)))
+                return self.current[nearest][0]
+        return decode_known  # the kind not measured yet
 
     def _explore(self, b: int, n: int, current: bool) -> bool:
         """The choice, or for WINDOW steps now and then the option not taken. The wait between
