@@ -334,23 +334,23 @@ class AdaptiveK:
 
 
 class CostModel:
-    """Verify or decode, per step, from what the two have delivered at this batch: the wall time
-    of windows of consecutive steps of one kind, result to result (WINDOW), and the tokens a
-    verify step emitted per sequence. Measured on GPU workers only.
+    """Verify or decode, per step, from what the two cost at this batch: the wall time of
+    windows of steps of one kind, result to result (WINDOW). Measured on GPU workers only.
 
-    Per batch bucket it keeps an exponential average of a decode step's time, of a verify
-    step's time, and of the tokens per sequence verify steps emitted (realized, not predicted:
-    AdaptiveK's alpha starts from a prior and a verify step pads every query to its longest, so
-    the prediction ran high where acceptance was low, and the open set kept verifying at
-    0.78x). A step verifies when tokens per sequence x decode time beats the verify time:
-    verifying must beat the plain steps it replaces, so that speculation never makes a batch
-    slower than plain decoding. A bucket not measured yet follows the nearest one measured for
-    a while, then measures what it lacks (_unmeasured). The option not
-    taken runs for a window now and then (after REFRESH choices, a wait that doubles each time
-    the choice stood, up to MAX_REFRESH) to follow the times as contexts grow and
-    acceptance changes. The host's part counts: where the stack is host-bound, fewer steps for
-    the same tokens pay even if the GPU's time does not. Without GPU timing (CPU workers) it
-    has no data and speculation stays on, up to max_batch.
+    Per batch bucket it keeps an exponential average of a decode step's time and of a verify
+    step's time (and, for the log, of the tokens per sequence verify steps delivered). A step
+    verifies when the tokens its requests expect per sequence (AdaptiveK's, which follows each
+    request's acceptance and turns a request's drafting off where it does not pay) times the
+    decode time beats the verify time: verifying must beat the plain steps it replaces, so that
+    speculation never makes a batch slower than plain decoding. Only pipelined steps count
+    (observe), and plain steps of a speculating cluster ask for no proposals while it is off, so
+    that the decode time is a plain cluster's. A bucket not measured yet follows the nearest one
+    measured for a while, then measures what it lacks (_unmeasured). The option not taken runs
+    for a window now and then (after REFRESH choices, a wait that doubles each time the choice
+    stood, up to MAX_REFRESH) to follow the times as contexts grow. The host's part counts:
+    where the stack is host-bound, fewer steps for the same tokens pay even if the GPU's time
+    does not. Without GPU timing (CPU workers) it has no data and speculation stays on, up to
+    max_batch.
 
     Verify times are also kept per query length (the window's longest), for AdaptiveK's cost of
     a verify step of k drafts (verify_cost)."""
@@ -457,15 +457,17 @@ class CostModel:
         if decode is None or verify is None:
             return self._unmeasured(b, decode is not None)
         n = self.choices[b] = self.choices.get(b, 0) + 1
-        gain = self.tokens.get(b, expected_per_seq) * decode / verify
+        gain = expected_per_seq * decode / verify
         current, since = self.current.get(b, (gain > 1, 0))
         if n - since >= self.HOLD and (gain > self.MARGIN if not current else gain < 1 / self.MARGIN):
             current, since = not current, n
             log.info(
-                "speculation %s at batch %d: %.2f tokens a sequence per verify step of %.3f ms, decode %.3f ms",
+                "speculation %s at batch %d: %.2f tokens a sequence expected per verify step (%.2f delivered"
+                " lately) of %.3f ms, decode %.3f ms",
                 "on" if current else "off",
                 b,
-                self.tokens.get(b, expected_per_seq),
+                expected_per_seq,
+                self.tokens.get(b, 0.0),
                 verify * 1e3,
                 decode * 1e3,
             )

@@ -59,6 +59,10 @@ class SpecStep:
     shifted: bool  # some sequence may move back (its plan was sent before a result)
     proposes: bool  # some sequence asks for proposals
     device_meta: torch.Tensor | None = None  # the staged meta rows (static buffer)
+    # A plain decode step (every sequence decodes one token, none verifies, proposes or moves
+    # back): no meta rows, no commit kernel, no packed result; after the draw its tokens go
+    # into history at these (row, position) pairs, on the device.
+    plain: dict[str, torch.Tensor] | None = None
 
 
 class _Staging:
@@ -197,6 +201,19 @@ class DeviceSpeculation:
         q_lens = np.diff(qsl)
         drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64) if plan.num_draft_tokens else np.zeros(n, np.int64)
         self._write_known(h, tokens, q_lens, drafts)
+        if (
+            n == len(tokens)
+            and len(plan.sample) == n
+            and all(plan.sample)
+            and not any(plan.propose_drafts)
+            and not any(plan.num_draft_tokens)
+            and not any(k >= 0 for k in plan.rejected_drafts)
+        ):
+            # Plain decodes, as a speculating cluster runs while its cost model has speculation
+            # off: they cost what a plain cluster's steps cost (the commit's meta rows, kernel
+            # and packed read-back made each step dearer on the host).
+            plain = upload({"rows": h.token_rows, "pos": h.seq_lens.astype(np.int64)}, self.device)
+            return SpecStep(None, np.arange(n), False, False, plain=plain)
         sample = np.asarray(plan.sample, dtype=bool)
         sample_idx = np.nonzero(sample)[0]
         first = qsl[:-1]
@@ -273,6 +290,8 @@ class DeviceSpeculation:
         """Copies the step's meta rows (and padding rows up to padded_seqs) to the static buffer
         the verification graphs read; before the forward. h: the inputs as the step runs them
         (a padded verification's), whose token layout a graph's draws follow."""
+        if step.plain is not None:
+            return None  # (the decode graphs read no meta rows)
         meta, idx = step.meta, step.sample_idx
         meta[idx, FIRST_TOKEN] = h.sample_token_index[meta[idx, FIRST_ROW]]
         step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row)
@@ -313,7 +332,13 @@ class DeviceSpeculation:
     def after_draw(self, step: SpecStep, draws: torch.Tensor, per_token: bool) -> torch.Tensor:
         """Verifies and commits the step's sampling sequences, then proposes their next drafts.
         draws: the step's drawn tokens, per sample row (per_token False) or per token of the
-        (padded) step layout. Returns packed [n, 2 + max_k] int64 (module docstring)."""
+        (padded) step layout. Returns packed [n, 2 + max_k] int64 (module docstring), or None
+        for a plain step (one token each: the result's own)."""
+        if step.plain is not None:  # draw i is sequence i's: one token each, in plan order
+            rows, pos = step.plain["rows"], step.plain["pos"]
+            self.history[rows, pos.clamp(0, self.history.shape[1] - 1)] = draws[: rows.shape[0]].to(torch.int32)
+            self.hist_len[rows] = pos + 1
+            return None
         n = step.meta.shape[0]
         meta = step.device_meta[:n]
         packed = torch.zeros(n, 2 + self.max_k, dtype=torch.int64, device=self.device)

@@ -359,7 +359,7 @@ class ModelRunner:
                 gpu_start,
                 h.verify,
                 take=h.sample_token_index if padded else None,
-                speculation=(packed, spec.sample_idx) if spec is not None else None,
+                speculation=(packed, spec.sample_idx) if packed is not None else None,
             )
         logits = sample_rows = None
         if h.sample_seq_ids:
@@ -405,5 +405,5 @@ class ModelRunner:
             self.timeline,
             gpu_start,
             h.verify,
-            speculation=(packed, spec.sample_idx) if spec is not None else None,
+            speculation=(packed, spec.sample_idx) if packed is not None else None,
         )
