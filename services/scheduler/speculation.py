@@ -152,7 +152,7 @@ class Speculation:
         self.adaptive = AdaptiveK(self.k, all_or_nothing=config.method == "draft") if config.adaptive else None
         self.costs = CostModel() if config.adaptive else None
         # What the latest plan's sampling sequences expect per step if they verify (tokens per
-        # sequence), for the cost model's next choice until it has measured verify steps.
+        # sequence), for the cost model's next choice.
         self.expected_per_seq = expected_tokens(0.7, self.k)
         self.batch = 1  # running requests at the latest choice
         self.speculating = True  # the latest choice
@@ -283,8 +283,8 @@ class AdaptiveK:
     may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
     and k maximises that per unit of the step's cost, (1 + f + c k) decode steps: f the fixed
     part of a verify step's extra cost and c one more position's (the cost model's, at the
-    current batch: at batch 1 a verify step costs about twice a decode step whatever its k, at
-    batch 64 its cost grows with k). Where no k beats a plain decode (alpha too low, or nothing
+    current batch: at batch 1 a verify step of SmolLM2 on an H200 costs 1.5-2 decode steps
+    whatever its k, at batch 64 its cost grows with k). Where no k beats a plain decode (alpha too low, or nothing
     found), k is 0: the request proposes nothing
     for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
 
@@ -378,7 +378,6 @@ class CostModel:
         self.explore_at: dict[int, int] = {}
         self.explore_wait: dict[int, int] = {}
         self.explored_choice: dict[int, bool] = {}
-        self.longest: dict[int, int] = {}  # per bucket, the longest verify query measured
         self.enabled = False
         # Per (bucket, verifies), the window being summed: seconds, steps, longest query, tokens
         # emitted and sequences sampled.
@@ -405,8 +404,8 @@ class CostModel:
         """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
         send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
         each). A step costs the pipeline the time from the previous result to its own (with
-        `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed until WINDOW of
-        them were seen, whether or not steps of another kind came between. Once any step was
+        `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed
+        until WINDOW of them were seen, whether or not steps of another kind came between. Once any step was
         `pipelined` (sent before the previous result came back), steps that were not are left
         out: a plain step that had to wait for a verify step's result (the change of kind's
         bubble) took a whole round trip, 1.5-1.6 ms against 1.0 for the pipelined decode steps
@@ -440,16 +439,14 @@ class CostModel:
         self._average(self.step, (b, verifies), seconds)
         if verifies:
             self._average(self.tokens, b, tokens_per_seq)
-            if query > self.longest.get(b, 1):
-                self.longest[b] = query
 
     def _average(self, table: dict, key, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else old + self.AVERAGE * (value - old)
 
     def speculate(self, batch: int, expected_per_seq: float) -> bool:
-        """Whether this step verifies; expected_per_seq: the tokens per sequence AdaptiveK
-        predicts, used until verify steps at this batch have been measured."""
+        """Whether this step verifies; expected_per_seq: the tokens per sequence the requests
+        expect from a verify step (AdaptiveK's)."""
         if not self.enabled:
             return True
         b = self.bucket(batch)
