@@ -162,3 +162,33 @@ def test_controlled_draw_gives_the_general_paths_tokens(kinds, monkeypatch):
     for r in general.penalties.rows:
         slot = general.penalties.rows[r].slot
         assert torch.equal(general.penalties.counts[slot], fused.penalties.counts[fused.penalties.rows[r].slot])
+
+
+@pytest.mark.skipif(not TOKENIZER.exists(), reason="needs the default model's tokenizer")
+def test_a_worker_side_compile_failure_is_retried_then_fails_loudly(monkeypatch):
+    """The gateway parsed the constraint, so the worker's compile failing is the worker's own
+    fault (an import race, say): it is compiled once more, and if that fails too the step
+    fails, never a row drawn unconstrained as if it had worked."""
+    from strata.services.worker.grammar import GrammarCompilerPool, GrammarState
+
+    pool = GrammarCompilerPool(str(TOKENIZER), V, [2])
+    compile_grammar = pool._compile
+    failures = iter([ImportError("cannot import name 'PreTrainedTokenizerBase'")])
+
+    def flaky(kind, text):
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return compile_grammar(kind, text)
+
+    monkeypatch.setattr(pool, "_compile", flaky)
+    state = GrammarState(pool, 4, V, torch.device("cpu"))
+    seq = engine_pb2.NewSequence(sampling=engine_pb2.SamplingOptions(**JSON))
+    state.add(0, seq.sampling, len(PROMPT), len(PROMPT), [])
+    assert state._matcher(state.rows[0]) is not None  # the second compile served it
+
+    monkeypatch.setattr(pool, "_compile", lambda kind, text: (_ for _ in ()).throw(ImportError("again")))
+    other = engine_pb2.SamplingOptions(constraint_kind=engine_pb2.CONSTRAINT_KIND_REGEX, constraint="[0-9]+")
+    state.add(1, other, len(PROMPT), len(PROMPT), [])
+    with pytest.raises(RuntimeError, match="could not compile a constraint the gateway accepted"):
+        state._matcher(state.rows[1])

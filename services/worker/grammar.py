@@ -24,6 +24,7 @@ bitmask applies, as xgrammar's own processor forbids them.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ from strata import constraints
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.step_results import accepted_rows
+
+log = logging.getLogger("strata.worker")
 
 MAX_COMPILED_GRAMMARS = 256
 MAX_ROLLBACK_TOKENS = 64
@@ -55,7 +58,7 @@ class GrammarCompilerPool:
         self.stop_set = frozenset(self.stop_token_ids)  # the matchers' stop tokens (set with the compiler)
         self._compiler = None
         self.mask_vocab = vocab_size  # the tokenizer's vocabulary, once the compiler is built
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (compile_again compiles under it, and _compile takes it)
         self._cache: OrderedDict[tuple[int, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
 
@@ -96,9 +99,28 @@ class GrammarCompilerPool:
                 self._cache.popitem(last=False)
             return future
 
+    def compile_again(self, kind: int, text: str, failed: Future) -> Future:
+        """After the pool's compile of (kind, text) failed: a compile on the calling thread, once
+        per failure (the rows that held the failed future get the new one). The gateway parsed the
+        constraint, so a failure here is the worker's own: transformers' lazy imports, for one,
+        raised ImportError while another thread of the process was importing it."""
+        key = (kind, text)
+        with self._lock:
+            current = self._cache.get(key)
+            if current is not None and current is not failed:
+                return current  # another row compiled it again already
+            log.warning("compiling a constraint failed (%s); compiling it again", failed.exception())
+            future: Future = Future()
+            try:
+                future.set_result(self._compile(kind, text))
+            except Exception as e:
+                future.set_exception(e)
+            self._cache[key] = future
+            return future
+
 
 class _Row:
-    __slots__ = ("future", "matcher", "prompt_len", "pos", "consumed", "pending", "failed")
+    __slots__ = ("kind", "text", "future", "matcher", "prompt_len", "pos", "consumed", "pending")
 
 
 class GrammarState:
@@ -125,8 +147,9 @@ class GrammarState:
         if not s.constraint_kind:
             return False
         r = _Row()
-        r.future = self.pool.compiled(s.constraint_kind, s.constraint)
-        r.matcher, r.failed = None, False
+        r.kind, r.text = s.constraint_kind, s.constraint
+        r.future = self.pool.compiled(r.kind, r.text)
+        r.matcher = None
         r.prompt_len = int(num_prompt_tokens)
         r.pos = r.prompt_len  # the position of the next token the matcher takes
         r.consumed = []  # output tokens it took, in order
@@ -142,14 +165,20 @@ class GrammarState:
             self.has_row[row] = False
 
     def _matcher(self, r: _Row):
-        if r.matcher is None and not r.failed:
+        """The row's matcher, once its grammar compiled. A compile that failed is tried once
+        more here; a second failure fails the step (its requests get an error), never a row
+        that runs unconstrained as if it had worked."""
+        if r.matcher is None:
             import xgrammar as xgr
 
             try:
                 compiled = r.future.result()
-            except Exception:  # the gateway parsed it; a failure here leaves the row unconstrained
-                r.failed = True
-                return None
+            except Exception:
+                r.future = self.pool.compile_again(r.kind, r.text, r.future)
+                try:
+                    compiled = r.future.result()
+                except Exception as e:
+                    raise RuntimeError(f"the worker could not compile a constraint the gateway accepted: {e}") from e
             r.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
         return r.matcher
 
@@ -157,8 +186,6 @@ class GrammarState:
         """The output tokens at `position`... of the sequence: those the matcher has not taken
         are accepted; one that differs from what it took rolls it back first."""
         m = self._matcher(r)
-        if m is None:
-            return
         for i, t in enumerate(tokens):
             p = position + i
             if p < r.prompt_len:
@@ -226,7 +253,7 @@ class GrammarState:
 
     def _fill(self, h, idx: np.ndarray, bitmask: torch.Tensor) -> np.ndarray:
         """Fills bitmask row i for sample row idx[i]; returns which rows are masked (a row whose
-        grammar ended, or failed to compile, is unconstrained: its bitmask row is all ones)."""
+        grammar ended is unconstrained: its bitmask row is all ones)."""
         import xgrammar as xgr
 
         start = time.perf_counter()
@@ -237,7 +264,7 @@ class GrammarState:
                 r = table[row]
                 m = r.matcher if r.matcher is not None else self._matcher(r)
                 # A matcher ends when it takes a stop token (xgrammar's is_terminated, a call per row).
-                if m is None or (r.consumed and r.consumed[-1] in stops and m.is_terminated()):
+                if r.consumed and r.consumed[-1] in stops and m.is_terminated():
                     bitmask[i].fill_(-1)  # unconstrained: nothing after an end is emitted
                     masked[i] = False
                 else:
@@ -255,11 +282,9 @@ class GrammarState:
             while i < len(idx):
                 m = self._matcher(self.rows[h.sample_rows[idx[i]]])
                 n_rows = int(counts[seq_of[idx[i]]])
-                if m is None:  # failed to compile: unconstrained
-                    masked[i : i + n_rows] = False
                 accepted, ok = 0, True
                 for j in range(n_rows):
-                    if m is None or m.is_terminated():
+                    if m.is_terminated():
                         break  # unconstrained (all ones) from here: nothing after an end is emitted
                     if ok:
                         m.fill_next_token_bitmask(bitmask, i + j)
@@ -371,8 +396,9 @@ class GrammarState:
                 else:
                     self._feed(r, p, [t])
             if matchers:
-                # xgrammar's batch accept is serial (~4-9 us a token on the H200 machines' hosts).
-                # It releases the GIL, but 4 threads accepting chunks of rows measured no faster.
+                # xgrammar's batch accept is serial (~3-9 us a token on the H200 machines' hosts)
+                # and holds the GIL: 4 threads accepting chunks of rows measured no faster, and a
+                # second thread accepting beside the step thread slowed both (bench/RESULTS.md).
                 for r, t, ok in zip(batch, toks, xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)):
                     if ok:  # refused (never after a masked draw): the matcher stays as it was
                         r.consumed.append(t)
