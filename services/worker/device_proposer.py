@@ -152,21 +152,7 @@ class DeviceSpeculation:
         saved = [t[row].clone() for t in (self.rejected, self.num_valid, self.hist_len, self.last_sampled)]
         for first in (FIRST_ROW, FIRST_TOKEN):
             packed = torch.zeros(2, 2 + self.max_k, dtype=torch.int64, device=self.device)
-            args = (self.rejected, self.num_valid, self.last_sampled, self.draft_base, self.last_sampled)
-            commit(draws, meta, *args, self.history, self.hist_len, packed, self.max_k, first_col=first)
-        ngram_propose(
-            self.history,
-            self.hist_len,
-            meta[:, ROW],
-            meta[:, PROPOSE],
-            self.last_sampled,
-            self.draft_base,
-            self.num_valid,
-            packed,
-            self.ngram_min,
-            self.ngram_max,
-            self.max_k,
-        )
+            self._commit_and_propose(draws, meta, packed, first, proposes=first == FIRST_TOKEN)
         for t, value in zip((self.rejected, self.num_valid, self.hist_len, self.last_sampled), saved):
             t[row] = value
         self.history[row].zero_()
@@ -342,6 +328,12 @@ class DeviceSpeculation:
         n = step.meta.shape[0]
         meta = step.device_meta[:n]
         packed = torch.zeros(n, 2 + self.max_k, dtype=torch.int64, device=self.device)
+        self._commit_and_propose(draws, meta, packed, FIRST_TOKEN if per_token else FIRST_ROW, step.proposes)
+        return packed
+
+    def _commit_and_propose(self, draws, meta, packed, first_col: int, proposes: bool) -> None:
+        """The commit kernel (verify, emit, advance history) and, where asked, the lookup kernel
+        (the next drafts), writing packed."""
         commit(
             draws,
             meta,
@@ -354,9 +346,9 @@ class DeviceSpeculation:
             self.hist_len,
             packed,
             self.max_k,
-            first_col=FIRST_TOKEN if per_token else FIRST_ROW,
+            first_col=first_col,
         )
-        if step.proposes:
+        if proposes:
             ngram_propose(
                 self.history,
                 self.hist_len,
@@ -370,7 +362,6 @@ class DeviceSpeculation:
                 self.ngram_max,
                 self.max_k,
             )
-        return packed
 
 
 def shifting_verify_graphs(spec: DeviceSpeculation):
