@@ -168,6 +168,35 @@ def run_case(runner, batch: int, context: int, options) -> dict:
     }
 
 
+def grammar_host_ms(tokenizer: str, batch: int, threads: int, vocab: int) -> tuple[float, float]:
+    """The grammar's host work alone, without a model: `batch` rows under SCHEMA, each step
+    filling every row's bitmask on `threads` of xgrammar's threads and accepting one token per
+    row (the JSON the schema asks for), as many steps as a case times. Returns (accept, fill) ms
+    per step. (xgrammar's accept grows with the array's items under minItems: ~10x by item 200.)"""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from strata.services.worker import grammar
+
+    ids = AutoTokenizer.from_pretrained(tokenizer).encode("[" + ", ".join(map(str, range(100))))[: WARMUP + TIMED]
+    grammar.FILL_THREADS = threads
+    state = grammar.GrammarState(grammar.GrammarCompilerPool(tokenizer, vocab, []), batch, vocab, torch.device("cpu"))
+    options = engine_pb2.SamplingOptions(**JSON)
+    for row in range(batch):
+        state.add(row, options, 1, 1, [])
+    idx = np.arange(batch)
+    for k in range(len(ids)):
+        if k == WARMUP:  # warm: the matchers' first states
+            state.accept_seconds = state.fill_seconds = 0.0
+        h = SimpleNamespace(sample_rows=idx, sample_positions=np.full(batch, 1 + k), verify=None)
+        state._fill(h, idx, state._bitmask_rows(batch))
+        state.after_draw(h, idx, torch.full((batch,), ids[k], dtype=torch.int64))
+        state._drain()
+    timed = len(ids) - WARMUP
+    return state.accept_seconds / timed * 1e3, state.fill_seconds / timed * 1e3
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
@@ -221,7 +250,11 @@ def main(argv=None) -> None:
             f"  {name:20s} host ms: {parts}; GPU ms: idle after the graph {r['gpu_wait_ms']:.3f},"
             f" patch + draw {r['gpu_controls_ms']:.3f}; rows under a grammar {r['masked_rows']}"
         )
-    print(json.dumps({"batch": args.batch, "context": args.context, "results": results}))
+    host = {t: grammar_host_ms(args.tokenizer, args.batch, t, vocab) for t in (1, 2, 4, 8)}
+    print(f"  the grammar's host work alone (no model; {args.batch} rows, ms per step), by xgrammar fill threads:")
+    for t, (accept, fill) in host.items():
+        print(f"    {t} threads: accept {accept:.3f} fill {fill:.3f}")
+    print(json.dumps({"batch": args.batch, "context": args.context, "results": results, "grammar_host_ms": host}))
 
 
 if __name__ == "__main__":

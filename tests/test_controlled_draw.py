@@ -192,3 +192,28 @@ def test_a_worker_side_compile_failure_is_retried_then_fails_loudly(monkeypatch)
     state.add(1, other, len(PROMPT), len(PROMPT), [])
     with pytest.raises(RuntimeError, match="could not compile a constraint the gateway accepted"):
         state._matcher(state.rows[1])
+
+
+@pytest.mark.skipif(not TOKENIZER.exists(), reason="needs the default model's tokenizer")
+def test_the_batch_accept_reads_refusals_as_xgrammars_own_call_does():
+    """grammar._batch_accept skips the public wrapper's per-item read when nothing was refused;
+    a refused token must still come back False, and a matcher must end where the public call
+    leaves it."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from strata.services.worker.grammar import _batch_accept
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)).compile_builtin_json_grammar()
+    good = tokenizer.encode("[1")
+    bad = tokenizer.encode("hello")[0]
+    steps = [[good[0]] * 4, [good[1], bad, good[1], bad]]
+    ours, theirs = ([xgr.GrammarMatcher(compiled) for _ in range(4)] for _ in range(2))
+    for tokens in steps:
+        got = list(_batch_accept(ours, tokens))
+        want = xgr.BatchGrammarMatcher.batch_accept_token(theirs, tokens)
+        assert got == want
+    assert want == [True, False, True, False]  # the second step refused rows 1 and 3
+    # the refused rows stayed where they were: they take what the public call's rows take
+    assert [m.accept_token(good[1]) for m in ours] == [m.accept_token(good[1]) for m in theirs]

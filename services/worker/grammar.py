@@ -24,6 +24,7 @@ bitmask applies, as xgrammar's own processor forbids them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -120,7 +121,7 @@ class GrammarCompilerPool:
 
 
 class _Row:
-    __slots__ = ("kind", "text", "future", "matcher", "prompt_len", "pos", "consumed", "pending")
+    __slots__ = ("kind", "text", "future", "matcher", "prompt_len", "pos", "consumed", "ended", "pending", "dead")
 
 
 class GrammarState:
@@ -153,6 +154,8 @@ class GrammarState:
         r.prompt_len = int(num_prompt_tokens)
         r.pos = r.prompt_len  # the position of the next token the matcher takes
         r.consumed = []  # output tokens it took, in order
+        r.ended = False  # its last consumed token is a stop token
+        r.dead = False  # released: its sequence left the batch
         history = list(history)
         skip = max(0, r.prompt_len - int(history_start))
         r.pending = history[skip:]  # output known at admission (fed once the step shows how much is computed)
@@ -161,7 +164,9 @@ class GrammarState:
         return True
 
     def release(self, row: int) -> None:
-        if self.rows.pop(row, None) is not None:
+        r = self.rows.pop(row, None)
+        if r is not None:
+            r.dead = True  # a draw read back later must not feed it
             self.has_row[row] = False
 
     def _matcher(self, r: _Row):
@@ -203,6 +208,7 @@ class GrammarState:
                         m.accept_token(x)
                 del r.consumed[k:]
                 r.pos = p
+                r.ended = bool(r.consumed) and r.consumed[-1] in self.pool.stop_set
             if k == len(r.consumed):
                 if m.is_terminated():  # a decode lookahead past the end: the scheduler drops it
                     return
@@ -210,6 +216,7 @@ class GrammarState:
                     return
                 r.consumed.append(int(t))
                 r.pos = p + 1
+                r.ended = int(t) in self.pool.stop_set
 
     def feed_inputs(self, h, plan_tokens: np.ndarray, draft: np.ndarray, num_computed: dict) -> None:
         """Before a step's draw: the output tokens of its inputs (drafts and placeholders
@@ -259,12 +266,12 @@ class GrammarState:
         start = time.perf_counter()
         masked = np.ones(len(idx), dtype=bool)
         if h.verify is None:  # one token per sequence: every matcher at once, on xgrammar's threads
-            matchers, rows, stops, table = [], [], self.pool.stop_set, self.rows
+            matchers, rows, table = [], [], self.rows
             for i, row in enumerate(h.sample_rows[idx].tolist()):
                 r = table[row]
                 m = r.matcher if r.matcher is not None else self._matcher(r)
                 # A matcher ends when it takes a stop token (xgrammar's is_terminated, a call per row).
-                if r.consumed and r.consumed[-1] in stops and m.is_terminated():
+                if r.ended and m.is_terminated():
                     bitmask[i].fill_(-1)  # unconstrained: nothing after an end is emitted
                     masked[i] = False
                 else:
@@ -368,8 +375,6 @@ class GrammarState:
         if self._pending is None:
             return
 
-        import xgrammar as xgr
-
         rows, positions, verify, idx, host, event, index = self._pending
         self._pending = None
         start = time.perf_counter()
@@ -379,30 +384,28 @@ class GrammarState:
         tokens = host.numpy()
         if index is not None:
             tokens = tokens[index]
-        live = set(map(id, self.rows.values()))  # released sequences take nothing
         if verify is None:
             # The common case, a matcher taking the token right after its last: all at once.
-            batch, matchers, toks, stops = [], [], [], self.pool.stop_set
+            # (A released row is marked dead: its sequence takes nothing.)
+            batch, toks, stops = [], [], self.pool.stop_set
             for i, p, t in zip(idx.tolist(), positions[idx].tolist(), tokens[idx].tolist()):
                 r = rows[i]
-                if id(r) not in live:
+                if r.dead:
                     continue
-                m = r.matcher
-                ended = r.consumed and r.consumed[-1] in stops
-                if m is not None and p == r.pos and p >= r.prompt_len and not ended:
+                if p == r.pos and p >= r.prompt_len and r.matcher is not None and not r.ended:
                     batch.append(r)
-                    matchers.append(m)
                     toks.append(t)
                 else:
                     self._feed(r, p, [t])
-            if matchers:
-                # xgrammar's batch accept is serial (~3-9 us a token on the H200 machines' hosts)
+            if batch:
+                # xgrammar's batch accept is serial (~2-9 us a token on the H200 machines' hosts)
                 # and holds the GIL: 4 threads accepting chunks of rows measured no faster, and a
                 # second thread accepting beside the step thread slowed both (bench/RESULTS.md).
-                for r, t, ok in zip(batch, toks, xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)):
+                for r, t, ok in zip(batch, toks, _batch_accept([r.matcher for r in batch], toks)):
                     if ok:  # refused (never after a masked draw): the matcher stays as it was
                         r.consumed.append(t)
                         r.pos += 1
+                        r.ended = t in stops
             self.accept_seconds += time.perf_counter() - start
             return
         num_tokens, _ = accepted_rows(tokens, verify)
@@ -410,8 +413,24 @@ class GrammarState:
         first = np.cumsum(counts) - counts
         wanted = set(idx.tolist())
         for s, f in enumerate(first.tolist()):
-            if f not in wanted or id(rows[f]) not in live:
+            if f not in wanted or rows[f].dead:
                 continue
             n = int(num_tokens[s])
             self._feed(rows[f], int(positions[f]), tokens[f : f + n].tolist())
         self.accept_seconds += time.perf_counter() - start
+
+
+def _batch_accept(matchers, tokens):
+    """xgrammar's BatchGrammarMatcher.batch_accept_token without its wrapper's per-item read of
+    the result: reading 256 items of the core's result array took as long as the accepts
+    themselves (0.18 of 0.37 ms a step on this host). A masked draw is never refused, so the
+    whole array is read only when it holds a refusal; `in` runs in the core (0.01 ms)."""
+    import xgrammar as xgr
+
+    core = getattr(xgr.matcher, "_core", None)
+    if core is None:  # another xgrammar layout: its public call
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+    result = core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+    if 0 not in result and False not in result:  # (an array of ints today; bools would match False)
+        return itertools.repeat(True, len(tokens))
+    return [bool(x) for x in result]
