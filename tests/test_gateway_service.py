@@ -137,6 +137,48 @@ def test_a_failing_child_fails_the_parent_with_its_status_and_cancels_siblings(t
     assert sorted(fake.cancelled) == ["0_p", "2_p"]  # the hanging siblings were aborted
 
 
+def test_a_group_member_that_fails_in_the_gateway_gets_an_error_and_the_others_their_tokens(tokenizer, monkeypatch):
+    """GenerateGroups answers every member, also one whose stream breaks with an error that is
+    not the scheduler's (a bug, say): it gets INTERNAL, the others finish, the call ends."""
+    from strata.services.gateway import prefix_groups
+
+    merged = prefix_groups.merged_responses
+
+    def breaks_one(scheduler, request_id, *args, **kwargs):
+        if request_id == "g1m0":
+            raise RuntimeError("a bug in the gateway")
+        return merged(scheduler, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(prefix_groups, "merged_responses", breaks_one)
+    params = generate_pb2.SamplingParams(max_tokens=3, output_kind=generate_pb2.FINAL_ONLY)
+
+    def groups():
+        for g in range(2):
+            yield generate_pb2.PrefixGroup(
+                prefix_token_ids=generate_pb2.TokenIds(ids=[5, 6, 7, 8]),
+                members=[
+                    generate_pb2.GenerateRequest(
+                        request_id=f"g{g}m{m}", params=params, prompt_token_ids=generate_pb2.TokenIds(ids=[9 + m])
+                    )
+                    for m in range(3)
+                ],
+            )
+
+    async def go():
+        stub, handles = await _serve(FakeScheduler(), tokenizer)
+        try:
+            return [r async for r in stub.GenerateGroups(groups(), timeout=10)]
+        finally:
+            await _close(handles)
+
+    responses = asyncio.run(go())
+    errors = {r.error.request_id: r.error for r in responses if r.HasField("error")}
+    finished = sorted(r.response.request_id for r in responses if r.HasField("response") and r.response.finished)
+    assert list(errors) == ["g1m0"] and errors["g1m0"].code == grpc.StatusCode.INTERNAL.value[0]
+    assert "a bug in the gateway" in errors["g1m0"].message
+    assert finished == ["g0m0", "g0m1", "g0m2", "g1m1", "g1m2"]
+
+
 def test_client_cancel_aborts_every_child(tokenizer):
     async def go():
         fake = FakeScheduler(hang=True)
