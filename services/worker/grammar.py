@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -44,9 +43,10 @@ log = logging.getLogger("strata.worker")
 
 MAX_COMPILED_GRAMMARS = 256
 MAX_ROLLBACK_TOKENS = 64
-# Threads xgrammar fills a decode step's bitmask rows on (the worker's host has one core per few
-# GPU streams; the step thread waits on them while the GPU runs the forward).
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Threads xgrammar fills a decode step's bitmask rows on. One: on a 16-core H100 host, 256 rows
+# under a JSON schema filled in 0.32 ms on one thread, 0.67 on 2 and 1.31 on 8, and the accepts
+# beside them slowed from 0.37 to 0.61 ms (bench_constrained's sweep, bench/RESULTS.md).
+FILL_THREADS = 1
 
 
 class GrammarCompilerPool:
