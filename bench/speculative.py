@@ -189,7 +189,9 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
         common.run(_phase(endpoints, args, sets["open"][:2], 1))  # warm-up (graphs, caches)
         for name, prompts in sets.items():
             for batch in args.batches:
-                results[(name, batch)] = phase = common.run(_phase(endpoints, args, prompts, batch))
+                spied = f"{method or 'plain'}-{name}-{batch}"  # (--spy-dir: each phase's stacks)
+                with common.sampled_stacks(endpoints.service_pids, args.spy_dir, spied):
+                    results[(name, batch)] = phase = common.run(_phase(endpoints, args, prompts, batch))
                 if spec is None:
                     continue
                 diverged = _divergences(spec[(name, batch)]["outputs"], phase["outputs"])
