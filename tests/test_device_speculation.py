@@ -332,9 +332,8 @@ def test_a_request_that_missed_resumes_expecting_what_it_showed_not_the_prior():
     """Batch 1, the open set on an H200 (a verify step ~1.6 decode steps): a request whose drafts
     kept missing resumed from a fresh prior after each backoff, expected 2.6 tokens from k = 4,
     and turned speculation on for verify steps that did not pay, then off again (75 changes in one
-    run). It now resumes with half its record: after a few tries it expects too little to turn
-    speculation on, and so does the next request, whose prior is what the cluster's verify steps
-    showed."""
+    run). It now resumes with half its record: it expects too little to turn speculation on, and
+    so does the next request, whose prior is what the cluster's verify steps showed."""
     cost = (0.55, 0.01)  # a verify step: 1.55 decode steps plus 1% a position
     gain_needed = 1.56 * CostModel.MARGIN  # expected tokens a verify step must beat to turn it on
     adaptive = AdaptiveK(4)
