@@ -326,34 +326,3 @@ def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():
     adaptive.resume(req.spec)
     assert req.spec.k == 2
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 4) == 5
-
-
-def test_a_request_that_missed_resumes_expecting_what_it_showed_not_the_prior():
-    """Batch 1, the open set on an H200 (a verify step ~1.6 decode steps): a request whose drafts
-    kept missing resumed from a fresh prior after each backoff, expected 2.6 tokens from k = 4,
-    and turned speculation on for verify steps that did not pay, then off again (75 changes in one
-    run). It now resumes with half its record: it expects too little to turn speculation on, and
-    so does the next request, whose prior is what the cluster's verify steps showed."""
-    cost = (0.55, 0.01)  # a verify step: 1.55 decode steps plus 1% a position
-    gain_needed = 1.56 * CostModel.MARGIN  # expected tokens a verify step must beat to turn it on
-    adaptive = AdaptiveK(4)
-    req = Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
-    req.spec = SpecState()
-    adaptive.resume(req.spec)  # admission: the prior (2 / 3, nothing found yet)
-    assert req.spec.expected > gain_needed
-    for _ in range(5):  # five tries, one backoff after each (ten verify steps)
-        while req.spec.k:  # the lookup finds 2 drafts, the first is wrong
-            adaptive.record(req, req.spec.k, min(req.spec.k, 2), 0, cost)
-        adaptive.resume(req.spec)  # its backoff is over
-        assert req.spec.k == 2
-    assert req.spec.expected < gain_needed
-    new = Request("n", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
-    new.spec = SpecState()
-    adaptive.resume(new.spec)
-    assert new.spec.expected < gain_needed
-    good = Request("g", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
-    good.spec = SpecState()
-    adaptive.resume(good.spec)
-    for _ in range(3):  # a request whose drafts are right gets its k back at once
-        adaptive.record(good, good.spec.k, good.spec.k, good.spec.k, cost)
-    assert good.spec.k == 4 and good.spec.expected > gain_needed

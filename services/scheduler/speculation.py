@@ -278,90 +278,59 @@ class AdaptiveK:
     A proposal's drafts are accepted left to right until the first miss, so a request's record
     is a run of accepted drafts and (unless all were) one miss per verify step: alpha, the chance
     that a draft is accepted once the ones before it were, is accepted / (accepted + missed),
-    over decayed counts (recent steps weigh more) with a prior worth PRIOR_WEIGHT verify steps. A
-    proposal also holds only the drafts the lookup found (`found`, decayed, one more where it
-    filled every slot: it may have found more). Verifying k slots then emits
-    expected_tokens(alpha, min(k, found)), and k maximises that per unit of the step's cost,
-    (1 + f + c k) decode steps: f the fixed part of a verify step's extra cost and c one more
-    position's (the cost model's, at the current batch: at batch 1 a verify step of SmolLM2 on
-    an H200 costs 1.5-2 decode steps whatever its k, at batch 64 its cost grows with k). Where no
-    k beats a plain decode (alpha too low, or nothing found), k is 0: the request proposes
-    nothing for `backoff` tokens (16, doubling while it keeps failing), then tries again.
-
-    The prior is what the cluster's verify steps showed lately (alpha and found over every
-    request's outcomes, 2 / 3 and k before any), not a constant: a new request of a workload
-    whose drafts miss expects little from its first verify steps. A request that tries again
-    after a backoff keeps half its record and its found: resuming from a fresh prior made each
-    try expect 2.6 tokens from k = 4 and turned a batch-1 cluster's speculation on for a few
-    verify steps that did not pay, then off, 75 times in one run of the open set."""
+    over decayed counts (recent steps weigh more) with a prior of 2 / 3. A proposal also holds
+    only the drafts the lookup found (`found`, decayed, one more where it filled every slot: it
+    may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
+    and k maximises that per unit of the step's cost, (1 + f + c k) decode steps: f the fixed
+    part of a verify step's extra cost and c one more position's (the cost model's, at the
+    current batch: at batch 1 a verify step of SmolLM2 on an H200 costs 1.5-2 decode steps
+    whatever its k, at batch 64 its cost grows with k). Where no k beats a plain decode (alpha too low, or nothing
+    found), k is 0: the request proposes nothing
+    for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
 
     DECAY = 0.8
-    PRIOR_WEIGHT = 2.0  # verify steps' worth of evidence the prior (the cluster's record) counts for
-    CLUSTER_DECAY = 0.8  # per verify outcome, for the cluster's prior (the first one: 2 accepted, 1 miss)
+    PRIOR_ACCEPTED, PRIOR_MISSED = 2.0, 1.0
     MIN_BACKOFF, MAX_BACKOFF = 16, 512
 
     def __init__(self, k: int, all_or_nothing: bool = False) -> None:
         self.k = k
         self.all_or_nothing = all_or_nothing  # a draft model proposes k tokens or none
-        # The cluster's decayed record, the prior of every request: accepted drafts, misses,
-        # and drafts found per proposal (-1: none seen yet).
-        self.cluster_accepted, self.cluster_missed, self.cluster_found = 2.0, 1.0, -1.0
-
-    def prior_alpha(self) -> float:
-        return self.cluster_accepted / (self.cluster_accepted + self.cluster_missed)
 
     def alpha(self, spec: SpecState) -> float:
-        w = self.PRIOR_WEIGHT
-        return (spec.accepted + w * self.prior_alpha()) / (spec.accepted + spec.missed + w)
+        return (spec.accepted + self.PRIOR_ACCEPTED) / (
+            spec.accepted + spec.missed + self.PRIOR_ACCEPTED + self.PRIOR_MISSED
+        )
 
     def record(self, req: Request, num_draft: int, valid: int, accepted: int, cost: tuple[float, float]) -> None:
         spec = req.spec
-        missed = 1 if accepted < valid else 0
-        seen = valid + (1 if valid == num_draft else 0)
         spec.accepted = spec.accepted * self.DECAY + accepted
-        spec.missed = spec.missed * self.DECAY + missed
+        spec.missed = spec.missed * self.DECAY + (1 if accepted < valid else 0)
+        seen = valid + (1 if valid == num_draft else 0)
         spec.found = seen if spec.found < 0 else spec.found * self.DECAY + seen * (1 - self.DECAY)
-        d = self.CLUSTER_DECAY
-        self.cluster_accepted = self.cluster_accepted * d + accepted * (1 - d)
-        self.cluster_missed = self.cluster_missed * d + missed * (1 - d)
-        self.cluster_found = seen if self.cluster_found < 0 else self.cluster_found * d + seen * (1 - d)
-        best_k, best_tokens = self._best_k(spec, cost)
-        spec.expected = best_tokens
-        if best_k == 0 and spec.k > 0:
-            spec.backoff = min(max(2 * spec.backoff, self.MIN_BACKOFF), self.MAX_BACKOFF)
-            spec.retry_at = len(req.output_token_ids) + spec.backoff
-        elif best_k > 0 and self.alpha(spec) > 0.5:
-            spec.backoff = 0
-        spec.k = best_k
-
-    def _found(self, spec: SpecState) -> float:
-        """Drafts a proposal holds: the request's own record, else the cluster's, else k."""
-        if spec.found >= 0:
-            return spec.found
-        return self.cluster_found if self.cluster_found >= 0 else float(self.k)
-
-    def _best_k(self, spec: SpecState, cost: tuple[float, float]) -> tuple[int, float]:
-        """(k, the tokens it emits per verify step) that pays best, k = 0 (one token) where none
-        beats a plain decode by 2%."""
-        alpha, found = self.alpha(spec), self._found(spec)
+        alpha = self.alpha(spec)
         fixed, c = cost
         c = max(c, 1e-3)
         candidates = (self.k,) if self.all_or_nothing else range(1, self.k + 1)
         best_k, best, best_tokens = 0, 1.0, 1.0
         for k in candidates:
-            tokens = expected_tokens(alpha, min(k, found))
+            tokens = expected_tokens(alpha, min(k, spec.found))
             value = tokens / (1 + fixed + c * k)
             if value > best * 1.02:
                 best_k, best, best_tokens = k, value, tokens
-        return best_k, best_tokens
+        spec.expected = best_tokens
+        if best_k == 0 and spec.k > 0:
+            spec.backoff = min(max(2 * spec.backoff, self.MIN_BACKOFF), self.MAX_BACKOFF)
+            spec.retry_at = len(req.output_token_ids) + spec.backoff
+        elif best_k > 0 and alpha > 0.5:
+            spec.backoff = 0
+        spec.k = best_k
 
     def resume(self, spec: SpecState) -> None:
-        """Its backoff is over (or it was just admitted): it proposes again (half the most
-        drafts; its first verify step sets k), with half its record, expecting what that says."""
-        spec.accepted *= 0.5
-        spec.missed *= 0.5
+        """Its backoff is over: it proposes again, from the prior."""
+        spec.accepted = spec.missed = 0.0
+        spec.found = -1.0
         spec.k = self.k if self.all_or_nothing else max(1, self.k // 2)
-        spec.expected = expected_tokens(self.alpha(spec), min(spec.k, self._found(spec)))
+        spec.expected = expected_tokens(self.alpha(spec), spec.k)
 
 
 class CostModel:
