@@ -180,19 +180,24 @@ def grammar_host_ms(tokenizer: str, batch: int, threads: int, vocab: int) -> tup
     from strata.services.worker import grammar
 
     ids = AutoTokenizer.from_pretrained(tokenizer).encode("[" + ", ".join(map(str, range(100))))[: WARMUP + TIMED]
-    grammar.FILL_THREADS = threads
-    state = grammar.GrammarState(grammar.GrammarCompilerPool(tokenizer, vocab, []), batch, vocab, torch.device("cpu"))
-    options = engine_pb2.SamplingOptions(**JSON)
-    for row in range(batch):
-        state.add(row, options, 1, 1, [])
-    idx = np.arange(batch)
-    for k in range(len(ids)):
-        if k == WARMUP:  # warm: the matchers' first states
-            state.accept_seconds = state.fill_seconds = 0.0
-        h = SimpleNamespace(sample_rows=idx, sample_positions=np.full(batch, 1 + k), verify=None)
-        state._fill(h, idx, state._bitmask_rows(batch))
-        state.after_draw(h, idx, torch.full((batch,), ids[k], dtype=torch.int64))
-        state._drain()
+    default, grammar.FILL_THREADS = grammar.FILL_THREADS, threads
+    try:
+        state = grammar.GrammarState(
+            grammar.GrammarCompilerPool(tokenizer, vocab, []), batch, vocab, torch.device("cpu")
+        )
+        options = engine_pb2.SamplingOptions(**JSON)
+        for row in range(batch):
+            state.add(row, options, 1, 1, [])
+        idx = np.arange(batch)
+        for k in range(len(ids)):
+            if k == WARMUP:  # warm: the matchers' first states
+                state.accept_seconds = state.fill_seconds = 0.0
+            h = SimpleNamespace(sample_rows=idx, sample_positions=np.full(batch, 1 + k), verify=None)
+            state._fill(h, idx, state._bitmask_rows(batch))
+            state.after_draw(h, idx, torch.full((batch,), ids[k], dtype=torch.int64))
+            state._drain()
+    finally:
+        grammar.FILL_THREADS = default
     timed = len(ids) - WARMUP
     return state.accept_seconds / timed * 1e3, state.fill_seconds / timed * 1e3
 

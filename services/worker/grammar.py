@@ -131,7 +131,7 @@ class GrammarState:
         self.device = device
         self.rows: dict[int, _Row] = {}
         self.has_row = np.zeros(max_seqs + 1, dtype=bool)
-        self._batch = None  # xgr.BatchGrammarMatcher: fills a decode step's rows on a thread pool
+        self._batch = None  # xgr.BatchGrammarMatcher: fills a decode step's rows (FILL_THREADS)
         self._bitmask = None  # host bitmask rows (pinned on CUDA), grown on demand
         self._bitmask_copied = None  # (CUDA) recorded after its upload
         self._tokens = None  # pinned host copy of the last constrained draw's tokens
@@ -265,7 +265,7 @@ class GrammarState:
 
         start = time.perf_counter()
         masked = np.ones(len(idx), dtype=bool)
-        if h.verify is None:  # one token per sequence: every matcher at once, on xgrammar's threads
+        if h.verify is None:  # one token per sequence: every matcher in one xgrammar call
             matchers, rows, table = [], [], self.rows
             for i, row in enumerate(h.sample_rows[idx].tolist()):
                 r = table[row]
