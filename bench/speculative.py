@@ -251,7 +251,7 @@ def run(args) -> int:
     )
     rows = []
     if args.through_stack:
-        sets = prompt_sets(model)
+        sets = prompt_sets(args.tokenizer or model)  # (a dummy model's prompts: --tokenizer's)
         spec = _cluster_runs(args, sets, args.speculative_method)
         plain = _cluster_runs(args, sets, None, spec=spec)
         rows = _table(spec, plain, near_tie_margin(args))
