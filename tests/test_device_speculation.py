@@ -326,3 +326,25 @@ def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():
     adaptive.resume(req.spec)
     assert req.spec.k == 2
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 4) == 5
+
+
+def test_verify_steps_that_carry_their_drafts_are_timed_and_speculation_turns_off_where_it_loses():
+    """A draft model's verify step waits for the previous result and for its drafts: never
+    pipelined, it was never timed once plain steps had pipelined, so the cost model kept
+    choosing to verify (the bucket "not measured yet") while drafts accepted nothing (the dummy
+    8B with a 1B draft: 0.37x). Timed, a 12 ms verify step against 5.3 ms decodes loses."""
+    from types import SimpleNamespace
+
+    from strata.services.scheduler.speculation import Speculation
+
+    spec = Speculation(SpeculativeConfig(method="draft", num_speculative_tokens=4))
+    now = 100.0
+    decode = SimpleNamespace(seqs=[None], max_query=1, verifies=False)
+    verify = SimpleNamespace(seqs=[None], max_query=5, verifies=True)
+    for i in range(6 * CostModel.WINDOW):
+        verifies = i % 2 == 1
+        now += 0.012 if verifies else 0.0053
+        spec.observe(verify if verifies else decode, 0.007 if verifies else 0.0053, now, 1, pipelined=not verifies)
+    assert spec.costs.step[(1, True)] == pytest.approx(0.012, rel=0.2)
+    choices = [spec.costs.speculate(1, 1.3) for _ in range(CostModel.HOLD + 1)]
+    assert not choices[-1]  # 1.3 tokens x 5.3 ms < 12 ms
