@@ -33,7 +33,7 @@ from strata.services.scheduler.scheduler import Scheduler
 from strata.services.worker.stage_transport import DISTRIBUTED, GRPC, StepFailed
 from strata.services.worker.token_handoff import TokenIntake, TokenOutlet, open_token_receiver, open_token_sender
 from strata.v1 import engine_pb2, generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
 
 # ------------------------------------------------------------------ stage 0's intake
 
@@ -419,5 +419,11 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
     with running_cluster(model_dir, 2, "--max-num-batched-tokens", "32") as (cluster, client):
         piped = _workload(cluster, client)
         stats = scheduler_stats(cluster)
+        # A second of no requests, then one more: the stages' timelines leave the wait for
+        # clients out of their idle time (StepPlan.after_idle); it is no pipeline bubble.
+        time.sleep(1.0)
+        collect(client.generate([5, 6, 7], max_tokens=3, ignore_eos=True, timeout=60))
+        timelines = worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
     assert piped == alone
     assert stats.pipeline_stages == 2 and stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
+    assert all(t.timed_steps > stats.steps and t.idle_seconds < 0.5 for t in timelines), timelines

@@ -351,6 +351,7 @@ class Engine:
                     len(self.scheduler.waiting),
                 )
             plan.sent_at = time.monotonic()
+            plan.after_idle = msg.after_idle = self._busy_since is None  # (the engine had nothing to run)
             self.in_flight.append(plan)
             self._deadlines.append(self._step_deadline(sum(s.num_scheduled for s in plan.seqs)))
             self._mark_busy()
@@ -392,7 +393,8 @@ class Engine:
             )
         if result.gpu_seconds > 0:
             self._worker_gpu[0] += result.gpu_seconds
-            self._worker_gpu[1] += result.gpu_idle_seconds
+            if not plan.after_idle:  # the GPU waiting for clients is no bubble
+                self._worker_gpu[1] += result.gpu_idle_seconds
             self._worker_gpu[2] += 1
         self._worker_launch_seconds += result.launch_seconds
         try:

@@ -486,7 +486,7 @@ def _execute_and_send(
     """On the step thread: launch the step, hand its activations to the transport (no wait)."""
     start, waited = time.perf_counter(), _waits(runner, receiver)
     out = _execute(runner, plan, inputs)
-    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited)
+    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
     if sender is not None:
         sender.send(plan.step_id, *out)
 
@@ -498,5 +498,5 @@ def _execute_last(runner: ModelRunner, stats: StageStats, receiver: Receiver | N
     out = _execute(runner, plan, inputs)
     if token_sender is not None and isinstance(runner.handoff, TokenOutlet):
         runner.handoff.hand(plan.step_id, token_sender)
-    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited)
+    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
     return out

@@ -29,15 +29,17 @@ class StageStats:
         self._pairs: collections.deque = collections.deque()
         self._last_end = None
 
-    def step(self, gpu_start, host_start: float, host_waited: float = 0.0) -> None:
+    def step(self, gpu_start, host_start: float, host_waited: float = 0.0, after_idle: bool = False) -> None:
         """After a step's launch, on the step thread: gpu_start is the runner's start event
-        (None on CPU); host_waited the host time it spent waiting for tokens inside the launch."""
+        (None on CPU); host_waited the host time it spent waiting for tokens inside the launch;
+        after_idle: the scheduler had nothing to run before it (StepPlan.after_idle), so the
+        time since the previous step is no bubble and counts as neither."""
         now = time.perf_counter()
         self.steps += 1
         self.launch_seconds += now - host_start - host_waited
         if not self.cuda or gpu_start is None:
             begin = host_start + host_waited
-            if self._last_end is not None:
+            if self._last_end is not None and not after_idle:
                 self.idle_seconds += max(begin - self._last_end, 0.0)
             self.busy_seconds += now - begin
             self._last_end = now
@@ -45,19 +47,19 @@ class StageStats:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pairs.append((gpu_start, end))
+        self._pairs.append((gpu_start, end, after_idle))
         self.poll()
 
     def poll(self, wait: bool = False) -> None:
         while self._pairs:
-            start, end = self._pairs[0]
+            start, end, after_idle = self._pairs[0]
             if wait:
                 end.synchronize()
             elif not end.query():
                 return
             self._pairs.popleft()
             self.busy_seconds += start.elapsed_time(end) / 1e3
-            if self._last_end is not None:
+            if self._last_end is not None and not after_idle:
                 self.idle_seconds += max(self._last_end.elapsed_time(start) / 1e3, 0.0)
             self._last_end = end
             self.timed_steps += 1

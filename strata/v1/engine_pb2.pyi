@@ -351,7 +351,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_start: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_prefix_group", "shared_prefix_lens", "propose_drafts", "rejected_drafts")
+    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_prefix_group", "shared_prefix_lens", "propose_drafts", "rejected_drafts", "after_idle")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,7 @@ class StepPlan(_message.Message):
     SHARED_PREFIX_LENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -390,7 +391,8 @@ class StepPlan(_message.Message):
     shared_prefix_lens: _containers.RepeatedScalarFieldContainer[int]
     propose_drafts: _containers.RepeatedScalarFieldContainer[int]
     rejected_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_prefix_group: _Optional[_Iterable[int]] = ..., shared_prefix_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    after_idle: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_prefix_group: _Optional[_Iterable[int]] = ..., shared_prefix_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds", "num_proposed", "proposed_token_ids")
