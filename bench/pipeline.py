@@ -8,7 +8,8 @@ fewer GPUs than stages) and each stage transport (--transports), a fresh cluster
 - the latency workload (--concurrency streams in a closed loop, DELTA): TPOT and ITL.
 
 It prints, per run and phase, each stage's own timeline (WorkerStats: time inside steps and idle
-between them, from CUDA events on GPUs, host time on CPUs: the bubbles), the hops (activations
+between them, from CUDA events on GPUs, host time on CPUs: the bubbles; not the time before a
+step the scheduler sent after it had nothing to run, waiting for clients), the hops (activations
 stage i -> i+1 and sampled tokens last -> stage 0: bytes and the sender's transport time per
 step, and the time stage 0's steps waited for tokens), tok/s and TPOT relative to one stage, and
 the targets measured against in the same run, plus a RESULTS.md row per multi-stage run.
