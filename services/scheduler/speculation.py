@@ -288,9 +288,9 @@ class AdaptiveK:
     and k maximises that per unit of the step's cost, (1 + f + c k) decode steps: f the fixed
     part of a verify step's extra cost and c one more position's (the cost model's, at the
     current batch: at batch 1 a verify step of SmolLM2 on an H200 costs 1.5-2 decode steps
-    whatever its k, at batch 64 its cost grows with k). Where no k beats a plain decode (alpha too low, or nothing
-    found), k is 0: the request proposes nothing
-    for `backoff` tokens (16, doubling while it keeps failing), then tries again."""
+    whatever its k, at batch 64 its cost grows with k). Where no k beats a plain decode (alpha
+    too low, or nothing found), k is 0: the request proposes nothing for `backoff` tokens (16,
+    doubling while it keeps failing), then tries again."""
 
     DECAY = 0.8
     PRIOR_ACCEPTED, PRIOR_MISSED = 2.0, 1.0
@@ -347,8 +347,9 @@ class CostModel:
     request's acceptance and turns a request's drafting off where it does not pay) times the
     decode time beats the verify time: verifying must beat the plain steps it replaces, so that
     speculation never makes a batch slower than plain decoding. Only pipelined steps count
-    (observe), and plain steps of a speculating cluster ask for no proposals while it is off, so
-    that the decode time is a plain cluster's. A bucket not measured yet follows the nearest one
+    (observe; and verify steps whose drafts ride in their plans, Speculation.observe), and plain
+    steps of a speculating cluster ask for no proposals while it is off, so that the decode time
+    is a plain cluster's. A bucket not measured yet follows the nearest one
     measured for a while, then measures what it lacks (_unmeasured). The option not taken runs
     for a window now and then (after REFRESH choices, a wait that doubles each time the choice
     stood, up to MAX_REFRESH) to follow the times as contexts grow. The host's part counts:
@@ -409,9 +410,9 @@ class CostModel:
         send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
         each). A step costs the pipeline the time from the previous result to its own (with
         `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed
-        until WINDOW of them were seen, whether or not steps of another kind came between. Once any step was
-        `pipelined` (sent before the previous result came back), steps that were not are left
-        out: a plain step that had to wait for a verify step's result (the change of kind's
+        until WINDOW of them were seen, whether or not steps of another kind came between. Once
+        any step was `pipelined` (sent before the previous result came back), steps that were
+        not are left out: a plain step that had to wait for a verify step's result (the change of kind's
         bubble) took a whole round trip, 1.5-1.6 ms against 1.0 for the pipelined decode steps
         of SmolLM2 at batch 1 on an H200, and made plain decoding look dearer than it is."""
         self.enabled = True
