@@ -13,7 +13,10 @@ Default workload (issue 12): 32 groups of 16 requests, each group sharing a 2,00
 each request 200 tokens of its own and 100 generated. Where pinning matters, the prefixes do not
 all fit in the KV cache at once, and the cache way recomputes the ones it evicted:
 
-    strata bench prefix-groups --num-kv-blocks 2500 --max-model-len 4096   # 32 prefixes = 4,000 blocks It prints req/s, output tok/s, prefill
+    strata bench prefix-groups --num-kv-blocks 2500 --max-model-len 4096   # 32 prefixes = 4,000 blocks
+
+The one-by-one ways send their requests shuffled (--order shuffled, the default; issue 27's
+baseline) or each group's together (--order grouped). It prints req/s, output tok/s, prefill
 tokens computed and peak KV blocks of each way, and the ratios. On a GPU it then times the decode
 attention of a group batch (cascade against paged) against its floor, in process
 (strata.bench.cascade_attention).
@@ -84,10 +87,20 @@ async def _as_groups(endpoints, args, groups) -> tuple[int, int]:
     return tokens, failed
 
 
+def request_order(prompts: list, order: str, seed: int) -> list:
+    """The one-by-one ways' send order: `grouped` keeps each group's requests together, which
+    lets the prefix cache keep a group's prefix while its members run; `shuffled` (seeded) is an
+    offline batch in no particular order, where the cache way meets prefixes it evicted."""
+    if order == "grouped":
+        return prompts
+    permutation = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[i] for i in permutation]
+
+
 async def _as_requests(endpoints, args, groups) -> tuple[int, int]:
     from strata.v1 import generate_pb2
 
-    prompts = [prefix + own for prefix, members in groups for own in members]
+    prompts = request_order([prefix + own for prefix, members in groups for own in members], args.order, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY, seed=args.seed)
     records = await common.run_all_at_once(
         endpoints.gateway, prompts, params, args.request_timeout, desc="requests", progress=not args.no_progress
@@ -172,7 +185,7 @@ def run(args) -> int:
     ratios = {key: rps[a] / rps[b] for key, (_, a, b, _) in RATIOS.items() if a in rps and b in rps}
     common.print_section(
         f"{args.num_groups} groups x {args.group_size}, prefix {args.prefix_len}, "
-        f"own {args.suffix_len}, output {args.output_len}",
+        f"own {args.suffix_len}, output {args.output_len}, one by one {args.order}",
         [
             (label, f"{ratios[key]:.2f}x" + (f"   (target >= {target:g}x)" if target else ""))
             for key, (label, _, _, target) in RATIOS.items()

@@ -259,6 +259,14 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
         "no-cache); a ratio is printed where both of its ways ran",
     )
     p.add_argument(
+        "--order",
+        choices=("shuffled", "grouped"),
+        default="shuffled",
+        help="the order the one-by-one ways send their requests in: shuffled (seeded by --seed; as an "
+        "offline batch in no particular order arrives, issue 27's baseline) or grouped (each group's "
+        "requests one after another, which lets the prefix cache keep a prefix while its group runs)",
+    )
+    p.add_argument(
         "--profile-dir",
         default=None,
         help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "

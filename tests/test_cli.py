@@ -129,3 +129,14 @@ def test_prefix_groups_bench_runs_the_ways_asked_for():
     assert selected_ways("cache-no-cascade, no-cache") == ("cache, no cascade", "no cache")
     with pytest.raises(SystemExit, match="unknown cached"):
         selected_ways("groups,cached")
+
+
+def test_prefix_groups_bench_orders_the_one_by_one_requests():
+    from strata.bench.prefix_groups import request_order
+
+    prompts = [[g, m] for g in range(4) for m in range(8)]
+    assert request_order(prompts, "grouped", 0) == prompts
+    shuffled = request_order(prompts, "shuffled", 0)
+    assert sorted(shuffled) == prompts and shuffled != prompts
+    assert shuffled == request_order(prompts, "shuffled", 0)  # seeded: both runs of a way send alike
+    assert shuffled != request_order(prompts, "shuffled", 1)
