@@ -110,7 +110,8 @@ FLAGS: dict[str, Flag] = {
     "profile_output": Flag(
         "STRATA_PROFILE_OUTPUT",
         None,
-        "write a torch.profiler table of the GPU work of --profile-steps to this file (diagnostics)",
+        "write a torch.profiler table of the GPU work of --profile-steps to this file (diagnostics); a name "
+        "holding .json gets a Chrome trace of host and GPU instead",
     ),
     "profile_steps": Flag(
         "STRATA_PROFILE_STEPS",

@@ -120,6 +120,23 @@ def test_serve_forwards_profiling_to_each_stage_worker():
     assert "--profile-output" not in worker_argv(build_parser().parse_args(["serve"]), 0, 50061, "m")
 
 
+def test_profile_window_as_a_chrome_trace(tmp_path):
+    """A --profile-output whose name holds .json gets a Chrome trace of the window's host work."""
+    import json
+
+    import torch
+
+    from strata.services.worker.profiling import StepProfiler
+
+    out = tmp_path / "trace.json.stage1"
+    profiler = StepProfiler(str(out), first=1, count=2)
+    for _ in range(4):
+        profiler.step_launched()
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") for e in events)
+
+
 def test_prefix_groups_bench_runs_the_ways_asked_for():
     import pytest
 

@@ -3,7 +3,9 @@
 The in-process benchmarks time the model alone; this shows where a serving worker's GPU time
 goes under real traffic (kernels, and the gaps between them that host work leaves). Enabled by
 `strata worker --profile-output PATH` (env STRATA_PROFILE_OUTPUT); the table of GPU kernels over
-steps [first, first + count) is written to PATH. Tracing and writing the table slow the worker
+steps [first, first + count) is written to PATH. A PATH whose name holds ".json" gets a Chrome
+trace instead, host and GPU on one clock (chrome://tracing, Perfetto): where the gaps between a
+pipeline's steps are, and which thread the GPU waited for. Tracing and writing the table slow the worker
 (the table takes seconds to build, on the event loop): use it for profiles, not for benchmarks.
 """
 
@@ -21,6 +23,7 @@ log = logging.getLogger("strata.worker")
 class StepProfiler:
     def __init__(self, output: str | None, first: int = 200, count: int = 100):
         self.output = Path(output) if output else None
+        self.trace = self.output is not None and ".json" in self.output.name
         self.first, self.count = first, count
         self.steps = 0
         self._profiler = None
@@ -42,21 +45,30 @@ class StepProfiler:
         if self.output is None:
             return
         if self.steps == self.first:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if self.trace:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
             self._started = time.perf_counter()
         elif self.steps == self.first + self.count and self._profiler is not None:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             wall = time.perf_counter() - self._started
             self._profiler.__exit__(None, None, None)
-            table = self._profiler.key_averages().table(
-                sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
-            )
-            gpu = sum(e.self_device_time_total for e in self._profiler.key_averages()) / 1e6
-            self.output.write_text(
-                f"steps {self.first}..{self.first + self.count}: wall {wall:.3f} s, "
-                f"GPU kernels and copies {gpu:.3f} s ({gpu / wall:.0%})\n{table}\n"
-            )
-            log.info("wrote the profile of %d steps to %s", self.count, self.output)
+            if self.trace:
+                self._profiler.export_chrome_trace(str(self.output))
+            else:
+                self._write_table(wall)
+            log.info("wrote the profile of %d steps (wall %.3f s) to %s", self.count, wall, self.output)
             self._profiler = None
         self.steps += 1
+
+    def _write_table(self, wall: float) -> None:
+        averages = self._profiler.key_averages()
+        table = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        gpu = sum(e.self_device_time_total for e in averages) / 1e6
+        self.output.write_text(
+            f"steps {self.first}..{self.first + self.count}: wall {wall:.3f} s, "
+            f"GPU kernels and copies {gpu:.3f} s ({gpu / wall:.0%})\n{table}\n"
+        )
