@@ -152,10 +152,17 @@ def test_history_on_the_device_follows_plain_steps_between_verifications(shard, 
     without the commit kernel (DeviceSpeculation's plain path): with speculation turned on and
     off every few steps, each live request's history there is its prompt and output so far,
     so lookups after a plain stretch see every token."""
+    check_history_follows_plain_steps(_runner(shard, 4), monkeypatch)
+
+
+def check_history_follows_plain_steps(runner, monkeypatch) -> None:
+    """Drives runner (k = 4) with speculation on and off every five steps and checks each live
+    request's device history after every step (also run on a GPU, whose decode graphs record
+    plain steps' tokens themselves)."""
     choices = iter(range(10**6))
     monkeypatch.setattr(CostModel, "speculate", lambda self, batch, expected: (next(choices) // 5) % 2 == 0)
     spec = SpeculativeConfig("ngram", 4, 1, 3, max_batch=48, proposer="device")
-    runner, sched, requests = _runner(shard, 4), _scheduler(1, spec), _requests(3, 6)
+    sched, requests = _scheduler(1, spec), _requests(3, 6)
     for req in requests:
         sched.add_request(req)
     checked, kinds = 0, set()

@@ -60,9 +60,10 @@ class SpecStep:
     proposes: bool  # some sequence asks for proposals
     device_meta: torch.Tensor | None = None  # the staged meta rows (static buffer)
     # A plain decode step (every sequence decodes one token, none verifies, proposes or moves
-    # back): no meta rows, no commit kernel, no packed result; after the draw its tokens go
-    # into history at these (row, position) pairs, on the device.
-    plain: dict[str, torch.Tensor] | None = None
+    # back): no meta rows, no commit kernel, no packed result; its tokens go into history at
+    # these host (row, position) pairs: inside the decode graph when the graph draws
+    # (recording_decode_graphs), else after the draw.
+    plain: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class _Staging:
@@ -197,9 +198,9 @@ class DeviceSpeculation:
         ):
             # Plain decodes, as a speculating cluster runs while its cost model has speculation
             # off: they cost what a plain cluster's steps cost (the commit's meta rows, kernel
-            # and packed read-back made each step dearer on the host).
-            plain = upload({"rows": h.token_rows, "pos": h.seq_lens.astype(np.int64)}, self.device)
-            return SpecStep(None, np.arange(n), False, False, plain=plain)
+            # and packed read-back made each step dearer on the host; so did this step's own
+            # upload and history writes, 0.35 ms of host time a step at batch 1 on an H200).
+            return SpecStep(None, np.arange(n), False, False, plain=(h.token_rows, h.seq_lens))
         sample = np.asarray(plan.sample, dtype=bool)
         sample_idx = np.nonzero(sample)[0]
         first = qsl[:-1]
@@ -321,15 +322,24 @@ class DeviceSpeculation:
         (padded) step layout. Returns packed [n, 2 + max_k] int64 (module docstring), or None
         for a plain step (one token each: the result's own)."""
         if step.plain is not None:  # draw i is sequence i's: one token each, in plan order
-            rows, pos = step.plain["rows"], step.plain["pos"]
-            self.history[rows, pos.clamp(0, self.history.shape[1] - 1)] = draws[: rows.shape[0]].to(torch.int32)
-            self.hist_len[rows] = pos + 1
+            if not per_token:  # (a decode graph's draw recorded its tokens in the graph)
+                d = upload({"rows": step.plain[0], "pos": step.plain[1].astype(np.int64)}, self.device)
+                self.record(d["rows"], d["pos"], draws[: d["rows"].shape[0]])
             return None
         n = step.meta.shape[0]
         meta = step.device_meta[:n]
         packed = torch.zeros(n, 2 + self.max_k, dtype=torch.int64, device=self.device)
         self._commit_and_propose(draws, meta, packed, FIRST_TOKEN if per_token else FIRST_ROW, step.proposes)
         return packed
+
+    def record(self, rows: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Plain decodes' tokens into history: each row's token at `pos`, its length pos + 1.
+        Scatters on flat indices, so that a decode graph can capture it (padding rows write
+        the scratch row)."""
+        width = self.history.shape[1]
+        flat = rows * width + pos.clamp(0, width - 1)
+        self.history.view(-1).scatter_(0, flat, tokens.to(torch.int32))
+        self.hist_len.scatter_(0, rows, pos + 1)
 
     def _commit_and_propose(self, draws, meta, packed, first_col: int, proposes: bool) -> None:
         """The commit kernel (verify, emit, advance history) and, where asked, the lookup kernel
@@ -362,6 +372,23 @@ class DeviceSpeculation:
                 self.ngram_max,
                 self.max_k,
             )
+
+
+def recording_decode_graphs(spec: DeviceSpeculation):
+    """DecodeGraphs of a speculating worker: a graph that draws also records its tokens in
+    history (DeviceSpeculation.record), so that a plain step adds no host work to a plain
+    cluster's. A step whose draw runs outside the graph records after it (after_draw)."""
+    from strata.services.worker.cuda_graphs import DecodeGraphs
+
+    class RecordingDecodeGraphs(DecodeGraphs):
+        def _forward(self, bs: int):
+            outs = super()._forward(bs)
+            if self.samples:
+                rows = self.rows
+                spec.record(rows["state_rows"][:bs], rows["sample_positions"][:bs], outs[1])
+            return outs
+
+    return RecordingDecodeGraphs
 
 
 def shifting_verify_graphs(spec: DeviceSpeculation):

@@ -16,7 +16,11 @@ import torch
 from strata.kernels.gumbel_sampling import HAVE_TRITON
 from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
 from strata.services.worker.cascade_inputs import shared_kv_runs
-from strata.services.worker.device_proposer import DeviceSpeculation, shifting_verify_graphs
+from strata.services.worker.device_proposer import (
+    DeviceSpeculation,
+    recording_decode_graphs,
+    shifting_verify_graphs,
+)
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling_controls import SamplingControls
@@ -170,8 +174,11 @@ class ModelRunner:
         from strata.services.worker.cuda_graphs import DecodeGraphs
 
         def capture(max_batch: int, query_len: int, cascade: bool = False) -> DecodeGraphs:
-            # Verification graphs move a plan's positions on the device first (speculation's lookahead).
-            cls = shifting_verify_graphs(self.spec) if self.spec is not None and query_len > 1 else DecodeGraphs
+            # Verification graphs move a plan's positions on the device first (speculation's
+            # lookahead); decode graphs record their draws in the device history.
+            cls = DecodeGraphs
+            if self.spec is not None:
+                cls = shifting_verify_graphs(self.spec) if query_len > 1 else recording_decode_graphs(self.spec)
             graphs = cls(
                 self.shard,
                 self.kv_caches,

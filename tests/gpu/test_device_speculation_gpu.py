@@ -19,7 +19,13 @@ pytestmark = compiled_gpu_kernels_only()
 
 from strata.services.scheduler.scheduler import SpeculativeConfig  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
-from tests.test_device_speculation import BLOCKS, _drive, _requests, _scheduler  # noqa: E402
+from tests.test_device_speculation import (  # noqa: E402
+    BLOCKS,
+    _drive,
+    _requests,
+    _scheduler,
+    check_history_follows_plain_steps,
+)
 from tests.test_spec_kernels import K, _commit_case, _history, _propose  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -124,3 +130,15 @@ def test_graph_verification_ahead_of_results_gives_the_plain_tokens(shard, adapt
     assert stats.spec_decode_accepted_tokens > 0
     assert any(p.rejected_drafts for p in plans)  # moved back in the verification graphs
     assert max(replayed) > 1  # verification graphs ran (eager steps would give the same tokens)
+
+
+def test_decode_graphs_record_plain_steps_in_the_device_history(shard, monkeypatch):
+    """A speculating worker's plain steps on decode graphs: the graph records its draws in the
+    device history (no host work beside a plain cluster's), the sampler outside the graph for
+    filtered rows records after it; lookups after a plain stretch see every token either way."""
+    runner = _cuda_runner(shard, 4)
+    replayed = []
+    execute_graph = runner._execute_graph
+    runner._execute_graph = lambda graphs, *a: replayed.append(graphs.query_len) or execute_graph(graphs, *a)
+    check_history_follows_plain_steps(runner, monkeypatch)
+    assert 1 in replayed and max(replayed) > 1
