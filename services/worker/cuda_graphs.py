@@ -268,13 +268,14 @@ class DecodeGraphs:
         h: HostInputs,
         token_rows: np.ndarray,
         sampling: dict[str, np.ndarray] | None,
-        hidden: torch.Tensor | None,
-        residual: torch.Tensor | None,
+        arrive=None,
     ) -> tuple[torch.Tensor, ...]:
         """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
         query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
-        sample position, inverse temperature and greedy flag (last stage). Returns the outputs'
-        rows of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
+        sample position, inverse temperature and greedy flag (last stage); arrive: called once
+        the inputs are staged, returns the previous stage's (hidden, residual) (None on stage
+        0) after waiting for what the step needs from other stages. Returns the outputs' rows
+        of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
         Triton), else (hidden, residual)."""
         n, width = h.block_tables.shape
         t, padded = n * self.query_len, bs * self.query_len
@@ -301,6 +302,7 @@ class DecodeGraphs:
         self.flat.copy_(host.flat, non_blocking=True)
         self.block_tables[:n, :width].copy_(host.tables_t[:n, :width], non_blocking=True)
         host.copied.record()
+        hidden, residual = arrive() if arrive is not None else (None, None)
         if hidden is not None:
             self.hidden_in[:t].copy_(hidden)
             self.residual_in[:t].copy_(residual)

@@ -12,6 +12,7 @@ pipeline's steps are, and which thread the GPU waited for. Tracing and writing t
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,11 @@ class StepProfiler:
     def __init__(self, output: str | None, first: int = 200, count: int = 100):
         self.output = Path(output) if output else None
         self.trace = self.output is not None and ".json" in self.output.name
+        if self.output is not None and torch.cuda.is_available():
+            # The first profiler of a process initialises CUPTI, for seconds: on a served step
+            # the scheduler took the stage for hung and rebuilt the pipeline mid-window.
+            with torch.profiler.profile(activities=self._activities()):
+                pass
         self.first, self.count = first, count
         self.steps = 0
         self._profiler = None
@@ -45,10 +51,7 @@ class StepProfiler:
         if self.output is None:
             return
         if self.steps == self.first:
-            activities = [torch.profiler.ProfilerActivity.CUDA]
-            if self.trace:
-                activities.append(torch.profiler.ProfilerActivity.CPU)
-            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler = torch.profiler.profile(activities=self._activities())
             self._profiler.__enter__()
             self._started = time.perf_counter()
         elif self.steps == self.first + self.count and self._profiler is not None:
@@ -56,6 +59,8 @@ class StepProfiler:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self._started
             self._profiler.__exit__(None, None, None)
+            if self.output.exists():  # another cluster's worker wrote it (a benchmark's runs)
+                self.output = self.output.with_name(f"{self.output.name}.{os.getpid()}")
             if self.trace:
                 self._profiler.export_chrome_trace(str(self.output))
             else:
@@ -63,6 +68,12 @@ class StepProfiler:
             log.info("wrote the profile of %d steps (wall %.3f s) to %s", self.count, wall, self.output)
             self._profiler = None
         self.steps += 1
+
+    def _activities(self) -> list:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if self.trace:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        return activities
 
     def _write_table(self, wall: float) -> None:
         averages = self._profiler.key_averages()

@@ -229,23 +229,30 @@ class ModelRunner:
         take_inputs=None,
     ):
         """Launches one step. Returns (hidden, residual) on a middle stage, a PendingResult on the last.
-        take_inputs: how a later stage takes (hidden, residual) from its link (ipc), called once the
-        step's host inputs are built, so that work overlaps the wait."""
+        take_inputs: how a later stage takes (hidden, residual) from its link (ipc). What a step
+        waits for from the other stages (those activations; stage 0's tokens for its
+        placeholders) is taken last, once its host inputs are built and staged (arrive), so the
+        staging is off the pipeline's critical path: with one micro-batch, the GPU waited for
+        it after every hop."""
         start = time.perf_counter()
         rows = self.apply_plan(plan)
         h = self.inputs.build(plan, rows)
-        if take_inputs is not None:
-            hidden, residual = take_inputs()
         spec = None
         if self.spec is not None:  # known tokens into the device history, the step's speculation rows
             tokens = h.input_ids if h.input_ids is not None else np.asarray(plan.input_token_ids, dtype=np.int64)
             spec = self.spec.begin_step(plan, h, tokens)
-        if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
-            self.handoff.before_step(plan.step_id, h)
-        elif h.has_placeholders and not self.is_last:
+        if self.handoff is None and h.has_placeholders and not self.is_last:
             raise PlanError("a decode lookahead on stage 0 of several needs the token link (OpenTokenLink)")
-        gpu_start = self.timeline.mark() if self.timeline else None
-        self.gpu_start = gpu_start  # the stage's own timeline (stage_stats.py) reads it
+
+        def arrive():
+            """Waits for what the step needs from the other stages, then marks the step's start
+            on the stage's timeline (stage_stats.py); returns the activations taken, if any."""
+            taken = take_inputs() if take_inputs is not None else (hidden, residual)
+            if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
+                self.handoff.before_step(plan.step_id, h)
+            self.gpu_start = self.timeline.mark() if self.timeline else None
+            return taken
+
         graphs = self.graphs if h.max_query_len == 1 else self.verify_graphs.get(h.uniform_query_len)
         cascade = h.shared_kv_runs is not None and h.max_query_len == 1  # (verification graphs do without)
         if cascade:
@@ -257,7 +264,7 @@ class ModelRunner:
         num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
-            return self._execute_graph(graphs, plan, h, bs, hidden, residual, start, gpu_start, spec)
+            return self._execute_graph(graphs, plan, h, bs, arrive, start, spec)
         d, sampling = self.inputs.upload(h, eager=True)
         if spec is not None:  # a plan sent before a verification came back: move its sequences
             self.spec.stage(spec, h)
@@ -274,6 +281,7 @@ class ModelRunner:
             min_query_len=int(np.diff(h.query_start_loc).min()),
             shared_kv_runs=shared_kv_runs(h, d),
         )
+        hidden, residual = arrive()
         tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
         if tp is not None:
             hidden, residual = self.piecewise.run(tp, d, meta, hidden, residual)
@@ -287,9 +295,9 @@ class ModelRunner:
         if h.sample_seq_ids:
             idx = d["sample_token_index"]
             logits = self.shard.compute_logits(hidden[idx], residual[idx])
-        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, gpu_start, spec)
+        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, spec)
 
-    def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, hidden, residual, start: float, gpu_start, spec):
+    def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, arrive, start: float, spec):
         """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
         draws the token after it, from (seed, position + 1)); when every token is a sample row
         without filters or logprobs, that draw is the result. Otherwise the sampler runs on the
@@ -323,7 +331,7 @@ class ModelRunner:
             }
         if controlled:
             c.mark_launch()
-            logits, tokens = graphs.run(bs, h, h.placeholder_rows, sampling_rows, hidden, residual)
+            logits, tokens = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive)
             c.draw_controlled(
                 plan,
                 h,
@@ -340,7 +348,7 @@ class ModelRunner:
                 t.logprobs[h.sample_rows],
                 [tokens],
                 self.timeline,
-                gpu_start,
+                self.gpu_start,
                 h.verify,
                 take=h.sample_token_index if padded else None,
             )
@@ -351,7 +359,7 @@ class ModelRunner:
             d, sampling = self.inputs.upload(h, eager=False)
             if spec is not None:
                 self.spec.shift_sampling(spec, sampling, d["sample_token_index"], graphs.query_len)
-        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, hidden, residual)
+        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive)
         if not self.is_last:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
@@ -363,7 +371,7 @@ class ModelRunner:
                 t.logprobs[h.sample_rows],
                 [outs[1]],
                 self.timeline,
-                gpu_start,
+                self.gpu_start,
                 h.verify,
                 take=h.sample_token_index if padded else None,
                 speculation=(packed, spec.sample_idx) if packed is not None else None,
@@ -372,7 +380,7 @@ class ModelRunner:
         if h.sample_seq_ids:
             logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
             sample_rows = d["sample_rows"]
-        return self._sample(plan, h, logits, sample_rows, sampling, start, gpu_start, spec)
+        return self._sample(plan, h, logits, sample_rows, sampling, start, spec)
 
     def _sample(
         self,
@@ -382,7 +390,6 @@ class ModelRunner:
         sample_rows,
         sampling: SamplingTensors | None,
         start: float,
-        gpu_start,
         spec=None,
     ) -> PendingResult:
         step_id = plan.step_id
@@ -390,7 +397,7 @@ class ModelRunner:
         if controlled:  # after the forward's launch: its host work overlaps the GPU's
             self.controls.begin_step(plan, h)
         if not h.sample_seq_ids:
-            return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, gpu_start)
+            return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, self.gpu_start)
         if controlled:
             logits, grammar_rows = self.controls.apply(logits, h)
         out = self.sampler(logits, sampling)
@@ -410,7 +417,7 @@ class ModelRunner:
             self.table.logprobs[h.sample_rows],
             tensors,
             self.timeline,
-            gpu_start,
+            self.gpu_start,
             h.verify,
             speculation=(packed, spec.sample_idx) if packed is not None else None,
         )
