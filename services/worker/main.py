@@ -14,7 +14,7 @@ from strata.model_source import resolve_model
 from strata.services.worker.attention import kv_cache_bytes_per_block
 from strata.services.worker.model_config import ModelConfig
 from strata.services.worker.profiling import StepProfiler
-from strata.services.worker.runner import ModelRunner
+from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.stage_transport import local_location, set_nccl_environment
 from strata.services.worker.weights import load_shard
@@ -93,6 +93,7 @@ def piecewise_max_tokens(args) -> int:
 def build(args):
     set_nccl_environment()
     device = pick_device(args.device)
+    use_device(device)  # (the step threads set it too: server.py)
     dtype = pick_dtype(args.dtype, device)
     model_path, dummy = resolve_model(args.model)
     if not 0 <= args.stage_index < args.num_stages:

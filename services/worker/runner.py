@@ -31,6 +31,16 @@ from strata.services.worker.warm_up import warm_up, warn_on_late_compiles
 from strata.v1 import engine_pb2
 
 
+def use_device(device: torch.device) -> None:
+    """Makes `device` the calling thread's current CUDA device. Torch's own ops follow their
+    tensors' device, but Triton launches, CUDA graph capture and current_stream() use the
+    thread's current device: a stage on cuda:1 (a GPU per stage) must set it in every thread
+    that launches work, or its kernels go to cuda:0's context ("Pointer argument cannot be
+    accessed from Triton")."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class ModelRunner:
     """This stage's shard, KV cache, sequence table and (last stage) sampler, driven by plans."""
 

@@ -20,7 +20,7 @@ from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
 from strata.services.worker.draft_steps import DraftProposal, propose
 from strata.services.worker.profiling import StepProfiler
-from strata.services.worker.runner import ModelRunner
+from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.stage_stats import StageStats
 from strata.services.worker.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
@@ -63,9 +63,10 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.profiler = profiler or StepProfiler(None)
         self.description = description
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        bind = {"initializer": use_device, "initargs": (runner.device,)}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step", **bind)
         # Waits for sampled tokens to reach the host while the step thread launches the next plan.
-        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish", **bind)
         self._receiver: Receiver | None = None  # the link from the previous stage
         self._sender: Sender | None = None  # the link to the next stage
         self._forward_queue: asyncio.Queue | None = None
