@@ -53,7 +53,14 @@ def _form_group(store, rank: int, backend: str, peer_host: str, timeout: float, 
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = delta
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+        # NCCL builds a pair's communicator at its first point-to-point call and blocks there
+        # until both ranks join. The sender's first step would block in it before emitting the
+        # message the receiver waits for before posting its first receive: a deadlock (seen on
+        # two H200s). One handshake here, where both sides arrive on their own, joins them.
+        handshake = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        (pg.send if rank == 0 else pg.recv)([handshake], 1 - rank, 0).wait()
+        return pg
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = delta
     # Gloo listens on the interface that routes to the peer (the hostname may resolve elsewhere).
