@@ -16,11 +16,13 @@ NCCL_ENVIRONMENT), and close() aborts the group so a lost peer never leaves a ke
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import datetime
 import logging
 import queue
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,19 @@ from strata.v1 import engine_pb2
 log = logging.getLogger("strata.worker")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+# Threads of closed links, which may still be aborting their NCCL groups (close() never blocks).
+_CLOSING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _join_closing_links() -> None:
+    """At exit, closed links finish tearing their groups down before CUDA shuts down: a group
+    aborted during the driver's shutdown ends the process with SIGABRT (seen on two H200s, after
+    every step had arrived intact)."""
+    for thread in list(_CLOSING):
+        thread.join(timeout=10)
 
 
 def _tag(step_id: int) -> int:
@@ -147,6 +162,10 @@ class DistributedSender(Sender):
             _abort(self.pg)
         self.pg = None
 
+    def close(self) -> None:
+        super().close()
+        _CLOSING.add(self._thread)
+
 
 class DistributedReceiver(Receiver):
     kind = DISTRIBUTED
@@ -239,3 +258,4 @@ class DistributedReceiver(Receiver):
         super().close()
         self._closed = True
         self._jobs.put(None)
+        _CLOSING.add(self._thread)
