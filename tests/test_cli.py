@@ -121,20 +121,35 @@ def test_serve_forwards_profiling_to_each_stage_worker():
 
 
 def test_profile_window_as_a_chrome_trace(tmp_path):
-    """A --profile-output whose name holds .json gets a Chrome trace of the window's host work."""
+    """A --profile-output whose name holds .json gets a Chrome trace of the window: the CPU ops
+    and the Python calls of the thread that runs the steps (the worker's step thread), and a
+    second cluster's worker never overwrites the first's file."""
     import json
+    import threading
 
     import torch
 
     from strata.services.worker.profiling import StepProfiler
 
+    def steps(out) -> list[dict]:
+        profiler = StepProfiler(str(out), first=1, count=2)
+
+        def run():
+            for _ in range(4):
+                profiler.step_launched()
+                torch.ones(64, 64) @ torch.ones(64, 64)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return json.loads(profiler.output.read_text())["traceEvents"]
+
     out = tmp_path / "trace.json.stage1"
-    profiler = StepProfiler(str(out), first=1, count=2)
-    for _ in range(4):
-        profiler.step_launched()
-        torch.ones(64, 64) @ torch.ones(64, 64)
-    events = json.loads(out.read_text())["traceEvents"]
-    assert any("aten::mm" in e.get("name", "") for e in events)
+    events = steps(out)
+    assert any("aten::mm" in e.get("name", "") for e in events if e.get("cat") == "cpu_op")
+    assert any(e.get("cat") == "python_function" and "test_cli.py" in e["name"] for e in events)
+    again = steps(out)  # the same path: written beside the first (a pid suffix)
+    assert again and json.loads(out.read_text())["traceEvents"] == events
 
 
 def test_prefix_groups_bench_runs_the_ways_asked_for():

@@ -5,7 +5,8 @@ goes under real traffic (kernels, and the gaps between them that host work leave
 `strata worker --profile-output PATH` (env STRATA_PROFILE_OUTPUT); the table of GPU kernels over
 steps [first, first + count) is written to PATH. A PATH whose name holds ".json" gets a Chrome
 trace instead, host and GPU on one clock (chrome://tracing, Perfetto): where the gaps between a
-pipeline's steps are, and which thread the GPU waited for. Tracing and writing the table slow the worker
+pipeline's steps are, which thread the GPU waited for, and the step thread's Python calls (the
+window starts on the step thread: server._on_step_thread). Tracing and writing the table slow the worker
 (the table takes seconds to build, on the event loop): use it for profiles, not for benchmarks.
 """
 
@@ -28,7 +29,7 @@ class StepProfiler:
         if self.output is not None and torch.cuda.is_available():
             # The first profiler of a process initialises CUPTI, for seconds: on a served step
             # the scheduler took the stage for hung and rebuilt the pipeline mid-window.
-            with torch.profiler.profile(activities=self._activities()):
+            with self._profile():
                 pass
         self.first, self.count = first, count
         self.steps = 0
@@ -51,7 +52,7 @@ class StepProfiler:
         if self.output is None:
             return
         if self.steps == self.first:
-            self._profiler = torch.profiler.profile(activities=self._activities())
+            self._profiler = self._profile()
             self._profiler.__enter__()
             self._started = time.perf_counter()
         elif self.steps == self.first + self.count and self._profiler is not None:
@@ -69,11 +70,18 @@ class StepProfiler:
             self._profiler = None
         self.steps += 1
 
-    def _activities(self) -> list:
-        activities = [torch.profiler.ProfilerActivity.CUDA]
-        if self.trace:
-            activities.append(torch.profiler.ProfilerActivity.CPU)
-        return activities
+    def _profile(self) -> torch.profiler.profile:
+        """A table: the GPU's work alone. A trace: the GPU's, every thread's CPU ops and host
+        synchronisations, and the Python calls of the thread that starts it (the step thread)."""
+        if not self.trace:
+            return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        return torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
+            with_stack=True,
+            experimental_config=torch._C._profiler._ExperimentalConfig(
+                profile_all_threads=True, enable_cuda_sync_events=True
+            ),
+        )
 
     def _write_table(self, wall: float) -> None:
         averages = self._profiler.key_averages()

@@ -435,18 +435,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             self.stats.input_wait_seconds += time.perf_counter() - waited
         out = None
         if not error:
-            self.profiler.step_launched()
+            if plan.propose_tokens:  # a draft worker's proposal: k steps
+                launch = functools.partial(propose, runner, plan)
+            elif runner.is_last:
+                launch = functools.partial(
+                    _execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs
+                )
+            else:
+                launch = functools.partial(_execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs)
             try:
-                if plan.propose_tokens:  # a draft worker's proposal: k steps
-                    out = await loop.run_in_executor(self.executor, propose, runner, plan)
-                elif runner.is_last:
-                    out = await loop.run_in_executor(
-                        self.executor, _execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs
-                    )
-                else:
-                    await loop.run_in_executor(
-                        self.executor, _execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs
-                    )
+                out = await loop.run_in_executor(self.executor, _on_step_thread, self.profiler, launch)
+                if not (plan.propose_tokens or runner.is_last):
                     return
             except StepFailed as e:  # its activations never came
                 error = str(e)
@@ -461,6 +460,13 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
         elif self._sender is not None:
             await loop.run_in_executor(self.executor, self._sender.send_error, plan.step_id, error)
+
+
+def _on_step_thread(profiler: StepProfiler, launch):
+    """A step's launch on the step thread, where a profile window starts and ends (a trace then
+    holds the step thread's Python and CPU ops)."""
+    profiler.step_launched()
+    return launch()
 
 
 def _token_waits(runner: ModelRunner) -> float:
