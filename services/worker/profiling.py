@@ -6,8 +6,9 @@ goes under real traffic (kernels, and the gaps between them that host work leave
 steps [first, first + count) is written to PATH. A PATH whose name holds ".json" gets a Chrome
 trace instead, host and GPU on one clock (chrome://tracing, Perfetto): where the gaps between a
 pipeline's steps are, which thread the GPU waited for, and the step thread's Python calls (the
-window starts on the step thread: server._on_step_thread). Tracing and writing the table slow the worker
-(the table takes seconds to build, on the event loop): use it for profiles, not for benchmarks.
+window starts and ends on the step thread: server._on_step_thread). Tracing, and writing the
+table or trace (seconds, on the step thread), slow the worker: use it for profiles, not for
+benchmarks.
 """
 
 from __future__ import annotations

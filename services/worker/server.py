@@ -446,7 +446,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             try:
                 out = await loop.run_in_executor(self.executor, _on_step_thread, self.profiler, launch)
                 if not (plan.propose_tokens or runner.is_last):
-                    return
+                    return  # a middle stage: its activations went to the next stage
             except StepFailed as e:  # its activations never came
                 error = str(e)
             except Exception as e:  # a failed step must not take the worker down
