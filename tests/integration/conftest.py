@@ -116,7 +116,10 @@ def _remove_stale_projects(engine: DockerEngine) -> None:
         timeout=60,
     ).stdout
     for project in sorted({p for p in out.split() if p.startswith(PROJECT_PREFIX)}):
-        ComposeCluster(engine, REPO_ROOT, project, {"STRATA_IMAGE": IMAGE}).down()
+        # compose interpolates the whole file even to take a project down, and the file
+        # requires a cluster token: any value serves for removing containers.
+        env = {"STRATA_IMAGE": IMAGE, "STRATA_CLUSTER_TOKEN": "stale"}
+        ComposeCluster(engine, REPO_ROOT, project, env).down()
 
 
 def _host_torch_wheel() -> Path | None:
