@@ -86,6 +86,32 @@ def test_this_process_reports_where_it_runs():
     assert not same_ipc_domain(loc, engine_pb2.WorkerLocation())
 
 
+def test_a_stage_on_its_own_gpu_launches_from_threads_bound_to_it(monkeypatch):
+    """A stage on cuda:1 (a GPU per stage): Triton launches and graph capture use the calling
+    thread's current device, so the worker's step and finisher threads must be bound to the
+    stage's GPU (on two GPUs, stage 1's InitCache failed in Triton while they were not)."""
+    import threading
+    from types import SimpleNamespace
+
+    from strata.services.worker import runner as runner_module
+    from strata.services.worker.server import WorkerServicer
+
+    bound = {}
+    monkeypatch.setattr(
+        runner_module.torch.cuda, "set_device", lambda device: bound.setdefault(threading.current_thread().name, device)
+    )
+    servicer = WorkerServicer(SimpleNamespace(device=torch.device("cuda", 1)), engine_pb2.WorkerDescription())
+    threads = {
+        pool: pool.submit(lambda: threading.current_thread().name).result()
+        for pool in (servicer.executor, servicer.finisher)
+    }
+    assert all(bound[name] == torch.device("cuda", 1) for name in threads.values())
+    runner_module.use_device(torch.device("cpu"))  # a CPU stage binds nothing
+    assert len(bound) == 2
+    for pool in (servicer.executor, servicer.finisher):
+        pool.shutdown()
+
+
 # ------------------------------------------------------------------ a gloo link, both ends in one process
 
 HIDDEN = 8
