@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from strata.services.worker.distributed_transport import _join_closing_links
 from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     GRPC,
@@ -163,6 +164,10 @@ def test_a_gloo_link_moves_the_bytes_and_forwards_errors():
         finally:
             sender.close()
             receiver.close()
+        # close() never blocks; at exit the links' threads are joined (an NCCL group torn down
+        # during CUDA's shutdown would end the process with SIGABRT)
+        _join_closing_links()
+        assert not sender._thread.is_alive() and not receiver._thread.is_alive()
 
     asyncio.run(main())
 
