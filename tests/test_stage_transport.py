@@ -102,14 +102,12 @@ def test_a_stage_on_its_own_gpu_launches_from_threads_bound_to_it(monkeypatch):
         runner_module.torch.cuda, "set_device", lambda device: bound.setdefault(threading.current_thread().name, device)
     )
     servicer = WorkerServicer(SimpleNamespace(device=torch.device("cuda", 1)), engine_pb2.WorkerDescription())
-    threads = {
-        pool: pool.submit(lambda: threading.current_thread().name).result()
-        for pool in (servicer.executor, servicer.finisher)
-    }
-    assert all(bound[name] == torch.device("cuda", 1) for name in threads.values())
+    pools = (servicer.executor, servicer.finisher)
+    names = [pool.submit(lambda: threading.current_thread().name).result() for pool in pools]
+    assert all(bound[name] == torch.device("cuda", 1) for name in names)
     runner_module.use_device(torch.device("cpu"))  # a CPU stage binds nothing
     assert len(bound) == 2
-    for pool in (servicer.executor, servicer.finisher):
+    for pool in pools:
         pool.shutdown()
 
 
