@@ -186,7 +186,7 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
     run's logit margin there, measured while the cluster is still up."""
     results = {}
     with common.cluster_for(common.with_overrides(args, speculative_method=method)) as endpoints:
-        common.run(_phase(endpoints, args, sets["open"][:2], 1))  # warm-up (graphs, caches)
+        common.run(_phase(endpoints, args, next(iter(sets.values()))[:2], 1))  # warm-up (graphs, caches)
         for name, prompts in sets.items():
             for batch in args.batches:
                 spied = f"{method or 'plain'}-{name}-{batch}"  # (--spy-dir: each phase's stacks)
@@ -251,7 +251,8 @@ def run(args) -> int:
     )
     rows = []
     if args.through_stack:
-        sets = prompt_sets(args.tokenizer or model)  # (a dummy model's prompts: --tokenizer's)
+        every = prompt_sets(args.tokenizer or model)  # (a dummy model's prompts: --tokenizer's)
+        sets = {name: every[name] for name in args.sets}
         spec = _cluster_runs(args, sets, args.speculative_method)
         plain = _cluster_runs(args, sets, None, spec=spec)
         rows = _table(spec, plain, near_tie_margin(args))

@@ -200,6 +200,14 @@ def _batches(value: str) -> list[int]:
     return [int(b) for b in value.split(",") if b.strip()]
 
 
+def _prompt_sets(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = sorted(set(names) - {"lookup", "open"})
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"prompt sets are lookup and open, got {value!r}")
+    return names
+
+
 def _speculative_parser(sub, formatter_class) -> None:
     p = sub.add_parser(
         "speculative",
@@ -208,6 +216,13 @@ def _speculative_parser(sub, formatter_class) -> None:
         description=DESCRIPTIONS["speculative"],
     )
     p.add_argument("--batches", type=_batches, default=[1, 16, 64], help="concurrencies, comma-separated")
+    p.add_argument(
+        "--sets",
+        type=_prompt_sets,
+        default=["lookup", "open"],
+        help="prompt sets to run, comma-separated, in this order: lookup (answers that repeat the prompt), "
+        "open (open questions)",
+    )
     p.add_argument("--output-len", type=int, default=256, help="most tokens generated per request")
     p.add_argument(
         "--cost-model",

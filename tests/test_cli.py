@@ -172,3 +172,18 @@ def test_prefix_groups_bench_orders_the_one_by_one_requests():
     assert sorted(shuffled) == prompts and shuffled != prompts
     assert shuffled == request_order(prompts, "shuffled", 0)  # seeded: both runs of a way send alike
     assert shuffled != request_order(prompts, "shuffled", 1)
+
+
+def test_speculative_bench_runs_the_prompt_sets_asked_for():
+    import argparse
+
+    import pytest
+
+    from strata.bench_cli import add_bench_parser
+
+    parser = argparse.ArgumentParser(prog="strata")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["bench", "speculative"]).sets == ["lookup", "open"]
+    assert parser.parse_args(["bench", "speculative", "--sets", "open"]).sets == ["open"]
+    with pytest.raises(SystemExit):  # an unknown set is refused before any cluster starts
+        parser.parse_args(["bench", "speculative", "--sets", "open,closed"])
