@@ -31,11 +31,19 @@ GIL_SWITCH_SECONDS = 0.0005
 
 
 def pick_device(name: str) -> torch.device:
+    """--device as a torch device; a GPU always with its index ("cuda" is this process's current
+    GPU): the worker binds each of its threads to it (runner.use_device), which takes an index."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise SystemExit("--device cuda given but no CUDA device is available")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {name}: this host has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
