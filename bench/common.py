@@ -141,6 +141,7 @@ SERVE_FLAGS = (
     "no_pipelined_decode",
     "pipeline_micro_batches",
     "micro_batch_min_seqs",
+    "mps",
     "model",
     "tokenizer",
     "num_kv_blocks",

@@ -223,7 +223,10 @@ def run(args) -> int:
             pipeline_micro_batches=mb,
         )
         name = (
-            f"{stages} stage(s)" + ("" if stages == 1 else f", {transport}") + (f", {mb} micro-batches" if mb else "")
+            f"{stages} stage(s)"
+            + ("" if stages == 1 else f", {transport}")
+            + (f", {mb} micro-batches" if mb else "")
+            + (", under the cluster's MPS daemon" if args.mps else "")
         )
         print(f"\n--- {name}", flush=True)
         with common.cluster_for(run_args) as endpoints:
@@ -313,7 +316,9 @@ def run(args) -> int:
                     env["device_name"],
                     env["model"],
                     str(r["stages"]),
-                    r["transport"] + (f", {r['micro_batches']} micro-batches" if r["micro_batches"] else ""),
+                    r["transport"]
+                    + (f", {r['micro_batches']} micro-batches" if r["micro_batches"] else "")
+                    + (", MPS" if args.mps else ""),
                     f"{args.num_prompts} x {args.input_len}/{args.output_len}",
                     f(off["output_tokens_per_s"], ",.0f"),
                     f(tok, ".2f"),

@@ -191,6 +191,12 @@ def _pipeline_parser(sub, formatter_class) -> None:
         default=DEFAULTS["micro_batch_min_seqs"],
         help="another micro-batch opens only past this many sequences each",
     )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="every cluster under an NVIDIA MPS daemon of its own (as `strata serve --mps`): stages sharing a GPU "
+        "run side by side instead of the GPU switching between their processes at each hand-off",
+    )
     add_common_flags(p)
     # The offline step budget, as for the throughput benchmark (the streams run on it too).
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)

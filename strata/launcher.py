@@ -67,10 +67,12 @@ class Cluster:
         self.cluster_token = os.environ.get("STRATA_CLUSTER_TOKEN") or secrets.token_hex(16)
         self.scheduler_address = ""
         self.worker_addresses: list[str] = []
+        self.env: dict[str, str] = {}  # for every service (an MPS daemon's folders)
+        self.mps = None  # the cluster's own MpsDaemon (--mps), stopped after the services
 
     def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
         cmd = [sys.executable, "-m", module, *argv]
-        env = {**os.environ, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
         self.procs.append((name, subprocess.Popen(cmd, env=env)))
 
     def wait_healthy(self, address: str, name: str, timeout: float) -> None:
@@ -95,6 +97,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None
 
 
 _WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", "tokenizer", *WORKER_FLAGS)
@@ -173,6 +178,8 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
     model = model_path or f"dummy:{dummy}"
     cluster = Cluster()
     try:
+        if args.mps:
+            start_mps(cluster, args)
         worker_addresses = []
         draft = draft_model_of(args, model)
         share = args.gpu_memory_utilization
@@ -211,6 +218,17 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
     except BaseException:
         cluster.stop()
         raise
+
+
+def start_mps(cluster: Cluster, args) -> None:
+    """The cluster's own MPS daemon, which its services find through cluster.env (strata/mps.py)."""
+    from strata.mps import MpsDaemon
+
+    if args.device == "cpu" or args.device.startswith("cpu"):
+        raise SystemExit("--mps is for stages sharing an NVIDIA GPU, not --device cpu")
+    cluster.mps = MpsDaemon()
+    cluster.mps.start()
+    cluster.env.update(cluster.mps.env)
 
 
 def serve(args) -> int:

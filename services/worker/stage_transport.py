@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from strata.mps import mps_serves_this_process
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -98,6 +99,7 @@ def local_location(device) -> engine_pb2.WorkerLocation:
             str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
         )
         loc.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        loc.mps = mps_serves_this_process()
     return loc
 
 
@@ -135,6 +137,18 @@ def choose_transport(
         if sender.location.device_uuid == receiver.location.device_uuid:
             raise TransportError("--stage-transport distributed: NCCL cannot pair two stages on one GPU (use ipc)")
     return NAMES[requested]
+
+
+def gpus_shared_without_mps(stages: list[engine_pb2.WorkerDescription]) -> list[list[int]]:
+    """The stages that share one GPU (one host, one device) while some of them run without an
+    MPS server, as lists of stage indices: each hand-off between them then waits for the GPU
+    to switch processes (strata/mps.py)."""
+    by_gpu: dict[tuple, list[int]] = {}
+    for i, d in enumerate(stages):
+        loc = d.location
+        if d.device.startswith("cuda") and loc.device_uuid:
+            by_gpu.setdefault((loc.hostname, loc.boot_id, loc.device_uuid), []).append(i)
+    return [idx for idx in by_gpu.values() if len(idx) > 1 and not all(stages[i].location.mps for i in idx)]
 
 
 def local_address_towards(host: str) -> str:

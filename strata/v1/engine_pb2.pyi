@@ -245,18 +245,20 @@ class WorkerDescription(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ...) -> None: ...
 
 class WorkerLocation(_message.Message):
-    __slots__ = ("hostname", "boot_id", "ipc_namespace", "device_uuid", "visible_device_uuids")
+    __slots__ = ("hostname", "boot_id", "ipc_namespace", "device_uuid", "visible_device_uuids", "mps")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    MPS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     boot_id: str
     ipc_namespace: str
     device_uuid: str
     visible_device_uuids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., ipc_namespace: _Optional[str] = ..., device_uuid: _Optional[str] = ..., visible_device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+    mps: bool
+    def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., ipc_namespace: _Optional[str] = ..., device_uuid: _Optional[str] = ..., visible_device_uuids: _Optional[_Iterable[str]] = ..., mps: _Optional[bool] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_kv_blocks", "next_stage_address", "session", "previous_stage_transport", "previous_stage_address", "next_stage_link", "transport_timeout_seconds")
