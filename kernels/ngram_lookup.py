@@ -50,8 +50,11 @@ def ngram_propose_reference(
     ngram_min: int,
     ngram_max: int,
     max_k: int,
+    enabled: Tensor | None = None,
 ) -> None:
     """Torch reference of ngram_propose (same arguments)."""
+    if enabled is not None and int(enabled.reshape(-1)[0]) <= 0:
+        return
     n = rows.shape[0]
     if n == 0:
         return
@@ -101,15 +104,21 @@ if triton is not None:
         num_valid_ptr,
         packed_ptr,
         packed_stride,
+        enabled_ptr,
         NGRAM_MIN: tl.constexpr,
         NGRAM_MAX: tl.constexpr,
         MAX_K: tl.constexpr,
         K_BLOCK: tl.constexpr,
         BLOCK: tl.constexpr,
+        GATED: tl.constexpr,
     ):
         i = tl.program_id(0)
+        gate = tl.full((), 1, tl.int64)
+        if GATED:  # a graph's proposal, off on steps that propose nothing (enabled[0] = 0)
+            gate = tl.load(enabled_ptr).to(tl.int64)
+        on = gate > 0
         row = tl.load(rows_ptr + i * rows_stride).to(tl.int64)
-        k = tl.load(num_ptr + i * num_stride).to(tl.int64)
+        k = tl.where(on, tl.load(num_ptr + i * num_stride).to(tl.int64), 0)
         length = tl.load(hist_len_ptr + row).to(tl.int64)
         base = history_ptr + row * hist_stride
         offs = tl.arange(0, BLOCK).to(tl.int64)
@@ -139,10 +148,10 @@ if triton is not None:
         j = tl.arange(0, K_BLOCK).to(tl.int64)
         in_k = j < MAX_K
         drafts = tl.load(base + first + j, mask=j < count, other=0).to(tl.int64)
-        tl.store(out_ptr + out_base + row * MAX_K + j, drafts, mask=in_k)
-        tl.store(num_valid_ptr + row, count.to(tl.int32))
-        tl.store(packed_ptr + i * packed_stride + 1, count)
-        tl.store(packed_ptr + i * packed_stride + 2 + j, drafts, mask=in_k)
+        tl.store(out_ptr + out_base + row * MAX_K + j, drafts, mask=in_k & on)
+        tl.store(num_valid_ptr + row, count.to(tl.int32), mask=on)
+        tl.store(packed_ptr + i * packed_stride + 1, count, mask=on)
+        tl.store(packed_ptr + i * packed_stride + 2 + j, drafts, mask=in_k & on)
 
 
 def ngram_propose(
@@ -158,15 +167,17 @@ def ngram_propose(
     ngram_max: int,
     max_k: int,
     use_triton: bool | None = None,
+    enabled: Tensor | None = None,
 ) -> None:
     """Proposes up to num[i] (<= max_k) drafts for each sequence i at state row rows[i] (1-D,
     any stride); see the module docstring for where they go. use_triton None: on CUDA tensors
-    when Triton is there."""
+    when Triton is there. enabled: a device scalar that, when 0, makes the call do nothing (a
+    verification graph's proposal on a step that proposes nothing); None: always on."""
     if use_triton is None:
         use_triton = triton is not None and history.is_cuda
     if not use_triton:
         ngram_propose_reference(
-            history, hist_len, rows, num, out, out_base, num_valid, packed, ngram_min, ngram_max, max_k
+            history, hist_len, rows, num, out, out_base, num_valid, packed, ngram_min, ngram_max, max_k, enabled
         )
         return
     n = rows.shape[0]
@@ -185,10 +196,12 @@ def ngram_propose(
         num_valid,
         packed,
         packed.stride(0),
+        history if enabled is None else enabled,
         NGRAM_MIN=ngram_min,
         NGRAM_MAX=ngram_max,
         MAX_K=max_k,
         K_BLOCK=triton.next_power_of_2(max_k),
         BLOCK=1024,
+        GATED=enabled is not None,
         num_warps=4,
     )

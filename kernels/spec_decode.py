@@ -69,8 +69,11 @@ def commit_reference(
     packed: Tensor,
     max_k: int,
     first_col: int = FIRST_ROW,
+    enabled: Tensor | None = None,
 ) -> None:
     """Torch reference of commit() (same arguments); draws are int64 token ids."""
+    if enabled is not None and int(enabled.reshape(-1)[0]) <= 0:
+        return
     index = torch.nonzero(meta[:, DRAFTS] >= 0).squeeze(1)
     meta = meta[index]  # sequences that sample
     n = meta.shape[0]
@@ -142,15 +145,19 @@ if triton is not None:
         hist_len_ptr,
         packed_ptr,
         packed_stride,
+        enabled_ptr,
         FIRST_COL: tl.constexpr,
         MAX_K: tl.constexpr,
         BLOCK: tl.constexpr,
+        GATED: tl.constexpr,
     ):
         # Columns as ROW .. HOST above.
         i = tl.program_id(0)
         m = meta_ptr + i * meta_stride
         d = tl.load(m + 3)
         active = d >= 0  # the sequence samples this step (else it is left alone)
+        if GATED:  # a graph's commit, which this step's draws may not feed (enabled[0] = 0)
+            active = active & (tl.load(enabled_ptr) > 0)
         d = tl.maximum(d, 0)
         row = tl.load(m + 0)
         first = tl.load(m + FIRST_COL)
@@ -236,14 +243,17 @@ def commit(
     max_k: int,
     first_col: int = FIRST_ROW,
     use_triton: bool | None = None,
+    enabled: Tensor | None = None,
 ) -> None:
     """Verifies and commits each sequence of `meta` (see the module docstring); packed[i, 0]:
-    the tokens sequence i emits."""
+    the tokens sequence i emits. enabled: a device scalar that, when 0, makes the call do
+    nothing (a verification graph's commit, captured once, on a step whose draws it must not
+    take); None: always on."""
     if use_triton is None:
         use_triton = triton is not None and draws.is_cuda
     args = (draws, meta, rejected, num_valid, draft_area, draft_base, last_sampled, history, hist_len, packed)
     if not use_triton:
-        commit_reference(*args, max_k, first_col)
+        commit_reference(*args, max_k, first_col, enabled)
         return
     n = meta.shape[0]
     if n == 0:
@@ -264,9 +274,11 @@ def commit(
         hist_len,
         packed,
         packed.stride(0),
+        meta if enabled is None else enabled,
         FIRST_COL=first_col,
         MAX_K=max_k,
         BLOCK=triton.next_power_of_2(max_k + 1),
+        GATED=enabled is not None,
         num_warps=1,
     )
 

@@ -27,14 +27,16 @@ def _history(rng: random.Random, rows: int, width: int, vocab: int):
     return history, torch.tensor(lengths + [0], dtype=torch.int64)
 
 
-def _propose(use_triton, history, hist_len, rows, num):
+def _propose(use_triton, history, hist_len, rows, num, enabled=None):
     from strata.kernels.ngram_lookup import ngram_propose
 
     n, base = rows.shape[0], history.shape[0]
     out = torch.full((base + base * K,), -7, dtype=torch.int64)
     valid = torch.full((base,), -1, dtype=torch.int32)
     packed = torch.zeros(n, 2 + K, dtype=torch.int64)
-    ngram_propose(history, hist_len, rows, num, out, base, valid, packed, *NGRAM, K, use_triton=use_triton)
+    ngram_propose(
+        history, hist_len, rows, num, out, base, valid, packed, *NGRAM, K, use_triton=use_triton, enabled=enabled
+    )
     return out, valid, packed
 
 
@@ -122,7 +124,7 @@ def _commit_case(seed: int):
     )
 
 
-def _run_commit(case, use_triton):
+def _run_commit(case, use_triton, enabled=None):
     from strata.kernels.spec_decode import commit
 
     c = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
@@ -140,8 +142,38 @@ def _run_commit(case, use_triton):
         packed,
         K,
         use_triton=use_triton,
+        enabled=enabled,
     )
     return c, packed
+
+
+def _gates_hold(use_triton: bool) -> None:
+    """A graph's commit and proposal gated by a device scalar: 0 leaves every buffer as it was,
+    1 does exactly what the ungated call does."""
+    case = _commit_case(0)
+    want, want_packed = _run_commit(case, use_triton)
+    on, on_packed = _run_commit(case, use_triton, enabled=torch.ones(1, dtype=torch.int64))
+    off, off_packed = _run_commit(case, use_triton, enabled=torch.zeros(1, dtype=torch.int64))
+    assert torch.equal(on_packed, want_packed) and not off_packed.any()
+    for name in ("last_sampled", "rejected", "history", "hist_len"):
+        assert torch.equal(on[name], want[name]) and torch.equal(off[name], case[name]), name
+    rng = random.Random(2)
+    history, hist_len = _history(rng, 10, 40, 3)
+    rows, num = torch.tensor(rng.sample(range(10), 8)), torch.full((8,), K)
+    untouched = _propose(use_triton, history, hist_len, rows[:0], num[:0])
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _propose(use_triton, history, hist_len, rows, num, torch.ones(1, dtype=torch.int64)),
+            _propose(use_triton, history, hist_len, rows, num),
+        )
+    )
+    off = _propose(use_triton, history, hist_len, rows, num, torch.zeros(1, dtype=torch.int64))
+    assert torch.equal(off[0], untouched[0]) and torch.equal(off[1], untouched[1]) and not off[2].any()
+
+
+def test_reference_gates_leave_a_graph_step_alone():
+    _gates_hold(False)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -223,6 +255,9 @@ else:
         assert torch.equal(want_packed, got_packed)
         for name in ("last_sampled", "rejected", "history", "hist_len"):
             assert torch.equal(want[name], got[name]), name
+
+    def test_triton_gates_leave_a_graph_step_alone():
+        _gates_hold(True)
 
     def test_triton_shift_equals_reference():
         from strata.kernels.spec_decode import HOST, KNOWN, ROW, shift_positions_in_graph

@@ -68,35 +68,47 @@ class SpecStep:
 
 class _Staging:
     """A static device buffer of meta rows and two pinned host twins (the host fills one while
-    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs."""
+    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs.
+    Row 0 is the step's gates (GATE_COMMIT, GATE_PROPOSE: whether a verification graph's own
+    commit and proposal run); the meta rows follow, so one copy stages both."""
 
-    def __init__(self, rows: int, cols: int, device: torch.device):
+    def __init__(self, rows: int, pad_row: np.ndarray, device: torch.device):
         self.device = device
-        self.buffer = torch.full((rows, cols), -1, dtype=torch.int64, device=device)
+        self.buffer = torch.as_tensor(np.tile(pad_row, (rows + 1, 1)), device=device)
+        self.buffer[0] = 0  # every gate shut
+        self.gates = self.buffer[0]
+        self.meta_rows = self.buffer[1:]
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.host = [torch.full((rows, cols), -1, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.host = [self.buffer.cpu().pin_memory() for _ in range(2)]
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]
             for event in self.copied:
                 event.record()
         self.step = 0
 
-    def stage(self, meta: np.ndarray, padded_rows: int, pad_row: np.ndarray) -> torch.Tensor:
+    def stage(self, meta: np.ndarray, padded_rows: int, pad_row: np.ndarray, gates: tuple[int, int]) -> torch.Tensor:
         n, total = meta.shape[0], max(padded_rows, meta.shape[0])
         if not self.cuda:
             out = self.buffer.numpy()
-            out[:n] = meta
-            out[n:total] = pad_row
-            return self.buffer[:total]
-        i = self.step % 2
-        self.step += 1
-        self.copied[i].synchronize()
-        host = self.host[i].numpy()
-        host[:n] = meta
-        host[n:total] = pad_row
-        self.buffer[:total].copy_(self.host[i][:total], non_blocking=True)
-        self.copied[i].record()
-        return self.buffer[:total]
+        else:
+            i = self.step % 2
+            self.step += 1
+            self.copied[i].synchronize()
+            out = self.host[i].numpy()
+        out[0, : len(gates)] = gates
+        out[1 : n + 1] = meta
+        out[n + 1 : total + 1] = pad_row
+        if self.cuda:
+            self.buffer[: total + 1].copy_(self.host[i][: total + 1], non_blocking=True)
+            self.copied[i].record()
+        return self.meta_rows[:total]
+
+    def reset(self, pad_row: np.ndarray) -> None:
+        self.meta_rows.copy_(torch.as_tensor(pad_row, device=self.device).expand_as(self.meta_rows))
+        self.gates.zero_()
+
+
+GATE_COMMIT, GATE_PROPOSE = 0, 1
 
 
 class DeviceSpeculation:
@@ -126,10 +138,12 @@ class DeviceSpeculation:
         self.rejected = torch.zeros(rows, dtype=torch.int64, device=device)
         self.num_valid = torch.zeros(rows, dtype=torch.int32, device=device)
         self.columns = meta_columns(max_k)
-        self.staging = _Staging(rows, self.columns, device)
         self.pad_row = np.full(self.columns, -1, dtype=np.int64)
         self.pad_row[ROW] = self.scratch_row
         self.pad_row[[FIRST_ROW, FIRST_TOKEN, POS, DEVICE, PROPOSE]] = 0
+        self.staging = _Staging(rows, self.pad_row, device)
+        # A verification graph's packed result (its commit and proposal write it in the graph).
+        self.graph_packed = torch.zeros(rows, 2 + max_k, dtype=torch.int64, device=device)
         self._admitted: list[int] = []  # rows admitted since the last step
         self._prefix: dict[int, np.ndarray] = {}  # row -> tokens before its first step
 
@@ -173,7 +187,7 @@ class DeviceSpeculation:
     def reset(self) -> None:
         self._admitted.clear()
         self._prefix.clear()
-        self.staging.buffer.copy_(torch.as_tensor(self.pad_row, device=self.device).expand_as(self.staging.buffer))
+        self.staging.reset(self.pad_row)
         self.rejected.zero_()
         self.num_valid.zero_()
         self.hist_len.zero_()
@@ -273,16 +287,59 @@ class DeviceSpeculation:
         if "rows" in d:
             self.history[d["rows"], d["pos"].clamp(0, self.history.shape[1] - 1)] = d["tok"].to(torch.int32)
 
-    def stage(self, step: SpecStep, h, padded_seqs: int = 0) -> torch.Tensor:
+    def stage(self, step: SpecStep, h, padded_seqs: int = 0, commits_in_graph: bool = False) -> torch.Tensor:
         """Copies the step's meta rows (and padding rows up to padded_seqs) to the static buffer
         the verification graphs read; before the forward. h: the inputs as the step runs them
-        (a padded verification's), whose token layout a graph's draws follow."""
+        (a padded verification's), whose token layout a graph's draws follow. commits_in_graph:
+        the verification graph's draws are the step's result, and its own commit and proposal
+        (commit_in_graph) take them; otherwise after_draw does, after the sampler."""
         if step.plain is not None:
             return None  # (the decode graphs read no meta rows)
         meta, idx = step.meta, step.sample_idx
         meta[idx, FIRST_TOKEN] = h.sample_token_index[meta[idx, FIRST_ROW]]
-        step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row)
+        gates = (int(commits_in_graph), int(commits_in_graph and step.proposes))
+        step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row, gates)
         return step.device_meta
+
+    def commit_in_graph(self, draws: torch.Tensor, bs: int) -> None:
+        """Inside a verification graph of bs sequences, after its draw (per token of the padded
+        layout): the commit and the proposal of after_draw, into graph_packed, each gated by the
+        step's staged gates (shut: the step's draws are not its result, and after_draw runs)."""
+        meta, packed, gates = self.staging.meta_rows[:bs], self.graph_packed[:bs], self.staging.gates
+        packed.zero_()
+        commit(
+            draws,
+            meta,
+            self.rejected,
+            self.num_valid,
+            self.last_sampled,
+            self.draft_base,
+            self.last_sampled,
+            self.history,
+            self.hist_len,
+            packed,
+            self.max_k,
+            first_col=FIRST_TOKEN,
+            enabled=gates[GATE_COMMIT : GATE_COMMIT + 1],
+        )
+        ngram_propose(
+            self.history,
+            self.hist_len,
+            meta[:, ROW],
+            meta[:, PROPOSE],
+            self.last_sampled,
+            self.draft_base,
+            self.num_valid,
+            packed,
+            self.ngram_min,
+            self.ngram_max,
+            self.max_k,
+            enabled=gates[GATE_PROPOSE : GATE_PROPOSE + 1],
+        )
+
+    def committed_in_graph(self, step: SpecStep) -> torch.Tensor:
+        """The packed result a verification graph's own commit wrote for the step's sequences."""
+        return self.graph_packed[: step.meta.shape[0]]
 
     def shift_eager(self, step: SpecStep, d: dict, sampling) -> None:
         """Moves the eager step's uploaded inputs back by each sequence's shift (when the plan
@@ -400,10 +457,12 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
     from strata.services.worker.cuda_graphs import DecodeGraphs
 
     class ShiftingVerifyGraphs(DecodeGraphs):
+        commits = True  # the graph's draw, when it is the step's result, is committed in it
+
         def _forward(self, bs: int):
             t, rows = bs * self.query_len, self.rows
             shift_positions_in_graph(
-                spec.staging.buffer,
+                spec.staging.meta_rows,
                 spec.rejected,
                 rows["positions"][:t],
                 rows["sample_positions"][:t],
@@ -413,6 +472,9 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
                 self.query_len,
                 spec.block_size,
             )
-            return super()._forward(bs)
+            outs = super()._forward(bs)
+            if self.samples:
+                spec.commit_in_graph(outs[1], bs)
+            return outs
 
     return ShiftingVerifyGraphs

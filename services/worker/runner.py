@@ -246,7 +246,9 @@ class ModelRunner:
         it after every hop."""
         start = time.perf_counter()
         rows = self.apply_plan(plan)
-        h = self.inputs.build(plan, rows)
+        # A step that verifies drafts on a verification graph attends without shared-KV runs.
+        verifies_on_graph = bool(self.verify_graphs) and any(plan.num_draft_tokens)
+        h = built = self.inputs.build(plan, rows, shared_kv=not verifies_on_graph)
         spec = None
         if self.spec is not None:  # known tokens into the device history, the step's speculation rows
             tokens = h.input_ids if h.input_ids is not None else np.asarray(plan.input_token_ids, dtype=np.int64)
@@ -275,6 +277,8 @@ class ModelRunner:
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, arrive, start, spec)
+        if verifies_on_graph and h is built:  # no graph took it (nor padded it): attend with them
+            self.inputs.attach_shared_kv_runs(plan, h)
         d, sampling = self.inputs.upload(h, eager=True)
         if spec is not None:  # a plan sent before a verification came back: move its sequences
             self.spec.stage(spec, h)
@@ -363,8 +367,10 @@ class ModelRunner:
                 take=h.sample_token_index if padded else None,
             )
         d = sampling = None
+        # A verification graph whose draw is the result commits it and proposes in the graph.
+        commits = in_graph and spec is not None and spec.plain is None and getattr(graphs, "commits", False)
         if spec is not None:  # the verification graphs read it to move positions
-            self.spec.stage(spec, h, bs)
+            self.spec.stage(spec, h, bs, commits_in_graph=commits)
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
             if spec is not None:
@@ -373,7 +379,11 @@ class ModelRunner:
         if not self.is_last:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
-            packed = self.spec.after_draw(spec, outs[1], per_token=True) if spec is not None else None
+            packed = None
+            if commits:
+                packed = self.spec.committed_in_graph(spec)
+            elif spec is not None:
+                packed = self.spec.after_draw(spec, outs[1], per_token=True)
             return PendingResult(
                 plan.step_id,
                 start,

@@ -85,9 +85,11 @@ class StepInputBuilder:
         # whose DEVICE_DRAFT input tokens then resolve to its drafts; None: they are refused.
         self.speculation = None
 
-    def build(self, plan: engine_pb2.StepPlan, rows: np.ndarray) -> HostInputs:
+    def build(self, plan: engine_pb2.StepPlan, rows: np.ndarray, shared_kv: bool = True) -> HostInputs:
         """The step's inputs as numpy arrays: positions, slots and block tables, vectorised.
-        rows: the state rows of the plan's sequences (SequenceTable.apply)."""
+        rows: the state rows of the plan's sequences (SequenceTable.apply). shared_kv False
+        leaves the shared-KV runs out (a verification graph's step, which attends without them;
+        attach_shared_kv_runs adds them if the step runs another way)."""
         num_computed = np.asarray(plan.num_computed, dtype=np.int64)
         q_lens = np.asarray(plan.num_scheduled, dtype=np.int64)
         if q_lens.size == 0 or (q_lens <= 0).any():
@@ -141,8 +143,15 @@ class StepInputBuilder:
             self._add_verification(h, plan, q_lens, sample_idx, rows)
         if h.has_placeholders and self.speculation is not None:
             self._add_device_drafts(h, plan, q_lens)
-        h.shared_kv_runs = shared_kv_run_inputs(plan, qsl, num_computed, seq_lens, h.block_tables, block_size)
+        if shared_kv:
+            self.attach_shared_kv_runs(plan, h)
         return h
+
+    def attach_shared_kv_runs(self, plan: engine_pb2.StepPlan, h: HostInputs) -> None:
+        """The plan's shared-KV runs (cascade attention's inputs, checked) into h."""
+        qsl = h.query_start_loc
+        num_computed = h.seq_lens - np.diff(qsl)
+        h.shared_kv_runs = shared_kv_run_inputs(plan, qsl, num_computed, h.seq_lens, h.block_tables, self.block_size)
 
     def _add_verification(
         self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray, sample_idx: np.ndarray, rows: np.ndarray

@@ -123,8 +123,12 @@ def test_graph_verification_ahead_of_results_gives_the_plain_tokens(shard, adapt
     replayed = []
     execute_graph = runner._execute_graph
     runner._execute_graph = lambda graphs, *a: replayed.append(graphs.query_len) or execute_graph(graphs, *a)
+    in_graph = []  # verify steps whose graph committed and proposed itself (greedy: every one)
+    committed = runner.spec.committed_in_graph
+    runner.spec.committed_in_graph = lambda step: in_graph.append(step) or committed(step)
     got, plans = _drive(runner, sched, _requests(1, 10), 3)
     assert got == want
+    assert in_graph
     stats = engine_pb2.SchedulerStats()
     sched.fill_stats(stats)
     assert stats.spec_decode_accepted_tokens > 0
