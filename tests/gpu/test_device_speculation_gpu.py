@@ -123,17 +123,29 @@ def test_graph_verification_ahead_of_results_gives_the_plain_tokens(shard, adapt
     replayed = []
     execute_graph = runner._execute_graph
     runner._execute_graph = lambda graphs, *a: replayed.append(graphs.query_len) or execute_graph(graphs, *a)
-    in_graph = []  # verify steps whose graph committed and proposed itself (greedy: every one)
-    committed = runner.spec.committed_in_graph
-    runner.spec.committed_in_graph = lambda step: in_graph.append(step) or committed(step)
     got, plans = _drive(runner, sched, _requests(1, 10), 3)
     assert got == want
-    assert in_graph
     stats = engine_pb2.SchedulerStats()
     sched.fill_stats(stats)
     assert stats.spec_decode_accepted_tokens > 0
     assert any(p.rejected_drafts for p in plans)  # moved back in the verification graphs
     assert max(replayed) > 1  # verification graphs ran (eager steps would give the same tokens)
+
+
+def test_verification_graphs_commit_their_own_draws(shard):
+    """Requests without filters (greedy, temperature alone): a verification graph's draw is the
+    step's result, and the graph commits and proposes itself (gated kernels); the tokens are
+    still the plain run's, with a plan sent ahead of each result."""
+    unfiltered = [r for r in _requests(1, 12) if not r.sampling.top_k and r.sampling.top_p >= 1.0]
+    want, _ = _drive(_cuda_runner(shard, 0), _scheduler(3, None), unfiltered, 3)
+    runner = _cuda_runner(shard, 4)
+    in_graph = []
+    committed = runner.spec.committed_in_graph
+    runner.spec.committed_in_graph = lambda step: in_graph.append(step) or committed(step)
+    spec = SpeculativeConfig("ngram", 4, 1, 3, max_batch=16, proposer="device")
+    got, plans = _drive(runner, _scheduler(3, spec), unfiltered, 3)
+    assert got == want
+    assert len(in_graph) >= 5 and any(p.rejected_drafts for p in plans)
 
 
 def test_decode_graphs_record_plain_steps_in_the_device_history(shard, monkeypatch):
