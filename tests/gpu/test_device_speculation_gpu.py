@@ -136,14 +136,17 @@ def test_verification_graphs_commit_their_own_draws(shard):
     """Requests without filters (greedy, temperature alone): a verification graph's draw is the
     step's result, and the graph commits and proposes itself (gated kernels); the tokens are
     still the plain run's, with a plan sent ahead of each result."""
-    unfiltered = [r for r in _requests(1, 12) if not r.sampling.top_k and r.sampling.top_p >= 1.0]
-    want, _ = _drive(_cuda_runner(shard, 0), _scheduler(3, None), unfiltered, 3)
+
+    def unfiltered():  # (fresh Request objects for each run)
+        return [r for r in _requests(1, 12) if not r.sampling.top_k and r.sampling.top_p >= 1.0]
+
+    want, _ = _drive(_cuda_runner(shard, 0), _scheduler(3, None), unfiltered(), 3)
     runner = _cuda_runner(shard, 4)
     in_graph = []
     committed = runner.spec.committed_in_graph
     runner.spec.committed_in_graph = lambda step: in_graph.append(step) or committed(step)
     spec = SpeculativeConfig("ngram", 4, 1, 3, max_batch=16, proposer="device")
-    got, plans = _drive(runner, _scheduler(3, spec), unfiltered, 3)
+    got, plans = _drive(runner, _scheduler(3, spec), unfiltered(), 3)
     assert got == want
     assert len(in_graph) >= 5 and any(p.rejected_drafts for p in plans)
 
