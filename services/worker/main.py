@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,8 @@ GiB = 1 << 30
 # recv, an event wait) and wants it back at once, while the event loop and the result finisher
 # run Python: at 0.5 ms the pipeline's token hop took 84 us of the step thread's time a step
 # instead of 106 (one H200, the same call, bench/RESULTS.md).
-GIL_SWITCH_SECONDS = 0.0005
+# $STRATA_GIL_SWITCH_SECONDS overrides it (A/B runs).
+GIL_SWITCH_SECONDS = float(os.environ.get("STRATA_GIL_SWITCH_SECONDS") or 0.0005)
 
 
 def pick_device(name: str) -> torch.device:
