@@ -186,7 +186,8 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
     run's logit margin there, measured while the cluster is still up."""
     results = {}
     with common.cluster_for(common.with_overrides(args, speculative_method=method)) as endpoints:
-        common.run(_phase(endpoints, args, next(iter(sets.values()))[:2], 1))  # warm-up (graphs, caches)
+        warm_up = sets.get("open") or next(iter(sets.values()))  # (the open set's, as before --sets)
+        common.run(_phase(endpoints, args, warm_up[:2], 1))  # warm-up (graphs, caches)
         for name, prompts in sets.items():
             for batch in args.batches:
                 spied = f"{method or 'plain'}-{name}-{batch}"  # (--spy-dir: each phase's stacks)

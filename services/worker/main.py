@@ -24,12 +24,13 @@ from strata.v1 import engine_pb2, generate_pb2
 log = logging.getLogger("strata.worker")
 GiB = 1 << 30
 # How long a thread that wants the GIL waits before it asks the holder to drop it (Python's
-# default: 5 ms). The step thread gives the GIL up in each system call (the doorbell's send and
-# recv, an event wait) and wants it back at once, while the event loop and the result finisher
-# run Python: at 0.5 ms the pipeline's token hop took 84 us of the step thread's time a step
-# instead of 106 (one H200, the same call, bench/RESULTS.md).
+# default: 5 ms). The step thread gives the GIL up in each system call and torch call (the
+# doorbell's send and recv, event waits, copies, graph launches) and wants it back at once,
+# while the event loop and the result finisher run Python. 0.5 ms cut the pipeline's token hop
+# from 106 to 84 us a step; 0.1 ms cut a speculating worker's host time per verify step by
+# 12-34% against 0.5 ms, and one stage's offline throughput rose 4.7% (H200s, bench/RESULTS.md).
 # $STRATA_GIL_SWITCH_SECONDS overrides it (A/B runs).
-GIL_SWITCH_SECONDS = float(os.environ.get("STRATA_GIL_SWITCH_SECONDS") or 0.0005)
+GIL_SWITCH_SECONDS = float(os.environ.get("STRATA_GIL_SWITCH_SECONDS") or 0.0001)
 
 
 def pick_device(name: str) -> torch.device:
