@@ -141,7 +141,7 @@ def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path
         num_draft_tokens=[len(d) for d in drafts],
     )
     build = padded.inputs.build
-    padded.inputs.build = lambda plan, rows: padded.inputs.pad_queries(build(plan, rows), 4)
+    padded.inputs.build = lambda plan, rows, **kw: padded.inputs.pad_queries(build(plan, rows, **kw), 4)
     want, got = plain.execute(verify).finish(), padded.execute(verify).finish()
     assert (list(got.num_tokens), list(got.token_ids)) == (list(want.num_tokens), list(want.token_ids))
     assert len(got.token_ids) >= 3
