@@ -70,26 +70,37 @@ _PADDING = {
 }
 
 
-def _layout(max_batch: int) -> tuple[dict[str, tuple[int, np.dtype]], int]:
+def _layout(max_batch: int, extra_bytes: int = 0) -> tuple[dict[str, tuple[int, np.dtype]], int]:
+    """Each field's offset in the flat buffer; extra_bytes for a subclass's own staged rows
+    (at offset "extra", after the fields)."""
     offsets, total = {}, 0
     for name, dtype in _ROW_FIELDS:
         total = -(-total // ALIGN) * ALIGN
         offsets[name] = (total, np.dtype(dtype))
         total += max_batch * np.dtype(dtype).itemsize
-    return offsets, total
+    total = -(-total // ALIGN) * ALIGN
+    return offsets, total + extra_bytes
 
 
 class _HostInputs:
     """Pinned host twin of the graph inputs, written through numpy views."""
 
-    def __init__(self, layout, total: int, max_tokens: int, max_batch: int, width: int):
+    def __init__(self, layout, total: int, max_tokens: int, max_batch: int, width: int, extra_shape=None):
         self.flat = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         flat = self.flat.numpy()
         self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
+        self.extra = _extra_view(flat, extra_shape) if extra_shape else None
         self.tables_t = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
         self.tables = self.tables_t.numpy()
         self.copied = torch.cuda.Event()
         self.copied.record()
+
+
+def _extra_view(flat, shape: tuple[int, int]):
+    """The int64 [rows, cols] block at the end of a flat uint8 buffer (numpy or torch)."""
+    size = shape[0] * shape[1] * 8
+    block = flat[len(flat) - size :] if isinstance(flat, np.ndarray) else flat[flat.shape[0] - size :]
+    return block.view(np.int64).reshape(shape) if isinstance(block, np.ndarray) else block.view(torch.int64).view(shape)
 
 
 class DecodeGraphs:
@@ -117,6 +128,7 @@ class DecodeGraphs:
         samples: bool,
         query_len: int = 1,
         cascade: bool = False,
+        extra_shape: tuple[int, int] | None = None,
     ):
         self.shard, self.kv_caches = shard, kv_caches
         self.last_sampled, self.scratch_row = last_sampled, scratch_row
@@ -131,19 +143,25 @@ class DecodeGraphs:
         self.sizes = [s for s in graph_batch_sizes(max_batch) if s >= 2 or not cascade]
         self.max_batch = self.sizes[-1]
         max_tokens = self.max_batch * q
-        layout, total = _layout(max_tokens)
+        # extra_shape: int64 rows of a subclass's own, staged with the inputs in the same copy
+        # (a verification graph's speculation meta rows: device_proposer.py).
+        extra_bytes = extra_shape[0] * extra_shape[1] * 8 if extra_shape else 0
+        layout, total = _layout(max_tokens, extra_bytes)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=device)
         self.rows = {
             name: self.flat[off : off + max_tokens * dt.itemsize].view(torch_dtype(dt))
             for name, (off, dt) in layout.items()
         }
+        self.extra = _extra_view(self.flat, extra_shape) if extra_shape else None
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (self.max_batch + 1) * q, q, dtype=torch.int32, device=device)
         self.hidden_in = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.residual_in = torch.zeros_like(self.hidden_in)
         # Two host sets: the host fills one while the other's copy may still wait in the stream
         # (steps are launched ahead of the GPU); an event guards each set before reuse.
-        self.host = [_HostInputs(layout, total, max_tokens, self.max_batch, max_blocks_per_seq) for _ in range(2)]
+        self.host = [
+            _HostInputs(layout, total, max_tokens, self.max_batch, max_blocks_per_seq, extra_shape) for _ in range(2)
+        ]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -269,12 +287,14 @@ class DecodeGraphs:
         token_rows: np.ndarray,
         sampling: dict[str, np.ndarray] | None,
         arrive=None,
+        stage_extra=None,
     ) -> tuple[torch.Tensor, ...]:
         """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
         query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
         sample position, inverse temperature and greedy flag (last stage); arrive: called once
         the inputs are staged, returns the previous stage's (hidden, residual) (None on stage
-        0) after waiting for what the step needs from other stages. Returns the outputs' rows
+        0) after waiting for what the step needs from other stages; stage_extra: writes the
+        subclass's extra rows into the host set (numpy int64 [rows, cols]). Returns the outputs' rows
         of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
         Triton), else (hidden, residual)."""
         n, width = h.block_tables.shape
@@ -298,6 +318,10 @@ class DecodeGraphs:
         if self.cascade:
             self._stage_groups(rows, h, n, bs)
         rows["state_rows"][t:padded] = self.scratch_row
+        if host.extra is not None:
+            if stage_extra is None:  # the graph reads them: stale rows would move the wrong sequences
+                raise RuntimeError("this graph stages extra rows with its inputs: pass stage_extra")
+            stage_extra(host.extra)
         host.tables[:n, :width] = h.block_tables
         self.flat.copy_(host.flat, non_blocking=True)
         self.block_tables[:n, :width].copy_(host.tables_t[:n, :width], non_blocking=True)

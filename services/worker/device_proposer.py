@@ -87,7 +87,7 @@ class _Staging:
         self.step = 0
 
     def stage(self, meta: np.ndarray, padded_rows: int, pad_row: np.ndarray, gates: tuple[int, int]) -> torch.Tensor:
-        n, total = meta.shape[0], max(padded_rows, meta.shape[0])
+        total = max(padded_rows, meta.shape[0])
         if not self.cuda:
             out = self.buffer.numpy()
         else:
@@ -95,9 +95,7 @@ class _Staging:
             self.step += 1
             self.copied[i].synchronize()
             out = self.host[i].numpy()
-        out[0, : len(gates)] = gates
-        out[1 : n + 1] = meta
-        out[n + 1 : total + 1] = pad_row
+        fill_staged_rows(out, meta, total, pad_row, gates)
         if self.cuda:
             self.buffer[: total + 1].copy_(self.host[i][: total + 1], non_blocking=True)
             self.copied[i].record()
@@ -109,6 +107,14 @@ class _Staging:
 
 
 GATE_COMMIT, GATE_PROPOSE = 0, 1
+
+
+def fill_staged_rows(out: np.ndarray, meta: np.ndarray, total: int, pad_row: np.ndarray, gates) -> None:
+    """A staging block's host rows: the gates in row 0, the meta rows, padding rows up to total."""
+    n = meta.shape[0]
+    out[0, : len(gates)] = gates
+    out[1 : n + 1] = meta
+    out[n + 1 : total + 1] = pad_row
 
 
 class DeviceSpeculation:
@@ -287,25 +293,36 @@ class DeviceSpeculation:
         if "rows" in d:
             self.history[d["rows"], d["pos"].clamp(0, self.history.shape[1] - 1)] = d["tok"].to(torch.int32)
 
-    def stage(self, step: SpecStep, h, padded_seqs: int = 0, commits_in_graph: bool = False) -> torch.Tensor:
-        """Copies the step's meta rows (and padding rows up to padded_seqs) to the static buffer
-        the verification graphs read; before the forward. h: the inputs as the step runs them
-        (a padded verification's), whose token layout a graph's draws follow. commits_in_graph:
-        the verification graph's draws are the step's result, and its own commit and proposal
-        (commit_in_graph) take them; otherwise after_draw does, after the sampler."""
+    def stage(self, step: SpecStep, h, padded_seqs: int = 0, commits_in_graph: bool = False, graphs=None):
+        """Stages the step's meta rows (and padding rows up to padded_seqs) before the forward.
+        h: the inputs as the step runs them (a padded verification's), whose token layout a
+        graph's draws follow. commits_in_graph: the verification graph's draws are the step's
+        result, and its own commit and proposal (commit_in_graph) take them; otherwise
+        after_draw does, after the sampler. graphs: the step's graphs; a verification graph
+        stages its meta rows with its own inputs (one copy), so this returns the writer for
+        its run() (stage_extra), else None. The eager commit reads this module's staging
+        buffer, so a step that commits after the graph is staged there too."""
         if step.plain is not None:
             return None  # (the decode graphs read no meta rows)
         meta, idx = step.meta, step.sample_idx
         meta[idx, FIRST_TOKEN] = h.sample_token_index[meta[idx, FIRST_ROW]]
         gates = (int(commits_in_graph), int(commits_in_graph and step.proposes))
-        step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row, gates)
-        return step.device_meta
+        graph_rows = getattr(graphs, "extra", None)  # (device) a verification graph's staged rows
+        if graph_rows is None or not commits_in_graph:
+            step.device_meta = self.staging.stage(meta, padded_seqs, self.pad_row, gates)
+        if graph_rows is None:
+            return None
+        total = max(padded_seqs, meta.shape[0])
+        if commits_in_graph:
+            step.device_meta = graph_rows[1 : 1 + total]
+        return lambda out: fill_staged_rows(out, meta, total, self.pad_row, gates)
 
-    def commit_in_graph(self, draws: torch.Tensor, bs: int) -> None:
+    def commit_in_graph(self, draws: torch.Tensor, bs: int, staged: torch.Tensor) -> None:
         """Inside a verification graph of bs sequences, after its draw (per token of the padded
         layout): the commit and the proposal of after_draw, into graph_packed, each gated by the
-        step's staged gates (shut: the step's draws are not its result, and after_draw runs)."""
-        meta, packed, gates = self.staging.meta_rows[:bs], self.graph_packed[:bs], self.staging.gates
+        step's gates in row 0 of the graph's staged rows (shut: the step's draws are not its
+        result, and after_draw runs); the meta rows follow."""
+        meta, packed, gates = staged[1 : bs + 1], self.graph_packed[:bs], staged[0]
         packed.zero_()
         commit(
             draws,
@@ -459,10 +476,18 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
     class ShiftingVerifyGraphs(DecodeGraphs):
         commits = True  # the graph's draw, when it is the step's result, is committed in it
 
+        def __init__(self, *args, **kwargs):
+            # The step's gates and meta rows, staged with its inputs (DeviceSpeculation.stage).
+            super().__init__(*args, extra_shape=(kwargs["max_batch"] + 1, spec.columns), **kwargs)
+
+        def _fill_padding(self) -> None:
+            super()._fill_padding()
+            self.extra.copy_(spec.staging.buffer[: self.extra.shape[0]])  # gates shut, padding rows
+
         def _forward(self, bs: int):
             t, rows = bs * self.query_len, self.rows
             shift_positions_in_graph(
-                spec.staging.meta_rows,
+                self.extra[1:],
                 spec.rejected,
                 rows["positions"][:t],
                 rows["sample_positions"][:t],
@@ -474,7 +499,7 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
             )
             outs = super()._forward(bs)
             if self.samples:
-                spec.commit_in_graph(outs[1], bs)
+                spec.commit_in_graph(outs[1], bs, self.extra)
             return outs
 
     return ShiftingVerifyGraphs

@@ -369,13 +369,14 @@ class ModelRunner:
         d = sampling = None
         # A verification graph whose draw is the result commits it and proposes in the graph.
         commits = in_graph and spec is not None and spec.plain is None and getattr(graphs, "commits", False)
-        if spec is not None:  # the verification graphs read it to move positions
-            self.spec.stage(spec, h, bs, commits_in_graph=commits)
+        stage_extra = None  # a verification graph stages the meta rows with its inputs
+        if spec is not None:  # the verification graphs read them to move positions
+            stage_extra = self.spec.stage(spec, h, bs, commits_in_graph=commits, graphs=graphs)
         if self.is_last and h.sample_seq_ids and not in_graph:
             d, sampling = self.inputs.upload(h, eager=False)
             if spec is not None:
                 self.spec.shift_sampling(spec, sampling, d["sample_token_index"], graphs.query_len)
-        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive)
+        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive, stage_extra)
         if not self.is_last:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
