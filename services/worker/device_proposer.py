@@ -68,9 +68,10 @@ class SpecStep:
 
 class _Staging:
     """A static device buffer of meta rows and two pinned host twins (the host fills one while
-    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs.
-    Row 0 is the step's gates (GATE_COMMIT, GATE_PROPOSE: whether a verification graph's own
-    commit and proposal run); the meta rows follow, so one copy stages both."""
+    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs: for
+    eager steps, decode graphs and commits after the sampler. Its layout is a verification
+    graph's staged block (fill_staged_rows): row 0 the gates (GATE_COMMIT, GATE_PROPOSE, which
+    only a graph's own commit reads), then the meta rows; a graph starts from its padding."""
 
     def __init__(self, rows: int, pad_row: np.ndarray, device: torch.device):
         self.device = device
@@ -322,37 +323,9 @@ class DeviceSpeculation:
         layout): the commit and the proposal of after_draw, into graph_packed, each gated by the
         step's gates in row 0 of the graph's staged rows (shut: the step's draws are not its
         result, and after_draw runs); the meta rows follow."""
-        meta, packed, gates = staged[1 : bs + 1], self.graph_packed[:bs], staged[0]
+        packed = self.graph_packed[:bs]
         packed.zero_()
-        commit(
-            draws,
-            meta,
-            self.rejected,
-            self.num_valid,
-            self.last_sampled,
-            self.draft_base,
-            self.last_sampled,
-            self.history,
-            self.hist_len,
-            packed,
-            self.max_k,
-            first_col=FIRST_TOKEN,
-            enabled=gates[GATE_COMMIT : GATE_COMMIT + 1],
-        )
-        ngram_propose(
-            self.history,
-            self.hist_len,
-            meta[:, ROW],
-            meta[:, PROPOSE],
-            self.last_sampled,
-            self.draft_base,
-            self.num_valid,
-            packed,
-            self.ngram_min,
-            self.ngram_max,
-            self.max_k,
-            enabled=gates[GATE_PROPOSE : GATE_PROPOSE + 1],
-        )
+        self._commit_and_propose(draws, staged[1 : bs + 1], packed, FIRST_TOKEN, True, gates=staged[0])
 
     def committed_in_graph(self, step: SpecStep) -> torch.Tensor:
         """The packed result a verification graph's own commit wrote for the step's sequences."""
@@ -415,9 +388,13 @@ class DeviceSpeculation:
         self.history.view(-1).scatter_(0, flat, tokens.to(torch.int32))
         self.hist_len.scatter_(0, rows, pos + 1)
 
-    def _commit_and_propose(self, draws, meta, packed, first_col: int, proposes: bool) -> None:
+    def _commit_and_propose(self, draws, meta, packed, first_col: int, proposes: bool, gates=None) -> None:
         """The commit kernel (verify, emit, advance history) and, where asked, the lookup kernel
-        (the next drafts), writing packed."""
+        (the next drafts), writing packed. gates: a graph's device gates (GATE_COMMIT,
+        GATE_PROPOSE) that each kernel reads to run or not; None: both run as asked."""
+        commit_gate = propose_gate = None
+        if gates is not None:
+            commit_gate, propose_gate = gates[GATE_COMMIT : GATE_COMMIT + 1], gates[GATE_PROPOSE : GATE_PROPOSE + 1]
         commit(
             draws,
             meta,
@@ -431,6 +408,7 @@ class DeviceSpeculation:
             packed,
             self.max_k,
             first_col=first_col,
+            enabled=commit_gate,
         )
         if proposes:
             ngram_propose(
@@ -445,6 +423,7 @@ class DeviceSpeculation:
                 self.ngram_min,
                 self.ngram_max,
                 self.max_k,
+                enabled=propose_gate,
             )
 
 
