@@ -89,18 +89,16 @@ class _HostInputs:
         self.flat = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         flat = self.flat.numpy()
         self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
-        self.extra = _extra_view(flat, extra_shape) if extra_shape else None
+        self.extra = _extra_view(flat, extra_shape, np.int64) if extra_shape else None
         self.tables_t = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
         self.tables = self.tables_t.numpy()
         self.copied = torch.cuda.Event()
         self.copied.record()
 
 
-def _extra_view(flat, shape: tuple[int, int]):
+def _extra_view(flat, shape: tuple[int, int], dtype):
     """The int64 [rows, cols] block at the end of a flat uint8 buffer (numpy or torch)."""
-    size = shape[0] * shape[1] * 8
-    block = flat[len(flat) - size :] if isinstance(flat, np.ndarray) else flat[flat.shape[0] - size :]
-    return block.view(np.int64).reshape(shape) if isinstance(block, np.ndarray) else block.view(torch.int64).view(shape)
+    return flat[len(flat) - shape[0] * shape[1] * 8 :].view(dtype).reshape(shape)
 
 
 class DecodeGraphs:
@@ -152,7 +150,7 @@ class DecodeGraphs:
             name: self.flat[off : off + max_tokens * dt.itemsize].view(torch_dtype(dt))
             for name, (off, dt) in layout.items()
         }
-        self.extra = _extra_view(self.flat, extra_shape) if extra_shape else None
+        self.extra = _extra_view(self.flat, extra_shape, torch.int64) if extra_shape else None
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (self.max_batch + 1) * q, q, dtype=torch.int32, device=device)
         self.hidden_in = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
