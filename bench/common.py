@@ -484,6 +484,7 @@ COUNTERS = (
     "worker_gpu_idle_seconds",
     "worker_timed_steps",
     "worker_launch_seconds",
+    "host_seconds",
     "busy_seconds",
     "spec_decode_verify_steps",
 )
@@ -521,6 +522,8 @@ def gpu_timeline_rows(delta: dict, wall_s: float) -> list[tuple[str, str]]:
     if delta.get("steps"):
         launch = delta["worker_launch_seconds"] / delta["steps"]
         rows.append(("worker launching", f"{launch * 1e3:.3f} ms of host time per step"))
+        own = delta.get("host_seconds", 0.0) / delta["steps"]
+        rows.append(("scheduler", f"{own * 1e3:.3f} ms of host time per step on results and plans"))
     steps = delta.get("worker_timed_steps", 0)
     if not steps:
         return rows + [("GPU timeline", "- (no CUDA-event timings: CPU worker)")]

@@ -426,4 +426,5 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
         timelines = worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
     assert piped == alone
     assert stats.pipeline_stages == 2 and stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
+    assert stats.host_seconds > 0  # the scheduler's own time on results and plans is counted
     assert all(t.timed_steps > stats.steps and t.idle_seconds < 0.5 for t in timelines), timelines

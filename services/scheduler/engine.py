@@ -146,6 +146,7 @@ class Engine:
         # The last stage's CUDA-event view: [busy seconds, idle seconds, timed steps].
         self._worker_gpu = [0.0, 0.0, 0]
         self._worker_launch_seconds = 0.0
+        self._host_seconds = 0.0  # this loop's own work on results and plans (SchedulerStats.host_seconds)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -282,11 +283,14 @@ class Engine:
                 try:
                     if reader is None:
                         reader = asyncio.create_task(self._read_results())
+                    started = time.perf_counter()
                     await self._fill_pipeline()
                     if self._results:
                         # One result, then straight back to scheduling: the next plan goes out first.
                         self._finish_step(self._results.popleft())
+                        self._host_seconds += time.perf_counter() - started
                         continue
+                    self._host_seconds += time.perf_counter() - started
                     if reader.done():
                         reader.result()  # re-raises the stage's failure
                     if not self.in_flight:
@@ -512,4 +516,5 @@ class Engine:
         stats.busy_seconds = busy
         stats.worker_gpu_busy_seconds, stats.worker_gpu_idle_seconds, stats.worker_timed_steps = self._worker_gpu
         stats.worker_launch_seconds = self._worker_launch_seconds
+        stats.host_seconds = self._host_seconds
         return stats
