@@ -224,7 +224,7 @@ def start_mps(cluster: Cluster, args) -> None:
     """The cluster's own MPS daemon, which its services find through cluster.env (strata/mps.py)."""
     from strata.mps import MpsDaemon
 
-    if args.device == "cpu" or args.device.startswith("cpu"):
+    if args.device.startswith("cpu"):
         raise SystemExit("--mps is for stages sharing an NVIDIA GPU, not --device cpu")
     cluster.mps = MpsDaemon()
     cluster.mps.start()
