@@ -157,7 +157,9 @@ def serve_argv(args, model: str | None) -> list[str]:
     """`strata serve` arguments for the cluster a benchmark starts."""
     from strata.launcher import free_port
 
-    settings = {**vars(args), "model": model, "port": free_port(), "http_port": free_port()}
+    # No HTTP front: the benchmarks speak gRPC, and each port handed out early can be taken by
+    # the time its server binds it (the 8B pipeline bench lost its gateway to that once).
+    settings = {**vars(args), "model": model, "port": free_port(), "http_port": 0}
     names = ("port", "http_port", *SERVE_FLAGS)
     if getattr(args, "speculative_method", None):
         names += SPECULATIVE_SERVE_FLAGS
