@@ -37,8 +37,8 @@ def use_device(device: torch.device) -> None:
     thread's current device: a stage on cuda:1 (a GPU per stage) must set it in every thread
     that launches work, or its kernels go to cuda:0's context ("Pointer argument cannot be
     accessed from Triton")."""
-    if device.type == "cuda":  # (an index-less "cuda" is cuda:0 in a thread that never chose)
-        torch.cuda.set_device(device if device.index is not None else 0)
+    if device.type == "cuda":  # (main.pick_device always gives the index set_device needs)
+        torch.cuda.set_device(device)
 
 
 class ModelRunner:
