@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import torch
 
@@ -110,3 +111,24 @@ def sender_main(device: str, steps: int, link_q, msg_q, ack_q, done_q):
     done_q.get(timeout=300)
     ack_q.put(None)
     sender.close()
+
+
+
+def word_waiter_main(path, src, dst, report_q, go_q):
+    """The waiting side of tests/gpu/test_stream_memops_gpu.py: opens the shared word at `path`,
+    queues a wait on it and a copy behind it, says whether the copy ran before the other process
+    wrote the word, and then what it copied."""
+    from strata.services.worker.stream_memops import SharedWords, wait_geq
+
+    words = SharedWords(path, 1, create=False)
+    stream = torch.cuda.current_stream(src.device)
+    wait_geq(stream, words.address(0), 1)
+    dst.copy_(src)
+    done = torch.cuda.Event()
+    done.record(stream)
+    time.sleep(0.2)  # the copy would have run by now without the wait
+    report_q.put(("queued", done.query()))
+    go_q.get(timeout=120)  # the other process has written the data, then the word
+    done.synchronize()
+    report_q.put(("copied", dst.cpu().tolist()))
+    words.close()

@@ -1,0 +1,166 @@
+"""Words in shared host memory that a CUDA stream waits on and another process's stream writes
+(the driver's stream memory operations, cuStreamWaitValue32 / cuStreamWriteValue32): how a
+stage's GPU waits for a peer's copy with no host in between.
+
+Why: an interprocess CUDA event can be waited on only after the peer has recorded it, so the
+waiting stage's host first had to hear from the peer's host (the doorbell) before it could queue
+its next step. A wait on a word needs no such order: the waiting stream stalls in the GPU's front
+end (no SM is held) until the peer's stream writes a value at least as large.
+
+The words live in a file in /dev/shm that both processes map and register with CUDA, not in
+device memory: the waiting side's host can then release its own GPU with a plain store (a peer
+that died never writes; a stream of the same process writing a word its other stream waits on
+did not return on the H200), and can read how far the peer got without touching the GPU.
+
+torch has no binding for these calls; they are functions of libcuda, reached with ctypes.
+`usable(device)` probes once per device; without them a link keeps its events and doorbell.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import secrets
+
+import numpy as np
+import torch
+
+log = logging.getLogger("strata.worker")
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, so counters may wrap
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: the write follows a memory barrier
+_REGISTER_FLAGS = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
+WORD_BYTES = 4
+
+
+class _Driver:
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def fn(name, *argtypes):
+            f = getattr(lib, name + "_v2", None) or getattr(lib, name)
+            f.argtypes, f.restype = list(argtypes), ctypes.c_int
+            return f
+
+        u64, u32, ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
+        self.wait = fn("cuStreamWaitValue32", ptr, u64, u32, ctypes.c_uint)
+        self.write = fn("cuStreamWriteValue32", ptr, u64, u32, ctypes.c_uint)
+        self.register = fn("cuMemHostRegister", ptr, ctypes.c_size_t, ctypes.c_uint)
+        self.unregister = fn("cuMemHostUnregister", ptr)
+        self.device_pointer = fn("cuMemHostGetDevicePointer", ctypes.POINTER(u64), ptr, ctypes.c_uint)
+
+
+_driver: _Driver | None = None
+_missing = ""
+_probed: dict[int, bool] = {}
+
+
+def _lib() -> _Driver:
+    global _driver, _missing
+    if _driver is None and not _missing:
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError) as e:
+            _missing = str(e)
+    if _driver is None:
+        raise RuntimeError(f"stream memory operations unavailable: {_missing}")
+    return _driver
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (CUresult {rc})")
+
+
+def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Work queued on `stream` after this runs once the word at device `address` holds at least
+    `value`."""
+    _check(_lib().wait(stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Writes `value` into the word at device `address` once the work queued on `stream` before
+    it is done (and visible: the write follows a memory barrier)."""
+    _check(_lib().write(stream.cuda_stream, address, value & 0xFFFFFFFF, _WRITE_DEFAULT), "cuStreamWriteValue32")
+
+
+class SharedWords:
+    """`count` int32 words in a /dev/shm file, mapped and registered with CUDA in this process:
+    `host` is their numpy view, address(i) the device address of word i. The creator names the
+    file in its link; the peer opens it (and unlinks the name: both have it mapped)."""
+
+    def __init__(self, path: str, count: int, create: bool):
+        self.path, self.count = path, count
+        lib = _lib()  # (before the file: without the driver there is nothing to clean up)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, count * WORD_BYTES)
+            self._map = mmap.mmap(fd, count * WORD_BYTES)
+        finally:
+            os.close(fd)
+        self.host = np.frombuffer(self._map, dtype=np.int32, count=count)
+        self._base = self.host.ctypes.data
+        try:
+            _check(lib.register(self._base, count * WORD_BYTES, _REGISTER_FLAGS), "cuMemHostRegister")
+        except RuntimeError:
+            self._base, self.host = 0, None
+            self._map.close()
+            if create:
+                self.unlink()
+            raise
+        device = ctypes.c_uint64()
+        _check(lib.device_pointer(ctypes.byref(device), self._base, 0), "cuMemHostGetDevicePointer")
+        self._device_base = device.value
+
+    @classmethod
+    def create(cls, count: int) -> SharedWords:
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+        return cls(os.path.join(directory, f"strata-words-{os.getpid()}-{secrets.token_hex(8)}"), count, True)
+
+    def address(self, i: int) -> int:
+        return self._device_base + i * WORD_BYTES
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Unregisters and unmaps (the caller makes sure no queued operation still uses them)."""
+        if self._base:
+            _lib().unregister(self._base)
+            self._base = 0
+            self.host = None
+            self._map.close()
+            self.unlink()
+
+
+def usable(device: torch.device) -> bool:
+    """Whether this process can wait on and write a shared word on `device` (probed once: a write
+    and a wait that it satisfies, on a side stream)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _probed:
+        words = None
+        try:
+            with torch.cuda.device(index):
+                side = torch.cuda.Stream()
+                words = SharedWords.create(1)
+                words.unlink()
+                write(side, words.address(0), 7)
+                wait_geq(side, words.address(0), 7)
+                side.synchronize()
+                _probed[index] = int(words.host[0]) == 7
+        except (RuntimeError, OSError) as e:
+            log.info("stream memory operations unusable on %s: %s", device, e)
+            _probed[index] = False
+        finally:
+            if words is not None:
+                words.close()
+    return _probed[index]
