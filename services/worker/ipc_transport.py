@@ -18,6 +18,11 @@ No host thread waits for the GPU, and no thread other than the two step threads 
 event wait is issued after the peer's record (the credit and the announcement are sent after
 their records), as interprocess events require. A failed step is announced with its error, in
 order, and uses no slot.
+
+A ring may also carry a word per slot in shared host memory (`words`, stream_memops.py; the
+token link's, on GPUs): the sender's stream writes i + 1 into word i % slots after its copy (or,
+for a failed step, instead of it), so the receiver's stream can wait for slot i before its
+announcement has arrived (token_waits.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 
 import torch
 
+from strata.services.worker import stream_memops
 from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
 from strata.services.worker.stage_transport import IPC, Receiver, Sender, StepFailed, TransportError
 from strata.v1 import engine_pb2
@@ -37,6 +43,7 @@ log = logging.getLogger("strata.worker")
 # int64: the token link's ring (token_handoff.py).
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_WORDS_KEPT: list = []  # slot words a busy stream may still use (Ring.close_words)
 
 
 def device_uuid(index: int) -> str:
@@ -89,24 +96,33 @@ class Ring:
     per-slot ordering between the two processes (interprocess events on CUDA; on CPUs the copies
     are done when they return, and the doorbell's system calls order them)."""
 
-    def __init__(self, buffer: torch.Tensor, slots: int, parts: int, slot_elements: int, ready=None, consumed=None):
+    def __init__(
+        self, buffer: torch.Tensor, slots: int, parts: int, slot_elements: int, ready=None, consumed=None, words=None
+    ):
         self.buffer, self.slots, self.parts, self.slot_elements = buffer, slots, parts, slot_elements
         self.device = buffer.device
         self.ready, self.consumed = ready, consumed  # CUDA only
+        self.words: stream_memops.SharedWords | None = words  # CUDA only, where asked for and usable
         self.path = ""  # CPU: the shared file (the sender unlinks it once mapped; close() too)
 
     @classmethod
-    def create(cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int) -> Ring:
+    def create(
+        cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int, words: bool = False
+    ) -> Ring:
+        """words: a word per slot the receiver's stream can wait on, where this GPU allows it."""
         numel = slots * parts * slot_elements
         if device.type == "cuda":
             with torch.cuda.device(device):
-                buffer = torch.empty(numel, dtype=dtype, device=device)
+                words = words and stream_memops.usable(device)
+                # With words, a failed step's slot is read as it is: zeros, or an earlier step's data.
+                buffer = (torch.zeros if words else torch.empty)(numel, dtype=dtype, device=device)
                 ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
                 consumed = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
                 stream = torch.cuda.current_stream(device)
                 for e in ready + consumed:  # created on this GPU before their handles go out
                     e.record(stream)
-            return cls(buffer, slots, parts, slot_elements, ready, consumed)
+            shared = stream_memops.SharedWords.create(slots) if words else None
+            return cls(buffer, slots, parts, slot_elements, ready, consumed, shared)
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         if directory is None:
             raise TransportError("the ipc stage transport between CPU stages needs /dev/shm")
@@ -132,6 +148,8 @@ class Ring:
         link.device_uuid = device_uuid(self.device.index)
         link.ready_events.extend(e.ipc_handle() for e in self.ready)
         link.consumed_events.extend(e.ipc_handle() for e in self.consumed)
+        if self.words is not None:
+            link.slot_words_path = self.words.path
 
     @classmethod
     def open(cls, link: engine_pb2.StageLink, device: torch.device) -> Ring:
@@ -157,7 +175,14 @@ class Ring:
         with torch.cuda.device(ring_device):
             ready = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.ready_events]
             consumed = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.consumed_events]
-        return cls(buffer, link.slots, link.parts, link.slot_elements, ready, consumed)
+            words = None
+            if link.slot_words_path:  # the receiver's GPU waits on them: this end must write them
+                try:
+                    words = stream_memops.SharedWords(link.slot_words_path, link.slots, create=False)
+                except (RuntimeError, OSError) as e:
+                    raise TransportError(f"cannot open the next stage's slot words: {e}") from None
+                words.unlink()  # both ends have them mapped
+        return cls(buffer, link.slots, link.parts, link.slot_elements, ready, consumed, words)
 
     def view(self, slot: int, part: int, shape) -> torch.Tensor:
         start = (slot * self.parts + part) * self.slot_elements
@@ -166,19 +191,27 @@ class Ring:
             n *= d
         return self.buffer[start : start + n].view(tuple(shape))
 
-    def write(self, slot: int, tensors) -> None:
+    def write(self, slot: int, tensors, count: int) -> None:
         """Sender, on its step thread: queued behind the work that produced the tensors. On CUDA
         the copy is ordered on the ring GPU's current stream (torch syncs a peer copy with both
-        devices' current streams), which first waits until the receiver has read the slot."""
+        devices' current streams), which first waits until the receiver has read the slot.
+        count: the announcement's number + 1, for the slot's word."""
         if self.ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.consumed[slot])
             for part, t in enumerate(tensors):
                 self.view(slot, part, t.shape).copy_(t, non_blocking=True)
             self.ready[slot].record(stream)
+            self.mark(slot, count)
         else:
             for part, t in enumerate(tensors):
                 self.view(slot, part, t.shape).copy_(t)
+
+    def mark(self, slot: int, count: int) -> None:
+        """Sender: the slot's word says announcement count - 1 is in (or failed), once the work
+        queued before it is done."""
+        if self.words is not None:
+            stream_memops.write(torch.cuda.current_stream(self.device), self.words.address(slot), count)
 
     def ready_wait(self, slot: int) -> None:
         """Receiver: the compute stream waits for the sender's copy into the slot."""
@@ -190,7 +223,27 @@ class Ring:
         if self.consumed is not None:
             self.consumed[slot].record(torch.cuda.current_stream(self.device))
 
+    def close_words(self, wait_seconds: float = 5.0) -> None:
+        """Unmaps the words once the work queued on the stream so far is done (the caller released
+        any wait on them first). A stream still busy past wait_seconds (a wait on a dead peer's
+        event) leaves them mapped for the process's life: unmapped, the GPU would fault."""
+        words, self.words = self.words, None
+        if words is None:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + wait_seconds
+        while not done.query():
+            if time.monotonic() > deadline:
+                log.warning("ipc ring: the stream is still busy after %.0f s: its slot words stay mapped", wait_seconds)
+                _WORDS_KEPT.append(words)
+                return
+            time.sleep(0.001)
+        words.close()
+
     def unlink(self) -> None:
+        if self.words is not None:
+            self.words.unlink()
         if self.path:
             try:
                 os.unlink(self.path)
@@ -299,18 +352,20 @@ class RingWriter:
                 )
         slot = self.announced % ring.slots
         self.doorbell.wait_released(self.announced - ring.slots + 1)
-        ring.write(slot, tensors)
+        ring.write(slot, tensors, self.announced + 1)
         t = tensors[0]
         self.doorbell.announce(step_id, slot, t.shape[0], t.shape[1] if t.dim() > 1 else 0)
         self.announced += 1
 
     def put_error(self, step_id: int, error: str) -> None:
         self.doorbell.wait_released(self.announced - self.ring.slots + 1)
+        self.ring.mark(self.announced % self.ring.slots, self.announced + 1)  # a receiver's GPU may wait on it
         self.doorbell.announce(step_id, 0, 0, 0, error or "failed upstream")
         self.announced += 1
 
     def close(self) -> None:
         self.doorbell.close()
+        self.ring.close_words()
 
 
 class IpcReceiver(Receiver):

@@ -245,6 +245,8 @@ class ModelRunner:
         staging is off the pipeline's critical path: with one micro-batch, the GPU waited for
         it after every hop."""
         start = time.perf_counter()
+        if self.handoff is not None:
+            self.handoff.plan_started(plan)
         rows = self.apply_plan(plan)
         # A step that verifies drafts on a verification graph attends without shared-KV runs.
         verifies_on_graph = bool(self.verify_graphs) and any(plan.num_draft_tokens)

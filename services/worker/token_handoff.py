@@ -14,6 +14,8 @@ on the stage transport the scheduler chose for that pair (`choose_transport`):
 - `ipc`: a ring of int64 token buffers on stage 0's device (ipc_transport.py), each step
   announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
   what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
+  On GPUs that allow it, stage 0's GPU waits for the tokens instead of its host
+  (token_waits.py, `STRATA_STREAM_WAITS=0` turns that off).
 
 The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
 stage gathers `last_sampled` at the sampling rows on its compute stream after the step's draw,
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import os
 import threading
 import time
 
@@ -56,6 +59,7 @@ from strata.services.worker.stage_transport import (
     host_of,
     name_of,
 )
+from strata.services.worker.token_waits import DeviceTokenWaits
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -95,9 +99,18 @@ class TokenIntake:
         # ipc: the step thread takes the tokens that have arrived itself, pump(need) blocking until
         # step `need`'s are applied (0: only what is there); else a receiving thread applies them.
         self.pump = None
+        self.device_waits: DeviceTokenWaits | None = None  # ipc where the GPU waits instead
+
+    def plan_started(self, plan) -> None:
+        """On the step thread, as each plan's step starts, before anything that can fail it."""
+        if self.device_waits is not None and any(plan.sample):
+            self.device_waits.expect(plan.step_id)
 
     def before_step(self, step_id: int, h) -> None:
         """On the step thread, before the step is launched."""
+        if self.device_waits is not None:
+            self._queue_on_device(step_id, h)
+            return
         if self.pump is not None:
             self.pump(0)  # what has arrived: frees the ring's slots
         if h.has_placeholders:
@@ -109,6 +122,18 @@ class TokenIntake:
             rows = sampler_rows(h)
             self.last_step[rows] = step_id
             self._rows[step_id] = upload({"rows": rows.astype(np.int64)}, self.device)["rows"]
+
+    def _queue_on_device(self, step_id: int, h) -> None:
+        waits = self.device_waits
+        waits.pump()
+        if h.has_placeholders:
+            rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
+            if waits.queue_through(int(self.last_step[rows].max())):
+                self.waits += 1  # the GPU waits for tokens not yet announced (no host time)
+        if h.sample_seq_ids:
+            rows = sampler_rows(h)
+            self.last_step[rows] = step_id
+            waits.set_rows(step_id, upload({"rows": rows.astype(np.int64)}, self.device)["rows"])
 
     def _wait(self, step_id: int) -> None:
         started = time.perf_counter()
@@ -146,6 +171,8 @@ class TokenIntake:
         with self._cond:
             self._closed = reason
             self._cond.notify_all()
+        if self.device_waits is not None:
+            self.device_waits.close(reason)
 
 
 class _TokenReceiving:
@@ -206,7 +233,9 @@ class IpcTokenReceiver(_TokenReceiving):
 
     def __init__(self, session: int, device, max_tokens: int, timeout: float, slots: int):
         self.session = session
-        self.reader = RingReader(Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens), timeout)
+        words = os.environ.get("STRATA_STREAM_WAITS", "1") != "0"  # (A/B: the host waits as before)
+        ring = Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens, words=words)
+        self.reader = RingReader(ring, timeout)
         self.acks: asyncio.Queue = asyncio.Queue()  # no credits on the stream: they go on the doorbell
 
     def link(self) -> engine_pb2.StageLink:
@@ -238,8 +267,9 @@ class IpcTokenReceiver(_TokenReceiving):
         log.error("token link: step %d sent on the stream of an ipc link", msg.step_id)
 
     def close(self) -> None:
-        self.close_tokens()
+        self.close_tokens()  # releases the GPU's waits, if any
         self.reader.close()
+        self.reader.ring.close_words()
         self.acks.put_nowait(None)
 
 
@@ -278,7 +308,10 @@ def open_token_receiver(
     device = intake.device
     if kind == IPC:
         receiver = IpcTokenReceiver(session, device, max_tokens, timeout, slots)
-        intake.pump = receiver.pump
+        if receiver.reader.ring.words is not None:
+            intake.device_waits = DeviceTokenWaits(receiver.reader, intake.last_sampled, timeout)
+        else:
+            intake.pump = receiver.pump
     elif kind == DISTRIBUTED:
         receiver = DistributedTokenReceiver(
             session, device, torch.int64, 1, max_tokens, timeout, peer_host=host_of(request.peer_address)
@@ -299,6 +332,9 @@ class TokenOutlet:
     def __init__(self, last_sampled: torch.Tensor):
         self.last_sampled = last_sampled
         self._pending: tuple[int, torch.Tensor] | None = None
+
+    def plan_started(self, plan) -> None:
+        pass
 
     def before_step(self, step_id: int, h) -> None:
         self._pending = None

@@ -1,0 +1,122 @@
+"""Stage 0's token intake where its GPU waits for the tokens (an ipc token link whose ring has
+slot words, ipc_transport.py and stream_memops.py): no host on the token path.
+
+With the doorbell alone, stage 0's step thread could queue a step whose placeholders need step
+s's tokens only after the last stage's announcement of s had arrived (an interprocess event can
+be waited on only after its record): every micro-batch's step waited for the other host's launch
+and a socket hop (0.71 ms on 429 of 532 steps at 16 streams on the H200, bench/RESULTS.md).
+Here stage 0 queues it at once, behind a wait of its stream on the slot's word.
+
+The order: the last stage announces one thing per step that samples, its tokens or its error,
+in step order, in slots 0, 1, 2, ... (announcement i in slot i % slots, the word set to i + 1 after
+the copy). Both stages see every plan, so stage 0 gives each sampling plan its number as the plan
+starts (expect), before anything that can fail, and knows step s's slot without hearing from the
+last stage. Before a step with placeholders it queues, in order, for every sampling step up to
+the one they need: a wait for the word, the scatter of the slot into last_sampled, the slot's
+`consumed` event. Announcements are still taken (pump, non-blocking, before every step): each is
+checked against the expected order, its application queued if no step needed it yet (so slots
+are always read and credited back), and credited.
+
+Deadlines: a wait no announcement has answered within the link's timeout fails the next step
+(StepFailed). The GPU itself waits until close(), which releases every wait with a store to the
+words (the scheduler rebuilds the pipeline around a lost stage; the steps behind the wait then
+run on stale tokens, and their results are never delivered).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from strata.services.worker.ipc_transport import RingReader
+from strata.services.worker.stage_transport import StepFailed
+from strata.services.worker.stream_memops import wait_geq
+
+log = logging.getLogger("strata.worker")
+_RELEASE = 1 << 30  # added to the next number: above every wait queued (the words compare modulo 2**32)
+
+
+class _Sampling:
+    __slots__ = ("number", "step_id", "rows", "queued_at")
+
+    def __init__(self, number: int, step_id: int):
+        self.number, self.step_id = number, step_id
+        self.rows: torch.Tensor | None = None  # None: the step failed on stage 0 before its rows
+        self.queued_at: float | None = None
+
+
+class DeviceTokenWaits:
+    def __init__(self, reader: RingReader, last_sampled: torch.Tensor, timeout: float):
+        self.reader, self.ring = reader, reader.ring
+        self.last_sampled = last_sampled
+        self.timeout = timeout
+        self._pending: collections.deque[_Sampling] = collections.deque()  # not yet announced, in order
+        self._numbered = 0  # sampling plans numbered so far
+        self._queued = 0  # sampling plans whose application is queued on the GPU
+        self._lock = threading.Lock()  # close() (event loop) against queueing (step thread)
+        self._closed: str | None = None
+
+    def expect(self, step_id: int) -> None:
+        """Step thread: a plan that samples has started (every one, in order)."""
+        self._pending.append(_Sampling(self._numbered, step_id))
+        self._numbered += 1
+
+    def set_rows(self, step_id: int, rows: torch.Tensor) -> None:
+        """The rows the step's tokens go to, once its inputs are built."""
+        s = self._pending[-1] if self._pending else None
+        if s is not None and s.step_id == step_id:
+            s.rows = rows
+
+    def queue_through(self, step_id: int) -> int:
+        """The GPU applies every sampling step's tokens up to step_id's before what is queued
+        after this. Returns how many it queued now."""
+        queued = self._queued
+        with self._lock:
+            if self._closed:
+                raise StepFailed(f"token link closed: {self._closed}")
+            ring, stream = self.ring, torch.cuda.current_stream(self.last_sampled.device)
+            for s in self._pending:
+                if s.step_id > step_id:
+                    break
+                if s.number < self._queued:
+                    continue
+                slot = s.number % ring.slots
+                wait_geq(stream, ring.words.address(slot), s.number + 1)
+                if s.rows is not None:
+                    self.last_sampled.index_copy_(0, s.rows, ring.view(slot, 0, (s.rows.shape[0],)))
+                ring.consumed_record(slot)
+                s.queued_at = time.monotonic()
+                self._queued = s.number + 1
+        return self._queued - queued
+
+    def pump(self) -> None:
+        """Step thread, before each step: the announcements that have arrived, checked, applied
+        and credited; raises StepFailed if a queued wait is past the deadline."""
+        reader = self.reader
+        while (a := reader.next(block=False)) is not None:
+            s = self._pending[0] if self._pending else None
+            if s is None or s.step_id != a.step_id or s.number != reader.taken - 1:
+                self.close(f"step {a.step_id}'s tokens announced out of the expected order")
+                raise StepFailed(f"token link: {self._closed}")
+            if not a.error and s.rows is not None and a.rows != s.rows.shape[0]:
+                log.error("token link: step %d handed %d tokens for %d rows", a.step_id, a.rows, s.rows.shape[0])
+            self.queue_through(a.step_id)
+            self._pending.popleft()
+            reader.release()
+        s = self._pending[0] if self._pending else None
+        if s is not None and s.queued_at is not None and time.monotonic() - s.queued_at > self.timeout:
+            raise StepFailed(f"step {s.step_id}'s sampled tokens did not reach stage 0 in {self.timeout:.0f} s")
+
+    def close(self, reason: str) -> None:
+        """Any thread: every wait queued or to come passes (the link is being torn down)."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+            words = self.ring.words
+            if words is not None:
+                words.host.view(np.uint32)[:] = (self._numbered + _RELEASE) & 0xFFFFFFFF

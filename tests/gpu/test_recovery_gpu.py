@@ -1,0 +1,70 @@
+"""A lost or hung last stage on a GPU whose stage 0 waits for the sampled tokens on the device
+(token_waits.py: stage 0's stream waits on a slot word the last stage writes). kill -9 and
+SIGSTOP of the last stage mid-stream: stage 0's GPU must not stay blocked, the scheduler
+rebuilds the pipeline, and every request finishes with the tokens of an uninterrupted run.
+
+    python -m pytest tests/gpu/test_recovery_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from strata.grpc_util import check_health
+from strata.v1 import engine_pb2
+from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
+from tests.test_recovery import requests, run_all, worker
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FLAGS = ("--device", "cuda:0", "--dtype", "float32", "--stage-transport", "ipc", "--stage-recovery-timeout", "60")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, seed=21)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_last_stage_never_leaves_stage_0s_gpu_waiting(model_dir, stop):
+    work = requests()[:8]
+    with running_cluster(model_dir, 2, *FLAGS, "--step-timeout", "10") as (cluster, client):
+        threads, plain, errors = run_all(client, work)
+        for t in threads:
+            t.join()
+        assert not errors and len(plain) == len(work)
+        stats = worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
+        assert stats[0].token_waits > 0 and stats[0].token_wait_seconds == 0.0  # the GPU waited, not the host
+        started = threading.Barrier(len(work) + 1)
+        threads, resumed, errors = run_all(client, work, started)
+        started.wait(timeout=60)
+        victim = worker(cluster, "worker 1")
+        if stop == signal.SIGKILL:
+            argv = victim.args
+            victim.kill()
+            victim.wait()
+            time.sleep(1.0)
+            cluster.procs.append(("worker 1 (restarted)", subprocess.Popen(argv)))
+        else:
+            os.kill(victim.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while check_health(cluster.scheduler_address) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert not check_health(cluster.scheduler_address), "the hung stage was not noticed"
+                time.sleep(2)
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert resumed == plain
+        assert scheduler_stats(cluster).used_kv_blocks == 0
+        assert check_health(cluster.scheduler_address)
