@@ -19,10 +19,14 @@ event wait is issued after the peer's record (the credit and the announcement ar
 their records), as interprocess events require. A failed step is announced with its error, in
 order, and uses no slot.
 
-A ring may also carry a word per slot in shared host memory (`words`, stream_memops.py; the
-token link's, on GPUs): the sender's stream writes i + 1 into word i % slots after its copy (or,
-for a failed step, instead of it), so the receiver's stream can wait for slot i before its
-announcement has arrived (token_waits.py).
+A ring may instead order its slots with two words per slot in shared host memory (`words`,
+stream_memops.py; the token link's, on GPUs), so that the receiver's stream can wait for slot i
+before its announcement has arrived (token_waits.py):
+  sender's stream:   wait until consumed word[s] >= i + 1 - slots; copy; ready word[s] = i + 1
+                     (a failed step: the ready word only)
+  receiver's stream: wait until ready word[s] >= i + 1; copy out; consumed word[s] = i + 1
+Events cannot do this: a receiver that queues its reads early would record `consumed` for use i
+before the sender waited for use i - slots's, and the sender would wait on the later record.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import os
 import secrets
 import time
 
+import numpy as np
 import torch
 
 from strata.services.worker import stream_memops
@@ -116,12 +121,13 @@ class Ring:
                 words = words and stream_memops.usable(device)
                 # With words, a failed step's slot is read as it is: zeros, or an earlier step's data.
                 buffer = (torch.zeros if words else torch.empty)(numel, dtype=dtype, device=device)
+                # (the events stay for the link's format; with words nothing waits on them)
                 ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
                 consumed = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
                 stream = torch.cuda.current_stream(device)
                 for e in ready + consumed:  # created on this GPU before their handles go out
                     e.record(stream)
-            shared = stream_memops.SharedWords.create(slots) if words else None
+            shared = stream_memops.SharedWords.create(2 * slots) if words else None
             return cls(buffer, slots, parts, slot_elements, ready, consumed, shared)
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         if directory is None:
@@ -178,7 +184,7 @@ class Ring:
             words = None
             if link.slot_words_path:  # the receiver's GPU waits on them: this end must write them
                 try:
-                    words = stream_memops.SharedWords(link.slot_words_path, link.slots, create=False)
+                    words = stream_memops.SharedWords(link.slot_words_path, 2 * link.slots, create=False)
                 except (RuntimeError, OSError) as e:
                     raise TransportError(f"cannot open the next stage's slot words: {e}") from None
                 words.unlink()  # both ends have them mapped
@@ -196,22 +202,39 @@ class Ring:
         the copy is ordered on the ring GPU's current stream (torch syncs a peer copy with both
         devices' current streams), which first waits until the receiver has read the slot.
         count: the announcement's number + 1, for the slot's word."""
-        if self.ready is not None:
+        if self.words is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream_memops.wait_geq(stream, self.consumed_word(slot), count - self.slots)
+            for part, t in enumerate(tensors):
+                self.view(slot, part, t.shape).copy_(t, non_blocking=True)
+            self.mark(slot, count)
+        elif self.ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.consumed[slot])
             for part, t in enumerate(tensors):
                 self.view(slot, part, t.shape).copy_(t, non_blocking=True)
             self.ready[slot].record(stream)
-            self.mark(slot, count)
         else:
             for part, t in enumerate(tensors):
                 self.view(slot, part, t.shape).copy_(t)
 
+    def ready_word(self, slot: int) -> int:
+        return self.words.address(slot)
+
+    def consumed_word(self, slot: int) -> int:
+        return self.words.address(self.slots + slot)
+
     def mark(self, slot: int, count: int) -> None:
-        """Sender: the slot's word says announcement count - 1 is in (or failed), once the work
-        queued before it is done."""
+        """Sender: the slot's ready word says announcement count - 1 is in (or failed), once the
+        work queued before it is done."""
         if self.words is not None:
-            stream_memops.write(torch.cuda.current_stream(self.device), self.words.address(slot), count)
+            stream_memops.write(torch.cuda.current_stream(self.device), self.ready_word(slot), count)
+
+    def release_words(self, count: int) -> None:
+        """Either end, tearing the link down: every wait on the words, queued or to come, passes
+        (count: this end's announcements so far; waits are for values near it)."""
+        if self.words is not None:
+            self.words.host.view(np.uint32)[:] = (count + (1 << 30)) & 0xFFFFFFFF
 
     def ready_wait(self, slot: int) -> None:
         """Receiver: the compute stream waits for the sender's copy into the slot."""
@@ -365,6 +388,7 @@ class RingWriter:
 
     def close(self) -> None:
         self.doorbell.close()
+        self.ring.release_words(self.announced)  # a stream waiting for a dead receiver's reads
         self.ring.close_words()
 
 

@@ -8,12 +8,12 @@ and a socket hop (0.71 ms on 429 of 532 steps at 16 streams on the H200, bench/R
 Here stage 0 queues it at once, behind a wait of its stream on the slot's word.
 
 The order: the last stage announces one thing per step that samples, its tokens or its error,
-in step order, in slots 0, 1, 2, ... (announcement i in slot i % slots, the word set to i + 1 after
-the copy). Both stages see every plan, so stage 0 gives each sampling plan its number as the plan
+in step order, in slots 0, 1, 2, ... (announcement i in slot i % slots, its ready word set to i + 1
+after the copy). Both stages see every plan, so stage 0 gives each sampling plan its number as the plan
 starts (expect), before anything that can fail, and knows step s's slot without hearing from the
 last stage. Before a step with placeholders it queues, in order, for every sampling step up to
-the one they need: a wait for the word, the scatter of the slot into last_sampled, the slot's
-`consumed` event. Announcements are still taken (pump, non-blocking, before every step): each is
+the one they need: a wait for the ready word, the scatter of the slot into last_sampled, and
+i + 1 into the slot's consumed word (the last stage's stream waits on it before it reuses the slot). Announcements are still taken (pump, non-blocking, before every step): each is
 checked against the expected order, its application queued if no step needed it yet (so slots
 are always read and credited back), and credited.
 
@@ -30,15 +30,13 @@ import logging
 import threading
 import time
 
-import numpy as np
 import torch
 
 from strata.services.worker.ipc_transport import RingReader
 from strata.services.worker.stage_transport import StepFailed
-from strata.services.worker.stream_memops import wait_geq
+from strata.services.worker.stream_memops import wait_geq, write
 
 log = logging.getLogger("strata.worker")
-_RELEASE = 1 << 30  # added to the next number: above every wait queued (the words compare modulo 2**32)
 
 
 class _Sampling:
@@ -86,10 +84,10 @@ class DeviceTokenWaits:
                 if s.number < self._queued:
                     continue
                 slot = s.number % ring.slots
-                wait_geq(stream, ring.words.address(slot), s.number + 1)
+                wait_geq(stream, ring.ready_word(slot), s.number + 1)
                 if s.rows is not None:
                     self.last_sampled.index_copy_(0, s.rows, ring.view(slot, 0, (s.rows.shape[0],)))
-                ring.consumed_record(slot)
+                write(stream, ring.consumed_word(slot), s.number + 1)
                 s.queued_at = time.monotonic()
                 self._queued = s.number + 1
         return self._queued - queued
@@ -117,6 +115,4 @@ class DeviceTokenWaits:
         with self._lock:
             if self._closed is None:
                 self._closed = reason
-            words = self.ring.words
-            if words is not None:
-                words.host.view(np.uint32)[:] = (self._numbered + _RELEASE) & 0xFFFFFFFF
+            self.ring.release_words(self._numbered)
