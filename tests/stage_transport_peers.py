@@ -113,14 +113,13 @@ def sender_main(device: str, steps: int, link_q, msg_q, ack_q, done_q):
     sender.close()
 
 
-
 def word_waiter_main(path, src, dst, report_q, go_q):
     """The waiting side of tests/gpu/test_stream_memops_gpu.py: opens the shared word at `path`,
     queues a wait on it and a copy behind it, says whether the copy ran before the other process
     wrote the word, and then what it copied."""
     from strata.services.worker.stream_memops import SharedWords, wait_geq
 
-    words = SharedWords(path, 1, create=False)
+    words = SharedWords(path, 1, False, src.device)
     stream = torch.cuda.current_stream(src.device)
     wait_geq(stream, words.address(0), 1)
     dst.copy_(src)

@@ -127,7 +127,7 @@ class Ring:
                 stream = torch.cuda.current_stream(device)
                 for e in ready + consumed:  # created on this GPU before their handles go out
                     e.record(stream)
-            shared = stream_memops.SharedWords.create(2 * slots) if words else None
+            shared = stream_memops.SharedWords.create(2 * slots, device) if words else None
             return cls(buffer, slots, parts, slot_elements, ready, consumed, shared)
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         if directory is None:
@@ -184,7 +184,7 @@ class Ring:
             words = None
             if link.slot_words_path:  # the receiver's GPU waits on them: this end must write them
                 try:
-                    words = stream_memops.SharedWords(link.slot_words_path, 2 * link.slots, create=False)
+                    words = stream_memops.SharedWords(link.slot_words_path, 2 * link.slots, False, ring_device)
                 except (RuntimeError, OSError) as e:
                     raise TransportError(f"cannot open the next stage's slot words: {e}") from None
                 words.unlink()  # both ends have them mapped

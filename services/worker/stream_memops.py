@@ -91,7 +91,7 @@ class SharedWords:
     `host` is their numpy view, address(i) the device address of word i. The creator names the
     file in its link; the peer opens it (and unlinks the name: both have it mapped)."""
 
-    def __init__(self, path: str, count: int, create: bool):
+    def __init__(self, path: str, count: int, create: bool, device: torch.device):
         self.path, self.count = path, count
         lib = _lib()  # (before the file: without the driver there is nothing to clean up)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -105,7 +105,9 @@ class SharedWords:
         self.host = np.frombuffer(self._map, dtype=np.int32, count=count)
         self._base = self.host.ctypes.data
         try:
-            _check(lib.register(self._base, count * WORD_BYTES, _REGISTER_FLAGS), "cuMemHostRegister")
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).query()  # a runtime call: the device's context is current
+                _check(lib.register(self._base, count * WORD_BYTES, _REGISTER_FLAGS), "cuMemHostRegister")
         except RuntimeError:
             self._base, self.host = 0, None
             self._map.close()
@@ -117,9 +119,9 @@ class SharedWords:
         self._device_base = device.value
 
     @classmethod
-    def create(cls, count: int) -> SharedWords:
+    def create(cls, count: int, device: torch.device) -> SharedWords:
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-        return cls(os.path.join(directory, f"strata-words-{os.getpid()}-{secrets.token_hex(8)}"), count, True)
+        return cls(os.path.join(directory, f"strata-words-{os.getpid()}-{secrets.token_hex(8)}"), count, True, device)
 
     def address(self, i: int) -> int:
         return self._device_base + i * WORD_BYTES
@@ -151,7 +153,7 @@ def usable(device: torch.device) -> bool:
         try:
             with torch.cuda.device(index):
                 side = torch.cuda.Stream()
-                words = SharedWords.create(1)
+                words = SharedWords.create(1, torch.device("cuda", index))
                 words.unlink()
                 write(side, words.address(0), 7)
                 wait_geq(side, words.address(0), 7)

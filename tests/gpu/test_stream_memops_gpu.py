@@ -26,7 +26,7 @@ def test_this_gpu_can_wait_on_a_shared_word():
 
 def test_a_host_store_releases_a_waiting_stream():
     dev = torch.device("cuda:0")
-    words = SharedWords.create(2)
+    words = SharedWords.create(2, dev)
     try:
         src = torch.full((256,), 3.0, device=dev)
         dst = torch.zeros(256, device=dev)
@@ -51,7 +51,7 @@ def test_a_host_store_releases_a_waiting_stream():
 def test_a_process_waits_for_the_word_another_process_writes():
     dev = torch.device("cuda:0")
     ctx = mp.get_context("spawn")
-    words = SharedWords.create(1)
+    words = SharedWords.create(1, dev)
     src = torch.zeros(64, device=dev)
     dst = torch.full((64,), -1.0, device=dev)
     report_q, go_q = ctx.Queue(), ctx.Queue()
