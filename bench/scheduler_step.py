@@ -15,8 +15,14 @@ finish (ignore_eos, huge max_tokens), so every step covers all N sequences. The 
 and Python's garbage collector (see --gc-threshold) move single runs by 10-20%: compare the best
 of several repeats, on one machine.
 
+With --speculate K the scheduler speculates as with the device's prompt lookup (k = K, each
+request's k adaptive, the cost model on: the fake results carry a GPU time): each verifying
+sequence's drafts are accepted left to right with probability --accept each, and every sampling
+sequence gets K proposals back. Its line says how many timed steps verified.
+
     python -m strata.bench.scheduler_step                          # 256 and 512 sequences
     python -m strata.bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
+    python -m strata.bench.scheduler_step --num-seqs 16 --speculate 8 --accept 0.35
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConf
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.speculation import SpeculativeConfig
 from strata.v1 import engine_pb2
 
 PHASES = ("schedule", "encode", "result")
+COUNTED = (*PHASES, "verifying")  # (plans that verify drafts: a count, not seconds)
 
 
 class _NoPipeline:
@@ -49,7 +57,8 @@ class _NoPipeline:
 
 def make_engine(args, rng: random.Random) -> Engine:
     engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=args.num_seqs))
-    max_len = args.prompt_len + args.warmup + args.repeat * args.steps + 64  # no sequence ends by length
+    # No sequence ends by length (a verify step emits up to k + 1 tokens).
+    max_len = args.prompt_len + (args.warmup + args.repeat * args.steps) * (args.speculate + 1) + 64
     engine.scheduler = Scheduler(
         num_blocks=args.num_seqs * -(-max_len // args.block_size),
         block_size=args.block_size,
@@ -57,6 +66,11 @@ def make_engine(args, rng: random.Random) -> Engine:
         max_num_seqs=args.num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_lookahead=args.lookahead,
+        speculation=SpeculativeConfig(
+            "ngram", num_speculative_tokens=args.speculate, proposer="device", max_batch=args.num_seqs
+        )
+        if args.speculate
+        else None,
     )
     for i in range(args.num_seqs):
         req = Request(
@@ -72,19 +86,31 @@ def make_engine(args, rng: random.Random) -> Engine:
     return engine
 
 
-def fake_result(plan, rng: random.Random) -> bytes:
-    """What the last stage sends back: one random token per sampling sequence."""
-    seq_ids = [s.seq_id for s in plan.seqs if s.sample]
-    return engine_pb2.StepResult(
+def fake_result(plan, rng: random.Random, speculate: int = 0, accept: float = 0.0) -> bytes:
+    """What the last stage sends back: one random token per sampling sequence, or with
+    speculation the accepted drafts and one more, the next proposals and a GPU time."""
+    seqs = [s for s in plan.seqs if s.sample]
+    counts = []
+    for s in seqs:
+        accepted = 0
+        while accepted < s.num_draft and rng.random() < accept:
+            accepted += 1
+        counts.append(accepted + 1)
+    result = engine_pb2.StepResult(
         step_id=plan.step_id,
-        seq_ids=seq_ids,
-        num_tokens=[1] * len(seq_ids),
-        token_ids=[rng.randrange(100, 30000) for _ in seq_ids],
-    ).SerializeToString()
+        seq_ids=[s.seq_id for s in seqs],
+        num_tokens=counts,
+        token_ids=[rng.randrange(100, 30000) for _ in range(sum(counts))],
+    )
+    if speculate:
+        result.num_proposed.extend([speculate] * len(seqs))
+        result.proposed_token_ids.extend(rng.randrange(100, 30000) for _ in range(speculate * len(seqs)))
+        result.gpu_seconds = 1e-3
+    return result.SerializeToString()
 
 
 def run_steps(
-    engine: Engine, results: collections.deque, steps: int, rng: random.Random, totals: dict[str, float]
+    engine: Engine, results: collections.deque, steps: int, rng: random.Random, totals: dict[str, float], args
 ) -> None:
     sched, clock = engine.scheduler, time.perf_counter
     for _ in range(steps):
@@ -100,7 +126,8 @@ def run_steps(
             totals["encode"] += t2 - t1
             engine.in_flight.append(plan)
             engine._deadlines.append(0.0)  # the engine's bookkeeping of a plan sent (no clock runs here)
-            results.append(fake_result(plan, rng))
+            totals["verifying"] += any(s.num_draft for s in plan.seqs)
+            results.append(fake_result(plan, rng, args.speculate, args.accept))
         t0 = clock()
         engine._finish_step(engine_pb2.StepResult.FromString(results.popleft()))
         totals["result"] += clock() - t0
@@ -112,16 +139,16 @@ def measure(args, num_seqs: int) -> list[dict[str, float]]:
     rng = random.Random(args.seed)
     engine = make_engine(args, rng)
     results: collections.deque = collections.deque()
-    run_steps(engine, results, args.warmup, rng, dict.fromkeys(PHASES, 0.0))  # prefill, then steady state
+    run_steps(engine, results, args.warmup, rng, dict.fromkeys(COUNTED, 0.0), args)  # prefill, then steady state
     if len(engine.scheduler.running) != num_seqs:
         raise RuntimeError("not every sequence is running: raise --max-num-batched-tokens or the block pool")
     runs = []
     for _ in range(args.repeat):
-        totals = dict.fromkeys(PHASES, 0.0)
+        totals = dict.fromkeys(COUNTED, 0.0)
         profiler = cProfile.Profile() if args.profile else None
         if profiler:
             profiler.enable()
-        run_steps(engine, results, args.steps, rng, totals)
+        run_steps(engine, results, args.steps, rng, totals, args)
         if profiler:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile_lines)
@@ -152,6 +179,8 @@ def main() -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
+    p.add_argument("--speculate", type=int, default=0, help="k: speculate as with the device's prompt lookup (0: off)")
+    p.add_argument("--accept", type=float, default=0.35, help="with --speculate: each draft's chance to be accepted")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -173,13 +202,14 @@ def main() -> None:
 
     for n in args.num_seqs:
         runs = measure(args, n)
-        totals = [sum(r.values()) for r in runs]
+        totals = [sum(r[k] for k in PHASES) for r in runs]
         best = min(range(len(runs)), key=totals.__getitem__)
         median = statistics.median(totals)
         phases = ", ".join(f"{k} {runs[best][k] * 1e3:.3f}" for k in PHASES)
+        verifying = f"; {runs[best]['verifying'] * 100:.0f}% of plans verified" if args.speculate else ""
         print(
             f"N={n}: {totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
-            f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}"
+            f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}{verifying}"
         )
 
 

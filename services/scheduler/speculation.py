@@ -321,6 +321,8 @@ class AdaptiveK:
             value = tokens / (1 + fixed + c * k)
             if value > best * 1.02:
                 best_k, best, best_tokens = k, value, tokens
+            if k >= spec.found:
+                break  # a larger k finds no more drafts: it only costs more
         spec.expected = best_tokens
         if best_k == 0 and spec.k > 0:
             spec.backoff = min(max(2 * spec.backoff, self.MIN_BACKOFF), self.MAX_BACKOFF)
@@ -389,6 +391,10 @@ class CostModel:
         self._windows: dict[tuple[int, bool], tuple[float, int, int, int, int]] = {}
         self._last_result: float | None = None
         self._pipelines = False  # some step was sent before the previous result came back
+        # verify_cost per bucket, until the next window is recorded: every verifying request
+        # asks for it after every verify step (16 least-squares fits a step cost the scheduler
+        # 0.25 ms at batch 16, bench/scheduler_step.py --speculate).
+        self._verify_costs: dict[int, tuple[float, float]] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -439,6 +445,7 @@ class CostModel:
         self._record(kind[0], longest, total / steps, emitted / max(sampled, 1))
 
     def _record(self, b: int, query: int, seconds: float, tokens_per_seq: float) -> None:
+        self._verify_costs.pop(b, None)
         verifies = query > 1
         self._average(self.times, (b, query), seconds)
         self._average(self.step, (b, verifies), seconds)
@@ -509,6 +516,12 @@ class CostModel:
         (least squares; with one length, all of it per position; (0, 0.05) until then: small
         batches read the weights once either way)."""
         b = self.bucket(batch)
+        cost = self._verify_costs.get(b)
+        if cost is None:
+            cost = self._verify_costs[b] = self._fit_verify_cost(b)
+        return cost
+
+    def _fit_verify_cost(self, b: int) -> tuple[float, float]:
         decode = self.times.get((b, 1))
         points = [(q, t) for (bb, q), t in self.times.items() if bb == b and q > 1]
         if decode is None or not points:
