@@ -269,9 +269,11 @@ def test_host_overhead_with_a_simulated_device():
     assert per_step_ms >= 5.0 * 0.99
 
 
-def test_scheduler_step_runs_the_engine_bookkeeping():
+@pytest.mark.parametrize("speculate", [[], ["--speculate", "8"]], ids=["plain", "speculating"])
+def test_scheduler_step_runs_the_engine_bookkeeping(speculate):
     """The scheduler's per-step host cost benchmark drives Engine._finish_step as the engine does
-    (it broke silently when the engine began keeping a deadline per plan in flight)."""
+    (it broke silently when the engine began keeping a deadline per plan in flight); with
+    --speculate its fake results verify drafts, and most plans verify."""
     import subprocess
     import sys
 
@@ -290,6 +292,7 @@ def test_scheduler_step_runs_the_engine_bookkeeping():
             "1",
             "--prompt-len",
             "32",
+            *speculate,
         ],
         capture_output=True,
         text=True,
@@ -298,6 +301,9 @@ def test_scheduler_step_runs_the_engine_bookkeeping():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "N=16:" in proc.stdout and "per step" in proc.stdout
+    if speculate:
+        verified = float(proc.stdout.split("; ")[-1].split("%")[0])
+        assert verified > 50, proc.stdout
 
 
 def test_schedule_shape_counts_every_prompt_and_decode_token():

@@ -306,6 +306,30 @@ def test_verify_cost_has_a_fixed_part_and_k_follows_it():
     assert low.spec.k == 0
 
 
+def test_verify_cost_is_fitted_once_per_window_and_follows_the_next():
+    """Every verifying request asks for the verify cost after every verify step: the fit is kept
+    until the next window of steps is recorded (16 fits a step cost the scheduler 0.48 ms)."""
+    costs = CostModel()
+    costs.observe(1, 1, 0.00075)
+    for q, t in ((3, 0.00172), (9, 0.00177)):
+        costs.observe(1, q, t, tokens=2)
+    first = costs.verify_cost(1)
+    fits = []
+    real = costs._fit_verify_cost
+    costs._fit_verify_cost = lambda b: fits.append(b) or real(b)
+    assert [costs.verify_cost(1) for _ in range(16)] == [first] * 16 and fits == []
+    costs.observe(1, 5, 0.00300, tokens=2)  # a new window: the line moves
+    assert costs.verify_cost(1) != first and fits == [1]
+
+
+def test_adaptive_k_stops_at_the_drafts_found():
+    """A larger k than the lookup found only costs more: the same k as trying every k."""
+    req = Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)
+    req.spec = SpecState(k=8)
+    AdaptiveK(8).record(req, 8, 2, 2, (0.1, 0.05))  # 2 found, both accepted
+    assert req.spec.k == 2
+
+
 def test_k_follows_acceptance_and_drafting_stops_when_it_never_pays():
     adaptive = AdaptiveK(4)
     req = Request("r", [1, 2, 3], engine_pb2.SamplingOptions(), max_tokens=500)

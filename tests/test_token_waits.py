@@ -1,0 +1,150 @@
+"""Stage 0's token intake where its GPU waits (services/worker/token_waits.py), on CPU: the order
+it queues the waits and scatters in, the announcements checked against it and credited, the
+deadline of a wait nobody answered, and close() releasing every wait. The stream operations are
+recorded instead of queued (tests/gpu/test_recovery_gpu.py and test_pipelined_decode_gpu.py run
+them on a GPU)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from strata.services.worker import token_waits
+from strata.services.worker.doorbell import Announcement
+from strata.services.worker.stage_transport import StepFailed
+
+SLOTS, ROWS = 4, 8
+
+
+class FakeRing:
+    def __init__(self):
+        self.slots = SLOTS
+        self.buffer = torch.arange(SLOTS * ROWS, dtype=torch.int64) + 1000  # slot s, row r: 1000 + s*ROWS + r
+        self.released: list[int] = []
+
+    def ready_word(self, slot: int) -> int:
+        return slot
+
+    def consumed_word(self, slot: int) -> int:
+        return SLOTS + slot
+
+    def view(self, slot: int, part: int, shape) -> torch.Tensor:
+        return self.buffer[slot * ROWS : slot * ROWS + shape[0]]
+
+    def release_words(self, count: int) -> None:
+        self.released.append(count)
+
+
+class FakeReader:
+    """The doorbell's side: announcements the test makes arrive, credits counted."""
+
+    def __init__(self):
+        self.ring = FakeRing()
+        self.arrived: collections.deque[Announcement] = collections.deque()
+        self.taken = 0
+        self.credited = 0
+
+    def announce(self, step_id: int, rows: int, error: str = "") -> None:
+        self.arrived.append(Announcement(step_id, self.taken + len(self.arrived), rows, 0, error))
+
+    def next(self, block: bool):
+        assert not block  # the intake never blocks its step thread
+        if not self.arrived:
+            return None
+        self.taken += 1
+        return self.arrived.popleft()
+
+    def release(self) -> None:
+        self.credited = self.taken
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    """The stream operations, in the order they were queued."""
+    queued: list[tuple] = []
+    monkeypatch.setattr(token_waits, "wait_geq", lambda stream, word, value: queued.append(("wait", word, value)))
+    monkeypatch.setattr(token_waits, "write", lambda stream, word, value: queued.append(("write", word, value)))
+    monkeypatch.setattr(token_waits.torch.cuda, "current_stream", lambda device=None: None)
+    return queued
+
+
+def make(timeout: float = 60.0):
+    reader = FakeReader()
+    last_sampled = torch.zeros(16, dtype=torch.int64)
+    return reader, last_sampled, token_waits.DeviceTokenWaits(reader, last_sampled, timeout)
+
+
+def start(waits, step_id: int, rows: list[int] | None):
+    waits.expect(step_id)
+    if rows is not None:
+        waits.set_rows(step_id, torch.tensor(rows, dtype=torch.int64))
+
+
+def test_a_step_queues_waits_and_scatters_in_order_up_to_the_step_it_needs(ops):
+    reader, last_sampled, waits = make()
+    start(waits, 10, [3, 5])  # number 0: slot 0
+    start(waits, 11, [7])  # number 1: slot 1
+    start(waits, 12, [2])  # number 2: slot 2
+    assert waits.queue_through(11) == 2
+    assert ops == [("wait", 0, 1), ("write", SLOTS + 0, 1), ("wait", 1, 2), ("write", SLOTS + 1, 2)]
+    assert last_sampled[[3, 5, 7]].tolist() == [1000, 1001, 1000 + ROWS]  # slot 0 rows 0-1, slot 1 row 0
+    assert waits.queue_through(11) == 0  # queued once
+    assert waits.queue_through(12) == 1 and ops[-2] == ("wait", 2, 3)
+
+
+def test_announcements_are_checked_applied_if_no_step_needed_them_and_credited(ops):
+    reader, last_sampled, waits = make()
+    start(waits, 10, [1])
+    start(waits, 11, [2])
+    waits.queue_through(10)
+    reader.announce(10, 1)
+    reader.announce(11, 1)
+    waits.pump()
+    assert reader.credited == 2
+    assert [op for op in ops if op[0] == "wait"] == [("wait", 0, 1), ("wait", 1, 2)]  # step 11's by the pump
+    assert last_sampled[2].item() == 1000 + ROWS
+
+
+def test_a_failed_step_keeps_the_order_and_a_step_that_failed_here_scatters_nothing(ops):
+    reader, last_sampled, waits = make()
+    start(waits, 10, None)  # failed on stage 0 before its rows
+    start(waits, 11, [4])
+    reader.announce(10, 0, error="stage 1: boom")
+    reader.announce(11, 1)
+    waits.pump()
+    assert ops == [("wait", 0, 1), ("write", SLOTS, 1), ("wait", 1, 2), ("write", SLOTS + 1, 2)]
+    assert last_sampled.tolist().count(0) == 15 and last_sampled[4].item() == 1000 + ROWS
+
+
+def test_an_announcement_out_of_the_expected_order_fails_and_releases_the_waits(ops):
+    reader, _, waits = make()
+    start(waits, 10, [1])
+    reader.announce(12, 1)
+    with pytest.raises(StepFailed, match="out of the expected order"):
+        waits.pump()
+    assert reader.ring.released == [1]
+    with pytest.raises(StepFailed, match="closed"):
+        waits.queue_through(10)
+
+
+def test_a_wait_no_announcement_answered_fails_the_next_step_past_the_deadline(ops):
+    reader, _, waits = make(timeout=0.05)
+    start(waits, 10, [1])
+    waits.queue_through(10)
+    waits.pump()  # within the deadline
+    waits._pending[0].queued_at -= 1.0
+    with pytest.raises(StepFailed, match="did not reach stage 0"):
+        waits.pump()
+
+
+def test_close_releases_every_wait_queued_or_to_come(ops):
+    reader, _, waits = make()
+    for step in (10, 11, 12):
+        start(waits, step, [1])
+    waits.queue_through(12)
+    waits.close("pipeline re-initialised")
+    assert reader.ring.released == [3]  # the next number: every wait is for one at most
+    with pytest.raises(StepFailed):
+        waits.queue_through(12)
