@@ -26,7 +26,7 @@ import torch
 
 from strata.kernels.shared_kv_runs import SharedKVRuns
 from strata.services.worker.attention import AttentionMetadata
-from strata.services.worker.host_to_device import ALIGN, torch_dtype
+from strata.services.worker.host_to_device import ALIGN, torch_dtype, wait_for
 from strata.services.worker.sampler import sample_unfiltered
 from strata.services.worker.step_inputs import HostInputs
 
@@ -299,7 +299,7 @@ class DecodeGraphs:
         t, padded = n * self.query_len, bs * self.query_len
         host = self.host[self.step % 2]
         self.step += 1
-        host.copied.synchronize()  # its previous copy has left the host buffers
+        wait_for(host.copied)  # its previous copy has left the host buffers
         rows = host.rows
         if h.input_ids is not None:
             rows["input_ids"][:t] = h.input_ids

@@ -46,7 +46,7 @@ from strata.kernels.spec_decode import (
     shifts_reference,
 )
 from strata.protocol import DEVICE_DRAFT
-from strata.services.worker.host_to_device import upload
+from strata.services.worker.host_to_device import upload, wait_for
 from strata.services.worker.sequence_table import PlanError
 
 
@@ -94,7 +94,7 @@ class _Staging:
         else:
             i = self.step % 2
             self.step += 1
-            self.copied[i].synchronize()
+            wait_for(self.copied[i])
             out = self.host[i].numpy()
         fill_staged_rows(out, meta, total, pad_row, gates)
         if self.cuda:

@@ -36,7 +36,7 @@ import torch
 
 from strata import constraints
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker.host_to_device import upload
+from strata.services.worker.host_to_device import upload, wait_for
 from strata.services.worker.step_results import accepted_rows
 
 log = logging.getLogger("strata.worker")
@@ -255,7 +255,7 @@ class GrammarState:
             self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
             self._bitmask_copied = torch.cuda.Event() if pin else None
         elif self._bitmask_copied is not None:
-            self._bitmask_copied.synchronize()  # the previous upload has left the host buffer
+            wait_for(self._bitmask_copied)  # the previous upload has left the host buffer
         return self._bitmask[:n]
 
     def _fill(self, h, idx: np.ndarray, bitmask: torch.Tensor) -> np.ndarray:
