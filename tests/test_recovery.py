@@ -63,6 +63,19 @@ def worker(cluster, name):
     return next(proc for pname, proc in cluster.procs if pname == name)
 
 
+def hang_until_noticed(cluster, victim, within: float) -> None:
+    """SIGSTOP: the scheduler must say NOT_SERVING within `within` s; 2 s later, SIGCONT."""
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + within
+        while check_health(cluster.scheduler_address) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not check_health(cluster.scheduler_address), "the hung stage was not noticed"
+        time.sleep(2)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize(
     "stop,transport",
     [(signal.SIGKILL, "auto"), (signal.SIGTERM, "auto"), (signal.SIGKILL, "distributed")],
@@ -110,16 +123,7 @@ def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(mode
         started = threading.Barrier(len(work) + 1)
         threads, resumed, errors = run_all(client, work, started)
         started.wait(timeout=60)
-        victim = worker(cluster, "worker 0")
-        os.kill(victim.pid, signal.SIGSTOP)
-        try:
-            deadline = time.monotonic() + 10
-            while check_health(cluster.scheduler_address) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not check_health(cluster.scheduler_address), "the hung stage was not noticed"
-            time.sleep(2)
-        finally:
-            os.kill(victim.pid, signal.SIGCONT)
+        hang_until_noticed(cluster, worker(cluster, "worker 0"), within=10)
         for t in threads:
             t.join(timeout=120)
         assert not errors, errors

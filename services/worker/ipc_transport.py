@@ -114,7 +114,8 @@ class Ring:
     def create(
         cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int, words: bool = False
     ) -> Ring:
-        """words: a word per slot the receiver's stream can wait on, where this GPU allows it."""
+        """words: two words per slot (ready, consumed) that order the slots on the GPUs, where this
+        GPU allows it (the token link)."""
         numel = slots * parts * slot_elements
         if device.type == "cuda":
             with torch.cuda.device(device):

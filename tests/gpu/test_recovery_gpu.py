@@ -8,7 +8,6 @@ rebuilds the pipeline, and every request finishes with the tokens of an uninterr
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -20,7 +19,7 @@ import torch
 from strata.grpc_util import check_health
 from strata.v1 import engine_pb2
 from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
-from tests.test_recovery import requests, run_all, worker
+from tests.test_recovery import hang_until_noticed, requests, run_all, worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -54,15 +53,7 @@ def test_a_lost_last_stage_never_leaves_stage_0s_gpu_waiting(model_dir, stop):
             time.sleep(1.0)
             cluster.procs.append(("worker 1 (restarted)", subprocess.Popen(argv)))
         else:
-            os.kill(victim.pid, signal.SIGSTOP)
-            try:
-                deadline = time.monotonic() + 20
-                while check_health(cluster.scheduler_address) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert not check_health(cluster.scheduler_address), "the hung stage was not noticed"
-                time.sleep(2)
-            finally:
-                os.kill(victim.pid, signal.SIGCONT)
+            hang_until_noticed(cluster, victim, within=20)
         for t in threads:
             t.join(timeout=180)
         assert not errors, errors
