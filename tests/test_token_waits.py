@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,38 @@ def test_close_releases_every_wait_queued_or_to_come(ops):
     assert reader.ring.released == [3]  # the next number: every wait is for one at most
     with pytest.raises(StepFailed):
         waits.queue_through(12)
+
+
+def test_the_intake_queues_what_a_steps_placeholders_need_and_counts_the_gpus_waits(ops):
+    """TokenIntake with the GPU's waits (token_handoff.py): a lookahead's placeholders at row 3
+    queue the wait for the step that last sampled row 3, not the host's."""
+    from types import SimpleNamespace
+
+    from strata.protocol import PLACEHOLDER_TOKEN
+    from strata.services.worker.token_handoff import TokenIntake
+
+    reader, last_sampled, waits = make()
+    intake = TokenIntake(last_sampled, timeout=60.0)
+    intake.device_waits = waits
+
+    def step(step_id, input_ids, rows):
+        rows = np.asarray(rows, dtype=np.int64)
+        intake.plan_started(SimpleNamespace(step_id=step_id, sample=[True] * len(rows)))
+        ids = np.asarray(input_ids, dtype=np.int64)
+        h = SimpleNamespace(
+            input_ids=ids,
+            token_rows=rows,
+            has_placeholders=bool((ids < 0).any()),
+            sample_seq_ids=list(range(len(rows))),
+            sample_rows=rows,
+            verify=None,
+        )
+        intake.before_step(step_id, h)
+
+    step(10, [5, 6], [3, 9])  # samples rows 3 and 9: number 0, slot 0
+    step(11, [PLACEHOLDER_TOKEN], [3])  # needs step 10's token for row 3
+    assert intake.waits == 1 and intake.wait_seconds == 0.0
+    assert ops[:2] == [("wait", 0, 1), ("write", SLOTS, 1)]
+    assert last_sampled[[3, 9]].tolist() == [1000, 1001]
+    step(12, [7], [4])  # no placeholders: nothing queued, nothing waited
+    assert intake.waits == 1 and len(ops) == 2

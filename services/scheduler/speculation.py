@@ -393,7 +393,7 @@ class CostModel:
         self._pipelines = False  # some step was sent before the previous result came back
         # verify_cost per bucket, until the next window is recorded: every verifying request
         # asks for it after every verify step (16 least-squares fits a step cost the scheduler
-        # 0.25 ms at batch 16, bench/scheduler_step.py --speculate).
+        # 0.48 ms at batch 16 on a CPU, bench/scheduler_step.py --speculate).
         self._verify_costs: dict[int, tuple[float, float]] = {}
 
     @staticmethod

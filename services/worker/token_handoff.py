@@ -108,32 +108,27 @@ class TokenIntake:
 
     def before_step(self, step_id: int, h) -> None:
         """On the step thread, before the step is launched."""
-        if self.device_waits is not None:
-            self._queue_on_device(step_id, h)
-            return
-        if self.pump is not None:
+        waits = self.device_waits
+        if waits is not None:
+            waits.pump()  # what has arrived: checked, applied, credited
+        elif self.pump is not None:
             self.pump(0)  # what has arrived: frees the ring's slots
         if h.has_placeholders:
             rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
             need = int(self.last_step[rows].max())
-            if need > self.applied:
+            if waits is not None:
+                if waits.queue_through(need):
+                    self.waits += 1  # the GPU waits for tokens not yet announced (no host time)
+            elif need > self.applied:
                 self._wait(need)
         if h.sample_seq_ids:
             rows = sampler_rows(h)
             self.last_step[rows] = step_id
-            self._rows[step_id] = upload({"rows": rows.astype(np.int64)}, self.device)["rows"]
-
-    def _queue_on_device(self, step_id: int, h) -> None:
-        waits = self.device_waits
-        waits.pump()
-        if h.has_placeholders:
-            rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
-            if waits.queue_through(int(self.last_step[rows].max())):
-                self.waits += 1  # the GPU waits for tokens not yet announced (no host time)
-        if h.sample_seq_ids:
-            rows = sampler_rows(h)
-            self.last_step[rows] = step_id
-            waits.set_rows(step_id, upload({"rows": rows.astype(np.int64)}, self.device)["rows"])
+            on_device = upload({"rows": rows.astype(np.int64)}, self.device)["rows"]
+            if waits is not None:
+                waits.set_rows(step_id, on_device)
+            else:
+                self._rows[step_id] = on_device
 
     def _wait(self, step_id: int) -> None:
         started = time.perf_counter()
