@@ -13,6 +13,7 @@ import time
 from strata.flags import BATCH_FLAGS, ENGINE_FLAGS, GATEWAY_FLAGS, SPECULATIVE_FLAGS, WORKER_FLAGS, argv_for
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
+from strata.v1 import generate_pb2
 
 # Set by the launcher in each service it starts: the launcher's pid.
 PARENT_ENV = "STRATA_LAUNCHER_PID"
@@ -50,10 +51,22 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+GATEWAY_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never the same one twice in this process. The services
+    bind their ports later, and until then the OS may offer a port again: a test cluster's worker
+    got the gateway's port, and the gateway's health probe found the worker there (the client then
+    got UNIMPLEMENTED)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class Cluster:
@@ -75,13 +88,15 @@ class Cluster:
         env = {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
         self.procs.append((name, subprocess.Popen(cmd, env=env)))
 
-    def wait_healthy(self, address: str, name: str, timeout: float) -> None:
+    def wait_healthy(self, address: str, name: str, timeout: float, service: str = "") -> None:
+        """service: the gRPC service that must be SERVING there (another server on the port would
+        answer the overall health too)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for pname, proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{pname} exited with code {proc.returncode} during start-up")
-            if check_health(address, timeout=1.0):
+            if check_health(address, timeout=1.0, service=service):
                 return
             time.sleep(0.3)
         raise TimeoutError(f"{name} at {address} not healthy after {timeout:.0f}s")
@@ -213,7 +228,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         cluster.gateway_address = f"{host}:{args.port}"
         cluster.http_address = f"http://{host}:{args.http_port}" if args.http_port else ""
         if not args.tls_cert:
-            cluster.wait_healthy(cluster.gateway_address, "gateway", startup_timeout)
+            cluster.wait_healthy(cluster.gateway_address, "gateway", startup_timeout, service=GATEWAY_SERVICE)
         return cluster
     except BaseException:
         cluster.stop()
