@@ -128,7 +128,10 @@ class Ring:
                 stream = torch.cuda.current_stream(device)
                 for e in ready + consumed:  # created on this GPU before their handles go out
                     e.record(stream)
-            shared = stream_memops.SharedWords.create(2 * slots, device) if words else None
+            shared = None
+            if words:
+                sweep_stale_files(stream_memops.words_directory())
+                shared = stream_memops.SharedWords.create(2 * slots, device)
             return cls(buffer, slots, parts, slot_elements, ready, consumed, shared)
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         if directory is None:
@@ -280,7 +283,7 @@ def sweep_stale_files(directory: str) -> None:
     """Rings and doorbells of processes that died before they unlinked them (kill -9 while a
     link was being set up): their names carry the owner's pid."""
     for name in os.listdir(directory):
-        if not name.startswith(("strata-ring-", "strata-link-")):
+        if not name.startswith(("strata-ring-", "strata-link-", "strata-words-")):
             continue
         try:
             pid = int(name.split("-")[2])

@@ -120,8 +120,9 @@ class SharedWords:
 
     @classmethod
     def create(cls, count: int, device: torch.device) -> SharedWords:
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-        return cls(os.path.join(directory, f"strata-words-{os.getpid()}-{secrets.token_hex(8)}"), count, True, device)
+        # The name carries the pid: ipc_transport.sweep_stale_files removes a dead process's.
+        name = f"strata-words-{os.getpid()}-{secrets.token_hex(8)}"
+        return cls(os.path.join(words_directory(), name), count, True, device)
 
     def address(self, i: int) -> int:
         return self._device_base + i * WORD_BYTES
@@ -140,6 +141,10 @@ class SharedWords:
             self.host = None
             self._map.close()
             self.unlink()
+
+
+def words_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 def usable(device: torch.device) -> bool:
