@@ -115,7 +115,7 @@ class Ring:
         cls, device: torch.device, dtype: torch.dtype, slots: int, parts: int, slot_elements: int, words: bool = False
     ) -> Ring:
         """words: two words per slot (ready, consumed) that order the slots on the GPUs, where this
-        GPU allows it (the token link)."""
+        GPU allows it (stream_memops.usable); else the events do."""
         numel = slots * parts * slot_elements
         if device.type == "cuda":
             with torch.cuda.device(device):
@@ -240,14 +240,19 @@ class Ring:
         if self.words is not None:
             self.words.host.view(np.uint32)[:] = (count + (1 << 30)) & 0xFFFFFFFF
 
-    def ready_wait(self, slot: int) -> None:
-        """Receiver: the compute stream waits for the sender's copy into the slot."""
-        if self.ready is not None:
+    def ready_wait(self, slot: int, count: int) -> None:
+        """Receiver: the compute stream waits for the sender's copy into the slot (count: the
+        announcement's number + 1)."""
+        if self.words is not None:
+            stream_memops.wait_geq(torch.cuda.current_stream(self.device), self.ready_word(slot), count)
+        elif self.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
 
-    def consumed_record(self, slot: int) -> None:
-        """Receiver: after its reads of the slot are queued."""
-        if self.consumed is not None:
+    def consumed_record(self, slot: int, count: int) -> None:
+        """Receiver: after its reads of the slot are queued (or for a slot it skips)."""
+        if self.words is not None:
+            stream_memops.write(torch.cuda.current_stream(self.device), self.consumed_word(slot), count)
+        elif self.consumed is not None:
             self.consumed[slot].record(torch.cuda.current_stream(self.device))
 
     def close_words(self, wait_seconds: float = 5.0) -> None:
@@ -406,15 +411,19 @@ class IpcReceiver(Receiver):
     def __init__(self, session, device, dtype, hidden_size, max_rows, timeout, *, slots: int):
         super().__init__(session, device, dtype, hidden_size, max_rows, timeout)
         self.device = check_ipc_device(device)
-        self.reader = RingReader(Ring.create(self.device, dtype, slots, 2, max_rows * hidden_size), timeout)
-        self._held: Announcement | None = None  # a later step's announcement, taken early (take)
-        ring = self.reader.ring
+        # Slot words (STRATA_STREAM_WAITS, on by default): the GPU waits for the sender's copy on a
+        # word in host memory, as the token link does; 0 keeps the interprocess events (A/B runs).
+        words = os.environ.get("STRATA_STREAM_WAITS", "1") != "0"
+        ring = Ring.create(self.device, dtype, slots, 2, max_rows * hidden_size, words=words)
+        self.reader = RingReader(ring, timeout)
+        self._held: tuple[Announcement, int] | None = None  # a later step's announcement, taken early (take)
         log.info(
-            "stage transport: ipc ring of %d slots x 2 x %d elements (%.1f MiB) on %s",
+            "stage transport: ipc ring of %d slots x 2 x %d elements (%.1f MiB) on %s, ordered by %s",
             slots,
             ring.slot_elements,
             ring.buffer.numel() * ring.buffer.element_size() / 2**20,
             self.device,
+            "slot words" if ring.words is not None else "interprocess events",
         )
 
     @property
@@ -430,28 +439,40 @@ class IpcReceiver(Receiver):
         that no plan here asked for is dropped, a later one's is kept for its own step."""
         reader = self.reader
         while True:
-            a, self._held = self._held or reader.next(block=True), None
+            if self._held is not None:
+                (a, count), self._held = self._held, None
+            else:
+                a = reader.next(block=True)
+                count = reader.taken  # the announcement's number + 1: its slot words' value
             if a.step_id >= step_id:
                 break
-            reader.release()
+            self._skip(a, count)
         if a.step_id > step_id:
-            self._held = a
+            self._held = (a, count)
             raise StepFailed(f"step {step_id}'s activations never came (step {a.step_id}'s did)")
         if a.error:
-            reader.release()
+            self._skip(a, count)
             raise StepFailed(a.error)
         if a.cols != self.hidden_size or not 0 < a.rows <= self.max_rows:
-            reader.release()
+            self._skip(a, count)
             raise StepFailed(f"stage transport (ipc): activations of shape [{a.rows}, {a.cols}]")
         ring = reader.ring
-        ring.ready_wait(a.slot)
+        ring.ready_wait(a.slot, count)
         out = tuple(ring.view(a.slot, part, (a.rows, a.cols)).clone() for part in range(2))
-        ring.consumed_record(a.slot)
+        ring.consumed_record(a.slot, count)
         reader.release()
         return out
 
+    def _skip(self, a: Announcement, count: int) -> None:
+        """An announcement no step reads: its slot goes back to the sender (GPU word, credit)."""
+        self.reader.ring.consumed_record(a.slot, count)
+        self.reader.release()
+
     def close(self) -> None:
+        ring = self.reader.ring
+        ring.release_words(self.reader.taken)  # a stream waiting for a dead sender's copy
         self.reader.close()
+        ring.close_words()
         super().close()
 
 

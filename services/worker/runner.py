@@ -21,6 +21,7 @@ from strata.services.worker.device_proposer import (
     recording_decode_graphs,
     shifting_verify_graphs,
 )
+from strata.services.worker.gpu_clock import GpuClock
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling_controls import SamplingControls
@@ -131,6 +132,7 @@ class ModelRunner:
             )
             self.table.controls = self.controls
         self.timeline = GpuTimeline() if device.type == "cuda" else None
+        self.clock = GpuClock.from_env(self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
         # Pipelined decode over P > 1 stages (token_handoff.py): stage 0's TokenIntake, which
         # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet.
         self.handoff = None
@@ -261,9 +263,13 @@ class ModelRunner:
         def arrive():
             """Waits for what the step needs from the other stages, then marks the step's start
             on the stage's timeline (stage_stats.py); returns the activations taken, if any."""
+            if self.clock:
+                self.clock.stamp(plan.step_id, "queued")
             taken = take_inputs() if take_inputs is not None else (hidden, residual)
             if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
                 self.handoff.before_step(plan.step_id, h)
+            if self.clock:
+                self.clock.stamp(plan.step_id, "start")
             self.gpu_start = self.timeline.mark() if self.timeline else None
             return taken
 

@@ -289,6 +289,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     async def GetStats(self, request, context):
         s = self.stats
         s.poll()
+        if self.runner.clock:
+            self.runner.clock.dump()
         out = engine_pb2.WorkerStats(
             stage_index=self.runner.stage_index,
             steps=s.steps,
@@ -494,8 +496,12 @@ def _execute_and_send(
     start, waited = time.perf_counter(), _waits(runner, receiver)
     out = _execute(runner, plan, inputs)
     stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
+    if runner.clock:
+        runner.clock.stamp(plan.step_id, "body")
     if sender is not None:
         sender.send(plan.step_id, *out)
+    if runner.clock:
+        runner.clock.stamp(plan.step_id, "handed")
 
 
 def _execute_last(runner: ModelRunner, stats: StageStats, receiver: Receiver | None, token_sender, plan, inputs):
@@ -503,7 +509,11 @@ def _execute_last(runner: ModelRunner, stats: StageStats, receiver: Receiver | N
     (pipelined decode) on the device, behind the draw."""
     start, waited = time.perf_counter(), _waits(runner, receiver)
     out = _execute(runner, plan, inputs)
+    if runner.clock:
+        runner.clock.stamp(plan.step_id, "body")
     if token_sender is not None and isinstance(runner.handoff, TokenOutlet):
         runner.handoff.hand(plan.step_id, token_sender)
+    if runner.clock:
+        runner.clock.stamp(plan.step_id, "handed")
     stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
     return out

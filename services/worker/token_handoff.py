@@ -253,9 +253,9 @@ class IpcTokenReceiver(_TokenReceiving):
                 intake.apply(a.step_id, None)
             else:
                 ring = reader.ring
-                ring.ready_wait(a.slot)
+                ring.ready_wait(a.slot, reader.taken)
                 intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
-                ring.consumed_record(a.slot)
+                ring.consumed_record(a.slot, reader.taken)
             reader.release()
 
     def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:

@@ -1,7 +1,8 @@
-"""A lost or hung last stage on a GPU whose stage 0 waits for the sampled tokens on the device
-(token_waits.py: stage 0's stream waits on a slot word the last stage writes). kill -9 and
-SIGSTOP of the last stage mid-stream: stage 0's GPU must not stay blocked, the scheduler
-rebuilds the pipeline, and every request finishes with the tokens of an uninterrupted run.
+"""A lost or hung stage whose peer's GPU waits on it through slot words in host memory: stage 0's
+stream waits for the sampled tokens the last stage writes (token_waits.py), the last stage's
+stream for the activations stage 0 copies (ipc_transport.IpcReceiver.take). kill -9 and SIGSTOP
+of either stage mid-stream: the other's GPU must not stay blocked, the scheduler rebuilds the
+pipeline, and every request finishes with the tokens of an uninterrupted run.
 
     python -m pytest tests/gpu/test_recovery_gpu.py -q
 """
@@ -32,8 +33,9 @@ def model_dir(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, seed=21)
 
 
+@pytest.mark.parametrize("lost", ["worker 1", "worker 0"], ids=["last-stage", "stage-0"])
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_lost_last_stage_never_leaves_stage_0s_gpu_waiting(model_dir, stop):
+def test_a_lost_stage_never_leaves_the_others_gpu_waiting(model_dir, stop, lost):
     work = requests()[:8]
     with running_cluster(model_dir, 2, *FLAGS, "--step-timeout", "30") as (cluster, client):
         threads, plain, errors = run_all(client, work)
@@ -45,13 +47,13 @@ def test_a_lost_last_stage_never_leaves_stage_0s_gpu_waiting(model_dir, stop):
         started = threading.Barrier(len(work) + 1)
         threads, resumed, errors = run_all(client, work, started)
         started.wait(timeout=60)
-        victim = worker(cluster, "worker 1")
+        victim = worker(cluster, lost)
         if stop == signal.SIGKILL:
             argv = victim.args
             victim.kill()
             victim.wait()
             time.sleep(1.0)
-            cluster.procs.append(("worker 1 (restarted)", subprocess.Popen(argv)))
+            cluster.procs.append((f"{lost} (restarted)", subprocess.Popen(argv)))
         else:
             hang_until_noticed(cluster, victim, within=20)
         for t in threads:

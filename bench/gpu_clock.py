@@ -1,0 +1,165 @@
+"""Where a pipeline's shared GPU idles between its stages' steps, from the workers' GPU clock stamps
+(services/worker/gpu_clock.py: run the cluster with STRATA_GPU_CLOCK_DIR=DIR, then):
+
+    python -m strata.bench.gpu_clock DIR            # the last dump of each cluster
+    python -m strata.bench.gpu_clock DIR --call 3   # `strata bench pipeline`: 3 = its 16-stream phase
+
+Each stage's step k is busy on the GPU from its `start` stamp to its `handed` stamp. The union of
+every stage's busy intervals, against the span they cover, gives the GPU's idle; gaps longer than
+--max-gap-ms (no work: clients between requests) are left out, as the bench's own idle leaves out
+steps sent after the scheduler idled. Each remaining gap ends when some stage's step starts, and is
+charged to one cause:
+  - host late: that step's work was launched (host clock, mapped onto the GPU's) after the gap
+    opened; split by whether its `queued` stamp was launched late too (its own host was behind) or
+    in time (its host then waited on the host for a peer: the activations' announcement);
+  - hand-off: everything was queued in time, so the GPU itself took that long to pass the
+    dependency (the wait on the other process's event or word, and the restart after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+
+import numpy as np
+
+POINTS = ("queued", "start", "body", "handed")
+
+
+def load(directory: str, call: int | None) -> list[list[dict]]:
+    """The dumps grouped per cluster (files of one call written within a few seconds), each a list
+    of stages in order: {point: (step_ids, gpu_ns, host_ns)}."""
+    by_call = collections.defaultdict(list)
+    for path in glob.glob(os.path.join(directory, "stage*-*-*.npz")):
+        by_call[int(path.rsplit("-", 1)[1].split(".")[0])].append(path)
+    if not by_call:
+        raise SystemExit(f"no stamps in {directory} (was STRATA_GPU_CLOCK_DIR set for the workers?)")
+    calls = [call] if call is not None else sorted(by_call)[-1:]
+    clusters = []
+    for c in calls:
+        paths = sorted(by_call[c], key=os.path.getmtime)
+        group: list[str] = []
+        for path in paths:  # a cluster's stages answer GetStats one after the other
+            if group and os.path.getmtime(path) - os.path.getmtime(group[-1]) > 5.0:
+                clusters.append(_stages(group))
+                group = []
+            group.append(path)
+        clusters.append(_stages(group))
+    return clusters
+
+
+def _stages(paths: list[str]) -> list[dict]:
+    stages = {}
+    for path in paths:
+        d = np.load(path)
+        keep = d["t_ns"] > 0
+        stage = {}
+        for i, name in enumerate(POINTS):
+            m = keep & (d["point"] == i)
+            stage[name] = (d["step_id"][m], d["t_ns"][m], d["host_ns"][m])
+        stages[int(d["stage"])] = stage
+    return [stages[i] for i in sorted(stages)]
+
+
+def _by_step(stage: dict, point: str) -> dict[int, tuple[int, int]]:
+    ids, gpu, host = stage[point]
+    return {int(s): (int(g), int(h)) for s, g, h in zip(ids, gpu, host)}
+
+
+def analyse(stages: list[dict], max_gap_ns: float) -> dict:
+    # The host's perf_counter onto the GPU's clock: a stamp runs no earlier than its launch, so the
+    # smallest (gpu - host) over all stamps is the offset plus the shortest launch latency.
+    for stage in stages:
+        diffs = np.concatenate([stage[p][1] - stage[p][2] for p in POINTS])
+        stage["offset"] = int(diffs.min()) if diffs.size else 0
+    steps = []  # (start, end, stage index, step id)
+    segments = [collections.defaultdict(list) for _ in stages]
+    for i, stage in enumerate(stages):
+        points = {p: _by_step(stage, p) for p in POINTS}
+        for step_id, (start, _) in points["start"].items():
+            if step_id not in points["handed"]:
+                continue
+            end = points["handed"][step_id][0]
+            steps.append((start, end, i, step_id))
+            if step_id in points["queued"]:
+                segments[i]["queued -> start (waits)"].append(start - points["queued"][step_id][0])
+            if step_id in points["body"]:
+                body = points["body"][step_id][0]
+                segments[i]["start -> body (graph)"].append(body - start)
+                segments[i]["body -> handed (hand-off work)"].append(end - body)
+        stage["points"] = points
+    steps.sort()
+    busy = idle = 0
+    skipped = 0
+    causes = collections.defaultdict(lambda: collections.defaultdict(list))
+    cover_end = None
+    for start, end, i, step_id in steps:
+        if cover_end is None:
+            busy += end - start
+            cover_end, last_stage = end, i
+            continue
+        if start > cover_end:
+            gap = start - cover_end
+            if gap > max_gap_ns:
+                skipped += 1
+            else:
+                idle += gap
+                points, offset = stages[i]["points"], stages[i]["offset"]
+                start_launch = points["start"][step_id][1] + offset
+                queued = points["queued"].get(step_id)
+                queued_launch = queued[1] + offset if queued else start_launch
+                late = max(0, min(start_launch - cover_end, gap))
+                key = f"stage {last_stage} -> stage {i}"
+                if late and queued_launch > cover_end:
+                    causes[key]["host late: its own host behind"].append(late)
+                elif late:
+                    causes[key]["host late: waited on the host for a peer"].append(late)
+                causes[key]["hand-off on the GPU"].append(gap - late)
+            busy += end - start
+            cover_end, last_stage = end, i
+        elif end > cover_end:
+            busy += end - cover_end
+            cover_end, last_stage = end, i
+    return {"busy_ns": busy, "idle_ns": idle, "skipped_gaps": skipped, "causes": causes, "segments": segments}
+
+
+def report(result: dict, num_steps: int) -> str:
+    busy, idle = result["busy_ns"], result["idle_ns"]
+    lines = [
+        f"GPU busy {busy / 1e6:,.1f} ms, idle {idle / 1e6:,.1f} ms between steps: "
+        f"{idle / max(busy + idle, 1):.1%} idle ({result['skipped_gaps']} gaps longer than the cut left out); "
+        f"{num_steps:,} steps of the last stage"
+    ]
+    for i, seg in enumerate(result["segments"]):
+        for name, values in seg.items():
+            lines.append(
+                f"  stage {i} {name:34s} {np.mean(values) / 1e3:8.1f} us a step (p50 {np.median(values) / 1e3:.1f})"
+            )
+    for key, parts in sorted(result["causes"].items()):
+        total = sum(sum(v) for v in parts.values())
+        lines.append(f"  gaps {key}: {total / max(num_steps, 1) / 1e3:.1f} us a step")
+        for name, values in parts.items():
+            lines.append(
+                f"    {name:42s} {sum(values) / max(num_steps, 1) / 1e3:8.1f} us a step ({len(values):,} gaps)"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("directory", help="STRATA_GPU_CLOCK_DIR the workers wrote to")
+    p.add_argument("--call", type=int, default=None, help="which GetStats dump (default: the last)")
+    p.add_argument("--max-gap-ms", type=float, default=2.0, help="longer gaps are no work, not a bubble")
+    args = p.parse_args(argv)
+    for n, stages in enumerate(load(args.directory, args.call)):
+        result = analyse(stages, args.max_gap_ms * 1e6)
+        print(f"cluster {n}: {len(stages)} stage(s)")
+        print(report(result, len(stages[-1]["points"]["handed"])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The cross-stage GPU clock report (bench/gpu_clock.py) on hand-made stamps: each gap between two
+stages' steps is charged to the right cause."""
+
+import numpy as np
+
+from strata.bench import gpu_clock
+from strata.services.worker.gpu_clock import POINTS, GpuClock
+
+US = 1000
+
+
+def _write(path, stage, rows):
+    """rows: (step_id, point, gpu_us, host_us)."""
+    a = np.asarray([(s, POINTS.index(p), h * US, g * US) for s, p, g, h in rows], dtype=np.int64)
+    np.savez(path, step_id=a[:, 0], point=a[:, 1], host_ns=a[:, 2], t_ns=a[:, 3], stage=stage)
+
+
+def test_gaps_are_charged_to_the_hand_off_or_the_late_host(tmp_path):
+    # Host clock = GPU clock - 5 us launch latency at best. Stage 0: steps 0 and 1, 100 us each.
+    # Stage 1, step 0: queued and started in time, begins 30 us after stage 0 handed: hand-off.
+    # Stage 1, step 1: its start launched 20 us after stage 0's step 1 ended: 20 us host late
+    # (queued in time: it waited on its host for the peer), then 10 us of hand-off.
+    s0 = [
+        (0, "queued", 0, -5),
+        (0, "start", 0, -5),
+        (0, "body", 90, 50),
+        (0, "handed", 100, 60),
+        (1, "queued", 300, 200),
+        (1, "start", 300, 200),
+        (1, "body", 390, 250),
+        (1, "handed", 400, 260),
+    ]
+    s1 = [
+        (0, "queued", 50, 45),
+        (0, "start", 130, 45),
+        (0, "body", 200, 40),
+        (0, "handed", 220, 45),
+        (1, "queued", 380, 300),
+        (1, "start", 430, 415),
+        (1, "body", 500, 420),
+        (1, "handed", 520, 425),
+    ]
+    _write(tmp_path / "stage0-11-3.npz", 0, [(s, p, g + 1000, h) for s, p, g, h in s0])
+    _write(tmp_path / "stage1-12-3.npz", 1, [(s, p, g + 1000, h) for s, p, g, h in s1])
+    (stages,) = gpu_clock.load(str(tmp_path), 3)
+    r = gpu_clock.analyse(stages, max_gap_ns=2e6)
+    causes = {k: {n: sum(v) / US for n, v in parts.items()} for k, parts in r["causes"].items()}
+    assert causes["stage 0 -> stage 1"] == {
+        "hand-off on the GPU": 30 + 10,
+        "host late: waited on the host for a peer": 20,
+    }
+    assert causes["stage 1 -> stage 0"] == {"hand-off on the GPU": 80}
+    assert r["idle_ns"] == (30 + 80 + 30) * US
+    assert r["busy_ns"] == (100 + 90 + 100 + 90) * US
+    assert "stage 0 -> stage 1: 30.0 us a step" in gpu_clock.report(r, 2)
+
+
+def test_long_gaps_are_no_bubble(tmp_path):
+    s0 = [(0, "start", 1, 0), (0, "handed", 101, 0), (1, "start", 10_101, 10_000), (1, "handed", 10_201, 10_000)]
+    _write(tmp_path / "stage0-11-0.npz", 0, s0)
+    (stages,) = gpu_clock.load(str(tmp_path), None)
+    r = gpu_clock.analyse(stages, max_gap_ns=2e6)
+    assert (r["idle_ns"], r["skipped_gaps"], r["busy_ns"]) == (0, 1, 200 * US)
+
+
+def test_off_without_the_directory_or_a_gpu(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.delenv("STRATA_GPU_CLOCK_DIR", raising=False)
+    assert GpuClock.from_env(0, torch.device("cuda")) is None
+    monkeypatch.setenv("STRATA_GPU_CLOCK_DIR", str(tmp_path))
+    assert GpuClock.from_env(0, torch.device("cpu")) is None
