@@ -63,6 +63,15 @@ def worker(cluster, name):
     return next(proc for pname, proc in cluster.procs if pname == name)
 
 
+def restart(cluster, name: str, argv) -> subprocess.Popen:
+    """A killed service started again with its own command line and the cluster's token (a
+    worker without it is refused by its peers' streams)."""
+    env = {**os.environ, **cluster.env, "STRATA_CLUSTER_TOKEN": cluster.cluster_token}
+    replacement = subprocess.Popen(argv, env=env)
+    cluster.procs.append((f"{name} (restarted)", replacement))
+    return replacement
+
+
 def hang_until_noticed(cluster, victim, within: float) -> None:
     """SIGSTOP: the scheduler must say NOT_SERVING within `within` s; 2 s later, SIGCONT."""
     os.kill(victim.pid, signal.SIGSTOP)
@@ -77,11 +86,16 @@ def hang_until_noticed(cluster, victim, within: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "stop,transport",
-    [(signal.SIGKILL, "auto"), (signal.SIGTERM, "auto"), (signal.SIGKILL, "distributed")],
-    ids=["killed", "stopped", "killed-gloo-transport"],
+    "stop,transport,lost",
+    [
+        (signal.SIGKILL, "auto", "worker 1"),
+        (signal.SIGTERM, "auto", "worker 1"),
+        (signal.SIGKILL, "distributed", "worker 1"),
+        (signal.SIGKILL, "auto", "worker 0"),  # the restarted stage 0 opens the streams to stage 1
+    ],
+    ids=["killed", "stopped", "killed-gloo-transport", "killed-stage-0"],
 )
-def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport):
+def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport, lost):
     """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
     scheduler must treat both as a lost stage, never as an engine failure. On CPUs of one host `auto`
     is the ipc transport (a ring in /dev/shm and a doorbell socket, whose end of file tells the
@@ -97,14 +111,13 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
         started = threading.Barrier(len(work) + 1)
         threads, resumed, errors = run_all(client, work, started)
         started.wait(timeout=60)  # every request has streamed tokens: kill one stage mid-stream
-        victim = worker(cluster, "worker 1")
+        victim = worker(cluster, lost)
         argv = victim.args
         victim.send_signal(stop)
         victim.wait()
         time.sleep(1.0)
         assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
-        replacement = subprocess.Popen(argv)
-        cluster.procs.append(("worker 1 (restarted)", replacement))
+        restart(cluster, lost, argv)
         for t in threads:
             t.join(timeout=120)
         assert not errors, errors

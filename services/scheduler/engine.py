@@ -401,6 +401,8 @@ class Engine:
                 self._worker_gpu[1] += result.gpu_idle_seconds
             self._worker_gpu[2] += 1
         self._worker_launch_seconds += result.launch_seconds
+        if result.error and result.peer_lost:  # a stage is gone: rebuild, the requests resume
+            raise PipelineError(f"step {plan.step_id}: {result.error}")
         try:
             if result.error:
                 self.scheduler.retire(plan)

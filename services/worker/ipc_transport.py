@@ -41,7 +41,7 @@ import torch
 
 from strata.services.worker import stream_memops
 from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.stage_transport import IPC, Receiver, Sender, StepFailed, TransportError
+from strata.services.worker.stage_transport import IPC, PeerLost, Receiver, Sender, StepFailed, TransportError
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -339,7 +339,7 @@ class RingReader:
         try:
             a = self.doorbell.next(block)
         except DoorbellClosed as e:
-            raise StepFailed(f"stage transport (ipc): {e}") from None
+            raise PeerLost(f"stage transport (ipc): {e}") from None
         finally:
             self.wait_seconds += time.perf_counter() - started
         if a is None:
@@ -452,7 +452,7 @@ class IpcReceiver(Receiver):
             raise StepFailed(f"step {step_id}'s activations never came (step {a.step_id}'s did)")
         if a.error:
             self._skip(a, count)
-            raise StepFailed(a.error)
+            raise StepFailed.upstream(a.error)
         if a.cols != self.hidden_size or not 0 < a.rows <= self.max_rows:
             self._skip(a, count)
             raise StepFailed(f"stage transport (ipc): activations of shape [{a.rows}, {a.cols}]")

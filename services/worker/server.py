@@ -24,6 +24,7 @@ from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.stage_stats import StageStats
 from strata.services.worker.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
+    PeerLost,
     Receiver,
     Sender,
     StepFailed,
@@ -420,7 +421,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
         runner = self.runner
-        error = ""
+        error, peer_lost = "", False
         inputs = None  # the activations, or how the step thread takes them (an ipc link)
         receiver = self._receiver
         if not runner.is_first:
@@ -433,7 +434,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 else:
                     inputs = await receiver.receive(plan.step_id)
             except StepFailed as e:
-                error = str(e)
+                error, peer_lost = str(e), isinstance(e, PeerLost)
             self.stats.input_wait_seconds += time.perf_counter() - waited
         out = None
         if not error:
@@ -450,7 +451,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 if not (plan.propose_tokens or runner.is_last):
                     return  # a middle stage: its activations went to the next stage
             except StepFailed as e:  # its activations never came
-                error = str(e)
+                error, peer_lost = str(e), isinstance(e, PeerLost)
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
@@ -459,7 +460,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             if error and self._token_sender is not None and any(plan.sample):
                 # stage 0 must not wait for its tokens
                 await loop.run_in_executor(self.executor, self._token_sender.send_error, plan.step_id, error)
-            await pending.put(out if not error else engine_pb2.StepResult(step_id=plan.step_id, error=error))
+            failed = engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost)
+            await pending.put(out if not error else failed)
         elif self._sender is not None:
             await loop.run_in_executor(self.executor, self._sender.send_error, plan.step_id, error)
 

@@ -67,6 +67,24 @@ def name_of(kind: int) -> str:
 class StepFailed(Exception):
     """This step's activations never come: an upstream stage failed it, or the transport did."""
 
+    @staticmethod
+    def upstream(error: str) -> StepFailed:
+        """An upstream stage's error, as its link carried it (PeerLost keeps its kind)."""
+        if error.startswith(PeerLost.PREFIX):
+            return PeerLost(error[len(PeerLost.PREFIX) :])
+        return StepFailed(error)
+
+
+class PeerLost(StepFailed):
+    """The step failed because a peer stage is gone (its link closed under it): the pipeline
+    must be rebuilt, and the step's requests resume (StepResult.peer_lost), not fail. Errors
+    cross the links as strings; this prefix keeps the kind across a middle stage."""
+
+    PREFIX = "peer stage lost: "
+
+    def __str__(self) -> str:
+        return self.PREFIX + super().__str__()
+
 
 class TransportError(Exception):
     """A link cannot be opened as asked."""
@@ -281,7 +299,7 @@ class Receiver:
         if fut.done():
             return True
         if msg.error:
-            fut.set_exception(StepFailed(msg.error))
+            fut.set_exception(StepFailed.upstream(msg.error))
             return True
         try:
             self._check(msg)

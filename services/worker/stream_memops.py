@@ -77,13 +77,24 @@ def _check(rc: int, what: str) -> None:
 def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Work queued on `stream` after this runs once the word at device `address` holds at least
     `value`."""
-    _check(_lib().wait(stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+    _on_stream(_lib().wait, stream, address, value, _WAIT_GEQ, "cuStreamWaitValue32")
 
 
 def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Writes `value` into the word at device `address` once the work queued on `stream` before
     it is done (and visible: the write follows a memory barrier)."""
-    _check(_lib().write(stream.cuda_stream, address, value & 0xFFFFFFFF, _WRITE_DEFAULT), "cuStreamWriteValue32")
+    _on_stream(_lib().write, stream, address, value, _WRITE_DEFAULT, "cuStreamWriteValue32")
+
+
+def _on_stream(call, stream: torch.cuda.Stream, address: int, value: int, flags: int, what: str) -> None:
+    rc = call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags)
+    if rc != 0:
+        # A thread that has made no CUDA runtime call yet has no current context, and the driver
+        # call fails where the runtime's would have set it (an executor thread taking a step's
+        # activations): one runtime call makes it current, then the call again.
+        stream.query()
+        rc = call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags)
+    _check(rc, what)
 
 
 class SharedWords:

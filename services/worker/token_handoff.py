@@ -53,6 +53,7 @@ from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     GRPC,
     IPC,
+    PeerLost,
     Sender,
     StepFailed,
     TransportError,
@@ -145,7 +146,7 @@ class TokenIntake:
         self.wait_seconds += time.perf_counter() - started
         self.waits += 1
         if closed:
-            raise StepFailed(f"token link closed: {closed}")
+            raise PeerLost(f"token link closed: {closed}")
         if not ok:
             raise StepFailed(f"step {step_id}'s sampled tokens did not reach stage 0 in {self.timeout:.0f} s")
 
@@ -242,7 +243,7 @@ class IpcTokenReceiver(_TokenReceiving):
         intake, reader = self.intake, self.reader
         while True:
             if intake._closed:
-                raise StepFailed(f"token link closed: {intake._closed}")
+                raise PeerLost(f"token link closed: {intake._closed}")
             a = reader.next(block=intake.applied < need)
             if a is None:
                 return

@@ -33,7 +33,7 @@ import time
 import torch
 
 from strata.services.worker.ipc_transport import RingReader
-from strata.services.worker.stage_transport import StepFailed
+from strata.services.worker.stage_transport import PeerLost, StepFailed
 from strata.services.worker.stream_memops import wait_geq, write
 
 log = logging.getLogger("strata.worker")
@@ -76,7 +76,7 @@ class DeviceTokenWaits:
         queued = self._queued
         with self._lock:
             if self._closed:
-                raise StepFailed(f"token link closed: {self._closed}")
+                raise PeerLost(f"token link closed: {self._closed}")
             ring, stream = self.ring, torch.cuda.current_stream(self.last_sampled.device)
             for s in self._pending:
                 if s.step_id > step_id:

@@ -10,7 +10,6 @@ pipeline, and every request finishes with the tokens of an uninterrupted run.
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 
@@ -20,7 +19,7 @@ import torch
 from strata.grpc_util import check_health
 from strata.v1 import engine_pb2
 from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
-from tests.test_recovery import hang_until_noticed, requests, run_all, worker
+from tests.test_recovery import hang_until_noticed, requests, restart, run_all, worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -53,7 +52,7 @@ def test_a_lost_stage_never_leaves_the_others_gpu_waiting(model_dir, stop, lost)
             victim.kill()
             victim.wait()
             time.sleep(1.0)
-            cluster.procs.append((f"{lost} (restarted)", subprocess.Popen(argv)))
+            restart(cluster, lost, argv)
         else:
             hang_until_noticed(cluster, victim, within=20)
         for t in threads:

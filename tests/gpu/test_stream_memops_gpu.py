@@ -48,6 +48,34 @@ def test_a_host_store_releases_a_waiting_stream():
         words.close()
 
 
+def test_a_fresh_thread_queues_a_write_and_a_wait():
+    """A thread that has made no CUDA call yet (an executor's, taking a step's activations) has
+    no current context: the calls must still queue."""
+    import threading
+
+    dev = torch.device("cuda:0")
+    words = SharedWords.create(1, dev)
+    failures = []
+
+    def fresh():
+        try:
+            stream = torch.cuda.current_stream(dev)
+            stream_memops.write(stream, words.address(0), 9)
+            stream_memops.wait_geq(stream, words.address(0), 9)
+            stream.synchronize()
+        except Exception as e:  # reported to the test's thread
+            failures.append(e)
+
+    try:
+        t = threading.Thread(target=fresh)
+        t.start()
+        t.join(timeout=30)
+        assert not failures and int(words.host[0]) == 9
+    finally:
+        torch.cuda.synchronize()
+        words.close()
+
+
 def test_a_process_waits_for_the_word_another_process_writes():
     dev = torch.device("cuda:0")
     ctx = mp.get_context("spawn")
