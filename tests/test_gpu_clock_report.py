@@ -70,3 +70,41 @@ def test_off_without_the_directory_or_a_gpu(monkeypatch, tmp_path):
     assert GpuClock.from_env(0, torch.device("cuda")) is None
     monkeypatch.setenv("STRATA_GPU_CLOCK_DIR", str(tmp_path))
     assert GpuClock.from_env(0, torch.device("cpu")) is None
+
+
+def test_event_stamps_land_on_the_global_clock_through_their_reference(monkeypatch, tmp_path):
+    """GpuClock on a simulated GPU: events carry a local clock (ms, as CUDA's elapsed_time), each
+    reference reads the global one; a stamp's time is its reference's reading + elapsed time."""
+    import torch
+
+    from strata.kernels import globaltimer
+    from strata.services.worker import gpu_clock as clock_module
+
+    now = {"local_ms": 0.0}
+    skew_ns = 5_000_000_000  # the global clock's reading when the local one reads 0
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = now["local_ms"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(globaltimer, "stamp", lambda out, i: out.__setitem__(i, skew_ns + round(now["local_ms"] * 1e6)))
+    monkeypatch.setattr(clock_module, "REFERENCE_EVERY", 2)
+    clock = clock_module.GpuClock(str(tmp_path), 0, torch.device("cpu"))
+    for step in range(3):  # 3 steps of 2 stamps: a reference before each step
+        now["local_ms"] = step * 1.0
+        clock.stamp(step, "start")
+        now["local_ms"] = step * 1.0 + 0.25
+        clock.stamp(step, "handed")
+    d = np.load(clock.dump())
+    assert len(clock.references) == 3
+    want = [skew_ns + round(ms * 1e6) for ms in (0.0, 0.25, 1.0, 1.25, 2.0, 2.25)]
+    assert list(d["t_ns"]) == want
+    assert list(d["step_id"]) == [0, 0, 1, 1, 2, 2]

@@ -1,15 +1,19 @@
 """Where a pipeline's GPU idles between its stages' steps (a diagnostic, off by default).
 
-Each stage queues a GPU timestamp (kernels/globaltimer.py) at four points of every step:
+Each stage stamps four points of every step on its stream:
   queued  - before the step's waits for other stages (stage 0: tokens; later stages: activations);
   start   - after those waits: the GPU begins the step's own work;
   body    - after the step's graph (and the last stage's draw), before its hand-off;
   handed  - after its hand-off (stage 0..P-2: the activations' send; the last: the tokens' hand).
-The stamps share one clock across processes, so `python -m strata.bench.gpu_clock DIR` can say for
-each gap between two stages' work whether the waiting stage was queued in time (the gap is the
-hand-off on the GPU) or late (its host was behind: each stamp also keeps the host's clock at its
-launch, which the report maps onto the GPU's clock). Each stamp is a kernel launch (about 10 us of
-host time, a few us of GPU): use it to find gaps, not to benchmark.
+A stamp is a CUDA event (a few us of host time). Events cannot be compared across processes, so
+every REFERENCE_EVERY stamps a one-program kernel reads the GPU's global nanosecond clock
+(kernels/globaltimer.py) with an event right behind it; each stamp's time is its reference's
+reading plus the events' elapsed time. (The first version launched that kernel at every stamp: on
+a slow host its launches, about 100 us each, made the last stage's host the bottleneck.) With one
+clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
+stages' work whether the waiting stage was queued in time (the gap is the hand-off on the GPU) or
+late (its host was behind: each stamp also keeps the host's clock at its launch, which the report
+maps onto the GPU's). A diagnostic: find gaps with it, benchmark without it.
 
 Enabled by STRATA_GPU_CLOCK_DIR; each GetStats call writes the stamps taken since the previous
 one to DIR/stage{index}-{pid}-{call}.npz (a benchmark reads stats before and after each phase).
@@ -28,16 +32,19 @@ import torch
 log = logging.getLogger("strata.worker")
 
 POINTS = ("queued", "start", "body", "handed")
+REFERENCE_EVERY = 256  # stamps between two readings of the global clock (the event clock drifts)
 
 
 class GpuClock:
-    def __init__(self, directory: str, stage_index: int, device: torch.device, capacity: int = 1 << 20):
+    def __init__(self, directory: str, stage_index: int, device: torch.device, references: int = 1 << 16):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.stage_index = stage_index
-        self.times = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.keys: list[tuple[int, int, int]] = []  # (step_id, point, host ns at its launch) of stamp i
-        self.dumped = 0  # stamps [0, dumped) are written out
+        self.readings = torch.zeros(references, dtype=torch.int64, device=device)  # the references' clock
+        self.references: list[torch.cuda.Event] = []  # the event behind each reading
+        # (step_id, point, host ns at the record, event, its reference), in stream order
+        self.stamps: list[tuple[int, int, int, torch.cuda.Event, int]] = []
+        self._since_reference = REFERENCE_EVERY
         self.dumps = 0
 
     @classmethod
@@ -50,22 +57,43 @@ class GpuClock:
 
     def stamp(self, step_id: int, point: str) -> None:
         """On the step thread, on its current stream."""
+        if self._since_reference >= REFERENCE_EVERY and not self._reference():
+            return  # out of references: later stamps are dropped
+        event = torch.cuda.Event(enable_timing=True)
+        self.stamps.append((step_id, POINTS.index(point), time.perf_counter_ns(), event, len(self.references) - 1))
+        event.record()
+        self._since_reference += 1
+
+    def _reference(self) -> bool:
         from strata.kernels.globaltimer import stamp
 
-        index = len(self.keys)
-        if index >= self.times.numel():
-            return  # full: later stamps are dropped
-        self.keys.append((step_id, POINTS.index(point), time.perf_counter_ns()))
-        stamp(self.times, index)
+        index = len(self.references)
+        if index >= self.readings.numel():
+            return False
+        stamp(self.readings, index)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # (it completes a few us after the reading: the same bias in every process)
+        self.references.append(event)
+        self._since_reference = 0
+        return True
 
     def dump(self) -> Path:
         """The stamps since the last dump, to a file; waits for the GPU (diagnostic only). A stamp
-        the step thread queues meanwhile may read 0 here (the report drops those)."""
-        n = len(self.keys)
-        torch.cuda.synchronize(self.times.device)
-        keys = np.asarray(self.keys[self.dumped : n], dtype=np.int64).reshape(-1, 3)
-        times = self.times[self.dumped : n].cpu().numpy()
+        the step thread takes meanwhile may be lost."""
+        stamps, self.stamps = self.stamps, []
+        self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
+        torch.cuda.synchronize(self.readings.device)
+        readings = self.readings[: len(self.references)].cpu().numpy()
+        t = [int(readings[r]) + round(self.references[r].elapsed_time(e) * 1e6) for _, _, _, e, r in stamps]
+        keys = np.asarray([k[:3] for k in stamps], dtype=np.int64).reshape(-1, 3)
         path = self.directory / f"stage{self.stage_index}-{os.getpid()}-{self.dumps}.npz"
-        np.savez(path, step_id=keys[:, 0], point=keys[:, 1], host_ns=keys[:, 2], t_ns=times, stage=self.stage_index)
-        self.dumped, self.dumps = n, self.dumps + 1
+        np.savez(
+            path,
+            step_id=keys[:, 0],
+            point=keys[:, 1],
+            host_ns=keys[:, 2],
+            t_ns=np.asarray(t, dtype=np.int64),
+            stage=self.stage_index,
+        )
+        self.dumps += 1
         return path
