@@ -9,7 +9,7 @@ A stamp is a CUDA event (a few us of host time). Events cannot be compared acros
 every REFERENCE_EVERY stamps a one-program kernel reads the GPU's global nanosecond clock
 (kernels/globaltimer.py) with an event right behind it; each stamp's time is its reference's
 reading plus the events' elapsed time. (The first version launched that kernel at every stamp: on
-a slow host its launches, about 100 us each, made the last stage's host the bottleneck.) With one
+a slow host its launches, 35-90 us each, made the last stage's host the bottleneck.) With one
 clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
 stages' work whether the waiting stage was queued in time (the gap is the hand-off on the GPU) or
 late (its host was behind: each stamp also keeps the host's clock at its launch, which the report
