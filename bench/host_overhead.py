@@ -113,7 +113,10 @@ def main() -> None:
             ],
         )
         cluster.wait_healthy(gateway, "gateway", 120.0)
-        with common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"):
+        with (
+            common.cluster_token_env(cluster.cluster_token),  # the scheduler's stats are internal
+            common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"),
+        ):
             r = common.run(_run(gateway, sched, args))
     finally:
         cluster.stop()
