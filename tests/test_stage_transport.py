@@ -483,3 +483,13 @@ def test_auto_on_cpus_of_one_host_is_ipc_and_seeded_sampling_and_n_match_one_sta
     assert descriptions[0].next_stage_transport == IPC
     assert descriptions[1].previous_stage_transport == IPC
     assert descriptions[0].location.hostname == descriptions[1].location.hostname
+
+
+def test_a_lost_peer_keeps_its_kind_across_a_middle_stage():
+    """Errors cross the links as strings: a step failed by a lost peer stays PeerLost downstream
+    (the last stage reports StepResult.peer_lost, and the scheduler rebuilds instead of failing)."""
+    from strata.services.worker.stage_transport import PeerLost, StepFailed
+
+    lost = StepFailed.upstream(str(PeerLost("stage transport (ipc): link closed")))
+    assert isinstance(lost, PeerLost) and str(lost) == "peer stage lost: stage transport (ipc): link closed"
+    assert type(StepFailed.upstream("stage 0: ValueError: bad plan")) is StepFailed

@@ -460,8 +460,9 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             if error and self._token_sender is not None and any(plan.sample):
                 # stage 0 must not wait for its tokens
                 await loop.run_in_executor(self.executor, self._token_sender.send_error, plan.step_id, error)
-            failed = engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost)
-            await pending.put(out if not error else failed)
+            await pending.put(
+                engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else out
+            )
         elif self._sender is not None:
             await loop.run_in_executor(self.executor, self._sender.send_error, plan.step_id, error)
 
