@@ -167,19 +167,28 @@ def serve_argv(args, model: str | None) -> list[str]:
 
 
 @contextlib.contextmanager
-def cluster_token_env(token: str):
-    """$STRATA_CLUSTER_TOKEN is `token` while the block runs (restored after): the scheduler calls
-    this process makes (scheduler_channel) carry the token of the cluster it started. With
-    --address they carry the running cluster's, which the environment names."""
-    previous = os.environ.get("STRATA_CLUSTER_TOKEN")
-    os.environ["STRATA_CLUSTER_TOKEN"] = token
+def env_var(key: str, value: str | None):
+    """$key is `value` while the block runs, restored after (None: left as it is). Services a
+    cluster starts inside the block inherit it."""
+    if value is None:
+        yield
+        return
+    previous = os.environ.get(key)
+    os.environ[key] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("STRATA_CLUSTER_TOKEN", None)
+            os.environ.pop(key, None)
         else:
-            os.environ["STRATA_CLUSTER_TOKEN"] = previous
+            os.environ[key] = previous
+
+
+def cluster_token_env(token: str):
+    """$STRATA_CLUSTER_TOKEN is `token` while the block runs: the scheduler calls this process
+    makes (scheduler_channel) carry the token of the cluster it started. With --address they
+    carry the running cluster's, which the environment names."""
+    return env_var("STRATA_CLUSTER_TOKEN", token)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@
     python -m strata.bench.gpu_clock DIR            # the last dump of each cluster
     python -m strata.bench.gpu_clock DIR --call 3   # `strata bench pipeline`: 3 = its 16-stream phase
 
+(`strata bench pipeline --gpu-clock DIR` does both for each multi-stage run.)
+
 Each stage's step k is busy on the GPU from its `start` stamp to its `handed` stamp. The union of
 every stage's busy intervals, against the span they cover, gives the GPU's idle; gaps longer than
 --max-gap-ms (no work: clients between requests) are left out, as the bench's own idle leaves out
@@ -35,7 +37,7 @@ def load(directory: str, call: int | None) -> list[list[dict]]:
     for path in glob.glob(os.path.join(directory, "stage*-*-*.npz")):
         by_call[int(path.rsplit("-", 1)[1].split(".")[0])].append(path)
     if not by_call:
-        raise SystemExit(f"no stamps in {directory} (was STRATA_GPU_CLOCK_DIR set for the workers?)")
+        raise FileNotFoundError(f"no stamps in {directory} (was STRATA_GPU_CLOCK_DIR set for GPU workers?)")
     calls = [call] if call is not None else sorted(by_call)[-1:]
     clusters = []
     for c in calls:
@@ -155,10 +157,18 @@ def main(argv=None) -> None:
     p.add_argument("--call", type=int, default=None, help="which GetStats dump (default: the last)")
     p.add_argument("--max-gap-ms", type=float, default=2.0, help="longer gaps are no work, not a bubble")
     args = p.parse_args(argv)
-    for n, stages in enumerate(load(args.directory, args.call)):
-        result = analyse(stages, args.max_gap_ms * 1e6)
+    try:
+        clusters = load(args.directory, args.call)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    for n, stages in enumerate(clusters):
         print(f"cluster {n}: {len(stages)} stage(s)")
-        print(report(result, len(stages[-1]["points"]["handed"])))
+        print(breakdown(stages, args.max_gap_ms))
+
+
+def breakdown(stages: list[dict], max_gap_ms: float = 2.0) -> str:
+    """The report of one cluster's dump."""
+    return report(analyse(stages, max_gap_ms * 1e6), len(_by_step(stages[-1], "handed")))
 
 
 if __name__ == "__main__":

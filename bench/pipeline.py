@@ -17,6 +17,7 @@ the targets measured against in the same run, plus a RESULTS.md row per multi-st
 
 from __future__ import annotations
 
+import os
 import time
 
 from strata.bench import common
@@ -203,6 +204,29 @@ def _token_hop_us(phase: dict) -> float | None:
     return last["token_send_seconds"] / last["token_steps_sent"] * 1e6
 
 
+def _clock_dir(args, stages: int, transport: str, micro_batches: int) -> str | None:
+    if not args.gpu_clock or stages == 1:
+        return None
+    return os.path.join(args.gpu_clock, f"{stages}-stages-{transport}-{micro_batches or 'default'}-mb")
+
+
+def _gpu_clock_breakdown(directory: str) -> dict[str, str]:
+    """Where each phase's GPU idle went, from the stages' stamps (bench/gpu_clock.py): each phase
+    is read between two GetStats calls (_phase), so the dumps after the phases are calls 1 and 3."""
+    from strata.bench import gpu_clock
+
+    out = {}
+    for phase, call in (("offline", 1), ("latency", 3)):
+        try:
+            clusters = gpu_clock.load(directory, call)
+        except FileNotFoundError as e:
+            out[phase] = str(e)
+        else:
+            out[phase] = gpu_clock.breakdown(clusters[-1])
+        print(f"\nGPU clock, {phase}:\n{out[phase]}", flush=True)
+    return out
+
+
 def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("pipeline", env)
@@ -229,9 +253,12 @@ def run(args) -> int:
             + (", under the cluster's MPS daemon" if args.mps else "")
         )
         print(f"\n--- {name}", flush=True)
-        with common.cluster_for(run_args) as endpoints:
+        clock_dir = _clock_dir(args, stages, transport, mb)
+        with common.env_var("STRATA_GPU_CLOCK_DIR", clock_dir), common.cluster_for(run_args) as endpoints:
             workers = list(endpoints.workers)
             phases = common.run(_run_config(endpoints, workers, run_args))
+        if clock_dir:
+            phases["gpu_clock"] = _gpu_clock_breakdown(clock_dir)
         runs.append({"stages": stages, "transport": transport, "micro_batches": mb, **phases})
         failed += phases["offline"]["failed"] + phases["latency"]["failed"]
 

@@ -197,6 +197,13 @@ def _pipeline_parser(sub, formatter_class) -> None:
         help="every cluster under an NVIDIA MPS daemon of its own (as `strata serve --mps`): stages sharing a GPU "
         "run side by side instead of the GPU switching between their processes at each hand-off",
     )
+    p.add_argument(
+        "--gpu-clock",
+        default=None,
+        metavar="DIR",
+        help="multi-stage GPU runs stamp their steps on the GPU's clock into DIR (STRATA_GPU_CLOCK_DIR; a "
+        "diagnostic that slows steps) and print where each phase's GPU idle went (python -m strata.bench.gpu_clock)",
+    )
     add_common_flags(p)
     # The offline step budget, as for the throughput benchmark (the streams run on it too).
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)

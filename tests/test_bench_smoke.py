@@ -364,10 +364,14 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
         "2",
         "--max-num-batched-tokens",
         "64",
+        "--gpu-clock",
+        str(tmp_path / "clock"),
     )
     assert_environment(r)
     runs = r["runs"]
     assert [(x["stages"], x["transport"], x["micro_batches"]) for x in runs] == [(1, "-", 0), (2, "ipc", 2)]
+    # CPU stages take no GPU clock stamps: the multi-stage run says so, the one-stage run has none
+    assert "gpu_clock" not in runs[0] and all("no stamps" in v for v in runs[1]["gpu_clock"].values())
     for x in runs:
         off, lat = x["offline"], x["latency"]
         assert off["failed"] == lat["failed"] == 0
