@@ -59,9 +59,9 @@ class GpuClock:
         """On the step thread, on its current stream."""
         if self._since_reference >= REFERENCE_EVERY and not self._reference():
             return  # out of references: later stamps are dropped
-        event = torch.cuda.Event(enable_timing=True)
-        self.stamps.append((step_id, POINTS.index(point), time.perf_counter_ns(), event, len(self.references) - 1))
+        event, host = torch.cuda.Event(enable_timing=True), time.perf_counter_ns()
         event.record()
+        self.stamps.append((step_id, POINTS.index(point), host, event, len(self.references) - 1))
         self._since_reference += 1
 
     def _reference(self) -> bool:
@@ -79,13 +79,19 @@ class GpuClock:
 
     def dump(self) -> Path:
         """The stamps since the last dump, to a file; waits for the GPU (diagnostic only). A stamp
-        the step thread takes meanwhile may be lost."""
+        the step thread takes meanwhile may be dropped."""
         stamps, self.stamps = self.stamps, []
         self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
         torch.cuda.synchronize(self.readings.device)
         readings = self.readings[: len(self.references)].cpu().numpy()
-        t = [int(readings[r]) + round(self.references[r].elapsed_time(e) * 1e6) for _, _, _, e, r in stamps]
-        keys = np.asarray([k[:3] for k in stamps], dtype=np.int64).reshape(-1, 3)
+        kept, t = [], []
+        for stamp in stamps:
+            try:
+                t.append(int(readings[stamp[4]]) + round(self.references[stamp[4]].elapsed_time(stamp[3]) * 1e6))
+            except RuntimeError:  # recorded after the synchronize above
+                continue
+            kept.append(stamp[:3])
+        keys = np.asarray(kept, dtype=np.int64).reshape(-1, 3)
         path = self.directory / f"stage{self.stage_index}-{os.getpid()}-{self.dumps}.npz"
         np.savez(
             path,
