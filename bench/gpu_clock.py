@@ -91,6 +91,12 @@ def analyse(stages: list[dict], max_gap_ns: float) -> dict:
                 body = points["body"][step_id][0]
                 segments[i]["start -> body (graph)"].append(body - start)
                 segments[i]["body -> handed (hand-off work)"].append(end - body)
+            # The host's side: how far ahead of its GPU it launched the step's own work, and its
+            # time from the previous step's last launch to this step's first (the plan, inputs).
+            segments[i]["host: GPU start - its launch"].append(start - (points["start"][step_id][1] + stage["offset"]))
+            previous = points["handed"].get(step_id - 1)
+            if previous is not None and step_id in points["queued"]:
+                segments[i]["host: previous handed -> queued"].append(points["queued"][step_id][1] - previous[1])
         stage["points"] = points
     steps.sort()
     busy = idle = 0

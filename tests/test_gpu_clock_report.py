@@ -53,6 +53,11 @@ def test_gaps_are_charged_to_the_hand_off_or_the_late_host(tmp_path):
     assert r["idle_ns"] == (30 + 80 + 30) * US
     assert r["busy_ns"] == (100 + 90 + 100 + 90) * US
     assert "stage 0 -> stage 1: 30.0 us a step" in gpu_clock.report(r, 2)
+    # the host's side of stage 1: step 1's first launch 255 us after step 0's last; its GPU began
+    # step 0 80 us and step 1 10 us after the launch (host clock + the 5 us offset)
+    host = r["segments"][1]
+    assert host["host: previous handed -> queued"] == [255 * US]
+    assert sorted(host["host: GPU start - its launch"]) == [10 * US, 80 * US]
 
 
 def test_long_gaps_are_no_bubble(tmp_path):
