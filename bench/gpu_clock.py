@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-POINTS = ("queued", "start", "body", "handed")
+from strata.services.worker.gpu_clock import POINTS  # (importing it loads torch, as the stamps need)
 
 
 def load(directory: str, call: int | None) -> list[list[dict]]:

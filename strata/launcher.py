@@ -84,9 +84,12 @@ class Cluster:
         self.mps = None  # the cluster's own MpsDaemon (--mps), stopped after the services
 
     def start(self, name: str, argv: list[str], module: str = "strata.cli") -> None:
-        cmd = [sys.executable, "-m", module, *argv]
-        env = {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
-        self.procs.append((name, subprocess.Popen(cmd, env=env)))
+        self.procs.append((name, subprocess.Popen([sys.executable, "-m", module, *argv], env=self.service_env())))
+
+    def service_env(self) -> dict[str, str]:
+        """The environment of every service of this cluster: its token, and this process as the
+        launcher it dies with."""
+        return {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
 
     def wait_healthy(self, address: str, name: str, timeout: float, service: str = "") -> None:
         """service: the gRPC service that must be SERVING there (another server on the port would

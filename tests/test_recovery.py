@@ -64,10 +64,9 @@ def worker(cluster, name):
 
 
 def restart(cluster, name: str, argv) -> subprocess.Popen:
-    """A killed service started again with its own command line and the cluster's token (a
-    worker without it is refused by its peers' streams)."""
-    env = {**os.environ, **cluster.env, "STRATA_CLUSTER_TOKEN": cluster.cluster_token}
-    replacement = subprocess.Popen(argv, env=env)
+    """A killed service started again with its own command line and the cluster's environment (a
+    worker without the cluster token is refused by its peers' streams)."""
+    replacement = subprocess.Popen(argv, env=cluster.service_env())
     cluster.procs.append((f"{name} (restarted)", replacement))
     return replacement
 
