@@ -99,6 +99,28 @@ def test_an_intake_wait_has_a_deadline_and_a_closed_link_fails_it_at_once():
     assert time.monotonic() - start < 5
 
 
+def test_the_outlet_hands_each_sampling_rows_token_through_a_graphs_staged_rows_or_its_own():
+    """A decode graph's staged token rows stand in for the upload only where they are exactly
+    the sampling rows; a step where some token does not sample (a prefill chunk) uploads its own."""
+    sent = []
+    sender = SimpleNamespace(send=lambda step, tokens: sent.append((step, tokens.tolist())))
+    last = torch.arange(100, 116)
+    outlet = TokenOutlet(last)
+    decode = _inputs([1, 1, 1], [4, 9, 2], [4, 9, 2])
+    decode.source_rows = None
+    outlet.before_step(1, decode, torch.tensor([4, 9, 2]))
+    outlet.hand(1, sender)
+    chunk = _inputs([1, 1, 1], [4, 4, 7], [4, 7])  # row 4's chunk ends mid-prompt: only its last token samples
+    chunk.source_rows = None
+    outlet.before_step(2, chunk, torch.tensor([4, 4, 7]))
+    outlet.hand(2, sender)
+    drafts = _inputs([1, 1], [3, 5], [3, 5])  # tokens read from draft slots: rows differ from the staged ones
+    drafts.source_rows = np.array([14, 15])
+    outlet.before_step(3, drafts, torch.tensor([14, 15]))
+    outlet.hand(3, sender)
+    assert sent == [(1, [104, 109, 102]), (2, [104, 107]), (3, [103, 105])]
+
+
 # ------------------------------------------------------------------ the link, both ends in one process
 
 

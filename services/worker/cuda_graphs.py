@@ -37,7 +37,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 # Per-token inputs of a graph (seq_lens: per sequence). They live at fixed offsets in one device
-# buffer, so a step's rows go up in a single copy (the block tables, 2-D, in a second).
+# buffer, the step's block tables after them, so a step's inputs go up in a single copy.
 _ROW_FIELDS = (
     ("input_ids", np.int64),
     ("positions", np.int64),
@@ -70,35 +70,39 @@ _PADDING = {
 }
 
 
-def _layout(max_batch: int, extra_bytes: int = 0) -> tuple[dict[str, tuple[int, np.dtype]], int]:
-    """Each field's offset in the flat buffer; extra_bytes for a subclass's own staged rows
-    (at offset "extra", after the fields)."""
+def _layout(max_batch: int, extra_bytes: int = 0, table_bytes: int = 0) -> tuple[dict[str, tuple[int, np.dtype]], int]:
+    """Each field's offset in the flat buffer; then a subclass's own staged rows (extra_bytes, at
+    offset "extra") and the step's block tables, packed [n, width] (table_bytes, at "tables",
+    last: a step copies the buffer only up to its own tables' end)."""
     offsets, total = {}, 0
     for name, dtype in _ROW_FIELDS:
         total = -(-total // ALIGN) * ALIGN
         offsets[name] = (total, np.dtype(dtype))
         total += max_batch * np.dtype(dtype).itemsize
-    total = -(-total // ALIGN) * ALIGN
-    return offsets, total + extra_bytes
+    for name, size in (("extra", extra_bytes), ("tables", table_bytes)):
+        total = -(-total // ALIGN) * ALIGN
+        offsets[name] = (total, np.dtype(np.uint8))
+        total += size
+    return offsets, total
 
 
 class _HostInputs:
     """Pinned host twin of the graph inputs, written through numpy views."""
 
-    def __init__(self, layout, total: int, max_tokens: int, max_batch: int, width: int, extra_shape=None):
+    def __init__(self, layout, total: int, max_tokens: int, extra_shape=None):
         self.flat = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         flat = self.flat.numpy()
-        self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in layout.items()}
-        self.extra = _extra_view(flat, extra_shape, np.int64) if extra_shape else None
-        self.tables_t = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
-        self.tables = self.tables_t.numpy()
+        fields = {name: v for name, v in layout.items() if name not in ("extra", "tables")}
+        self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in fields.items()}
+        self.extra = _extra_view(flat, layout["extra"][0], extra_shape, np.int64) if extra_shape else None
+        self.tables = flat[layout["tables"][0] :].view(np.int32)  # the step's [n, width], packed
         self.copied = torch.cuda.Event()
         self.copied.record()
 
 
-def _extra_view(flat, shape: tuple[int, int], dtype):
-    """The int64 [rows, cols] block at the end of a flat uint8 buffer (numpy or torch)."""
-    return flat[len(flat) - shape[0] * shape[1] * 8 :].view(dtype).reshape(shape)
+def _extra_view(flat, offset: int, shape: tuple[int, int], dtype):
+    """The int64 [rows, cols] block at `offset` of a flat uint8 buffer (numpy or torch)."""
+    return flat[offset : offset + shape[0] * shape[1] * 8].view(dtype).reshape(shape)
 
 
 class DecodeGraphs:
@@ -144,13 +148,21 @@ class DecodeGraphs:
         # extra_shape: int64 rows of a subclass's own, staged with the inputs in the same copy
         # (a verification graph's speculation meta rows: device_proposer.py).
         extra_bytes = extra_shape[0] * extra_shape[1] * 8 if extra_shape else 0
-        layout, total = _layout(max_tokens, extra_bytes)
+        layout, total = _layout(max_tokens, extra_bytes, self.max_batch * max_blocks_per_seq * 4)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=device)
         self.rows = {
             name: self.flat[off : off + max_tokens * dt.itemsize].view(torch_dtype(dt))
             for name, (off, dt) in layout.items()
+            if name not in ("extra", "tables")
         }
-        self.extra = _extra_view(self.flat, extra_shape, torch.int64) if extra_shape else None
+        self.extra = _extra_view(self.flat, layout["extra"][0], extra_shape, torch.int64) if extra_shape else None
+        # The step's tables arrive packed [n, width] with the rows (one copy of the flat buffer's
+        # head), then one device copy spreads them into the graphs' [max_batch, max_blocks_per_seq]
+        # table. Copying the 2-D slice from the host instead went through temporaries on both
+        # sides (a strided host-to-device copy): 8% of a stage's step thread at 16 streams (py-spy,
+        # H200, bench/RESULTS.md).
+        self.tables_offset = layout["tables"][0]
+        self.staged_tables = self.flat[self.tables_offset :].view(torch.int32)
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (self.max_batch + 1) * q, q, dtype=torch.int32, device=device)
         self.hidden_in = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
@@ -158,7 +170,7 @@ class DecodeGraphs:
         # Two host sets: the host fills one while the other's copy may still wait in the stream
         # (steps are launched ahead of the GPU); an event guards each set before reuse.
         self.host = [
-            _HostInputs(layout, total, max_tokens, self.max_batch, max_blocks_per_seq, extra_shape) for _ in range(2)
+            _HostInputs(layout, total, max_tokens, extra_shape) for _ in range(2)
         ]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -290,8 +302,9 @@ class DecodeGraphs:
         """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
         query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
         sample position, inverse temperature and greedy flag (last stage); arrive: called once
-        the inputs are staged, returns the previous stage's (hidden, residual) (None on stage
-        0) after waiting for what the step needs from other stages; stage_extra: writes the
+        the inputs are staged with the graph's (hidden, residual) inputs, which it fills with the
+        previous stage's activations (not on stage 0) after waiting for what the step needs
+        from other stages; stage_extra: writes the
         subclass's extra rows into the host set (numpy int64 [rows, cols]). Returns the outputs' rows
         of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
         Triton), else (hidden, residual)."""
@@ -320,14 +333,15 @@ class DecodeGraphs:
             if stage_extra is None:  # the graph reads them: stale rows would move the wrong sequences
                 raise RuntimeError("this graph stages extra rows with its inputs: pass stage_extra")
             stage_extra(host.extra)
-        host.tables[:n, :width] = h.block_tables
-        self.flat.copy_(host.flat, non_blocking=True)
-        self.block_tables[:n, :width].copy_(host.tables_t[:n, :width], non_blocking=True)
+        host.tables[: n * width].reshape(n, width)[:] = h.block_tables
+        end = self.tables_offset + n * width * 4
+        self.flat[:end].copy_(host.flat[:end], non_blocking=True)
         host.copied.record()
-        hidden, residual = arrive() if arrive is not None else (None, None)
-        if hidden is not None:
-            self.hidden_in[:t].copy_(hidden)
-            self.residual_in[:t].copy_(residual)
+        self.block_tables[:n, :width].copy_(self.staged_tables[: n * width].view(n, width))
+        if arrive is not None:  # the activations go straight into the graph's inputs
+            hidden, _ = arrive((self.hidden_in, self.residual_in), self.rows["state_rows"][:t])
+            if hidden is not None and hidden.shape[0] != t:
+                raise RuntimeError(f"activations of {hidden.shape[0]} rows for a step of {t} tokens")
         self.graphs[bs].replay()
         return tuple(out[:t] for out in self.outputs[bs])
 

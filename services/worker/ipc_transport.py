@@ -433,10 +433,11 @@ class IpcReceiver(Receiver):
     def link(self) -> engine_pb2.StageLink:
         return self.reader.link(self.session)
 
-    def take(self, step_id: int):
+    def take(self, step_id: int, into: tuple[torch.Tensor, torch.Tensor] | None = None):
         """On the step thread: this step's (hidden, residual), queued on the compute stream behind
-        the sender's copy; raises StepFailed. Announcements come in step order: an earlier step's
-        that no plan here asked for is dropped, a later one's is kept for its own step."""
+        the sender's copy, read into `into`'s first rows (a graph's inputs) or into new tensors;
+        raises StepFailed. Announcements come in step order: an earlier step's that no plan here
+        asked for is dropped, a later one's is kept for its own step."""
         reader = self.reader
         while True:
             if self._held is not None:
@@ -458,7 +459,11 @@ class IpcReceiver(Receiver):
             raise StepFailed(f"stage transport (ipc): activations of shape [{a.rows}, {a.cols}]")
         ring = reader.ring
         ring.ready_wait(a.slot, count)
-        out = tuple(ring.view(a.slot, part, (a.rows, a.cols)).clone() for part in range(2))
+        views = (ring.view(a.slot, part, (a.rows, a.cols)) for part in range(2))
+        if into is None:
+            out = tuple(v.clone() for v in views)
+        else:
+            out = tuple(dst[: a.rows].copy_(v) for dst, v in zip(into, views))
         ring.consumed_record(a.slot, count)
         reader.release()
         return out

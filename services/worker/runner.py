@@ -260,14 +260,21 @@ class ModelRunner:
         if self.handoff is None and h.has_placeholders and not self.is_last:
             raise PlanError("a decode lookahead on stage 0 of several needs the token link (OpenTokenLink)")
 
-        def arrive():
+        def arrive(into=None, staged_rows=None):
             """Waits for what the step needs from the other stages, then marks the step's start
-            on the stage's timeline (stage_stats.py); returns the activations taken, if any."""
+            on the stage's timeline (stage_stats.py); returns the activations taken, if any,
+            copied into `into` (a graph's (hidden, residual) inputs) when given. staged_rows: a
+            graph's token rows on the device (the token hand-off may gather through them)."""
             if self.clock:
                 self.clock.stamp(plan.step_id, "queued")
-            taken = take_inputs() if take_inputs is not None else (hidden, residual)
+            if take_inputs is not None:
+                taken = take_inputs(into)
+            elif into is not None and hidden is not None:
+                taken = tuple(dst[: len(src)].copy_(src) for dst, src in zip(into, (hidden, residual)))
+            else:
+                taken = (hidden, residual)
             if self.handoff is not None:  # stage 0 waits here for the tokens its placeholders need
-                self.handoff.before_step(plan.step_id, h)
+                self.handoff.before_step(plan.step_id, h, staged_rows)
             if self.clock:
                 self.clock.stamp(plan.step_id, "start")
             self.gpu_start = self.timeline.mark() if self.timeline else None

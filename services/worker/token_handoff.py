@@ -107,8 +107,8 @@ class TokenIntake:
         if self.device_waits is not None and any(plan.sample):
             self.device_waits.expect(plan.step_id)
 
-    def before_step(self, step_id: int, h) -> None:
-        """On the step thread, before the step is launched."""
+    def before_step(self, step_id: int, h, staged_rows=None) -> None:
+        """On the step thread, before the step is launched (staged_rows: see TokenOutlet)."""
         waits = self.device_waits
         if waits is not None:
             waits.pump()  # what has arrived: checked, applied, credited
@@ -332,11 +332,22 @@ class TokenOutlet:
     def plan_started(self, plan) -> None:
         pass
 
-    def before_step(self, step_id: int, h) -> None:
+    def before_step(self, step_id: int, h, staged_rows: torch.Tensor | None = None) -> None:
+        """staged_rows: each token's state row, as a graph staged them on the device. A decode
+        whose every token samples hands exactly those rows' tokens, and gathers through them
+        instead of uploading its own (an upload was 4% of the last stage's step thread at 16
+        streams: bench/RESULTS.md)."""
         self._pending = None
         if h.sample_seq_ids:
-            rows = sampler_rows(h).astype(np.int64)
-            self._pending = (step_id, upload({"rows": rows}, self.last_sampled.device)["rows"])
+            rows = sampler_rows(h)
+            if (
+                staged_rows is None
+                or h.source_rows is not None
+                or len(rows) != len(staged_rows)
+                or not np.array_equal(rows, h.token_rows)
+            ):
+                staged_rows = upload({"rows": rows.astype(np.int64)}, self.last_sampled.device)["rows"]
+            self._pending = (step_id, staged_rows)
 
     def hand(self, step_id: int, sender) -> None:
         """On the step thread, after the step (and its draw) is launched."""
