@@ -50,6 +50,7 @@ class _Driver:
         self.register = fn("cuMemHostRegister", ptr, ctypes.c_size_t, ctypes.c_uint)
         self.unregister = fn("cuMemHostUnregister", ptr)
         self.device_pointer = fn("cuMemHostGetDevicePointer", ctypes.POINTER(u64), ptr, ctypes.c_uint)
+        self.memcpy = fn("cuMemcpyAsync", u64, u64, ctypes.c_size_t, ptr)
 
 
 _driver: _Driver | None = None
@@ -86,15 +87,33 @@ def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
     _on_stream(_lib().write, stream, address, value, _WRITE_DEFAULT, "cuStreamWriteValue32")
 
 
+def copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copies contiguous `src` into `dst` (same bytes, any devices of this process) on `stream`
+    alone. torch's copy_ between two GPUs also orders it with the destination GPU's current
+    stream in this process: work in a context of this process on the peer's GPU, which the GPU
+    time-slices with the peer's own context (ipc_transport.Ring.write)."""
+    nbytes = src.numel() * src.element_size()
+    if nbytes != dst.numel() * dst.element_size() or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"copy of {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}")
+    lib = _lib()
+    rc = _retry_without_context(stream, lambda: lib.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream))
+    _check(rc, "cuMemcpyAsync")
+
+
 def _on_stream(call, stream: torch.cuda.Stream, address: int, value: int, flags: int, what: str) -> None:
-    rc = call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags)
+    rc = _retry_without_context(stream, lambda: call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags))
+    _check(rc, what)
+
+
+def _retry_without_context(stream: torch.cuda.Stream, call) -> int:
+    rc = call()
     if rc != 0:
         # A thread that has made no CUDA runtime call yet has no current context, and the driver
         # call fails where the runtime's would have set it (an executor thread taking a step's
         # activations): one runtime call makes it current, then the call again.
         stream.query()
-        rc = call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags)
-    _check(rc, what)
+        rc = call()
+    return rc
 
 
 class SharedWords:
