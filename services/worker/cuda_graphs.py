@@ -169,9 +169,7 @@ class DecodeGraphs:
         self.residual_in = torch.zeros_like(self.hidden_in)
         # Two host sets: the host fills one while the other's copy may still wait in the stream
         # (steps are launched ahead of the GPU); an event guards each set before reuse.
-        self.host = [
-            _HostInputs(layout, total, max_tokens, extra_shape) for _ in range(2)
-        ]
+        self.host = [_HostInputs(layout, total, max_tokens, extra_shape) for _ in range(2)]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -302,12 +300,11 @@ class DecodeGraphs:
         """Replays the graph of padded size bs on the step's HostInputs `h` (n sequences of
         query_len tokens each); token_rows: each token's state row; sampling: each token's seed,
         sample position, inverse temperature and greedy flag (last stage); arrive: called once
-        the inputs are staged with the graph's (hidden, residual) inputs, which it fills with the
-        previous stage's activations (not on stage 0) after waiting for what the step needs
-        from other stages; stage_extra: writes the
-        subclass's extra rows into the host set (numpy int64 [rows, cols]). Returns the outputs' rows
-        of the n sequences' tokens: (logits, tokens) on the last stage ((logits,) without
-        Triton), else (hidden, residual)."""
+        the inputs are staged, with the graph's (hidden, residual) inputs, which it fills with
+        the previous stage's activations (not on stage 0) after waiting for what the step needs
+        from other stages; stage_extra: writes the subclass's extra rows into the host set (numpy
+        int64 [rows, cols]). Returns the outputs' rows of the n sequences' tokens: (logits,
+        tokens) on the last stage ((logits,) without Triton), else (hidden, residual)."""
         n, width = h.block_tables.shape
         t, padded = n * self.query_len, bs * self.query_len
         host = self.host[self.step % 2]
