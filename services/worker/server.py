@@ -2,8 +2,9 @@
 
 Plans arrive from the scheduler on the Steps stream; each step's activations come from the
 previous stage through the stage transport (stage_transport.py), announced on the Forward
-stream. A single executor thread runs steps strictly in step order, so the event loop keeps
-receiving plans and activations while the model computes.
+stream. A single step thread runs the queued plans back to back, strictly in step order, and a
+finisher thread hands their results back (step_loop.py), so the event loop keeps receiving plans
+and activations while the model computes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from strata.services.worker.stage_transport import (
     open_receiver,
     open_sender,
 )
+from strata.services.worker.step_loop import ResultOut, StepLoop
 from strata.services.worker.step_results import PendingResult
 from strata.services.worker.token_handoff import (
     TOKEN_RING_SLOTS,
@@ -369,57 +371,36 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         if not self.runner.kv_caches:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitCache first")
         session = self._session
+        loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
-        plans: asyncio.Queue = asyncio.Queue()
+        out = ResultOut(self.finisher, loop, results, _finished)
+        steps = StepLoop(self.executor, functools.partial(self._run_one, loop, session, out))
 
         async def read_plans():
             try:
                 async for plan in request_iterator:
-                    await plans.put(plan)
+                    if session != self._session:
+                        break  # InitCache rebuilt the state these plans refer to
+                    steps.put(plan)
+            except asyncio.CancelledError:
+                steps.drop()  # the scheduler went away: launch nothing more of this stream
+                raise
             finally:
-                await plans.put(None)
+                await steps.join()
+                await out.close()
 
         reader = asyncio.create_task(read_plans())
-        runner_task = asyncio.create_task(self._run_plans(plans, results, session))
         try:
-            while True:
-                item = await results.get()
-                if item is None:
-                    break
+            while (item := await results.get()) is not None:
                 yield item
         finally:
             reader.cancel()
-            runner_task.cancel()
 
-    async def _run_plans(self, plans: asyncio.Queue, results: asyncio.Queue, session: int) -> None:
-        loop = asyncio.get_running_loop()
-        pending: asyncio.Queue = asyncio.Queue()
-        finisher = asyncio.create_task(self._finish_results(pending, results))
-        try:
-            while (plan := await plans.get()) is not None:
-                if session != self._session:
-                    break
-                await self._run_one(loop, plan, pending)
-        finally:
-            await pending.put(None)
-            await finisher
-
-    async def _finish_results(self, pending: asyncio.Queue, results: asyncio.Queue) -> None:
-        """Turns launched steps into StepResults, in step order."""
-        loop = asyncio.get_running_loop()
-        try:
-            while (item := await pending.get()) is not None:
-                if isinstance(item, (PendingResult, DraftProposal)):
-                    try:
-                        item = await loop.run_in_executor(self.finisher, item.finish)
-                    except Exception as e:
-                        log.exception("step %d failed while fetching its result", item.step_id)
-                        item = engine_pb2.StepResult(step_id=item.step_id, error=f"{type(e).__name__}: {e}")
-                await results.put(item)
-        finally:
-            await results.put(None)
-
-    async def _run_one(self, loop, plan, pending: asyncio.Queue) -> None:
+    def _run_one(self, loop, session: int, out: ResultOut, plan) -> None:
+        """On the step thread (step_loop.py): one plan's step; the last stage's result, or a
+        failed step's error, goes on in step order."""
+        if session != self._session:
+            return  # a plan of an older pipeline, queued before InitCache
         runner = self.runner
         error, peer_lost = "", False
         inputs = None  # the activations, or how the step thread takes them (an ipc link)
@@ -431,12 +412,12 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     raise StepFailed("no link from the previous stage")
                 if receiver.on_step_thread:
                     inputs = functools.partial(receiver.take, plan.step_id)
-                else:
-                    inputs = await receiver.receive(plan.step_id)
+                else:  # delivered on the event loop (Forward)
+                    inputs = asyncio.run_coroutine_threadsafe(receiver.receive(plan.step_id), loop).result()
             except StepFailed as e:
                 error, peer_lost = str(e), isinstance(e, PeerLost)
             self.stats.input_wait_seconds += time.perf_counter() - waited
-        out = None
+        result = None
         if not error:
             if plan.propose_tokens:  # a draft worker's proposal: k steps
                 launch = functools.partial(propose, runner, plan)
@@ -447,7 +428,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             else:
                 launch = functools.partial(_execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs)
             try:
-                out = await loop.run_in_executor(self.executor, _on_step_thread, self.profiler, launch)
+                result = _on_step_thread(self.profiler, launch)
                 if not (plan.propose_tokens or runner.is_last):
                     return  # a middle stage: its activations went to the next stage
             except StepFailed as e:  # its activations never came
@@ -458,13 +439,21 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         # A failed step's error goes on in step order, from the step thread as its data would.
         if runner.is_last:
             if error and self._token_sender is not None and any(plan.sample):
-                # stage 0 must not wait for its tokens
-                await loop.run_in_executor(self.executor, self._token_sender.send_error, plan.step_id, error)
-            await pending.put(
-                engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else out
-            )
+                self._token_sender.send_error(plan.step_id, error)  # stage 0 must not wait for its tokens
+            out.put(engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else result)
         elif self._sender is not None:
-            await loop.run_in_executor(self.executor, self._sender.send_error, plan.step_id, error)
+            self._sender.send_error(plan.step_id, error)
+
+
+def _finished(item):
+    """On the finisher thread: a launched step's StepResult, once its GPU work is done."""
+    if isinstance(item, (PendingResult, DraftProposal)):
+        try:
+            return item.finish()
+        except Exception as e:
+            log.exception("step %d failed while fetching its result", item.step_id)
+            return engine_pb2.StepResult(step_id=item.step_id, error=f"{type(e).__name__}: {e}")
+    return item
 
 
 def _on_step_thread(profiler: StepProfiler, launch):
