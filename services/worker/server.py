@@ -10,10 +10,10 @@ and activations while the model computes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -67,9 +67,9 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self.profiler = profiler or StepProfiler(None)
         self.description = description
         bind = {"initializer": use_device, "initargs": (runner.device,)}
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step", **bind)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step", **bind)
         # Waits for sampled tokens to reach the host while the step thread launches the next plan.
-        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish", **bind)
+        self.finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish", **bind)
         self._receiver: Receiver | None = None  # the link from the previous stage
         self._sender: Sender | None = None  # the link to the next stage
         self._forward_queue: asyncio.Queue | None = None
@@ -413,7 +413,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 if receiver.on_step_thread:
                     inputs = functools.partial(receiver.take, plan.step_id)
                 else:  # delivered on the event loop (Forward)
-                    inputs = asyncio.run_coroutine_threadsafe(receiver.receive(plan.step_id), loop).result()
+                    inputs = _on_loop(loop, receiver.receive(plan.step_id), receiver.timeout)
             except StepFailed as e:
                 error, peer_lost = str(e), isinstance(e, PeerLost)
             self.stats.input_wait_seconds += time.perf_counter() - waited
@@ -443,6 +443,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             out.put(engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else result)
         elif self._sender is not None:
             self._sender.send_error(plan.step_id, error)
+
+
+def _on_loop(loop, coro, timeout: float):
+    """From the step thread: `coro`'s result, run on the event loop; a wait past `timeout` (the
+    transport's deadline) fails the step, so a lost peer never holds the step thread."""
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise StepFailed(f"stage transport: no activations within {timeout:g} s") from None
 
 
 def _finished(item):
