@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from strata.kernels.shared_kv_runs import SharedKVRuns
+from strata.services.worker import cuda_driver
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype, wait_for
 from strata.services.worker.sampler import sample_unfiltered
@@ -96,6 +97,7 @@ class _HostInputs:
         self.rows = {name: flat[off : off + max_tokens * dt.itemsize].view(dt) for name, (off, dt) in fields.items()}
         self.extra = _extra_view(flat, layout["extra"][0], extra_shape, np.int64) if extra_shape else None
         self.tables = flat[layout["tables"][0] :].view(np.int32)  # the step's [n, width], packed
+        self.flat_ptr = self.flat.data_ptr()
         self.copied = torch.cuda.Event()
         self.copied.record()
 
@@ -172,6 +174,10 @@ class DecodeGraphs:
         self.host = [_HostInputs(layout, total, max_tokens, extra_shape) for _ in range(2)]
         self.step = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.executables: dict[int, int] = {}  # each graph's, launched with the GIL held (cuda_driver.py)
+        self._spread_tables = cuda_driver.RowCopy()  # packed [n, width] -> block_tables[:n, :width]
+        self._flat_ptr, self._staged_ptr = self.flat.data_ptr(), self.staged_tables.data_ptr()
+        self._tables_ptr, self._tables_pitch = self.block_tables.data_ptr(), self.block_tables.stride(0) * 4
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool = None
 
@@ -267,6 +273,9 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
+            executable = cuda_driver.graph_exec(graph)
+            if executable is not None:
+                self.executables[bs] = executable
         torch.cuda.synchronize(self.device)
 
     def _fill_padding(self) -> None:
@@ -332,14 +341,21 @@ class DecodeGraphs:
             stage_extra(host.extra)
         host.tables[: n * width].reshape(n, width)[:] = h.block_tables
         end = self.tables_offset + n * width * 4
-        self.flat[:end].copy_(host.flat[:end], non_blocking=True)
-        host.copied.record()
-        self.block_tables[:n, :width].copy_(self.staged_tables[: n * width].view(n, width))
+        # The staging copy, its event, the tables' spread and the launch keep the GIL
+        # (cuda_driver.py): torch's own calls each gave it away, and the step thread waited to
+        # take it back from the event loop and the finisher.
+        stream = cuda_driver.current_stream(self.device)
+        cuda_driver.copy(self._flat_ptr, host.flat_ptr, end, stream)
+        cuda_driver.record(host.copied, stream)
+        self._spread_tables(self._tables_ptr, self._tables_pitch, self._staged_ptr, width * 4, width * 4, n, stream)
         if arrive is not None:  # the activations go straight into the graph's inputs
             hidden, _ = arrive((self.hidden_in, self.residual_in), self.rows["state_rows"][:t])
             if hidden is not None and hidden.shape[0] != t:
                 raise RuntimeError(f"activations of {hidden.shape[0]} rows for a step of {t} tokens")
-        self.graphs[bs].replay()
+        if bs in self.executables:
+            cuda_driver.launch(self.executables[bs], stream)
+        else:
+            self.graphs[bs].replay()
         return tuple(out[:t] for out in self.outputs[bs])
 
     def _stage_groups(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:

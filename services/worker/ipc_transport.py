@@ -218,12 +218,8 @@ class Ring:
         if self.words is not None:
             stream = torch.cuda.current_stream()
             stream_memops.wait_geq(stream, self.consumed_word(slot), count - self.slots)
-            for part, t in enumerate(tensors):
-                view = self.view(slot, part, t.shape)
-                if t.device == self.device:
-                    view.copy_(t, non_blocking=True)
-                else:
-                    stream_memops.copy(stream, view, t.contiguous())
+            for part, t in enumerate(tensors):  # (a driver call: it keeps the GIL, cuda_driver.py)
+                stream_memops.copy(stream, self.view(slot, part, t.shape), t.contiguous())
             self.mark(slot, count)
         elif self.ready is not None:
             stream = torch.cuda.current_stream(self.device)
@@ -475,8 +471,11 @@ class IpcReceiver(Receiver):
         views = (ring.view(a.slot, part, (a.rows, a.cols)) for part in range(2))
         if into is None:
             out = tuple(v.clone() for v in views)
-        else:
-            out = tuple(dst[: a.rows].copy_(v) for dst, v in zip(into, views))
+        else:  # driver copies, which keep the GIL (cuda_driver.py); views and inputs are contiguous
+            stream = torch.cuda.current_stream(self.device)
+            out = tuple(dst[: a.rows] for dst in into)
+            for dst, v in zip(out, views):
+                stream_memops.copy(stream, dst, v)
         ring.consumed_record(a.slot, count)
         reader.release()
         return out

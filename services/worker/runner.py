@@ -131,7 +131,7 @@ class ModelRunner:
                 getattr(model_config, "eos_token_id", None),
             )
             self.table.controls = self.controls
-        self.timeline = GpuTimeline() if device.type == "cuda" else None
+        self.timeline = GpuTimeline(device) if device.type == "cuda" else None
         self.clock = GpuClock.from_env(self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
         # Pipelined decode over P > 1 stages (token_handoff.py): stage 0's TokenIntake, which
         # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet.

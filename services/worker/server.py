@@ -81,7 +81,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self._token_sender: Sender | None = None
         self._token_queue: asyncio.Queue | None = None
         self._token_task: asyncio.Task | None = None
-        self.stats = StageStats(runner.device.type == "cuda")
+        self.stats = StageStats(runner.device)
 
     # ------------------------------------------------------------ setup
 

@@ -16,10 +16,13 @@ import time
 
 import torch
 
+from strata.services.worker import cuda_driver
+
 
 class StageStats:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
         self.steps = 0
         self.busy_seconds = 0.0
         self.idle_seconds = 0.0
@@ -45,8 +48,7 @@ class StageStats:
             self._last_end = now
             self.timed_steps += 1
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end = cuda_driver.timing_event(self.device)
         self._pairs.append((gpu_start, end, after_idle))
         self.poll()
 

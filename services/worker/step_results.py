@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from strata.services.worker import cuda_driver
 from strata.services.worker.step_inputs import Verification
 from strata.v1 import engine_pb2
 
@@ -26,16 +27,16 @@ class GpuTimeline:
     steps, start(k) -> end(k) the step's GPU time. Steps finish in order (one finisher thread).
     """
 
-    def __init__(self):
-        self._last_end: torch.cuda.Event | None = None
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._last_end: cuda_driver.TimingEvent | None = None
 
-    @staticmethod
-    def mark() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def mark(self) -> cuda_driver.TimingEvent:
+        """On the step thread: an event recorded on its current stream now (through the driver:
+        torch's record gave the GIL away, cuda_driver.py)."""
+        return cuda_driver.timing_event(self.device)
 
-    def finished(self, start: torch.cuda.Event, end: torch.cuda.Event) -> tuple[float, float]:
+    def finished(self, start, end) -> tuple[float, float]:
         """(busy seconds, idle seconds before the step); `end` must have completed."""
         busy = start.elapsed_time(end) / 1e3
         idle = max(self._last_end.elapsed_time(start) / 1e3, 0.0) if self._last_end is not None else 0.0
@@ -60,7 +61,7 @@ class PendingResult:
         wanted_logprobs: np.ndarray,
         tensors: list[torch.Tensor],
         timeline: GpuTimeline | None = None,
-        gpu_start: torch.cuda.Event | None = None,
+        gpu_start: cuda_driver.TimingEvent | None = None,
         verify: Verification | None = None,
         take: np.ndarray | None = None,
         speculation: tuple[torch.Tensor, np.ndarray] | None = None,
@@ -75,7 +76,7 @@ class PendingResult:
         if speculation is not None:
             self.speculation = (speculation[0].to("cpu", non_blocking=True), speculation[1])
         self.timeline, self.gpu_start = timeline, gpu_start
-        self.event = GpuTimeline.mark() if gpu_start is not None else None
+        self.event = timeline.mark() if gpu_start is not None else None
         self.launch_seconds = time.perf_counter() - start
 
     def finish(self) -> engine_pb2.StepResult:

@@ -12,7 +12,8 @@ device memory: the waiting side's host can then release its own GPU with a plain
 that died never writes; a stream of the same process writing a word its other stream waits on
 did not return on the H200), and can read how far the peer got without touching the GPU.
 
-torch has no binding for these calls; they are functions of libcuda, reached with ctypes.
+torch has no binding for these calls; they are functions of libcuda (cuda_driver.py: they keep
+the GIL, as they only queue work).
 `usable(device)` probes once per device; without them a link keeps its events and doorbell.
 """
 
@@ -27,6 +28,8 @@ import secrets
 import numpy as np
 import torch
 
+from strata.services.worker import cuda_driver
+
 log = logging.getLogger("strata.worker")
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, so counters may wrap
@@ -35,56 +38,26 @@ _REGISTER_FLAGS = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
 WORD_BYTES = 4
 
 
-class _Driver:
-    def __init__(self):
-        lib = ctypes.CDLL("libcuda.so.1")
-
-        def fn(name, *argtypes):
-            f = getattr(lib, name + "_v2", None) or getattr(lib, name)
-            f.argtypes, f.restype = list(argtypes), ctypes.c_int
-            return f
-
-        u64, u32, ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
-        self.wait = fn("cuStreamWaitValue32", ptr, u64, u32, ctypes.c_uint)
-        self.write = fn("cuStreamWriteValue32", ptr, u64, u32, ctypes.c_uint)
-        self.register = fn("cuMemHostRegister", ptr, ctypes.c_size_t, ctypes.c_uint)
-        self.unregister = fn("cuMemHostUnregister", ptr)
-        self.device_pointer = fn("cuMemHostGetDevicePointer", ctypes.POINTER(u64), ptr, ctypes.c_uint)
-        self.memcpy = fn("cuMemcpyAsync", u64, u64, ctypes.c_size_t, ptr)
-
-
-_driver: _Driver | None = None
-_missing = ""
 _probed: dict[int, bool] = {}
 
 
-def _lib() -> _Driver:
-    global _driver, _missing
-    if _driver is None and not _missing:
-        try:
-            _driver = _Driver()
-        except (OSError, AttributeError) as e:
-            _missing = str(e)
-    if _driver is None:
-        raise RuntimeError(f"stream memory operations unavailable: {_missing}")
-    return _driver
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what} failed (CUresult {rc})")
+def _lib() -> cuda_driver.Driver:
+    try:
+        return cuda_driver.lib()
+    except RuntimeError as e:
+        raise RuntimeError(f"stream memory operations unavailable: {e}") from None
 
 
 def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Work queued on `stream` after this runs once the word at device `address` holds at least
     `value`."""
-    _on_stream(_lib().wait, stream, address, value, _WAIT_GEQ, "cuStreamWaitValue32")
+    _on_stream(_lib().wait_value, stream, address, value, _WAIT_GEQ, "cuStreamWaitValue32")
 
 
 def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Writes `value` into the word at device `address` once the work queued on `stream` before
     it is done (and visible: the write follows a memory barrier)."""
-    _on_stream(_lib().write, stream, address, value, _WRITE_DEFAULT, "cuStreamWriteValue32")
+    _on_stream(_lib().write_value, stream, address, value, _WRITE_DEFAULT, "cuStreamWriteValue32")
 
 
 def copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -97,12 +70,12 @@ def copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Non
         raise ValueError(f"copy of {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}")
     lib = _lib()
     rc = _retry_without_context(stream, lambda: lib.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream))
-    _check(rc, "cuMemcpyAsync")
+    cuda_driver.check(rc, "cuMemcpyAsync")
 
 
 def _on_stream(call, stream: torch.cuda.Stream, address: int, value: int, flags: int, what: str) -> None:
     rc = _retry_without_context(stream, lambda: call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags))
-    _check(rc, what)
+    cuda_driver.check(rc, what)
 
 
 def _retry_without_context(stream: torch.cuda.Stream, call) -> int:
@@ -137,7 +110,7 @@ class SharedWords:
         try:
             with torch.cuda.device(device):
                 torch.cuda.current_stream(device).query()  # a runtime call: the device's context is current
-                _check(lib.register(self._base, count * WORD_BYTES, _REGISTER_FLAGS), "cuMemHostRegister")
+                cuda_driver.check(lib.register(self._base, count * WORD_BYTES, _REGISTER_FLAGS), "cuMemHostRegister")
         except RuntimeError:
             self._base, self.host = 0, None
             self._map.close()
@@ -145,7 +118,7 @@ class SharedWords:
                 self.unlink()
             raise
         device = ctypes.c_uint64()
-        _check(lib.device_pointer(ctypes.byref(device), self._base, 0), "cuMemHostGetDevicePointer")
+        cuda_driver.check(lib.device_pointer(ctypes.byref(device), self._base, 0), "cuMemHostGetDevicePointer")
         self._device_base = device.value
 
     @classmethod

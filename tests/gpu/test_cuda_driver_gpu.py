@@ -1,0 +1,125 @@
+"""The driver calls that keep the GIL (services/worker/cuda_driver.py): each does what torch's own
+call does, on the stream it is given.
+
+    python -m pytest tests/gpu/test_cuda_driver_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from strata.services.worker import cuda_driver
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = torch.device("cuda:0")
+
+
+def test_a_copy_from_page_locked_memory_and_between_device_buffers_moves_the_bytes():
+    src = torch.arange(1000, dtype=torch.int64).pin_memory()
+    dst = torch.zeros(1000, dtype=torch.int64, device=DEV)
+    stream = cuda_driver.current_stream(DEV)
+    cuda_driver.copy(dst.data_ptr(), src.data_ptr(), 800 * 8, stream)
+    other = torch.full((1000,), -1, dtype=torch.int64, device=DEV)
+    cuda_driver.copy(other.data_ptr(), dst.data_ptr(), 800 * 8, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:800].cpu(), src[:800]) and (dst[800:] == 0).all()
+    assert torch.equal(other[:800], dst[:800]) and (other[800:] == -1).all()
+
+
+def test_a_row_copy_spreads_a_packed_table_into_a_wider_one():
+    packed = torch.arange(5 * 3, dtype=torch.int32, device=DEV)  # [5, 3], packed
+    table = torch.full((8, 7), -1, dtype=torch.int32, device=DEV)
+    spread = cuda_driver.RowCopy()
+    stream = cuda_driver.current_stream(DEV)
+    spread(table.data_ptr(), table.stride(0) * 4, packed.data_ptr(), 3 * 4, 3 * 4, 5, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(table[:5, :3], packed.view(5, 3))
+    assert (table[:5, 3:] == -1).all() and (table[5:] == -1).all()
+
+
+def test_timing_events_order_and_time_the_work_between_them():
+    a = torch.randn(4096, 4096, device=DEV)
+    stream = cuda_driver.current_stream(DEV)
+    start = cuda_driver.timing_event(DEV)
+    for _ in range(20):
+        a = a @ a / 64
+    end = cuda_driver.TimingEvent()
+    end.record(stream)
+    end.synchronize()
+    assert end.query() and start.query()
+    reference_start, reference_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reference_start.record()
+    for _ in range(20):
+        a = a @ a / 64
+    reference_end.record()
+    torch.cuda.synchronize()
+    ms, reference = start.elapsed_time(end), reference_start.elapsed_time(reference_end)
+    assert 0.3 * reference < ms < 3 * reference
+
+
+def test_a_torch_event_recorded_by_the_driver_orders_the_work_before_it():
+    event = torch.cuda.Event()
+    stream = cuda_driver.current_stream(DEV)
+    assert cuda_driver.done(event)  # never recorded
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the GPU
+    cuda_driver.record(event, stream)
+    assert not cuda_driver.done(event)
+    event.synchronize()
+    assert cuda_driver.done(event)
+
+
+def test_a_graph_launched_by_the_driver_gives_replays_outputs():
+    x = torch.randn(64, 64, device=DEV)
+    w = torch.randn(64, 64, device=DEV)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.relu(x @ w) + 1
+    executable = cuda_driver.graph_exec(graph)
+    assert executable, "this torch exposes no graph executable: steps fall back to replay()"
+    for _ in range(3):
+        x.copy_(torch.randn(64, 64, device=DEV))
+        cuda_driver.launch(executable, cuda_driver.current_stream(DEV))
+        torch.cuda.synchronize()
+        assert torch.allclose(y, torch.relu(x @ w) + 1)
+
+
+def test_the_calls_keep_the_gil():
+    """A thread spinning in Python gets no turn while the main thread makes a burst of driver
+    calls shorter than the switch interval; it takes turns with torch's copy_, which lets go."""
+    src = torch.zeros(16, dtype=torch.int64).pin_memory()
+    dst = torch.zeros(16, dtype=torch.int64, device=DEV)
+    stream = cuda_driver.current_stream(DEV)
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # longer than a burst of driver calls: the spinner runs when main lets go
+    spinner = threading.Thread(target=spin)
+    try:
+        spinner.start()
+        time.sleep(0.01)  # (a sleep lets go: the spinner starts)
+
+        def burst(copy, times: int) -> int:
+            before = ticks[0]
+            for _ in range(times):
+                copy()
+            return ticks[0] - before
+
+        held = burst(lambda: cuda_driver.copy(dst.data_ptr(), src.data_ptr(), 128, stream), 50)
+        let_go = burst(lambda: dst.copy_(src, non_blocking=True), 10)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        spinner.join()
+    assert held == 0
+    assert let_go > 0
