@@ -45,6 +45,8 @@ def test_a_row_copy_spreads_a_packed_table_into_a_wider_one():
 
 def test_timing_events_order_and_time_the_work_between_them():
     a = torch.randn(4096, 4096, device=DEV)
+    a = a @ a / 64  # (the first matmul sets up cuBLAS)
+    torch.cuda.synchronize()
     stream = cuda_driver.current_stream(DEV)
     start = cuda_driver.timing_event(DEV)
     for _ in range(20):
