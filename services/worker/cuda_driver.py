@@ -146,11 +146,10 @@ class RowCopy:
 
 
 def record(event: torch.cuda.Event, stream: int) -> None:
-    """event.record() on `stream`. torch creates an event's CUDA object at its first record, so
-    that one goes through torch."""
+    """event.record() on `stream`, for an event torch has recorded once: torch makes an event's
+    CUDA object at its first record."""
     if not event.cuda_event:
-        event.record(torch.cuda.ExternalStream(stream))
-        return
+        raise RuntimeError("record the event through torch once first")
     call("cuEventRecord", lib().event_record, event.cuda_event, stream)
 
 
