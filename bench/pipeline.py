@@ -120,7 +120,9 @@ async def _run_config(endpoints, workers, args) -> dict:
             progress=not args.no_progress,
         ),
     )
-    num = args.latency_num_prompts or 4 * args.concurrency
+    # 16 requests a stream: at 4 the phase lasted about a second on an H200, and one stage's GPU
+    # idle in it swung from 3% to 12% between runs of one machine (bench/RESULTS.md, session 10).
+    num = args.latency_num_prompts or 16 * args.concurrency
     stream_prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
     latency = await _phase(
         endpoints,

@@ -162,7 +162,7 @@ def _pipeline_parser(sub, formatter_class) -> None:
     _workload(p, 1000, 512, 128)
     p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
     p.add_argument(
-        "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 4 per stream)"
+        "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 16 per stream)"
     )
     p.add_argument(
         "--stages",
