@@ -153,18 +153,6 @@ def record(event: torch.cuda.Event, stream: int) -> None:
     call("cuEventRecord", lib().event_record, event.cuda_event, stream)
 
 
-def done(event: torch.cuda.Event) -> bool:
-    """Whether the work before the event's last record has completed (an event never recorded
-    has)."""
-    if not event.cuda_event:
-        return True
-    rc = lib().event_query(event.cuda_event)
-    if rc == _NOT_READY:
-        return False
-    check(rc, "cuEventQuery")
-    return True
-
-
 class TimingEvent:
     """A CUDA event with timing, made and recorded through the driver: the steps' start and end
     marks (a torch.cuda.Event's first record went through torch, and gave the GIL away)."""
