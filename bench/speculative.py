@@ -125,6 +125,8 @@ def _params(args):
     )
     if args.temperature > 0:
         params.seed = args.seed
+    if args.ignore_eos:  # fixed-length requests
+        params.ignore_eos, params.min_tokens = True, args.output_len
     return params
 
 
@@ -247,7 +249,7 @@ def run(args) -> int:
     common.print_header("speculative", env)
     print(
         f"{args.speculative_method}, k={args.num_speculative_tokens}, model {model}, batches {args.batches}, "
-        f"{args.output_len} tokens at most, temperature {args.temperature}",
+        f"{args.output_len} tokens {'each (ignore_eos)' if args.ignore_eos else 'at most'}, temperature {args.temperature}",
         flush=True,
     )
     rows = []

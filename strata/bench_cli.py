@@ -238,6 +238,12 @@ def _speculative_parser(sub, formatter_class) -> None:
     )
     p.add_argument("--output-len", type=int, default=256, help="most tokens generated per request")
     p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request generates exactly --output-len tokens (ignore_eos, min_tokens = max_tokens), "
+        "as the other benches' requests do, past the answer's end where acceptance falls",
+    )
+    p.add_argument(
         "--cost-model",
         action=argparse.BooleanOptionalAction,
         default=None,
