@@ -306,6 +306,30 @@ def test_scheduler_step_runs_the_engine_bookkeeping(speculate):
         assert verified > 50, proc.stdout
 
 
+@pytest.mark.parametrize("speculate", [[], ["--speculate", "8"]], ids=["plain", "speculating"])
+def test_worker_step_host_replays_the_schedulers_plans_on_the_worker_side(speculate):
+    """The worker's per-plan host cost benchmark: the real Scheduler's plans through the
+    worker's table, inputs and (speculating) device speculation, on the CPU; with --speculate
+    most of its plans verify drafts on the device."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.bench.worker_step_host", "--num-seqs", "1", "4"]
+        + ["--steps", "20", "--warmup", "10", "--repeat", "1", *speculate],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=common.REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0].split(",")[0] for line in lines] == ["N=1", "N=4"], proc.stdout
+    if speculate:
+        for line in lines:
+            assert float(line.split("; ")[-1].split("%")[0]) > 50, proc.stdout
+
+
 def test_schedule_shape_counts_every_prompt_and_decode_token():
     """An offline batch through the real Scheduler: every prompt token is computed once, every
     output token but the first (which the prompt's last step samples) is a decode row."""
