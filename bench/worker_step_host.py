@@ -154,7 +154,7 @@ def measure(args, num_seqs: int) -> list[dict[str, float]]:
             t0 = time.perf_counter()
             rows = table.apply(plan)
             t1 = time.perf_counter()
-            h = builder.build(plan, rows)
+            h = builder.build(plan, rows, shared_kv=not any(plan.num_draft_tokens))  # (a GPU's verification graphs)
             t2 = time.perf_counter()
             if spec is not None:
                 tokens = h.input_ids if h.input_ids is not None else np.asarray(plan.input_token_ids, dtype=np.int64)

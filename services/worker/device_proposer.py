@@ -206,9 +206,8 @@ class DeviceSpeculation:
         placeholders and drafts) and the step's meta rows. tokens: the plan's input ids."""
         qsl = h.query_start_loc
         n = len(qsl) - 1
-        q_lens = np.diff(qsl)
-        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64) if plan.num_draft_tokens else np.zeros(n, np.int64)
-        self._write_known(h, tokens, q_lens, drafts)
+        drafts = h.draft_counts
+        self._write_known(h, tokens)
         if (
             n == len(tokens)
             and len(plan.sample) == n
@@ -250,22 +249,20 @@ class DeviceSpeculation:
         if drafts.any():
             if (drafts > self.max_k).any():
                 raise PlanError(f"at most {self.max_k} drafts per sequence")
-            offset = np.arange(tokens.shape[0]) - np.repeat(first, q_lens)
-            is_draft = offset >= np.repeat(q_lens - drafts, q_lens)
-            seq_of = np.repeat(np.arange(n), q_lens)
+            j = h.drafts.index
+            is_draft = j >= 0
+            seq_of = np.repeat(np.arange(n), np.diff(qsl))
             device = np.zeros(n, dtype=bool)
             device[seq_of[is_draft & (tokens == DEVICE_DRAFT)]] = True
             meta[:, DEVICE] = device
-            j = offset - np.repeat(q_lens - drafts, q_lens)
             host = is_draft & ~device[seq_of]
             meta[seq_of[host], HOST + j[host]] = tokens[host]
         return SpecStep(meta, sample_idx, known is not None and bool((known >= 0).any()), propose is not None)
 
-    def _write_known(self, h, tokens: np.ndarray, q_lens: np.ndarray, drafts: np.ndarray) -> None:
+    def _write_known(self, h, tokens: np.ndarray) -> None:
         keep = tokens >= 0
-        if drafts.any():
-            offset = np.arange(tokens.shape[0]) - np.repeat(h.query_start_loc[:-1], q_lens)
-            keep &= offset < np.repeat(q_lens - drafts, q_lens)
+        if h.drafts is not None:  # drafts are not known tokens yet
+            keep &= h.drafts.index < 0
         parts_rows, parts_pos, parts_tok = [], [], []
         if self._prefix:
             for row in np.unique(h.token_rows).tolist():

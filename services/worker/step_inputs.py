@@ -45,10 +45,25 @@ class HostInputs:
     # [T] where a placeholder input token (< 0) is read from last_sampled: the token's state row,
     # or for a DEVICE_DRAFT token the draft's slot (device_proposer.py); None: token_rows.
     source_rows: np.ndarray | None = None
+    drafts: DraftLayout | None = None  # set when some sequence verifies drafts (as built, unpadded)
+
+    @property
+    def draft_counts(self) -> np.ndarray:
+        """[B] each sequence's drafts."""
+        return self.drafts.per_seq if self.drafts is not None else np.zeros(len(self.seq_lens), np.int64)
 
     @property
     def placeholder_rows(self) -> np.ndarray:
         return self.token_rows if self.source_rows is None else self.source_rows
+
+
+@dataclass
+class DraftLayout:
+    """Where a step's drafts sit, worked out once (build) for the verification rows, the device
+    drafts' sources and the speculation's meta rows and history (device_proposer.py)."""
+
+    per_seq: np.ndarray  # [B] drafts of each sequence: its last per_seq input tokens
+    index: np.ndarray  # [T] each token's index among its sequence's drafts; < 0: not a draft
 
 
 @dataclass
@@ -140,9 +155,10 @@ class StepInputBuilder:
             verify=None,
         )
         if any(plan.num_draft_tokens):
-            self._add_verification(h, plan, q_lens, sample_idx, rows)
+            drafts = self._add_verification(h, plan, q_lens, sample_idx, rows)
+            h.drafts = DraftLayout(drafts, positions - np.repeat(seq_lens - drafts, q_lens))
         if h.has_placeholders and self.speculation is not None:
-            self._add_device_drafts(h, plan, q_lens)
+            self._add_device_drafts(h)
         if shared_kv:
             self.attach_shared_kv_runs(plan, h)
         return h
@@ -155,10 +171,11 @@ class StepInputBuilder:
 
     def _add_verification(
         self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray, sample_idx: np.ndarray, rows: np.ndarray
-    ) -> None:
+    ) -> np.ndarray:
         """A sequence verifying d drafts (its last d input tokens) samples d + 1 rows: the token
         before each draft and the last one. Row j draws the token at position seq_len - d + j,
-        from (seed, that position) as a plain decode there would, and is compared with draft j."""
+        from (seed, that position) as a plain decode there would, and is compared with draft j.
+        Returns each sequence's d (checked)."""
         drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64)
         sampling = np.zeros(len(q_lens), dtype=bool)
         sampling[sample_idx] = True
@@ -177,18 +194,17 @@ class StepInputBuilder:
             raise PlanError("a plan with drafts must carry every input token")
         following = np.minimum(h.sample_token_index + 1, tokens.shape[0] - 1)
         h.verify = Verification(counts, np.where(offset < np.repeat(d, counts), tokens[following], -1))
+        return drafts
 
-    def _add_device_drafts(self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray) -> None:
+    def _add_device_drafts(self, h: HostInputs) -> None:
         """DEVICE_DRAFT input tokens read the last stage's draft j of their row, j their index
         among the sequence's drafts (they must be drafts: the last num_draft_tokens inputs)."""
         device = h.input_ids == DEVICE_DRAFT
         if not device.any():
             return
-        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64) if plan.num_draft_tokens else np.zeros_like(q_lens)
-        offset = np.arange(h.input_ids.shape[0]) - np.repeat(h.query_start_loc[:-1], q_lens)
-        j = offset - np.repeat(q_lens - drafts, q_lens)
-        if (j[device] < 0).any():
+        if h.drafts is None or (h.drafts.index[device] < 0).any():
             raise PlanError("DEVICE_DRAFT tokens must be a verifying sequence's drafts")
+        j = h.drafts.index
         h.source_rows = np.where(device, self.speculation.source_row(h.token_rows, j), h.token_rows)
 
     def pad_queries(self, h: HostInputs, q: int) -> HostInputs | None:
