@@ -89,17 +89,20 @@ def hang_until_noticed(cluster, victim, within: float) -> None:
     [
         (signal.SIGKILL, "auto", "worker 1"),
         (signal.SIGTERM, "auto", "worker 1"),
+        # Its steps wait for activations on the event loop (up to the transport's deadline).
+        (signal.SIGTERM, "grpc", "worker 1"),
         (signal.SIGKILL, "distributed", "worker 1"),
         (signal.SIGKILL, "auto", "worker 0"),  # the restarted stage 0 opens the streams to stage 1
     ],
-    ids=["killed", "stopped", "killed-gloo-transport", "killed-stage-0"],
+    ids=["killed", "stopped", "stopped-grpc-transport", "killed-gloo-transport", "killed-stage-0"],
 )
 def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport, lost):
     """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
     scheduler must treat both as a lost stage, never as an engine failure. On CPUs of one host `auto`
     is the ipc transport (a ring in /dev/shm and a doorbell socket, whose end of file tells the
     surviving stage at once); gloo's link breaks by its deadline. Either way the rebuilt pipeline
-    forms a new link."""
+    forms a new link. A stopped stage exits within seconds, also with a step waiting for its
+    activations (docker stop kills it past its grace period)."""
     work = requests()
     argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport)
     with running_cluster(model_dir, 2, *argv) as (cluster, client):
@@ -113,7 +116,10 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
         victim = worker(cluster, lost)
         argv = victim.args
         victim.send_signal(stop)
+        signalled = time.monotonic()
         victim.wait()
+        if stop == signal.SIGTERM:
+            assert time.monotonic() - signalled < 10, "the stopped stage took too long to exit"
         time.sleep(1.0)
         assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
         restart(cluster, lost, argv)

@@ -208,6 +208,10 @@ async def serve(args) -> None:
     )
     await wait_for_termination_signal()
     await server.stop(grace=1.0)
+    # A step still waiting for its activations (or tokens) holds the step thread until the
+    # transport's deadline, and the interpreter's exit joins that thread: with the streams ended,
+    # nothing it computes can go anywhere, so the links close and it returns at once.
+    await servicer.close()
 
 
 def run(args) -> int:

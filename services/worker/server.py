@@ -314,6 +314,11 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 setattr(out, f"{prefix}_send_seconds", sender.send_seconds)
         return out
 
+    async def close(self) -> None:
+        """At shutdown, after the server stopped: the links close, and steps waiting on them fail."""
+        self._session += 1  # plans still queued run nothing
+        await self._close_links()
+
     async def _close_links(self) -> None:
         await self._close_token_link()
         if self._sender is not None:
