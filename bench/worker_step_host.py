@@ -8,7 +8,7 @@ torch call, with no model and no device.
 
 The plans come from the real Scheduler, driven by fake results as in scheduler_step.py: N
 sequences decode (or, with --speculate K, verify K drafts on the device ahead of their results),
-and each plan is encoded as the Steps stream sends it. Only the worker side is timed. On a GPU
+and each plan is encoded as the Steps stream sends it (fake_result: scheduler_step.py's). Only the worker side is timed. On a GPU
 worker these run on the step thread before the graph's launch, so at batch 1 they are part of
 every step's host time (bench/RESULTS.md).
 
@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from strata.bench.scheduler_step import fake_result
 from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
@@ -83,29 +84,9 @@ def scheduler_plans(num_seqs: int, steps: int, speculate: int, accept: float, se
             engine.in_flight.append(plan)
             engine._deadlines.append(0.0)
             plans.append(plan_to_proto(plan).SerializeToString())
-            results.append(_fake_result(plan, rng, speculate, accept))
-        engine._finish_step(results.popleft())
+            results.append(fake_result(plan, rng, speculate, accept))
+        engine._finish_step(engine_pb2.StepResult.FromString(results.popleft()))
     return plans
-
-
-def _fake_result(plan, rng: random.Random, speculate: int, accept: float) -> engine_pb2.StepResult:
-    seqs = [s for s in plan.seqs if s.sample]
-    counts = []
-    for s in seqs:
-        accepted = 0
-        while accepted < s.num_draft and rng.random() < accept:
-            accepted += 1
-        counts.append(accepted + 1)
-    result = engine_pb2.StepResult(
-        step_id=plan.step_id,
-        seq_ids=[s.seq_id for s in seqs],
-        num_tokens=counts,
-        token_ids=[rng.randrange(100, VOCAB) for _ in range(sum(counts))],
-    )
-    if speculate:
-        result.num_proposed.extend([speculate] * len(seqs))
-        result.proposed_token_ids.extend(rng.randrange(100, VOCAB) for _ in range(speculate * len(seqs)))
-    return result
 
 
 def worker_side(num_seqs: int, speculate: int):
