@@ -4,7 +4,7 @@ micro-batches whose next plans go out before results come back.
 
 - TokenIntake: tokens applied in step order at the rows of each step's sampling sequences; a step
   waits (with a deadline) only for the step its placeholders need; a closed link fails the wait.
-- The token link itself over gloo and over gRPC, both ends in one process.
+- The token link itself over gloo (on stage 0's step thread) and over gRPC, both ends in one process.
 - The scheduler with micro-batches, against a fake pipeline that executes plans in step order
   and resolves placeholders as stage 0 does: every request gets its reference tokens, plans in
   flight reach P + 1, a small load stays in one micro-batch, a large one spreads over all.
@@ -124,40 +124,46 @@ def test_the_outlet_hands_each_sampling_rows_token_through_a_graphs_staged_rows_
 # ------------------------------------------------------------------ the link, both ends in one process
 
 
-@pytest.mark.parametrize("kind", [DISTRIBUTED, GRPC], ids=["gloo", "grpc"])
-def test_a_token_link_hands_each_steps_tokens_to_their_rows(kind):
+def _token_link(kind, emit):
+    stage0 = torch.zeros(16, dtype=torch.long)
+    intake = TokenIntake(stage0, timeout=20.0)
+    request = engine_pb2.TokenLinkRequest(
+        session=3, transport=kind, peer_address="127.0.0.1:1", transport_timeout_seconds=20.0
+    )
+    receiver = open_token_receiver(request, intake, max_tokens=16, vocab_size=100, slots=3)
+    request.link.CopyFrom(receiver.link())
+    request.send = True
+    sender = open_token_sender(request, emit, device="cpu")
+    return stage0, intake, receiver, sender
+
+
+def _hand_steps(intake, sender, last):
+    """Stage 0 launches steps 1 and 2 (rows 3, 5 and 7 sample), the last stage samples them and
+    hands their tokens; step 3 fails on the last stage."""
+    outlet = TokenOutlet(last)
+    for step, rows, tokens in ((1, [3, 5], [42, 43]), (2, [7], [99])):
+        h = _inputs([1] * len(rows), rows, rows)
+        intake.before_step(step, h)
+        outlet.before_step(step, h)
+        last[rows] = torch.tensor(tokens)
+        outlet.hand(step, sender)
+    sender.send_error(3, "stage 1: boom")
+
+
+def test_a_grpc_token_link_hands_each_steps_tokens_to_their_rows():
     async def main():
         loop = asyncio.get_running_loop()
-        stage0 = torch.zeros(16, dtype=torch.long)
-        intake = TokenIntake(stage0, timeout=20.0)
-        request = engine_pb2.TokenLinkRequest(
-            session=3, transport=kind, peer_address="127.0.0.1:1", transport_timeout_seconds=20.0
-        )
-        receiver = open_token_receiver(request, intake, max_tokens=16, vocab_size=100, slots=3)
-        request.send, request.link.CopyFrom(receiver.link())
-        request.send = True
         messages: asyncio.Queue = asyncio.Queue()
-        sender = open_token_sender(request, lambda m: loop.call_soon_threadsafe(messages.put_nowait, m), device="cpu")
-        last = torch.zeros(16, dtype=torch.long)  # the last stage's last_sampled
-        outlet = TokenOutlet(last)
+        stage0, intake, receiver, sender = _token_link(
+            GRPC, lambda m: loop.call_soon_threadsafe(messages.put_nowait, m)
+        )
         try:
-            # Stage 0 launches steps 1 and 2 (rows 3, 5 and 7 sample), the last stage samples them.
-            for step, rows, tokens in ((1, [3, 5], [42, 43]), (2, [7], [99])):
-                h = _inputs([1] * len(rows), rows, rows)
-                intake.before_step(step, h)
-                outlet.before_step(step, h)
-                last[rows] = torch.tensor(tokens)
-                outlet.hand(step, sender)
-            sender.send_error(3, "stage 1: boom")
+            _hand_steps(intake, sender, torch.zeros(16, dtype=torch.long))
             for step in range(3):
                 msg = await asyncio.wait_for(messages.get(), 30)
-                assert msg.session == 3 and msg.via_transport == (kind == DISTRIBUTED and not msg.error)
+                assert msg.session == 3 and not msg.via_transport
                 assert msg.step_id == step + 1  # in step order, the error behind the tokens
                 receiver.deliver_tokens(msg)
-            for _ in range(100):  # gloo applies on the link's thread
-                if intake.applied >= 3:
-                    break
-                await asyncio.sleep(0.05)
             assert intake.applied == 3
             assert stage0[[3, 5, 7]].tolist() == [42, 43, 99]
             assert sender.bytes_sent == 3 * 8
@@ -166,6 +172,28 @@ def test_a_token_link_hands_each_steps_tokens_to_their_rows(kind):
             receiver.close()
 
     asyncio.run(main())
+
+
+def test_a_gloo_token_link_hands_each_steps_tokens_to_their_rows_on_stage_0s_step_thread():
+    """No message on the HandTokens stream: stage 0's step thread takes the announcements itself,
+    before its next step, and waits for those its placeholders need."""
+    emitted = []
+    stage0, intake, receiver, sender = _token_link(DISTRIBUTED, emitted.append)
+    try:
+        _hand_steps(intake, sender, torch.zeros(16, dtype=torch.long))
+        # Step 4 decodes rows 3 and 7 ahead of their tokens: it needs step 2's (3 failed).
+        intake.before_step(4, _inputs([PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN], [3, 7], [3, 7]))
+        assert intake.applied >= 2 and stage0[[3, 5, 7]].tolist() == [42, 43, 99]
+        intake.before_step(5, _inputs([1], [9], []))  # what else arrived (step 3's error) is applied
+        assert intake.applied == 3 and emitted == [] and sender.bytes_sent == 3 * 8
+        sender.close()  # the last stage is gone: stage 0's wait fails at once
+        start = time.monotonic()
+        with pytest.raises(StepFailed, match="gone|closed"):
+            intake.before_step(6, _inputs([PLACEHOLDER_TOKEN], [3], [3]))
+        assert time.monotonic() - start < 5
+    finally:
+        sender.close()
+        receiver.close()
 
 
 # ------------------------------------------------------------------ the scheduler's micro-batches

@@ -5,7 +5,6 @@ a CPU runs (grpc, distributed over gloo, ipc) equal to HF and one stage."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     GRPC,
     IPC,
+    PeerLost,
     StepFailed,
     TransportError,
     choose_transport,
@@ -132,7 +132,7 @@ def test_a_gpu_stage_named_without_an_index_gets_one(monkeypatch):
 HIDDEN = 8
 
 
-def _open_link(loop, timeout=20.0, session=7):
+def _open_link(timeout=20.0, session=7, before_sender=None):
     """The scheduler's order: the receiver opens its end, its link goes to the sender."""
     request = engine_pb2.InitCacheRequest(
         session=session,
@@ -143,122 +143,142 @@ def _open_link(loop, timeout=20.0, session=7):
     receiver = open_receiver(request, device="cpu", dtype=torch.float32, hidden_size=HIDDEN, max_rows=16, slots=3)
     link = receiver.link()
     assert link.transport == DISTRIBUTED and link.backend == "gloo" and link.rendezvous_address.startswith("127.0.0.1:")
-    messages: asyncio.Queue = asyncio.Queue()
+    assert link.doorbell_port and len(link.doorbell_secret) == 16
+    if before_sender is not None:
+        before_sender(link)
+    emitted = []  # the Forward stream: nothing goes there on a distributed link
     sender = open_sender(
         engine_pb2.InitCacheRequest(session=session, next_stage_link=link, transport_timeout_seconds=timeout),
-        lambda msg: loop.call_soon_threadsafe(messages.put_nowait, msg),
+        emitted.append,
         device="cpu",
     )
-    return receiver, sender, messages
+    return receiver, sender, emitted
 
 
-async def _pump(receiver, messages, n):
-    for _ in range(n):
-        msg = await asyncio.wait_for(messages.get(), 30)
-        assert msg.session == receiver.session
-        assert receiver.deliver(msg)
+def _in_thread(fn, *args):
+    """fn(*args) on a thread of its own (the other stage's step thread); its result or error."""
+    import concurrent.futures
+
+    return concurrent.futures.ThreadPoolExecutor(1).submit(fn, *args)
 
 
-def test_a_gloo_link_moves_the_bytes_and_forwards_errors():
-    async def main():
-        receiver, sender, messages = _open_link(asyncio.get_running_loop())
-        try:
-            sent = {}
-            for step, rows in ((1, 3), (2, 16), (3, 1), (5, 40)):  # 40 rows: above the link's, inline
-                h, r = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN)
-                sent[step] = (h, r)
-                sender.send(step, h, r)
-            sender.send_error(4, "stage 0: RuntimeError: boom")
-            await _pump(receiver, messages, 5)
-            for step, (h, r) in sent.items():
-                got_h, got_r = await asyncio.wait_for(receiver.receive(step), 30)
-                assert torch.equal(got_h, h) and torch.equal(got_r, r)
-            with pytest.raises(StepFailed, match="boom"):
-                await receiver.receive(4)
-        finally:
-            sender.close()
-            receiver.close()
-        # close() never blocks; at exit the links' threads are joined (an NCCL group torn down
-        # during CUDA's shutdown would end the process with SIGABRT)
-        _join_closing_links()
-        assert not sender._thread.is_alive() and not receiver._thread.is_alive()
+def test_a_gloo_link_moves_the_bytes_in_order_and_forwards_errors():
+    receiver, sender, emitted = _open_link()
+    sent, got, failed = {}, {}, {}
 
-    asyncio.run(main())
+    def take_all():  # the receiving step thread
+        for step in range(1, 8):
+            try:
+                got[step] = receiver.take(step)
+            except StepFailed as e:
+                failed[step] = str(e)
 
-
-def test_a_malformed_announcement_fails_its_step_not_the_link():
-    async def main():
-        receiver, sender, messages = _open_link(asyncio.get_running_loop())
-        try:
-            bad = engine_pb2.Activations(
-                step_id=9,
-                session=receiver.session,
-                via_transport=True,
-                hidden=engine_pb2.Tensor(dtype="float32", shape=[99, HIDDEN]),  # more rows than the link takes
-                residual=engine_pb2.Tensor(dtype="float32", shape=[99, HIDDEN]),
-            )
-            assert receiver.deliver(bad)
-            with pytest.raises(StepFailed, match="shape"):
-                await receiver.receive(9)
-            h = torch.ones(2, HIDDEN)
-            sender.send(10, h, h)
-            await _pump(receiver, messages, 1)
-            got, _ = await asyncio.wait_for(receiver.receive(10), 30)
-            assert torch.equal(got, h)
-        finally:
-            sender.close()
-            receiver.close()
-
-    asyncio.run(main())
-
-
-def test_a_lost_peer_fails_the_step_within_the_deadline_and_a_new_link_works():
-    async def main():
-        loop = asyncio.get_running_loop()
-        receiver, sender, messages = _open_link(loop, timeout=3.0, session=1)
-        h = torch.ones(2, HIDDEN)
-        sender.send(1, h, h)
-        await _pump(receiver, messages, 1)
-        await asyncio.wait_for(receiver.receive(1), 30)
-        # The receiver goes away (its stage was lost): the sender's next step fails in time and
-        # the stage itself lives on.
-        receiver.close()
-        receiver.store = None
-        start = time.monotonic()
-        sender.send(2, h, h)
-        sender.send(3, h, h)
-        got = [await asyncio.wait_for(messages.get(), 30) for _ in range(3)]
-        assert any(m.error and m.step_id in (2, 3) for m in got[1:]), got
-        assert time.monotonic() - start < 20
+    reader = _in_thread(take_all)
+    try:
+        for step, rows in ((1, 3), (2, 16), (3, 1), (5, 40), (6, 2), (7, 1)):  # 40 rows: more than the link takes
+            h, r = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN)
+            sent[step] = (h, r)
+            sender.send(step, h, r)
+            if step == 3:
+                sender.send_error(4, "stage 0: RuntimeError: boom")
+        reader.result(60)
+    finally:
         sender.close()
-        # A rebuilt pipeline: a new session, a new store, a new group.
-        receiver, sender, messages = _open_link(loop, session=2)
-        try:
-            sender.send(1, h * 2, h)
-            await _pump(receiver, messages, 1)
-            got_h, _ = await asyncio.wait_for(receiver.receive(1), 30)
-            assert torch.equal(got_h, h * 2)
-        finally:
-            sender.close()
-            receiver.close()
-
-    asyncio.run(main())
-
-
-def test_a_receiver_waiting_for_a_step_fails_it_when_the_pipeline_is_rebuilt():
-    async def main():
-        receiver, sender, _ = _open_link(asyncio.get_running_loop())
-        waiting = asyncio.ensure_future(receiver.receive(5))
-        await asyncio.sleep(0.1)
         receiver.close()
+    assert emitted == []
+    assert sorted(failed) == [4, 5] and "boom" in failed[4] and "more than the link takes" in failed[5]
+    for step in (1, 2, 3, 6, 7):
+        assert torch.equal(got[step][0], sent[step][0]) and torch.equal(got[step][1], sent[step][1]), step
+    assert sender.steps_sent == 5
+    # close() never blocks; at exit the links' threads are joined (an NCCL group torn down
+    # during CUDA's shutdown would end the process with SIGABRT)
+    _join_closing_links()
+    assert not sender.group.thread.is_alive() and not receiver.group.thread.is_alive()
+
+
+def test_a_gloo_receiver_receives_and_drops_steps_no_plan_asked_for_and_keeps_a_later_one():
+    receiver, sender, _ = _open_link()
+    try:
+        for step in (3, 4, 6):
+            sender.send(step, *_step_tensors(step, 2))
+        assert torch.equal(receiver.take(4)[0], _step_tensors(4, 2)[0])  # 3's is received and dropped
+        with pytest.raises(StepFailed, match="step 5's activations never came"):
+            receiver.take(5)
+        into = (torch.zeros(16, HIDDEN), torch.zeros(16, HIDDEN))  # a graph's inputs
+        h, r = receiver.take(6, into)
+        assert h.data_ptr() == into[0].data_ptr() and torch.equal(h, _step_tensors(6, 2)[0])
+        assert torch.equal(into[1][:2], _step_tensors(6, 2)[1]) and not into[1][2:].any()
+    finally:
         sender.close()
-        with pytest.raises(StepFailed, match="re-initialised"):
-            await waiting
-
-    asyncio.run(main())
+        receiver.close()
 
 
-# ------------------------------------------------------------------ an ipc link between CPU ends
+def test_a_lost_peer_fails_the_step_at_once_and_a_new_link_works():
+    receiver, sender, _ = _open_link(timeout=30.0, session=1)
+    h = torch.ones(2, HIDDEN)
+    sender.send(1, h, h)
+    receiver.take(1)
+    # The sender goes away (its stage was lost): the receiver's next step fails at once, not
+    # at the deadline, and the stage itself lives on.
+    sender.close()
+    start = time.monotonic()
+    with pytest.raises(PeerLost, match="gone|closed"):
+        receiver.take(2)
+    assert time.monotonic() - start < 5
+    receiver.close()
+    # The receiver goes away: the sender's next steps are not sent, and the sender lives on.
+    receiver, sender, _ = _open_link(timeout=30.0, session=2)
+    sender.send(1, h, h)
+    receiver.take(1)
+    receiver.close()
+    start = time.monotonic()
+    for step in (2, 3, 4):
+        sender.send(step, h, h)
+    assert time.monotonic() - start < 10 and sender.steps_sent < 4
+    sender.close()
+    # A rebuilt pipeline: a new session, a new store, a new group.
+    receiver, sender, _ = _open_link(session=3)
+    try:
+        sender.send(1, h * 2, h)
+        got_h, _ = receiver.take(1)
+        assert torch.equal(got_h, h * 2)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_gloo_receiver_waiting_for_a_step_fails_it_when_the_pipeline_is_rebuilt():
+    receiver, sender, _ = _open_link()
+    waiting = _in_thread(receiver.take, 5)
+    time.sleep(0.2)
+    receiver.close()
+    sender.close()
+    with pytest.raises(StepFailed, match="closed"):
+        waiting.result(10)
+
+
+def test_a_stranger_cannot_announce_steps_on_a_distributed_link():
+    import socket
+    import struct
+
+    strangers = []
+
+    def intrude(link):  # connects first, with a wrong secret and a step of its own
+        stranger = socket.create_connection(("127.0.0.1", link.doorbell_port))
+        fake = struct.pack("<QIII", 1, 0, 16, HIDDEN)
+        stranger.sendall(struct.pack("<I", 16) + b"x" * 16 + struct.pack("<I", len(fake)) + fake)
+        strangers.append(stranger)
+
+    receiver, sender, _ = _open_link(before_sender=intrude)
+    try:
+        sender.send(1, *_step_tensors(1, 3))
+        h, _ = receiver.take(1)
+        assert torch.equal(h, _step_tensors(1, 3)[0])  # the stranger's connection was dropped
+        assert strangers[0].recv(16) == b""
+    finally:
+        strangers[0].close()
+        sender.close()
+        receiver.close()
 
 
 def _open_ipc_link(timeout=20.0, session=7, slots=3):

@@ -1,47 +1,59 @@
-"""`distributed`: torch.distributed point-to-point between two stages, NCCL on GPUs, gloo on CPUs.
+"""`distributed`: torch.distributed send/recv between two stages, NCCL on GPUs, gloo on CPUs.
 
 Each link is a process group of its own, of two ranks (0 sends, 1 receives), built directly on a
 PrefixStore of the TCPStore the receiver hosts (port chosen by the OS, one store per InitCache, so
 a rebuilt pipeline never meets an older one's keys) - not the process-wide default group: a
 middle stage holds two links, and a rebuilt pipeline drops one link without touching the other.
+The group is formed on a thread of the link's own (the rendezvous, and NCCL's first call, block
+until both ends join); the steps use it once it is there.
 
-Order: the sender posts its sends in step order on its transport thread and only then emits the
-Forward message; the receiver posts its receives in the order the messages arrive (one gRPC
-stream: the same order), on its own thread. NCCL pairs point-to-point calls in that order; gloo
-by tag (the step id). Deadlines: the rendezvous and every gloo wait take at most the link's
+Both ends run on their stages' step threads, as an ipc link's do: the sender posts its sends and
+then announces the step (id and shape, or its error) on the link's TCP doorbell (doorbell.py);
+the receiver takes the announcements in order and posts its receives, into the step's graph
+inputs where it has them. NCCL pairs point-to-point calls in posting order, and both sides post
+in step order; an announced step no plan here reads is received anyway and dropped. On GPUs
+nothing waits on a host: the sender's sends wait for its step on the device, and the receiver's
+compute stream waits for its receives. (Through the Forward stream, each announcement took a
+transport thread's wake-up, a gRPC message and an event-loop hop on both sides: 346-546 us of
+transport and 2.8 ms of waiting per step at 16 streams on two H200s, bench/RESULTS.md.)
+
+Deadlines: the rendezvous, every doorbell wait and every gloo wait take at most the link's
 timeout; NCCL work is bounded by the group's timeout (its watchdog aborts the communicator, see
-NCCL_ENVIRONMENT), and close() aborts the group so a lost peer never leaves a kernel waiting.
+NCCL_ENVIRONMENT), and close() aborts the group so a lost peer never leaves a kernel waiting. A
+peer that dies closes the doorbell: the next wait fails at once (PeerLost).
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import datetime
 import logging
-import queue
 import threading
+import time
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
 from strata.services.worker.stage_transport import (
     DISTRIBUTED,
+    PeerLost,
     Receiver,
     Sender,
     StepFailed,
     TransportError,
     host_of,
     local_address_towards,
-    resolve_threadsafe,
 )
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+# Sends whose tensors the sender keeps until they complete; gloo's beyond this are waited for.
+_MAX_PENDING_SENDS = 16
 
 
 # Threads of closed links, which may still be aborting their NCCL groups (close() never blocks).
@@ -70,11 +82,11 @@ def _form_group(store, rank: int, backend: str, peer_host: str, timeout: float, 
         opts._timeout = delta
         pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         # NCCL builds a pair's communicator at its first point-to-point call and blocks there
-        # until both ranks join. The sender's first step would block in it before emitting the
-        # message the receiver waits for before posting its first receive: a deadlock (seen on
-        # two H200s). One handshake here, where both sides arrive on their own, joins them.
+        # until both ranks join: one handshake here, on the link's thread, where both sides
+        # arrive on their own, keeps that wait off the step threads.
         handshake = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         (pg.send if rank == 0 else pg.recv)([handshake], 1 - rank, 0).wait()
+        torch.cuda.current_stream().synchronize()
         return pg
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = delta
@@ -94,87 +106,162 @@ def _abort(pg) -> None:
                 log.debug("stage transport: %s of the old group: %s", name, e)
 
 
-def _meta(t: torch.Tensor) -> engine_pb2.Tensor:
-    return engine_pb2.Tensor(dtype=_NAMES[t.dtype], shape=list(t.shape))
+class _Group:
+    """A link end's process group, formed on a thread of its own, which also tears it down after
+    close() (an NCCL abort may take a while; close() never blocks)."""
 
-
-class DistributedSender(Sender):
-    kind = DISTRIBUTED
-
-    def __init__(self, session: int, emit, timeout: float, *, link: engine_pb2.StageLink, device):
-        self.device = torch.device(device)
-        self.backend = link.backend
-        if (self.backend == "nccl") != (self.device.type == "cuda"):
-            raise TransportError(f"a {link.backend} link from a stage on {self.device}")
-        self.rendezvous = link.rendezvous_address
-        self.max_elements = link.slot_elements
+    def __init__(self, form, device: torch.device, timeout: float, what: str):
         self.pg = None
-        self._error: Exception | None = None
-        self._inflight: collections.deque = collections.deque(maxlen=64)  # NCCL work: keeps its tensors alive
-        super().__init__(session, emit, timeout)
+        self.error: Exception | None = None
+        self.timeout = timeout
+        self._form, self._device, self._what = form, device, what
+        self._formed = threading.Event()
+        self._closed = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"transport-{what}", daemon=True)
+        self.thread.start()
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         try:
-            host, port = self.rendezvous.rsplit(":", 1)
-            host = host_of(self.rendezvous)
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            store = dist.TCPStore(
-                host, int(port), world_size=2, is_master=False, timeout=datetime.timedelta(seconds=self.timeout)
-            )
-            self.pg = _form_group(store, 0, self.backend, host, self.timeout, self.session)
-            log.info("stage transport: %s link to %s formed (session %d)", self.backend, self.rendezvous, self.session)
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self.pg = self._form()
+            log.info("stage transport: %s formed", self._what)
         except Exception as e:
-            log.warning("stage transport: no %s link to %s: %s", self.backend, self.rendezvous, e)
-            self._error = e
-        super()._loop()
-
-    def _transfer(self, step_id: int, hidden, residual):
-        if self._error is not None:
-            raise TransportError(f"link to the next stage is down: {self._error}")
-        if max(hidden.numel(), residual.numel()) > self.max_elements:
-            return super()._transfer(step_id, hidden, residual)  # inline bytes, this step only
-        hidden, residual = hidden.contiguous(), residual.contiguous()
-        works = [self.pg.send([t], 1, _tag(step_id)) for t in (hidden, residual)]
-        # Announced before waiting: the receiver posts its receives when the message arrives.
-        self.emit(
-            engine_pb2.Activations(
-                step_id=step_id,
-                session=self.session,
-                via_transport=True,
-                hidden=_meta(hidden),
-                residual=_meta(residual),
-            )
-        )
-        if self.backend == "nccl":
-            self._inflight.append((works, hidden, residual))  # queued on NCCL's stream: no host wait
-            return None
-        try:
-            for w in works:
-                w.wait(datetime.timedelta(seconds=self.timeout))
-        except Exception as e:
-            self._error = e  # the peer is gone: later steps fail at once until the pipeline is rebuilt
-            raise
-        return None
-
-    def _finish(self) -> None:
-        if self.pg is not None and self.backend == "nccl":
+            log.warning("stage transport: no %s: %s", self._what, e)
+            self.error = e
+        self._formed.set()
+        self._closed.wait()
+        if self.pg is not None and self._device.type == "cuda":  # (gloo's ends with its sockets)
             _abort(self.pg)
         self.pg = None
 
+    def get(self):
+        """The formed group (on the step thread: waits for the rendezvous, with the deadline)."""
+        if not self._formed.wait(self.timeout):
+            self.error = TimeoutError(f"the peer stage did not join in {self.timeout:.0f} s")
+        if self.error is not None:
+            raise TransportError(f"{self._what} is down: {self.error}")
+        if self._closed.is_set():
+            raise TransportError(f"{self._what} is closed")
+        return self.pg
+
+    def fail(self, error: Exception) -> None:
+        """A wait on the group failed: the peer is gone, later steps fail at once until the
+        pipeline is rebuilt."""
+        self.error = error
+
+    def close(self) -> None:
+        self._closed.set()
+        self._formed.set()
+        _CLOSING.add(self.thread)
+
+
+class DistributedSender(Sender):
+    """The sending end, on the step thread: each step's sends posted, then its announcement (no
+    transport thread, no Forward message). Tokens (the token link) are one 1-D tensor a step."""
+
+    kind = DISTRIBUTED
+    uses_thread = False
+
+    def __init__(self, session: int, emit, timeout: float, *, link: engine_pb2.StageLink, device):
+        self.device = torch.device(device)
+        if (link.backend == "nccl") != (self.device.type == "cuda"):
+            raise TransportError(f"a {link.backend} link from a stage on {self.device}")
+        if not link.doorbell_port:
+            raise TransportError("the distributed link names no doorbell")
+        self.max_elements = link.slot_elements
+        host, port = host_of(link.rendezvous_address), int(link.rendezvous_address.rsplit(":", 1)[1])
+        try:
+            self.doorbell = DoorbellSender(host, timeout, port=link.doorbell_port, secret=link.doorbell_secret)
+        except DoorbellClosed as e:
+            raise TransportError(str(e)) from None
+
+        def form():
+            store = dist.TCPStore(
+                host, port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+            )
+            return _form_group(store, 0, link.backend, host, timeout, session)
+
+        self.group = _Group(form, self.device, timeout, f"{link.backend} link to {link.rendezvous_address}")
+        self._pending: collections.deque = collections.deque()  # (works, tensors) not known complete
+        super().__init__(session, emit, timeout)
+
+    def send(self, step_id: int, *tensors) -> None:
+        """On the step thread, right after the step's launch: sends posted behind it, one message."""
+        started = time.perf_counter()
+        try:
+            self._post(step_id, tensors)
+        except TransportError as e:  # this step fails downstream (in order); the next ones try again
+            self.send_error(step_id, f"stage transport (distributed): {e}")
+            return
+        except DoorbellClosed as e:  # the peer is gone: the scheduler rebuilds the pipeline
+            log.warning("stage transport (distributed): step %d not sent: %s", step_id, e)
+            return
+        self.send_seconds += time.perf_counter() - started
+        self.steps_sent += 1
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _post(self, step_id: int, tensors) -> None:
+        t = tensors[0]
+        if max(x.numel() for x in tensors) > self.max_elements or t.dim() > 2:
+            raise TransportError(
+                f"{t.dtype} {list(t.shape)} is more than the link takes ({self.max_elements} elements)"
+            )
+        pg = self.group.get()
+        # A graph's outputs are overwritten by its next replay, which nothing orders after the
+        # sends: they go out of copies (queued on the compute stream, as the step was).
+        tensors = [x.clone() if x.device.type == "cuda" else x.contiguous() for x in tensors]
+        self._reap()
+        try:
+            works = [pg.send([x], 1, _tag(step_id)) for x in tensors]
+        except Exception as e:  # a send half posted leaves the pairs unknown: the link is down
+            self.group.fail(e)
+            raise TransportError(f"send failed: {e}") from None
+        self._pending.append((works, tensors))
+        self.doorbell.announce(step_id, 0, t.shape[0], t.shape[1] if t.dim() > 1 else 0)
+
+    def _reap(self) -> None:
+        """Drops the sends that have completed; waits (with the deadline) for gloo's oldest past
+        _MAX_PENDING_SENDS. NCCL keeps a send's tensors alive on its own stream."""
+        pending = self._pending
+        while pending and all(w.is_completed() for w in pending[0][0]):
+            pending.popleft()
+        if self.device.type == "cuda":
+            while len(pending) > _MAX_PENDING_SENDS:
+                pending.popleft()
+            return
+        while len(pending) > _MAX_PENDING_SENDS:
+            works, _ = pending.popleft()
+            try:
+                for w in works:
+                    w.wait(datetime.timedelta(seconds=self.timeout))
+            except Exception as e:
+                self.group.fail(e)
+                raise TransportError(f"a send did not complete: {e}") from None
+
+    def send_error(self, step_id: int, error: str) -> None:
+        try:
+            self.doorbell.announce(step_id, 0, 0, 0, error or "failed upstream")
+        except DoorbellClosed as e:
+            log.warning("stage transport (distributed): step %d's error not sent: %s", step_id, e)
+
     def close(self) -> None:
         super().close()
-        _CLOSING.add(self._thread)
+        self.doorbell.close()
+        self.group.close()
 
 
 class DistributedReceiver(Receiver):
+    """The receiving end: the step thread takes each step's announcement from the doorbell and
+    posts its receives (take), as an ipc link's does; the Forward stream carries nothing."""
+
     kind = DISTRIBUTED
+    on_step_thread = True
 
     def __init__(self, session, device, dtype, hidden_size, max_rows, timeout, *, peer_host: str):
         super().__init__(session, device, dtype, hidden_size, max_rows, timeout)
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.peer_host = peer_host
         self.store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -183,12 +270,17 @@ class DistributedReceiver(Receiver):
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
         )
-        self.pg = None
-        self._error: Exception | None = None
-        self._jobs: queue.Queue = queue.Queue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"transport-recv-{session}", daemon=True)
-        self._thread.start()
+        self.doorbell = DoorbellReceiver(timeout, tcp=True)
+        store = self.store
+        self.group = _Group(
+            lambda: _form_group(store, 1, self.backend, peer_host, timeout, session),
+            self.device,
+            timeout,
+            f"{self.backend} link from {peer_host}",
+        )
+        self.columns = hidden_size  # of each announced tensor (0: one dimension, the token link's)
+        self._held: Announcement | None = None  # a later step's announcement, taken early (take)
+        self.wait_seconds = 0.0
 
     def link(self) -> engine_pb2.StageLink:
         # The scheduler replaces the host with this worker's host as it reaches it.
@@ -197,65 +289,75 @@ class DistributedReceiver(Receiver):
             session=self.session,
             rendezvous_address=f"127.0.0.1:{self.store.port}",
             backend=self.backend,
-            slot_elements=self.max_rows * self.hidden_size,  # larger steps go inline
+            slot_elements=self.max_rows * self.hidden_size,
+            doorbell_port=self.doorbell.port,
+            doorbell_secret=self.doorbell.secret,
         )
 
-    def _check(self, msg: engine_pb2.Activations) -> None:
-        super()._check(msg)
-        if msg.via_transport and (msg.hidden.dtype != _NAMES[self.dtype] or msg.residual.dtype != msg.hidden.dtype):
-            raise ValueError(f"activations of dtype {msg.hidden.dtype}, this stage runs {_NAMES[self.dtype]}")
-
-    def _accept(self, msg: engine_pb2.Activations, fut: asyncio.Future) -> None:
-        self._jobs.put((msg, fut, asyncio.get_running_loop()))
-
-    def _loop(self) -> None:
+    def _next(self, block: bool = True) -> Announcement | None:
+        started = time.perf_counter()
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self.pg = _form_group(self.store, 1, self.backend, self.peer_host, self.timeout, self.session)
-            log.info("stage transport: %s link from %s formed (session %d)", self.backend, self.peer_host, self.session)
+            return self.doorbell.next(block)
+        except DoorbellClosed as e:
+            raise PeerLost(f"stage transport (distributed): {e}") from None
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def _shape(self, a: Announcement) -> tuple:
+        """The announced step's tensor shape. A shape this end cannot take breaks the link: the
+        sender posted its sends, and skipping them would pair every later step wrongly."""
+        shape = (a.rows, a.cols) if a.cols else (a.rows,)
+        if a.cols != self.columns or not 0 < a.rows <= self.max_rows:
+            self.group.fail(ValueError(f"step {a.step_id} announced as {list(shape)}"))
+            raise PeerLost(f"stage transport (distributed): step {a.step_id}'s tensors of shape {list(shape)}")
+        return shape
+
+    def _receive(self, a: Announcement, into=None, parts: int = 2) -> tuple:
+        """Posts the announced step's receives (into `into`'s first rows where given); on GPUs the
+        current stream waits for them, on CPUs this thread does (with the deadline)."""
+        shape = self._shape(a)
+        try:
+            pg = self.group.get()
+        except TransportError as e:
+            raise PeerLost(f"stage transport (distributed): {e}") from None
+        if into is None:
+            out = tuple(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts))
+        else:
+            out = tuple(dst[: a.rows] for dst in into)
+        try:
+            works = [pg.recv([t], 0, _tag(a.step_id)) for t in out]
+            for w in works:
+                if self.backend == "nccl":
+                    w.wait()  # the current stream waits for NCCL's: no host wait
+                else:
+                    w.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as e:
-            log.warning("stage transport: no %s link from %s: %s", self.backend, self.peer_host, e)
-            self._error = e
-        while (job := self._jobs.get()) is not None:
-            msg, fut, loop = job
-            if self._closed:
+            self.group.fail(e)
+            raise PeerLost(f"stage transport (distributed): {e}") from None
+        return out
+
+    def take(self, step_id: int, into: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """On the step thread: this step's (hidden, residual) on this stage's device, read into
+        `into`'s first rows (a graph's inputs) or into new tensors; raises StepFailed.
+        Announcements come in step order: an earlier step's that no plan here asked for is
+        received and dropped, a later one's is kept for its own step."""
+        while True:
+            a = self._held or self._next()
+            self._held = None
+            if a.step_id >= step_id:
                 break
-            try:
-                if self._error is not None:
-                    raise TransportError(f"link from the previous stage is down: {self._error}")
-                tensors = [
-                    torch.empty(tuple(m.shape), dtype=self.dtype, device=self.device) for m in self._announced(msg)
-                ]
-                works = [self.pg.recv([t], 0, _tag(msg.step_id)) for t in tensors]
-                for w in works:
-                    if self.backend == "nccl":
-                        w.wait()  # the current (default) stream waits for NCCL's: no host wait
-                    else:
-                        w.wait(datetime.timedelta(seconds=self.timeout))
-                self._received(msg, fut, loop, tensors)
-            except Exception as e:
-                if not isinstance(e, TransportError):
-                    self._error = e
-                self._failed(msg, fut, loop, StepFailed(f"stage transport (distributed): {e}"))
-        if self.pg is not None and self.backend == "nccl":
-            _abort(self.pg)
-        self.pg = None
-
-    # ---- what one message announces and what becomes of it (the token link overrides these)
-
-    @staticmethod
-    def _announced(msg) -> tuple:
-        return (msg.hidden, msg.residual)
-
-    def _received(self, msg, fut, loop, tensors) -> None:
-        resolve_threadsafe(loop, fut, tuple(tensors))
-
-    def _failed(self, msg, fut, loop, error: Exception) -> None:
-        resolve_threadsafe(loop, fut, error=error)
+            if not a.error:
+                self._receive(a)
+        if a.step_id > step_id:
+            self._held = a
+            raise StepFailed(f"step {step_id}'s activations never came (step {a.step_id}'s did)")
+        if a.error:
+            raise StepFailed.upstream(a.error)
+        if into is not None and into[0].dtype != self.dtype:
+            into = None
+        return self._receive(a, into)
 
     def close(self) -> None:
+        self.doorbell.close()
+        self.group.close()
         super().close()
-        self._closed = True
-        self._jobs.put(None)
-        _CLOSING.add(self._thread)

@@ -1,5 +1,6 @@
-"""The doorbell of an `ipc` link: each step's announcement, and the ring slots' credits, sent
-straight from one stage's step thread to the other's over a Unix SEQPACKET socket.
+"""The doorbell of a link: each step's announcement, and (ipc) the ring slots' credits, sent
+straight from one stage's step thread to the other's: a Unix SEQPACKET socket on an `ipc` link,
+a TCP connection on a `distributed` one (its stages may be on two hosts).
 
 Why not the Forward stream: there, each announcement took a transport thread's wake-up, a gRPC
 message and an event-loop hop on both sides, 446-669 us per step on the H200 (bench/RESULTS.md,
@@ -12,10 +13,16 @@ The receiving stage listens on a path in /dev/shm (an ipc link's two processes s
 share torch's CUDA IPC reference counters there) and names it in its StageLink; the sender
 connects. Each end is used by one thread, its stage's step thread; close() from any other thread
 wakes a blocked recv. Every wait has a deadline.
+
+Over TCP (a byte stream) every message is framed by its length, and the receiver listens on
+every interface, as torch's TCPStore does: the sender first presents the link's secret, which
+only the StageLink carries (through the scheduler's authenticated gRPC), and any other
+connection is dropped.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import select
@@ -27,6 +34,7 @@ from typing import NamedTuple
 
 _ANNOUNCE = struct.Struct("<QIII")  # step id, ring slot, rows, columns; an error's text follows
 _CREDIT = struct.Struct("<Q")  # the receiver has released every announcement before this count
+_FRAME = struct.Struct("<I")  # TCP: each message's length, before it
 # The socket's send buffer (net.core.wmem_default, about 200 KB) holds about 77 announcements;
 # credits keep at most a ring's slots unread, so rings stay below 64 slots (errors are short).
 MAX_ERROR_BYTES = 1024
@@ -56,14 +64,18 @@ class _End:
     taking back the GIL, which the worker's other threads hold often: the token hop's host time
     was 105-154 us a step.)"""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, stream: bool = False):
         self.timeout = timeout
+        self.stream = stream  # TCP: messages framed by their length
         self.sock: socket.socket | None = None
         self._poll: select.poll | None = None
+        self._bytes = bytearray()  # TCP: what arrived of the next messages
         self.closed = False
 
     def _use(self, sock: socket.socket) -> None:
         sock.settimeout(None)
+        if self.stream:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each announcement at once
         seconds = max(self.timeout, 1e-3)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
         self._poll = select.poll()
@@ -72,6 +84,12 @@ class _End:
 
     def _recv(self, size: int, block: bool, deadline: float) -> bytes | None:
         """One message; None when none is waiting and block is False."""
+        if self.stream:
+            return self._recv_framed(size, block, deadline)
+        return self._recv_some(size, block, deadline)
+
+    def _recv_some(self, size: int, block: bool, deadline: float) -> bytes | None:
+        """One recv() of up to `size` bytes (a SEQPACKET socket: one message)."""
         while True:
             if self.closed or self.sock is None:
                 raise DoorbellClosed("link closed")
@@ -91,10 +109,31 @@ class _End:
                 raise DoorbellClosed("link closed" if self.closed else "the peer stage is gone")
             return data
 
+    def _recv_framed(self, size: int, block: bool, deadline: float) -> bytes | None:
+        """TCP: the next whole message (of at most `size` bytes) from the stream."""
+        buf = self._bytes
+        while True:
+            if len(buf) >= _FRAME.size:
+                (n,) = _FRAME.unpack_from(buf)
+                if n > size:
+                    raise DoorbellClosed(f"a message of {n} bytes from the peer stage (at most {size})")
+                if len(buf) >= _FRAME.size + n:
+                    data = bytes(buf[_FRAME.size : _FRAME.size + n])
+                    del buf[: _FRAME.size + n]
+                    return data
+                block = True  # a message partly here: the rest follows
+            chunk = self._recv_some(1 << 16, block, deadline)
+            if chunk is None:
+                return None
+            buf += chunk
+
     def _send(self, data: bytes) -> None:
         if self.closed or self.sock is None:
             raise DoorbellClosed("link closed")
         try:
+            if self.stream:
+                self.sock.sendall(_FRAME.pack(len(data)) + data)
+                return
             self.sock.send(data)
         except OSError as e:
             raise DoorbellClosed(f"the peer stage is gone ({e})") from None
@@ -113,12 +152,23 @@ class _End:
 class DoorbellReceiver(_End):
     """The receiving stage's end: listens at `path` until the sender connects."""
 
-    def __init__(self, timeout: float):
-        super().__init__(timeout)
-        self.path = os.path.join(_socket_directory(), f"strata-link-{os.getpid()}-{secrets.token_hex(8)}.sock")
-        self._listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(self.path)
-        self._listener.listen(1)
+    def __init__(self, timeout: float, tcp: bool = False):
+        """tcp: listen on a TCP port of every interface (`port`; the sender presents `secret`),
+        else at a Unix socket `path`."""
+        super().__init__(timeout, stream=tcp)
+        self.path, self.port, self.secret = "", 0, b""
+        if tcp:
+            if socket.has_dualstack_ipv6():
+                self._listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4)
+            else:
+                self._listener = socket.create_server(("", 0), backlog=4)
+            self.port = self._listener.getsockname()[1]
+            self.secret = secrets.token_bytes(16)
+        else:
+            self.path = os.path.join(_socket_directory(), f"strata-link-{os.getpid()}-{secrets.token_hex(8)}.sock")
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._listener.bind(self.path)
+            self._listener.listen(1)
         self.released = 0
 
     def _connect(self, block: bool, deadline: float) -> bool:
@@ -126,18 +176,33 @@ class DoorbellReceiver(_End):
             return True
         if self.closed or self._listener is None:
             raise DoorbellClosed("link closed")
-        self._listener.settimeout(max(deadline - time.monotonic(), 1e-3) if block else 0.0)
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return False
-        except TimeoutError:
-            raise DoorbellClosed(f"the sending stage did not connect in {self.timeout:.0f} s") from None
-        except OSError as e:
-            raise DoorbellClosed(f"link closed ({e})") from None
-        self._use(sock)
+        while True:
+            self._listener.settimeout(max(deadline - time.monotonic(), 1e-3) if block else 0.0)
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return False
+            except TimeoutError:
+                raise DoorbellClosed(f"the sending stage did not connect in {self.timeout:.0f} s") from None
+            except OSError as e:
+                raise DoorbellClosed(f"link closed ({e})") from None
+            self._use(sock)
+            if not self.secret or self._presented_secret(deadline):
+                break
+            block = True  # a stranger's connection: dropped, the sender's is still to come
         self._stop_listening()
         return True
+
+    def _presented_secret(self, deadline: float) -> bool:
+        """TCP: whether the new connection's first message is the link's secret (else it is closed)."""
+        try:
+            ok = hmac.compare_digest(self._recv(64, True, min(deadline, time.monotonic() + 5.0)) or b"", self.secret)
+        except DoorbellClosed:
+            ok = False
+        if not ok:
+            self.sock.close()
+            self.sock, self._bytes = None, bytearray()
+        return ok
 
     def next(self, block: bool = True) -> Announcement | None:
         """The next announcement, in the sender's order; None if none waits and block is False."""
@@ -161,10 +226,11 @@ class DoorbellReceiver(_End):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            if self.path:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         super().close()
@@ -174,16 +240,24 @@ class DoorbellReceiver(_End):
 class DoorbellSender(_End):
     """The sending stage's end, connected to the receiver's path."""
 
-    def __init__(self, path: str, timeout: float):
-        super().__init__(timeout)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self, path: str, timeout: float, *, port: int = 0, secret: bytes = b""):
+        """port: the receiver's TCP doorbell at host `path`, where `secret` opens it."""
+        super().__init__(timeout, stream=bool(port))
+        where = f"{path}:{port}" if port else path
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
+            if port:
+                sock = socket.create_connection((path, port), timeout=timeout)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.settimeout(timeout)
+                sock.connect(path)
         except OSError as e:
-            sock.close()
-            raise DoorbellClosed(f"cannot reach the next stage's doorbell at {path}: {e}") from None
+            if not port:
+                sock.close()
+            raise DoorbellClosed(f"cannot reach the next stage's doorbell at {where}: {e}") from None
         self._use(sock)
+        if port:
+            self._send(secret)
         self.released = 0
 
     def announce(self, step_id: int, slot: int, rows: int, cols: int, error: str = "") -> None:

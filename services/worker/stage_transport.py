@@ -1,7 +1,7 @@
 """Stage transports: how a step's activations (hidden state and residual) reach the next stage.
 
-The Forward stream (gRPC) always carries each step's id, its tensors' dtype and shape, and its
-error when a stage failed it; a transport moves the bytes:
+Each step's id, its tensors' shape, or its error when a stage failed it, are announced on the
+Forward stream (gRPC) or on the link's own doorbell; a transport moves the bytes:
 
 - `grpc`: inline in the Forward message, through both hosts (today's path; A/B runs and the
   last fallback), in grpc_transport.py;
@@ -10,7 +10,8 @@ error when a stage failed it; a transport moves the bytes:
   doorbell socket between the two step threads (the Forward stream carries nothing), in
   ipc_transport.py and doorbell.py;
 - `distributed`: torch.distributed send/recv in a process group of two per link (NCCL between
-  GPUs, gloo between CPUs), in distributed_transport.py.
+  GPUs, gloo between CPUs), each step announced on a TCP doorbell between the two step threads
+  (the Forward stream carries nothing), in distributed_transport.py.
 
 The scheduler picks one per link at InitCache (`choose_transport`, from each stage's Describe);
 the receiving stage opens its end first and returns a StageLink, which the scheduler passes to the
@@ -190,7 +191,7 @@ def host_of(address: str) -> str:
 class Sender:
     """The sending end of a link. send() runs on the step thread and returns at once: the
     transport's own thread moves the bytes and emits the Forward message (emit is thread-safe),
-    except where the transport needs no thread (uses_thread False: ipc)."""
+    except where the transport needs no thread (uses_thread False: ipc, distributed)."""
 
     kind = GRPC
     uses_thread = True
@@ -262,10 +263,10 @@ class Sender:
 
 
 class Receiver:
-    """The receiving end of a link: Forward delivers each step's message (event loop thread),
-    the step awaits receive(step_id). Inline tensors (grpc, or a step too large for the
-    transport) are accepted on every transport. A receiver with on_step_thread (ipc) instead
-    has the step thread take each step's activations itself: take(step_id)."""
+    """The receiving end of a link: Forward delivers each step's message with its bytes (event
+    loop thread), the step awaits receive(step_id): the grpc transport. A receiver with
+    on_step_thread (ipc, distributed) instead has the step thread take each step's activations
+    from its own doorbell: take(step_id)."""
 
     kind = GRPC
     on_step_thread = False
@@ -306,23 +307,17 @@ class Receiver:
         except Exception as e:  # a malformed message fails its step, not the worker
             fut.set_exception(StepFailed(f"stage transport: {e}"))
             return True
-        if msg.via_transport:
-            self._accept(msg, fut)
-        else:
-            fut.set_result(msg)
+        fut.set_result(msg)
         return True
 
     def _check(self, msg: engine_pb2.Activations) -> None:
-        # Inline tensors are bounded by the gRPC message size; the transport's by its buffers.
-        rows = self.max_rows if msg.via_transport else 1 << 40
-        for t in (msg.hidden, msg.residual):
-            if len(t.shape) != 2 or t.shape[1] != self.hidden_size or not 0 < t.shape[0] <= rows:
-                raise ValueError(f"activations of shape {list(t.shape)}, expected [1..{rows}, {self.hidden_size}]")
-        if msg.via_transport and self.kind == GRPC:
+        # Inline tensors, bounded by the gRPC message size (ipc and distributed links announce
+        # their steps on their own doorbells: the Forward stream carries nothing there).
+        if msg.via_transport:
             raise ValueError("bytes announced on a transport this link does not have")
-
-    def _accept(self, msg: engine_pb2.Activations, fut: asyncio.Future) -> None:
-        raise NotImplementedError
+        for t in (msg.hidden, msg.residual):
+            if len(t.shape) != 2 or t.shape[1] != self.hidden_size or t.shape[0] <= 0:
+                raise ValueError(f"activations of shape {list(t.shape)}, expected [rows, {self.hidden_size}]")
 
     async def receive(self, step_id: int):
         """(hidden, residual) of this step on this stage's device and dtype; raises StepFailed."""
@@ -331,20 +326,15 @@ class Receiver:
             got = await fut
         finally:
             self._futures.pop(step_id, None)
-        if isinstance(got, engine_pb2.Activations) and not got.via_transport:  # inline bytes
-            from strata.codec import tensor_from_proto
+        from strata.codec import tensor_from_proto
 
-            try:
-                return (
-                    tensor_from_proto(got.hidden, self.device).to(self.dtype),
-                    tensor_from_proto(got.residual, self.device).to(self.dtype),
-                )
-            except Exception as e:
-                raise StepFailed(f"stage transport: {type(e).__name__}: {e}") from e
-        return self._opened(got)
-
-    def _opened(self, got):
-        return got
+        try:
+            return (
+                tensor_from_proto(got.hidden, self.device).to(self.dtype),
+                tensor_from_proto(got.residual, self.device).to(self.dtype),
+            )
+        except Exception as e:
+            raise StepFailed(f"stage transport: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         for fut in self._futures.values():
@@ -352,14 +342,6 @@ class Receiver:
                 fut.set_exception(StepFailed("pipeline re-initialised"))
         self._futures.clear()
         self.acks.put_nowait(None)  # ends the Forward call serving this link
-
-
-def resolve_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error=None) -> None:
-    def done():
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(result)
-
-    loop.call_soon_threadsafe(done)
 
 
 # ------------------------------------------------------------------ opening a link

@@ -10,7 +10,9 @@ on the stage transport the scheduler chose for that pair (`choose_transport`):
 
 - `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
   copies them to the host, off the step thread);
-- `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store);
+- `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store),
+  each step announced on the link's TCP doorbell from the last stage's step thread to stage 0's,
+  which posts the receives itself before each of its steps (TokenIntake.pump), as on ipc;
 - `ipc`: a ring of int64 token buffers on stage 0's device (ipc_transport.py), each step
   announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
   what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
@@ -36,7 +38,6 @@ A step that failed on the last stage hands an error instead: its rows keep their
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import os
 import threading
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender, _tag
+from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.ipc_transport import Ring, RingReader
 from strata.services.worker.stage_transport import (
@@ -187,8 +188,9 @@ class _TokenReceiving:
             log.error("token link: step %d: tokens of %s %s", msg.step_id, t.dtype, list(t.shape))
             self.intake.apply(msg.step_id, None)
             return
-        if msg.via_transport:
-            self._accept_tokens(msg)
+        if msg.via_transport:  # (ipc and distributed links announce on their doorbells)
+            log.error("token link: step %d announced on a transport this link does not have", msg.step_id)
+            self.intake.apply(msg.step_id, None)
             return
         host = np.frombuffer(t.data, dtype=np.int64).copy()
         if host.shape[0] != t.shape[0] or (host < 0).any() or (host >= self.vocab_size).any():
@@ -196,10 +198,6 @@ class _TokenReceiving:
             self.intake.apply(msg.step_id, None)
             return
         self.intake.apply(msg.step_id, upload({"t": host}, self.intake.device)["t"])
-
-    def _accept_tokens(self, msg) -> None:
-        log.error("token link: step %d announced on a transport this link does not have", msg.step_id)
-        self.intake.apply(msg.step_id, None)
 
     def close_tokens(self) -> None:
         self.intake.close()
@@ -270,26 +268,29 @@ class IpcTokenReceiver(_TokenReceiving):
 
 
 class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
-    """recv of each step's tokens on the link's thread, then the scatter on that thread's stream.
-    Every message goes through that thread, errors too, so steps are applied in order."""
+    """Each step's tokens received on stage 0's step thread (pump, as an ipc link without slot
+    words): announcements taken from the link's doorbell, receives posted in their order, the
+    tokens scattered behind them on the compute stream. The HandTokens stream carries nothing
+    but its end (the last stage is gone)."""
+
+    def __init__(self, session: int, device, max_tokens: int, timeout: float, *, peer_host: str):
+        super().__init__(session, device, torch.int64, 1, max_tokens, timeout, peer_host=peer_host)
+        self.columns = 0
+
+    def pump(self, need: int) -> None:
+        """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
+        the link's deadline) until step `need`'s are applied."""
+        intake = self.intake
+        while True:
+            if intake._closed:
+                raise PeerLost(f"token link closed: {intake._closed}")
+            a = self._next(block=intake.applied < need)
+            if a is None:
+                return
+            intake.apply(a.step_id, None if a.error else self._receive(a, parts=1)[0])
 
     def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
-        if not msg.error and not (msg.via_transport and msg.tokens.dtype == "int64"):
-            msg = engine_pb2.SampledTokens(step_id=msg.step_id, error="malformed tokens")
-        elif not msg.error and not (len(msg.tokens.shape) == 1 and 0 < msg.tokens.shape[0] <= self.max_tokens):
-            msg = engine_pb2.SampledTokens(step_id=msg.step_id, error="malformed tokens")
-        self._jobs.put((msg, None, None))
-
-    @staticmethod
-    def _announced(msg) -> tuple:
-        return () if msg.error else (msg.tokens,)
-
-    def _received(self, msg, fut, loop, tensors) -> None:
-        self.intake.apply(msg.step_id, tensors[0] if tensors else None)
-
-    def _failed(self, msg, fut, loop, error: Exception) -> None:
-        log.warning("token link: step %d: %s", msg.step_id, error)
-        self.intake.apply(msg.step_id, None)
+        log.error("token link: step %d sent on the stream of a distributed link", msg.step_id)
 
     def close(self) -> None:
         self.close_tokens()
@@ -310,8 +311,9 @@ def open_token_receiver(
             intake.pump = receiver.pump
     elif kind == DISTRIBUTED:
         receiver = DistributedTokenReceiver(
-            session, device, torch.int64, 1, max_tokens, timeout, peer_host=host_of(request.peer_address)
+            session, device, max_tokens, timeout, peer_host=host_of(request.peer_address)
         )
+        intake.pump = receiver.pump
     else:
         return GrpcTokenReceiver(session, intake, max_tokens, vocab_size)
     receiver.intake, receiver.max_tokens, receiver.vocab_size = intake, max_tokens, vocab_size
@@ -362,11 +364,12 @@ class _Failed:
 
 
 class _TokenSending:
-    """A Sender for the token link: one int64 tensor per step, SampledTokens messages, in step
-    order (a step's error goes through the transport thread's queue behind earlier steps)."""
+    """A Sender for the token link on gRPC: one int64 tensor per step, SampledTokens messages,
+    in step order (a step's error goes through the transport thread's queue behind earlier
+    steps). ipc and distributed links send from the step thread, tokens as one more tensor."""
 
     def send(self, step_id: int, tokens: torch.Tensor) -> None:
-        self._jobs.put((step_id, *self._prepare_tokens(tokens)))
+        self._jobs.put((step_id, tokens))  # a fresh gather: nothing overwrites it
 
     def send_error(self, step_id: int, error: str) -> None:
         if threading.current_thread() is self._thread:  # this step's transfer failed: in order
@@ -374,45 +377,20 @@ class _TokenSending:
         else:
             self._jobs.put((step_id, _Failed(error)))
 
-    def _prepare_tokens(self, tokens: torch.Tensor) -> tuple:
-        return (tokens,)  # a fresh gather: nothing overwrites it
-
     def _transfer(self, step_id: int, tokens, *rest):
         if isinstance(tokens, _Failed):
             return engine_pb2.SampledTokens(step_id=step_id, error=tokens.error, session=self.session)
         return self._transfer_tokens(step_id, tokens, *rest)
 
 
-def _meta(tokens: torch.Tensor) -> engine_pb2.Tensor:
-    return engine_pb2.Tensor(dtype="int64", shape=list(tokens.shape))
-
-
 class GrpcTokenSender(_TokenSending, Sender):
     def _transfer_tokens(self, step_id: int, tokens):
         t = tokens.cpu()  # on the transport thread: waits for the step's draw, not the step thread
-        msg = engine_pb2.SampledTokens(step_id=step_id, session=self.session, tokens=_meta(t))
+        msg = engine_pb2.SampledTokens(
+            step_id=step_id, session=self.session, tokens=engine_pb2.Tensor(dtype="int64", shape=list(t.shape))
+        )
         msg.tokens.data = t.numpy().tobytes()
         return msg
-
-
-class DistributedTokenSender(_TokenSending, DistributedSender):
-    def _transfer_tokens(self, step_id: int, tokens):
-        if self._error is not None:
-            raise TransportError(f"token link to stage 0 is down: {self._error}")
-        tokens = tokens.contiguous()
-        work = self.pg.send([tokens], 1, _tag(step_id))
-        self.emit(
-            engine_pb2.SampledTokens(step_id=step_id, session=self.session, via_transport=True, tokens=_meta(tokens))
-        )
-        if self.backend == "nccl":
-            self._inflight.append(([work], tokens, None))
-            return None
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        except Exception as e:
-            self._error = e
-            raise
-        return None
 
 
 def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
@@ -425,5 +403,5 @@ def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
 
         return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:
-        return DistributedTokenSender(request.session, emit, timeout, link=link, device=device)
+        return DistributedSender(request.session, emit, timeout, link=link, device=device)
     return GrpcTokenSender(request.session, emit, timeout)

@@ -287,7 +287,7 @@ class InitCacheReply(_message.Message):
     def __init__(self, previous_stage_link: _Optional[_Union[StageLink, _Mapping]] = ...) -> None: ...
 
 class StageLink(_message.Message):
-    __slots__ = ("transport", "session", "rendezvous_address", "backend", "ring", "slots", "slot_elements", "dtype", "device_uuid", "ready_events", "consumed_events", "doorbell_path", "host_ring_path", "parts", "slot_words_path")
+    __slots__ = ("transport", "session", "rendezvous_address", "backend", "ring", "slots", "slot_elements", "dtype", "device_uuid", "ready_events", "consumed_events", "doorbell_path", "host_ring_path", "parts", "slot_words_path", "doorbell_port", "doorbell_secret")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,8 @@ class StageLink(_message.Message):
     HOST_RING_PATH_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_WORDS_PATH_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_PORT_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_SECRET_FIELD_NUMBER: _ClassVar[int]
     transport: StageTransport
     session: int
     rendezvous_address: str
@@ -318,7 +320,9 @@ class StageLink(_message.Message):
     host_ring_path: str
     parts: int
     slot_words_path: str
-    def __init__(self, transport: _Optional[_Union[StageTransport, str]] = ..., session: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., ring: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., slots: _Optional[int] = ..., slot_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ..., consumed_events: _Optional[_Iterable[bytes]] = ..., doorbell_path: _Optional[str] = ..., host_ring_path: _Optional[str] = ..., parts: _Optional[int] = ..., slot_words_path: _Optional[str] = ...) -> None: ...
+    doorbell_port: int
+    doorbell_secret: bytes
+    def __init__(self, transport: _Optional[_Union[StageTransport, str]] = ..., session: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., ring: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., slots: _Optional[int] = ..., slot_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ..., consumed_events: _Optional[_Iterable[bytes]] = ..., doorbell_path: _Optional[str] = ..., host_ring_path: _Optional[str] = ..., parts: _Optional[int] = ..., slot_words_path: _Optional[str] = ..., doorbell_port: _Optional[int] = ..., doorbell_secret: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcMemory(_message.Message):
     __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
