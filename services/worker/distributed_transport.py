@@ -184,6 +184,10 @@ class DistributedSender(Sender):
 
         self.group = _Group(form, self.device, timeout, f"{link.backend} link to {link.rendezvous_address}")
         self._pending: collections.deque = collections.deque()  # (works, tensors) not known complete
+        # A graph's outputs are overwritten by its next replay, which nothing orders after the
+        # sends: they go out of copies (queued on the compute stream, as the step was). The token
+        # link's tensors are fresh gathers (False).
+        self.copy_before_send = True
         super().__init__(session, emit, timeout)
 
     def send(self, step_id: int, *tensors) -> None:
@@ -208,9 +212,8 @@ class DistributedSender(Sender):
                 f"{t.dtype} {list(t.shape)} is more than the link takes ({self.max_elements} elements)"
             )
         pg = self.group.get()
-        # A graph's outputs are overwritten by its next replay, which nothing orders after the
-        # sends: they go out of copies (queued on the compute stream, as the step was).
-        tensors = [x.clone() if x.device.type == "cuda" else x.contiguous() for x in tensors]
+        copy = self.copy_before_send and tensors[0].device.type == "cuda"
+        tensors = [x.clone() if copy else x.contiguous() for x in tensors]
         self._reap()
         try:
             works = [pg.send([x], 1, _tag(step_id)) for x in tensors]

@@ -403,5 +403,7 @@ def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
 
         return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:
-        return DistributedSender(request.session, emit, timeout, link=link, device=device)
+        sender = DistributedSender(request.session, emit, timeout, link=link, device=device)
+        sender.copy_before_send = False  # TokenOutlet hands a fresh gather each step
+        return sender
     return GrpcTokenSender(request.session, emit, timeout)
