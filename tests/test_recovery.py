@@ -93,15 +93,23 @@ def hang_until_noticed(cluster, victim, within: float) -> None:
         (signal.SIGTERM, "grpc", "worker 1"),
         (signal.SIGKILL, "distributed", "worker 1"),
         (signal.SIGKILL, "auto", "worker 0"),  # the restarted stage 0 opens the streams to stage 1
+        (signal.SIGKILL, "distributed", "worker 0"),  # the last stage's doorbell and group go with it
     ],
-    ids=["killed", "stopped", "stopped-grpc-transport", "killed-gloo-transport", "killed-stage-0"],
+    ids=[
+        "killed",
+        "stopped",
+        "stopped-grpc-transport",
+        "killed-gloo-transport",
+        "killed-stage-0",
+        "killed-gloo-stage-0",
+    ],
 )
 def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport, lost):
     """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
     scheduler must treat both as a lost stage, never as an engine failure. On CPUs of one host `auto`
     is the ipc transport (a ring in /dev/shm and a doorbell socket, whose end of file tells the
-    surviving stage at once); gloo's link breaks by its deadline. Either way the rebuilt pipeline
-    forms a new link. A stopped stage exits within seconds, also with a step waiting for its
+    surviving stage at once); a distributed link's TCP doorbell does the same. Either way the
+    rebuilt pipeline forms a new link. A stopped stage exits within seconds, also with a step waiting for its
     activations (docker stop kills it past its grace period)."""
     work = requests()
     argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport)

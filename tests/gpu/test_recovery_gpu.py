@@ -1,6 +1,7 @@
-"""A lost or hung stage whose peer's GPU waits on it through slot words in host memory: stage 0's
-stream waits for the sampled tokens the last stage writes (token_waits.py), the last stage's
-stream for the activations stage 0 copies (ipc_transport.IpcReceiver.take). kill -9 and SIGSTOP
+"""A lost or hung stage whose peer's GPU waits on it: on an ipc link, through slot words in host
+memory (stage 0's stream waits for the sampled tokens the last stage writes, token_waits.py; the
+last stage's stream for the activations stage 0 copies, ipc_transport.IpcReceiver.take); on an
+NCCL link between two GPUs, through receives posted before the peer's sends. kill -9 and SIGSTOP
 of either stage mid-stream: the other's GPU must not stay blocked, the scheduler rebuilds the
 pipeline, and every request finishes with the tokens of an uninterrupted run.
 
@@ -23,8 +24,12 @@ from tests.test_recovery import hang_until_noticed, requests, restart, run_all, 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-FLAGS = ("--device", "cuda:0", "--dtype", "float32", "--stage-transport", "ipc", "--stage-recovery-timeout", "60")
+FLAGS = ("--dtype", "float32", "--stage-recovery-timeout", "60")
 # A step may take 3 s (the first ones compile) before its stage counts as hung.
+LINKS = {
+    "ipc": ("--device", "cuda:0", "--stage-transport", "ipc"),
+    "nccl": ("--device", "cuda", "--stage-transport", "distributed"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +39,20 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("lost", ["worker 1", "worker 0"], ids=["last-stage", "stage-0"])
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_lost_stage_never_leaves_the_others_gpu_waiting(model_dir, stop, lost):
+@pytest.mark.parametrize("link", ["ipc", "nccl"])
+def test_a_lost_stage_never_leaves_the_others_gpu_waiting(model_dir, link, stop, lost):
+    if link == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs the stages on distinct GPUs")
     work = requests()[:8]
-    with running_cluster(model_dir, 2, *FLAGS, "--step-timeout", "30") as (cluster, client):
+    with running_cluster(model_dir, 2, *LINKS[link], *FLAGS, "--step-timeout", "30") as (cluster, client):
         threads, plain, errors = run_all(client, work)
         for t in threads:
             t.join()
         assert not errors and len(plain) == len(work)
         stats = worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
-        assert stats[0].token_waits > 0 and stats[0].token_wait_seconds == 0.0  # the GPU waited, not the host
+        assert stats[0].token_waits > 0
+        if link == "ipc":
+            assert stats[0].token_wait_seconds == 0.0  # the GPU waited, not the host
         started = threading.Barrier(len(work) + 1)
         threads, resumed, errors = run_all(client, work, started)
         started.wait(timeout=60)
