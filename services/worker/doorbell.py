@@ -22,9 +22,6 @@ connection is dropped.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import hmac
 import os
 import secrets
@@ -59,32 +56,13 @@ def _socket_directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class _NoWaitCalls:
-    """libc's recv and send, called with MSG_DONTWAIT through ctypes.PyDLL, so that they keep the
-    GIL: Python's socket calls let go of it around every system call, and the step thread then
-    waits to take it back from the event loop or the finisher (as torch's CUDA calls made it
-    wait: services/worker/cuda_driver.py). A call that never blocks has no reason to let go."""
-
-    def __init__(self):
-        libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        self.recv, self.send = libc.recv, libc.send
-        for f in (self.recv, self.send):
-            f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            f.restype = ctypes.c_ssize_t
-
-
-_NO_WAIT = _NoWaitCalls()
-_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
-
-
 class _End:
     """A connected socket kept in blocking mode, so that each call on the step thread is one
     system call: a probe is recv(MSG_DONTWAIT), a wait polls the socket with its deadline, and a
-    send is one send(MSG_DONTWAIT), or one bounded by the kernel's send timeout when the socket's
-    buffer is full. (Python's settimeout() around each call cost two fcntl calls more per call,
-    and a timed send a poll() first, each dropping and taking back the GIL, which the worker's
-    other threads hold often: the token hop's host time was 105-154 us a step.) The probes and
-    sends that cannot block keep the GIL (_NoWaitCalls); only a poll that waits lets go of it."""
+    send is one send(), bounded by the kernel's send timeout. (Python's settimeout() around each
+    call cost two fcntl calls more per call, and a timed send a poll() first, each dropping and
+    taking back the GIL, which the worker's other threads hold often: the token hop's host time
+    was 105-154 us a step.)"""
 
     def __init__(self, timeout: float, stream: bool = False):
         self.timeout = timeout
@@ -92,7 +70,6 @@ class _End:
         self.sock: socket.socket | None = None
         self._poll: select.poll | None = None
         self._bytes = bytearray()  # TCP: what arrived of the next messages
-        self._buffer = ctypes.create_string_buffer(1 << 16)  # what one probe reads into
         self.closed = False
 
     def _use(self, sock: socket.socket) -> None:
@@ -116,19 +93,21 @@ class _End:
         while True:
             if self.closed or self.sock is None:
                 raise DoorbellClosed("link closed")
-            n = _NO_WAIT.recv(self.sock.fileno(), self._buffer, min(size, len(self._buffer)), socket.MSG_DONTWAIT)
-            if n > 0:
-                return ctypes.string_at(self._buffer, n)
-            if n == 0:
-                raise DoorbellClosed("link closed" if self.closed else "the peer stage is gone")
-            err = ctypes.get_errno()
-            if err not in _AGAIN:
-                raise DoorbellClosed(f"link closed ({os.strerror(err)})")
-            if not block:
+            if block:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
+                    raise DoorbellClosed(f"no message from the peer stage in {self.timeout:.0f} s")
+            try:
+                data = self.sock.recv(size, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                if block:
+                    continue  # (woken without a message)
                 return None
-            left = deadline - time.monotonic()  # nothing there yet: wait (letting go of the GIL)
-            if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
-                raise DoorbellClosed(f"no message from the peer stage in {self.timeout:.0f} s")
+            except OSError as e:
+                raise DoorbellClosed(f"link closed ({e})") from None
+            if not data:
+                raise DoorbellClosed("link closed" if self.closed else "the peer stage is gone")
+            return data
 
     def _recv_framed(self, size: int, block: bool, deadline: float) -> bytes | None:
         """TCP: the next whole message (of at most `size` bytes) from the stream."""
@@ -151,21 +130,11 @@ class _End:
     def _send(self, data: bytes) -> None:
         if self.closed or self.sock is None:
             raise DoorbellClosed("link closed")
-        if self.stream:
-            data = _FRAME.pack(len(data)) + data
-        sent = _NO_WAIT.send(self.sock.fileno(), data, len(data), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        if sent == len(data):
-            return
-        if sent < 0:
-            err = ctypes.get_errno()
-            if err not in _AGAIN:
-                raise DoorbellClosed(f"the peer stage is gone ({os.strerror(err)})")
-            sent = 0
-        try:  # the socket's buffer is full: the rest waits, up to the send timeout
+        try:
             if self.stream:
-                self.sock.sendall(data[sent:])
-            else:
-                self.sock.send(data)  # (a SEQPACKET message goes whole or not at all)
+                self.sock.sendall(_FRAME.pack(len(data)) + data)
+                return
+            self.sock.send(data)
         except OSError as e:
             raise DoorbellClosed(f"the peer stage is gone ({e})") from None
 
