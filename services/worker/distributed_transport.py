@@ -41,8 +41,8 @@ from strata.services.worker.stage_transport import (
     DISTRIBUTED,
     PeerLost,
     Receiver,
-    Sender,
     StepFailed,
+    StepThreadSender,
     TransportError,
     host_of,
     local_address_towards,
@@ -156,12 +156,11 @@ class _Group:
         _CLOSING.add(self.thread)
 
 
-class DistributedSender(Sender):
+class DistributedSender(StepThreadSender):
     """The sending end, on the step thread: each step's sends posted, then its announcement (no
     transport thread, no Forward message). Tokens (the token link) are one 1-D tensor a step."""
 
     kind = DISTRIBUTED
-    uses_thread = False
 
     def __init__(self, session: int, emit, timeout: float, *, link: engine_pb2.StageLink, device):
         self.device = torch.device(device)
@@ -190,22 +189,8 @@ class DistributedSender(Sender):
         self.copy_before_send = True
         super().__init__(session, emit, timeout)
 
-    def send(self, step_id: int, *tensors) -> None:
-        """On the step thread, right after the step's launch: sends posted behind it, one message."""
-        started = time.perf_counter()
-        try:
-            self._post(step_id, tensors)
-        except TransportError as e:  # this step fails downstream (in order); the next ones try again
-            self.send_error(step_id, f"stage transport (distributed): {e}")
-            return
-        except DoorbellClosed as e:  # the peer is gone: the scheduler rebuilds the pipeline
-            log.warning("stage transport (distributed): step %d not sent: %s", step_id, e)
-            return
-        self.send_seconds += time.perf_counter() - started
-        self.steps_sent += 1
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-
-    def _post(self, step_id: int, tensors) -> None:
+    def put(self, step_id: int, tensors) -> None:
+        """On the step thread: the step's sends posted behind it, then its announcement."""
         t = tensors[0]
         if max(x.numel() for x in tensors) > self.max_elements or t.dim() > 2:
             raise TransportError(
@@ -356,8 +341,8 @@ class DistributedReceiver(Receiver):
             raise StepFailed(f"step {step_id}'s activations never came (step {a.step_id}'s did)")
         if a.error:
             raise StepFailed.upstream(a.error)
-        if into is not None and into[0].dtype != self.dtype:
-            into = None
+        if into is not None and (into[0].dtype != self.dtype or into[0].shape[0] < a.rows):
+            into = None  # (a receive must match the send's size exactly)
         return self._receive(a, into)
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from strata.services.worker import stream_memops
 from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.stage_transport import IPC, PeerLost, Receiver, Sender, StepFailed, TransportError
+from strata.services.worker.stage_transport import IPC, PeerLost, Receiver, StepFailed, StepThreadSender, TransportError
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -493,11 +493,10 @@ class IpcReceiver(Receiver):
         super().close()
 
 
-class IpcSender(Sender):
+class IpcSender(StepThreadSender):
     """Activations out, from the step thread itself: no transport thread, no Forward message."""
 
     kind = IPC
-    uses_thread = False
 
     def __init__(self, session: int, emit, timeout: float, *, link: engine_pb2.StageLink, device):
         self.writer = RingWriter(link, device, timeout)
@@ -509,20 +508,8 @@ class IpcSender(Sender):
             self.writer.device,
         )
 
-    def send(self, step_id: int, *tensors) -> None:
-        """On the step thread, right after the step's launch: launches and one message."""
-        started = time.perf_counter()
-        try:
-            self.writer.put(step_id, tensors)
-        except TransportError as e:  # this step fails downstream (in order); the next ones try again
-            self.send_error(step_id, f"stage transport (ipc): {e}")
-            return
-        except DoorbellClosed as e:  # the peer is gone: the scheduler rebuilds the pipeline
-            log.warning("stage transport (ipc): step %d not sent: %s", step_id, e)
-            return
-        self.send_seconds += time.perf_counter() - started
-        self.steps_sent += 1
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+    def put(self, step_id: int, tensors) -> None:
+        self.writer.put(step_id, tensors)
 
     def send_error(self, step_id: int, error: str) -> None:
         try:

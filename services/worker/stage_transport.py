@@ -262,6 +262,33 @@ class Sender:
         """On the transport thread, once closed: release what the link holds."""
 
 
+class StepThreadSender(Sender):
+    """A Sender whose steps go out from the step thread itself (ipc, distributed): launches and
+    one announcement on the link's doorbell (put), no transport thread, no Forward message."""
+
+    uses_thread = False
+
+    def send(self, step_id: int, *tensors) -> None:
+        """On the step thread, right after the step's launch."""
+        from strata.services.worker.doorbell import DoorbellClosed
+
+        started = time.perf_counter()
+        try:
+            self.put(step_id, tensors)
+        except TransportError as e:  # this step fails downstream (in order); the next ones try again
+            self.send_error(step_id, f"stage transport ({name_of(self.kind)}): {e}")
+            return
+        except DoorbellClosed as e:  # the peer is gone: the scheduler rebuilds the pipeline
+            log.warning("stage transport (%s): step %d not sent: %s", name_of(self.kind), step_id, e)
+            return
+        self.send_seconds += time.perf_counter() - started
+        self.steps_sent += 1
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def put(self, step_id: int, tensors) -> None:
+        raise NotImplementedError
+
+
 class Receiver:
     """The receiving end of a link: Forward delivers each step's message with its bytes (event
     loop thread), the step awaits receive(step_id): the grpc transport. A receiver with

@@ -202,6 +202,18 @@ class _TokenReceiving:
     def close_tokens(self) -> None:
         self.intake.close()
 
+    def pump(self, need: int) -> None:
+        """ipc and distributed links, on stage 0's step thread: apply every step's tokens that has
+        arrived, and wait (with the link's deadline) until step `need`'s are applied."""
+        intake = self.intake
+        while True:
+            if intake._closed:
+                raise PeerLost(f"token link closed: {intake._closed}")
+            a = self._next_announcement(block=intake.applied < need)
+            if a is None:
+                return
+            self._apply_announced(a)
+
 
 class GrpcTokenReceiver(_TokenReceiving):
     kind = GRPC
@@ -235,27 +247,22 @@ class IpcTokenReceiver(_TokenReceiving):
     def link(self) -> engine_pb2.StageLink:
         return self.reader.link(self.session)
 
-    def pump(self, need: int) -> None:
-        """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
-        the link's deadline) until step `need`'s are applied."""
+    def _next_announcement(self, block: bool):
+        return self.reader.next(block)
+
+    def _apply_announced(self, a) -> None:
         intake, reader = self.intake, self.reader
-        while True:
-            if intake._closed:
-                raise PeerLost(f"token link closed: {intake._closed}")
-            a = reader.next(block=intake.applied < need)
-            if a is None:
-                return
-            if a.error:
-                intake.apply(a.step_id, None)
-            elif a.cols or not 0 < a.rows <= self.max_tokens:
-                log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
-                intake.apply(a.step_id, None)
-            else:
-                ring = reader.ring
-                ring.ready_wait(a.slot, reader.taken)
-                intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
-                ring.consumed_record(a.slot, reader.taken)
-            reader.release()
+        if a.error:
+            intake.apply(a.step_id, None)
+        elif a.cols or not 0 < a.rows <= self.max_tokens:
+            log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
+            intake.apply(a.step_id, None)
+        else:
+            ring = reader.ring
+            ring.ready_wait(a.slot, reader.taken)
+            intake.apply(a.step_id, ring.view(a.slot, 0, (a.rows,)))
+            ring.consumed_record(a.slot, reader.taken)
+        reader.release()
 
     def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
         log.error("token link: step %d sent on the stream of an ipc link", msg.step_id)
@@ -277,17 +284,11 @@ class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
         super().__init__(session, device, torch.int64, 1, max_tokens, timeout, peer_host=peer_host)
         self.columns = 0
 
-    def pump(self, need: int) -> None:
-        """On stage 0's step thread: apply every step's tokens that has arrived, and wait (with
-        the link's deadline) until step `need`'s are applied."""
-        intake = self.intake
-        while True:
-            if intake._closed:
-                raise PeerLost(f"token link closed: {intake._closed}")
-            a = self._next(block=intake.applied < need)
-            if a is None:
-                return
-            intake.apply(a.step_id, None if a.error else self._receive(a, parts=1)[0])
+    def _next_announcement(self, block: bool):
+        return self._next(block)
+
+    def _apply_announced(self, a) -> None:
+        self.intake.apply(a.step_id, None if a.error else self._receive(a, parts=1)[0])
 
     def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
         log.error("token link: step %d sent on the stream of a distributed link", msg.step_id)
