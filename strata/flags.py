@@ -203,7 +203,8 @@ FLAGS: dict[str, Flag] = {
         "auto",
         "how activations move between pipeline stages: ipc (one host: CUDA IPC between its GPUs, or a ring in "
         "/dev/shm between CPU stages; each step announced on a socket between the stages' step threads), "
-        "distributed (torch.distributed send/recv: NCCL on GPUs, gloo on CPUs), grpc (bytes in the Forward "
+        "distributed (torch.distributed send/recv: NCCL on GPUs, gloo on CPUs; each step announced on a TCP "
+        "socket between the stages' step threads), grpc (bytes in the Forward "
         "messages, through the hosts; A/B runs), or auto (ipc where both stages share a host and IPC namespace, "
         "else distributed); chosen per link when the pipeline is built, shown in each worker's Describe",
         choices=("auto", "ipc", "distributed", "grpc"),
