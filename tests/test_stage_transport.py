@@ -274,7 +274,10 @@ def test_a_stranger_cannot_announce_steps_on_a_distributed_link():
         sender.send(1, *_step_tensors(1, 3))
         h, _ = receiver.take(1)
         assert torch.equal(h, _step_tensors(1, 3)[0])  # the stranger's connection was dropped
-        assert strangers[0].recv(16) == b""
+        try:
+            assert strangers[0].recv(16) == b""  # closed (reset, where bytes were left unread)
+        except ConnectionResetError:
+            pass
     finally:
         strangers[0].close()
         sender.close()

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from strata.mps import mps_serves_this_process
+from strata.services.worker.doorbell import DoorbellClosed
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -270,8 +271,6 @@ class StepThreadSender(Sender):
 
     def send(self, step_id: int, *tensors) -> None:
         """On the step thread, right after the step's launch."""
-        from strata.services.worker.doorbell import DoorbellClosed
-
         started = time.perf_counter()
         try:
             self.put(step_id, tensors)
