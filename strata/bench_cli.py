@@ -241,7 +241,7 @@ def _speculative_parser(sub, formatter_class) -> None:
         "--ignore-eos",
         action="store_true",
         help="every request generates exactly --output-len tokens (ignore_eos, min_tokens = max_tokens), "
-        "as the other benches' requests do, past the answer's end where acceptance falls",
+        "as the other benches' requests do, past the answer's end",
     )
     p.add_argument(
         "--cost-model",

@@ -52,8 +52,10 @@ from strata.v1 import engine_pb2
 log = logging.getLogger("strata.worker")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
-# Sends whose tensors the sender keeps until they complete; gloo's beyond this are waited for.
+# Sends whose tensors the sender keeps until they complete: gloo's beyond this are waited for;
+# NCCL's are dropped past the larger bound (its work keeps their tensors until they complete).
 _MAX_PENDING_SENDS = 16
+_MAX_PENDING_NCCL_SENDS = 64
 
 
 # Threads of closed links, which may still be aborting their NCCL groups (close() never blocks).
@@ -210,12 +212,12 @@ class DistributedSender(StepThreadSender):
 
     def _reap(self) -> None:
         """Drops the sends that have completed; waits (with the deadline) for gloo's oldest past
-        _MAX_PENDING_SENDS. NCCL keeps a send's tensors alive on its own stream."""
+        _MAX_PENDING_SENDS (NCCL's work keeps its tensors alive on its own)."""
         pending = self._pending
         while pending and all(w.is_completed() for w in pending[0][0]):
             pending.popleft()
         if self.device.type == "cuda":
-            while len(pending) > _MAX_PENDING_SENDS:
+            while len(pending) > _MAX_PENDING_NCCL_SENDS:
                 pending.popleft()
             return
         while len(pending) > _MAX_PENDING_SENDS:
