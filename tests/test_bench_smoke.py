@@ -412,3 +412,27 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     ratios = runs[1]["ratios"]
     assert ratios["offline_tok_s"] > 0 and ratios["tpot_p50"] > 0 and ratios["token_hop_us"] > 0
     assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
+
+
+def test_stage_hop_plays_ping_pong_through_two_real_gloo_links(tmp_path):
+    """The hop microbenchmark on CPUs: two processes, a distributed (gloo) link each way, each
+    step's data returned intact, and a live hop time per step."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "hop.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.bench.stage_hop", "--devices", "cpu,cpu", "--transports", "distributed"]
+        + ["--rows", "8", "--hidden", "64", "--dtype", "float32", "--warmup", "10", "--rounds", "50"]
+        + ["--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=common.REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = json.loads(out.read_text())["transports"]["distributed"]
+    assert figures["intact"] is True
+    assert figures["live_hop_us"] > 0 and figures["send_host_us"] > 0
+    assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure
