@@ -13,11 +13,15 @@ Two figures per transport, each per hop (a round is two hops):
   (copies into and out of the ring or NCCL's transfer, the cross-process waits). In a pipeline
   the hosts run ahead of their GPUs like this, and this is what a hop costs the GPU's timeline.
 
+Two stages on one GPU without MPS take turns as two contexts, and each hand-off waits for the GPU to
+switch between them (about 150 us, strata/mps.py): run that case with --mps, as `strata bench
+pipeline --mps` runs its stages.
+
 Also printed: the sender's host time per step, the receiver's host wait, and the floor: the same
 bytes copied device to device twice in one process (a hop through a ring is a copy in and a copy
 out).
 
-    python -m strata.bench.stage_hop                                  # ipc on cuda:0, batch 256, 1B shape
+    python -m strata.bench.stage_hop --mps                            # ipc on cuda:0, batch 256, 1B shape
     python -m strata.bench.stage_hop --devices cuda:0,cuda:1 --transports ipc,distributed
     python -m strata.bench.stage_hop --devices cpu,cpu --transports distributed --rows 16 --hidden 256
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import time
 
 import torch
@@ -72,6 +77,9 @@ def _player(role: int, transport: str, device: str, args, links, results) -> Non
     if cuda:
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
+    out: dict = {}
+    if role == 0:
+        out["copy_floor_us"] = copy_floor_us(device, dtype, args.rows, args.hidden)
     receiver, sender = _open_links(role, transport, device, dtype, args.rows, args.hidden, args.slots, links)
     hidden = torch.zeros(args.rows, args.hidden, dtype=dtype, device=device)
     residual = torch.zeros_like(hidden)
@@ -98,7 +106,6 @@ def _player(role: int, transport: str, device: str, args, links, results) -> Non
                 sender.send(step, hidden, residual)
             step += 1
 
-    out: dict = {}
     rounds(args.warmup, check=True)
     sync()
     if role == 0:
@@ -140,9 +147,9 @@ def _player(role: int, transport: str, device: str, args, links, results) -> Non
     receiver.close()
 
 
-def copy_floor_us(device: str, dtype, rows: int, hidden: int, reps: int = 200) -> float | None:
+def copy_floor_us(device: torch.device, dtype, rows: int, hidden: int, reps: int = 200) -> float | None:
     """Two device-to-device copies of a step's two tensors in one process: a ring hop's copies."""
-    if not device.startswith("cuda"):
+    if device.type != "cuda":
         return None
     src = torch.randn(2, rows, hidden, device=device).to(dtype)
     mid, dst = torch.empty_like(src), torch.empty_like(src)
@@ -178,6 +185,22 @@ def measure(transport: str, devices: tuple[str, str], args) -> dict:
     return out
 
 
+def _print(transport: str, out: dict, args) -> None:
+    floor = out.get("copy_floor_us")
+    if floor is not None:
+        print(f"{transport}: floor, two device copies of the step in one process: {floor:.1f} us")
+    gpu = out.get("gpu_hop_us")
+    gpu_text = "-" if gpu is None else f"{gpu:.1f} us"
+    if gpu is not None and not out["gpu_figure_host_free"]:
+        gpu_text += " (the hosts did not get ahead: not the GPU's alone; try fewer --gpu-rounds)"
+    print(
+        f"{transport}: data {'intact' if out['intact'] else 'WRONG'}; hop live {out['live_hop_us']:.1f} us, "
+        f"on the GPU {gpu_text}   (target <= {args.target_us:g} us); sender's host {out['send_host_us']:.1f} us "
+        f"a step, receiver's host waited {out['receive_wait_us']:.1f} us a round",
+        flush=True,
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="cuda:0,cuda:0", help="A's and B's devices (cpu,cpu: gloo only)")
@@ -188,7 +211,12 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=4, help="ipc ring slots (a stage's default is its micro-batches + 2)")
     ap.add_argument("--warmup", type=int, default=50, help="rounds before timing; they check the data too")
     ap.add_argument("--rounds", type=int, default=1000, help="live rounds (two hops each)")
-    ap.add_argument("--gpu-rounds", type=int, default=200, help="rounds queued behind the sleep (CUDA)")
+    ap.add_argument(
+        "--gpu-rounds",
+        type=int,
+        default=50,
+        help="rounds queued behind the sleep (CUDA; at 200 an ipc host blocked on a full launch queue on an H200)",
+    )
     ap.add_argument(
         "--sleep-cycles",
         type=float,
@@ -197,6 +225,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a transport's figures")
     ap.add_argument("--target-us", type=float, default=100.0, help="the hop target printed beside the figures")
+    ap.add_argument("--mps", action="store_true", help="run both players under an MPS server of their own (one GPU)")
     ap.add_argument("--output", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     devices = tuple(d.strip() for d in args.devices.split(","))
@@ -204,39 +233,35 @@ def main(argv=None) -> int:
         raise SystemExit("--devices takes two devices")
     dtype = getattr(torch, args.dtype)
     nbytes = 2 * args.rows * args.hidden * dtype.itemsize
-    floor = copy_floor_us(devices[0], dtype, args.rows, args.hidden)
     print(
         f"stage hop: {args.rows} x {args.hidden} {args.dtype}, 2 tensors = {nbytes / 2**20:.2f} MiB a step, {devices[0]} <-> {devices[1]}"
     )
-    if floor is not None:
-        print(f"floor: two device copies of the step in one process: {floor:.1f} us")
     report = {
         "rows": args.rows,
         "hidden": args.hidden,
         "dtype": args.dtype,
         "bytes": nbytes,
         "devices": devices,
-        "copy_floor_us": floor,
+        "mps": args.mps,
         "transports": {},
     }
+    mps = None
+    if args.mps:  # both players become clients of one MPS server, as `strata serve --mps` stages do
+        from strata.mps import MpsDaemon
+
+        mps = MpsDaemon()
+        mps.start()
+        os.environ.update(mps.env)  # spawned players inherit it
     failed = 0
-    for transport in [t.strip() for t in args.transports.split(",") if t.strip()]:
-        out = measure(transport, devices, args)
-        report["transports"][transport] = out
-        failed += not out["intact"]
-        gpu = out.get("gpu_hop_us")
-        gpu_text = (
-            "-"
-            if gpu is None
-            else f"{gpu:.1f} us"
-            + ("" if out["gpu_figure_host_free"] else " (hosts did not get ahead: not the GPU's alone)")
-        )
-        print(
-            f"{transport}: data {'intact' if out['intact'] else 'WRONG'}; hop live {out['live_hop_us']:.1f} us, "
-            f"on the GPU {gpu_text}   (target <= {args.target_us:g} us); sender's host {out['send_host_us']:.1f} us "
-            f"a step, receiver's host waited {out['receive_wait_us']:.1f} us a round",
-            flush=True,
-        )
+    try:
+        for transport in [t.strip() for t in args.transports.split(",") if t.strip()]:
+            out = measure(transport, devices, args)
+            report["transports"][transport] = out
+            failed += not out["intact"]
+            _print(transport, out, args)
+    finally:
+        if mps is not None:
+            mps.stop()
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
