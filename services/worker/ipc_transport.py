@@ -181,7 +181,18 @@ class Ring:
         if device.type != "cuda" or len(link.ready_events) != link.slots or len(link.consumed_events) != link.slots:
             raise TransportError("a CUDA ipc ring needs a CUDA stage and an event pair per slot")
         ring_device = device_of_uuid(link.device_uuid)
-        buffer = open_memory(link.ring, ring_device, dtype, numel)
+        buffer = None
+        if link.slot_words_path and ring_device != device and os.environ.get("STRATA_IPC_PEER_MAP", "own") == "own":
+            # On slot words every launch of this end goes on its own stream (write), so the ring
+            # is mapped into this GPU's context (CUDA IPC enables the peer access): this process
+            # then keeps no work on the ring's GPU, whose context there the GPU would time-slice
+            # with the receiver's. STRATA_IPC_PEER_MAP=ring maps it on the ring's GPU (A/B runs).
+            try:
+                buffer = open_memory(link.ring, device, dtype, numel)
+            except RuntimeError as e:  # no peer access between the two: map it where it lives
+                log.info("ipc ring: cannot map %s's memory into %s (%s); mapping it there", ring_device, device, e)
+        if buffer is None:
+            buffer = open_memory(link.ring, ring_device, dtype, numel)
         with torch.cuda.device(ring_device):
             ready = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.ready_events]
             consumed = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in link.consumed_events]
@@ -192,7 +203,7 @@ class Ring:
                 except (RuntimeError, OSError) as e:
                     raise TransportError(f"cannot open the next stage's slot words: {e}") from None
                 words.unlink()  # both ends have them mapped
-        if words is not None and ring_device != device:
+        if words is not None and buffer.device != device:
             # torch enables this GPU's access to the ring's GPU at its first copy between them;
             # the steps' copies (stream_memops.copy, write) then go straight over the link.
             buffer[:1].copy_(torch.zeros(1, dtype=dtype, device=device))
@@ -502,8 +513,9 @@ class IpcSender(StepThreadSender):
         self.writer = RingWriter(link, device, timeout)
         super().__init__(session, emit, timeout)
         log.info(
-            "stage transport: ipc ring of %d slots opened on %s (this stage on %s)",
+            "stage transport: ipc ring of %d slots on %s opened (mapped into %s; this stage on %s)",
             link.slots,
+            device_of_uuid(link.device_uuid) if link.device_uuid else "host memory",
             self.writer.ring.device,
             self.writer.device,
         )
