@@ -184,3 +184,75 @@ def test_the_intake_queues_what_a_steps_placeholders_need_and_counts_the_gpus_wa
     assert last_sampled[[3, 9]].tolist() == [1000, 1001]
     step(12, [7], [4])  # no placeholders: nothing queued, nothing waited
     assert intake.waits == 1 and len(ops) == 2
+
+
+# ------------------------------------------------------------------ a distributed (NCCL) token link
+
+
+class FakeNcclReceiver:
+    """The distributed token receiver's side: receives posted (each filled with what the last
+    stage sent for that step: 100 * step + i) and announcements the test makes."""
+
+    max_rows = ROWS
+
+    def __init__(self):
+        self.posted: list[int] = []
+        self.arrived: collections.deque[Announcement] = collections.deque()
+
+    def post_receive(self, step_id: int, buf: torch.Tensor) -> None:
+        self.posted.append(step_id)
+        buf.copy_(torch.arange(ROWS) + 100 * step_id)
+
+    def next_announcement(self, block: bool):
+        assert not block  # the intake never blocks its step thread
+        return self.arrived.popleft() if self.arrived else None
+
+    def announce(self, step_id: int, rows: int, error: str = "") -> None:
+        self.arrived.append(Announcement(step_id, 0, rows, 0, error))
+
+
+def make_nccl(timeout: float = 60.0):
+    receiver = FakeNcclReceiver()
+    last_sampled = torch.zeros(16, dtype=torch.int64)
+    return receiver, last_sampled, token_waits.NcclTokenWaits(receiver, last_sampled, timeout, buffers=2)
+
+
+def test_nccl_receives_are_posted_in_order_before_any_announcement_and_scattered(ops):
+    receiver, last_sampled, waits = make_nccl()
+    start(waits, 10, [3, 5])
+    start(waits, 11, [7])
+    start(waits, 12, [2])
+    assert waits.queue_through(11) == 2  # nothing announced yet: the GPU waits, not the host
+    assert receiver.posted == [10, 11]
+    assert last_sampled[[3, 5, 7]].tolist() == [1000, 1001, 1100]
+    assert waits.queue_through(12) == 1 and receiver.posted == [10, 11, 12]  # buffer 0 again
+    assert last_sampled[2].item() == 1200
+    receiver.announce(10, 2)
+    receiver.announce(11, 1)
+    waits.pump()
+    assert receiver.posted == [10, 11, 12]  # announcements of posted receives post nothing more
+
+
+def test_an_nccl_step_known_failed_before_any_need_is_received_but_not_scattered(ops):
+    receiver, last_sampled, waits = make_nccl()
+    start(waits, 10, [4])
+    start(waits, 11, [6])
+    receiver.announce(10, 0, error="stage 1: boom")  # its filler still comes: the pairs stay in order
+    receiver.announce(11, 1)
+    waits.pump()
+    assert receiver.posted == [10, 11]
+    assert last_sampled[4].item() == 0 and last_sampled[6].item() == 1100
+
+
+def test_an_nccl_announcement_out_of_order_or_past_the_deadline_fails_the_step(ops):
+    receiver, _, waits = make_nccl(timeout=0.05)
+    start(waits, 10, [1])
+    waits.queue_through(10)
+    waits._pending[0].queued_at -= 1.0
+    with pytest.raises(StepFailed, match="did not reach stage 0"):
+        waits.pump()
+    receiver.announce(12, 1)
+    with pytest.raises(StepFailed, match="out of the expected order"):
+        waits.pump()
+    with pytest.raises(StepFailed, match="closed"):
+        waits.queue_through(10)

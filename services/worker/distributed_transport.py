@@ -189,6 +189,11 @@ class DistributedSender(StepThreadSender):
         # sends: they go out of copies (queued on the compute stream, as the step was). The token
         # link's tensors are fresh gathers (False).
         self.copy_before_send = True
+        # The token link: every step's one tensor goes out padded to this many elements, and a
+        # failed step's as zeros, so the receiver can post each receive before its announcement
+        # (token_waits.NcclTokenWaits). 0: the tensors' own sizes, errors on the doorbell only.
+        self.fixed_elements = 0
+        self._filler: torch.Tensor | None = None
         super().__init__(session, emit, timeout)
 
     def put(self, step_id: int, tensors) -> None:
@@ -199,8 +204,15 @@ class DistributedSender(StepThreadSender):
                 f"{t.dtype} {list(t.shape)} is more than the link takes ({self.max_elements} elements)"
             )
         pg = self.group.get()
-        copy = self.copy_before_send and tensors[0].device.type == "cuda"
-        tensors = [x.clone() if copy else x.contiguous() for x in tensors]
+        if self.fixed_elements:  # (one 1-D tensor: the token link)
+            tensors = [torch.nn.functional.pad(t, (0, self.fixed_elements - t.shape[0]))]
+        else:
+            copy = self.copy_before_send and tensors[0].device.type == "cuda"
+            tensors = [x.clone() if copy else x.contiguous() for x in tensors]
+        self._post(pg, step_id, tensors)
+        self.doorbell.announce(step_id, 0, t.shape[0], t.shape[1] if t.dim() > 1 else 0)
+
+    def _post(self, pg, step_id: int, tensors) -> None:
         self._reap()
         try:
             works = [pg.send([x], 1, _tag(step_id)) for x in tensors]
@@ -208,7 +220,6 @@ class DistributedSender(StepThreadSender):
             self.group.fail(e)
             raise TransportError(f"send failed: {e}") from None
         self._pending.append((works, tensors))
-        self.doorbell.announce(step_id, 0, t.shape[0], t.shape[1] if t.dim() > 1 else 0)
 
     def _reap(self) -> None:
         """Drops the sends that have completed; waits (with the deadline) for gloo's oldest past
@@ -230,6 +241,13 @@ class DistributedSender(StepThreadSender):
                 raise TransportError(f"a send did not complete: {e}") from None
 
     def send_error(self, step_id: int, error: str) -> None:
+        if self.fixed_elements:  # the receiver may have posted this step's receive already
+            try:
+                if self._filler is None:
+                    self._filler = torch.zeros(self.fixed_elements, dtype=torch.int64, device=self.device)
+                self._post(self.group.get(), step_id, [self._filler])
+            except TransportError as e:  # the link is down: the receiver hears of it on its own
+                log.warning("stage transport (distributed): step %d's filler not sent: %s", step_id, e)
         try:
             self.doorbell.announce(step_id, 0, 0, 0, error or "failed upstream")
         except DoorbellClosed as e:
@@ -303,19 +321,24 @@ class DistributedReceiver(Receiver):
         return shape
 
     def _receive(self, a: Announcement, into=None, parts: int = 2) -> tuple:
-        """Posts the announced step's receives (into `into`'s first rows where given); on GPUs the
-        current stream waits for them, on CPUs this thread does (with the deadline)."""
+        """Posts the announced step's receives (into `into`'s first rows where given)."""
         shape = self._shape(a)
-        try:
-            pg = self.group.get()
-        except TransportError as e:
-            raise PeerLost(f"stage transport (distributed): {e}") from None
         if into is None:
             out = tuple(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts))
         else:
             out = tuple(dst[: a.rows] for dst in into)
+        self.post_receive(a.step_id, *out)
+        return out
+
+    def post_receive(self, step_id: int, *tensors) -> None:
+        """Step `step_id`'s receives into `tensors` (each the size of its send); on GPUs the
+        current stream waits for them, on CPUs this thread does (with the deadline)."""
         try:
-            works = [pg.recv([t], 0, _tag(a.step_id)) for t in out]
+            pg = self.group.get()
+        except TransportError as e:
+            raise PeerLost(f"stage transport (distributed): {e}") from None
+        try:
+            works = [pg.recv([t], 0, _tag(step_id)) for t in tensors]
             for w in works:
                 if self.backend == "nccl":
                     w.wait()  # the current stream waits for NCCL's: no host wait
@@ -324,7 +347,9 @@ class DistributedReceiver(Receiver):
         except Exception as e:
             self.group.fail(e)
             raise PeerLost(f"stage transport (distributed): {e}") from None
-        return out
+
+    def next_announcement(self, block: bool = True) -> Announcement | None:
+        return self._next(block)
 
     def take(self, step_id: int, into: tuple[torch.Tensor, torch.Tensor] | None = None):
         """On the step thread: this step's (hidden, residual) on this stage's device, read into

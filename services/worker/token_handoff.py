@@ -61,7 +61,7 @@ from strata.services.worker.stage_transport import (
     host_of,
     name_of,
 )
-from strata.services.worker.token_waits import DeviceTokenWaits
+from strata.services.worker.token_waits import DeviceTokenWaits, NcclTokenWaits
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -275,10 +275,11 @@ class IpcTokenReceiver(_TokenReceiving):
 
 
 class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
-    """Each step's tokens received on stage 0's step thread (pump, as an ipc link without slot
-    words): announcements taken from the link's doorbell, receives posted in their order, the
-    tokens scattered behind them on the compute stream. The HandTokens stream carries nothing
-    but its end (the last stage is gone)."""
+    """Every sampling step sends max_tokens int64s, padded (zeros for a failed step: the sender's
+    fixed_elements). On GPUs stage 0 posts each receive when a step needs it, before the
+    announcement, and its stream waits (token_waits.NcclTokenWaits); on CPUs (gloo) its step
+    thread takes the announcements and receives in their order (pump), as an ipc link without
+    slot words. The HandTokens stream carries nothing but its end (the last stage is gone)."""
 
     def __init__(self, session: int, device, max_tokens: int, timeout: float, *, peer_host: str):
         super().__init__(session, device, torch.int64, 1, max_tokens, timeout, peer_host=peer_host)
@@ -288,7 +289,12 @@ class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
         return self._next(block)
 
     def _apply_announced(self, a) -> None:
-        self.intake.apply(a.step_id, None if a.error else self._receive(a, parts=1)[0])
+        tokens = torch.empty(self.max_rows, dtype=torch.int64, device=self.device)
+        self.post_receive(a.step_id, tokens)  # a failed step's zeros too: the pairs stay in order
+        if not a.error and (a.cols or not 0 < a.rows <= self.max_rows):
+            log.error("token link: step %d: %d x %d tokens", a.step_id, a.rows, a.cols)
+            a = a._replace(error="malformed")
+        self.intake.apply(a.step_id, None if a.error else tokens[: a.rows])
 
     def deliver_tokens(self, msg: engine_pb2.SampledTokens) -> None:
         log.error("token link: step %d sent on the stream of a distributed link", msg.step_id)
@@ -314,7 +320,10 @@ def open_token_receiver(
         receiver = DistributedTokenReceiver(
             session, device, max_tokens, timeout, peer_host=host_of(request.peer_address)
         )
-        intake.pump = receiver.pump
+        if receiver.backend == "nccl" and os.environ.get("STRATA_STREAM_WAITS", "1") != "0":
+            intake.device_waits = NcclTokenWaits(receiver, intake.last_sampled, timeout)
+        else:
+            intake.pump = receiver.pump
     else:
         return GrpcTokenReceiver(session, intake, max_tokens, vocab_size)
     receiver.intake, receiver.max_tokens, receiver.vocab_size = intake, max_tokens, vocab_size
@@ -406,5 +415,6 @@ def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
     if link.transport == DISTRIBUTED:
         sender = DistributedSender(request.session, emit, timeout, link=link, device=device)
         sender.copy_before_send = False  # TokenOutlet hands a fresh gather each step
+        sender.fixed_elements = link.slot_elements  # stage 0 may post a step's receive before its announcement
         return sender
     return GrpcTokenSender(request.session, emit, timeout)
