@@ -6,7 +6,9 @@ The receiver allocates, once per InitCache, a ring of `slots` slots, each `parts
 slot_elements (hidden and residual; or one for the token link), and exports it in its StageLink
 with its doorbell's path; the sender opens both. On CUDA the ring is one device allocation with
 two interprocess events per slot (`ready`, `consumed`), the GPU found by its UUID; on CPUs it is a
-file in /dev/shm that both map.
+file in /dev/shm that both map. A sender on a peer GPU maps the ring into its own GPU's context
+(Ring.open): a context of its process on the ring's GPU cost each hand-off a context switch there,
+139 us of GPU time against 35 us (bench/RESULTS.md, stage_hop).
 
 Announcement i uses slot i % slots. One step:
   sender, step thread:   wait for the credit of announcement i - slots (host, with a deadline);

@@ -11,8 +11,11 @@ on the stage transport the scheduler chose for that pair (`choose_transport`):
 - `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
   copies them to the host, off the step thread);
 - `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store),
-  each step announced on the link's TCP doorbell from the last stage's step thread to stage 0's,
-  which posts the receives itself before each of its steps (TokenIntake.pump), as on ipc;
+  each step announced on the link's TCP doorbell from the last stage's step thread to stage 0's.
+  Every sampling step sends the same size (padded), so on GPUs stage 0 posts a step's receive as
+  soon as a step needs its tokens and its GPU waits for it (token_waits.NcclTokenWaits); on CPUs
+  stage 0's step thread takes the announcements and receives before each of its steps
+  (TokenIntake.pump);
 - `ipc`: a ring of int64 token buffers on stage 0's device (ipc_transport.py), each step
   announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
   what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
