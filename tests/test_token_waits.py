@@ -74,7 +74,7 @@ def ops(monkeypatch):
 def make(timeout: float = 60.0):
     reader = FakeReader()
     last_sampled = torch.zeros(16, dtype=torch.int64)
-    return reader, last_sampled, token_waits.DeviceTokenWaits(reader, last_sampled, timeout)
+    return reader, last_sampled, token_waits.IpcTokenWaits(reader, last_sampled, timeout)
 
 
 def start(waits, step_id: int, rows: list[int] | None):

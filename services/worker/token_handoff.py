@@ -64,7 +64,7 @@ from strata.services.worker.stage_transport import (
     host_of,
     name_of,
 )
-from strata.services.worker.token_waits import DeviceTokenWaits, NcclTokenWaits
+from strata.services.worker.token_waits import DeviceTokenWaits, IpcTokenWaits, NcclTokenWaits
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -104,7 +104,7 @@ class TokenIntake:
         # ipc: the step thread takes the tokens that have arrived itself, pump(need) blocking until
         # step `need`'s are applied (0: only what is there); else a receiving thread applies them.
         self.pump = None
-        self.device_waits: DeviceTokenWaits | None = None  # ipc where the GPU waits instead
+        self.device_waits: DeviceTokenWaits | None = None  # ipc (slot words) or NCCL: the GPU waits instead
 
     def plan_started(self, plan) -> None:
         """On the step thread, as each plan's step starts, before anything that can fail it."""
@@ -316,7 +316,7 @@ def open_token_receiver(
     if kind == IPC:
         receiver = IpcTokenReceiver(session, device, max_tokens, timeout, slots)
         if receiver.reader.ring.words is not None:
-            intake.device_waits = DeviceTokenWaits(receiver.reader, intake.last_sampled, timeout)
+            intake.device_waits = IpcTokenWaits(receiver.reader, intake.last_sampled, timeout)
         else:
             intake.pump = receiver.pump
     elif kind == DISTRIBUTED:

@@ -1,5 +1,5 @@
 """Stage 0's token intake where its GPU waits for the tokens (an ipc token link whose ring has
-slot words, ipc_transport.py and stream_memops.py): no host on the token path.
+slot words, ipc_transport.py and stream_memops.py; or NCCL, at the end): no host on the token path.
 
 With the doorbell alone, stage 0's step thread could queue a step whose placeholders need step
 s's tokens only after the last stage's announcement of s had arrived (an interprocess event can
@@ -56,7 +56,7 @@ class _Sampling:
         self.queued_at: float | None = None
 
 
-class GpuTokenWaits:
+class DeviceTokenWaits:
     """The order and the deadlines; subclasses queue one sampling step's tokens on the stream
     (_queue), take the next announcement (_announcement) and credit it (_credit)."""
 
@@ -139,7 +139,7 @@ class GpuTokenWaits:
         pass
 
 
-class DeviceTokenWaits(GpuTokenWaits):
+class IpcTokenWaits(DeviceTokenWaits):
     """An ipc token link whose ring has slot words."""
 
     def __init__(self, reader: RingReader, last_sampled: torch.Tensor, timeout: float):
@@ -165,7 +165,7 @@ class DeviceTokenWaits(GpuTokenWaits):
         self.ring.release_words(self._numbered)
 
 
-class NcclTokenWaits(GpuTokenWaits):
+class NcclTokenWaits(DeviceTokenWaits):
     """A distributed token link on GPUs: each sampling step's receive (max_tokens, in step order)
     posted when a step needs it, into one of `buffers` buffers. A buffer is received into again
     only after the scatter from it was queued: NCCL's stream waits for the compute stream as
