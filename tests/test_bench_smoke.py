@@ -414,16 +414,17 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
 
 
-def test_stage_hop_plays_ping_pong_through_two_real_gloo_links(tmp_path):
-    """The hop microbenchmark on CPUs: two processes, a distributed (gloo) link each way, each
-    step's data returned intact, and a live hop time per step."""
-    import json
+@pytest.mark.parametrize("transport", ["ipc", "distributed"])
+def test_stage_hop_plays_ping_pong_through_two_real_links(tmp_path, transport):
+    """The hop microbenchmark on CPUs: two processes, a link each way (a /dev/shm ring, or gloo),
+    each step read into fixed inputs as a step graph's and returned intact, and a live hop time
+    per step."""
     import subprocess
     import sys
 
     out = tmp_path / "hop.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "strata.bench.stage_hop", "--devices", "cpu,cpu", "--transports", "distributed"]
+        [sys.executable, "-m", "strata.bench.stage_hop", "--devices", "cpu,cpu", "--transports", transport]
         + ["--rows", "8", "--hidden", "64", "--dtype", "float32", "--warmup", "10", "--rounds", "50"]
         + ["--output", str(out)],
         capture_output=True,
@@ -432,7 +433,7 @@ def test_stage_hop_plays_ping_pong_through_two_real_gloo_links(tmp_path):
         cwd=common.REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    figures = json.loads(out.read_text())["transports"]["distributed"]
+    figures = json.loads(out.read_text())["transports"][transport]
     assert figures["intact"] is True
     assert figures["live_hop_us"] > 0 and figures["send_host_us"] > 0
     assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure

@@ -484,11 +484,13 @@ class IpcReceiver(Receiver):
         views = (ring.view(a.slot, part, (a.rows, a.cols)) for part in range(2))
         if into is None:
             out = tuple(v.clone() for v in views)
-        else:  # driver copies, which keep the GIL (cuda_driver.py); views and inputs are contiguous
+        elif self.device.type == "cuda":  # driver copies, which keep the GIL (cuda_driver.py); all contiguous
             stream = torch.cuda.current_stream(self.device)
             out = tuple(dst[: a.rows] for dst in into)
             for dst, v in zip(out, views):
                 stream_memops.copy(stream, dst, v)
+        else:  # a ring in /dev/shm
+            out = tuple(dst[: a.rows].copy_(v) for dst, v in zip(into, views))
         ring.consumed_record(a.slot, count)
         reader.release()
         return out
