@@ -25,7 +25,9 @@ from strata.bench import common
 TARGET_OFFLINE_RATIO = 0.9  # output tok/s of P stages / one stage, 1B offline
 TARGET_TPOT_RATIO = 1.25  # TPOT p50 of P stages / one stage, 16 streams
 TARGET_IDLE = 0.10  # each stage's GPU idle between steps / its timeline, offline
-TARGET_HOP_US = 100.0  # the sampled tokens' hop per decode step (batch 256)
+# The issue's hop: 2 MiB of activations at batch 256 (bench/stage_hop.py measures it); printed
+# here beside the token link's sender host time per step, which this bench measures.
+TARGET_HOP_US = 100.0
 
 WORKER_COUNTERS = (
     "steps",
