@@ -23,7 +23,7 @@ out).
 
     python -m strata.bench.stage_hop --mps                            # ipc on cuda:0, batch 256, 1B shape
     python -m strata.bench.stage_hop --devices cuda:0,cuda:1 --transports ipc,distributed
-    python -m strata.bench.stage_hop --devices cpu,cpu --transports distributed --rows 16 --hidden 256
+    python -m strata.bench.stage_hop --devices cpu,cpu --transports ipc,distributed --rows 16 --hidden 256
 """
 
 from __future__ import annotations
@@ -203,7 +203,9 @@ def _print(transport: str, out: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--devices", default="cuda:0,cuda:0", help="A's and B's devices (cpu,cpu: gloo only)")
+    ap.add_argument(
+        "--devices", default="cuda:0,cuda:0", help="A's and B's devices (cpu,cpu: ipc through /dev/shm, or gloo)"
+    )
     ap.add_argument("--transports", default="ipc", help="comma list of ipc, distributed (NCCL needs two GPUs)")
     ap.add_argument("--rows", type=int, default=256, help="rows a step carries: the decode batch")
     ap.add_argument("--hidden", type=int, default=2048, help="hidden size (2048: the 1B shape)")
