@@ -105,6 +105,18 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         default=D["speculative_max_batch"],
         help="running requests above which the server stops speculating (a cap: below it the cost model decides)",
     )
+    g.add_argument(
+        "--speculative-rounds",
+        type=int,
+        default=D["speculative_rounds"],
+        help="verify rounds per step at small batches (device prompt lookup, one stage; 1: one)",
+    )
+    g.add_argument(
+        "--speculative-rounds-max-batch",
+        type=int,
+        default=D["speculative_rounds_max_batch"],
+        help="running requests up to which steps run --speculative-rounds rounds",
+    )
     g.add_argument("--draft-model", default=D["draft_model"], help="HF directory of the draft model (method draft)")
     g.add_argument(
         "--draft-num-layers",

@@ -16,6 +16,8 @@ Per sampling sequence i of a step, a row of `meta` (int64, columns below) says w
     DEVICE   1 when its drafts are this device's proposals, 0 when the plan carried them
     PROPOSE  drafts to propose after this step (the n-gram kernel reads it)
     HOST     the plan's drafts (when DEVICE is 0), HOST + max_k columns
+    ROUNDS   (the last column) verification rounds left in this step, this one included
+             (StepPlan.verify_rounds; advance_round counts them down)
 
 A sequence's shift is rejected[row] - KNOWN (0 when KNOWN < 0): how many of the drafts that the
 plan assumed accepted were rejected since. commit() then, per sequence, in one program:
@@ -29,6 +31,11 @@ shift_positions() applies the shifts to a step's inputs before its forward: posi
 positions and sequence lengths move back, and each written slot is recomputed from the block
 table at the moved position. It runs inside the verification graphs (a sequence's tokens are
 `query_len` consecutive rows there); the eager path calls the reference on its tensors.
+
+advance_round() moves a step's inputs on to its next verification round, after a commit: each
+sequence with rounds left starts again at its last emitted token (hist_len - 1, read from
+last_sampled as a placeholder), its drafts the ones just proposed; the others sit out (no KV
+written, nothing committed or proposed).
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ ROW, FIRST_ROW, FIRST_TOKEN, DRAFTS, POS, KNOWN, DEVICE, PROPOSE, HOST = range(9
 
 
 def meta_columns(max_k: int) -> int:
-    return HOST + max_k
+    return HOST + max_k + 1  # ... the drafts, then ROUNDS
+
+
+ROUNDS = -1  # the last column
 
 
 def shifts_reference(meta: Tensor, rejected: Tensor) -> Tensor:
@@ -123,6 +133,49 @@ def shift_positions_reference(
     blocks = block_tables[token_seq, (positions // block_size).clamp(min=0)].to(torch.int64)
     moved = blocks * block_size + positions % block_size
     slot_mapping.copy_(torch.where(slot_mapping >= 0, moved, slot_mapping))
+
+
+def advance_round(
+    meta: Tensor,
+    hist_len: Tensor,
+    positions: Tensor,
+    slot_mapping: Tensor,
+    seq_lens: Tensor,
+    input_ids: Tensor | None,
+    block_tables: Tensor,
+    token_seq: Tensor,
+    first_token: Tensor,
+    block_size: int,
+    scratch_row: int,
+) -> Tensor:
+    """After a round's commit, the step's inputs for its next round, in place (module
+    docstring). meta: the step's len(seq_lens) sequences' rows (a graph's padding rows sit out);
+    token_seq: each token's sequence; first_token: each sequence's first token. Returns each
+    token's move, for the sample positions (per token in a graph, per sample row eagerly). Torch
+    ops on fixed shapes only, so that a graph can capture it."""
+    n = seq_lens.shape[0]
+    m = meta[:n]
+    goes_on = (m[:, ROUNDS] > 1) & (m[:, DRAFTS] >= 0)
+    row = m[:, ROW].clamp(min=0)
+    start = hist_len[row] - 1  # its last emitted token's position: the next round's first input
+    delta = torch.where(goes_on, start - positions[first_token], torch.zeros_like(start))
+    moves = delta[token_seq]
+    positions += moves
+    seq_lens += delta.to(seq_lens.dtype)
+    width = block_tables.shape[1]
+    blocks = block_tables[token_seq, (positions // block_size).clamp(0, width - 1)].to(torch.int64)
+    moved = blocks * block_size + positions % block_size
+    writes = goes_on[token_seq] & (slot_mapping >= 0)  # (a padded verification's pads write nothing)
+    slot_mapping.copy_(torch.where(writes, moved, torch.full_like(slot_mapping, -1)))
+    if input_ids is not None:  # the token it emitted last, on the device
+        input_ids[first_token] = torch.where(goes_on, torch.full_like(start, -1), input_ids[first_token])
+    m[:, POS] = torch.where(goes_on, start + 1, m[:, POS])
+    m[:, KNOWN] = -1  # exact from here on (and no shift of those sitting out)
+    m[:, ROW] = torch.where(goes_on, m[:, ROW], torch.full_like(start, scratch_row))
+    m[:, DRAFTS] = torch.where(goes_on, m[:, DRAFTS], torch.full_like(start, -1))
+    m[:, PROPOSE] = torch.where(goes_on, m[:, PROPOSE], torch.zeros_like(start))
+    m[:, ROUNDS] = (m[:, ROUNDS] - 1).clamp(min=0)
+    return moves
 
 
 if triton is not None:

@@ -246,6 +246,22 @@ FLAGS: dict[str, Flag] = {
         "measured step times decides per step whether verifying pays",
         int,
     ),
+    "speculative_rounds": Flag(
+        "STRATA_SPECULATIVE_ROUNDS",
+        1,
+        "verify rounds per step at small batches (prompt lookup on the device, one stage): the last "
+        "stage verifies, proposes and verifies again that many times before the host sees a result, "
+        "so that one plan's host work serves several verify steps where the host, not the GPU, "
+        "bounds the step; 1: one round per step",
+        int,
+    ),
+    "speculative_rounds_max_batch": Flag(
+        "STRATA_SPECULATIVE_ROUNDS_MAX_BATCH",
+        4,
+        "running requests up to which steps run --speculative-rounds verify rounds (with none waiting, "
+        "every one decoding and drawing without top-k, top-p, min-p or logprobs)",
+        int,
+    ),
     "no_adaptive_speculation": Flag(
         "STRATA_NO_ADAPTIVE_SPECULATION",
         False,
@@ -342,6 +358,8 @@ SPECULATIVE_FLAGS = (
     "ngram_min",
     "ngram_max",
     "speculative_max_batch",
+    "speculative_rounds",
+    "speculative_rounds_max_batch",
     "no_adaptive_speculation",
 )
 # The gateway's own flags, which `strata serve` forwards to the gateway it starts.

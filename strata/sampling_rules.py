@@ -188,6 +188,15 @@ def is_greedy(temperature):
     return temperature < GREEDY_TEMPERATURE
 
 
+def draws_unfiltered(s: engine_pb2.SamplingOptions, greedy: bool | None = None) -> bool:
+    """Whether a sequence's draw takes the temperature-scaled logits as they are: no logprobs,
+    and greedy or no top-k, top-p or min-p filter (penalties and grammars aside). The last stage
+    then draws it inside its step graphs; several verify rounds per step need that."""
+    if greedy is None:
+        greedy = bool(is_greedy(np.float32(s.temperature)))
+    return s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
+
+
 def greedy_and_inverse_temperature(temperature):
     """(greedy, 1 / T) of float32 temperatures, 1 / T = 1 where greedy: the factor the last stage
     scales logits by, in float32 wherever it is derived. An array gives arrays; a numpy float32

@@ -15,7 +15,7 @@ from collections import deque
 import pytest
 import torch
 
-from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result
+from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
 from strata.services.scheduler.speculation import AdaptiveK, CostModel, SpecState, expected_tokens
@@ -102,7 +102,8 @@ def _drive(runner, sched: Scheduler, requests: list[Request], in_flight: int):
         result = pending.finish()
         assert not result.error, result.error
         sampled, _ = split_result(result)
-        sched.update(plan, sampled, split_proposals(result) if sched.spec is not None else None)
+        proposals = split_proposals(result) if sched.spec is not None else None
+        sched.update(plan, sampled, proposals, split_rounds(result) if plan.verify_rounds > 1 else None)
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and sched.num_in_flight == 0
     return {r.request_id: list(r.output_token_ids) for r in requests}, plans
@@ -370,8 +371,8 @@ def test_verify_steps_that_carry_their_drafts_are_timed_and_speculation_turns_of
 
     spec = Speculation(SpeculativeConfig(method="draft", num_speculative_tokens=4))
     now = 100.0
-    decode = SimpleNamespace(seqs=[None], max_query=1, verifies=False)
-    verify = SimpleNamespace(seqs=[None], max_query=5, verifies=True)
+    decode = SimpleNamespace(seqs=[None], max_query=1, verifies=False, verify_rounds=1)
+    verify = SimpleNamespace(seqs=[None], max_query=5, verifies=True, verify_rounds=1)
     for i in range(6 * CostModel.WINDOW):
         verifies = i % 2 == 1
         now += 0.012 if verifies else 0.0053
@@ -379,3 +380,62 @@ def test_verify_steps_that_carry_their_drafts_are_timed_and_speculation_turns_of
     assert spec.costs.step[(1, True)] == pytest.approx(0.012, rel=0.2)
     choices = [spec.costs.speculate(1, 1.3) for _ in range(CostModel.HOLD + 1)]
     assert not choices[-1]  # 1.3 tokens x 5.3 ms < 12 ms
+
+
+def _unfiltered_requests(seed: int, n: int) -> list[Request]:
+    """_requests' prompts, drawn without top-k or top-p (greedy and seeded): the draws that
+    several verify rounds per step serve."""
+    out = _requests(seed, n)
+    for req in out:
+        req.sampling.top_k, req.sampling.top_p = 0, 1.0
+    return out
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_verify_rounds_give_the_plain_tokens(shard, in_flight):
+    """Several verify rounds per step (the last stage verifies, proposes and verifies again,
+    moving each sequence on itself; one sequence may sit out rounds the others run): the tokens
+    of plain decoding, every slot the rounds did not fill rolled back, and each round's
+    acceptance counted."""
+    want, _ = _drive(_runner(shard), _scheduler(in_flight, None), _unfiltered_requests(7, 8), in_flight)
+    spec = SpeculativeConfig(
+        "ngram", 3, 1, 3, max_batch=48, proposer="device", adaptive=False, rounds=3, rounds_max_batch=16
+    )
+    sched = _scheduler(in_flight, spec)
+    got, plans = _drive(_runner(shard, 3), sched, _unfiltered_requests(7, 8), in_flight)
+    assert got == want
+    multi = [p for p in plans if p.verify_rounds > 1]
+    assert multi and any(s.rounds > 1 for p in multi for s in p.seqs)
+    if in_flight > 1:
+        assert any(p.rejected_drafts for p in multi)  # rounds launched ahead, moved back first
+    assert any(len({s.rounds for s in p.seqs if s.sample}) > 1 for p in multi)  # some sat out rounds
+    stats = engine_pb2.SchedulerStats()
+    sched.fill_stats(stats)
+    rounds_run = sum(s.rounds for p in plans for s in p.seqs if s.num_draft)
+    assert 0 < stats.spec_decode_drafts <= rounds_run  # counted per round that had drafts found
+    assert stats.spec_decode_accepted_tokens > 0
+
+
+def test_verify_rounds_only_for_small_batches_of_unfiltered_decodes(shard):
+    """A plan runs several rounds only while at most rounds_max_batch requests run, none waits
+    and every one draws unfiltered: a top-p request keeps every plan it shares at one round, and
+    a batch above the limit runs one round each."""
+
+    def requests():
+        out = _unfiltered_requests(8, 4)
+        out[1].sampling.top_p = 0.9  # (r1 samples at temperature 0.9: greedy r0 would draw unfiltered)
+        return out
+
+    spec = SpeculativeConfig(
+        "ngram", 3, 1, 3, max_batch=48, proposer="device", adaptive=False, rounds=3, rounds_max_batch=16
+    )
+    want, _ = _drive(_runner(shard), _scheduler(3, None), requests(), 3)
+    got, plans = _drive(_runner(shard, 3), _scheduler(3, spec), requests(), 3)
+    assert got == want
+    shared = [p for p in plans if any(s.request.request_id == "r1" for s in p.seqs)]
+    assert shared and all(p.verify_rounds == 1 for p in shared)
+    small = SpeculativeConfig(
+        "ngram", 3, 1, 3, max_batch=48, proposer="device", adaptive=False, rounds=3, rounds_max_batch=2
+    )
+    _, plans = _drive(_runner(shard, 3), _scheduler(3, small), _unfiltered_requests(9, 6), 3)
+    assert all(p.verify_rounds == 1 for p in plans if len(p.seqs) > 2)

@@ -91,6 +91,16 @@ CASES = {
     "ngram-2": (2, "--speculative-method", "ngram", "--num-speculative-tokens", "3"),
     "draft-1": (1, "--speculative-method", "draft", "--draft-num-layers", "1"),
     "draft-2": (2, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-speculative-tokens", "3"),
+    # Several verify rounds per step (greedy requests; a top-p one running keeps plans at one).
+    "ngram-rounds": (
+        1,
+        "--speculative-method",
+        "ngram",
+        "--speculative-rounds",
+        "3",
+        "--speculative-rounds-max-batch",
+        "16",
+    ),
     # 40 blocks of 4 tokens, one request's worth: 16 concurrent requests preempt each other.
     "ngram-preempting": (1, "--speculative-method", "ngram", "--num-kv-blocks", "40", "--max-model-len", "160"),
     "draft-preempting": (

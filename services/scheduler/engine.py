@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
-from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result
+from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
 from strata.v1 import engine_pb2
@@ -414,7 +414,12 @@ class Engine:
                 # part included: a host-bound batch gains from fewer steps), on GPU workers, and
                 # the tokens it emitted.
                 spec.observe(plan, max(step_seconds, result.gpu_seconds), now, len(result.token_ids), pipelined)
-            updates = self.scheduler.update(plan, sampled, split_proposals(result) if spec is not None else None)
+            updates = self.scheduler.update(
+                plan,
+                sampled,
+                split_proposals(result) if spec is not None else None,
+                split_rounds(result) if plan.verify_rounds > 1 else None,
+            )
         except Exception as e:
             # A failed step poisons only its own requests; the workers keep serving.
             log.error("step %d failed: %s", plan.step_id, e)

@@ -31,6 +31,8 @@ def speculation_from_args(args) -> SpeculativeConfig | None:
             args.speculative_max_batch,
             proposer=args.ngram_proposer,
             adaptive=not args.no_adaptive_speculation,
+            rounds=args.speculative_rounds,
+            rounds_max_batch=args.speculative_rounds_max_batch,
         )
     except ValueError as e:
         raise SystemExit(f"speculative decoding: {e}") from None

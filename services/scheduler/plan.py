@@ -16,14 +16,15 @@ class ScheduledSeq:
     request: Request
     seq_id: int
     num_computed: int  # tokens already in the KV cache before this step
-    num_scheduled: int  # tokens computed this step: a prefill chunk, 1, or k + 1 (drafts)
-    input_token_ids: list[int]  # exactly num_scheduled tokens (drafts at the end)
+    num_scheduled: int  # KV slots this step: a prefill chunk, 1, k + 1 (drafts), or rounds x (k + 1)
+    input_token_ids: list[int]  # the step's (first round's) tokens, drafts at the end
     table_keep: int
     table_append: list[int]
     sample: bool  # the last stage samples after this step
     num_draft: int = 0
     propose: int = 0  # drafts the last stage proposes after this step for the next (device prompt lookup)
     shifted: bool = False  # sent before a verification of its request came back: may move back on the device
+    rounds: int = 1  # verify rounds the last stage runs for it (StepPlan.verify_rounds), k + 1 slots each
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class StepPlan:
     # The cost model times such steps.
     max_query: int = 0
     send_prefixes: bool = False  # new sequences carry their tokens before their first step
+    verify_rounds: int = 1  # the most verify rounds of any sequence (the cost model times a round)
 
 
 @dataclass(slots=True)

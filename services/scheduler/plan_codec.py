@@ -41,7 +41,7 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         released_seq_ids=plan.released_seq_ids,
         seq_ids=[s.seq_id for s in seqs],
         num_computed=[s.num_computed for s in seqs],
-        num_scheduled=[s.num_scheduled for s in seqs],
+        num_scheduled=[len(s.input_token_ids) for s in seqs],
         input_token_ids=list(itertools.chain.from_iterable(s.input_token_ids for s in seqs)),
         table_keep=[s.table_keep for s in seqs],
         table_append_counts=[len(s.table_append) for s in seqs],
@@ -57,6 +57,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     )
     if any(s.propose for s in seqs):
         msg.propose_drafts.extend([s.propose for s in seqs])
+    if plan.verify_rounds > 1:
+        msg.verify_rounds.extend([s.rounds for s in seqs])
     return msg
 
 
@@ -71,6 +73,19 @@ def split_proposals(result: engine_pb2.StepResult) -> dict[int, list[int]]:
         out[seq_id] = list(tokens[pos : pos + n])
         pos += n
     return out
+
+
+def split_rounds(result: engine_pb2.StepResult) -> dict[int, tuple[list[int], list[int]]]:
+    """{seq_id: (tokens each verify round emitted, drafts proposed after each)} of a step of
+    several verify rounds (StepResult.round_num_tokens); empty for any other step."""
+    if not result.round_num_tokens:
+        return {}
+    rounds = len(result.round_num_tokens) // max(len(result.seq_ids), 1)
+    tokens, proposed = result.round_num_tokens, result.round_num_proposed
+    return {
+        seq_id: (list(tokens[i * rounds : (i + 1) * rounds]), list(proposed[i * rounds : (i + 1) * rounds]))
+        for i, seq_id in enumerate(result.seq_ids)
+    }
 
 
 def split_result(result: engine_pb2.StepResult):

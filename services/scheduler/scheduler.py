@@ -218,6 +218,8 @@ class Scheduler:
         # Drafts on the last stage's device with one stage: a request verifies them as soon as
         # its previous step is launched, without waiting for its result (_schedule_verify_ahead).
         drafts_stay = speculate and spec.drafts_stay
+        # Verify rounds per verification launched ahead (small batches of decoding requests).
+        rounds = spec.rounds_for_plan(running, len(self.waiting)) if drafts_stay else 1
         # One stage keeps several plans in flight for decode lookahead, which requests verifying
         # drafts their plan carries do not get. Scheduled as they come back, requests would split
         # into cohorts, one per plan, each paying a whole step; instead, while such a
@@ -247,7 +249,7 @@ class Scheduler:
             # must come back from its plan in flight, so that a proposal can follow its latest token.
             spec_due = speculate and not on_device and len(out) >= req.spec.retry_at and req.spec.k > 0
             if req.in_flight:
-                if on_device and self._schedule_verify_ahead(req, step_id, seqs, copies, budget):
+                if on_device and self._schedule_verify_ahead(req, step_id, seqs, copies, budget, rounds):
                     budget -= seqs[-1].num_scheduled
                 elif (
                     not spec_due
@@ -281,16 +283,22 @@ class Scheduler:
                 i += 1
                 continue
             num_new, num_draft = self._tokens_to_compute(req, budget)
+            seq_rounds = 1
+            if num_draft and rounds > 1 and on_device:  # as many verify rounds as fit too
+                room = req.max_output_tokens - len(out)
+                seq_rounds = max(1, min(rounds, room // num_new, budget // num_new))
+                num_new *= seq_rounds
             end = req.num_computed_tokens + num_new
             if num_draft and bm.blocks_needed(req, end) > bm.num_free_blocks:
-                end -= num_draft  # drafts are optional: drop them before preempting anyone
-                num_new -= num_draft
-                num_draft = 0
+                dropped = num_new - num_new // seq_rounds + num_draft  # (every round's drafts)
+                end -= dropped  # drafts are optional: drop them before preempting anyone
+                num_new -= dropped
+                num_draft, seq_rounds = 0, 1
             fits, evicted = self._make_room(req, end, i)
             preempted = preempted or evicted
             if not fits:
                 continue  # req itself was preempted; running[i] is now the next request
-            self._schedule_seq(req, end, num_draft, step_id, seqs, copies)
+            self._schedule_seq(req, end, num_draft, step_id, seqs, copies, rounds=seq_rounds)
             budget -= num_new
             i += 1
 
@@ -326,8 +334,10 @@ class Scheduler:
             self.acceptance.verify_steps += any(s.num_draft for s in seqs)
             spec.after_plan(plan)
             plan.send_prefixes = spec.on_device and bool(new_requests)
-            if all(s.sample and s.num_scheduled == s.num_draft + 1 for s in seqs) and not new_requests:
+            if all(s.sample and len(s.input_token_ids) == s.num_draft + 1 for s in seqs) and not new_requests:
                 plan.max_query = 1 + max(s.num_draft for s in seqs)
+            if rounds > 1:
+                plan.verify_rounds = max(s.rounds for s in seqs)
         if self.cascade_attention and any(s.request.sharing.num_shared_blocks for s in seqs):
             find_shared_kv_runs(plan, self.block_size)  # (reorders plan.seqs)
         if spec is not None and any(s.shifted for s in plan.seqs):
@@ -442,7 +452,10 @@ class Scheduler:
         seqs: list[ScheduledSeq],
         copies: list[tuple[int, int]],
         lookahead: bool = False,
+        rounds: int = 1,
     ) -> None:
+        """Schedules req up to `end` (its first round's tokens then, with several verify
+        rounds, the later rounds' slots)."""
         bm = self.block_manager
         start = req.num_computed_tokens
         num_prompt = len(req.prompt_token_ids)  # runs per sequence per step: no properties
@@ -456,7 +469,8 @@ class Scheduler:
             block = start // self.block_size
             req.num_synced_blocks = min(req.num_synced_blocks, block)
             req.spec.block_copied(block, self.block_size)
-        confirmed_end = end - num_draft  # drafts may be rejected: never cache their blocks
+        # Drafts may be rejected (and a later round's slots too): never cache their blocks.
+        confirmed_end = end - num_draft if rounds == 1 else end - rounds * (num_draft + 1) + 1
         # A lookahead's input token is not known here yet: hash only blocks of known tokens.
         bm.register_full_blocks(req, min(confirmed_end, num_tokens))
         tokens = [PLACEHOLDER_TOKEN] if lookahead else req.token_slice(start, confirmed_end)
@@ -477,11 +491,12 @@ class Scheduler:
                 table_append=req.block_ids[keep:],
                 sample=lookahead or confirmed_end == num_tokens,
                 num_draft=num_draft,
+                rounds=rounds,
             )
         )
         req.pending_sample = seqs[-1].sample and not num_draft
         if seqs[-1].sample:
-            spec.max_pending += num_draft + 1
+            spec.max_pending += rounds * (num_draft + 1)
             spec.verify_pending = num_draft > 0
             if num_draft:
                 seqs[-1].shifted = lookahead and spec.verifies_in_flight > 0
@@ -571,6 +586,7 @@ class Scheduler:
         seqs: list[ScheduledSeq],
         copies: list[tuple[int, int]],
         budget: int,
+        rounds: int = 1,
     ) -> bool:
         """Speculation's lookahead (one stage, drafts on the device): the next verify step of a
         request whose previous plans are in flight and each sample its next token(s). Its input
@@ -578,7 +594,8 @@ class Scheduler:
         proposes after it (DEVICE_DRAFT), and it assumes every draft in flight accepted: it
         reserves slots from there, and the worker moves it back by the drafts rejected since
         (the plan's rejected_drafts). Only while even all of those accepted stays within
-        max_tokens and max_model_len; False when it does not fit (a lookahead never preempts)."""
+        max_tokens and max_model_len; False when it does not fit (a lookahead never preempts).
+        rounds: verify rounds it may run (Speculation.rounds_for_plan), as many as fit too."""
         spec = req.spec
         if not 0 < req.in_flight <= self.decode_lookahead or not (req.pending_sample or spec.verify_pending):
             return False
@@ -589,12 +606,13 @@ class Scheduler:
         num_draft = min(spec.k, spec.proposed, room - 1, budget - 1)
         if num_draft < 1:
             return False
-        end = req.num_computed_tokens + 1 + num_draft
+        rounds = max(1, min(rounds, room // (num_draft + 1), budget // (num_draft + 1)))
+        end = req.num_computed_tokens + rounds * (num_draft + 1)
         bm = self.block_manager
         if bm.blocks_needed(req, end) > bm.num_free_blocks:
             return False
         spec.draft_token_ids = [DEVICE_DRAFT] * num_draft
-        self._schedule_seq(req, end, num_draft, step_id, seqs, copies, lookahead=True)
+        self._schedule_seq(req, end, num_draft, step_id, seqs, copies, lookahead=True, rounds=rounds)
         self.counters.lookahead_decodes += 1
         return True
 
@@ -647,12 +665,17 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update(
-        self, plan: StepPlan, sampled: dict[int, list[int]], proposals: dict[int, list[int]] | None = None
+        self,
+        plan: StepPlan,
+        sampled: dict[int, list[int]],
+        proposals: dict[int, list[int]] | None = None,
+        rounds: dict[int, tuple[list[int], list[int]]] | None = None,
     ) -> list[RequestUpdate]:
         """Applies a plan's result: sampled[seq_id] holds the tokens of every sequence that
-        sampled (1, or accepted drafts + 1); proposals[seq_id] the drafts the last stage proposed
-        after the step (device prompt lookup). Sequences aborted since the plan are ignored.
-        An update's new_token_ids may be the list from `sampled` itself."""
+        sampled (1, or accepted drafts + 1, per verify round); proposals[seq_id] the drafts the
+        last stage proposed after the step (device prompt lookup); rounds[seq_id] what each verify
+        round emitted and proposed (plan_codec.split_rounds). Sequences aborted since the plan are
+        ignored. An update's new_token_ids may be the list from `sampled` itself."""
         self.retire(plan)
         live: list[ScheduledSeq] = []
         for s in plan.seqs:  # validate everything before changing anything
@@ -664,8 +687,9 @@ class Scheduler:
                 continue
             tokens = sampled.get(s.seq_id)
             num_draft = s.num_draft
-            if tokens is None or not 1 <= len(tokens) <= num_draft + 1:
-                raise ValueError(f"step {plan.step_id}: seq {s.seq_id} needs 1..{num_draft + 1} tokens, got {tokens!r}")
+            most = s.rounds * (num_draft + 1)
+            if tokens is None or not 1 <= len(tokens) <= most:
+                raise ValueError(f"step {plan.step_id}: seq {s.seq_id} needs 1..{most} tokens, got {tokens!r}")
             if num_draft and s.input_token_ids[-1] != DEVICE_DRAFT:  # drafts the plan carried
                 accepted = len(tokens) - 1
                 if tokens[:accepted] != s.input_token_ids[-num_draft:][:accepted]:
@@ -683,9 +707,9 @@ class Scheduler:
                 continue
             tokens = sampled[s.seq_id]
             state = req.spec
-            state.max_pending -= s.num_draft + 1
+            state.max_pending -= s.rounds * (s.num_draft + 1)
             if s.num_draft:
-                self._verified(req, s, len(tokens) - 1)
+                self._verified(req, s, len(tokens), rounds.get(s.seq_id) if rounds else None)
             if proposals is not None:
                 found = proposals.get(s.seq_id, ())
                 state.last_proposed = len(found)
@@ -694,22 +718,33 @@ class Scheduler:
             updates.append(self._append_tokens(req, tokens))
         return updates
 
-    def _verified(self, req: Request, s: ScheduledSeq, accepted: int) -> None:
-        """A verify step's outcome: roll back the rejected drafts' slots (and the blocks past
-        the accepted tokens), count the acceptance, adapt the request's k."""
-        rejected = s.num_draft - accepted
+    def _verified(
+        self, req: Request, s: ScheduledSeq, emitted: int, per_round: tuple[list[int], list[int]] | None
+    ) -> None:
+        """A verify step's outcome (emitted tokens; per_round: each round's tokens and the drafts
+        proposed after it): roll back the rejected drafts' slots (and the blocks past the
+        accepted tokens), count the acceptance, adapt the request's k."""
+        rejected = s.rounds * (s.num_draft + 1) - emitted
         if rejected:  # roll back the unaccepted draft slots and their surplus blocks
             rollback(req, rejected, self.block_manager)
         spec = req.spec
         spec.rejected += rejected
         spec.verifies_in_flight -= 1
-        valid = s.num_draft
-        if s.input_token_ids[-1] == DEVICE_DRAFT:  # the last stage found this many (its previous result)
-            valid = min(valid, spec.last_proposed)
-        if valid:
-            self.acceptance.record(valid, accepted)
-        if self.spec is not None:
-            self.spec.record(req, s.num_draft, valid, accepted)
+        d = s.num_draft
+        device = s.input_token_ids[-1] == DEVICE_DRAFT
+        # Per round: the drafts that were real (the last stage found this many: its previous
+        # result, then each round's own proposal), the drafts accepted.
+        if per_round is None:
+            outcomes = [(min(d, spec.last_proposed) if device else d, emitted - 1)]
+        else:
+            tokens, proposed = per_round
+            found = [spec.last_proposed] + proposed
+            outcomes = [(min(d, found[r]), tokens[r] - 1) for r in range(s.rounds)]
+        for valid, accepted in outcomes:
+            if valid:
+                self.acceptance.record(valid, accepted)
+            if self.spec is not None:
+                self.spec.record(req, d, valid, accepted)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
         out = req.output_token_ids

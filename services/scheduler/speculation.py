@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from strata.protocol import DEVICE_DRAFT, DRAFT_PLACEHOLDER
-from strata.sampling_rules import history_needed
+from strata.sampling_rules import draws_unfiltered, history_needed
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
 from strata.v1 import engine_pb2
@@ -50,6 +50,8 @@ log = logging.getLogger("strata.scheduler")
 if TYPE_CHECKING:
     from strata.services.scheduler.plan import StepPlan
     from strata.services.scheduler.request import Request
+
+MAX_VERIFY_ROUNDS = 16  # (the worker's DeviceSpeculation.MAX_ROUNDS)
 
 # After a prompt lookup finds nothing, the request decodes this many tokens (pipelined with decode
 # lookahead) before it looks again.
@@ -69,6 +71,12 @@ class SpeculativeConfig:
     # k per request from its acceptance, and the cost model's per-step choice; off: every
     # request always proposes k (up to max_batch), as before.
     adaptive: bool = True
+    # Verify rounds per plan (device proposer, one stage) while at most rounds_max_batch requests
+    # run: the last stage verifies, proposes and verifies again without the host (StepPlan.
+    # verify_rounds), so that one plan's host work serves several verify steps where the host's
+    # time per step exceeds the GPU's (small batches).
+    rounds: int = 1
+    rounds_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
@@ -77,6 +85,8 @@ class SpeculativeConfig:
             raise ValueError(f"unknown n-gram proposer {self.proposer!r}")
         if self.num_speculative_tokens < 1 or self.max_batch < 0:
             raise ValueError("num_speculative_tokens >= 1 and max_batch >= 0")
+        if not 1 <= self.rounds <= MAX_VERIFY_ROUNDS or self.rounds_max_batch < 0:
+            raise ValueError(f"verify rounds in [1, {MAX_VERIFY_ROUNDS}] and rounds_max_batch >= 0")
 
 
 @dataclass(slots=True)
@@ -94,6 +104,7 @@ class SpecState:
     backoff: int = 0  # tokens it stays off after its acceptance fell too low (doubles each time)
     # Device proposals (proposer "device"), per admission (seq_id):
     on_device: bool = False  # its drafts stay on the last stage's device (one stage, no controls)
+    unfiltered: bool = False  # its draws take the logits as they are (sampling_rules.draws_unfiltered)
     proposed: int = 0  # drafts its latest plan asked the last stage to propose for the next step
     last_proposed: int = 0  # drafts the latest result said were found (0: no match)
     returned: list[int] = field(default_factory=list)  # drafts a result returned, for the next plan
@@ -164,6 +175,7 @@ class Speculation:
         # Sampling that keeps state on the last stage (penalties, a grammar) needs its drafts on
         # the host before the step: they come back with the result and ride in the next plan.
         spec.on_device = self.drafts_stay and not history_needed(req.sampling)[0]
+        spec.unfiltered = draws_unfiltered(req.sampling)
 
     def active(self, num_running: int) -> bool:
         """Whether requests verify drafts this step: up to max_batch running requests, where the
@@ -176,6 +188,21 @@ class Speculation:
         else:
             self.speculating = self.costs.speculate(num_running, self.expected_per_seq)
         return self.speculating
+
+    def rounds_for_plan(self, running: list[Request], waiting: int) -> int:
+        """Verify rounds a verification the next plan launches ahead may run (1: one). Several
+        only with one stage and drafts on the device, at most rounds_max_batch running requests
+        and none waiting, while every running request decodes (no prefill chunk would ride
+        along) and draws unfiltered (the rounds run inside the verification graph)."""
+        rounds = self.config.rounds
+        if rounds <= 1 or not self.drafts_stay or waiting or len(running) > self.config.rounds_max_batch:
+            return 1
+        for req in running:
+            if not req.spec.on_device or req.num_computed_tokens < len(req.prompt_token_ids):
+                return 1
+            if not req.spec.unfiltered:
+                return 1
+        return rounds
 
     def propose(self, req: Request) -> None:
         """Drafts for a request about to decode its latest token (its plan carries them), as
@@ -249,7 +276,8 @@ class Speculation:
         once a plain step had pipelined: the dummy 8B with a 1B draft accepting nothing kept
         verifying in 472 of 512 steps at 0.37x, the choice stuck on "not measured yet".)"""
         if self.costs is not None and plan.max_query and seconds > 0:
-            self.costs.observe(len(plan.seqs), plan.max_query, seconds, now, tokens, pipelined or plan.verifies)
+            pipelined = pipelined or plan.verifies
+            self.costs.observe(len(plan.seqs), plan.max_query, seconds, now, tokens, pipelined, plan.verify_rounds)
 
     def release(self, req: Request) -> None:
         """req's seq_id ends: the draft worker may drop what it holds for it."""
@@ -411,10 +439,11 @@ class CostModel:
         now: float | None = None,
         tokens: int | None = None,
         pipelined: bool = True,
+        rounds: int = 1,
     ) -> None:
         """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
         send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
-        each). A step costs the pipeline the time from the previous result to its own (with
+        each); a step of several verify `rounds` counts as that many steps of its average. A step costs the pipeline the time from the previous result to its own (with
         `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed
         until WINDOW of them were seen, whether or not steps of another kind came between. Once
         any step was `pipelined` (sent before the previous result came back), steps that were
@@ -424,13 +453,14 @@ class CostModel:
         self.enabled = True
         tokens = batch if tokens is None else tokens
         if now is None:
-            self._record(self.bucket(batch), query, seconds, tokens / max(batch, 1))
+            self._record(self.bucket(batch), query, seconds / rounds, tokens / rounds / max(batch, 1))
             return
         # From the previous result: the host's part between it and this step's send counts (a
         # verify step that waited for it); at most twice the step's own time, which leaves out
         # an idle gap with nothing in flight.
         interval = seconds if self._last_result is None else min(max(seconds, now - self._last_result), 2 * seconds)
         self._last_result = now
+        interval, tokens = interval / rounds, tokens / rounds
         self._pipelines = self._pipelines or pipelined
         if self._pipelines and not pipelined:
             return

@@ -352,11 +352,23 @@ class DecodeGraphs:
             hidden, _ = arrive((self.hidden_in, self.residual_in), self.rows["state_rows"][:t])
             if hidden is not None and hidden.shape[0] != t:
                 raise RuntimeError(f"activations of {hidden.shape[0]} rows for a step of {t} tokens")
+        self._launch(bs, stream)
+        return tuple(out[:t] for out in self.outputs[bs])
+
+    def replay(self, bs: int) -> None:
+        """The graph of size bs again, on the inputs its static buffers hold now."""
+        self._launch(bs, cuda_driver.current_stream(self.device))
+
+    def _launch(self, bs: int, stream: int) -> None:
         if bs in self.executables:
             cuda_driver.launch(self.executables[bs], stream)
         else:
             self.graphs[bs].replay()
-        return tuple(out[:t] for out in self.outputs[bs])
+
+    def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[:] = src (contiguous, one dtype) on the current stream, keeping the GIL."""
+        stream = cuda_driver.current_stream(self.device)
+        cuda_driver.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream)
 
     def _stage_groups(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:
         """The step's groups, then empty ones up to the graph's group count (they own no tokens)."""

@@ -39,7 +39,9 @@ from strata.kernels.spec_decode import (
     KNOWN,
     POS,
     PROPOSE,
+    ROUNDS,
     ROW,
+    advance_round,
     commit,
     meta_columns,
     shift_positions_reference,
@@ -64,6 +66,8 @@ class SpecStep:
     # these host (row, position) pairs: inside the decode graph when the graph draws
     # (recording_decode_graphs), else after the draw.
     plain: tuple[np.ndarray, np.ndarray] | None = None
+    rounds: int = 1  # verification rounds the step runs (StepPlan.verify_rounds, most of any sequence)
+    seq_rounds: np.ndarray | None = None  # each sampling sequence's rounds, with rounds > 1
 
 
 class _Staging:
@@ -119,6 +123,8 @@ def fill_staged_rows(out: np.ndarray, meta: np.ndarray, total: int, pad_row: np.
 
 
 class DeviceSpeculation:
+    MAX_ROUNDS = 16  # verify rounds per step, at most
+
     def __init__(
         self,
         *,
@@ -152,6 +158,8 @@ class DeviceSpeculation:
         # A verification graph's packed result (its commit and proposal write it in the graph).
         self.graph_packed = torch.zeros(rows, 2 + max_k, dtype=torch.int64, device=device)
         self._admitted: list[int] = []  # rows admitted since the last step
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self._rounds_kept = (empty, empty)  # graph_rounds' buffers (draws, packed results)
         self._prefix: dict[int, np.ndarray] = {}  # row -> tokens before its first step
 
     @staticmethod
@@ -246,6 +254,8 @@ class DeviceSpeculation:
             meta[sample_idx, PROPOSE] = propose[sample_idx]
         meta[:, DEVICE] = 0
         meta[:, HOST:] = -1
+        rounds = self._rounds(plan, n, sample, drafts)
+        meta[:, ROUNDS] = 1 if rounds is None else rounds
         if drafts.any():
             if (drafts > self.max_k).any():
                 raise PlanError(f"at most {self.max_k} drafts per sequence")
@@ -257,7 +267,31 @@ class DeviceSpeculation:
             meta[:, DEVICE] = device
             host = is_draft & ~device[seq_of]
             meta[seq_of[host], HOST + j[host]] = tokens[host]
-        return SpecStep(meta, sample_idx, known is not None and bool((known >= 0).any()), propose is not None)
+        if rounds is not None and (meta[rounds > 1, DEVICE] == 0).any():
+            raise PlanError("several verify rounds verify this device's drafts (DEVICE_DRAFT) only")
+        step = SpecStep(meta, sample_idx, known is not None and bool((known >= 0).any()), propose is not None)
+        if rounds is not None:
+            step.rounds, step.seq_rounds = int(rounds.max()), rounds[sample_idx]
+        return step
+
+    def _rounds(self, plan, n: int, sample: np.ndarray, drafts: np.ndarray) -> np.ndarray | None:
+        """Each sequence's verification rounds (StepPlan.verify_rounds), None for one each. More
+        than one only for a sequence that samples and verifies drafts this device proposes (the
+        next round's drafts are its proposals), and at most MAX_ROUNDS."""
+        if not plan.verify_rounds:
+            return None
+        rounds = np.asarray(plan.verify_rounds, dtype=np.int64)
+        if rounds.shape[0] != n or (rounds < 1).any() or (rounds > self.MAX_ROUNDS).any():
+            raise PlanError(f"verify_rounds needs one entry in [1, {self.MAX_ROUNDS}] per sequence")
+        several = rounds > 1
+        if (several & ~(sample & (drafts > 0))).any():
+            raise PlanError("only a sequence that samples and verifies drafts runs several verify rounds")
+        if not several.any():
+            return None
+        propose = np.asarray(plan.propose_drafts, dtype=np.int64) if plan.propose_drafts else np.zeros(n, np.int64)
+        if (several & (propose <= 0)).any():
+            raise PlanError("a sequence with several verify rounds must propose drafts (propose_drafts)")
+        return rounds
 
     def _write_known(self, h, tokens: np.ndarray) -> None:
         keep = tokens >= 0
@@ -358,6 +392,61 @@ class DeviceSpeculation:
             shift = shifts_reference(step.device_meta, self.rejected)
             sampling.positions -= shift[sample_token_index // query_len]
 
+    # ------------------------------------------------------------ verification rounds
+
+    def advance_eager(self, step: SpecStep, d: dict, sampling) -> None:
+        """An eager step's uploaded inputs (and its sampler's positions) moved on to the next
+        verification round (kernels/spec_decode.py's advance_round)."""
+        n = step.meta.shape[0]
+        qsl = d["query_start_loc"].long()
+        q_lens = torch.diff(qsl)
+        token_seq = torch.repeat_interleave(
+            torch.arange(n, device=qsl.device), q_lens, output_size=d["positions"].shape[0]
+        )
+        moves = advance_round(
+            step.device_meta[:n],
+            self.hist_len,
+            d["positions"],
+            d["slot_mapping"],
+            d["seq_lens"],
+            d.get("input_ids"),
+            d["block_tables"],
+            token_seq,
+            qsl[:-1],
+            self.block_size,
+            self.scratch_row,
+        )
+        if sampling is not None:
+            sampling.positions += moves[d["sample_token_index"]].to(sampling.positions.dtype)
+
+    def graph_rounds(self, graphs, bs: int, step: SpecStep, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rounds of a verification graph that commits in the graph, after its first replay
+        (draws: that replay's draws, a view of the graph's static output): each round's draws
+        and packed result kept, then the inputs advanced on the device (the graph's captured
+        advance) and the graph replayed. Returns draws [rounds, tokens] and packed [rounds, n,
+        2 + max_k], behind the last round on the stream."""
+        rounds, n, t = step.rounds, step.meta.shape[0], draws.shape[0]
+        width = self.graph_packed.shape[1]
+        tokens, packed = self._round_buffers(rounds * t, rounds * n * width)
+        tokens, packed = tokens[: rounds * t].view(rounds, t), packed[: rounds * n * width].view(rounds, n, width)
+        for r in range(rounds):
+            if r:
+                graphs.advance(bs)
+                graphs.replay(bs)
+            graphs.keep(tokens[r], draws)
+            graphs.keep(packed[r], self.graph_packed[:n])
+        return tokens, packed
+
+    def _round_buffers(self, num_tokens: int, num_packed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat device buffers for every round's draws and packed results, grown on demand. A
+        step's result is copied to the host behind it on the stream, before the next step
+        writes them."""
+        tokens, packed = self._rounds_kept
+        if tokens.shape[0] < num_tokens or packed.shape[0] < num_packed:
+            sizes = (max(num_tokens, tokens.shape[0]), max(num_packed, packed.shape[0]))
+            self._rounds_kept = tuple(torch.zeros(k, dtype=torch.int64, device=self.device) for k in sizes)
+        return self._rounds_kept
+
     # ------------------------------------------------------------ after the draw
 
     def after_draw(self, step: SpecStep, draws: torch.Tensor, per_token: bool) -> torch.Tensor:
@@ -447,6 +536,7 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
     meta rows staged for the step: a plan sent before an earlier verification came back runs
     from the graph's own copy of its inputs, moved on the device."""
     from strata.kernels.spec_decode import shift_positions_in_graph
+    from strata.services.worker import cuda_driver
     from strata.services.worker.cuda_graphs import DecodeGraphs
 
     class ShiftingVerifyGraphs(DecodeGraphs):
@@ -459,6 +549,56 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
         def _fill_padding(self) -> None:
             super()._fill_padding()
             self.extra.copy_(spec.staging.buffer[: self.extra.shape[0]])  # gates shut, padding rows
+
+        def capture(self) -> None:
+            super().capture()
+            self._capture_advance()
+
+        def _capture_advance(self) -> None:
+            """Per size, a small graph that moves the static inputs on to the next verification
+            round (advance_round), on its own memory pool: the verification graphs' outputs
+            sit in theirs."""
+            q, rows = self.query_len, self.rows
+            self.advance_graphs, self.advance_executables = {}, {}
+            for bs in self.sizes:
+                t = bs * q
+                token_seq = torch.arange(t, device=self.device) // q
+                first = torch.arange(bs, device=self.device) * q
+
+                def advance(bs=bs, t=t, token_seq=token_seq, first=first):
+                    moves = advance_round(
+                        self.extra[1 : bs + 1],
+                        spec.hist_len,
+                        rows["positions"][:t],
+                        rows["slot_mapping"][:t],
+                        rows["seq_lens"][:bs],
+                        rows["input_ids"][:t] if self.first_stage else None,
+                        self.block_tables[:bs],
+                        token_seq,
+                        first,
+                        spec.block_size,
+                        spec.scratch_row,
+                    )
+                    rows["sample_positions"][:t] += moves
+
+                advance()  # on padding rows: every one sits out, nothing moves
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    advance()
+                self.advance_graphs[bs] = (graph, token_seq, first)  # (the indices must outlive it)
+                executable = cuda_driver.graph_exec(graph)
+                if executable is not None:
+                    self.advance_executables[bs] = executable
+            torch.cuda.synchronize(self.device)
+            self._fill_padding()
+
+        def advance(self, bs: int) -> None:
+            """The inputs moved on to the next verification round (the captured advance)."""
+            if bs in self.advance_executables:
+                cuda_driver.launch(self.advance_executables[bs], cuda_driver.current_stream(self.device))
+            else:
+                self.advance_graphs[bs][0].replay()
 
         def _forward(self, bs: int):
             t, rows = bs * self.query_len, self.rows

@@ -259,6 +259,9 @@ class ModelRunner:
             spec = self.spec.begin_step(plan, h, tokens)
         if self.handoff is None and h.has_placeholders and not self.is_last:
             raise PlanError("a decode lookahead on stage 0 of several needs the token link (OpenTokenLink)")
+        rounds = spec.rounds if spec is not None else 1
+        if rounds > 1:
+            self._check_rounds(h)
 
         def arrive(into=None, staged_rows=None):
             """Waits for what the step needs from the other stages, then marks the step's start
@@ -288,6 +291,8 @@ class ModelRunner:
             padded = self.inputs.pad_queries(h, h.max_query_len)  # mixed draft counts: pad to one length
             if padded is not None:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
+        if rounds > 1 and graphs is not None and not self._commits_in_graph(graphs, h):
+            graphs, h = None, built  # the rounds run eagerly, each drawn by the sampler
         num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
@@ -300,31 +305,76 @@ class ModelRunner:
             self.spec.shift_eager(spec, d, sampling)
         # A plan with placeholders (decode lookahead) uploads each token's state row to resolve them.
         placeholders = (d["token_rows"], self.last_sampled) if "token_rows" in d else None
+        # Later verification rounds move the sequences on (at most a round's tokens each).
+        max_seq_len = min(int(h.seq_lens.max()) + (rounds - 1) * h.max_query_len, self.max_model_len)
         meta = AttentionMetadata(
             query_start_loc=d["query_start_loc"],
             seq_lens=d["seq_lens"],
             block_tables=d["block_tables"],
             slot_mapping=d["slot_mapping"],
             max_query_len=h.max_query_len,
-            max_seq_len=int(h.seq_lens.max()),
+            max_seq_len=max_seq_len,
             min_query_len=int(np.diff(h.query_start_loc).min()),
             shared_kv_runs=shared_kv_runs(h, d),
         )
-        hidden, residual = arrive()
+        taken = arrive()
         tp = self.piecewise.padded_size(len(h.positions)) if self.piecewise is not None else None
-        if tp is not None:
-            hidden, residual = self.piecewise.run(tp, d, meta, hidden, residual)
-        else:
-            hidden, residual = self.shard.forward(
-                d.get("input_ids"), d["positions"], hidden, residual, self.kv_caches, meta, placeholders=placeholders
-            )
-        if not self.is_last:
-            return hidden, residual
-        logits = None
-        if h.sample_seq_ids:
-            idx = d["sample_token_index"]
-            logits = self.shard.compute_logits(hidden[idx], residual[idx])
-        return self._sample(plan, h, logits, d["sample_rows"], sampling, start, spec)
+        kept = []  # each verification round's (draws, packed result)
+        for r in range(rounds):
+            if r:
+                self.spec.advance_eager(spec, d, sampling)
+            if tp is not None:
+                hidden, residual = self.piecewise.run(tp, d, meta, *taken)
+            else:
+                hidden, residual = self.shard.forward(
+                    d.get("input_ids"), d["positions"], *taken, self.kv_caches, meta, placeholders=placeholders
+                )
+            if not self.is_last:
+                return hidden, residual
+            logits = None
+            if h.sample_seq_ids:
+                idx = d["sample_token_index"]
+                logits = self.shard.compute_logits(hidden[idx], residual[idx])
+            if rounds == 1:
+                return self._sample(plan, h, logits, d["sample_rows"], sampling, start, spec)
+            out = self.sampler(logits, sampling)  # (_check_rounds: no logprobs, no controls)
+            kept.append((out.token_ids, self.spec.after_draw(spec, out.token_ids, per_token=False)))
+        draws, packed = (torch.stack(x) for x in zip(*kept))
+        return self._rounds_result(plan, h, start, spec, draws, packed)
+
+    def _check_rounds(self, h: HostInputs) -> None:
+        """Several verification rounds in one step: one stage (the next round's inputs are the
+        last stage's own tokens and drafts), and rows whose draw is the whole result (no logprobs;
+        no penalties or grammar, whose state a later round's redraw of a finished row would move)."""
+        if not (self.is_first and self.is_last):
+            raise PlanError("several verify rounds need one pipeline stage")
+        rows = h.token_rows
+        if (self.table.logprobs[rows] >= 0).any() or (
+            self.controls is not None and self.controls.controlled[rows].any()
+        ):
+            raise PlanError("several verify rounds do not serve logprobs, penalties or grammars")
+
+    def _commits_in_graph(self, graphs, h: HostInputs) -> bool:
+        """Whether a verification graph's own draw and commit take the step (every row drawn
+        unfiltered): what several rounds on the graph need."""
+        return getattr(graphs, "commits", False) and graphs.samples and bool(self.table.unfiltered[h.token_rows].all())
+
+    def _rounds_result(self, plan, h: HostInputs, start: float, spec, draws, packed, take=None) -> PendingResult:
+        """The result of a step of several verification rounds: draws [rounds, rows] and packed
+        [rounds, n, 2 + max_k], each round's."""
+        return PendingResult(
+            plan.step_id,
+            start,
+            h.sample_seq_ids,
+            self.table.logprobs[h.sample_rows],
+            [draws],
+            self.timeline,
+            self.gpu_start,
+            h.verify,
+            take=take,
+            speculation=(packed, spec.sample_idx),
+            rounds=spec.seq_rounds,
+        )
 
     def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, arrive, start: float, spec):
         """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
@@ -396,6 +446,12 @@ class ModelRunner:
             return outs
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
             packed = None
+            take = h.sample_token_index if padded else None
+            if spec is not None and spec.rounds > 1 and not commits:
+                raise PlanError("several verify rounds on a graph need its draw to be the result")
+            if commits and spec.rounds > 1:  # the other rounds replay the graph, moved on
+                draws, packed = self.spec.graph_rounds(graphs, bs, spec, outs[1])
+                return self._rounds_result(plan, h, start, spec, draws, packed, take)
             if commits:
                 packed = self.spec.committed_in_graph(spec)
             elif spec is not None:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata.sampling_rules import SamplingRuleError, check_sampling_options, greedy_and_inverse_temperature
+from strata.sampling_rules import (
+    SamplingRuleError,
+    check_sampling_options,
+    draws_unfiltered,
+    greedy_and_inverse_temperature,
+)
 from strata.v1 import engine_pb2
 
 
@@ -83,7 +88,7 @@ class SequenceTable:
         # admission, showed up in the launch of prefill steps).
         greedy, self.inv_temperature[row] = greedy_and_inverse_temperature(self.temperature[row])
         self.greedy[row] = greedy
-        self.unfiltered[row] = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
+        self.unfiltered[row] = draws_unfiltered(s, greedy)
         if self.controls is not None and self.controls.add(row, seq):
             self.unfiltered[row] = False  # its logits go through the controls before the draw
         if self.speculation is not None:

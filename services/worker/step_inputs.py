@@ -112,7 +112,15 @@ class StepInputBuilder:
         if not len(num_computed) == len(q_lens) == len(rows) == len(plan.sample) or (num_computed < 0).any():
             raise PlanError("num_computed, num_scheduled and sample need one entry per sequence, num_computed >= 0")
         seq_lens = num_computed + q_lens
-        if seq_lens.max() > self.max_model_len:
+        # Several verify rounds (StepPlan.verify_rounds) move a sequence on by up to a round's
+        # tokens each: its block table must hold the last round's slots too.
+        reach = seq_lens
+        if plan.verify_rounds:
+            rounds = np.asarray(plan.verify_rounds, dtype=np.int64)
+            if rounds.shape != q_lens.shape or (rounds < 1).any():
+                raise PlanError("verify_rounds needs one entry >= 1 per sequence")
+            reach = seq_lens + (rounds - 1) * q_lens
+        if reach.max() > self.max_model_len:
             raise PlanError("a sequence exceeds max_model_len")
         qsl = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
@@ -121,7 +129,7 @@ class StepInputBuilder:
         positions = np.repeat(num_computed - qsl[:-1], q_lens) + np.arange(total)
         token_rows = np.repeat(rows, q_lens)
         table, block_size = self.table, self.block_size
-        needed_blocks = (seq_lens + block_size - 1) // block_size
+        needed_blocks = (reach + block_size - 1) // block_size
         if (needed_blocks > table.num_blocks[rows]).any():
             raise PlanError("a sequence was scheduled past the end of its block table")
         block_ids = table.block_tables[token_rows, positions // block_size].astype(np.int64)

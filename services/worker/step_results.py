@@ -65,6 +65,7 @@ class PendingResult:
         verify: Verification | None = None,
         take: np.ndarray | None = None,
         speculation: tuple[torch.Tensor, np.ndarray] | None = None,
+        rounds: np.ndarray | None = None,
     ):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
@@ -75,6 +76,9 @@ class PendingResult:
         self.speculation = None
         if speculation is not None:
             self.speculation = (speculation[0].to("cpu", non_blocking=True), speculation[1])
+        # Several verification rounds (StepPlan.verify_rounds): each sampling sequence's rounds;
+        # the token tensor and the packed outcome then hold a row per round.
+        self.rounds = rounds
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = timeline.mark() if gpu_start is not None else None
         self.launch_seconds = time.perf_counter() - start
@@ -86,14 +90,16 @@ class PendingResult:
             result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
         packed = None
         if self.speculation is not None:
-            packed = self.speculation[0].numpy()[self.speculation[1]]
+            packed = self.speculation[0].numpy()[..., self.speculation[1], :]
         if self.seq_ids:
             result.seq_ids.extend(self.seq_ids)
-            if self.verify is None:  # one token per sequence (most steps)
+            emitted = None
+            if self.rounds is not None:  # (its rows ask for no logprobs)
+                packed = self._add_rounds(result, packed)
+            elif self.verify is None:  # one token per sequence (most steps)
                 token_ids = self.host[0].tolist()
                 result.num_tokens.extend([1] * len(token_ids))
                 result.token_ids.extend(token_ids)
-                emitted = None
             else:
                 tokens = self.host[0].numpy()
                 if self.take is not None:
@@ -114,6 +120,22 @@ class PendingResult:
                 )
         result.execute_seconds = time.perf_counter() - self.start
         return result
+
+    def _add_rounds(self, result: engine_pb2.StepResult, packed: np.ndarray) -> np.ndarray:
+        """Every round's emitted tokens, sequence by sequence and round by round; returns each
+        sequence's last round's packed row (its proposals for the next step)."""
+        tokens = self.host[0].numpy()  # [rounds, rows]
+        if self.take is not None:
+            tokens = tokens[:, self.take]
+        rounds = self.rounds
+        ran = np.arange(packed.shape[0])[:, None] < rounds[None, :]  # [rounds, n]
+        counts = np.where(ran, packed[:, :, 0], 0)
+        num_tokens, emitted = round_tokens(tokens, counts, self.verify)
+        result.num_tokens.extend(num_tokens.tolist())
+        result.token_ids.extend(emitted.tolist())
+        result.round_num_tokens.extend(counts.T.ravel().tolist())
+        result.round_num_proposed.extend(np.where(ran, packed[:, :, 1], 0).T.ravel().tolist())
+        return packed[rounds - 1, np.arange(len(rounds))]
 
     def _add_logprobs(self, result: engine_pb2.StepResult, emitted: np.ndarray | None) -> None:
         """Logprobs of the emitted rows (all rows without verification); only when asked."""
@@ -136,6 +158,20 @@ def emitted_rows(num_tokens: np.ndarray, verify: Verification) -> np.ndarray:
     width = int(counts.max())
     index = first_row[:, None] + np.arange(width)
     return index[np.arange(width) < num_tokens[:, None]]
+
+
+def round_tokens(tokens: np.ndarray, counts: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:
+    """Several verification rounds' emitted tokens: tokens [rounds, rows] (each round's draws
+    per sample row), counts [rounds, n] (tokens each sequence emitted per round, its first
+    rows'). Returns (tokens per sequence, the tokens flat: sequence by sequence, round by round)."""
+    rows = verify.rows_per_seq
+    first_row = np.cumsum(rows) - rows
+    width = int(rows.max())
+    index = np.minimum(first_row[:, None] + np.arange(width), tokens.shape[1] - 1)  # [n, width]
+    gathered = tokens[:, index]  # [rounds, n, width]
+    emitted = np.arange(width) < counts[:, :, None]
+    order = (1, 0, 2)  # sequence-major
+    return counts.sum(axis=0), gathered.transpose(order)[emitted.transpose(order)]
 
 
 def accepted_rows(tokens: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from tests.test_device_speculation import (  # noqa: E402
     _drive,
     _requests,
     _scheduler,
+    _unfiltered_requests,
     check_history_follows_plain_steps,
 )
 from tests.test_spec_kernels import K, _commit_case, _history, _propose  # noqa: E402
@@ -149,6 +150,25 @@ def test_verification_graphs_commit_their_own_draws(shard):
     got, plans = _drive(runner, _scheduler(3, spec), unfiltered(), 3)
     assert got == want
     assert len(in_graph) >= 5 and any(p.rejected_drafts for p in plans)
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_verify_rounds_on_the_graph_give_the_plain_tokens(shard, in_flight):
+    """Several verify rounds per step on the verification graphs: the graph replayed once per
+    round, its inputs moved on between rounds by the captured advance; the plain tokens."""
+    want, _ = _drive(_cuda_runner(shard, 0), _scheduler(in_flight, None), _unfiltered_requests(7, 8), in_flight)
+    runner = _cuda_runner(shard, 3)
+    rounds_on_graph = []
+    graph_rounds = runner.spec.graph_rounds
+    runner.spec.graph_rounds = lambda g, bs, step, draws: (
+        rounds_on_graph.append(step.rounds) or graph_rounds(g, bs, step, draws)
+    )
+    spec = SpeculativeConfig(
+        "ngram", 3, 1, 3, max_batch=16, proposer="device", adaptive=False, rounds=3, rounds_max_batch=16
+    )
+    got, plans = _drive(runner, _scheduler(in_flight, spec), _unfiltered_requests(7, 8), in_flight)
+    assert got == want
+    assert rounds_on_graph and max(rounds_on_graph) == 3
 
 
 def test_decode_graphs_record_plain_steps_in_the_device_history(shard, monkeypatch):
