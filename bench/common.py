@@ -498,6 +498,7 @@ COUNTERS = (
     "host_seconds",
     "busy_seconds",
     "spec_decode_verify_steps",
+    "spec_decode_verify_rounds",
 )
 
 

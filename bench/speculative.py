@@ -117,6 +117,12 @@ def prompt_sets(model_dir: str) -> dict[str, list[list[int]]]:
     return {"lookup": lookup, "open": [encode(q) for q in OPEN]}
 
 
+def _rounds_note(stats: dict) -> str:
+    """', N verify rounds' where verify steps ran several rounds (--speculative-rounds)."""
+    rounds = stats.get("spec_decode_verify_rounds", 0)
+    return f", {rounds:,} verify rounds" if rounds > stats["spec_decode_verify_steps"] else ""
+
+
 def _params(args):
     from strata.v1 import generate_pb2
 
@@ -314,7 +320,7 @@ def _table(spec: dict, plain: dict, tie: float) -> list[dict]:
                 print(
                     f"    {run}: {steps:,} steps"
                     + (
-                        f" ({stats['spec_decode_verify_steps']:,} verifying)"
+                        f" ({stats['spec_decode_verify_steps']:,} verifying" + _rounds_note(stats) + ")"
                         if "spec_decode_verify_steps" in stats
                         else ""
                     )

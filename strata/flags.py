@@ -248,7 +248,7 @@ FLAGS: dict[str, Flag] = {
     ),
     "speculative_rounds": Flag(
         "STRATA_SPECULATIVE_ROUNDS",
-        1,
+        4,
         "verify rounds per step at small batches (prompt lookup on the device, one stage): the last "
         "stage verifies, proposes and verifies again that many times before the host sees a result, "
         "so that one plan's host work serves several verify steps where the host, not the GPU, "

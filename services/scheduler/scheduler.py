@@ -330,14 +330,16 @@ class Scheduler:
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
         plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
         if spec is not None:
+            if rounds > 1:
+                plan.verify_rounds = max(s.rounds for s in seqs)
             spec.verifying_plans += plan.verifies
-            self.acceptance.verify_steps += any(s.num_draft for s in seqs)
+            if any(s.num_draft for s in seqs):
+                self.acceptance.verify_steps += 1
+                self.acceptance.verify_rounds += plan.verify_rounds
             spec.after_plan(plan)
             plan.send_prefixes = spec.on_device and bool(new_requests)
             if all(s.sample and len(s.input_token_ids) == s.num_draft + 1 for s in seqs) and not new_requests:
                 plan.max_query = 1 + max(s.num_draft for s in seqs)
-            if rounds > 1:
-                plan.verify_rounds = max(s.rounds for s in seqs)
         if self.cascade_attention and any(s.request.sharing.num_shared_blocks for s in seqs):
             find_shared_kv_runs(plan, self.block_size)  # (reorders plan.seqs)
         if spec is not None and any(s.shifted for s in plan.seqs):

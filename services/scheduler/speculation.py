@@ -23,6 +23,11 @@ Each request's k follows its acceptance (AdaptiveK: 0 turns drafting off for a w
 CostModel fed with the GPU time of each step decides per step whether verification beats plain
 decoding at the current batch; max_batch (--speculative-max-batch) caps it.
 
+Verify rounds (rounds_for_plan): at small batches of decoding requests with drafts on the device,
+a verification runs several rounds in one step (StepPlan.verify_rounds): the last stage verifies,
+proposes and verifies again without the host. The plan reserves rounds x (k + 1) slots; the
+result says what each round emitted and proposed (record per round, rollback of the rest).
+
 The scheduler core calls in at a few points: Speculation.active once per step, propose for a
 request due to speculate, drafts_that_fit when it sizes a decode, device_verify for a request
 whose drafts are on the device, after_plan on each plan, rollback and record when a verify
@@ -598,6 +603,7 @@ class Acceptance:
         self.draft_tokens = 0
         self.accepted = [0] * k  # accepted[i]: verify steps that accepted draft i
         self.verify_steps = 0  # plans that carried drafts
+        self.verify_rounds = 0  # verify rounds those plans ran (several a plan at small batches)
 
     def record(self, num_draft: int, accepted: int) -> None:
         self.drafts += 1
@@ -613,5 +619,6 @@ class Acceptance:
         stats.spec_decode_accepted_tokens = sum(self.accepted)
         stats.spec_decode_accepted_per_position.extend(self.accepted)
         stats.spec_decode_verify_steps = self.verify_steps
+        stats.spec_decode_verify_rounds = self.verify_rounds
         if self.draft_tokens:
             stats.spec_decode_acceptance_rate = sum(self.accepted) / self.draft_tokens
