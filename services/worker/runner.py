@@ -434,6 +434,8 @@ class ModelRunner:
         d = sampling = None
         # A verification graph whose draw is the result commits it and proposes in the graph.
         commits = in_graph and spec is not None and spec.plain is None and getattr(graphs, "commits", False)
+        if spec is not None and spec.rounds > 1 and not commits:  # (execute() ran such steps eagerly)
+            raise PlanError("several verify rounds on a graph need its draw to be the result")
         stage_extra = None  # a verification graph stages the meta rows with its inputs
         if spec is not None:  # the verification graphs read them to move positions
             stage_extra = self.spec.stage(spec, h, bs, commits_in_graph=commits, graphs=graphs)
@@ -447,8 +449,6 @@ class ModelRunner:
         if in_graph:  # the graph drew every row (pads too): keep the sample rows'
             packed = None
             take = h.sample_token_index if padded else None
-            if spec is not None and spec.rounds > 1 and not commits:
-                raise PlanError("several verify rounds on a graph need its draw to be the result")
             if commits and spec.rounds > 1:  # the other rounds replay the graph, moved on
                 draws, packed = self.spec.graph_rounds(graphs, bs, spec, outs[1])
                 return self._rounds_result(plan, h, start, spec, draws, packed, take)
@@ -465,7 +465,7 @@ class ModelRunner:
                 self.timeline,
                 self.gpu_start,
                 h.verify,
-                take=h.sample_token_index if padded else None,
+                take=take,
                 speculation=(packed, spec.sample_idx) if packed is not None else None,
             )
         logits = sample_rows = None
