@@ -257,7 +257,7 @@ FLAGS: dict[str, Flag] = {
     ),
     "speculative_rounds_max_batch": Flag(
         "STRATA_SPECULATIVE_ROUNDS_MAX_BATCH",
-        4,
+        64,
         "running requests up to which steps run --speculative-rounds verify rounds (with none waiting, "
         "every one decoding and drawing without top-k, top-p, min-p or logprobs)",
         int,
