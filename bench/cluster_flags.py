@@ -109,7 +109,7 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-rounds",
         type=int,
         default=D["speculative_rounds"],
-        help="verify rounds per step at small batches (device prompt lookup, one stage; 1: one)",
+        help="verify rounds per step up to --speculative-rounds-max-batch (device prompt lookup, one stage; 1: one)",
     )
     g.add_argument(
         "--speculative-rounds-max-batch",

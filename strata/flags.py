@@ -249,10 +249,10 @@ FLAGS: dict[str, Flag] = {
     "speculative_rounds": Flag(
         "STRATA_SPECULATIVE_ROUNDS",
         4,
-        "verify rounds per step at small batches (prompt lookup on the device, one stage): the last "
-        "stage verifies, proposes and verifies again that many times before the host sees a result, "
-        "so that one plan's host work serves several verify steps where the host, not the GPU, "
-        "bounds the step; 1: one round per step",
+        "verify rounds per step up to --speculative-rounds-max-batch running requests (prompt lookup on "
+        "the device, one stage): the last stage verifies, proposes and verifies again that many times "
+        "before the host sees a result, so that one plan's host work serves several verify steps where "
+        "the host, not the GPU, bounds the step; 1: one round per step",
         int,
     ),
     "speculative_rounds_max_batch": Flag(

@@ -23,8 +23,8 @@ Each request's k follows its acceptance (AdaptiveK: 0 turns drafting off for a w
 CostModel fed with the GPU time of each step decides per step whether verification beats plain
 decoding at the current batch; max_batch (--speculative-max-batch) caps it.
 
-Verify rounds (rounds_for_plan): at small batches of decoding requests with drafts on the device,
-a verification runs several rounds in one step (StepPlan.verify_rounds): the last stage verifies,
+Verify rounds (rounds_for_plan): up to rounds_max_batch decoding requests with drafts on the
+device, a verification runs several rounds in one step (StepPlan.verify_rounds): the last stage verifies,
 proposes and verifies again without the host. The plan reserves rounds x (k + 1) slots; the
 result says what each round emitted and proposed (record per round, rollback of the rest).
 
@@ -203,9 +203,8 @@ class Speculation:
         if rounds <= 1 or not self.drafts_stay or waiting or len(running) > self.config.rounds_max_batch:
             return 1
         for req in running:
-            if not req.spec.on_device or req.num_computed_tokens < len(req.prompt_token_ids):
-                return 1
-            if not req.spec.unfiltered:
+            spec = req.spec
+            if not (spec.on_device and spec.unfiltered) or req.num_computed_tokens < len(req.prompt_token_ids):
                 return 1
         return rounds
 
@@ -448,8 +447,9 @@ class CostModel:
     ) -> None:
         """A decode (query 1) or verify step's result, `seconds` after the previous result (or its
         send), at time `now`, having emitted `tokens` over its `batch` sequences (None: one
-        each); a step of several verify `rounds` counts as that many steps of its average. A step costs the pipeline the time from the previous result to its own (with
-        `now`; without it, `seconds`, its own time); steps of one kind at one bucket are summed
+        each); a step of several verify `rounds` counts as one step of a round's average. A step
+        costs the pipeline the time from the previous result to its own (with `now`; without it,
+        `seconds`, its own time); steps of one kind at one bucket are summed
         until WINDOW of them were seen, whether or not steps of another kind came between. Once
         any step was `pipelined` (sent before the previous result came back), steps that were
         not are left out: a plain step that had to wait for a verify step's result (the change of kind's
