@@ -21,3 +21,7 @@ DRAFT_PLACEHOLDER = -2
 # verifying sequence's draft j reads that worker's draft j for the sequence (one pipeline stage;
 # services/worker/device_proposer.py).
 DEVICE_DRAFT = -3
+
+# Verification rounds one step may run at most (StepPlan.verify_rounds): the scheduler's limit on
+# --speculative-rounds and the worker's check of a plan.
+MAX_VERIFY_ROUNDS = 16

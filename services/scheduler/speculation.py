@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata.protocol import DEVICE_DRAFT, DRAFT_PLACEHOLDER
+from strata.protocol import DEVICE_DRAFT, DRAFT_PLACEHOLDER, MAX_VERIFY_ROUNDS
 from strata.sampling_rules import draws_unfiltered, history_needed
 from strata.services.scheduler.block_manager import KVBlockManager, cdiv
 from strata.services.scheduler.ngram_proposer import NgramProposer
@@ -55,8 +55,6 @@ log = logging.getLogger("strata.scheduler")
 if TYPE_CHECKING:
     from strata.services.scheduler.plan import StepPlan
     from strata.services.scheduler.request import Request
-
-MAX_VERIFY_ROUNDS = 16  # (the worker's DeviceSpeculation.MAX_ROUNDS)
 
 # After a prompt lookup finds nothing, the request decodes this many tokens (pipelined with decode
 # lookahead) before it looks again.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
+from strata.protocol import DEVICE_DRAFT, MAX_VERIFY_ROUNDS, PLACEHOLDER_TOKEN
 from strata.services.worker.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sampler import SamplingTensors
@@ -117,8 +117,8 @@ class StepInputBuilder:
         reach = seq_lens
         if plan.verify_rounds:
             rounds = np.asarray(plan.verify_rounds, dtype=np.int64)
-            if rounds.shape != q_lens.shape or (rounds < 1).any():
-                raise PlanError("verify_rounds needs one entry >= 1 per sequence")
+            if rounds.shape != q_lens.shape or (rounds < 1).any() or (rounds > MAX_VERIFY_ROUNDS).any():
+                raise PlanError(f"verify_rounds needs one entry in [1, {MAX_VERIFY_ROUNDS}] per sequence")
             reach = seq_lens + (rounds - 1) * q_lens
         if reach.max() > self.max_model_len:
             raise PlanError("a sequence exceeds max_model_len")

@@ -151,25 +151,27 @@ class PendingResult:
             result.top_logprobs.extend(top_lps[i, :k].tolist())
 
 
-def emitted_rows(num_tokens: np.ndarray, verify: Verification) -> np.ndarray:
-    """The sample rows a verify step emits, in order: each sequence's first num_tokens rows."""
+def seq_row_index(verify: Verification) -> np.ndarray:
+    """[n, width]: each verifying step's sequence's sample rows in order (its d + 1 consecutive
+    rows; past them, the next sequence's, which callers mask), width the most rows of any."""
     counts = verify.rows_per_seq
     first_row = np.cumsum(counts) - counts
-    width = int(counts.max())
-    index = first_row[:, None] + np.arange(width)
-    return index[np.arange(width) < num_tokens[:, None]]
+    return first_row[:, None] + np.arange(int(counts.max()))
+
+
+def emitted_rows(num_tokens: np.ndarray, verify: Verification) -> np.ndarray:
+    """The sample rows a verify step emits, in order: each sequence's first num_tokens rows."""
+    index = seq_row_index(verify)
+    return index[np.arange(index.shape[1]) < num_tokens[:, None]]
 
 
 def round_tokens(tokens: np.ndarray, counts: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:
     """Several verification rounds' emitted tokens: tokens [rounds, rows] (each round's draws
     per sample row), counts [rounds, n] (tokens each sequence emitted per round, its first
     rows'). Returns (tokens per sequence, the tokens flat: sequence by sequence, round by round)."""
-    rows = verify.rows_per_seq
-    first_row = np.cumsum(rows) - rows
-    width = int(rows.max())
-    index = np.minimum(first_row[:, None] + np.arange(width), tokens.shape[1] - 1)  # [n, width]
+    index = np.minimum(seq_row_index(verify), tokens.shape[1] - 1)  # [n, width]
     gathered = tokens[:, index]  # [rounds, n, width]
-    emitted = np.arange(width) < counts[:, :, None]
+    emitted = np.arange(index.shape[1]) < counts[:, :, None]
     order = (1, 0, 2)  # sequence-major
     return counts.sum(axis=0), gathered.transpose(order)[emitted.transpose(order)]
 
@@ -182,9 +184,8 @@ def accepted_rows(tokens: np.ndarray, verify: Verification) -> tuple[np.ndarray,
 
     Returns (tokens emitted per sequence, the emitted rows in order)."""
     counts = verify.rows_per_seq
-    width = int(counts.max())
-    first_row = np.cumsum(counts) - counts
-    index = first_row[:, None] + np.arange(width)  # [S, width]
+    index = seq_row_index(verify)  # [S, width]
+    width = index.shape[1]
     valid = np.arange(width) < counts[:, None]
     match = np.zeros(index.shape, dtype=bool)
     match[valid] = tokens[index[valid]] == verify.drafts[index[valid]]  # the bonus row's draft is -1
