@@ -13,7 +13,8 @@ Per sampling sequence i of a step, a row of `meta` (int64, columns below) says w
              left alone)
     POS      the position its first sample row draws, as the plan has it
     KNOWN    rejected drafts the plan's num_computed accounts for (-1: the plan is exact)
-    DEVICE   1 when its drafts are this device's proposals, 0 when the plan carried them
+    DEVICE   where its drafts are: 0 the plan carried them; on this device, 1 its prompt lookup's
+             (num_valid of them real), 2 a draft worker's, handed over the draft link (all real)
     PROPOSE  drafts to propose after this step (the n-gram kernel reads it)
     HOST     the plan's drafts (when DEVICE is 0), HOST + max_k columns
     ROUNDS   (the last column) verification rounds left in this step, this one included
@@ -23,7 +24,7 @@ A sequence's shift is rejected[row] - KNOWN (0 when KNOWN < 0): how many of the 
 plan assumed accepted were rejected since. commit() then, per sequence, in one program:
 
     a      = leading drafts j < min(d, valid) whose draw equals the draft (valid: how many of the
-             device's proposals are real; all of the plan's)
+             lookup's proposals are real; all of the plan's and the draft worker's)
     emits draws[FIRST .. FIRST + a]: positions POS - shift .. + a of history, last_sampled[row]
     rejected[row] += d - a ; hist_len[row] = POS - shift + a + 1 ; packed[i, 0] = a + 1
 
@@ -50,6 +51,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 ROW, FIRST_ROW, FIRST_TOKEN, DRAFTS, POS, KNOWN, DEVICE, PROPOSE, HOST = range(9)
+LOOKUP_DRAFTS, LINKED_DRAFTS = 1, 2  # DEVICE's values for drafts on this device
 
 
 def meta_columns(max_k: int) -> int:
@@ -96,7 +98,7 @@ def commit_reference(
     width = max_k + 1
     j = torch.arange(width, device=dev)
     jk = j[:max_k]
-    valid = torch.where(meta[:, DEVICE] > 0, torch.minimum(num_valid[row].long(), d), d)
+    valid = torch.where(meta[:, DEVICE] == LOOKUP_DRAFTS, torch.minimum(num_valid[row].long(), d), d)
     device_drafts = draft_area[draft_base + row.unsqueeze(1) * max_k + jk]
     drafts = torch.where(meta[:, DEVICE].unsqueeze(1) > 0, device_drafts, meta[:, HOST : HOST + max_k])
     rows_drawn = draws[(first.unsqueeze(1) + j).clamp(max=draws.shape[0] - 1)]  # [n, max_k + 1]
@@ -220,7 +222,7 @@ if triton is not None:
         total = tl.load(rejected_ptr + row)
         shift = tl.where(known >= 0, total - known, 0)
         pos = pos - shift
-        valid = tl.where(device > 0, tl.minimum(tl.load(num_valid_ptr + row).to(tl.int64), d), d)
+        valid = tl.where(device == 1, tl.minimum(tl.load(num_valid_ptr + row).to(tl.int64), d), d)  # (LOOKUP_DRAFTS)
         j = tl.arange(0, BLOCK).to(tl.int64)
         in_k = j < MAX_K
         device_draft = tl.load(area_ptr + draft_base + row * MAX_K + j, mask=in_k & (device > 0), other=-1)

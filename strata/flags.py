@@ -262,6 +262,16 @@ FLAGS: dict[str, Flag] = {
         "every one decoding and drawing without top-k, top-p, min-p or logprobs)",
         int,
     ),
+    "draft_proposals": Flag(
+        "STRATA_DRAFT_PROPOSALS",
+        "link",
+        "where a draft model's proposals go (--speculative-method draft): 'link' (with one target stage, "
+        "straight from the draft worker to the target's GPU over a draft link on the stage transport, so "
+        "the target's plan goes out with the draft worker's and no host waits for the proposal) or "
+        "'scheduler' (back to the scheduler, which writes them into the plan; always so with several "
+        "stages)",
+        choices=("link", "scheduler"),
+    ),
     "no_adaptive_speculation": Flag(
         "STRATA_NO_ADAPTIVE_SPECULATION",
         False,
@@ -360,6 +370,7 @@ SPECULATIVE_FLAGS = (
     "speculative_max_batch",
     "speculative_rounds",
     "speculative_rounds_max_batch",
+    "draft_proposals",
     "no_adaptive_speculation",
 )
 # The gateway's own flags, which `strata serve` forwards to the gateway it starts.

@@ -89,7 +89,19 @@ def plain(model_dir):
 CASES = {
     "ngram-1": (1, "--speculative-method", "ngram", "--ngram-max", "3"),
     "ngram-2": (2, "--speculative-method", "ngram", "--num-speculative-tokens", "3"),
+    # One stage: the draft worker hands its proposals straight to the stage (the draft link, ipc
+    # through /dev/shm here), or over gRPC, or back through the scheduler.
     "draft-1": (1, "--speculative-method", "draft", "--draft-num-layers", "1"),
+    "draft-1-grpc-link": (1, "--speculative-method", "draft", "--draft-num-layers", "1", "--stage-transport", "grpc"),
+    "draft-1-scheduler": (
+        1,
+        "--speculative-method",
+        "draft",
+        "--draft-num-layers",
+        "1",
+        "--draft-proposals",
+        "scheduler",
+    ),
     "draft-2": (2, "--speculative-method", "draft", "--draft-num-layers", "1", "--num-speculative-tokens", "3"),
     # Several verify rounds per step (greedy requests; a top-p one running keeps plans at one).
     "ngram-rounds": (
@@ -129,6 +141,12 @@ def test_speculation_gives_every_request_the_plain_tokens(model_dir, plain, case
     assert stats.spec_decode_drafts > 0 and stats.spec_decode_accepted_tokens > 0
     if "preempting" in case:
         assert stats.preemptions > 0
+    linked = case.startswith("draft-") and stages == 1 and "--draft-proposals" not in flags
+    if linked:  # every proposal went over the draft link, none failed
+        assert stats.spec_decode_linked_proposals >= stats.spec_decode_verify_steps > 0
+    else:
+        assert stats.spec_decode_linked_proposals == 0
+    assert stats.spec_decode_failed_proposals == 0
     if case == "ngram-rounds":  # steps ran several verify rounds
         assert stats.spec_decode_verify_rounds > stats.spec_decode_verify_steps
     assert stats.used_kv_blocks == 0

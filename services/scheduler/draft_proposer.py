@@ -1,5 +1,8 @@
 """Speculative proposals from a draft model: the draft worker's plan for a target plan's
-speculating sequences, and its tokens put in place of the target plan's draft placeholders.
+speculating sequences, and its tokens put in place of the target plan's draft placeholders:
+with one target stage, DEVICE_DRAFTs that the draft worker's tokens fill on the target's GPU
+(the draft link, link_drafts); else the tokens themselves, once the draft worker's result is
+back (fill_drafts).
 
 The draft model's KV cache follows the target's block tables: the positions are the same, so the
 scheduler keeps one table per sequence for both models (the target's verify step reserved blocks
@@ -11,6 +14,7 @@ to the sequence's last token, then draws k tokens in k autoregressive steps on t
 
 from __future__ import annotations
 
+from strata.protocol import DEVICE_DRAFT
 from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2
 
@@ -47,6 +51,22 @@ def draft_plan(plan: StepPlan, k: int, releases: list[int]) -> engine_pb2.StepPl
     return msg
 
 
+def link_drafts(plan: StepPlan) -> None:
+    """The plan's drafts come over the draft link (one target stage): its DEVICE_DRAFT inputs are
+    the draft worker's proposal for this same step, which the target's stage takes from the link
+    (StepPlan.linked_drafts). Sent with the draft plan, before the proposal exists."""
+    for s in plan.seqs:
+        if s.num_draft:
+            s.input_token_ids[-s.num_draft :] = [DEVICE_DRAFT] * s.num_draft
+            _draft_fed(s)
+    plan.linked_drafts = True
+
+
+def _draft_fed(s) -> None:
+    # The draft worker fed the last token and every draft but the last: its KV is valid up to there.
+    s.request.spec.draft_computed = s.num_computed + s.num_draft
+
+
 def fill_drafts(plan: StepPlan, result: engine_pb2.StepResult, k: int) -> None:
     """Puts the draft worker's k tokens per sequence in place of the plan's placeholders."""
     if result.error:
@@ -59,5 +79,4 @@ def fill_drafts(plan: StepPlan, result: engine_pb2.StepResult, k: int) -> None:
         if tokens is None or len(tokens) != s.num_draft:
             raise RuntimeError(f"draft worker returned no {s.num_draft} tokens for seq {s.seq_id}")
         s.input_token_ids[-s.num_draft :] = tokens
-        # It fed the last token and every draft but the last: its KV is valid up to there.
-        s.request.spec.draft_computed = s.num_computed + s.num_draft
+        _draft_fed(s)

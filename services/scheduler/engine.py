@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts
+from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts, link_drafts
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
@@ -135,6 +135,8 @@ class Engine:
         self.in_flight: collections.deque = collections.deque()
         self._results: collections.deque[engine_pb2.StepResult] = collections.deque()  # received, not applied
         self._wake = asyncio.Event()
+        # A draft model's proposals sent over the draft link, and those the draft worker failed.
+        self.linked_proposals = self.failed_proposals = 0
         self._deadlines: collections.deque[float] = collections.deque()  # seconds each plan in flight may take
         self._last_result = 0.0
         self._recent_step_seconds: collections.deque[float] = collections.deque(maxlen=64)
@@ -277,12 +279,14 @@ class Engine:
     # ------------------------------------------------------------ loop
 
     async def _run(self) -> None:
-        reader: asyncio.Task | None = None
+        readers: list[asyncio.Task] = []  # the last stage's results (and the draft worker's, with the draft link)
         try:
             while True:
                 try:
-                    if reader is None:
-                        reader = asyncio.create_task(self._read_results())
+                    if not readers:
+                        readers.append(asyncio.create_task(self._read_results()))
+                        if self.pipeline.draft_transport:
+                            readers.append(asyncio.create_task(self._read_draft_results()))
                     started = time.perf_counter()
                     await self._fill_pipeline()
                     if self._results:
@@ -291,8 +295,9 @@ class Engine:
                         self._host_seconds += time.perf_counter() - started
                         continue
                     self._host_seconds += time.perf_counter() - started
-                    if reader.done():
-                        reader.result()  # re-raises the stage's failure
+                    for reader in readers:
+                        if reader.done():
+                            reader.result()  # re-raises the stage's failure
                     if not self.in_flight:
                         self._mark_idle()
                     self._wake.clear()
@@ -300,13 +305,13 @@ class Engine:
                 except Exception as e:  # a lost stage, or a bug: never leave requests hanging
                     if not isinstance(e, PipelineError):
                         log.exception("engine loop failed")
-                    if reader is not None:
+                    for reader in readers:
                         reader.cancel()
-                        reader = None
+                    readers = []
                     self._results.clear()
                     await self._recover(e)
-        finally:  # stop() cancels the loop: the reader goes with it
-            if reader is not None:
+        finally:  # stop() cancels the loop: the readers go with it
+            for reader in readers:
                 reader.cancel()
 
     async def _wait_for_results(self) -> None:
@@ -324,6 +329,21 @@ class Engine:
             raise PipelineError(
                 f"step {self.in_flight[0].step_id} missed its {self._deadlines[0]:.1f} s deadline (a hung stage)"
             ) from None
+
+    async def _read_draft_results(self) -> None:
+        """With the draft link: the draft worker's results (each proposal also went to the stage).
+        A failed proposal costs only acceptance (the stage verifies whatever drafts it holds, and
+        its tokens stay exact); a lost draft worker ends this reader, and the loop rebuilds."""
+        try:
+            while True:
+                result = await self.pipeline.draft_result()
+                if result.error:
+                    self.failed_proposals += 1
+                    log.warning(
+                        "draft worker: step %d: %s (verified against older drafts)", result.step_id, result.error
+                    )
+        finally:
+            self._wake.set()
 
     async def _read_results(self) -> None:
         """Moves the last stage's results into self._results as they arrive and wakes the loop
@@ -367,10 +387,16 @@ class Engine:
         return max(scaled, SLOW_STEP_MARGIN * max(self._recent_step_seconds, default=0.0))
 
     async def _propose_drafts(self, plan) -> None:
-        """The draft model's tokens for the plan's speculating sequences, before it goes out."""
+        """The draft model's tokens for the plan's speculating sequences: with the draft link,
+        the draft plan goes out first and the proposal straight to the stage (its result comes
+        back to _read_draft_results); else the engine waits for it and fills the plan."""
         k = self.config.speculation.num_speculative_tokens
         msg = draft_plan(plan, k, self.scheduler.spec.draft_releases)
-        if msg is not None:
+        if msg is not None and self.pipeline.draft_transport:  # the tokens go straight to the stage
+            link_drafts(plan)
+            await self.pipeline.send_draft(msg)
+            self.linked_proposals += 1
+        elif msg is not None:
             try:
                 result = await asyncio.wait_for(self.pipeline.propose(msg), self.config.step_timeout)
             except asyncio.TimeoutError:
@@ -524,4 +550,6 @@ class Engine:
         stats.worker_gpu_busy_seconds, stats.worker_gpu_idle_seconds, stats.worker_timed_steps = self._worker_gpu
         stats.worker_launch_seconds = self._worker_launch_seconds
         stats.host_seconds = self._host_seconds
+        stats.spec_decode_linked_proposals = self.linked_proposals
+        stats.spec_decode_failed_proposals = self.failed_proposals
         return stats

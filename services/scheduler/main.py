@@ -67,6 +67,7 @@ async def serve(args) -> None:
     pipeline = Pipeline(
         addresses,
         draft_address=draft,
+        draft_link=args.draft_proposals == "link",
         token=args.cluster_token,
         stage_transport=args.stage_transport,
         # Longer than a step may take: the engine's step deadline notices a hung stage first.

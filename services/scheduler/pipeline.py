@@ -45,6 +45,7 @@ class Pipeline:
         addresses: list[str],
         connect_timeout: float = 120.0,
         draft_address: str | None = None,
+        draft_link: bool = True,
         token: str | None = None,
         stage_transport: str = "auto",
         transport_timeout: float = 120.0,
@@ -59,6 +60,7 @@ class Pipeline:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
         self.draft_address = draft_address
+        self.draft_link = draft_link  # with one stage, open the draft link (off: A/B runs, old targets)
         self.connect_timeout = connect_timeout
         self.stages: list[StageHandle] = []
         self.draft: StageHandle | None = None
@@ -66,6 +68,9 @@ class Pipeline:
         # Pipelined decode: the last stage hands its sampled tokens to stage 0 over this link
         # (0: none, one stage), so decode lookaheads work on P stages too.
         self.token_transport = 0
+        # One stage with a draft worker: the draft worker hands its proposals straight to the
+        # stage over this link (0: none; the engine then fills them into the plans).
+        self.draft_transport = 0
 
     @property
     def num_stages(self) -> int:
@@ -100,9 +105,12 @@ class Pipeline:
             blocks = min(blocks, max_kv_blocks)
         self.num_kv_blocks = blocks
         transports, session = await self._init_caches(stages, blocks)
-        self.token_transport = await self._open_token_link(stages, session) if len(stages) > 1 else 0
+        self.token_transport = await self._open_token_link(stages[-1], stages[0], session) if len(stages) > 1 else 0
+        self.draft_transport = 0
         if self.draft is not None:
-            await self._init_cache(self.draft, engine_pb2.InitCacheRequest(num_kv_blocks=blocks))
+            await self._init_cache(self.draft, engine_pb2.InitCacheRequest(num_kv_blocks=blocks, session=session))
+            if len(stages) == 1 and self.draft_link:
+                self.draft_transport = await self._open_token_link(self.draft, stages[0], session, drafts=True)
         for stage in every:
             stage.call = stage.stub.Steps()
         for shared in gpus_shared_without_mps([s.description for s in stages]):
@@ -120,18 +128,30 @@ class Pipeline:
             ", ".join(f"{i}->{i + 1} {name_of(k)}" for i, k in enumerate(transports)) or "-",
             f"; sampled tokens {len(stages) - 1}->0 {name_of(self.token_transport)}" if self.token_transport else "",
         )
+        if self.draft is not None:
+            log.info(
+                "draft worker %s: proposals %s",
+                self.draft.address,
+                f"straight to the stage by {name_of(self.draft_transport)}"
+                if self.draft_transport
+                else "through the scheduler",
+            )
 
-    async def _open_token_link(self, stages: list[StageHandle], session: int) -> int:
-        """The link last stage -> stage 0 for sampled tokens (pipelined decode), on the transport
-        chosen as for any link (--stage-transport; auto: ipc on one host's GPUs, else
-        distributed): stage 0 opens its receiving end, the last stage its sending end."""
-        first, last = stages[0], stages[-1]
+    async def _open_token_link(self, last: StageHandle, first: StageHandle, session: int, drafts: bool = False) -> int:
+        """The link last stage -> stage 0 for sampled tokens (pipelined decode), or with `drafts`
+        draft worker (last) -> the one stage (first) for its proposals, on the transport chosen
+        as for any link (--stage-transport; auto: ipc on one host's GPUs, else distributed):
+        `first` opens its receiving end, `last` its sending end."""
         try:
             kind = choose_transport(last.description, first.description, self.stage_transport)
         except TransportError as e:
-            raise PipelineError(f"token link: {e}") from e
+            raise PipelineError(f"{'draft' if drafts else 'token'} link: {e}") from e
         request = engine_pb2.TokenLinkRequest(
-            session=session, transport=kind, peer_address=last.address, transport_timeout_seconds=self.transport_timeout
+            session=session,
+            transport=kind,
+            peer_address=last.address,
+            transport_timeout_seconds=self.transport_timeout,
+            drafts=drafts,
         )
         try:
             reply = await first.stub.OpenTokenLink(request, timeout=120)
@@ -145,7 +165,7 @@ class Pipeline:
             await last.stub.OpenTokenLink(request, timeout=120)
         except grpc.aio.AioRpcError as e:
             raise PipelineError(
-                f"opening the token link {last.address} -> {first.address} failed: {e.details()}"
+                f"opening the {'draft' if drafts else 'token'} link {last.address} -> {first.address} failed: {e.details()}"
             ) from e
         return kind
 
@@ -262,6 +282,23 @@ class Pipeline:
             raise PipelineError(f"last stage failed: {e.details()}") from e
         if result is grpc.aio.EOF:
             raise PipelineError("last stage closed its stream")
+        return result
+
+    async def send_draft(self, plan: engine_pb2.StepPlan) -> None:
+        """Sends a draft plan whose tokens go over the draft link; its result comes later
+        (draft_result)."""
+        try:
+            await self.draft.call.write(plan)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:
+            raise PipelineError(f"draft worker failed: {e}") from e
+
+    async def draft_result(self) -> engine_pb2.StepResult:
+        try:
+            result = await self.draft.call.read()
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"draft worker failed: {e.details()}") from e
+        if result is grpc.aio.EOF:
+            raise PipelineError("draft worker closed its stream")
         return result
 
     async def propose(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:

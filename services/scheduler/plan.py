@@ -56,6 +56,7 @@ class StepPlan:
     max_query: int = 0
     send_prefixes: bool = False  # new sequences carry their tokens before their first step
     verify_rounds: int = 1  # the most verify rounds of any sequence (the cost model times a round)
+    linked_drafts: bool = False  # its drafts come over the draft link (StepPlan.linked_drafts)
 
 
 @dataclass(slots=True)

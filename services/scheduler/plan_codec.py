@@ -55,6 +55,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         shared_prefix_lens=plan.shared_kv_run_lens,
         rejected_drafts=plan.rejected_drafts,
     )
+    if plan.linked_drafts:
+        msg.linked_drafts = True
     if any(s.propose for s in seqs):
         msg.propose_drafts.extend([s.propose for s in seqs])
     if plan.verify_rounds > 1:

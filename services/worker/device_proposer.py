@@ -37,6 +37,8 @@ from strata.kernels.spec_decode import (
     FIRST_TOKEN,
     HOST,
     KNOWN,
+    LINKED_DRAFTS,
+    LOOKUP_DRAFTS,
     POS,
     PROPOSE,
     ROUNDS,
@@ -262,10 +264,10 @@ class DeviceSpeculation:
             seq_of = np.repeat(np.arange(n), np.diff(qsl))
             device = np.zeros(n, dtype=bool)
             device[seq_of[is_draft & (tokens == DEVICE_DRAFT)]] = True
-            meta[:, DEVICE] = device
+            meta[:, DEVICE] = device * (LINKED_DRAFTS if plan.linked_drafts else LOOKUP_DRAFTS)
             host = is_draft & ~device[seq_of]
             meta[seq_of[host], HOST + j[host]] = tokens[host]
-        if rounds is not None and (meta[rounds > 1, DEVICE] == 0).any():
+        if rounds is not None and (meta[rounds > 1, DEVICE] != LOOKUP_DRAFTS).any():
             raise PlanError("several verify rounds verify this device's drafts (DEVICE_DRAFT) only")
         step = SpecStep(meta, sample_idx, known is not None and bool((known >= 0).any()), propose is not None)
         if rounds is not None:

@@ -10,7 +10,10 @@ it proposes exactly the token the target will draw, and verification accepts it.
 
 from __future__ import annotations
 
+import torch
+
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.worker.host_to_device import upload
 from strata.services.worker.sequence_table import PlanError
 from strata.services.worker.step_results import PendingResult
 from strata.v1 import engine_pb2
@@ -42,8 +45,11 @@ class DraftProposal:
         return proposal
 
 
-def propose(runner, plan: engine_pb2.StepPlan) -> DraftProposal:
-    """Launches the plan's step and plan.propose_tokens - 1 decode steps on the draft runner."""
+def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
+    """Launches the plan's step and plan.propose_tokens - 1 decode steps on the draft runner.
+    link: the draft link's sender (one target stage): the k tokens per sequence also go straight
+    to the target's stage, gathered on the device after each step's draw (the next step
+    overwrites last_sampled), k per sequence in plan order (token_handoff.DraftIntake)."""
     k = plan.propose_tokens
     n = len(plan.seq_ids)
     if not 1 <= k <= MAX_PROPOSE_TOKENS:
@@ -51,6 +57,10 @@ def propose(runner, plan: engine_pb2.StepPlan) -> DraftProposal:
     if list(plan.sample) != [True] * n or any(plan.num_draft_tokens):
         raise PlanError("a draft plan samples every sequence and verifies none")
     steps = [runner.execute(plan)]
+    drawn = []
+    if link is not None:
+        rows = upload({"rows": runner.table.lookup(plan.seq_ids)}, runner.device)["rows"]
+        drawn.append(runner.last_sampled.index_select(0, rows))
     seq_lens = [c + s for c, s in zip(plan.num_computed, plan.num_scheduled)]
     table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
     for _ in range(k - 1):
@@ -65,5 +75,9 @@ def propose(runner, plan: engine_pb2.StepPlan) -> DraftProposal:
             sample=[True] * n,
         )
         steps.append(runner.execute(decode))
+        if link is not None:
+            drawn.append(runner.last_sampled.index_select(0, rows))
         seq_lens = [length + 1 for length in seq_lens]
+    if link is not None:
+        link.send(plan.step_id, torch.stack(drawn, dim=1).reshape(-1))
     return DraftProposal(plan.step_id, steps)

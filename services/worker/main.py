@@ -145,9 +145,15 @@ def build(args):
         speculative_max_batch=args.speculative_max_batch,
         piecewise_max_tokens=piecewise_max_tokens(args),
         tokenizer_dir=getattr(args, "tokenizer", None) or (None if dummy else model_path),
-        # Prompt lookup on this device (the last stage proposes drafts after each draw).
+        # Drafts on this device: prompt lookup (the last stage proposes drafts after each draw),
+        # or, on a one-stage target, a draft worker's, handed over the draft link (no lookup is
+        # ever asked for then).
         ngram_on_device=(args.ngram_min, args.ngram_max)
-        if args.speculative_method == "ngram" and args.ngram_proposer == "device" and not draft
+        if not draft
+        and (
+            (args.speculative_method == "ngram" and args.ngram_proposer == "device")
+            or (args.speculative_method == "draft" and args.num_stages == 1)
+        )
         else None,
     )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)

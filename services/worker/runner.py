@@ -134,7 +134,8 @@ class ModelRunner:
         self.timeline = GpuTimeline(device) if device.type == "cuda" else None
         self.clock = GpuClock.from_env(self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
         # Pipelined decode over P > 1 stages (token_handoff.py): stage 0's TokenIntake, which
-        # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet.
+        # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet; on a
+        # one-stage target with a draft worker, the DraftIntake of its proposals.
         self.handoff = None
         self.gpu_start = None  # the latest step's start event (CUDA)
 
@@ -247,6 +248,8 @@ class ModelRunner:
         staging is off the pipeline's critical path: with one micro-batch, the GPU waited for
         it after every hop."""
         start = time.perf_counter()
+        if plan.linked_drafts and not getattr(self.handoff, "takes_drafts", False):
+            raise PlanError("linked_drafts needs this stage's end of the draft link (OpenTokenLink, drafts)")
         if self.handoff is not None:
             self.handoff.plan_started(plan)
         rows = self.apply_plan(plan)

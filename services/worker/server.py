@@ -38,6 +38,7 @@ from strata.services.worker.step_loop import ResultOut, StepLoop
 from strata.services.worker.step_results import PendingResult
 from strata.services.worker.token_handoff import (
     TOKEN_RING_SLOTS,
+    DraftIntake,
     TokenIntake,
     TokenOutlet,
     open_token_receiver,
@@ -179,7 +180,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "OpenTokenLink needs InitCache of its session first"
             )
-        if runner.is_first == runner.is_last or request.send != runner.is_last:
+        if request.drafts:  # the draft link: draft worker -> the one target stage
+            if request.send != self.description.draft or not (runner.is_first and runner.is_last):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the draft link runs from a draft worker to a one-stage target"
+                )
+            if not request.send and runner.spec is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this target keeps no drafts on its device (--speculative-method)",
+                )
+        elif runner.is_first == runner.is_last or request.send != runner.is_last:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the token link runs from the last stage to stage 0 of several"
             )
@@ -190,11 +201,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         try:
             if not request.send:
-                intake = TokenIntake(runner.last_sampled, request.transport_timeout_seconds or 120.0)
+                timeout = request.transport_timeout_seconds or 120.0
+                max_tokens = runner.table.block_tables.shape[0]  # one per sequence, or k drafts each
+                intake = (
+                    DraftIntake(runner.last_sampled, timeout)
+                    if request.drafts
+                    else TokenIntake(runner.last_sampled, timeout)
+                )
                 receiver = open_token_receiver(
                     request,
                     intake,
-                    max_tokens=runner.table.block_tables.shape[0],
+                    max_tokens=max_tokens * (runner.spec.max_k if request.drafts else 1),
                     vocab_size=runner.config.vocab_size,
                     slots=TOKEN_RING_SLOTS,
                 )
@@ -210,14 +227,17 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
                 self._token_sender = open_token_sender(request, emit, device=runner.device)
                 self._token_queue = queue
-                runner.handoff = TokenOutlet(runner.last_sampled)
+                if not request.drafts:  # (a draft worker hands its proposals itself: draft_steps.py)
+                    runner.handoff = TokenOutlet(runner.last_sampled)
         except (TransportError, RuntimeError, ValueError) as e:
             await self._close_token_link()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"token link: {e}")
+        ends = ("to the target", "from the draft worker") if request.drafts else ("to stage 0", "from the last stage")
         log.info(
-            "stage %d: token link %s by %s (session %d)",
+            "stage %d: %s link %s by %s (session %d)",
             runner.stage_index,
-            "to stage 0" if request.send else "from the last stage",
+            "draft" if request.drafts else "token",
+            ends[0] if request.send else ends[1],
             name_of(request.transport),
             request.session,
         )
@@ -424,8 +444,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             self.stats.input_wait_seconds += time.perf_counter() - waited
         result = None
         if not error:
-            if plan.propose_tokens:  # a draft worker's proposal: k steps
-                launch = functools.partial(propose, runner, plan)
+            if plan.propose_tokens:  # a draft worker's proposal: k steps (to the target too, with a link)
+                launch = functools.partial(propose, runner, plan, self._token_sender)
             elif runner.is_last:
                 launch = functools.partial(
                     _execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs

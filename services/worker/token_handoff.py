@@ -49,7 +49,7 @@ import time
 import numpy as np
 import torch
 
-from strata.protocol import PLACEHOLDER_TOKEN
+from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.ipc_transport import Ring, RingReader
@@ -173,6 +173,80 @@ class TokenIntake:
             self._cond.notify_all()
         if self.device_waits is not None:
             self.device_waits.close(reason)
+
+
+class DraftIntake(TokenIntake):
+    """One target stage with a draft model: the draft worker's proposals, handed over a link of
+    their own (draft worker -> this stage, any transport above), land in the draft area of
+    `last_sampled` (device_proposer.py), where the step's DEVICE_DRAFT inputs and its
+    verification read them. The scheduler sends the draft plan and the target's plan together
+    (StepPlan.linked_drafts), so no host waits for the proposal between the two models.
+
+    Unlike sampled tokens, a step waits for its own step's tokens: k per verifying sequence, in
+    plan order, which are exactly its DEVICE_DRAFT inputs in token order. They may arrive before
+    the step's plan starts here: on the GPU path announcements are taken only for plans that
+    started (token_waits.py), and on the host paths tokens without rows yet are kept until
+    before_step (copied: an ipc slot is reused). A failed proposal (an error announced) leaves
+    the old drafts in place: the verification's tokens stay exact, fewer are accepted."""
+
+    takes_drafts = True
+
+    def __init__(self, last_sampled: torch.Tensor, timeout: float):
+        super().__init__(last_sampled, timeout)
+        self._linked = 0  # the started plan's step id if it verifies linked drafts
+        self._early: dict[int, torch.Tensor | None] = {}  # tokens that came before their rows
+
+    def plan_started(self, plan) -> None:
+        self._linked = plan.step_id if plan.linked_drafts else 0
+        if self._linked and self.device_waits is not None:
+            self.device_waits.expect(plan.step_id)
+
+    def before_step(self, step_id: int, h, staged_rows=None) -> None:
+        if self._linked != step_id:
+            return
+        if h.input_ids is None or h.source_rows is None:
+            raise StepFailed(f"step {step_id} verifies linked drafts but has no DEVICE_DRAFT inputs")
+        index = h.source_rows[h.input_ids == DEVICE_DRAFT]
+        on_device = upload({"index": index.astype(np.int64)}, self.device)["index"]
+        waits = self.device_waits
+        if waits is not None:
+            waits.set_rows(step_id, on_device)
+            waits.pump()
+            waits.queue_through(step_id)
+            self.waits += 1
+            return
+        with self._cond:
+            for old in [s for s in self._early if s < step_id]:  # steps that failed before their rows
+                del self._early[old]
+            early = self._early.pop(step_id, _NONE)
+            if early is _NONE:
+                self._rows[step_id] = on_device
+        if early is not _NONE:
+            self._scatter(step_id, on_device, early)
+        elif step_id > self.applied:
+            self._wait(step_id)
+
+    def apply(self, step_id: int, tokens: torch.Tensor | None) -> None:
+        with self._cond:
+            rows = self._rows.pop(step_id, None)
+            if rows is None:
+                self._early[step_id] = None if tokens is None else tokens.clone()
+        if rows is not None:
+            self._scatter(step_id, rows, tokens)
+        with self._cond:
+            self.applied = max(self.applied, step_id)
+            self._cond.notify_all()
+
+    def _scatter(self, step_id: int, index: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        if tokens is None:
+            return
+        if tokens.shape[0] != index.shape[0]:
+            log.error("draft link: step %d handed %d drafts for %d inputs", step_id, tokens.shape[0], index.shape[0])
+        else:
+            self.last_sampled.index_copy_(0, index, tokens)
+
+
+_NONE = object()
 
 
 class _TokenReceiving:

@@ -66,6 +66,7 @@ class DeviceTokenWaits:
         self._pending: collections.deque[_Sampling] = collections.deque()  # not yet announced, in order
         self._numbered = 0  # sampling plans numbered so far
         self._queued = 0  # sampling plans whose application is queued on the GPU
+        self._announced_count = 0  # announcements taken
         self._lock = threading.Lock()  # close() (event loop) against queueing (step thread)
         self._closed: str | None = None
 
@@ -101,8 +102,11 @@ class DeviceTokenWaits:
     def pump(self) -> None:
         """Step thread, before each step: the announcements that have arrived, checked, applied
         and credited; raises StepFailed if a queued wait is past the deadline."""
-        while (got := self._announcement()) is not None:
+        # Only announcements of plans that started: a draft worker may announce a step's drafts
+        # before this stage's step thread reaches its plan (token_handoff.DraftIntake).
+        while self._announced_count < self._numbered and (got := self._announcement()) is not None:
             a, number = got
+            self._announced_count += 1
             s = self._pending[0] if self._pending else None
             if s is None or s.step_id != a.step_id or s.number != number:
                 self.close(f"step {a.step_id}'s tokens announced out of the expected order")

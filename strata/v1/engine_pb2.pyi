@@ -151,7 +151,7 @@ class MetricSpec(_message.Message):
     def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ..., name: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds")
+    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds", "spec_decode_linked_proposals", "spec_decode_failed_proposals")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,8 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_LINKED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FAILED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     free_kv_blocks: int
     cached_kv_blocks: int
@@ -212,7 +214,9 @@ class SchedulerStats(_message.Message):
     spec_decode_verify_steps: int
     host_seconds: float
     spec_decode_verify_rounds: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ...) -> None: ...
+    spec_decode_linked_proposals: int
+    spec_decode_failed_proposals: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ..., spec_decode_linked_proposals: _Optional[int] = ..., spec_decode_failed_proposals: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -363,7 +367,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_start: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_prefix_group", "shared_prefix_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds")
+    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_prefix_group", "shared_prefix_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds", "linked_drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +389,7 @@ class StepPlan(_message.Message):
     REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     AFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LINKED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -406,7 +411,8 @@ class StepPlan(_message.Message):
     rejected_drafts: _containers.RepeatedScalarFieldContainer[int]
     after_idle: bool
     verify_rounds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_prefix_group: _Optional[_Iterable[int]] = ..., shared_prefix_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
+    linked_drafts: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_prefix_group: _Optional[_Iterable[int]] = ..., shared_prefix_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ..., linked_drafts: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds", "num_proposed", "proposed_token_ids", "peer_lost", "round_num_tokens", "round_num_proposed")
@@ -485,20 +491,22 @@ class ForwardAck(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class TokenLinkRequest(_message.Message):
-    __slots__ = ("session", "transport", "send", "peer_address", "link", "transport_timeout_seconds")
+    __slots__ = ("session", "transport", "send", "peer_address", "link", "transport_timeout_seconds", "drafts")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LINK_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     session: int
     transport: StageTransport
     send: bool
     peer_address: str
     link: StageLink
     transport_timeout_seconds: float
-    def __init__(self, session: _Optional[int] = ..., transport: _Optional[_Union[StageTransport, str]] = ..., send: _Optional[bool] = ..., peer_address: _Optional[str] = ..., link: _Optional[_Union[StageLink, _Mapping]] = ..., transport_timeout_seconds: _Optional[float] = ...) -> None: ...
+    drafts: bool
+    def __init__(self, session: _Optional[int] = ..., transport: _Optional[_Union[StageTransport, str]] = ..., send: _Optional[bool] = ..., peer_address: _Optional[str] = ..., link: _Optional[_Union[StageLink, _Mapping]] = ..., transport_timeout_seconds: _Optional[float] = ..., drafts: _Optional[bool] = ...) -> None: ...
 
 class TokenLinkReply(_message.Message):
     __slots__ = ("link",)
