@@ -117,6 +117,12 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         default=D["speculative_rounds_max_batch"],
         help="running requests up to which steps run --speculative-rounds rounds",
     )
+    g.add_argument(
+        "--draft-proposals",
+        choices=FLAGS["draft_proposals"].choices,
+        default=D["draft_proposals"],
+        help="a draft model's proposals: straight to the one target stage (link) or through the scheduler",
+    )
     g.add_argument("--draft-model", default=D["draft_model"], help="HF directory of the draft model (method draft)")
     g.add_argument(
         "--draft-num-layers",
