@@ -140,6 +140,39 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
         assert check_health(cluster.scheduler_address)
 
 
+@pytest.mark.parametrize("lost", ["draft worker", "worker 0"])
+def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_changes_no_token(model_dir, lost):
+    """One target stage with a draft model whose proposals go straight to it (the draft link): a
+    killed draft worker fails the target's step waiting for its drafts (the link's end of file),
+    a killed target the draft worker's sends; either way the pipeline and the link are rebuilt
+    when it is back, and every request finishes with the tokens it had without speculation."""
+    work = requests()
+    with running_cluster(model_dir, 1) as (_, client):
+        threads, plain, errors = run_all(client, work)
+        for t in threads:
+            t.join()
+        assert not errors and len(plain) == 16
+    flags = ("--stage-recovery-timeout", "60", "--speculative-method", "draft", "--draft-num-layers", "1")
+    with running_cluster(model_dir, 1, *flags) as (cluster, client):
+        started = threading.Barrier(len(work) + 1)
+        threads, resumed, errors = run_all(client, work, started)
+        started.wait(timeout=60)
+        victim = worker(cluster, lost)
+        argv = victim.args
+        victim.kill()
+        victim.wait()
+        time.sleep(1.0)
+        assert not check_health(cluster.scheduler_address)
+        restart(cluster, lost, argv)
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert resumed == plain
+        stats = scheduler_stats(cluster)
+        assert stats.spec_decode_linked_proposals > 0 and stats.used_kv_blocks == 0
+        assert check_health(cluster.scheduler_address)
+
+
 def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(model_dir):
     work = requests()[:6]
     with running_cluster(model_dir, 2, "--step-timeout", "10") as (cluster, client):

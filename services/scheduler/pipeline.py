@@ -110,7 +110,10 @@ class Pipeline:
         if self.draft is not None:
             await self._init_cache(self.draft, engine_pb2.InitCacheRequest(num_kv_blocks=blocks, session=session))
             if len(stages) == 1 and self.draft_link:
-                self.draft_transport = await self._open_token_link(self.draft, stages[0], session, drafts=True)
+                try:
+                    self.draft_transport = await self._open_token_link(self.draft, stages[0], session, drafts=True)
+                except PipelineError as e:  # (an older target, or no transport between the two): as before
+                    log.warning("%s; the draft worker's proposals go through the scheduler", e)
         for stage in every:
             stage.call = stage.stub.Steps()
         for shared in gpus_shared_without_mps([s.description for s in stages]):
