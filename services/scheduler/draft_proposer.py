@@ -63,8 +63,9 @@ def link_drafts(plan: StepPlan) -> None:
 
 
 def _draft_fed(s) -> None:
-    # The draft worker fed the last token and every draft but the last: its KV is valid up to there.
-    s.request.spec.draft_computed = s.num_computed + s.num_draft
+    # The draft worker fed the last token and every draft (draft_steps.py): its KV is valid up to
+    # there where they are accepted, so the next catch-up starts at the next last token.
+    s.request.spec.draft_computed = s.num_computed + s.num_draft + 1
 
 
 def fill_drafts(plan: StepPlan, result: engine_pb2.StepResult, k: int) -> None:

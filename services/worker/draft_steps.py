@@ -1,11 +1,16 @@
-"""The draft worker's proposal: k autoregressive steps of the draft model in one call.
+"""The draft worker's proposal: k autoregressive steps of the draft model in one call, and one
+more that only writes the last draft's KV.
 
 The scheduler's plan catches each sequence's draft KV up to its last token and draws the first
-draft token; k - 1 decode steps follow, each fed the token just drawn. Those inputs are decode
+draft token; k decode steps follow, each fed the token just drawn. Those inputs are decode
 placeholders, resolved on the device from the tokens the previous step sampled, so the steps
-launch back to back (on CUDA graphs) without waiting for the host. Draws use the request's own
-(seed, position) noise and filters: where the draft's distribution agrees with the target's,
-it proposes exactly the token the target will draw, and verification accepts it.
+launch back to back (on CUDA graphs) without waiting for the host. The last of them feeds the
+k-th draft and its draw is dropped: with its KV written, the next proposal's catch-up is one
+token (the target's bonus or correction) whatever was accepted, a decode the draft's decode
+graphs run, where a catch-up of two tokens ran eagerly (2-3 ms of host time for SmolLM2).
+Draws use the request's own (seed, position) noise and filters: where the draft's distribution
+agrees with the target's, it proposes exactly the token the target will draw, and verification
+accepts it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ MAX_PROPOSE_TOKENS = 32
 
 
 class DraftProposal:
-    """The k launched steps of one proposal; finish() gathers k tokens per sequence."""
+    """The k + 1 launched steps of one proposal; finish() gathers k tokens per sequence (the
+    last step's draw is no draft)."""
 
     def __init__(self, step_id: int, steps: list[PendingResult]):
         self.step_id = step_id
@@ -31,7 +37,7 @@ class DraftProposal:
     def finish(self) -> engine_pb2.StepResult:
         results = [step.finish() for step in self.steps]
         first = results[0]
-        k = len(results)
+        k = len(results) - 1
         proposal = engine_pb2.StepResult(
             step_id=self.step_id,
             seq_ids=first.seq_ids,
@@ -41,12 +47,12 @@ class DraftProposal:
             gpu_seconds=sum(r.gpu_seconds for r in results),
         )
         for i in range(len(first.seq_ids)):  # one sequence's k tokens, in draft order
-            proposal.token_ids.extend(r.token_ids[i] for r in results)
+            proposal.token_ids.extend(r.token_ids[i] for r in results[:k])
         return proposal
 
 
 def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
-    """Launches the plan's step and plan.propose_tokens - 1 decode steps on the draft runner.
+    """Launches the plan's step and plan.propose_tokens decode steps on the draft runner.
     link: the draft link's sender (one target stage): the k tokens per sequence also go straight
     to the target's stage, gathered on the device after each step's draw (the next step
     overwrites last_sampled), k per sequence in plan order (token_handoff.DraftIntake)."""
@@ -63,7 +69,7 @@ def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
         drawn.append(runner.last_sampled.index_select(0, rows))
     seq_lens = [c + s for c, s in zip(plan.num_computed, plan.num_scheduled)]
     table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
-    for _ in range(k - 1):
+    for step in range(k):  # the last one feeds draft k (its KV) and draws nothing kept
         decode = engine_pb2.StepPlan(
             step_id=plan.step_id,
             seq_ids=plan.seq_ids,
@@ -75,7 +81,7 @@ def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
             sample=[True] * n,
         )
         steps.append(runner.execute(decode))
-        if link is not None:
+        if link is not None and step < k - 1:
             drawn.append(runner.last_sampled.index_select(0, rows))
         seq_lens = [length + 1 for length in seq_lens]
     if link is not None:
