@@ -733,9 +733,8 @@ class Scheduler:
         spec.rejected += rejected
         spec.verifies_in_flight -= 1
         d = s.num_draft
-        device = (
-            s.input_token_ids[-1] == DEVICE_DRAFT and self.spec.on_device
-        )  # (a lookup's; all of a draft model's are real)
+        # Drafts the last stage looked up (some may be missing); a draft model's are all real.
+        device = s.input_token_ids[-1] == DEVICE_DRAFT and self.spec.on_device
         # Per round: the drafts that were real (the last stage found this many: its previous
         # result, then each round's own proposal), the drafts accepted.
         if per_round is None:
