@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.protocol import DEVICE_DRAFT
+from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.worker import token_waits
+from strata.services.worker.cuda_graphs import DecodeGraphs
 from strata.services.worker.token_handoff import DraftIntake
 from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
 from tests.test_token_waits import FakeReader
@@ -103,6 +104,27 @@ def test_on_the_gpu_path_a_proposal_announced_before_its_plan_started_waits_for_
     intake.before_step(2, _inputs([6], [1]))
     assert reader.taken == 2 and last[[102, 103]].tolist() == [1008, 1009]  # slot 1
     assert [op for op in queued if op[0] == "wait"] == [("wait", 0, 1), ("wait", 1, 2)]
+
+
+def test_a_decode_graphs_inputs_move_on_one_token_into_the_next_positions_slot():
+    """ModelRunner.decode_again's move (the draft worker's proposal steps after the first): each
+    sequence reads its last draw (a placeholder) at the next position, in the slot its block
+    table gives, its draw's noise at the next position; padding rows stay as they were."""
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.rows = {
+        "positions": torch.tensor([3, 7, 0]),
+        "sample_positions": torch.tensor([4, 8, 0]),
+        "seq_lens": torch.tensor([4, 8, 0], dtype=torch.int32),
+        "input_ids": torch.tensor([11, 12, 0]),
+        "slot_mapping": torch.tensor([23, 47, -1]),
+    }
+    graphs.block_tables = torch.tensor([[5, 9, 0], [2, 6, 3], [0, 0, 0]], dtype=torch.int32)
+    graphs.move_on_one_token(2, block_size=4)  # positions 4 and 8: block 9 and block 3, offset 0
+    rows = graphs.rows
+    assert rows["positions"].tolist() == [4, 8, 0] and rows["sample_positions"].tolist() == [5, 9, 0]
+    assert rows["seq_lens"].tolist() == [5, 9, 0]
+    assert rows["input_ids"].tolist() == [PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN, 0]
+    assert rows["slot_mapping"].tolist() == [9 * 4, 3 * 4, -1]
 
 
 @pytest.fixture(scope="module")

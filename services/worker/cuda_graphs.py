@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from strata.kernels.shared_kv_runs import SharedKVRuns
+from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker import cuda_driver
 from strata.services.worker.attention import AttentionMetadata
 from strata.services.worker.host_to_device import ALIGN, torch_dtype, wait_for
@@ -354,6 +355,20 @@ class DecodeGraphs:
                 raise RuntimeError(f"activations of {hidden.shape[0]} rows for a step of {t} tokens")
         self._launch(bs, stream)
         return tuple(out[:t] for out in self.outputs[bs])
+
+    def move_on_one_token(self, n: int, block_size: int) -> None:
+        """The staged inputs of a decode step of n sequences moved to the next one, on the device:
+        each sequence fed the token it just drew (a placeholder, read from last_sampled), at the
+        next position, into that position's slot (its block table holds the block). For a draft
+        worker's proposal (ModelRunner.decode_again): no plan, upload or staging per step."""
+        rows = self.rows
+        positions = rows["positions"][:n]
+        positions += 1
+        rows["sample_positions"][:n] += 1
+        rows["seq_lens"][:n] += 1
+        rows["input_ids"][:n] = PLACEHOLDER_TOKEN
+        block = self.block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        rows["slot_mapping"][:n] = block.long() * block_size + positions % block_size
 
     def replay(self, bs: int) -> None:
         """The graph of size bs again, on the inputs its static buffers hold now."""

@@ -138,10 +138,14 @@ class ModelRunner:
         # one-stage target with a draft worker, the DraftIntake of its proposals.
         self.handoff = None
         self.gpu_start = None  # the latest step's start event (CUDA)
+        # The latest step, if it was a decode whose graph drew every row: (graphs, padded size,
+        # sequences), which decode_again replays moved on by a token.
+        self.decode_graph_step = None
 
     # ------------------------------------------------------------ cache
 
     def init_cache(self, num_blocks: int) -> None:
+        self.decode_graph_step = None
         self.kv_caches = []  # free the old cache (and graphs over it) before allocating the new one
         self.graphs = self.cascade_graphs = self.piecewise = None
         self.verify_graphs = {}
@@ -248,6 +252,7 @@ class ModelRunner:
         staging is off the pipeline's critical path: with one micro-batch, the GPU waited for
         it after every hop."""
         start = time.perf_counter()
+        self.decode_graph_step = None
         if plan.linked_drafts and not getattr(self.handoff, "takes_drafts", False):
             raise PlanError("linked_drafts needs this stage's end of the draft link (OpenTokenLink, drafts)")
         if self.handoff is not None:
@@ -357,6 +362,20 @@ class ModelRunner:
         ):
             raise PlanError("several verify rounds do not serve logprobs, penalties or grammars")
 
+    def decode_again(self) -> bool:
+        """The latest step's decode graph replayed once more, each of its sequences fed the token
+        it just drew, at the next position (a draft worker's proposal, draft_steps.py): the inputs
+        move on the device, with no plan, upload or staging (0.6-0.7 ms of host time a step for
+        SmolLM2 on an H200). False when the latest step cannot be replayed so: it ran eagerly,
+        drew outside its graph, or attended with shared prefixes."""
+        last = self.decode_graph_step
+        if last is None:
+            return False
+        graphs, bs, n = last
+        graphs.move_on_one_token(n, self.block_size)
+        graphs.replay(bs)
+        return True
+
     def _commits_in_graph(self, graphs, h: HostInputs) -> bool:
         """Whether a verification graph's own draw and commit take the step (every row drawn
         unfiltered): what several rounds on the graph need."""
@@ -459,6 +478,8 @@ class ModelRunner:
                 packed = self.spec.committed_in_graph(spec)
             elif spec is not None:
                 packed = self.spec.after_draw(spec, outs[1], per_token=True)
+            elif graphs is self.graphs:  # a plain decode: decode_again may replay it moved on
+                self.decode_graph_step = (graphs, bs, num_tokens)
             return PendingResult(
                 plan.step_id,
                 start,

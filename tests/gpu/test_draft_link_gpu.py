@@ -1,6 +1,7 @@
 """The draft link on a GPU (issue 31): with one target stage, the draft worker hands its proposals
 straight to the stage (an IPC ring whose slot words the target's stream waits on, or gRPC), and
-every request gets the tokens it gets without speculation. The draft is the target itself, so a
+every request gets the tokens it gets without speculation. The draft worker's proposal replays its
+decode graph moved on by a token where the graph draws every row. The draft is the target itself, so a
 proposal that reaches its own sequence and positions is accepted.
 
     python -m pytest tests/gpu/test_draft_link_gpu.py -q
@@ -29,7 +30,9 @@ def model_dir(tmp_path_factory):
 def _run(client):
     out = []
     for i, prompt in enumerate(PROMPTS):
-        kw = dict(temperature=0.0) if i % 2 else dict(temperature=0.8, top_p=0.9, seed=i)
+        # Greedy, seeded with top-p (drawn outside the draft's graphs: a decode plan a step) and
+        # seeded alone (the draft's graph replayed moved on: ModelRunner.decode_again).
+        kw = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=i), dict(temperature=0.7, seed=i)][i % 3]
         stream = client.generate(
             prompt, max_tokens=40, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=300, **kw
         )
