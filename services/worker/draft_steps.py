@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.flags import disabled
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker.host_to_device import upload
 from strata.services.worker.sequence_table import PlanError
@@ -24,6 +25,8 @@ from strata.services.worker.step_results import PendingResult
 from strata.v1 import engine_pb2
 
 MAX_PROPOSE_TOKENS = 32
+# A/B runs: every proposal step from a decode plan, as before ModelRunner.decode_again.
+GRAPH_REPLAY = not disabled("STRATA_DISABLE_DRAFT_REPLAY")
 
 
 class DraftProposal:
@@ -78,7 +81,7 @@ def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
     seq_lens = [c + s for c, s in zip(plan.num_computed, plan.num_scheduled)]
     table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
     for step in range(k):  # the last one feeds draft k (its KV) and draws nothing kept
-        if not runner.decode_again():
+        if not (GRAPH_REPLAY and runner.decode_again()):
             decode = engine_pb2.StepPlan(
                 step_id=plan.step_id,
                 seq_ids=plan.seq_ids,

@@ -138,8 +138,9 @@ class ModelRunner:
         # one-stage target with a draft worker, the DraftIntake of its proposals.
         self.handoff = None
         self.gpu_start = None  # the latest step's start event (CUDA)
-        # The latest step, if it was a decode whose graph drew every row: (graphs, padded size,
-        # sequences), which decode_again replays moved on by a token.
+        # The latest step, if it was a decode whose graph drew every row: [graphs, padded size,
+        # sequences, tokens its staged block tables still hold], which decode_again replays
+        # moved on by a token.
         self.decode_graph_step = None
 
     # ------------------------------------------------------------ cache
@@ -367,11 +368,14 @@ class ModelRunner:
         it just drew, at the next position (a draft worker's proposal, draft_steps.py): the inputs
         move on the device, with no plan, upload or staging (0.6-0.7 ms of host time a step for
         SmolLM2 on an H200). False when the latest step cannot be replayed so: it ran eagerly,
-        drew outside its graph, or attended with shared prefixes."""
+        drew outside its graph, or attended with shared prefixes; or a sequence's next position
+        lies in a block its staged table does not hold (step_inputs stages the blocks a step
+        reaches; a plan then stages more)."""
         last = self.decode_graph_step
-        if last is None:
+        if last is None or last[3] <= 0:
             return False
-        graphs, bs, n = last
+        graphs, bs, n, _ = last
+        last[3] -= 1
         graphs.move_on_one_token(n, self.block_size)
         graphs.replay(bs)
         return True
@@ -479,7 +483,9 @@ class ModelRunner:
             elif spec is not None:
                 packed = self.spec.after_draw(spec, outs[1], per_token=True)
             elif graphs is self.graphs:  # a plain decode: decode_again may replay it moved on
-                self.decode_graph_step = (graphs, bs, num_tokens)
+                # The staged tables hold only the blocks this step reaches: the room left in them.
+                room = int((h.block_tables.shape[1] * self.block_size - h.seq_lens).min())
+                self.decode_graph_step = [graphs, bs, num_tokens, room]
             return PendingResult(
                 plan.step_id,
                 start,

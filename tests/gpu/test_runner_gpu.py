@@ -139,6 +139,37 @@ def test_graph_draw_and_placeholders_match_explicit_tokens_and_the_sampler(shard
     pending.finish()
 
 
+def test_decode_again_equals_decode_plans_of_placeholders(shard_and_config):
+    """ModelRunner.decode_again (a draft worker's proposal steps) replays the latest decode graph
+    moved on by a token on the device: the same tokens as decode plans of placeholders, step by
+    step, greedy and seeded rows."""
+    shard, config = shard_and_config
+    prompts = prompts_for(len(UNFILTERED), seed=4)
+    again, planned = new_runner(shard, config), new_runner(shard, config)
+    first = list(again.execute(admit_plan(UNFILTERED, prompts)).finish().token_ids)
+    assert list(planned.execute(admit_plan(UNFILTERED, prompts)).finish().token_ids) == first
+    lengths = [len(p) for p in prompts]
+    n = len(prompts)
+    rows = torch.tensor(again.table.lookup(list(range(1, n + 1))), device="cuda")
+    # A decode of known tokens on the graph, then placeholder steps both ways.
+    want = list(planned.execute(decode_plan(2, lengths, first)).finish().token_ids)
+    assert list(again.execute(decode_plan(2, lengths, first)).finish().token_ids) == want
+    replayed = 0
+    for step in range(3, 40):  # (across blocks: a plan where the staged tables end)
+        lengths = [x + 1 for x in lengths]
+        if again.decode_again():
+            replayed += 1
+        else:
+            again.execute(decode_plan(step, lengths, [PLACEHOLDER_TOKEN] * n)).finish()
+        got = again.last_sampled.index_select(0, rows).tolist()
+        want = list(planned.execute(decode_plan(step, lengths, [PLACEHOLDER_TOKEN] * n)).finish().token_ids)
+        positions = again.graphs.rows["positions"][:n].tolist()
+        assert got == want, f"step {step}: decode_again drew {got}, decode plans {want} (positions {positions})"
+    assert 0 < replayed < 37
+    again.execute(admit_plan(UNFILTERED[:1], prompts[:1], first_seq_id=n + 1)).finish()
+    assert not again.decode_again()  # the latest step was a prefill: nothing to replay
+
+
 def test_filtered_rows_are_sampled_outside_the_graph(shard_and_config):
     """A top-k row sends the step down the eager Sampler on the graph's logits; the tokens it
     leaves in last_sampled (over the graph's own draw) feed the next placeholder step."""
