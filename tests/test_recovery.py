@@ -71,6 +71,19 @@ def restart(cluster, name: str, argv) -> subprocess.Popen:
     return replacement
 
 
+def restart_and_finish(cluster, lost: str, argv, threads, errors):
+    """A second after the stage went down: NOT_SERVING; then the stage is restarted, every
+    request finishes without an error and the scheduler serves again. Returns its stats."""
+    time.sleep(1.0)
+    assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
+    restart(cluster, lost, argv)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert check_health(cluster.scheduler_address)
+    return scheduler_stats(cluster)
+
+
 def hang_until_noticed(cluster, victim, within: float) -> None:
     """SIGSTOP: the scheduler must say NOT_SERVING within `within` s; 2 s later, SIGCONT."""
     os.kill(victim.pid, signal.SIGSTOP)
@@ -128,16 +141,9 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
         victim.wait()
         if stop == signal.SIGTERM:
             assert time.monotonic() - signalled < 10, "the stopped stage took too long to exit"
-        time.sleep(1.0)
-        assert not check_health(cluster.scheduler_address)  # NOT_SERVING while a stage is down
-        restart(cluster, lost, argv)
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        stats = restart_and_finish(cluster, lost, argv, threads, errors)
         assert resumed == plain
-        stats = scheduler_stats(cluster)
         assert stats.used_kv_blocks == 0 and stats.preemptions > 0
-        assert check_health(cluster.scheduler_address)
 
 
 @pytest.mark.parametrize("lost", ["draft worker", "worker 0"])
@@ -161,16 +167,9 @@ def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_ch
         argv = victim.args
         victim.kill()
         victim.wait()
-        time.sleep(1.0)
-        assert not check_health(cluster.scheduler_address)
-        restart(cluster, lost, argv)
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        stats = restart_and_finish(cluster, lost, argv, threads, errors)
         assert resumed == plain
-        stats = scheduler_stats(cluster)
         assert stats.spec_decode_linked_proposals > 0 and stats.used_kv_blocks == 0
-        assert check_health(cluster.scheduler_address)
 
 
 def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(model_dir):
