@@ -4,7 +4,9 @@ more that only writes the last draft's KV.
 The scheduler's plan catches each sequence's draft KV up to its last token and draws the first
 draft token; k decode steps follow, each fed the token just drawn. Those inputs are decode
 placeholders, resolved on the device from the tokens the previous step sampled, so the steps
-launch back to back (on CUDA graphs) without waiting for the host. The last of them feeds the
+launch back to back without waiting for the host: each replays the previous step's decode graph
+moved on by a token on the device (ModelRunner.decode_again), or, where that graph cannot serve,
+runs a decode plan of placeholders. The last of them feeds the
 k-th draft and its draw is dropped: with its KV written, the next proposal's catch-up is one
 token (the target's bonus or correction) whatever was accepted, a decode the draft's decode
 graphs run, where a catch-up of two tokens ran eagerly (2-3 ms of host time for SmolLM2).
