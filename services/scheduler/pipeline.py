@@ -145,10 +145,11 @@ class Pipeline:
         draft worker (last) -> the one stage (first) for its proposals, on the transport chosen
         as for any link (--stage-transport; auto: ipc on one host's GPUs, else distributed):
         `first` opens its receiving end, `last` its sending end."""
+        name = "draft" if drafts else "token"
         try:
             kind = choose_transport(last.description, first.description, self.stage_transport)
         except TransportError as e:
-            raise PipelineError(f"{'draft' if drafts else 'token'} link: {e}") from e
+            raise PipelineError(f"{name} link: {e}") from e
         request = engine_pb2.TokenLinkRequest(
             session=session,
             transport=kind,
@@ -168,7 +169,7 @@ class Pipeline:
             await last.stub.OpenTokenLink(request, timeout=120)
         except grpc.aio.AioRpcError as e:
             raise PipelineError(
-                f"opening the {'draft' if drafts else 'token'} link {last.address} -> {first.address} failed: {e.details()}"
+                f"opening the {name} link {last.address} -> {first.address} failed: {e.details()}"
             ) from e
         return kind
 

@@ -9,6 +9,7 @@ a PendingResult (step_results.py) whose tokens reach the host while the next pla
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +41,17 @@ def use_device(device: torch.device) -> None:
     accessed from Triton")."""
     if device.type == "cuda":  # (main.pick_device always gives the index set_device needs)
         torch.cuda.set_device(device)
+
+
+@dataclass(slots=True)
+class _DecodeReplay:
+    """A decode step decode_again may replay: its graphs, padded size and sequences, and the
+    tokens each sequence may still move on within the block tables the step staged."""
+
+    graphs: object
+    padded_size: int
+    num_seqs: int
+    room: int
 
 
 class ModelRunner:
@@ -138,10 +150,9 @@ class ModelRunner:
         # one-stage target with a draft worker, the DraftIntake of its proposals.
         self.handoff = None
         self.gpu_start = None  # the latest step's start event (CUDA)
-        # The latest step, if it was a decode whose graph drew every row: [graphs, padded size,
-        # sequences, tokens its staged block tables still hold], which decode_again replays
-        # moved on by a token.
-        self.decode_graph_step = None
+        # The latest step, if it was a decode whose graph drew every row, which decode_again
+        # replays moved on by a token.
+        self.decode_graph_step: _DecodeReplay | None = None
 
     # ------------------------------------------------------------ cache
 
@@ -372,12 +383,11 @@ class ModelRunner:
         lies in a block its staged table does not hold (step_inputs stages the blocks a step
         reaches; a plan then stages more)."""
         last = self.decode_graph_step
-        if last is None or last[3] <= 0:
+        if last is None or last.room <= 0:
             return False
-        graphs, bs, n, _ = last
-        last[3] -= 1
-        graphs.move_on_one_token(n, self.block_size)
-        graphs.replay(bs)
+        last.room -= 1
+        last.graphs.move_on_one_token(last.num_seqs, self.block_size)
+        last.graphs.replay(last.padded_size)
         return True
 
     def _commits_in_graph(self, graphs, h: HostInputs) -> bool:
@@ -485,7 +495,7 @@ class ModelRunner:
             elif graphs is self.graphs:  # a plain decode: decode_again may replay it moved on
                 # The staged tables hold only the blocks this step reaches: the room left in them.
                 room = int((h.block_tables.shape[1] * self.block_size - h.seq_lens).min())
-                self.decode_graph_step = [graphs, bs, num_tokens, room]
+                self.decode_graph_step = _DecodeReplay(graphs, bs, num_tokens, room)
             return PendingResult(
                 plan.step_id,
                 start,

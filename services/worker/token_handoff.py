@@ -90,6 +90,8 @@ class TokenIntake:
     step's tokens go to, their application in step order, and the wait of a step whose
     placeholders need them."""
 
+    link = "token"  # (for the log)
+
     def __init__(self, last_sampled: torch.Tensor, timeout: float):
         self.last_sampled = last_sampled
         self.device = last_sampled.device
@@ -158,11 +160,21 @@ class TokenIntake:
         """Step `step_id`'s tokens (None: it failed) into last_sampled, on the calling thread's
         current stream; steps come in order."""
         rows = self._rows.pop(step_id, None)
-        if rows is not None and tokens is not None:
-            if tokens.shape[0] != rows.shape[0]:
-                log.error("token link: step %d handed %d tokens for %d rows", step_id, tokens.shape[0], rows.shape[0])
-            else:
-                self.last_sampled.index_copy_(0, rows, tokens)
+        if rows is not None:
+            self._scatter(step_id, rows, tokens)
+        self._applied_through(step_id)
+
+    def _scatter(self, step_id: int, rows: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        if tokens is None:
+            return
+        if tokens.shape[0] != rows.shape[0]:
+            log.error(
+                "%s link: step %d handed %d tokens for %d rows", self.link, step_id, tokens.shape[0], rows.shape[0]
+            )
+        else:
+            self.last_sampled.index_copy_(0, rows, tokens)
+
+    def _applied_through(self, step_id: int) -> None:
         with self._cond:
             self.applied = max(self.applied, step_id)
             self._cond.notify_all()
@@ -190,6 +202,7 @@ class DraftIntake(TokenIntake):
     the old drafts in place: the verification's tokens stay exact, fewer are accepted."""
 
     takes_drafts = True
+    link = "draft"
 
     def __init__(self, last_sampled: torch.Tensor, timeout: float):
         super().__init__(last_sampled, timeout)
@@ -227,23 +240,13 @@ class DraftIntake(TokenIntake):
             self._wait(step_id)
 
     def apply(self, step_id: int, tokens: torch.Tensor | None) -> None:
-        with self._cond:
+        with self._cond:  # (before_step registers rows under the same lock)
             rows = self._rows.pop(step_id, None)
             if rows is None:
                 self._early[step_id] = None if tokens is None else tokens.clone()
         if rows is not None:
             self._scatter(step_id, rows, tokens)
-        with self._cond:
-            self.applied = max(self.applied, step_id)
-            self._cond.notify_all()
-
-    def _scatter(self, step_id: int, index: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        if tokens is None:
-            return
-        if tokens.shape[0] != index.shape[0]:
-            log.error("draft link: step %d handed %d drafts for %d inputs", step_id, tokens.shape[0], index.shape[0])
-        else:
-            self.last_sampled.index_copy_(0, index, tokens)
+        self._applied_through(step_id)
 
 
 _NONE = object()
