@@ -3,7 +3,7 @@
 # wheels that the GPU machine's image lacks, for bench/gpu_env.sh to install there. That image
 # has torch, triton, transformers, tokenizers, safetensors, accelerate, numpy, grpcio 1.84.0 and
 # protobuf; the rest of Strata's dependencies (xgrammar, with pydantic and tvm-ffi, for constrained
-# decoding among them) and the test runner travel as these wheels.
+# decoding among them), the test runner and py-spy travel as these wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -12,4 +12,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d bench/build/whl \
   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 tenacity prometheus-client starlette uvicorn \
   h11 click anyio typing_extensions gguf tqdm pytest pytest-timeout pluggy iniconfig pygments \
-  xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+  xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection \
+  py-spy  # --spy-dir of the benches

@@ -104,7 +104,7 @@ async def _phase(endpoints, workers, run):
     }
 
 
-async def _run_config(endpoints, workers, args) -> dict:
+async def _run_config(endpoints, workers, args, name: str) -> dict:
     from strata.v1 import generate_pb2
 
     info = await common.model_info(endpoints.gateway)
@@ -126,19 +126,22 @@ async def _run_config(endpoints, workers, args) -> dict:
     # idle in it swung from 3% to 12% between runs of one machine (bench/RESULTS.md, session 10).
     num = args.latency_num_prompts or 16 * args.concurrency
     stream_prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
-    latency = await _phase(
-        endpoints,
-        workers,
-        lambda: common.run_closed_loop(
-            endpoints.gateway,
-            stream_prompts,
-            common.sampling_params(args.output_len, args.temperature, generate_pb2.DELTA),
-            args.concurrency,
-            args.request_timeout,
-            desc=f"{args.concurrency} streams",
-            progress=not args.no_progress,
-        ),
-    )
+    # --spy-dir: the services' Python stacks in this phase, a folder per run (bench/spy_summary.py).
+    spy_dir = args.spy_dir and os.path.join(args.spy_dir, name)
+    with common.sampled_stacks(endpoints.service_pids, spy_dir, "latency"):
+        latency = await _phase(
+            endpoints,
+            workers,
+            lambda: common.run_closed_loop(
+                endpoints.gateway,
+                stream_prompts,
+                common.sampling_params(args.output_len, args.temperature, generate_pb2.DELTA),
+                args.concurrency,
+                args.request_timeout,
+                desc=f"{args.concurrency} streams",
+                progress=not args.no_progress,
+            ),
+        )
     return {"offline": offline, "latency": latency}
 
 
@@ -208,10 +211,14 @@ def _token_hop_us(phase: dict) -> float | None:
     return last["token_send_seconds"] / last["token_steps_sent"] * 1e6
 
 
+def _run_name(stages: int, transport: str, micro_batches: int) -> str:
+    return f"{stages}-stages-{transport}-{micro_batches or 'default'}-mb"
+
+
 def _clock_dir(args, stages: int, transport: str, micro_batches: int) -> str | None:
     if not args.gpu_clock or stages == 1:
         return None
-    return os.path.join(args.gpu_clock, f"{stages}-stages-{transport}-{micro_batches or 'default'}-mb")
+    return os.path.join(args.gpu_clock, _run_name(stages, transport, micro_batches))
 
 
 def _gpu_clock_breakdown(directory: str) -> dict[str, str]:
@@ -260,7 +267,7 @@ def run(args) -> int:
         clock_dir = _clock_dir(args, stages, transport, mb)
         with common.env_var("STRATA_GPU_CLOCK_DIR", clock_dir), common.cluster_for(run_args) as endpoints:
             workers = list(endpoints.workers)
-            phases = common.run(_run_config(endpoints, workers, run_args))
+            phases = common.run(_run_config(endpoints, workers, run_args, _run_name(stages, transport, mb)))
         if clock_dir:
             phases["gpu_clock"] = _gpu_clock_breakdown(clock_dir)
         runs.append({"stages": stages, "transport": transport, "micro_batches": mb, **phases})
