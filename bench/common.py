@@ -92,7 +92,22 @@ def environment_info(args) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "host": platform.node(),
+        # Lent machines of one kind differ in host CPU and runtime (a gVisor sandbox reports kernel
+        # 4.4.0), and host-bound figures move with them (bench/RESULTS.md, issue 29).
+        "cpu": cpu_model(),
+        "kernel": platform.release(),
     }
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or 'unknown'} x {os.cpu_count()}"
 
 
 def free_accelerator_memory() -> None:
@@ -661,6 +676,7 @@ def print_header(name: str, env: dict) -> None:
     print(
         f"\n{line}\nstrata bench {name}\n  device  {env['device_name']} ({env['device']})\n"
         f"  model   {env['model']}, {env['pipeline_stages']} pipeline stage(s)\n"
+        f"  host    {env.get('cpu', '?')}, kernel {env.get('kernel', '?')}\n"
         f"  date    {env['date']}\n  commit  {env['commit']}\n{line}",
         flush=True,
     )

@@ -49,8 +49,11 @@ def receiver_main(
         loop = asyncio.get_running_loop()
         bad = []
         if receiver.on_step_thread:  # ipc: announcements come on its doorbell, not the queues
+            # Odd steps land in fixed inputs, as a graph's (take's `into`); even ones in new tensors.
+            inputs = torch.full((2, 128, HIDDEN), -1.0, device=device)
             for step in range(steps):
-                hidden, residual = await loop.run_in_executor(None, receiver.take, step)
+                into = (inputs[0], inputs[1]) if step % 2 else None
+                hidden, residual = await loop.run_in_executor(None, receiver.take, step, into)
                 if delay:  # a slow reader: the sender must wait for credits, never overwrite
                     await asyncio.sleep(delay)
                 want_h, want_r = step_tensors(step, rows_of(step), device)
