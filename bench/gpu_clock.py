@@ -61,6 +61,8 @@ def _stages(paths: list[str]) -> list[dict]:
         for i, name in enumerate(POINTS):
             m = keep & (d["point"] == i)
             stage[name] = (d["step_id"][m], d["t_ns"][m], d["host_ns"][m])
+        if "ref_rate" in d and d["ref_rate"].size:  # (dumps since session 14 keep their references)
+            stage["placement"] = (int(d["ref_rate"].size), float(np.median(d["ref_rate"])))
         stages[int(d["stage"])] = stage
     return [stages[i] for i in sorted(stages)]
 
@@ -173,8 +175,16 @@ def main(argv=None) -> None:
 
 
 def breakdown(stages: list[dict], max_gap_ms: float = 2.0) -> str:
-    """The report of one cluster's dump."""
-    return report(analyse(stages, max_gap_ms * 1e6), len(_by_step(stages[-1], "handed")))
+    """The report of one cluster's dump, after how each stage's stamps were placed on the global
+    clock (services/worker/gpu_clock.place_references)."""
+    placement = [
+        f"  stage {i} placed by {s['placement'][0]} references; global clock against its events' "
+        f"clock: rate {s['placement'][1]:.5f} (p50)"
+        for i, s in enumerate(stages)
+        if "placement" in s
+    ]
+    text = report(analyse(stages, max_gap_ms * 1e6), len(_by_step(stages[-1], "handed")))
+    return "\n".join([text.split("\n", 1)[0], *placement, *text.split("\n")[1:]])
 
 
 if __name__ == "__main__":

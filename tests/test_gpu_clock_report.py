@@ -1,5 +1,6 @@
 """The cross-stage GPU clock report (bench/gpu_clock.py) on hand-made stamps: each gap between two
-stages' steps is charged to the right cause."""
+stages' steps is charged to the right cause; and the placement of each stage's references on the
+global clock (services/worker/gpu_clock.py) through coarse readings of a clock that runs apart."""
 
 import numpy as np
 
@@ -9,10 +10,10 @@ from strata.services.worker.gpu_clock import POINTS, GpuClock
 US = 1000
 
 
-def _write(path, stage, rows):
+def _write(path, stage, rows, **extra):
     """rows: (step_id, point, gpu_us, host_us)."""
     a = np.asarray([(s, POINTS.index(p), h * US, g * US) for s, p, g, h in rows], dtype=np.int64)
-    np.savez(path, step_id=a[:, 0], point=a[:, 1], host_ns=a[:, 2], t_ns=a[:, 3], stage=stage)
+    np.savez(path, step_id=a[:, 0], point=a[:, 1], host_ns=a[:, 2], t_ns=a[:, 3], stage=stage, **extra)
 
 
 def test_gaps_are_charged_to_the_hand_off_or_the_late_host(tmp_path):
@@ -40,7 +41,8 @@ def test_gaps_are_charged_to_the_hand_off_or_the_late_host(tmp_path):
         (1, "body", 500, 420),
         (1, "handed", 520, 425),
     ]
-    _write(tmp_path / "stage0-11-3.npz", 0, [(s, p, g + 1000, h) for s, p, g, h in s0])
+    rates = np.array([1.0033, 1.0034, 1.0035])
+    _write(tmp_path / "stage0-11-3.npz", 0, [(s, p, g + 1000, h) for s, p, g, h in s0], ref_rate=rates)
     _write(tmp_path / "stage1-12-3.npz", 1, [(s, p, g + 1000, h) for s, p, g, h in s1])
     (stages,) = gpu_clock.load(str(tmp_path), 3)
     r = gpu_clock.analyse(stages, max_gap_ns=2e6)
@@ -53,6 +55,9 @@ def test_gaps_are_charged_to_the_hand_off_or_the_late_host(tmp_path):
     assert r["idle_ns"] == (30 + 80 + 30) * US
     assert r["busy_ns"] == (100 + 90 + 100 + 90) * US
     assert "stage 0 -> stage 1: 30.0 us a step" in gpu_clock.report(r, 2)
+    assert "stage 0 placed by 3 references; global clock against its events' clock: rate 1.00340" in (
+        gpu_clock.breakdown(stages)
+    )
     # the host's side of stage 1: step 1's first launch 255 us after step 0's last; its GPU began
     # step 0 80 us and step 1 10 us after the launch (host clock + the 5 us offset)
     host = r["segments"][1]
@@ -113,3 +118,26 @@ def test_event_stamps_land_on_the_global_clock_through_their_reference(monkeypat
     want = [skew_ns + round(ms * 1e6) for ms in (0.0, 0.25, 1.0, 1.25, 2.0, 2.25)]
     assert list(d["t_ns"]) == want
     assert list(d["step_id"]) == [0, 0, 1, 1, 2, 2]
+
+
+def test_references_are_placed_through_a_coarse_clock_that_runs_apart_from_the_events():
+    # 300 references 20-30 ms apart on the events' clock; the global clock runs 0.33% faster and
+    # its readings show only 0.8 ms ticks (as on an H200, session 14); the events' clock has
+    # 0.3 us of noise.
+    from strata.services.worker.gpu_clock import place_references
+
+    rng = np.random.default_rng(0)
+    event = np.cumsum(rng.uniform(20e6, 30e6, 300))
+    event -= event[0]
+    true = 1_700_000_000_000_000_000 + 123_456 + (1 + 0.0033) * event
+    readings = (np.floor(true / 800_000) * 800_000).astype(np.int64)
+    placed, rate = place_references(readings, event + rng.normal(0, 300, event.size))
+    old_error, error = (readings - true) / US, (placed - true) / US
+    assert old_error.min() < -700  # placed by its own reading, a reference could be 0.7 ms off
+    assert -50 < error.min() and error.max() < 2 and abs(np.median(error)) < 10, np.percentile(error, [0, 50, 100])
+    assert abs(rate[150] - 1.0033) < 2e-5
+    # one or two references: the events' rate, at the highest reading carried along them
+    one, rate_one = place_references(readings[:1], event[:1])
+    assert one[0] == readings[0] and rate_one[0] == 1.0
+    two, _ = place_references(readings[:2], event[:2])
+    assert (two >= readings[:2]).all()

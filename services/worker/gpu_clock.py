@@ -7,10 +7,20 @@ Each stage stamps four points of every step on its stream:
   handed  - after its hand-off (stage 0..P-2: the activations' send; the last: the tokens' hand).
 A stamp is a CUDA event (a few us of host time). Events cannot be compared across processes, so
 every REFERENCE_EVERY stamps a one-program kernel reads the GPU's global nanosecond clock
-(kernels/globaltimer.py) with an event right behind it; each stamp's time is its reference's
-reading plus the events' elapsed time. (The first version launched that kernel at every stamp: on
-a slow host its launches, 35-90 us each, made the last stage's host the bottleneck.) With one
-clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
+(kernels/globaltimer.py) with an event right behind it; each stamp's time is its reference's time
+plus the events' elapsed time. (The first version launched that kernel at every stamp: on a slow
+host its launches, 35-90 us each, made the last stage's host the bottleneck.)
+
+Two things keep a reading from placing its reference exactly (session 14, from the stamps of a
+16-stream run on an H200): the global clock's readings are coarse (they lag the true time by up
+to about 0.8 ms), and the events' clock runs apart from it (about 0.3% on that H200: 330 us over
+the 64 steps between two references). Placed by its own reading, each reference's stamps stood
+up to 0.6 ms off the next one's, and two stages' steps seemed to overlap by 300 us. So each
+reference is placed by a line through its neighbours' readings against their events' times
+(the rate between the two clocks), raised to the highest of those readings (a reading only
+lags): place_references.
+
+With one clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
 stages' work whether the waiting stage was queued in time (the gap is the hand-off on the GPU) or
 late (its host was behind: each stamp also keeps the host's clock at its launch, which the report
 maps onto the GPU's). A diagnostic: find gaps with it, benchmark without it.
@@ -32,7 +42,58 @@ import torch
 log = logging.getLogger("strata.worker")
 
 POINTS = ("queued", "start", "body", "handed")
-REFERENCE_EVERY = 256  # stamps between two readings of the global clock (the event clock drifts)
+REFERENCE_EVERY = 64  # stamps between two readings of the global clock (16 steps of 4 stamps)
+# References each side that place one (place_references): enough readings at random phases
+# against the tick (on synthetic readings of a 0.8 ms tick: within 45 us at 64, 57 us at 32),
+# over a span (about 3 s at 16 streams) in which the clocks' rate holds.
+PLACEMENT_WINDOW = 64
+MIN_FIT = 16  # references that fit the clocks' rate; fewer keep the events' own
+
+
+def place_references(
+    readings_ns: np.ndarray, event_ns: np.ndarray, window: int = PLACEMENT_WINDOW
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each reference's time on the global clock, and the global clock's rate against the events'
+    there. readings_ns: the global clock as each reference read it (late by up to a tick);
+    event_ns: the references' times on their events' clock, from any origin. The true times lie
+    on a line over the events' times, and no reading lies above it: around each reference, over
+    `window` references each side, the lowest line above every reading (an edge of their upper
+    hull) estimates it."""
+    n = len(readings_ns)
+    readings_ns = readings_ns.astype(np.int64)
+    placed, rate = readings_ns.copy(), np.ones(n)
+    for k in range(n):
+        lo, hi = max(0, k - window), min(n, k + window + 1)
+        # relative to reference k, in float64 (the clock's own values, ~1e18 ns, are not exact there)
+        x = event_ns[lo:hi] - event_ns[k]
+        y = (readings_ns[lo:hi] - readings_ns[k]).astype(np.float64)
+        rate[k], at_k = _lowest_line_above(x, y)
+        placed[k] += round(at_k)
+    return placed, rate
+
+
+def _lowest_line_above(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(slope, value at x = 0) of the line above every point (x increasing) whose mean height
+    over the points is least: the upper hull's edge over their mean x. Under MIN_FIT points (two
+    readings a tick apart could give any slope), or a slope no clock pair has, slope 1."""
+    flat = 1.0, float((y - x).max())
+    if len(x) < MIN_FIT or x[-1] <= x[0]:
+        return flat
+    hull: list[int] = []
+    for i in range(len(x)):  # the upper hull, left to right (monotone chain)
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]) >= 0:
+                hull.pop()  # b lies on or under the line a -> i
+            else:
+                break
+        hull.append(i)
+    mean = x.mean()
+    for a, b in zip(hull, hull[1:]):
+        if x[b] >= mean:
+            slope = (y[b] - y[a]) / (x[b] - x[a])
+            return (float(slope), float(y[a] - slope * x[a])) if abs(slope - 1) < 0.02 else flat
+    return flat
 
 
 class GpuClock:
@@ -83,11 +144,18 @@ class GpuClock:
         stamps, self.stamps = self.stamps, []
         self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
         torch.cuda.synchronize(self.readings.device)
-        readings = self.readings[: len(self.references)].cpu().numpy()
+        refs = self.references
+        readings = self.readings[: len(refs)].cpu().numpy()
+        # The references' times on their events' clock: sums of short spans (elapsed_time is a
+        # float of milliseconds, coarse across a whole run).
+        spans = [refs[k - 1].elapsed_time(refs[k]) * 1e6 for k in range(1, len(refs))]
+        event_ns = np.concatenate([[0.0], np.cumsum(spans)]) if refs else np.zeros(0)
+        placed, rate = place_references(readings, event_ns)
         kept, t = [], []
         for stamp in stamps:
+            k = stamp[4]
             try:
-                t.append(int(readings[stamp[4]]) + round(self.references[stamp[4]].elapsed_time(stamp[3]) * 1e6))
+                t.append(int(placed[k]) + round(rate[k] * refs[k].elapsed_time(stamp[3]) * 1e6))
             except RuntimeError:  # recorded after the synchronize above
                 continue
             kept.append(stamp[:3])
@@ -100,6 +168,10 @@ class GpuClock:
             host_ns=keys[:, 2],
             t_ns=np.asarray(t, dtype=np.int64),
             stage=self.stage_index,
+            ref_reading_ns=readings.astype(np.int64),  # for checking the placement afterwards
+            ref_event_ns=event_ns,
+            ref_placed_ns=placed,
+            ref_rate=rate,
         )
         self.dumps += 1
         return path
