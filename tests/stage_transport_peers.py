@@ -134,3 +134,25 @@ def word_waiter_main(path, src, dst, report_q, go_q):
     done.synchronize()
     report_q.put(("copied", dst.cpu().tolist()))
     words.close()
+
+
+def clock_player_main(role: int, path: str, directory: str, rounds: int, report_q):
+    """One side of tests/gpu/test_gpu_clock_gpu.py's ping-pong: `rounds` steps, each waiting for
+    the other process's word, stamped start and handed on this stage's GPU clock around a ~0.3 ms
+    kernel, then writing its own word; the dump's path goes back."""
+    from strata.services.worker.gpu_clock import GpuClock
+    from strata.services.worker.stream_memops import SharedWords, wait_geq, write
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    words = SharedWords(path, 2, False, dev)
+    clock = GpuClock(directory, role, dev)
+    stream = torch.cuda.current_stream(dev)
+    for i in range(rounds):
+        wait_geq(stream, words.address(1 - role), i + role)  # stage 1 waits for stage 0's step i
+        clock.stamp(i, "start")
+        torch.cuda._sleep(600_000)
+        clock.stamp(i, "handed")
+        write(stream, words.address(role), i + 1)
+    report_q.put(str(clock.dump()))
+    words.close()
