@@ -11,14 +11,13 @@ every REFERENCE_EVERY stamps a one-program kernel reads the GPU's global nanosec
 plus the events' elapsed time. (The first version launched that kernel at every stamp: on a slow
 host its launches, 35-90 us each, made the last stage's host the bottleneck.)
 
-Two things keep a reading from placing its reference exactly (session 14, from the stamps of a
-16-stream run on an H200): the global clock's readings are coarse (they lag the true time by up
-to about 0.8 ms), and the events' clock runs apart from it (about 0.3% on that H200: 330 us over
-the 64 steps between two references). Placed by its own reading, each reference's stamps stood
-up to 0.6 ms off the next one's, and two stages' steps seemed to overlap by 300 us. So each
-reference is placed by a line through its neighbours' readings against their events' times
-(the rate between the two clocks), raised to the highest of those readings (a reading only
-lags): place_references.
+A reading does not place its reference exactly. Placed by its own reading, each reference's stamps
+stood -0.2 to +0.6 ms off the next one's (median +0.33 ms over the 64 steps between two
+references), and two stages' steps seemed to overlap by up to 0.3 ms (16 streams, an H200,
+session 14). That fits coarse readings (late by up to a tick of some 0.8 ms) of a clock that runs
+about 0.3% apart from the events'. So each reference is placed by the lowest line, over its
+neighbours' times on the events' clock, that none of their readings lies above (a reading can
+only be late); its slope is the two clocks' rate: place_references.
 
 With one clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
 stages' work whether the waiting stage was queued in time (the gap is the hand-off on the GPU) or
@@ -143,8 +142,8 @@ class GpuClock:
         the step thread takes meanwhile may be dropped."""
         stamps, self.stamps = self.stamps, []
         self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
+        refs = list(self.references)  # (the step thread may add one after the synchronize)
         torch.cuda.synchronize(self.readings.device)
-        refs = self.references
         readings = self.readings[: len(refs)].cpu().numpy()
         # The references' times on their events' clock: sums of short spans (elapsed_time is a
         # float of milliseconds, coarse across a whole run).
