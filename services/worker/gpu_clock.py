@@ -12,12 +12,13 @@ plus the events' elapsed time. (The first version launched that kernel at every 
 host its launches, 35-90 us each, made the last stage's host the bottleneck.)
 
 A reading does not place its reference exactly. Placed by its own reading, each reference's stamps
-stood -0.2 to +0.6 ms off the next one's (median +0.33 ms over the 64 steps between two
-references), and two stages' steps seemed to overlap by up to 0.3 ms (16 streams, an H200,
-session 14). That fits coarse readings (late by up to a tick of some 0.8 ms) of a clock that runs
-about 0.3% apart from the events'. So each reference is placed by the lowest line, over its
-neighbours' times on the events' clock, that none of their readings lies above (a reading can
-only be late); its slope is the two clocks' rate: place_references.
+stood -0.2 to +0.6 ms off the next one's (median +0.12 ms on stage 0, +0.33 ms on stage 1, over
+the 64 steps between two references), and two stages' steps seemed to overlap by up to 0.3 ms
+(16 streams, an H200, session 14). Coarse readings (late by up to a tick) of a clock whose rate
+differs from the events' would do that; neither was measured apart. So each reference is placed
+by the lowest line, over its neighbours' times on the events' clock, that none of their readings
+lies above (a reading can only be late); its slope is the two clocks' rate: place_references.
+tests/gpu/test_gpu_clock_gpu.py checks the result across two processes.
 
 With one clock for all stages, `python -m strata.bench.gpu_clock DIR` can say for each gap between two
 stages' work whether the waiting stage was queued in time (the gap is the hand-off on the GPU) or
