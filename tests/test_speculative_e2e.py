@@ -129,7 +129,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Behind the `slow` marker (STRATA_SLOW_TESTS=1): variants whose paths another case covers in
+# CI (ngram-2 two stages, ngram-preempting preemption, draft-1 the draft link), 20-36 s each.
+SLOW_CASES = {"draft-1-grpc-link", "draft-1-scheduler", "draft-2", "draft-preempting"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_speculation_gives_every_request_the_plain_tokens(model_dir, plain, case):
     stops, expected = plain
     stages, *flags = CASES[case]
