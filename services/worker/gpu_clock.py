@@ -145,7 +145,12 @@ class GpuClock:
         self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
         refs = list(self.references)  # (the step thread may add one after the synchronize)
         torch.cuda.synchronize(self.readings.device)
-        readings = self.readings[: len(refs)].cpu().numpy()
+        # References accumulate over the run: place only those this dump's stamps use, with the
+        # neighbours that place them.
+        used = [stamp[4] for stamp in stamps]
+        first = max(min(used) - PLACEMENT_WINDOW, 0) if used else 0
+        refs = refs[first : max(used) + PLACEMENT_WINDOW + 1] if used else []
+        readings = self.readings[first : first + len(refs)].cpu().numpy()
         # The references' times on their events' clock: sums of short spans (elapsed_time is a
         # float of milliseconds, coarse across a whole run).
         spans = [refs[k - 1].elapsed_time(refs[k]) * 1e6 for k in range(1, len(refs))]
@@ -153,7 +158,7 @@ class GpuClock:
         placed, rate = place_references(readings, event_ns)
         kept, t = [], []
         for stamp in stamps:
-            k = stamp[4]
+            k = stamp[4] - first
             try:
                 t.append(int(placed[k]) + round(rate[k] * refs[k].elapsed_time(stamp[3]) * 1e6))
             except RuntimeError:  # recorded after the synchronize above
