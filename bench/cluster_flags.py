@@ -136,6 +136,13 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         help="sample the Python stacks of the services this run starts with py-spy (on PATH) "
         "during the measured phases, into this folder (`python -m strata.bench.spy_summary DIR`)",
     )
+    g.add_argument(
+        "--spy-native",
+        action="store_true",
+        help="with --spy-dir: C frames too (py-spy --native: inside the CUDA driver, the socket calls, "
+        "or waiting for the GIL, which Python frames alone cannot tell apart); each sample pauses "
+        "the process, so this samples at 200 Hz instead of 1 kHz",
+    )
 
 
 def bench_settings(**overrides) -> argparse.Namespace:

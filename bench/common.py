@@ -243,10 +243,11 @@ def cluster_for(args):
 
 
 @contextlib.contextmanager
-def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str):
+def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str, native: bool = False):
     """While the block runs, py-spy (on PATH) samples every service's Python stacks into
     OUT_DIR/PHASE-SERVICE.txt (summarise with `python -m strata.bench.spy_summary OUT_DIR`): which
-    process and which code bound the step rate. Nothing without out_dir."""
+    process and which code bound the step rate. Nothing without out_dir. native: C frames too
+    (--spy-native), sampled at 200 Hz, as each sample then pauses the process."""
     if not out_dir or not service_pids:
         yield
         return
@@ -256,10 +257,11 @@ def sampled_stacks(service_pids: dict[str, int], out_dir: str | None, phase: str
             [
                 "py-spy",
                 "record",
-                "--nonblocking",
+                *(["--native"] if native else ["--nonblocking"]),
                 "--threads",
+                "--idle",  # waits too (the GIL, a doorbell, a queue): the step thread's whole time
                 "-r",
-                "250",
+                "200" if native else "1000",
                 "-d",
                 "3600",
                 "-f",

@@ -26,7 +26,7 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
     prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
     params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
     before = await common.scheduler_stats(endpoints.scheduler)
-    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "offline"):
+    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "offline", args.spy_native):
         async with common.StatsPoller(endpoints.scheduler) as poller:
             start = time.perf_counter()
             records = await common.run_all_at_once(

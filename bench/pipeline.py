@@ -128,7 +128,7 @@ async def _run_config(endpoints, workers, args, name: str) -> dict:
     stream_prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
     # --spy-dir: the services' Python stacks in this phase, a folder per run (bench/spy_summary.py).
     spy_dir = args.spy_dir and os.path.join(args.spy_dir, name)
-    with common.sampled_stacks(endpoints.service_pids, spy_dir, "latency"):
+    with common.sampled_stacks(endpoints.service_pids, spy_dir, "latency", args.spy_native):
         latency = await _phase(
             endpoints,
             workers,

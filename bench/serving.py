@@ -65,7 +65,7 @@ async def _phases(endpoints, args) -> dict:
     prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
     before = after
     start = time.perf_counter()
-    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "closed_loop"):
+    with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "closed_loop", args.spy_native):
         records = await common.run_closed_loop(
             endpoints.gateway,
             prompts,

@@ -199,7 +199,7 @@ def _cluster_runs(args, sets, method: str | None, spec: dict | None = None) -> d
         for name, prompts in sets.items():
             for batch in args.batches:
                 spied = f"{method or 'plain'}-{name}-{batch}"  # (--spy-dir: each phase's stacks)
-                with common.sampled_stacks(endpoints.service_pids, args.spy_dir, spied):
+                with common.sampled_stacks(endpoints.service_pids, args.spy_dir, spied, args.spy_native):
                     results[(name, batch)] = phase = common.run(_phase(endpoints, args, prompts, batch))
                 if spec is None:
                     continue
