@@ -14,28 +14,41 @@ SCRATCH_ROW = 15
 PLACEHOLDER_ROW = 4  # the state row of the sequence whose decode token is a placeholder
 
 
-def mixed_steps(vocab_size: int) -> list[list[SequenceChunk]]:
+# Tokens of the three prompts and of the fourth prompt's first chunk.
+PROMPT_LENGTHS = (37, 5, 90, 50)
+
+
+def mixed_steps(vocab_size: int, lengths: tuple[int, int, int, int] = PROMPT_LENGTHS) -> list[list[SequenceChunk]]:
     """A prefill of three prompts (blocks 0-19 of 16 tokens), then their decodes (the second by
-    placeholder) beside the first chunk of a fourth prompt (blocks 20-23). Blocks 24 on stay free."""
+    placeholder) beside the first chunk of a fourth prompt (blocks 20-23). Blocks 24 on stay free.
+    The prompts fit their tables (at most 128, 64, 128 and 64 tokens)."""
     gen = torch.Generator().manual_seed(3)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(3, vocab_size, (n,), generator=gen).tolist()
 
-    prompts = [tokens(n) for n in (37, 5, 90)]
+    prompts = [tokens(n) for n in lengths[:3]]
     tables = [list(range(0, 8)), list(range(8, 12)), list(range(12, 20))]
     first = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]
     second = [
-        SequenceChunk([7], 37, tables[0]),
-        SequenceChunk([PLACEHOLDER_TOKEN], 5, tables[1]),
-        SequenceChunk([11], 90, tables[2]),
-        SequenceChunk(tokens(50), 0, list(range(20, 24))),
+        SequenceChunk([7], lengths[0], tables[0]),
+        SequenceChunk([PLACEHOLDER_TOKEN], lengths[1], tables[1]),
+        SequenceChunk([11], lengths[2], tables[2]),
+        SequenceChunk(tokens(lengths[3]), 0, list(range(20, 24))),
     ]
     return [first, second]
 
 
 def run_mixed_steps(
-    stages, *, piecewise: bool, num_blocks: int, max_tokens: int, capture: bool, device: str, dtype: torch.dtype
+    stages,
+    *,
+    piecewise: bool,
+    num_blocks: int,
+    max_tokens: int,
+    capture: bool,
+    device: str,
+    dtype: torch.dtype,
+    lengths: tuple[int, int, int, int] = PROMPT_LENGTHS,
 ):
     """Every step's final (hidden, residual) and each stage's caches, through the pieces or eagerly.
     The placeholder resolves to last_sampled[PLACEHOLDER_ROW]."""
@@ -62,7 +75,7 @@ def run_mixed_steps(
                 graphs.capture()
             pieces.append(graphs)
     outputs = []
-    for chunks in mixed_steps(config.vocab_size):
+    for chunks in mixed_steps(config.vocab_size, lengths):
         inputs = build_step_inputs(chunks, 16, device=device)
         rows = [3, PLACEHOLDER_ROW, 5, 6]
         token_rows = torch.tensor([rows[i] for i, c in enumerate(chunks) for _ in c.token_ids], device=device)

@@ -16,6 +16,7 @@ from tests.triton_interpreter import can_run_interpreted_here, rerun_under_inter
 
 if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernels.cascade_attention"):
 
+    @pytest.mark.triton_interpreter(seconds=8)  # its tests' time under the interpreter
     def test_cascade_attention_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=300)
 
@@ -85,8 +86,19 @@ else:
         assert not torch.isnan(got).any(), "read a poisoned (unowned) slot"
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    @pytest.mark.parametrize("heads,head_dim", [((4, 2), 32), ((8, 1), 64), ((6, 2), 16), ((2, 2), 32)])
+    # Each head layout once, the dtypes in turn; the rest of the cross product is behind the slow
+    # marker (STRATA_SLOW_TESTS=1).
+    RAGGED_CASES = [((4, 2), 32, torch.float32), ((8, 1), 64, torch.float16)]
+    RAGGED_CASES += [((6, 2), 16, torch.float32), ((2, 2), 32, torch.float16)]
+    RAGGED_SLOW = [((4, 2), 32, torch.float16), ((8, 1), 64, torch.float32)]
+    RAGGED_SLOW += [((6, 2), 16, torch.float16), ((2, 2), 32, torch.float32)]
+    LAYOUTS = [(4, 2), (8, 1), (6, 2), (2, 2)]
+
+    @pytest.mark.parametrize(
+        "heads,head_dim,dtype",
+        RAGGED_CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in RAGGED_SLOW],
+        ids=[f"heads{LAYOUTS.index(h)}-{d}-dtype{int(t == torch.float16)}" for h, d, t in RAGGED_CASES + RAGGED_SLOW],
+    )
     def test_ragged_groups_of_decodes_and_prefill_chunks(dtype, heads, head_dim):
         """Two ungrouped sequences, then groups of 1, 3 and 2 members: decodes and prefill chunks
         past the prefix; prefixes of 37 (mid-block), 16 (block end) and 5 keys."""

@@ -15,6 +15,7 @@ if not can_run_interpreted_here(
     "strata.kernels.penalties", "strata.kernels.gumbel_sampling", "strata.kernels.controlled_sampling"
 ):
 
+    @pytest.mark.triton_interpreter(seconds=8)  # its tests' time under the interpreter
     def test_controlled_sampling_kernels_under_triton_interpreter():
         pytest.importorskip("triton")
         rerun_under_interpreter(__file__, timeout=300)
@@ -89,8 +90,17 @@ else:
             assert torch.equal(src[r, untouched], logits[r, untouched])
         assert torch.equal(src[1], logits[1])
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("store", [False, True])
+    @pytest.mark.parametrize(
+        "store,dtype",
+        [
+            (False, torch.float32),
+            (True, torch.bfloat16),
+            # Behind the slow marker: each dtype and each store choice keeps a case above.
+            pytest.param(False, torch.bfloat16, marks=pytest.mark.slow),
+            pytest.param(True, torch.float32, marks=pytest.mark.slow),
+        ],
+        ids=["False-dtype0", "True-dtype1", "False-dtype1", "True-dtype0"],
+    )
     def test_controlled_draw_equals_the_sampler_on_the_controlled_float32_logits(dtype, store):
         from strata.kernels.controlled_sampling import apply_bitmask_, controlled_draw, controlled_draw_reference
         from strata.kernels.gumbel_sampling import gumbel_argmax

@@ -48,6 +48,7 @@ if not can_run_interpreted_here(
     "strata.kernels.decode_attention", "strata.kernels.paged_attention", "strata.kernels.rotary"
 ):
 
+    @pytest.mark.triton_interpreter(seconds=11)  # its tests' time under the interpreter
     def test_decode_attention_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=600)
 
@@ -176,8 +177,34 @@ else:
         )
         assert not _arrival_counters(got.device, 1).any(), "an arrival counter was left non-zero"
 
-    @pytest.mark.parametrize("splits", [None, 1, 2, 8])
-    @pytest.mark.parametrize("heads", [(8, 2, 32), (4, 4, 64), (12, 3, 64)], ids=["gqa4", "mha", "gqa4x3"])
+    GQA4, MHA, GQA4X3 = (8, 2, 32), (4, 4, 64), (12, 3, 64)
+
+    @pytest.mark.parametrize(
+        "heads,splits",
+        [
+            # Every head layout and every split count (the automatic choice, one, a few, many).
+            (GQA4X3, None),
+            (GQA4, 1),
+            (MHA, 2),
+            (GQA4, 8),
+            (MHA, None),
+            # The rest of the cross product, behind the slow marker: the head layouts and split
+            # counts above cover the same kernel paths.
+            *(
+                pytest.param(heads, splits, marks=pytest.mark.slow)
+                for heads, splits in [
+                    (GQA4, None),
+                    (GQA4, 2),
+                    (MHA, 1),
+                    (MHA, 8),
+                    (GQA4X3, 1),
+                    (GQA4X3, 2),
+                    (GQA4X3, 8),
+                ]
+            ),
+        ],
+        ids=lambda v: {GQA4: "gqa4", MHA: "mha", GQA4X3: "gqa4x3"}.get(v, str(v)),
+    )
     def test_matches_rotary_cache_write_and_paged_attention(heads, splits):
         num_q_heads, num_kv_heads, head_dim = heads
         # 0 cached keys (the new one only), part of a tile, several tiles and pages, ragged ends.

@@ -63,6 +63,7 @@ def sm90_launches(shapes=CHAIN_SHAPES):
 
 if not can_run_interpreted_here("strata.kernels.decode_linear"):
 
+    @pytest.mark.triton_interpreter(seconds=3)  # its tests' time under the interpreter
     def test_decode_linear_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=600)
 

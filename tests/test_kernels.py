@@ -6,7 +6,8 @@ from this module would either come too late (another test already imported the k
 GPU) or leak into every module imported after it. So, unless this process was started with
 TRITON_INTERPRET=1 and has not yet defined the kernels otherwise, this module only holds two
 launcher tests: one re-runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1
-(where the real tests below are collected), one compiles the kernels for sm_90 without a GPU.
+(where the real tests below are collected; one such process serves every kernel test file of the
+session, tests/triton_interpreter.py), one compiles the kernels for sm_90 without a GPU.
 To debug a single case directly:  TRITON_INTERPRET=1 python -m pytest tests/test_kernels.py -k window
 
 The interpreter computes bfloat16 wrongly: float32 and float16 here, bf16 in tests/gpu/.
@@ -29,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 if not can_run_interpreted_here("strata.kernels.paged_attention"):
 
+    @pytest.mark.triton_interpreter(seconds=23)  # its tests' time under the interpreter
     def test_kernels_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=540)
 
@@ -135,9 +137,18 @@ else:
     MIXED_QUERY = [9, 6, 1, 1, 1, 8]
     MIXED_CONTEXT = [0, 13, 15, 16, 31, 8]
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    @pytest.mark.parametrize("head_dim", [64, 128])
-    @pytest.mark.parametrize("group", [1, 4, 8])
+    # Every pair of (group, head size, dtype) values in one of the first six cases; the rest of the
+    # cross product is behind the slow marker (STRATA_SLOW_TESTS=1).
+    MIXED_CASES = [(1, 64, torch.float32), (1, 128, torch.float16), (4, 64, torch.float16)]
+    MIXED_CASES += [(4, 128, torch.float32), (8, 64, torch.float32), (8, 128, torch.float16)]
+    MIXED_SLOW = [(1, 64, torch.float16), (1, 128, torch.float32), (4, 64, torch.float32)]
+    MIXED_SLOW += [(4, 128, torch.float16), (8, 64, torch.float16), (8, 128, torch.float32)]
+
+    @pytest.mark.parametrize(
+        "group,head_dim,dtype",
+        MIXED_CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in MIXED_SLOW],
+        ids=[f"{g}-{d}-dtype{int(t == torch.float16)}" for g, d, t in MIXED_CASES + MIXED_SLOW],
+    )
     def test_mixed_prefill_and_decode_batch(dtype, head_dim, group):
         batch = make_paged_batch(
             MIXED_QUERY,
@@ -212,8 +223,19 @@ else:
 
     # --- paged attention: split-KV -----------------------------------------------------------
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 8), (128, 1)])
+    @pytest.mark.parametrize(
+        "head_dim,group,dtype",
+        [
+            (64, 4, torch.float16),
+            (128, 8, torch.float32),
+            (128, 1, torch.float16),
+            # Behind the slow marker: each shape and each dtype keeps a case above.
+            pytest.param(64, 4, torch.float32, marks=pytest.mark.slow),
+            pytest.param(128, 8, torch.float16, marks=pytest.mark.slow),
+            pytest.param(128, 1, torch.float32, marks=pytest.mark.slow),
+        ],
+        ids=["64-4-dtype1", "128-8-dtype0", "128-1-dtype1", "64-4-dtype0", "128-8-dtype1", "128-1-dtype0"],
+    )
     def test_split_kv_decode_matches_single_pass_and_reference(dtype, head_dim, group):
         # Context lengths from 3 (most splits empty) to 300 (several tiles per split).
         batch = make_paged_batch(

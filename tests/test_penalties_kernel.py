@@ -11,6 +11,7 @@ from tests.triton_interpreter import can_run_interpreted_here, rerun_under_inter
 
 if not can_run_interpreted_here("strata.kernels.penalties"):
 
+    @pytest.mark.triton_interpreter(seconds=0.2)  # its tests' time under the interpreter
     def test_penalties_kernel_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=120)
 

@@ -5,6 +5,7 @@ past the recovery timeout they fail with UNAVAILABLE; every KV block ends free."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from strata.services.scheduler.pipeline import Pipeline, PipelineError, StageHan
 from strata.v1 import engine_pb2, generate_pb2
 from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
 
-MAX_TOKENS = 160
+# A stage goes once every request has streamed its first token (the 16 start within a few steps
+# of one another): far from their last. Each case decodes them twice (160 took 40% longer).
+MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,12 @@ def run_all(client, work, started: threading.Barrier | None = None):
 
 
 def worker(cluster, name):
-    return next(proc for pname, proc in cluster.procs if pname == name)
+    """The running process of service `name` (restart() lists a restarted one as "name (restarted)")."""
+    return next(
+        proc
+        for pname, proc in reversed(cluster.procs)
+        if pname in (name, f"{name} (restarted)") and proc.poll() is None
+    )
 
 
 def restart(cluster, name: str, argv) -> subprocess.Popen:
@@ -97,29 +105,73 @@ def hang_until_noticed(cluster, victim, within: float) -> None:
         os.kill(victim.pid, signal.SIGCONT)
 
 
+@pytest.fixture(scope="module")
+def two_stages(model_dir):
+    """A 2-stage cluster for a transport, with the outputs of the requests run on it uninterrupted:
+    the lost-worker cases of one transport and the hung-worker test share it (each restarts or
+    resumes the stage it lost, so the next finds both stages serving), which saves a cluster start
+    and a plain run a test. One cluster runs at a time; a test that left its cluster unhealthy gets
+    the next one a fresh cluster. A hung stage is declared lost after --step-timeout (30 s by
+    default); the lost ones' streams end at once."""
+    current = {}
+
+    def get(transport: str):
+        if current and (current["transport"] != transport or not _serving(current["cluster"])):
+            current.pop("stack").close()
+            current.clear()
+        if not current:
+            stack = contextlib.ExitStack()
+            argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport, "--step-timeout", "10")
+            cluster, client = stack.enter_context(running_cluster(model_dir, 2, *argv))
+            threads, plain, errors = run_all(client, requests())
+            for t in threads:
+                t.join()
+            assert not errors and len(plain) == 16
+            current.update(transport=transport, stack=stack, cluster=cluster, client=client, plain=plain)
+        return current["cluster"], current["client"], current["plain"]
+
+    yield get
+    if current:
+        current["stack"].close()
+
+
+def _serving(cluster) -> bool:
+    return all(proc.poll() is None for _, proc in _running(cluster)) and check_health(cluster.scheduler_address)
+
+
+def _running(cluster):
+    """Each service's latest process (a restarted one replaces the one it was started for)."""
+    latest = {}
+    for name, proc in cluster.procs:
+        latest[name.removesuffix(" (restarted)")] = (name, proc)
+    return latest.values()
+
+
 @pytest.mark.parametrize(
     "stop,transport,lost",
     [
         (signal.SIGKILL, "auto", "worker 1"),
         (signal.SIGTERM, "auto", "worker 1"),
+        (signal.SIGKILL, "auto", "worker 0"),  # the restarted stage 0 opens the streams to stage 1
+        # (the other transports, 25-29 s each, run with STRATA_SLOW_TESTS=1: CI keeps ipc's)
         # Its steps wait for activations on the event loop (up to the transport's deadline).
         pytest.param(signal.SIGTERM, "grpc", "worker 1", marks=pytest.mark.slow),
-        # (the other transports, 25-29 s each, run with STRATA_SLOW_TESTS=1: CI keeps ipc's)
         pytest.param(signal.SIGKILL, "distributed", "worker 1", marks=pytest.mark.slow),
-        (signal.SIGKILL, "auto", "worker 0"),  # the restarted stage 0 opens the streams to stage 1
         # the last stage's doorbell and group go with it
         pytest.param(signal.SIGKILL, "distributed", "worker 0", marks=pytest.mark.slow),
     ],
     ids=[
         "killed",
         "stopped",
+        "killed-stage-0",
         "stopped-grpc-transport",
         "killed-gloo-transport",
-        "killed-stage-0",
         "killed-gloo-stage-0",
     ],
 )
-def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(model_dir, stop, transport, lost):
+def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_token(
+    two_stages, stop, transport, lost
+):
     """SIGKILL drops the stage's streams; SIGTERM (docker stop) ends them cleanly first: the
     scheduler must treat both as a lost stage, never as an engine failure. On CPUs of one host `auto`
     is the ipc transport (a ring in /dev/shm and a doorbell socket, whose end of file tells the
@@ -127,40 +179,63 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
     rebuilt pipeline forms a new link. A stopped stage exits within seconds, also with a step waiting for its
     activations (docker stop kills it past its grace period)."""
     work = requests()
-    argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport)
-    with running_cluster(model_dir, 2, *argv) as (cluster, client):
-        threads, plain, errors = run_all(client, work)
+    cluster, client, plain = two_stages(transport)
+    before = scheduler_stats(cluster)
+    started = threading.Barrier(len(work) + 1)
+    threads, resumed, errors = run_all(client, work, started)
+    started.wait(timeout=60)  # every request has streamed tokens: kill one stage mid-stream
+    victim = worker(cluster, lost)
+    argv = victim.args
+    victim.send_signal(stop)
+    signalled = time.monotonic()
+    victim.wait()
+    if stop == signal.SIGTERM:
+        assert time.monotonic() - signalled < 10, "the stopped stage took too long to exit"
+    stats = restart_and_finish(cluster, lost, argv, threads, errors)
+    assert resumed == plain
+    assert stats.used_kv_blocks == 0 and stats.preemptions > before.preemptions
+
+
+def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(two_stages):
+    """On the lost-worker cases' cluster (the cases above leave it serving): a stage that stops
+    answering is declared lost past its step deadline (--step-timeout 10)."""
+    work = requests()[:6]
+    cluster, client, plain = two_stages("auto")
+    started = threading.Barrier(len(work) + 1)
+    threads, resumed, errors = run_all(client, work, started)
+    started.wait(timeout=60)
+    hang_until_noticed(cluster, worker(cluster, "worker 0"), within=10)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert resumed == {i: plain[i] for i in range(len(work))}
+    assert scheduler_stats(cluster).used_kv_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def one_stage(model_dir):
+    """One stage without speculation and the requests' outputs on it, for the draft-link test;
+    then the recovery-timeout test's cluster, which kills its worker (a 2 s recovery timeout
+    changes nothing while the stage serves): one cluster start for both."""
+    with running_cluster(model_dir, 1, "--stage-recovery-timeout", "2") as (cluster, client):
+        threads, plain, errors = run_all(client, requests())
         for t in threads:
             t.join()
         assert not errors and len(plain) == 16
-        started = threading.Barrier(len(work) + 1)
-        threads, resumed, errors = run_all(client, work, started)
-        started.wait(timeout=60)  # every request has streamed tokens: kill one stage mid-stream
-        victim = worker(cluster, lost)
-        argv = victim.args
-        victim.send_signal(stop)
-        signalled = time.monotonic()
-        victim.wait()
-        if stop == signal.SIGTERM:
-            assert time.monotonic() - signalled < 10, "the stopped stage took too long to exit"
-        stats = restart_and_finish(cluster, lost, argv, threads, errors)
-        assert resumed == plain
-        assert stats.used_kv_blocks == 0 and stats.preemptions > 0
+        yield cluster, client, plain
 
 
 # (a lost draft worker, about 40 s, runs with STRATA_SLOW_TESTS=1; CI keeps the lost target)
 @pytest.mark.parametrize("lost", [pytest.param("draft worker", marks=pytest.mark.slow), "worker 0"])
-def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_changes_no_token(model_dir, lost):
+def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_changes_no_token(
+    model_dir, one_stage, lost
+):
     """One target stage with a draft model whose proposals go straight to it (the draft link): a
     killed draft worker fails the target's step waiting for its drafts (the link's end of file),
     a killed target the draft worker's sends; either way the pipeline and the link are rebuilt
     when it is back, and every request finishes with the tokens it had without speculation."""
     work = requests()
-    with running_cluster(model_dir, 1) as (_, client):
-        threads, plain, errors = run_all(client, work)
-        for t in threads:
-            t.join()
-        assert not errors and len(plain) == 16
+    _, _, plain = one_stage
     flags = ("--stage-recovery-timeout", "60", "--speculative-method", "draft", "--draft-num-layers", "1")
     with running_cluster(model_dir, 1, *flags) as (cluster, client):
         started = threading.Barrier(len(work) + 1)
@@ -175,35 +250,18 @@ def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_ch
         assert stats.spec_decode_linked_proposals > 0 and stats.used_kv_blocks == 0
 
 
-def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(model_dir):
-    work = requests()[:6]
-    with running_cluster(model_dir, 2, "--step-timeout", "10") as (cluster, client):
-        threads, plain, errors = run_all(client, work)
-        for t in threads:
-            t.join()
-        started = threading.Barrier(len(work) + 1)
-        threads, resumed, errors = run_all(client, work, started)
-        started.wait(timeout=60)
-        hang_until_noticed(cluster, worker(cluster, "worker 0"), within=10)
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
-        assert resumed == plain
-        assert scheduler_stats(cluster).used_kv_blocks == 0
-
-
-def test_requests_fail_with_unavailable_past_the_recovery_timeout(model_dir):
-    with running_cluster(model_dir, 1, "--stage-recovery-timeout", "2") as (cluster, client):
-        started = threading.Barrier(2)
-        threads, results, errors = run_all(
-            client, [("too late", dict(max_tokens=400, ignore_eos=True, temperature=0.0))], started
-        )
-        started.wait(timeout=60)
-        victim = worker(cluster, "worker 0")
-        victim.kill()
-        victim.wait()
-        threads[0].join(timeout=60)
-        assert errors == {0: grpc.StatusCode.UNAVAILABLE}
+def test_requests_fail_with_unavailable_past_the_recovery_timeout(one_stage):
+    cluster, client, _ = one_stage  # its last user: the stage stays lost
+    started = threading.Barrier(2)
+    threads, results, errors = run_all(
+        client, [("too late", dict(max_tokens=400, ignore_eos=True, temperature=0.0))], started
+    )
+    started.wait(timeout=60)
+    victim = worker(cluster, "worker 0")
+    victim.kill()
+    victim.wait()
+    threads[0].join(timeout=60)
+    assert errors == {0: grpc.StatusCode.UNAVAILABLE}
 
 
 @pytest.mark.parametrize("error", [asyncio.InvalidStateError("RPC already finished."), grpc.aio.UsageError("closed")])

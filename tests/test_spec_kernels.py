@@ -230,6 +230,7 @@ if not interpreter_active() or not can_run_interpreted_here(
     "strata.kernels.ngram_lookup", "strata.kernels.spec_decode"
 ):
 
+    @pytest.mark.triton_interpreter(seconds=1)  # its tests' time under the interpreter
     def test_spec_kernels_under_triton_interpreter():
         pytest.importorskip("triton")
         rerun_under_interpreter(__file__, timeout=300)

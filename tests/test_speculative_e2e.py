@@ -7,6 +7,7 @@ token, and each speculating run must have verified and accepted drafts."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import grpc
@@ -51,9 +52,7 @@ def workload(client, stops):
         results[f"greedy{i}"] = _tokens(client, prompt, max_tokens=80, **GREEDY)
         results[f"sampled{i}"] = _tokens(client, prompt, **SAMPLED)
     results["n4"] = _tokens(client, PROMPTS[0], n=4, **SAMPLED)
-    for name, (token_ids, strings) in stops.items():
-        results[f"stop_tokens_{name}"] = _tokens(client, PROMPTS[0], stop_token_ids=token_ids, **GREEDY)
-        results[f"stop_strings_{name}"] = _tokens(client, PROMPTS[1], stop=strings, **SAMPLED)
+    results.update(stopped(client, stops))
 
     def one(i):  # 16 at once: greedy and sampled, short and long
         kw = GREEDY if i % 2 else dict(SAMPLED, seed=100 + i)
@@ -69,6 +68,15 @@ def workload(client, stops):
     return results
 
 
+def stopped(client, stops):
+    """The workload's requests with stop tokens and stop strings."""
+    results = {}
+    for name, (token_ids, strings) in stops.items():
+        results[f"stop_tokens_{name}"] = _tokens(client, PROMPTS[0], stop_token_ids=token_ids, **GREEDY)
+        results[f"stop_strings_{name}"] = _tokens(client, PROMPTS[1], stop=strings, **SAMPLED)
+    return results
+
+
 def stop_rules(plain):
     """Stop tokens at several positions of a greedy output, stop strings cut from a sampled one."""
     greedy = plain["greedy0"][0][0]
@@ -80,18 +88,43 @@ def stop_rules(plain):
 
 @pytest.fixture(scope="module")
 def plain(model_dir):
+    """The workload without speculation. The stop rules come from its first outputs, so the
+    requests with stops run after them (the rest of the workload is the same with or without)."""
     with running_cluster(model_dir, 1) as (_, client):
         first = workload(client, {})
         stops = stop_rules(first)
-        return stops, {**first, **workload(client, stops)}
+        return stops, {**first, **stopped(client, stops)}
 
 
+@pytest.fixture(scope="module")
+def cluster_for(model_dir):
+    """A running cluster of `stages` with `flags`: the one the previous test ran on when it was
+    started the same way (the draft cluster the cancellation test shares with draft-1), else a new
+    one, after the previous one stopped (one cluster at a time)."""
+    current = {}
+
+    def get(stages, *flags):
+        if current and current["how"] != (stages, *flags):
+            current.pop("stack").close()
+            current.clear()
+        if not current:
+            stack = contextlib.ExitStack()
+            cluster, client = stack.enter_context(running_cluster(model_dir, stages, *flags))
+            current.update(how=(stages, *flags), stack=stack, cluster=cluster, client=client)
+        return current["cluster"], current["client"]
+
+    yield get
+    if current:
+        current["stack"].close()
+
+
+DRAFT_1 = (1, "--speculative-method", "draft", "--draft-num-layers", "1")
 CASES = {
     "ngram-1": (1, "--speculative-method", "ngram", "--ngram-max", "3"),
     "ngram-2": (2, "--speculative-method", "ngram", "--num-speculative-tokens", "3"),
     # One stage: the draft worker hands its proposals straight to the stage (the draft link, ipc
-    # through /dev/shm here), or over gRPC, or back through the scheduler.
-    "draft-1": (1, "--speculative-method", "draft", "--draft-num-layers", "1"),
+    # through /dev/shm here), or over gRPC, or back through the scheduler. draft-1 comes last
+    # (below): the cancellation test runs on its cluster.
     "draft-1-grpc-link": (1, "--speculative-method", "draft", "--draft-num-layers", "1", "--stage-transport", "grpc"),
     "draft-1-scheduler": (
         1,
@@ -115,6 +148,23 @@ CASES = {
     ),
     # 40 blocks of 4 tokens, one request's worth: 16 concurrent requests preempt each other.
     "ngram-preempting": (1, "--speculative-method", "ngram", "--num-kv-blocks", "40", "--max-model-len", "160"),
+    # ngram-1, ngram-rounds and ngram-preempting on one cluster: CI's one-stage n-gram case, with
+    # each one's assertions (verify rounds, preemptions).
+    "ngram-1-rounds-preempting": (
+        1,
+        "--speculative-method",
+        "ngram",
+        "--ngram-max",
+        "3",
+        "--speculative-rounds",
+        "3",
+        "--speculative-rounds-max-batch",
+        "16",
+        "--num-kv-blocks",
+        "40",
+        "--max-model-len",
+        "160",
+    ),
     "draft-preempting": (
         1,
         "--speculative-method",
@@ -126,49 +176,64 @@ CASES = {
         "--max-model-len",
         "160",
     ),
+    "draft-1": DRAFT_1,
 }
 
 
 # Behind the `slow` marker (STRATA_SLOW_TESTS=1): variants whose paths another case covers in
-# CI (ngram-2 two stages, ngram-preempting preemption, draft-1 the draft link), 20-36 s each.
-SLOW_CASES = {"draft-1-grpc-link", "draft-1-scheduler", "draft-2", "draft-preempting"}
+# CI (ngram-1-rounds-preempting one stage of n-gram speculation with several rounds and with
+# preemption, ngram-2 two stages, draft-1 the draft link), 15-36 s each.
+SLOW_CASES = {
+    "ngram-1",
+    "ngram-rounds",
+    "ngram-preempting",
+    "draft-1-grpc-link",
+    "draft-1-scheduler",
+    "draft-2",
+    "draft-preempting",
+}
+
+
+def _delta(after, before, field: str) -> int:
+    return getattr(after, field) - getattr(before, field)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
-def test_speculation_gives_every_request_the_plain_tokens(model_dir, plain, case):
+def test_speculation_gives_every_request_the_plain_tokens(cluster_for, plain, case):
     stops, expected = plain
     stages, *flags = CASES[case]
-    with running_cluster(model_dir, stages, *flags) as (cluster, client):
-        got = workload(client, stops)
-        stats = scheduler_stats(cluster)
+    cluster, client = cluster_for(stages, *flags)
+    before = scheduler_stats(cluster)  # counts of this workload: a shared cluster's are deltas
+    got = workload(client, stops)
+    stats = scheduler_stats(cluster)
     different = sorted(name for name in expected if got[name] != expected[name])
     assert not different, (different[:3], [(got[n], expected[n]) for n in different[:1]])
-    assert stats.spec_decode_drafts > 0 and stats.spec_decode_accepted_tokens > 0
-    if "preempting" in case:
-        assert stats.preemptions > 0
+    assert _delta(stats, before, "spec_decode_drafts") > 0 and _delta(stats, before, "spec_decode_accepted_tokens") > 0
+    if "--num-kv-blocks" in flags:  # the preempting cases
+        assert _delta(stats, before, "preemptions") > 0
     linked = case.startswith("draft-") and stages == 1 and "--draft-proposals" not in flags
     if linked:  # every proposal went over the draft link, none failed
-        assert stats.spec_decode_linked_proposals >= stats.spec_decode_verify_steps > 0
+        verify_steps = _delta(stats, before, "spec_decode_verify_steps")
+        assert _delta(stats, before, "spec_decode_linked_proposals") >= verify_steps > 0
     else:
-        assert stats.spec_decode_linked_proposals == 0
-    assert stats.spec_decode_failed_proposals == 0
-    if case == "ngram-rounds":  # steps ran several verify rounds
-        assert stats.spec_decode_verify_rounds > stats.spec_decode_verify_steps
+        assert _delta(stats, before, "spec_decode_linked_proposals") == 0
+    assert _delta(stats, before, "spec_decode_failed_proposals") == 0
+    if "--speculative-rounds" in flags:  # steps ran several verify rounds
+        assert _delta(stats, before, "spec_decode_verify_rounds") > _delta(stats, before, "spec_decode_verify_steps")
     assert stats.used_kv_blocks == 0
 
 
-def test_cancelled_speculating_streams_free_every_block(model_dir):
-    with running_cluster(model_dir, 1, "--speculative-method", "draft", "--draft-num-layers", "1") as (c, client):
-        streams = [
-            client.generate(f"cancel {i} " * 3, max_tokens=300, ignore_eos=True, temperature=0.0) for i in range(8)
-        ]
-        for stream in streams:
-            next(stream)
-        for stream in streams:
-            stream.cancel()
-            with pytest.raises(grpc.RpcError):
-                list(stream)
-        assert collect(client.generate("after", max_tokens=10, ignore_eos=True, temperature=0.0))
-        stats = scheduler_stats(c)
-        assert stats.spec_decode_drafts > 0
-        assert stats.used_kv_blocks == 0 and stats.running == 0
+def test_cancelled_speculating_streams_free_every_block(cluster_for):
+    c, client = cluster_for(*DRAFT_1)  # draft-1's cluster, when that case ran just before
+    before = scheduler_stats(c)
+    streams = [client.generate(f"cancel {i} " * 3, max_tokens=300, ignore_eos=True, temperature=0.0) for i in range(8)]
+    for stream in streams:
+        next(stream)
+    for stream in streams:
+        stream.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(stream)
+    assert collect(client.generate("after", max_tokens=10, ignore_eos=True, temperature=0.0))
+    stats = scheduler_stats(c)
+    assert stats.spec_decode_drafts > before.spec_decode_drafts
+    assert stats.used_kv_blocks == 0 and stats.running == 0
