@@ -14,6 +14,33 @@ from strata.grpc_util import bearer
 from strata.launcher import free_port, start_cluster
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
+# Clusters that tests of several modules share, by (model directory, stages, flags); stopped at
+# the end of the session (tests/conftest.py).
+_SHARED: dict[tuple, tuple[contextlib.ExitStack, object, StrataClient]] = {}
+# Tiny models that several modules share (their clusters too), by (seed, layers, arch).
+_SHARED_MODELS: dict[tuple, Path] = {}
+
+
+def shared_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
+    """(cluster, client) of running_cluster(model_dir, stages, *extra), shared by every test of the
+    session that asks for the same one: each cluster start costs 7-10 s on two cores. A cluster a
+    test left with a service down is replaced. Its counters add up over the tests that share it."""
+    key = (str(model_dir), stages, extra)
+    entry = _SHARED.get(key)
+    if entry is not None and any(proc.poll() is not None for _, proc in entry[1].procs):
+        _SHARED.pop(key)[0].close()
+        entry = None
+    if entry is None:
+        stack = contextlib.ExitStack()
+        cluster, client = stack.enter_context(running_cluster(model_dir, stages, *extra))
+        entry = _SHARED[key] = (stack, cluster, client)
+    return entry[1], entry[2]
+
+
+def stop_shared_clusters() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1][0].close()
+
 
 @contextlib.contextmanager
 def running_cluster(model_dir: Path | str, stages: int = 1, *extra: str):
@@ -93,12 +120,18 @@ def collect(responses) -> dict[int, list[int]]:
     return tokens
 
 
-def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "llama") -> Path:
-    """A tiny random HF model with its own BPE tokenizer, written once per test module."""
+def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "llama", shared: bool = False) -> Path:
+    """A tiny random HF model with its own BPE tokenizer, written once per test module; `shared`:
+    once per session, for the modules that share its clusters (shared_cluster)."""
     from strata.default_model import build_tiny_tokenizer
     from tests.tiny_models import write_tiny_model
 
+    if shared and (seed, layers, arch) in _SHARED_MODELS:
+        return _SHARED_MODELS[seed, layers, arch]
     tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
-    return write_tiny_model(
+    path = write_tiny_model(
         tmp_path_factory.mktemp(arch), arch=arch, seed=seed, tokenizer=tok, num_hidden_layers=layers
     )
+    if shared:
+        _SHARED_MODELS[seed, layers, arch] = path
+    return path

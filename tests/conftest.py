@@ -5,6 +5,7 @@ Triton-interpreter launchers are planned into one interpreted run (tests/triton_
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -31,3 +32,8 @@ def pytest_collection_finish(session):
     from tests.triton_interpreter import plan_interpreted_runs
 
     plan_interpreted_runs(session.items)
+
+
+def pytest_sessionfinish(session):
+    if "tests.cluster" in sys.modules:  # the clusters tests shared (tests/cluster.py)
+        sys.modules["tests.cluster"].stop_shared_clusters()

@@ -309,7 +309,14 @@ def test_a_tokenizer_of_another_model_is_refused_before_any_request(cluster, mod
     assert after.prefill_tokens_computed == before.prefill_tokens_computed  # no Generate, no group
     assert after.finished_requests == before.finished_requests
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
-    # The served model's own tokenizer passes the check and the batch runs.
+
+
+# Behind the slow marker (STRATA_SLOW_TESTS=1): the first test's batch runs with the served
+# model's own tokenizer (the same command line), checked against the gateway first.
+@pytest.mark.slow
+def test_the_served_models_own_tokenizer_passes_the_check(cluster, model_dir, tmp_path):
+    c, _ = cluster
+    write_input(tmp_path / "in.jsonl", lines())
     assert run_batch_through_gateway(c, tmp_path, "--tokenizer", str(model_dir)).returncode == 0
     assert len(read_output(tmp_path / "out.jsonl")) == len(lines())
 

@@ -54,8 +54,8 @@ def _run_concurrently(client, prompts, lengths):
     [
         # Behind the slow marker (STRATA_SLOW_TESTS=1), the cases whose paths others cover: one
         # stage is qwen2-1's, three (a first, a middle and a last stage; two have the first and the
-        # last) qwen2-3's; the llama layers on three stages equal HF in tests/test_stage_transport.py
-        # (the same tiny llama over grpc and gloo) and under preemption below.
+        # last) qwen2-3's; a tiny llama on three stages equals HF in tests/test_stage_transport.py
+        # (over grpc and over gloo).
         pytest.param("llama", 1, marks=pytest.mark.slow),
         pytest.param("llama", 2, marks=pytest.mark.slow),
         pytest.param("llama", 3, marks=pytest.mark.slow),
@@ -85,6 +85,11 @@ def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     assert stats.lookahead_decodes > 0
 
 
+# Behind the slow marker (STRATA_SLOW_TESTS=1): preemption by recompute leaves every token as
+# it was with n-gram speculation in tests/test_speculative_e2e.py (a cache of 40 blocks), and on
+# two stages after a lost stage in tests/test_recovery.py; a tiny pool on two stages returns
+# every block in tests/test_e2e_parallel_sampling.py.
+@pytest.mark.slow
 def test_greedy_matches_hf_under_preemption(tmp_path_factory, tokenizer):
     """A KV cache far too small for 16 requests forces preemption by recompute; nothing changes."""
     model_dir = _model(tmp_path_factory, tokenizer, "llama")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from strata.v1 import generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+from tests.cluster import collect, running_cluster, scheduler_stats, shared_cluster, tiny_llama_dir
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=11)
@@ -23,13 +23,14 @@ PROMPTS = ["the cat the cat the cat the", "one two three one two three one", "he
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_llama_dir(tmp_path_factory, seed=5, layers=2)
+    # tests/test_structured_outputs.py's model: it runs on the plain and ngram-2 clusters too.
+    return tiny_llama_dir(tmp_path_factory, seed=5, layers=2, shared=True)
 
 
 def _tokens(client, prompt, **kw):
     responses = list(
         client.generate(
-            prompt, timeout=120, output_kind=generate_pb2.DELTA, **{"max_tokens": 60, "ignore_eos": True, **kw}
+            prompt, timeout=120, output_kind=generate_pb2.DELTA, **{"max_tokens": 40, "ignore_eos": True, **kw}
         )
     )
     outs = {}
@@ -48,8 +49,8 @@ def workload(client, stops):
     """Every kind of request the issue names; `stops` gives stop tokens and strings taken from
     the plain run's outputs, so that they fall inside (accepted) drafts."""
     results = {}
-    for i, prompt in enumerate(PROMPTS):
-        results[f"greedy{i}"] = _tokens(client, prompt, max_tokens=80, **GREEDY)
+    for i, prompt in enumerate(PROMPTS):  # (stop_rules takes positions up to 33 of greedy0's 48)
+        results[f"greedy{i}"] = _tokens(client, prompt, max_tokens=48, **GREEDY)
         results[f"sampled{i}"] = _tokens(client, prompt, **SAMPLED)
     results["n4"] = _tokens(client, PROMPTS[0], n=4, **SAMPLED)
     results.update(stopped(client, stops))
@@ -90,23 +91,26 @@ def stop_rules(plain):
 def plain(model_dir):
     """The workload without speculation. The stop rules come from its first outputs, so the
     requests with stops run after them (the rest of the workload is the same with or without)."""
-    with running_cluster(model_dir, 1) as (_, client):
-        first = workload(client, {})
-        stops = stop_rules(first)
-        return stops, {**first, **stopped(client, stops)}
+    _, client = shared_cluster(model_dir, 1)
+    first = workload(client, {})
+    stops = stop_rules(first)
+    return stops, {**first, **stopped(client, stops)}
 
 
 @pytest.fixture(scope="module")
 def cluster_for(model_dir):
     """A running cluster of `stages` with `flags`: the one the previous test ran on when it was
     started the same way (the draft cluster the cancellation test shares with draft-1), else a new
-    one, after the previous one stopped (one cluster at a time)."""
+    one, after the previous one stopped (one cluster at a time); ngram-2's is the session's, shared
+    with tests/test_structured_outputs.py."""
     current = {}
 
     def get(stages, *flags):
         if current and current["how"] != (stages, *flags):
             current.pop("stack").close()
             current.clear()
+        if (stages, *flags) == CASES["ngram-2"]:
+            return shared_cluster(model_dir, stages, *flags)
         if not current:
             stack = contextlib.ExitStack()
             cluster, client = stack.enter_context(running_cluster(model_dir, stages, *flags))

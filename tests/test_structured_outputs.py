@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from strata.v1 import generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+from tests.cluster import collect, scheduler_stats, shared_cluster, tiny_llama_dir
 
 PROMPT = "the cat the cat the cat the"
 SCHEMA = {
@@ -32,7 +33,8 @@ PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_llama_dir(tmp_path_factory, seed=5, layers=2)
+    # tests/test_speculative_e2e.py's model: its plain and ngram-2 clusters serve the runs here.
+    return tiny_llama_dir(tmp_path_factory, seed=5, layers=2, shared=True)
 
 
 def _tokens(client, prompt, **kw) -> dict[int, list[int]]:
@@ -60,13 +62,20 @@ def workload(client) -> dict:
 def runs(model_dir):
     """The workload on one stage without speculation, and on 2 stages with n-gram speculation."""
     results = {}
-    with running_cluster(model_dir, 1) as (cluster, client):
-        results["plain"] = workload(client)
-        results["info"] = client.model_info()
-        results["hostile"] = _hostile(cluster, client)
-    with running_cluster(model_dir, 2, "--speculative-method", "ngram", "--num-speculative-tokens", "3") as (c, client):
-        results["spec"] = workload(client)
-        results["spec_stats"] = scheduler_stats(c)
+    cluster, client = shared_cluster(model_dir, 1)  # the session's: see shared_cluster
+    results["plain"] = workload(client)
+    results["info"] = client.model_info()
+    results["hostile"] = _hostile(cluster, client)
+    c, client = shared_cluster(model_dir, 2, "--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    before = scheduler_stats(c)
+    results["spec"] = workload(client)
+    after = scheduler_stats(c)
+    results["spec_stats"] = SimpleNamespace(
+        **{
+            f: getattr(after, f) - getattr(before, f)
+            for f in ("spec_decode_accepted_tokens", "spec_decode_draft_tokens")
+        }
+    )
     return results
 
 

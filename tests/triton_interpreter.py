@@ -6,7 +6,8 @@ The kernel files of a session share their interpreted processes: one per core, e
 share of the files balanced by their launchers' `seconds` (the interpreter runs one core, and
 importing torch, Triton and the kernels cost 5-8 s a process on CI's two cores). The first
 launcher test to run starts them for every launcher tests/conftest.py found selected; each
-launcher then passes or fails on its own file's tests alone.
+launcher then passes or fails on its own file's tests alone. With STRATA_SLOW_TESTS=1 they run
+the files' slow cases too (`-m slow` selects no launcher: name the files).
 """
 
 from __future__ import annotations
