@@ -177,7 +177,7 @@ def grammar_host_ms(tokenizer: str, batch: int, threads: int, vocab: int) -> tup
 
     from transformers import AutoTokenizer
 
-    from strata.services.worker import grammar
+    from strata.services.worker.sampling import grammar
 
     ids = AutoTokenizer.from_pretrained(tokenizer).encode("[" + ", ".join(map(str, range(100))))[: WARMUP + TIMED]
     default, grammar.FILL_THREADS = grammar.FILL_THREADS, threads

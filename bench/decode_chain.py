@@ -5,7 +5,7 @@ each against its floor, in one process on the worker's own ModelRunner (as `stra
     python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
 
 Five ways per model and batch, the CUDA graphs recaptured for each:
-- chain + PDL: the default (services/worker/decode_chain.py, kernels/dependent_launch.py), with
+- chain + PDL: the default (services/worker/model/decode_chain.py, kernels/dependent_launch.py), with
   rotary, KV write, attention and merge in one launch (kernels/decode_attention.py);
 - chain + PDL (3-kernel attention): those as three kernels (STRATA_DISABLE_FUSED_DECODE_ATTENTION=1);
 - chain: the fused GEMVs and attention, launched plainly (STRATA_DISABLE_PDL=1);

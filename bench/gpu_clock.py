@@ -1,5 +1,5 @@
 """Where a pipeline's shared GPU idles between its stages' steps, from the workers' GPU clock stamps
-(services/worker/gpu_clock.py: run the cluster with STRATA_GPU_CLOCK_DIR=DIR, then):
+(services/worker/diagnostics/gpu_clock.py: run the cluster with STRATA_GPU_CLOCK_DIR=DIR, then):
 
     python -m strata.bench.gpu_clock DIR            # the last dump of each cluster
     python -m strata.bench.gpu_clock DIR --call 3   # `strata bench pipeline`: 3 = its 16-stream phase
@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from strata.services.worker.gpu_clock import POINTS  # (importing it loads torch, as the stamps need)
+from strata.services.worker.diagnostics.gpu_clock import POINTS  # (importing it loads torch, as the stamps need)
 
 
 def load(directory: str, call: int | None) -> list[list[dict]]:
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
 
 def breakdown(stages: list[dict], max_gap_ms: float = 2.0) -> str:
     """The report of one cluster's dump, after how each stage's stamps were placed on the global
-    clock (services/worker/gpu_clock.place_references)."""
+    clock (services/worker/diagnostics/gpu_clock.py, place_references)."""
     placement = [
         f"  stage {i} placed by {s['placement'][0]} references; global clock against its events' "
         f"clock: rate {s['placement'][1]:.5f} (p50)"

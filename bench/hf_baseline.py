@@ -48,7 +48,7 @@ def _random_llama(preset: str, dtype, device: str, seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from strata.services.worker.weights import DUMMY_STD, dummy_config
+    from strata.services.worker.model.weights import DUMMY_STD, dummy_config
 
     c = dummy_config(preset)
     if c.architecture != "LlamaForCausalLM":

@@ -20,10 +20,10 @@ import torch
 
 from strata.default_model import ensure_tiny_model
 from strata.grpc_util import bind, new_server, set_serving, wait_for_termination_signal
-from strata.services.worker.model_config import ModelConfig
+from strata.services.worker.model.model_config import ModelConfig
 from strata.services.worker.runner import ModelRunner
 from strata.services.worker.server import WorkerServicer
-from strata.services.worker.step_results import PendingResult
+from strata.services.worker.step.step_results import PendingResult
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 

@@ -43,7 +43,7 @@ _NAMES = {"ipc": "STAGE_TRANSPORT_IPC", "distributed": "STAGE_TRANSPORT_DISTRIBU
 def _open_links(role: int, transport: str, device, dtype, rows: int, hidden: int, slots: int, links):
     """This process's receiver (from the peer) and sender (to the peer): the links cross through
     the two queues as the scheduler would carry them in InitCache."""
-    from strata.services.worker.stage_transport import open_receiver, open_sender
+    from strata.services.worker.transport.stage_transport import open_receiver, open_sender
     from strata.v1 import engine_pb2
 
     kind = getattr(engine_pb2, _NAMES[transport])

@@ -53,7 +53,7 @@ class _Ops:
              device-to-device one (cuda_graphs.DecodeGraphs.run)."""
 
     def __init__(self, name: str, dev: torch.device):
-        from strata.services.worker import stream_memops
+        from strata.services.worker.transport import stream_memops
 
         self.name, self.memops = name, stream_memops
         self.ring = torch.zeros(2, ACT_ELEMENTS, dtype=torch.bfloat16, device=dev)
@@ -86,7 +86,7 @@ class _Ops:
 
 
 def _player(role: int, where: str, ops: str, path: str, words_dev, rounds: int, work_us: float, queues) -> None:
-    from strata.services.worker import stream_memops
+    from strata.services.worker.transport import stream_memops
 
     q_ready, q_go, q_out = queues
     dev = torch.device("cuda:0")
@@ -143,7 +143,7 @@ def _work_alone(rounds: int, work_us: float) -> float:
 
 def run(where: str, ops: str, rounds: int, work_us: float) -> tuple[float, bool]:
     """(microseconds per hand-off, one direction; whether both hosts queued every round ahead)."""
-    from strata.services.worker import stream_memops
+    from strata.services.worker.transport import stream_memops
 
     ctx = mp.get_context("spawn")
     words = stream_memops.SharedWords.create(2, torch.device("cuda:0")) if where == "host" else None

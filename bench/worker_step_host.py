@@ -32,9 +32,9 @@ from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.scheduler.speculation import SpeculativeConfig
-from strata.services.worker.device_proposer import DeviceSpeculation
-from strata.services.worker.sequence_table import SequenceTable
-from strata.services.worker.step_inputs import StepInputBuilder
+from strata.services.worker.speculation.device_speculation import DeviceSpeculation
+from strata.services.worker.step.sequence_table import SequenceTable
+from strata.services.worker.step.step_inputs import StepInputBuilder
 from strata.v1 import engine_pb2
 
 PHASES = ("apply", "build", "spec")

@@ -1,7 +1,7 @@
 """Decode attention in one launch: rotary, the KV-cache write, split-KV attention and the split merge
-for one new token per sequence: the attention of the batch-1 decode chain (services/worker/decode_chain.py)
+for one new token per sequence: the attention of the batch-1 decode chain (services/worker/model/decode_chain.py)
 and of every decode step small enough to be latency-bound (decode_attention_serves; Attention.attend
-in services/worker/model.py decides).
+in services/worker/model/shard.py decides).
 
 Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
 merge of the splits), each a few microseconds of latency that waits for the one before it, and

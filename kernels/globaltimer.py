@@ -1,6 +1,6 @@
 """One GPU timestamp: a one-program kernel stores %globaltimer (nanoseconds, one clock for every
 SM and every process on the GPU) at out[index]. CUDA events cannot be compared across processes;
-these stamps can, so two stages sharing a GPU land on one timeline (services/worker/gpu_clock.py)."""
+these stamps can, so two stages sharing a GPU land on one timeline (services/worker/diagnostics/gpu_clock.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Randomness is a keyed integer hash of (seed, position, salt, vocab index), never a generator's
 state, so a seeded row draws the same token whatever shares its batch, on CPU or CUDA. The torch
 functions here are the reference; `gumbel_argmax` is the Triton kernel that fuses hash, noise,
-filter threshold and argmax on the GPU, reading the logits once. services/worker/sampler.py
+filter threshold and argmax on the GPU, reading the logits once. services/worker/sampling/sampler.py
 builds the per-row settings and filters on top of both.
 """
 

@@ -169,7 +169,7 @@ def cascade_attention_reference(
 
 
 # --- decode hot path: RMSNorm, rotary embedding, SiLU-gated MLP activation -------------------
-# services/worker/model.py's torch path (CPU) is these functions, which follow HF transformers
+# services/worker/model/shard.py's torch path (CPU) is these functions, which follow HF transformers
 # operation for operation, rounding to the activation dtype where it does: float32 greedy
 # decoding equals HF's generate() (tests/test_model_shard.py), and a fused kernel that computes
 # in float32 but rounds at the same points is compared against the HF-exact path.

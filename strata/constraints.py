@@ -2,7 +2,7 @@
 a valid one is, and how it becomes an xgrammar grammar. Shared by the gateway, which checks a
 request's constraint before anything runs (parsing it into an xgrammar Grammar is cheap and
 catches every malformed one), and the last stage's worker, which compiles it against the
-model's tokenizer (services/worker/grammar.py).
+model's tokenizer (services/worker/sampling/grammar.py).
 
 Limits keep a hostile constraint cheap to refuse: its size, a JSON schema's nesting depth, a
 regex's repetition counts, a choice list's length.

@@ -19,8 +19,8 @@ DRAFT_PLACEHOLDER = -2
 
 # A draft token that the last stage proposed by prompt lookup and keeps on its device: a
 # verifying sequence's draft j reads that worker's draft j for the sequence (one pipeline stage;
-# services/worker/device_proposer.py). With a draft model (StepPlan.linked_drafts) the draft
-# worker hands them to that stage over the draft link (services/worker/token_handoff.py).
+# services/worker/speculation/device_speculation.py). With a draft model (StepPlan.linked_drafts) the draft
+# worker hands them to that stage over the draft link (services/worker/transport/token_handoff.py).
 DEVICE_DRAFT = -3
 
 # Verification rounds one step may run at most (StepPlan.verify_rounds): the scheduler's limit on

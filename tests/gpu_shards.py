@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from strata.services.worker.model import CausalLMShard
-from strata.services.worker.model_config import ModelConfig
-from strata.services.worker.triton_backend import TritonAttentionBackend
+from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.shard import CausalLMShard
+from strata.services.worker.model.triton_backend import TritonAttentionBackend
 
 
 def llama_1b_like(num_layers: int = 3) -> ModelConfig:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strata.services.worker.attention import AttentionMetadata
-from strata.services.worker.model import FusedKernelSwitch
+from strata.services.worker.model.attention import AttentionMetadata
+from strata.services.worker.model.shard import FusedKernelSwitch
 
 
 @dataclass

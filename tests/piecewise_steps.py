@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker.attention import allocate_kv_cache
-from strata.services.worker.piecewise_graphs import PiecewiseGraphs
+from strata.services.worker.graphs.piecewise_graphs import PiecewiseGraphs
+from strata.services.worker.model.attention import allocate_kv_cache
 from tests.paged_inputs import SequenceChunk, build_step_inputs
 
 SCRATCH_ROW = 15

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from strata.services.worker.attention import allocate_kv_cache
-from strata.services.worker.weights import load_shard
+from strata.services.worker.model.attention import allocate_kv_cache
+from strata.services.worker.model.weights import load_shard
 from tests.paged_inputs import SequenceChunk, build_step_inputs
 
 BLOCK_SIZE = 4

@@ -31,7 +31,7 @@ def rows_of(step: int) -> int:
 def receiver_main(
     transport: int, device: str, slots: int, steps: int, link_q, msg_q, ack_q, result_q, delay: float = 0.0
 ):
-    from strata.services.worker.stage_transport import open_receiver
+    from strata.services.worker.transport.stage_transport import open_receiver
 
     torch.cuda.set_device(torch.device(device))
 
@@ -82,7 +82,7 @@ def receiver_main(
 
 
 def sender_main(device: str, steps: int, link_q, msg_q, ack_q, done_q):
-    from strata.services.worker.stage_transport import open_sender
+    from strata.services.worker.transport.stage_transport import open_sender
 
     torch.cuda.set_device(torch.device(device))
     link = engine_pb2.StageLink.FromString(link_q.get(timeout=60))
@@ -120,7 +120,7 @@ def word_waiter_main(path, src, dst, report_q, go_q):
     """The waiting side of tests/gpu/test_stream_memops_gpu.py: opens the shared word at `path`,
     queues a wait on it and a copy behind it, says whether the copy ran before the other process
     wrote the word, and then what it copied."""
-    from strata.services.worker.stream_memops import SharedWords, wait_geq
+    from strata.services.worker.transport.stream_memops import SharedWords, wait_geq
 
     words = SharedWords(path, 1, False, src.device)
     stream = torch.cuda.current_stream(src.device)
@@ -140,8 +140,8 @@ def clock_player_main(role: int, path: str, directory: str, rounds: int, report_
     """One side of tests/gpu/test_gpu_clock_gpu.py's ping-pong: `rounds` steps, each waiting for
     the other process's word, stamped start and handed on this stage's GPU clock around a ~0.3 ms
     kernel, then writing its own word; the dump's path goes back."""
-    from strata.services.worker.gpu_clock import GpuClock
-    from strata.services.worker.stream_memops import SharedWords, wait_geq, write
+    from strata.services.worker.diagnostics.gpu_clock import GpuClock
+    from strata.services.worker.transport.stream_memops import SharedWords, wait_geq, write
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)

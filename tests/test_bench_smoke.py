@@ -190,7 +190,7 @@ def test_roofline_through_running_cluster(tmp_path, cluster):
 def test_decode_bytes_reads_every_weight_once_and_gathers_embeddings():
     """Checked against the embedded default's checkpoint: untied, so the embedding table is not
     read whole, only the batch's rows."""
-    from strata.services.worker.model_config import ModelConfig
+    from strata.services.worker.model.model_config import ModelConfig
 
     model_dir = ensure_tiny_model()
     config = ModelConfig.from_dir(model_dir)

@@ -1,11 +1,11 @@
-"""The worker's reading of a plan's shared-prefix groups (services/worker/cascade_inputs.py):
+"""The worker's reading of a plan's shared-prefix groups (services/worker/step/cascade_inputs.py):
 the arrays cascade attention gets, when it is skipped, and the malformed structures it refuses."""
 
 import numpy as np
 import pytest
 
-from strata.services.worker.cascade_inputs import shared_kv_run_inputs
-from strata.services.worker.sequence_table import PlanError
+from strata.services.worker.step.cascade_inputs import shared_kv_run_inputs
+from strata.services.worker.step.sequence_table import PlanError
 from strata.v1 import engine_pb2
 
 BS = 4

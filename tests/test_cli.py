@@ -129,7 +129,7 @@ def test_profile_window_as_a_chrome_trace(tmp_path):
 
     import torch
 
-    from strata.services.worker.profiling import StepProfiler
+    from strata.services.worker.diagnostics.profiling import StepProfiler
 
     def steps(out) -> list[dict]:
         profiler = StepProfiler(str(out), first=1, count=2)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.services.worker.sampler import Sampler, SamplingTensors
-from strata.services.worker.sampling_controls import SamplingControls
-from strata.services.worker.step_inputs import Verification
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
+from strata.services.worker.sampling.sampling_controls import SamplingControls
+from strata.services.worker.step.step_inputs import Verification
 from strata.v1 import engine_pb2
 
 TOKENIZER = Path.home() / ".cache" / "strata" / "SmolLM2-135M-Instruct"
@@ -135,7 +135,7 @@ def test_controlled_draw_gives_the_general_paths_tokens(kinds, monkeypatch):
         assert torch.equal(got, want), (step, got, want)
 
         if h.verify is not None:
-            from strata.services.worker.step_results import accepted_rows
+            from strata.services.worker.step.step_results import accepted_rows
 
             num, emitted = accepted_rows(want.numpy(), h.verify)
             firsts = np.cumsum(h.verify.rows_per_seq) - h.verify.rows_per_seq
@@ -169,7 +169,7 @@ def test_a_worker_side_compile_failure_is_retried_then_fails_loudly(monkeypatch)
     """The gateway parsed the constraint, so the worker's compile failing is the worker's own
     fault (an import race, say): it is compiled once more, and if that fails too the step
     fails, never a row drawn unconstrained as if it had worked."""
-    from strata.services.worker.grammar import GrammarCompilerPool, GrammarState
+    from strata.services.worker.sampling.grammar import GrammarCompilerPool, GrammarState
 
     pool = GrammarCompilerPool(str(TOKENIZER), V, [2])
     compile_grammar = pool._compile
@@ -202,7 +202,7 @@ def test_the_batch_accept_reads_refusals_as_xgrammars_own_call_does():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from strata.services.worker.grammar import _batch_accept
+    from strata.services.worker.sampling.grammar import _batch_accept
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)).compile_builtin_json_grammar()

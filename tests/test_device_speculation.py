@@ -26,7 +26,7 @@ BLOCKS, BLOCK, MAX_LEN = 600, 4, 160
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    from strata.services.worker.weights import load_shard
+    from strata.services.worker.model.weights import load_shard
     from tests.tiny_models import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("m"), seed=3)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
-from strata.services.worker import token_waits
-from strata.services.worker.cuda_graphs import DecodeGraphs
-from strata.services.worker.token_handoff import DraftIntake
+from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
+from strata.services.worker.transport import token_waits
+from strata.services.worker.transport.token_handoff import DraftIntake
 from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
 from tests.test_token_waits import FakeReader
 

@@ -26,10 +26,10 @@ from strata.kernels.reference import (
     silu_and_mul_reference,
     write_kv_cache_reference,
 )
-from strata.services.worker import model as model_module
-from strata.services.worker.attention import allocate_kv_cache
-from strata.services.worker.model import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
-from strata.services.worker.model_config import ModelConfig
+from strata.services.worker.model import shard as model_module
+from strata.services.worker.model.attention import allocate_kv_cache
+from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.shard import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
 from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
@@ -490,7 +490,7 @@ else:
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
     def test_piecewise_pieces_through_the_kernels_match_the_forward():
-        """services/worker/piecewise_graphs.py's pieces (run uncaptured) on the fused kernels: the
+        """services/worker/graphs/piecewise_graphs.py's pieces (run uncaptured) on the fused kernels: the
         in-place rotary and residual add leave the queries and the residual stream where the
         next piece and attention read them (tests/test_piecewise_graphs.py: the torch path)."""
         from tests.piecewise_steps import run_mixed_steps
@@ -529,7 +529,7 @@ else:
         ],
     )
     def test_decode_chain_matches_torch_path_across_stages(arch, head_dim, monkeypatch):
-        """The batch-1 chain (services/worker/decode_chain.py), forced on CPU, over a prefill (which
+        """The batch-1 chain (services/worker/model/decode_chain.py), forced on CPU, over a prefill (which
         it leaves to the unfused path) and two decode steps: whole model, and split in two stages that pass the unfused
         (hidden, residual) pair between them, against the HF-exact torch path. Heads of 32 take the one-launch
         decode attention (kernels/decode_attention.py), heads of 16 the three kernels."""

@@ -1,11 +1,11 @@
 """The cross-stage GPU clock report (bench/gpu_clock.py) on hand-made stamps: each gap between two
 stages' steps is charged to the right cause; and the placement of each stage's references on the
-global clock (services/worker/gpu_clock.py) through coarse readings of a clock that runs apart."""
+global clock (services/worker/diagnostics/gpu_clock.py) through coarse readings of a clock that runs apart."""
 
 import numpy as np
 
 from strata.bench import gpu_clock
-from strata.services.worker.gpu_clock import POINTS, GpuClock
+from strata.services.worker.diagnostics.gpu_clock import POINTS, GpuClock
 
 US = 1000
 
@@ -88,7 +88,7 @@ def test_event_stamps_land_on_the_global_clock_through_their_reference(monkeypat
     import torch
 
     from strata.kernels import globaltimer
-    from strata.services.worker import gpu_clock as clock_module
+    from strata.services.worker.diagnostics import gpu_clock as clock_module
 
     now = {"local_ms": 0.0}
     skew_ns = 5_000_000_000  # the global clock's reading when the local one reads 0
@@ -124,7 +124,7 @@ def test_references_are_placed_through_a_coarse_clock_that_runs_apart_from_the_e
     # 300 references 20-30 ms apart on the events' clock; the global clock runs 0.33% faster and
     # its readings show only 0.8 ms ticks (as on an H200, session 14); the events' clock has
     # 0.3 us of noise.
-    from strata.services.worker.gpu_clock import place_references
+    from strata.services.worker.diagnostics.gpu_clock import place_references
 
     rng = np.random.default_rng(0)
     event = np.cumsum(rng.uniform(20e6, 30e6, 300))

@@ -12,15 +12,15 @@ import pytest
 import torch
 from tiny_models import TINY_MISTRAL_SLIDING_WINDOW, write_tiny_model
 
-from strata.services.worker import weights as weights_module
-from strata.services.worker.attention import (
+from strata.services.worker.model import weights as weights_module
+from strata.services.worker.model.attention import (
     TorchAttentionBackend,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from strata.services.worker.model import CausalLMShard
-from strata.services.worker.model_config import ModelConfig
-from strata.services.worker.weights import (
+from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.shard import CausalLMShard
+from strata.services.worker.model.weights import (
     dummy_config,
     iter_checkpoint_tensors,
     load_shard,

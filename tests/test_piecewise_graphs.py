@@ -1,4 +1,4 @@
-"""Piecewise graphs' pieces (services/worker/piecewise_graphs.py), run eagerly on their buffers
+"""Piecewise graphs' pieces (services/worker/graphs/piecewise_graphs.py), run eagerly on their buffers
 before any capture, against the shard's own forward on CPU in float32: the cut at attention, the
 residual stream added in place, the shared qkv buffer, padding rows and placeholders. The GPU test
 (tests/gpu/test_piecewise_graphs_gpu.py) replays the same steps from captured graphs.
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import write_tiny_model
 
-from strata.services.worker.piecewise_graphs import piece_token_counts
-from strata.services.worker.weights import load_shard
+from strata.services.worker.graphs.piecewise_graphs import piece_token_counts
+from strata.services.worker.model.weights import load_shard
 from tests.piecewise_steps import run_mixed_steps
 
 NUM_BLOCKS = 32

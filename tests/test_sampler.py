@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strata.kernels.gumbel_sampling import gumbel_noise, uniform_noise
-from strata.services.worker.sampler import Sampler, SamplingTensors, keep_threshold
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors, keep_threshold
 
 
 def sampling_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -362,7 +362,7 @@ def test_sequence_table_derives_the_graph_draw_settings_as_prepare_does():
     bit-identical to what SamplingTensors.prepare derives per step, around the greedy cut too."""
     import itertools
 
-    from strata.services.worker.sequence_table import SequenceTable
+    from strata.services.worker.step.sequence_table import SequenceTable
     from strata.v1 import engine_pb2
 
     table = SequenceTable(4, 1)

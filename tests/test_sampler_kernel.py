@@ -26,7 +26,7 @@ else:
 
     from strata.kernels.arrival_counters import arrival_counters
     from strata.kernels.gumbel_sampling import gumbel_argmax
-    from strata.services.worker.sampler import Sampler, SamplingTensors
+    from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 
     def test_triton_kernel_matches_torch():
         n, vocab = 6, 9000  # three splits of 4096, the last one ragged

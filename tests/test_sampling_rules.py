@@ -13,8 +13,8 @@ from strata.protocol import MAX_LOGPROBS
 from strata.sampling_rules import SamplingRuleError, greedy_and_inverse_temperature
 from strata.services.gateway.validation import InvalidRequest, validate_request
 from strata.services.scheduler.server import request_from_proto
-from strata.services.worker.sampler import SamplingTensors
-from strata.services.worker.sequence_table import PlanError, SequenceTable
+from strata.services.worker.sampling.sampler import SamplingTensors
+from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.v1 import engine_pb2, generate_pb2
 
 GOOD = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, logprobs=-1)

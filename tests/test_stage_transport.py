@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from strata.services.worker.distributed_transport import _join_closing_links
-from strata.services.worker.stage_transport import (
+from strata.services.worker.transport.distributed_transport import _join_closing_links
+from strata.services.worker.transport.stage_transport import (
     DISTRIBUTED,
     GRPC,
     IPC,
@@ -528,7 +528,7 @@ def test_auto_on_cpus_of_one_host_is_ipc_and_seeded_sampling_and_n_match_one_sta
 def test_a_lost_peer_keeps_its_kind_across_a_middle_stage():
     """Errors cross the links as strings: a step failed by a lost peer stays PeerLost downstream
     (the last stage reports StepResult.peer_lost, and the scheduler rebuilds instead of failing)."""
-    from strata.services.worker.stage_transport import PeerLost, StepFailed
+    from strata.services.worker.transport.stage_transport import PeerLost, StepFailed
 
     lost = StepFailed.upstream(str(PeerLost("stage transport (ipc): link closed")))
     assert isinstance(lost, PeerLost) and str(lost) == "peer stage lost: stage transport (ipc): link closed"

@@ -1,4 +1,4 @@
-"""The worker's step loop (services/worker/step_loop.py): plans queued from the event loop run in
+"""The worker's step loop (services/worker/step/step_thread.py): plans queued from the event loop run in
 order on the one step thread, back to back, and that thread is free between drains (InitCache
 runs there); results reach the event loop in the order they were put."""
 
@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from strata.services.worker.step_loop import ResultOut, StepLoop
+from strata.services.worker.step.step_thread import ResultOut, StepLoop
 
 
 def test_plans_run_in_order_on_one_thread_and_the_thread_is_free_between_drains():

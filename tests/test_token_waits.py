@@ -1,4 +1,4 @@
-"""Stage 0's token intake where its GPU waits (services/worker/token_waits.py), on CPU: the order
+"""Stage 0's token intake where its GPU waits (services/worker/transport/token_waits.py), on CPU: the order
 it queues the waits and scatters in, the announcements checked against it and credited, the
 deadline of a wait nobody answered, and close() releasing every wait. The stream operations are
 recorded instead of queued (tests/gpu/test_recovery_gpu.py and test_pipelined_decode_gpu.py run
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.services.worker import token_waits
-from strata.services.worker.doorbell import Announcement
-from strata.services.worker.stage_transport import StepFailed
+from strata.services.worker.transport import token_waits
+from strata.services.worker.transport.doorbell import Announcement
+from strata.services.worker.transport.stage_transport import StepFailed
 
 SLOTS, ROWS = 4, 8
 
@@ -157,7 +157,7 @@ def test_the_intake_queues_what_a_steps_placeholders_need_and_counts_the_gpus_wa
     from types import SimpleNamespace
 
     from strata.protocol import PLACEHOLDER_TOKEN
-    from strata.services.worker.token_handoff import TokenIntake
+    from strata.services.worker.transport.token_handoff import TokenIntake
 
     reader, last_sampled, waits = make()
     intake = TokenIntake(last_sampled, timeout=60.0)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.services.worker.sampler import Sampler, SamplingTensors
-from strata.services.worker.step_inputs import Verification
-from strata.services.worker.step_results import accepted_rows
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
+from strata.services.worker.step.step_inputs import Verification
+from strata.services.worker.step.step_results import accepted_rows
 
 
 def test_drafts_are_accepted_left_to_right_and_the_next_draw_is_emitted():
@@ -101,7 +101,7 @@ def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path
     """Mixed draft counts run on a verification graph of one query length by padding each
     sequence (pad_queries): its real rows must not change. Checked on CPU through the eager path
     with the padded inputs."""
-    from strata.services.worker.weights import load_shard
+    from strata.services.worker.model.weights import load_shard
     from strata.v1 import engine_pb2
     from tests.tiny_models import write_tiny_model
 

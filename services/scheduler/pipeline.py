@@ -11,7 +11,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from strata.grpc_util import aio_channel
-from strata.services.worker.stage_transport import (
+from strata.services.worker.transport.stage_transport import (
     TransportError,
     choose_transport,
     gpus_shared_without_mps,

@@ -12,13 +12,13 @@ import torch
 
 from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
-from strata.services.worker.attention import kv_cache_bytes_per_block
-from strata.services.worker.model_config import ModelConfig
-from strata.services.worker.profiling import StepProfiler
+from strata.services.worker.diagnostics.profiling import StepProfiler
+from strata.services.worker.model.attention import kv_cache_bytes_per_block
+from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.weights import load_shard
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.server import WorkerServicer
-from strata.services.worker.stage_transport import local_location, set_nccl_environment
-from strata.services.worker.weights import load_shard
+from strata.services.worker.transport.stage_transport import local_location, set_nccl_environment
 from strata.v1 import engine_pb2, generate_pb2
 
 log = logging.getLogger("strata.worker")
@@ -58,10 +58,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def attention_backend_for(device: torch.device):
     if device.type == "cuda":
-        from strata.services.worker.triton_backend import TritonAttentionBackend
+        from strata.services.worker.model.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from strata.services.worker.attention import TorchAttentionBackend
+    from strata.services.worker.model.attention import TorchAttentionBackend
 
     return TorchAttentionBackend()
 

@@ -15,21 +15,21 @@ import numpy as np
 import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
-from strata.services.worker.attention import AttentionMetadata, allocate_kv_cache
-from strata.services.worker.cascade_inputs import shared_kv_runs
-from strata.services.worker.device_proposer import (
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.diagnostics.gpu_clock import GpuClock
+from strata.services.worker.graphs.warm_up import warm_up, warn_on_late_compiles
+from strata.services.worker.model.attention import AttentionMetadata, allocate_kv_cache
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
+from strata.services.worker.sampling.sampling_controls import SamplingControls
+from strata.services.worker.speculation.device_speculation import (
     DeviceSpeculation,
     recording_decode_graphs,
     shifting_verify_graphs,
 )
-from strata.services.worker.gpu_clock import GpuClock
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.sampler import Sampler, SamplingTensors
-from strata.services.worker.sampling_controls import SamplingControls
-from strata.services.worker.sequence_table import PlanError, SequenceTable
-from strata.services.worker.step_inputs import HostInputs, StepInputBuilder
-from strata.services.worker.step_results import GpuTimeline, PendingResult
-from strata.services.worker.warm_up import warm_up, warn_on_late_compiles
+from strata.services.worker.step.cascade_inputs import shared_kv_runs
+from strata.services.worker.step.sequence_table import PlanError, SequenceTable
+from strata.services.worker.step.step_inputs import HostInputs, StepInputBuilder
+from strata.services.worker.step.step_results import GpuTimeline, PendingResult
 from strata.v1 import engine_pb2
 
 
@@ -174,7 +174,7 @@ class ModelRunner:
         if self.cuda_graph_max_batch:
             self._capture_graphs()
         if self.piecewise_max_tokens:
-            from strata.services.worker.piecewise_graphs import PiecewiseGraphs
+            from strata.services.worker.graphs.piecewise_graphs import PiecewiseGraphs
 
             self.piecewise = PiecewiseGraphs(
                 self.shard,
@@ -200,7 +200,7 @@ class ModelRunner:
             warn_on_late_compiles()
 
     def _capture_graphs(self) -> None:
-        from strata.services.worker.cuda_graphs import DecodeGraphs
+        from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
 
         def capture(max_batch: int, query_len: int, cascade: bool = False) -> DecodeGraphs:
             # Verification graphs move a plan's positions on the device first (speculation's

@@ -19,11 +19,13 @@ import grpc
 
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
-from strata.services.worker.draft_steps import DraftProposal, propose
-from strata.services.worker.profiling import StepProfiler
+from strata.services.worker.diagnostics.profiling import StepProfiler
+from strata.services.worker.diagnostics.stage_stats import StageStats
 from strata.services.worker.runner import ModelRunner, use_device
-from strata.services.worker.stage_stats import StageStats
-from strata.services.worker.stage_transport import (
+from strata.services.worker.speculation.draft_steps import DraftProposal, propose
+from strata.services.worker.step.step_results import PendingResult
+from strata.services.worker.step.step_thread import ResultOut, StepLoop
+from strata.services.worker.transport.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
     PeerLost,
     Receiver,
@@ -34,9 +36,7 @@ from strata.services.worker.stage_transport import (
     open_receiver,
     open_sender,
 )
-from strata.services.worker.step_loop import ResultOut, StepLoop
-from strata.services.worker.step_results import PendingResult
-from strata.services.worker.token_handoff import (
+from strata.services.worker.transport.token_handoff import (
     TOKEN_RING_SLOTS,
     DraftIntake,
     TokenIntake,

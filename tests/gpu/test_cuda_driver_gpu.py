@@ -1,4 +1,4 @@
-"""The driver calls that keep the GIL (services/worker/cuda_driver.py): each does what torch's own
+"""The driver calls that keep the GIL (services/worker/device/cuda_driver.py): each does what torch's own
 call does, on the stream it is given.
 
     python -m pytest tests/gpu/test_cuda_driver_gpu.py -q
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from strata.services.worker import cuda_driver
+from strata.services.worker.device import cuda_driver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -91,10 +91,10 @@ def test_chain_in_a_cuda_graph_equals_eager():
 def test_shard_logits_through_the_chain():
     """A 4-layer bf16 Llama shard, a decode step of one token: the chain's logits against
     the unfused kernels' (both bf16: roundings differ only in summation order)."""
-    from strata.services.worker.attention import allocate_kv_cache
-    from strata.services.worker.model import CausalLMShard
-    from strata.services.worker.model_config import ModelConfig
-    from strata.services.worker.triton_backend import TritonAttentionBackend
+    from strata.services.worker.model.attention import allocate_kv_cache
+    from strata.services.worker.model.model_config import ModelConfig
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.triton_backend import TritonAttentionBackend
     from tests.paged_inputs import SequenceChunk, build_step_inputs
 
     config = ModelConfig(

@@ -85,8 +85,8 @@ def test_compiled_commit_equals_reference(seed):
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    from strata.services.worker.triton_backend import TritonAttentionBackend
-    from strata.services.worker.weights import load_shard
+    from strata.services.worker.model.triton_backend import TritonAttentionBackend
+    from strata.services.worker.model.weights import load_shard
     from tests.tiny_models import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("m"), seed=3)

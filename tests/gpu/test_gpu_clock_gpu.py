@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_stamps_bracket_a_kernel_of_known_length(tmp_path, monkeypatch):
-    from strata.services.worker.gpu_clock import POINTS, GpuClock
+    from strata.services.worker.diagnostics.gpu_clock import POINTS, GpuClock
 
     monkeypatch.setenv("STRATA_GPU_CLOCK_DIR", str(tmp_path))
     clock = GpuClock.from_env(1, torch.device("cuda:0"))
@@ -39,8 +39,8 @@ def test_two_processes_stamps_keep_the_order_their_words_impose(tmp_path):
     # gaps are a context switch here (no MPS), about 130 us, so larger errors show.
     import torch.multiprocessing as mp
 
-    from strata.services.worker.gpu_clock import POINTS
-    from strata.services.worker.stream_memops import SharedWords
+    from strata.services.worker.diagnostics.gpu_clock import POINTS
+    from strata.services.worker.transport.stream_memops import SharedWords
     from tests import stage_transport_peers as peers
 
     rounds = 1500  # 3,000 stamps, about 47 references a side: enough to fit the clocks' rate

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (services/worker/piecewise_graphs.py) replayed against the eager forward
+"""Piecewise CUDA graphs (services/worker/graphs/piecewise_graphs.py) replayed against the eager forward
 on mixed steps: a prefill of several prompts, then decodes beside a new prompt's chunk over the
 cache the first step wrote, with a decode-lookahead placeholder, on one stage and split over two;
 and the worker's ModelRunner taking them for mixed steps.
@@ -18,7 +18,7 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
-from strata.services.worker.model import CausalLMShard  # noqa: E402
+from strata.services.worker.model.shard import CausalLMShard  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 from tests.piecewise_steps import run_mixed_steps  # noqa: E402
 

@@ -19,7 +19,7 @@ pytestmark = compiled_gpu_kernels_only()
 
 from strata.protocol import PLACEHOLDER_TOKEN  # noqa: E402
 from strata.services.worker.runner import ModelRunner  # noqa: E402
-from strata.services.worker.sampler import Sampler, SamplingTensors  # noqa: E402
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The driver's stream memory operations on shared host words (services/worker/stream_memops.py):
+"""The driver's stream memory operations on shared host words (services/worker/transport/stream_memops.py):
 a stream that waits on a word runs nothing behind the wait until another process's stream writes
 it, or this process's host stores it.
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from strata.services.worker import stream_memops
-from strata.services.worker.stream_memops import SharedWords
+from strata.services.worker.transport import stream_memops
+from strata.services.worker.transport.stream_memops import SharedWords
 from tests import stage_transport_peers as peers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .attention import AttentionBackend
-from .model import CausalLMShard
-from .model_config import ModelConfig
+from strata.services.worker.model.attention import AttentionBackend
+from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.shard import CausalLMShard
 
 DUMMY = "dummy"
 DUMMY_STD = 0.02

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON, gumbel_argmax, gumbel_from_keys, gumbel_row_keys
 from strata.sampling_rules import check_min_p, check_temperature, check_top_p, greedy_and_inverse_temperature
-from strata.services.worker.host_to_device import upload
+from strata.services.worker.device.host_to_device import upload
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingTensors", "keep_threshold", "sample_unfiltered"]
 

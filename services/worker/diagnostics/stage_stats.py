@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from strata.services.worker import cuda_driver
+from strata.services.worker.device import cuda_driver
 
 
 class StageStats:

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from strata.sampling_rules import SamplingRuleError, check_sampling_options, greedy_and_inverse_temperature
-from strata.services.worker.grammar import GrammarCompilerPool, GrammarState
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.penalties import PenaltyState
-from strata.services.worker.sequence_table import PlanError
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.sampling.grammar import GrammarCompilerPool, GrammarState
+from strata.services.worker.sampling.penalties import PenaltyState
+from strata.services.worker.step.sequence_table import PlanError
 
 
 class SamplingControls:

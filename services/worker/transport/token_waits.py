@@ -40,9 +40,9 @@ import time
 
 import torch
 
-from strata.services.worker.ipc_transport import RingReader
-from strata.services.worker.stage_transport import PeerLost, StepFailed
-from strata.services.worker.stream_memops import wait_geq, write
+from strata.services.worker.transport.ipc_transport import RingReader
+from strata.services.worker.transport.stage_transport import PeerLost, StepFailed
+from strata.services.worker.transport.stream_memops import wait_geq, write
 
 log = logging.getLogger("strata.worker")
 

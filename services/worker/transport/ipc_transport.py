@@ -41,9 +41,16 @@ import time
 import numpy as np
 import torch
 
-from strata.services.worker import stream_memops
-from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.stage_transport import IPC, PeerLost, Receiver, StepFailed, StepThreadSender, TransportError
+from strata.services.worker.transport import stream_memops
+from strata.services.worker.transport.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
+from strata.services.worker.transport.stage_transport import (
+    IPC,
+    PeerLost,
+    Receiver,
+    StepFailed,
+    StepThreadSender,
+    TransportError,
+)
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")

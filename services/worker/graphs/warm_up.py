@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from strata.kernels.gumbel_sampling import batches_per_launch_shape
-from strata.services.worker.attention import AttentionMetadata
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.sampler import Sampler, SamplingTensors
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.model.attention import AttentionMetadata
+from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 
 log = logging.getLogger("strata.worker")
 

@@ -31,7 +31,7 @@ import bisect
 
 import torch
 
-from strata.services.worker.attention import AttentionMetadata
+from strata.services.worker.model.attention import AttentionMetadata
 
 
 def piece_token_counts(max_tokens: int) -> list[int]:

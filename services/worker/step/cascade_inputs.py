@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from strata.kernels.shared_kv_runs import SharedKVRuns
-from strata.services.worker.sequence_table import PlanError
+from strata.services.worker.step.sequence_table import PlanError
 from strata.v1 import engine_pb2
 
 # A cascade costs a second kernel and a merge of partials, and the plain kernel already reads a

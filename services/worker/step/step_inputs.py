@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from strata.protocol import DEVICE_DRAFT, MAX_VERIFY_ROUNDS, PLACEHOLDER_TOKEN
-from strata.services.worker.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.sampler import SamplingTensors
-from strata.services.worker.sequence_table import PlanError, SequenceTable
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.sampling.sampler import SamplingTensors
+from strata.services.worker.step.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
+from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.v1 import engine_pb2
 
 

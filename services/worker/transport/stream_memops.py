@@ -28,7 +28,7 @@ import secrets
 import numpy as np
 import torch
 
-from strata.services.worker import cuda_driver
+from strata.services.worker.device import cuda_driver
 
 log = logging.getLogger("strata.worker")
 

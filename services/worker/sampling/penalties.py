@@ -39,7 +39,7 @@ from strata.kernels.penalties import (
 )
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.sampling_rules import MAX_LOGIT_BIAS, uses_penalties
-from strata.services.worker.host_to_device import upload
+from strata.services.worker.device.host_to_device import upload
 
 _NEG_INF = float("-inf")
 

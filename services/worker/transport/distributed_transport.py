@@ -36,8 +36,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from strata.services.worker.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.stage_transport import (
+from strata.services.worker.transport.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
+from strata.services.worker.transport.stage_transport import (
     DISTRIBUTED,
     PeerLost,
     Receiver,

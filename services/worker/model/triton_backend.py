@@ -8,7 +8,7 @@ from strata.kernels import decode_attention
 from strata.kernels.cascade_attention import cascade_attention, compile_serving_variants
 from strata.kernels.kv_cache_write import write_kv_cache
 from strata.kernels.paged_attention import paged_attention
-from strata.services.worker.attention import AttentionMetadata
+from strata.services.worker.model.attention import AttentionMetadata
 
 
 class TritonAttentionBackend:

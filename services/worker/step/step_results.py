@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from strata.services.worker import cuda_driver
-from strata.services.worker.step_inputs import Verification
+from strata.services.worker.device import cuda_driver
+from strata.services.worker.step.step_inputs import Verification
 from strata.v1 import engine_pb2
 
 

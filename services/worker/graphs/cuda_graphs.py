@@ -26,11 +26,11 @@ import torch
 
 from strata.kernels.shared_kv_runs import SharedKVRuns
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker import cuda_driver
-from strata.services.worker.attention import AttentionMetadata
-from strata.services.worker.host_to_device import ALIGN, torch_dtype, wait_for
-from strata.services.worker.sampler import sample_unfiltered
-from strata.services.worker.step_inputs import HostInputs
+from strata.services.worker.device import cuda_driver
+from strata.services.worker.device.host_to_device import ALIGN, torch_dtype, wait_for
+from strata.services.worker.model.attention import AttentionMetadata
+from strata.services.worker.sampling.sampler import sample_unfiltered
+from strata.services.worker.step.step_inputs import HostInputs
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from strata.mps import mps_serves_this_process
-from strata.services.worker.doorbell import DoorbellClosed
+from strata.services.worker.transport.doorbell import DoorbellClosed
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -377,11 +377,11 @@ def open_receiver(request: engine_pb2.InitCacheRequest, *, device, dtype, hidden
     kind = request.previous_stage_transport
     args = (request.session, device, dtype, hidden_size, max_rows, request.transport_timeout_seconds or 120.0)
     if kind == IPC:
-        from strata.services.worker.ipc_transport import IpcReceiver
+        from strata.services.worker.transport.ipc_transport import IpcReceiver
 
         return IpcReceiver(*args, slots=slots)
     if kind == DISTRIBUTED:
-        from strata.services.worker.distributed_transport import DistributedReceiver
+        from strata.services.worker.transport.distributed_transport import DistributedReceiver
 
         return DistributedReceiver(*args, peer_host=host_of(request.previous_stage_address))
     return Receiver(*args)
@@ -393,11 +393,11 @@ def open_sender(request: engine_pb2.InitCacheRequest, emit, *, device):
     if link.session != request.session:
         raise TransportError(f"the next stage's link belongs to session {link.session}, not {request.session}")
     if link.transport == IPC:
-        from strata.services.worker.ipc_transport import IpcSender
+        from strata.services.worker.transport.ipc_transport import IpcSender
 
         return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:
-        from strata.services.worker.distributed_transport import DistributedSender
+        from strata.services.worker.transport.distributed_transport import DistributedSender
 
         return DistributedSender(request.session, emit, timeout, link=link, device=device)
     return Sender(request.session, emit, timeout)

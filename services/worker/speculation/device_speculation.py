@@ -50,8 +50,8 @@ from strata.kernels.spec_decode import (
     shifts_reference,
 )
 from strata.protocol import DEVICE_DRAFT
-from strata.services.worker.host_to_device import upload, wait_for
-from strata.services.worker.sequence_table import PlanError
+from strata.services.worker.device.host_to_device import upload, wait_for
+from strata.services.worker.step.sequence_table import PlanError
 
 
 @dataclass
@@ -516,7 +516,7 @@ def recording_decode_graphs(spec: DeviceSpeculation):
     """DecodeGraphs of a speculating worker: a graph that draws also records its tokens in
     history (DeviceSpeculation.record), so that a plain step adds no host work to a plain
     cluster's. A step whose draw runs outside the graph records after it (after_draw)."""
-    from strata.services.worker.cuda_graphs import DecodeGraphs
+    from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
 
     class RecordingDecodeGraphs(DecodeGraphs):
         def _forward(self, bs: int):
@@ -535,8 +535,8 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
     meta rows staged for the step: a plan sent before an earlier verification came back runs
     from the graph's own copy of its inputs, moved on the device."""
     from strata.kernels.spec_decode import shift_positions_in_graph
-    from strata.services.worker import cuda_driver
-    from strata.services.worker.cuda_graphs import DecodeGraphs
+    from strata.services.worker.device import cuda_driver
+    from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
 
     class ShiftingVerifyGraphs(DecodeGraphs):
         commits = True  # the graph's draw, when it is the step's result, is committed in it

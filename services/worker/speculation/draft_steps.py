@@ -21,9 +21,9 @@ import torch
 
 from strata.flags import disabled
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.sequence_table import PlanError
-from strata.services.worker.step_results import PendingResult
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.step.sequence_table import PlanError
+from strata.services.worker.step.step_results import PendingResult
 from strata.v1 import engine_pb2
 
 MAX_PROPOSE_TOKENS = 32

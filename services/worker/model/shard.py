@@ -27,10 +27,14 @@ from strata.kernels.reference import (
     rotary_embedding_reference,
     silu_and_mul_reference,
 )
-
-from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from .decode_chain import DECODE_CHAIN_DEFAULT, chain_serves, decode_chain_forward, decode_chain_logits
-from .model_config import ModelConfig
+from strata.services.worker.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from strata.services.worker.model.decode_chain import (
+    DECODE_CHAIN_DEFAULT,
+    chain_serves,
+    decode_chain_forward,
+    decode_chain_logits,
+)
+from strata.services.worker.model.model_config import ModelConfig
 
 
 def _empty_param(*shape: int, device, dtype) -> nn.Parameter:

@@ -50,10 +50,10 @@ import numpy as np
 import torch
 
 from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
-from strata.services.worker.distributed_transport import DistributedReceiver, DistributedSender
-from strata.services.worker.host_to_device import upload
-from strata.services.worker.ipc_transport import Ring, RingReader
-from strata.services.worker.stage_transport import (
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.transport.distributed_transport import DistributedReceiver, DistributedSender
+from strata.services.worker.transport.ipc_transport import Ring, RingReader
+from strata.services.worker.transport.stage_transport import (
     DISTRIBUTED,
     GRPC,
     IPC,
@@ -64,7 +64,7 @@ from strata.services.worker.stage_transport import (
     host_of,
     name_of,
 )
-from strata.services.worker.token_waits import DeviceTokenWaits, IpcTokenWaits, NcclTokenWaits
+from strata.services.worker.transport.token_waits import DeviceTokenWaits, IpcTokenWaits, NcclTokenWaits
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -489,7 +489,7 @@ def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
     if link.session != request.session or link.transport != request.transport:
         raise TransportError(f"stage 0's token link ({name_of(link.transport)}, session {link.session}) does not match")
     if link.transport == IPC:  # the activations' sender: tokens are one more tensor in a slot
-        from strata.services.worker.ipc_transport import IpcSender
+        from strata.services.worker.transport.ipc_transport import IpcSender
 
         return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:

@@ -1,0 +1,1 @@
+"""Speculative decoding on the worker (placeholder; see the glossary below once written)."""

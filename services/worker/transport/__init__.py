@@ -1,0 +1,11 @@
+"""Stage links: how a step's activations reach the next stage, and how the last stage's sampled
+tokens (or a draft worker's proposals) reach stage 0, device to device. `stage_transport.py` has
+the two ends every link shares and opens them; `ipc_transport.py` (a ring in CUDA IPC or
+/dev/shm memory, ordered by `ring.py`'s events or slot words), `distributed_transport.py`
+(torch.distributed send/recv) and gRPC carry the bytes; `doorbell.py` announces each step between
+the two step threads; `stream_memops.py` lets a GPU wait on a word in host memory;
+`token_handoff.py` and `token_waits.py` close the pipelined-decode loop from the last stage back
+to stage 0. What the scheduler also needs about links (where a worker runs, which transport a
+link takes, their errors) lives in `strata/stage_links.py`. A process group per stage for tensor
+parallelism belongs beside these, in a room of its own.
+"""
