@@ -91,7 +91,7 @@ def _stage(gpu: str, mps: bool, host: str = "h") -> engine_pb2.WorkerDescription
 
 
 def test_stages_sharing_a_gpu_without_mps_are_named():
-    from strata.services.worker.transport.stage_transport import gpus_shared_without_mps
+    from strata.stage_links import gpus_shared_without_mps
 
     assert gpus_shared_without_mps([_stage("A", False), _stage("A", False), _stage("B", False)]) == [[0, 1]]
     assert gpus_shared_without_mps([_stage("A", True), _stage("A", True)]) == []  # both under MPS

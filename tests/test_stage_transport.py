@@ -11,19 +11,8 @@ import pytest
 import torch
 
 from strata.services.worker.transport.distributed_transport import _join_closing_links
-from strata.services.worker.transport.stage_transport import (
-    DISTRIBUTED,
-    GRPC,
-    IPC,
-    PeerLost,
-    StepFailed,
-    TransportError,
-    choose_transport,
-    local_location,
-    open_receiver,
-    open_sender,
-    same_ipc_domain,
-)
+from strata.services.worker.transport.stage_transport import PeerLost, StepFailed, open_receiver, open_sender
+from strata.stage_links import DISTRIBUTED, GRPC, IPC, TransportError, choose_transport, local_location, same_ipc_domain
 from strata.v1 import engine_pb2, generate_pb2
 from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir, worker_calls
 

@@ -11,13 +11,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from strata.grpc_util import aio_channel
-from strata.services.worker.transport.stage_transport import (
-    TransportError,
-    choose_transport,
-    gpus_shared_without_mps,
-    host_of,
-    name_of,
-)
+from strata.stage_links import TransportError, choose_transport, gpus_shared_without_mps, host_of, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.scheduler")

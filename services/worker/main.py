@@ -18,7 +18,8 @@ from strata.services.worker.model.model_config import ModelConfig
 from strata.services.worker.model.weights import load_shard
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.server import WorkerServicer
-from strata.services.worker.transport.stage_transport import local_location, set_nccl_environment
+from strata.services.worker.transport.stage_transport import set_nccl_environment
+from strata.stage_links import local_location
 from strata.v1 import engine_pb2, generate_pb2
 
 log = logging.getLogger("strata.worker")

@@ -31,8 +31,6 @@ from strata.services.worker.transport.stage_transport import (
     Receiver,
     Sender,
     StepFailed,
-    TransportError,
-    name_of,
     open_receiver,
     open_sender,
 )
@@ -44,6 +42,7 @@ from strata.services.worker.transport.token_handoff import (
     open_token_receiver,
     open_token_sender,
 )
+from strata.stage_links import TransportError, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")

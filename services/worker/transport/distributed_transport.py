@@ -29,6 +29,7 @@ import atexit
 import collections
 import datetime
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -37,16 +38,8 @@ import torch
 import torch.distributed as dist
 
 from strata.services.worker.transport.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.transport.stage_transport import (
-    DISTRIBUTED,
-    PeerLost,
-    Receiver,
-    StepFailed,
-    StepThreadSender,
-    TransportError,
-    host_of,
-    local_address_towards,
-)
+from strata.services.worker.transport.stage_transport import PeerLost, Receiver, StepFailed, StepThreadSender
+from strata.stage_links import DISTRIBUTED, TransportError, host_of
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
@@ -69,6 +62,16 @@ def _join_closing_links() -> None:
     every step had arrived intact)."""
     for thread in list(_CLOSING):
         thread.join(timeout=10)
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this host's interface on the route to `host` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def _tag(step_id: int) -> int:

@@ -43,14 +43,8 @@ import torch
 
 from strata.services.worker.transport import stream_memops
 from strata.services.worker.transport.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
-from strata.services.worker.transport.stage_transport import (
-    IPC,
-    PeerLost,
-    Receiver,
-    StepFailed,
-    StepThreadSender,
-    TransportError,
-)
+from strata.services.worker.transport.stage_transport import PeerLost, Receiver, StepFailed, StepThreadSender
+from strata.stage_links import IPC, TransportError
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")

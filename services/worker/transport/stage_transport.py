@@ -3,21 +3,20 @@
 Each step's id, its tensors' shape, or its error when a stage failed it, are announced on the
 Forward stream (gRPC) or on the link's own doorbell; a transport moves the bytes:
 
-- `grpc`: inline in the Forward message, through both hosts (today's path; A/B runs and the
-  last fallback), in grpc_transport.py;
+- `grpc`: inline in the Forward message, through both hosts (A/B runs and the last fallback):
+  the Sender and Receiver here;
 - `ipc`: one host (one GPU or peer GPUs by CUDA IPC, or CPU stages through /dev/shm): a ring of
-  buffers the receiver allocates once, each step announced and each slot credited back on a
-  doorbell socket between the two step threads (the Forward stream carries nothing), in
+  buffers the receiver allocates once (ring.py), each step announced and each slot credited back
+  on a doorbell socket between the two step threads (the Forward stream carries nothing), in
   ipc_transport.py and doorbell.py;
 - `distributed`: torch.distributed send/recv in a process group of two per link (NCCL between
   GPUs, gloo between CPUs), each step announced on a TCP doorbell between the two step threads
   (the Forward stream carries nothing), in distributed_transport.py.
 
-The scheduler picks one per link at InitCache (`choose_transport`, from each stage's Describe);
-the receiving stage opens its end first and returns a StageLink, which the scheduler passes to the
-sending stage. Every wait has a deadline, and a new InitCache closes both ends.
-
-This module imports no torch at import time: the scheduler uses `choose_transport`.
+The scheduler picks one per link at InitCache (strata/stage_links.py's `choose_transport`, from
+each stage's Describe); the receiving stage opens its end first (open_receiver) and returns a
+StageLink, which the scheduler passes to the sending stage (open_sender). Every wait has a
+deadline, and a new InitCache closes both ends.
 """
 
 from __future__ import annotations
@@ -26,22 +25,15 @@ import asyncio
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
 
-from strata.mps import mps_serves_this_process
 from strata.services.worker.transport.doorbell import DoorbellClosed
+from strata.stage_links import DISTRIBUTED, GRPC, IPC, TransportError, host_of, name_of
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
-
-GRPC = engine_pb2.STAGE_TRANSPORT_GRPC
-IPC = engine_pb2.STAGE_TRANSPORT_IPC
-DISTRIBUTED = engine_pb2.STAGE_TRANSPORT_DISTRIBUTED
-NAMES = {"grpc": GRPC, "ipc": IPC, "distributed": DISTRIBUTED}
-CHOICES = ("auto", *NAMES)
 
 # Steps whose activations may wait for their plan: far more than the plans in flight (one per stage).
 MAX_PENDING_ACTIVATIONS = 64
@@ -60,10 +52,6 @@ def set_nccl_environment() -> None:
     """At worker start, before torch.distributed or NCCL read them (explicit settings win)."""
     for key, value in NCCL_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-
-
-def name_of(kind: int) -> str:
-    return {v: k for k, v in NAMES.items()}.get(kind, "none")
 
 
 class StepFailed(Exception):
@@ -86,104 +74,6 @@ class PeerLost(StepFailed):
 
     def __str__(self) -> str:
         return self.PREFIX + super().__str__()
-
-
-class TransportError(Exception):
-    """A link cannot be opened as asked."""
-
-
-# ------------------------------------------------------------------ where a worker runs
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def local_location(device) -> engine_pb2.WorkerLocation:
-    """This process's host, boot, IPC namespace and CUDA devices, for the scheduler's choice."""
-    try:
-        ipc_namespace = os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        ipc_namespace = ""
-    loc = engine_pb2.WorkerLocation(
-        hostname=socket.gethostname(), boot_id=_read("/proc/sys/kernel/random/boot_id"), ipc_namespace=ipc_namespace
-    )
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        loc.visible_device_uuids.extend(
-            str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
-        )
-        loc.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
-        loc.mps = mps_serves_this_process()
-    return loc
-
-
-def same_ipc_domain(a: engine_pb2.WorkerLocation, b: engine_pb2.WorkerLocation) -> bool:
-    """One host, one boot and one IPC namespace: CUDA IPC handles of one open in the other."""
-    return bool(a.hostname and a.boot_id and a.ipc_namespace) and (
-        (a.hostname, a.boot_id, a.ipc_namespace) == (b.hostname, b.boot_id, b.ipc_namespace)
-    )
-
-
-def choose_transport(
-    sender: engine_pb2.WorkerDescription, receiver: engine_pb2.WorkerDescription, requested: str = "auto"
-) -> int:
-    """The transport of the link sender -> receiver. `auto`: ipc where the sender can open the
-    receiver's ring (one host and IPC namespace; on CUDA, the receiver's GPU visible to the
-    sender; or both on CPUs, through /dev/shm), else torch.distributed (NCCL between GPUs, gloo
-    between CPUs)."""
-    both_cuda = sender.device.startswith("cuda") and receiver.device.startswith("cuda")
-    both_cpu = sender.device.startswith("cpu") and receiver.device.startswith("cpu")
-    same_domain = same_ipc_domain(sender.location, receiver.location)
-    ipc_ok = same_domain and (
-        both_cpu or (both_cuda and receiver.location.device_uuid in sender.location.visible_device_uuids)
-    )
-    if requested == "auto":
-        return IPC if ipc_ok else DISTRIBUTED
-    if requested not in NAMES:
-        raise TransportError(f"unknown stage transport {requested!r}: one of {', '.join(CHOICES)}")
-    if requested == "ipc" and not ipc_ok:
-        raise TransportError(
-            "--stage-transport ipc needs both stages in one host and IPC namespace, both on CPUs or both on CUDA "
-            f"with the receiver's GPU visible to the sender ({sender.device} on {sender.location.hostname}, {receiver.device} on "
-            f"{receiver.location.hostname})"
-        )
-    if requested == "distributed" and both_cuda and same_ipc_domain(sender.location, receiver.location):
-        if sender.location.device_uuid == receiver.location.device_uuid:
-            raise TransportError("--stage-transport distributed: NCCL cannot pair two stages on one GPU (use ipc)")
-    return NAMES[requested]
-
-
-def gpus_shared_without_mps(stages: list[engine_pb2.WorkerDescription]) -> list[list[int]]:
-    """The stages that share one GPU (one host, one device) while some of them run without an
-    MPS server, as lists of stage indices: each hand-off between them then waits for the GPU
-    to switch processes (strata/mps.py)."""
-    by_gpu: dict[tuple, list[int]] = {}
-    for i, d in enumerate(stages):
-        loc = d.location
-        if d.device.startswith("cuda") and loc.device_uuid:
-            by_gpu.setdefault((loc.hostname, loc.boot_id, loc.device_uuid), []).append(i)
-    return [idx for idx in by_gpu.values() if len(idx) > 1 and not all(stages[i].location.mps for i in idx)]
-
-
-def local_address_towards(host: str) -> str:
-    """The address of this host's interface on the route to `host` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def host_of(address: str) -> str:
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    return host.strip("[]") or "127.0.0.1"
 
 
 # ------------------------------------------------------------------ the two ends

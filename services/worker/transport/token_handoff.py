@@ -6,7 +6,7 @@ per sequence-table row (runner.py, kernels/embedding.py). With P stages the samp
 last stage and the embedding on stage 0; this module closes the loop the same way, so the
 placeholder resolution is one mechanism for 1 and P stages: stage 0 keeps its own `last_sampled`
 per row and the last stage hands it each step's tokens over a link of its own, last -> first,
-on the stage transport the scheduler chose for that pair (`choose_transport`):
+on the stage transport the scheduler chose for that pair (strata/stage_links.py):
 
 - `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
   copies them to the host, off the step thread);
@@ -53,18 +53,9 @@ from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.transport.distributed_transport import DistributedReceiver, DistributedSender
 from strata.services.worker.transport.ipc_transport import Ring, RingReader
-from strata.services.worker.transport.stage_transport import (
-    DISTRIBUTED,
-    GRPC,
-    IPC,
-    PeerLost,
-    Sender,
-    StepFailed,
-    TransportError,
-    host_of,
-    name_of,
-)
+from strata.services.worker.transport.stage_transport import PeerLost, Sender, StepFailed
 from strata.services.worker.transport.token_waits import DeviceTokenWaits, IpcTokenWaits, NcclTokenWaits
+from strata.stage_links import DISTRIBUTED, GRPC, IPC, TransportError, host_of, name_of
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
