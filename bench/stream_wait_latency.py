@@ -47,7 +47,7 @@ class _Ops:
     """What a stage queues around the wait, as `--ops` names it:
     none     the wait, the work and the write alone;
     memcpy   each side copies two activations into a ring before its write (cuMemcpyAsync, as
-             ipc_transport.Ring.write) and two out of it after its wait (as IpcReceiver.take);
+             ring.Ring.write) and two out of it after its wait (as IpcReceiver.take);
     kernel   the same four copies as elementwise kernels;
     staged   memcpy, plus a step's staging ahead of the wait: a pinned host-to-device copy and a
              device-to-device one (cuda_graphs.DecodeGraphs.run)."""

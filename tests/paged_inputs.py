@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from strata.services.worker.model.attention import AttentionMetadata
-from strata.services.worker.model.shard import FusedKernelSwitch
+from strata.services.worker.model.layers import FusedKernelSwitch
 
 
 @dataclass

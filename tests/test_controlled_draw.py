@@ -19,7 +19,7 @@ import torch
 
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling.sampling_controls import SamplingControls
-from strata.services.worker.step.step_inputs import Verification
+from strata.services.worker.speculation.verification import Verification
 from strata.v1 import engine_pb2
 
 TOKENIZER = Path.home() / ".cache" / "strata" / "SmolLM2-135M-Instruct"
@@ -135,7 +135,7 @@ def test_controlled_draw_gives_the_general_paths_tokens(kinds, monkeypatch):
         assert torch.equal(got, want), (step, got, want)
 
         if h.verify is not None:
-            from strata.services.worker.step.step_results import accepted_rows
+            from strata.services.worker.speculation.verification import accepted_rows
 
             num, emitted = accepted_rows(want.numpy(), h.verify)
             firsts = np.cumsum(h.verify.rows_per_seq) - h.verify.rows_per_seq

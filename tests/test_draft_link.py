@@ -33,7 +33,7 @@ def _plan(step_id: int, linked: bool = True):
 
 def _inputs(tokens: list[int], rows: list[int]):
     """A verify step's inputs: each sequence's last token then K DEVICE_DRAFTs, its drafts at the
-    draft area's slots 100 + row * K + j (device_proposer.source_row)."""
+    draft area's slots 100 + row * K + j (device_speculation.source_row)."""
     input_ids, source_rows = [], []
     for token, row in zip(tokens, rows):
         input_ids += [token] + [DEVICE_DRAFT] * K

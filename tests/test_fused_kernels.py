@@ -26,10 +26,11 @@ from strata.kernels.reference import (
     silu_and_mul_reference,
     write_kv_cache_reference,
 )
-from strata.services.worker.model import shard as model_module
+from strata.services.worker.model import layers as layers_module
 from strata.services.worker.model.attention import allocate_kv_cache
+from strata.services.worker.model.layers import MLP, RMSNorm, RotaryEmbedding
 from strata.services.worker.model.model_config import ModelConfig
-from strata.services.worker.model.shard import MLP, CausalLMShard, RMSNorm, RotaryEmbedding
+from strata.services.worker.model.shard import CausalLMShard
 from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
@@ -129,7 +130,7 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
         def no_kernels():
             raise AssertionError("fused kernels used on CPU")
 
-        monkeypatch.setattr(model_module, "_fused_kernels", no_kernels)
+        monkeypatch.setattr(layers_module, "_fused_kernels", no_kernels)
         shard = random_shard(tiny_config())
         inputs = build_step_inputs([SequenceChunk([5, 9, 11], 0, [0])], block_size=4)
         caches = allocate_kv_cache(2, 4, 4, 2, 16, torch.float32, "cpu")
@@ -444,7 +445,7 @@ else:
         )
         shard = random_shard(config)
         calls = {}
-        kernels = model_module._fused_kernels()
+        kernels = layers_module._fused_kernels()
         for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding_", "silu_and_mul"):
             monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
         from strata.kernels import decode_attention

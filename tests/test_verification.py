@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
-from strata.services.worker.step.step_inputs import Verification
-from strata.services.worker.step.step_results import accepted_rows
+from strata.services.worker.speculation.verification import Verification, accepted_rows
 
 
 def test_drafts_are_accepted_left_to_right_and_the_next_draw_is_emitted():

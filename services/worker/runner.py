@@ -1,15 +1,17 @@
 """ModelRunner: runs one step plan on this stage.
 
-A step: apply the plan's deltas to the sequence table (sequence_table.py), build its inputs
-(step_inputs.py), run the shard by replaying a decode graph (cuda_graphs.py), on the piecewise
-graphs of a mixed step (piecewise_graphs.py), or eagerly, and on the last stage sample and return
-a PendingResult (step_results.py) whose tokens reach the host while the next plan is launched.
+A step: apply the plan's deltas to the sequence table (step/sequence_table.py), build its inputs
+(step/step_inputs.py), run the shard by replaying a decode or verification graph
+(graphs/cuda_graphs.py; what the replay draws and commits: step/graph_step.py), on the piecewise
+graphs of a mixed step (graphs/piecewise_graphs.py), or eagerly, and on the last stage sample
+(sampling/) and return a PendingResult (step/step_results.py) whose tokens reach the host while
+the next plan is launched. With speculation on this device, speculation/device_speculation.py
+moves, verifies and proposes around the draw.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,12 +23,10 @@ from strata.services.worker.graphs.warm_up import warm_up, warn_on_late_compiles
 from strata.services.worker.model.attention import AttentionMetadata, allocate_kv_cache
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling.sampling_controls import SamplingControls
-from strata.services.worker.speculation.device_speculation import (
-    DeviceSpeculation,
-    recording_decode_graphs,
-    shifting_verify_graphs,
-)
+from strata.services.worker.speculation.device_speculation import DeviceSpeculation
+from strata.services.worker.speculation.speculating_graphs import recording_decode_graphs, shifting_verify_graphs
 from strata.services.worker.step.cascade_inputs import shared_kv_runs
+from strata.services.worker.step.graph_step import DecodeReplay, run_on_graph
 from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.services.worker.step.step_inputs import HostInputs, StepInputBuilder
 from strata.services.worker.step.step_results import GpuTimeline, PendingResult
@@ -41,17 +41,6 @@ def use_device(device: torch.device) -> None:
     accessed from Triton")."""
     if device.type == "cuda":  # (main.pick_device always gives the index set_device needs)
         torch.cuda.set_device(device)
-
-
-@dataclass(slots=True)
-class _DecodeReplay:
-    """A decode step decode_again may replay: its graphs, padded size and sequences, and the
-    tokens each sequence may still move on within the block tables the step staged."""
-
-    graphs: object
-    padded_size: int
-    num_seqs: int
-    room: int
 
 
 class ModelRunner:
@@ -109,7 +98,7 @@ class ModelRunner:
         self.verify_max_batch = min(speculative_max_batch, self.cuda_graph_max_batch)
         # The last token sampled per state row (decode lookahead), plus a scratch row that the
         # decode graphs' padding rows write to (and, with prompt lookup on this device, each
-        # row's drafts after them: device_proposer.py).
+        # row's drafts after them: speculation/device_speculation.py).
         self.scratch_row = max_num_seqs
         spec_k = num_speculative_tokens if ngram_on_device is not None and self.is_last else 0
         size = DeviceSpeculation.last_sampled_size(max_num_seqs, spec_k) if spec_k else max_num_seqs + 1
@@ -152,7 +141,7 @@ class ModelRunner:
         self.gpu_start = None  # the latest step's start event (CUDA)
         # The latest step, if it was a decode whose graph drew every row, which decode_again
         # replays moved on by a token.
-        self.decode_graph_step: _DecodeReplay | None = None
+        self.decode_graph_step: DecodeReplay | None = None
 
     # ------------------------------------------------------------ cache
 
@@ -311,7 +300,7 @@ class ModelRunner:
             padded = self.inputs.pad_queries(h, h.max_query_len)  # mixed draft counts: pad to one length
             if padded is not None:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
-        if rounds > 1 and graphs is not None and not self._commits_in_graph(graphs, h):
+        if rounds > 1 and graphs is not None and not self.commits_in_graph(graphs, h):
             graphs, h = None, built  # the rounds run eagerly, each drawn by the sampler
         num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
@@ -356,11 +345,11 @@ class ModelRunner:
                 idx = d["sample_token_index"]
                 logits = self.shard.compute_logits(hidden[idx], residual[idx])
             if rounds == 1:
-                return self._sample(plan, h, logits, d["sample_rows"], sampling, start, spec)
+                return self.sample_result(plan, h, logits, d["sample_rows"], sampling, start, spec)
             out = self.sampler(logits, sampling)  # (_check_rounds: no logprobs, no controls)
             kept.append((out.token_ids, self.spec.after_draw(spec, out.token_ids, per_token=False)))
         draws, packed = (torch.stack(x) for x in zip(*kept))
-        return self._rounds_result(plan, h, start, spec, draws, packed)
+        return self.rounds_result(plan, h, start, spec, draws, packed)
 
     def _check_rounds(self, h: HostInputs) -> None:
         """Several verification rounds in one step: one stage (the next round's inputs are the
@@ -390,12 +379,12 @@ class ModelRunner:
         last.graphs.replay(last.padded_size)
         return True
 
-    def _commits_in_graph(self, graphs, h: HostInputs) -> bool:
+    def commits_in_graph(self, graphs, h: HostInputs) -> bool:
         """Whether a verification graph's own draw and commit take the step (every row drawn
         unfiltered): what several rounds on the graph need."""
         return getattr(graphs, "commits", False) and graphs.samples and bool(self.table.unfiltered[h.token_rows].all())
 
-    def _rounds_result(self, plan, h: HostInputs, start: float, spec, draws, packed, take=None) -> PendingResult:
+    def rounds_result(self, plan, h: HostInputs, start: float, spec, draws, packed, take=None) -> PendingResult:
         """The result of a step of several verification rounds: draws [rounds, rows] and packed
         [rounds, n, 2 + max_k], each round's."""
         return PendingResult(
@@ -413,108 +402,9 @@ class ModelRunner:
         )
 
     def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, arrive, start: float, spec):
-        """A step on the graph of padded size bs. Every token's row is drawn in the graph (a row
-        draws the token after it, from (seed, position + 1)); when every token is a sample row
-        without filters or logprobs, that draw is the result. Otherwise the sampler runs on the
-        graph's logits (the graph's draw skips every row then). Rows under penalties or a grammar
-        beside unfiltered ones: the graph draws the others and the controlled draw these
-        (sampling_controls.py), one draw per row either way."""
-        t, token_rows = self.table, h.token_rows
-        num_tokens = len(token_rows)
-        all_rows = len(h.sample_rows) == num_tokens
-        padded = not all_rows and h.verify is not None  # pad_queries: every real token samples
-        draws = graphs.samples and (all_rows or padded)
-        in_graph = draws and bool(t.unfiltered[token_rows].all())
-        c = self.controls
-        controlled = (  # a step that also speculates on the device takes the general path
-            spec is None
-            and draws
-            and not in_graph
-            and c is not None
-            and bool((t.unfiltered[token_rows] | c.drawable[token_rows]).all())
-            and c.can_draw(token_rows)
-        )
-        sampling_rows = None
-        if graphs.samples:
-            skip = c.controlled[token_rows] if controlled else np.full(num_tokens, not in_graph)
-            sampling_rows = {
-                "seeds": t.seed[token_rows],
-                "sample_positions": h.positions + 1,
-                "inv_temperature": t.inv_temperature[token_rows],
-                "greedy": t.greedy[token_rows],
-                "skip_draw": skip,
-            }
-        if controlled:
-            c.mark_launch()
-            logits, tokens = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive)
-            c.draw_controlled(
-                plan,
-                h,
-                logits,
-                tokens,
-                graphs.draw_settings(num_tokens),
-                h.sample_token_index if padded else None,
-                graphs.draw_store(num_tokens),
-            )
-            return PendingResult(
-                plan.step_id,
-                start,
-                h.sample_seq_ids,
-                t.logprobs[h.sample_rows],
-                [tokens],
-                self.timeline,
-                self.gpu_start,
-                h.verify,
-                take=h.sample_token_index if padded else None,
-            )
-        d = sampling = None
-        # A verification graph whose draw is the result commits it and proposes in the graph.
-        commits = in_graph and spec is not None and spec.plain is None and getattr(graphs, "commits", False)
-        if spec is not None and spec.rounds > 1 and not commits:  # (execute() ran such steps eagerly)
-            raise PlanError("several verify rounds on a graph need its draw to be the result")
-        stage_extra = None  # a verification graph stages the meta rows with its inputs
-        if spec is not None:  # the verification graphs read them to move positions
-            stage_extra = self.spec.stage(spec, h, bs, commits_in_graph=commits, graphs=graphs)
-        if self.is_last and h.sample_seq_ids and not in_graph:
-            d, sampling = self.inputs.upload(h, eager=False)
-            if spec is not None:
-                self.spec.shift_sampling(spec, sampling, d["sample_token_index"], graphs.query_len)
-        outs = graphs.run(bs, h, h.placeholder_rows, sampling_rows, arrive, stage_extra)
-        if not self.is_last:
-            return outs
-        if in_graph:  # the graph drew every row (pads too): keep the sample rows'
-            packed = None
-            take = h.sample_token_index if padded else None
-            if commits and spec.rounds > 1:  # the other rounds replay the graph, moved on
-                draws, packed = self.spec.graph_rounds(graphs, bs, spec, outs[1])
-                return self._rounds_result(plan, h, start, spec, draws, packed, take)
-            if commits:
-                packed = self.spec.committed_in_graph(spec)
-            elif spec is not None:
-                packed = self.spec.after_draw(spec, outs[1], per_token=True)
-            elif graphs is self.graphs:  # a plain decode: decode_again may replay it moved on
-                # The staged tables hold only the blocks this step reaches: the room left in them.
-                room = int((h.block_tables.shape[1] * self.block_size - h.seq_lens).min())
-                self.decode_graph_step = _DecodeReplay(graphs, bs, num_tokens, room)
-            return PendingResult(
-                plan.step_id,
-                start,
-                h.sample_seq_ids,
-                t.logprobs[h.sample_rows],
-                [outs[1]],
-                self.timeline,
-                self.gpu_start,
-                h.verify,
-                take=take,
-                speculation=(packed, spec.sample_idx) if packed is not None else None,
-            )
-        logits = sample_rows = None
-        if h.sample_seq_ids:
-            logits = outs[0] if all_rows else outs[0][d["sample_token_index"]]
-            sample_rows = d["sample_rows"]
-        return self._sample(plan, h, logits, sample_rows, sampling, start, spec)
+        return run_on_graph(self, graphs, plan, h, bs, arrive, start, spec)
 
-    def _sample(
+    def sample_result(
         self,
         plan: engine_pb2.StepPlan,
         h: HostInputs,

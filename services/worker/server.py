@@ -22,8 +22,8 @@ from strata.grpc_util import aio_channel
 from strata.services.worker.diagnostics.profiling import StepProfiler
 from strata.services.worker.diagnostics.stage_stats import StageStats
 from strata.services.worker.runner import ModelRunner, use_device
-from strata.services.worker.speculation.draft_steps import DraftProposal, propose
-from strata.services.worker.step.step_results import PendingResult
+from strata.services.worker.speculation.draft_steps import propose
+from strata.services.worker.step.stage_step import execute_and_send, execute_last, fetch_result, on_loop, on_step_thread
 from strata.services.worker.step.step_thread import ResultOut, StepLoop
 from strata.services.worker.transport.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
@@ -397,7 +397,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         session = self._session
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
-        out = ResultOut(self.finisher, loop, results, _finished)
+        out = ResultOut(self.finisher, loop, results, fetch_result)
         steps = StepLoop(self.executor, functools.partial(self._run_one, loop, session, out))
 
         async def read_plans():
@@ -437,7 +437,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 if receiver.on_step_thread:
                     inputs = functools.partial(receiver.take, plan.step_id)
                 else:  # delivered on the event loop (Forward)
-                    inputs = _on_loop(loop, receiver.receive(plan.step_id), receiver.timeout)
+                    inputs = on_loop(loop, receiver.receive(plan.step_id), receiver.timeout)
             except StepFailed as e:
                 error, peer_lost = str(e), isinstance(e, PeerLost)
             self.stats.input_wait_seconds += time.perf_counter() - waited
@@ -446,13 +446,11 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             if plan.propose_tokens:  # a draft worker's proposal: k steps (to the target too, with a link)
                 launch = functools.partial(propose, runner, plan, self._token_sender)
             elif runner.is_last:
-                launch = functools.partial(
-                    _execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs
-                )
+                launch = functools.partial(execute_last, runner, self.stats, receiver, self._token_sender, plan, inputs)
             else:
-                launch = functools.partial(_execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs)
+                launch = functools.partial(execute_and_send, runner, self.stats, receiver, self._sender, plan, inputs)
             try:
-                result = _on_step_thread(self.profiler, launch)
+                result = on_step_thread(self.profiler, launch)
                 if not (plan.propose_tokens or runner.is_last):
                     return  # a middle stage: its activations went to the next stage
             except StepFailed as e:  # its activations never came
@@ -467,80 +465,3 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             out.put(engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else result)
         elif self._sender is not None:
             self._sender.send_error(plan.step_id, error)
-
-
-def _on_loop(loop, coro, timeout: float):
-    """From the step thread: `coro`'s result, run on the event loop; a wait past `timeout` (the
-    transport's deadline) fails the step, so a lost peer never holds the step thread."""
-    fut = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return fut.result(timeout)
-    except concurrent.futures.TimeoutError:
-        fut.cancel()
-        raise StepFailed(f"stage transport: no activations within {timeout:g} s") from None
-
-
-def _finished(item):
-    """On the finisher thread: a launched step's StepResult, once its GPU work is done."""
-    if isinstance(item, (PendingResult, DraftProposal)):
-        try:
-            return item.finish()
-        except Exception as e:
-            log.exception("step %d failed while fetching its result", item.step_id)
-            return engine_pb2.StepResult(step_id=item.step_id, error=f"{type(e).__name__}: {e}")
-    return item
-
-
-def _on_step_thread(profiler: StepProfiler, launch):
-    """A step's launch on the step thread, where a profile window starts and ends (a trace then
-    holds the step thread's Python and CPU ops)."""
-    profiler.step_launched()
-    return launch()
-
-
-def _token_waits(runner: ModelRunner) -> float:
-    handoff = runner.handoff
-    return handoff.wait_seconds if isinstance(handoff, TokenIntake) else 0.0
-
-
-def _execute(runner: ModelRunner, plan, inputs):
-    """inputs: (hidden, residual), None on stage 0, or an ipc link's take, which the runner calls
-    once the step's host inputs are built (raises StepFailed)."""
-    if callable(inputs):
-        return runner.execute(plan, take_inputs=inputs)
-    return runner.execute(plan, *(inputs or ()))
-
-
-def _waits(runner: ModelRunner, receiver: Receiver | None) -> float:
-    """The step thread's waits inside a launch so far: tokens (stage 0), activations (ipc)."""
-    return _token_waits(runner) + (receiver.wait_seconds if receiver is not None else 0.0)
-
-
-def _execute_and_send(
-    runner: ModelRunner, stats: StageStats, receiver: Receiver | None, sender: Sender | None, plan, inputs
-) -> None:
-    """On the step thread: launch the step, hand its activations to the transport (no wait)."""
-    start, waited = time.perf_counter(), _waits(runner, receiver)
-    out = _execute(runner, plan, inputs)
-    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
-    if runner.clock:
-        runner.clock.stamp(plan.step_id, "body")
-    if sender is not None:
-        sender.send(plan.step_id, *out)
-    if runner.clock:
-        runner.clock.stamp(plan.step_id, "handed")
-
-
-def _execute_last(runner: ModelRunner, stats: StageStats, receiver: Receiver | None, token_sender, plan, inputs):
-    """On the last stage's step thread: launch the step, then hand its sampled tokens to stage 0
-    (pipelined decode) on the device, behind the draw."""
-    start, waited = time.perf_counter(), _waits(runner, receiver)
-    out = _execute(runner, plan, inputs)
-    if runner.clock:
-        runner.clock.stamp(plan.step_id, "body")
-    if token_sender is not None and isinstance(runner.handoff, TokenOutlet):
-        runner.handoff.hand(plan.step_id, token_sender)
-    if runner.clock:
-        runner.clock.stamp(plan.step_id, "handed")
-    stats.step(runner.gpu_start, start, _waits(runner, receiver) - waited, plan.after_idle)
-    return out

@@ -29,8 +29,8 @@ from strata.kernels.reference import (  # noqa: E402
 from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from strata.kernels.rotary import rotary_embedding_  # noqa: E402
 from strata.services.worker.model.attention import allocate_kv_cache  # noqa: E402
+from strata.services.worker.model.layers import RotaryEmbedding  # noqa: E402
 from strata.services.worker.model.model_config import ModelConfig  # noqa: E402
-from strata.services.worker.model.shard import RotaryEmbedding  # noqa: E402
 from tests.gpu_shards import llama_1b_like, random_bf16_shard  # noqa: E402
 from tests.paged_inputs import SequenceChunk, build_step_inputs, set_fused_kernels  # noqa: E402
 

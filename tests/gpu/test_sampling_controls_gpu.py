@@ -17,7 +17,7 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 pytestmark = compiled_gpu_kernels_only()
 
 from strata.services.worker.sampling.sampling_controls import SamplingControls  # noqa: E402
-from strata.services.worker.step.step_inputs import Verification  # noqa: E402
+from strata.services.worker.speculation.verification import Verification  # noqa: E402
 from strata.v1 import engine_pb2, generate_pb2  # noqa: E402
 
 TOKENIZER = Path.home() / ".cache" / "strata" / "SmolLM2-135M-Instruct"

@@ -149,7 +149,7 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         max_tokens = self.max_batch * q
         # extra_shape: int64 rows of a subclass's own, staged with the inputs in the same copy
-        # (a verification graph's speculation meta rows: device_proposer.py).
+        # (a verification graph's speculation meta rows: speculation/device_speculation.py).
         extra_bytes = extra_shape[0] * extra_shape[1] * 8 if extra_shape else 0
         layout, total = _layout(max_tokens, extra_bytes, self.max_batch * max_blocks_per_seq * 4)
         self.flat = torch.zeros(total, dtype=torch.uint8, device=device)

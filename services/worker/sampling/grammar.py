@@ -37,7 +37,7 @@ import torch
 from strata import constraints
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker.device.host_to_device import upload, wait_for
-from strata.services.worker.step.step_results import accepted_rows
+from strata.services.worker.speculation.verification import accepted_rows
 
 log = logging.getLogger("strata.worker")
 

@@ -50,7 +50,8 @@ from strata.kernels.spec_decode import (
     shifts_reference,
 )
 from strata.protocol import DEVICE_DRAFT
-from strata.services.worker.device.host_to_device import upload, wait_for
+from strata.services.worker.device.host_to_device import upload
+from strata.services.worker.speculation.meta_staging import GATE_COMMIT, GATE_PROPOSE, MetaStaging, fill_staged_rows
 from strata.services.worker.step.sequence_table import PlanError
 
 
@@ -70,58 +71,6 @@ class SpecStep:
     plain: tuple[np.ndarray, np.ndarray] | None = None
     rounds: int = 1  # verification rounds the step runs (StepPlan.verify_rounds, most of any sequence)
     seq_rounds: np.ndarray | None = None  # each sampling sequence's rounds, with rounds > 1
-
-
-class _Staging:
-    """A static device buffer of meta rows and two pinned host twins (the host fills one while
-    the other's copy may still wait in the stream), as the CUDA graphs stage their inputs: for
-    eager steps, decode graphs and commits after the sampler. Its layout is a verification
-    graph's staged block (fill_staged_rows): row 0 the gates (GATE_COMMIT, GATE_PROPOSE, which
-    only a graph's own commit reads), then the meta rows; a graph starts from its padding."""
-
-    def __init__(self, rows: int, pad_row: np.ndarray, device: torch.device):
-        self.device = device
-        self.buffer = torch.as_tensor(np.tile(pad_row, (rows + 1, 1)), device=device)
-        self.buffer[0] = 0  # every gate shut
-        self.gates = self.buffer[0]
-        self.meta_rows = self.buffer[1:]
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.host = [self.buffer.cpu().pin_memory() for _ in range(2)]
-            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-            for event in self.copied:
-                event.record()
-        self.step = 0
-
-    def stage(self, meta: np.ndarray, padded_rows: int, pad_row: np.ndarray, gates: tuple[int, int]) -> torch.Tensor:
-        total = max(padded_rows, meta.shape[0])
-        if not self.cuda:
-            out = self.buffer.numpy()
-        else:
-            i = self.step % 2
-            self.step += 1
-            wait_for(self.copied[i])
-            out = self.host[i].numpy()
-        fill_staged_rows(out, meta, total, pad_row, gates)
-        if self.cuda:
-            self.buffer[: total + 1].copy_(self.host[i][: total + 1], non_blocking=True)
-            self.copied[i].record()
-        return self.meta_rows[:total]
-
-    def reset(self, pad_row: np.ndarray) -> None:
-        self.meta_rows.copy_(torch.as_tensor(pad_row, device=self.device).expand_as(self.meta_rows))
-        self.gates.zero_()
-
-
-GATE_COMMIT, GATE_PROPOSE = 0, 1
-
-
-def fill_staged_rows(out: np.ndarray, meta: np.ndarray, total: int, pad_row: np.ndarray, gates) -> None:
-    """A staging block's host rows: the gates in row 0, the meta rows, padding rows up to total."""
-    n = meta.shape[0]
-    out[0, : len(gates)] = gates
-    out[1 : n + 1] = meta
-    out[n + 1 : total + 1] = pad_row
 
 
 class DeviceSpeculation:
@@ -154,7 +103,7 @@ class DeviceSpeculation:
         self.pad_row = np.full(self.columns, -1, dtype=np.int64)
         self.pad_row[ROW] = self.scratch_row
         self.pad_row[[FIRST_ROW, FIRST_TOKEN, POS, DEVICE, PROPOSE]] = 0
-        self.staging = _Staging(rows, self.pad_row, device)
+        self.staging = MetaStaging(rows, self.pad_row, device)
         # A verification graph's packed result (its commit and proposal write it in the graph).
         self.graph_packed = torch.zeros(rows, 2 + max_k, dtype=torch.int64, device=device)
         self._admitted: list[int] = []  # rows admitted since the last step
@@ -510,111 +459,3 @@ class DeviceSpeculation:
                 self.max_k,
                 enabled=propose_gate,
             )
-
-
-def recording_decode_graphs(spec: DeviceSpeculation):
-    """DecodeGraphs of a speculating worker: a graph that draws also records its tokens in
-    history (DeviceSpeculation.record), so that a plain step adds no host work to a plain
-    cluster's. A step whose draw runs outside the graph records after it (after_draw)."""
-    from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
-
-    class RecordingDecodeGraphs(DecodeGraphs):
-        def _forward(self, bs: int):
-            outs = super()._forward(bs)
-            if self.samples:
-                rows = self.rows
-                spec.record(rows["state_rows"][:bs], rows["sample_positions"][:bs], outs[1])
-            return outs
-
-    return RecordingDecodeGraphs
-
-
-def shifting_verify_graphs(spec: DeviceSpeculation):
-    """DecodeGraphs for verification steps whose graphs first move each sequence's positions,
-    sample positions, slots and length back by its shift (kernels/spec_decode.py), reading the
-    meta rows staged for the step: a plan sent before an earlier verification came back runs
-    from the graph's own copy of its inputs, moved on the device."""
-    from strata.kernels.spec_decode import shift_positions_in_graph
-    from strata.services.worker.device import cuda_driver
-    from strata.services.worker.graphs.cuda_graphs import DecodeGraphs
-
-    class ShiftingVerifyGraphs(DecodeGraphs):
-        commits = True  # the graph's draw, when it is the step's result, is committed in it
-
-        def __init__(self, *args, **kwargs):
-            # The step's gates and meta rows, staged with its inputs (DeviceSpeculation.stage).
-            super().__init__(*args, extra_shape=(kwargs["max_batch"] + 1, spec.columns), **kwargs)
-
-        def _fill_padding(self) -> None:
-            super()._fill_padding()
-            self.extra.copy_(spec.staging.buffer[: self.extra.shape[0]])  # gates shut, padding rows
-
-        def capture(self) -> None:
-            super().capture()
-            self._capture_advance()
-
-        def _capture_advance(self) -> None:
-            """Per size, a small graph that moves the static inputs on to the next verification
-            round (advance_round), on its own memory pool: the verification graphs' outputs
-            sit in theirs."""
-            q, rows = self.query_len, self.rows
-            self.advance_graphs, self.advance_executables = {}, {}
-            for bs in self.sizes:
-                t = bs * q
-                token_seq = torch.arange(t, device=self.device) // q
-                first = torch.arange(bs, device=self.device) * q
-
-                def advance(bs=bs, t=t, token_seq=token_seq, first=first):
-                    moves = advance_round(
-                        self.extra[1 : bs + 1],
-                        spec.hist_len,
-                        rows["positions"][:t],
-                        rows["slot_mapping"][:t],
-                        rows["seq_lens"][:bs],
-                        rows["input_ids"][:t] if self.first_stage else None,
-                        self.block_tables[:bs],
-                        token_seq,
-                        first,
-                        spec.block_size,
-                        spec.scratch_row,
-                    )
-                    rows["sample_positions"][:t] += moves
-
-                advance()  # on padding rows: every one sits out, nothing moves
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    advance()
-                self.advance_graphs[bs] = (graph, token_seq, first)  # (the indices must outlive it)
-                executable = cuda_driver.graph_exec(graph)
-                if executable is not None:
-                    self.advance_executables[bs] = executable
-            torch.cuda.synchronize(self.device)
-            self._fill_padding()
-
-        def advance(self, bs: int) -> None:
-            """The inputs moved on to the next verification round (the captured advance)."""
-            if bs in self.advance_executables:
-                cuda_driver.launch(self.advance_executables[bs], cuda_driver.current_stream(self.device))
-            else:
-                self.advance_graphs[bs][0].replay()
-
-        def _forward(self, bs: int):
-            t, rows = bs * self.query_len, self.rows
-            shift_positions_in_graph(
-                self.extra[1:],
-                spec.rejected,
-                rows["positions"][:t],
-                rows["sample_positions"][:t],
-                rows["slot_mapping"][:t],
-                rows["seq_lens"][:bs],
-                self.block_tables[:bs],
-                self.query_len,
-                spec.block_size,
-            )
-            outs = super()._forward(bs)
-            if self.samples:
-                spec.commit_in_graph(outs[1], bs, self.extra)
-            return outs
-
-    return ShiftingVerifyGraphs

@@ -42,7 +42,7 @@ class SequenceTable:
         self.unfiltered = np.zeros(max_seqs, dtype=bool)  # no top-k/top-p/min-p, no logprobs
         self.rows: dict[int, int] = {}
         # The last stage's penalties and grammars (sampling_controls.SamplingControls), if any,
-        # and its speculation state (device_proposer.DeviceSpeculation): both follow admissions.
+        # and its speculation state (device_speculation.DeviceSpeculation): both follow admissions.
         self.controls = None
         self.speculation = None
         self.free_rows = list(range(max_seqs - 1, -1, -1))

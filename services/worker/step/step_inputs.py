@@ -16,6 +16,7 @@ import torch
 from strata.protocol import DEVICE_DRAFT, MAX_VERIFY_ROUNDS, PLACEHOLDER_TOKEN
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.sampling.sampler import SamplingTensors
+from strata.services.worker.speculation.verification import DraftLayout, Verification, add_verification
 from strata.services.worker.step.cascade_inputs import SharedKVRunInputs, shared_kv_run_inputs
 from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.v1 import engine_pb2
@@ -43,7 +44,7 @@ class HostInputs:
     verify: Verification | None  # set when some sequence verifies drafts
     shared_kv_runs: SharedKVRunInputs | None = None  # sequences sharing KV blocks, for cascade attention
     # [T] where a placeholder input token (< 0) is read from last_sampled: the token's state row,
-    # or for a DEVICE_DRAFT token the draft's slot (device_proposer.py); None: token_rows.
+    # or for a DEVICE_DRAFT token the draft's slot (speculation/device_speculation.py); None: token_rows.
     source_rows: np.ndarray | None = None
     drafts: DraftLayout | None = None  # set when some sequence verifies drafts (as built, unpadded)
 
@@ -55,24 +56,6 @@ class HostInputs:
     @property
     def placeholder_rows(self) -> np.ndarray:
         return self.token_rows if self.source_rows is None else self.source_rows
-
-
-@dataclass
-class DraftLayout:
-    """Where a step's drafts sit, worked out once (build) for the verification rows, the device
-    drafts' sources and the speculation's meta rows and history (device_proposer.py)."""
-
-    per_seq: np.ndarray  # [B] drafts of each sequence: its last per_seq input tokens
-    index: np.ndarray  # [T] each token's index among its sequence's drafts; < 0: not a draft
-
-
-@dataclass
-class Verification:
-    """Speculative verification rows: which sample rows belong to which sequence, and the draft
-    token each row's draw is compared with (-1 for a sequence's last row, the bonus draw)."""
-
-    rows_per_seq: np.ndarray  # [S] d + 1 for a sequence verifying d drafts, else 1
-    drafts: np.ndarray  # [R]
 
 
 class StepInputBuilder:
@@ -163,7 +146,7 @@ class StepInputBuilder:
             verify=None,
         )
         if any(plan.num_draft_tokens):
-            drafts = self._add_verification(h, plan, q_lens, sample_idx, rows)
+            drafts = add_verification(h, plan, q_lens, sample_idx, rows)
             h.drafts = DraftLayout(drafts, positions - np.repeat(seq_lens - drafts, q_lens))
         if h.has_placeholders and self.speculation is not None:
             self._add_device_drafts(h)
@@ -176,33 +159,6 @@ class StepInputBuilder:
         qsl = h.query_start_loc
         num_computed = h.seq_lens - np.diff(qsl)
         h.shared_kv_runs = shared_kv_run_inputs(plan, qsl, num_computed, h.seq_lens, h.block_tables, self.block_size)
-
-    def _add_verification(
-        self, h: HostInputs, plan: engine_pb2.StepPlan, q_lens: np.ndarray, sample_idx: np.ndarray, rows: np.ndarray
-    ) -> np.ndarray:
-        """A sequence verifying d drafts (its last d input tokens) samples d + 1 rows: the token
-        before each draft and the last one. Row j draws the token at position seq_len - d + j,
-        from (seed, that position) as a plain decode there would, and is compared with draft j.
-        Returns each sequence's d (checked)."""
-        drafts = np.asarray(plan.num_draft_tokens, dtype=np.int64)
-        sampling = np.zeros(len(q_lens), dtype=bool)
-        sampling[sample_idx] = True
-        if drafts.shape != q_lens.shape or (drafts >= q_lens).any() or (drafts[~sampling] > 0).any():
-            raise PlanError("num_draft_tokens must be below num_scheduled, and only on sampling sequences")
-        d = drafts[sample_idx]
-        counts = d + 1
-        first_row = np.cumsum(counts) - counts
-        offset = np.arange(int(counts.sum())) - np.repeat(first_row, counts)  # j = 0 .. d per sequence
-        start = np.repeat(h.sample_token_index - d, counts)
-        h.sample_token_index = start + offset
-        h.sample_positions = np.repeat(h.sample_positions - d, counts) + offset
-        h.sample_rows = np.repeat(rows[sample_idx], counts)
-        tokens = np.asarray(plan.input_token_ids, dtype=np.int64)
-        if tokens.shape[0] != int(h.query_start_loc[-1]):
-            raise PlanError("a plan with drafts must carry every input token")
-        following = np.minimum(h.sample_token_index + 1, tokens.shape[0] - 1)
-        h.verify = Verification(counts, np.where(offset < np.repeat(d, counts), tokens[following], -1))
-        return drafts
 
     def _add_device_drafts(self, h: HostInputs) -> None:
         """DEVICE_DRAFT input tokens read the last stage's draft j of their row, j their index

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from strata.services.worker.device import cuda_driver
-from strata.services.worker.step.step_inputs import Verification
+from strata.services.worker.speculation.verification import Verification, accepted_rows, emitted_rows, round_tokens
 from strata.v1 import engine_pb2
 
 
@@ -71,7 +71,7 @@ class PendingResult:
         self.verify = verify
         self.take = take  # the sample rows among the tokens drawn (a padded verification graph)
         self.host = [x.to("cpu", non_blocking=True) for x in tensors]
-        # Speculation on the device (device_proposer.py): its packed per-sequence outcome (tokens
+        # Speculation on the device (speculation/device_speculation.py): its packed per-sequence outcome (tokens
         # emitted, drafts proposed, the drafts) and the sampling sequences' rows in it.
         self.speculation = None
         if speculation is not None:
@@ -149,45 +149,3 @@ class PendingResult:
             result.num_top.append(k)
             result.top_token_ids.extend(top_ids[i, :k].tolist())
             result.top_logprobs.extend(top_lps[i, :k].tolist())
-
-
-def seq_row_index(verify: Verification) -> np.ndarray:
-    """[n, width]: each verifying step's sequence's sample rows in order (its d + 1 consecutive
-    rows; past them, the next sequence's, which callers mask), width the most rows of any."""
-    counts = verify.rows_per_seq
-    first_row = np.cumsum(counts) - counts
-    return first_row[:, None] + np.arange(int(counts.max()))
-
-
-def emitted_rows(num_tokens: np.ndarray, verify: Verification) -> np.ndarray:
-    """The sample rows a verify step emits, in order: each sequence's first num_tokens rows."""
-    index = seq_row_index(verify)
-    return index[np.arange(index.shape[1]) < num_tokens[:, None]]
-
-
-def round_tokens(tokens: np.ndarray, counts: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:
-    """Several verification rounds' emitted tokens: tokens [rounds, rows] (each round's draws
-    per sample row), counts [rounds, n] (tokens each sequence emitted per round, its first
-    rows'). Returns (tokens per sequence, the tokens flat: sequence by sequence, round by round)."""
-    index = np.minimum(seq_row_index(verify), tokens.shape[1] - 1)  # [n, width]
-    gathered = tokens[:, index]  # [rounds, n, width]
-    emitted = np.arange(index.shape[1]) < counts[:, :, None]
-    order = (1, 0, 2)  # sequence-major
-    return counts.sum(axis=0), gathered.transpose(order)[emitted.transpose(order)]
-
-
-def accepted_rows(tokens: np.ndarray, verify: Verification) -> tuple[np.ndarray, np.ndarray]:
-    """Speculative verification of one step's draws: a sequence's drafts are accepted left to
-    right while each equals the target's own draw at its position, and the draw at the first
-    mismatch (or the bonus draw after every draft) is emitted too. Since each draw comes from
-    (seed, position), the tokens are those plain decoding would give.
-
-    Returns (tokens emitted per sequence, the emitted rows in order)."""
-    counts = verify.rows_per_seq
-    index = seq_row_index(verify)  # [S, width]
-    width = index.shape[1]
-    valid = np.arange(width) < counts[:, None]
-    match = np.zeros(index.shape, dtype=bool)
-    match[valid] = tokens[index[valid]] == verify.drafts[index[valid]]  # the bonus row's draft is -1
-    num_tokens = np.cumprod(match, axis=1).sum(axis=1) + 1
-    return num_tokens, index[np.arange(width) < num_tokens[:, None]]

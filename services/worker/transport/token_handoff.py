@@ -16,7 +16,7 @@ on the stage transport the scheduler chose for that pair (strata/stage_links.py)
   soon as a step needs its tokens and its GPU waits for it (token_waits.NcclTokenWaits); on CPUs
   stage 0's step thread takes the announcements and receives before each of its steps
   (TokenIntake.pump);
-- `ipc`: a ring of int64 token buffers on stage 0's device (ipc_transport.py), each step
+- `ipc`: a ring of int64 token buffers on stage 0's device (ring.py, ipc_transport.py), each step
   announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
   what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
   On GPUs that allow it, stage 0's GPU waits for the tokens instead of its host
@@ -52,7 +52,8 @@ import torch
 from strata.protocol import DEVICE_DRAFT, PLACEHOLDER_TOKEN
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.transport.distributed_transport import DistributedReceiver, DistributedSender
-from strata.services.worker.transport.ipc_transport import Ring, RingReader
+from strata.services.worker.transport.ipc_transport import RingReader
+from strata.services.worker.transport.ring import Ring
 from strata.services.worker.transport.stage_transport import PeerLost, Sender, StepFailed
 from strata.services.worker.transport.token_waits import DeviceTokenWaits, IpcTokenWaits, NcclTokenWaits
 from strata.stage_links import DISTRIBUTED, GRPC, IPC, TransportError, host_of, name_of
@@ -181,7 +182,7 @@ class TokenIntake:
 class DraftIntake(TokenIntake):
     """One target stage with a draft model: the draft worker's proposals, handed over a link of
     their own (draft worker -> this stage, any transport above), land in the draft area of
-    `last_sampled` (device_proposer.py), where the step's DEVICE_DRAFT inputs and its
+    `last_sampled` (speculation/device_speculation.py), where the step's DEVICE_DRAFT inputs and its
     verification read them. The scheduler sends the draft plan and the target's plan together
     (StepPlan.linked_drafts), so no host waits for the proposal between the two models.
 

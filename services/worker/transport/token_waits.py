@@ -1,5 +1,5 @@
 """Stage 0's token intake where its GPU waits for the tokens (an ipc token link whose ring has
-slot words, ipc_transport.py and stream_memops.py; or NCCL, at the end): no host on the token path.
+slot words, ring.py and stream_memops.py; or NCCL, at the end): no host on the token path.
 
 With the doorbell alone, stage 0's step thread could queue a step whose placeholders need step
 s's tokens only after the last stage's announcement of s had arrived (an interprocess event can

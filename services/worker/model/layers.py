@@ -1,0 +1,342 @@
+"""The decoder's layers: linears, RMSNorm, rotary embeddings, attention, the SiLU-gated MLP, and
+the decoder layer that chains them, for Llama / Mistral / Qwen2.
+
+The math follows Hugging Face transformers step for step (RMSNorm in float32, rotate-half
+RoPE, SiLU-gated MLP) so that float32 greedy decoding matches `generate()` token for token. On
+CUDA tensors the fused Triton kernels run; elsewhere the torch references in
+kernels/reference.py, which are those kernels' oracle.
+The residual stream is carried vLLM style: each layer receives (hidden, residual), adds them
+and normalises in one step, so a stage boundary only has to pass that pair along.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.flags import disabled
+from strata.kernels.reference import (
+    embed_tokens_reference,
+    fused_add_rms_norm_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    silu_and_mul_reference,
+)
+from strata.services.worker.model.attention import AttentionBackend, AttentionMetadata
+from strata.services.worker.model.model_config import ModelConfig
+
+
+def _empty_param(*shape: int, device, dtype) -> nn.Parameter:
+    # Weights always come from a checkpoint or the dummy initialiser: skip nn.Linear's init,
+    # which would cost seconds per layer on large models.
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with uninitialised parameters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = _empty_param(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear)."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.matmul(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+
+@functools.cache
+def _fused_kernels() -> SimpleNamespace:
+    # Imported on first use, not with this module: CPU-only installs may lack triton, and
+    # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
+    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.embedding import embed_tokens
+    from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from strata.kernels.rotary import rotary_embedding_
+
+    return SimpleNamespace(
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        rotary_embedding_=rotary_embedding_,
+        silu_and_mul=silu_and_mul,
+        embed_tokens=embed_tokens,
+    )
+
+
+class FusedKernelSwitch:
+    """Mixin: run the fused Triton kernels on CUDA tensors, the HF-exact torch code otherwise.
+
+    `fused_kernels` None (default) decides by device; tests force the kernels with True (on CPU
+    too, under TRITON_INTERPRET=1) or the torch path with False.
+    """
+
+    fused_kernels: bool | None = None
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.fused_kernels is None else self.fused_kernels
+
+
+class Embedding(FusedKernelSwitch, nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_embeddings, dim, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor, placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The rows of `ids`; placeholders (token_rows, last_sampled): a decode lookahead's ids < 0
+        stand for last_sampled[token_rows] (kernels/embedding.py)."""
+        if self._use_fused(ids):
+            return _fused_kernels().embed_tokens(ids, self.weight, *(placeholders or ()))
+        return embed_tokens_reference(ids, self.weight, *(placeholders or ()))
+
+
+class RMSNorm(FusedKernelSwitch, nn.Module):
+    def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
+        super().__init__()
+        self.weight = _empty_param(hidden_size, device=device, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_fused(x):
+            return _fused_kernels().rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- x + residual; return (norm(residual), residual). in_place: the sum goes
+        into `residual` itself (the piecewise graphs keep the residual stream in one buffer)."""
+        if residual is None:  # the first layer of the first stage
+            return self(x), x
+        if self._use_fused(x):
+            return _fused_kernels().fused_add_rms_norm(
+                x, residual, self.weight, self.eps, residual_out=residual if in_place else None
+            )
+        normed, summed = fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
+        return normed, residual.copy_(summed) if in_place else summed
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], float32, with llama3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] == "default":
+        return inv_freq
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(FusedKernelSwitch, nn.Module):
+    """Rotate-half (GPT-NeoX) RoPE with cos/sin tables precomputed for every position."""
+
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config).to(device)
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2], as HF computes it
+        # HF casts cos/sin to the activation dtype before rotating; do the same.
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token positions [T].
+
+        The fused kernel rotates q and k in place (they are views of the fresh qkv projection)
+        and returns them; the torch path returns new tensors.
+        """
+        if self._use_fused(q):
+            _fused_kernels().rotary_embedding_(positions, q, k, self.cos, self.sin)
+            return q, k
+        return rotary_embedding_reference(positions, q, k, self.cos, self.sin)
+
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Rotate q in place and store the rotated k and v in kv_cache at slot_mapping; returns q.
+
+        The fused kernel does all of it in one launch (as SGLang fuses its KV store into RoPE):
+        the keys go rotated to the cache, never back into the projection. The torch path rotates
+        q in place too, so that q stays where the piecewise graphs' attention reads it."""
+        if self._use_fused(q):
+            _fused_kernels().rotary_embedding_(
+                positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping
+            )
+            return q
+        rotated_q, k = self(positions, q, k)
+        backend.write_kv(k, v, kv_cache, slot_mapping)
+        return q.copy_(rotated_q)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window_for_layer(layer_index)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """From the qkv projection [T, q + 2 kv] to the attention output [T, q] (o_proj's input):
+        rotary, the KV cache write, attention. A small decode-only step does all three in one
+        launch (kernels/decode_attention.py) where that kernel serves the layer."""
+        if self._one_launch_decode(qkv, rotary, meta):
+            from strata.kernels.decode_attention import decode_attention
+
+            return decode_attention(
+                qkv,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                kv_cache,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.slot_mapping,
+                num_q_heads=self.num_heads,
+                scale=self.scale,
+                max_seq_len=meta.max_seq_len,
+            )
+        q = self.rotate_and_cache(qkv, positions, rotary, kv_cache, meta.slot_mapping, backend)
+        return self.attend_cached(q, kv_cache, meta, backend)
+
+    def rotate_and_cache(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Rotary and the KV cache write: the part of attention whose launch depends only on the
+        token count. Returns the rotated queries [T, Hq, D] (a view of qkv)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend)
+
+    def attend_cached(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of rotated queries [T, Hq, D] over the cache (their own keys written):
+        [T, q_size], into out [T, Hq, D] when given."""
+        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window, out=out)
+        return out.reshape(q.shape[0], self.q_size)
+
+    def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
+        """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
+        the fused kernels on, no sliding window or shared-prefix cascade, and a batch small enough
+        that one launch is faster (decode_attention_serves: the latency-bound batches). Its
+        STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is built
+        or captured, for A/B timing)."""
+        num_seqs = meta.seq_lens.shape[0]
+        if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
+            return False
+        if self.sliding_window is not None or meta.shared_kv_runs is not None:
+            return False
+        from strata.kernels.decode_attention import decode_attention_serves
+
+        return decode_attention_serves(
+            num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device
+        ) and not disabled("STRATA_DISABLE_FUSED_DECODE_ATTENTION")
+
+
+class MLP(FusedKernelSwitch, nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = _fused_kernels().silu_and_mul if self._use_fused(x) else silu_and_mul_reference
+        return self.down_proj(act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(config, layer_index, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = MLP(config, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.before_attention(hidden, residual)
+        attn = self.self_attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
+        return self.after_attention(attn, residual)
+
+    # The layer cut at attention, for the piecewise CUDA graphs (piecewise_graphs.py): what comes
+    # before and after it has launches that depend only on the token count.
+
+    def before_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        in_place: bool = False,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add) and the qkv projection: (qkv, residual)."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place)
+        return self.self_attn.qkv_proj(hidden, out=qkv_out), residual
+
+    def after_attention(
+        self, attn: torch.Tensor, residual: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the post-attention norm (with the residual add) and the MLP: (hidden, residual)."""
+        hidden, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual, in_place)
+        return self.mlp(hidden), residual
