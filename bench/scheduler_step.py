@@ -38,11 +38,12 @@ import time
 
 from strata.flags import DEFAULTS
 from strata.gc_tuning import SERVING_GEN0_THRESHOLD
-from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
+from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.output_stream import OutputStream
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
-from strata.services.scheduler.speculation import SpeculativeConfig
+from strata.services.scheduler.speculation.config import SpeculativeConfig
 from strata.v1 import engine_pb2
 
 PHASES = ("schedule", "encode", "result")

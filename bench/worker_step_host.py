@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from strata.bench.scheduler_step import fake_result
-from strata.services.scheduler.engine import Engine, OutputStream, SchedulerConfig
+from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.output_stream import OutputStream
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
-from strata.services.scheduler.speculation import SpeculativeConfig
+from strata.services.scheduler.speculation.config import SpeculativeConfig
 from strata.services.worker.speculation.device_speculation import DeviceSpeculation
 from strata.services.worker.step.sequence_table import SequenceTable
 from strata.services.worker.step.step_inputs import StepInputBuilder

@@ -17,8 +17,11 @@ import torch
 
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
-from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
-from strata.services.scheduler.speculation import AdaptiveK, CostModel, SpecState, expected_tokens
+from strata.services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.speculation.adaptive_k import AdaptiveK, expected_tokens
+from strata.services.scheduler.speculation.config import SpeculativeConfig
+from strata.services.scheduler.speculation.cost_model import CostModel
+from strata.services.scheduler.speculation.request_state import SpecState
 from strata.v1 import engine_pb2
 
 BLOCKS, BLOCK, MAX_LEN = 600, 4, 160
@@ -367,7 +370,7 @@ def test_verify_steps_that_carry_their_drafts_are_timed_and_speculation_turns_of
     8B with a 1B draft: 0.37x). Timed, a 12 ms verify step against 5.3 ms decodes loses."""
     from types import SimpleNamespace
 
-    from strata.services.scheduler.speculation import Speculation
+    from strata.services.scheduler.speculation.proposals import Speculation
 
     spec = Speculation(SpeculativeConfig(method="draft", num_speculative_tokens=4))
     now = 100.0

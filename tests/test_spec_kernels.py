@@ -53,7 +53,7 @@ def _lookup_python(tokens: list[int], k: int, n_min: int, n_max: int) -> list[in
 
 
 def test_reference_lookup_equals_a_plain_search():
-    from strata.services.scheduler.ngram_proposer import propose_from
+    from strata.services.scheduler.speculation.ngram_proposer import propose_from
 
     rng = random.Random(0)
     history, hist_len = _history(rng, 40, 30, 4)

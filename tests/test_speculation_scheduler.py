@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from strata.protocol import DRAFT_PLACEHOLDER
-from strata.services.scheduler.ngram_proposer import propose_from
-from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
+from strata.services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.speculation.config import SpeculativeConfig
+from strata.services.scheduler.speculation.ngram_proposer import propose_from
 from tests.test_scheduler_policy import (
     VOCAB,
     Driver,

@@ -13,22 +13,16 @@ import logging
 import time
 from dataclasses import dataclass
 
-from strata.services.scheduler.draft_proposer import draft_plan, fill_drafts, link_drafts
+from strata.services.scheduler.output_stream import OutputStream, RequestFailed
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
-from strata.services.scheduler.scheduler import Scheduler, SpeculativeConfig
+from strata.services.scheduler.scheduler import Scheduler
+from strata.services.scheduler.speculation.config import SpeculativeConfig
+from strata.services.scheduler.speculation.draft_proposer import draft_plan, fill_drafts, link_drafts
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")
-_RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
-
-
-class RequestFailed(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code  # a grpc.StatusCode name
-        self.message = message
 
 
 @dataclass
@@ -59,70 +53,6 @@ class SchedulerConfig:
 
 # A step may take this many times the slowest of the last 64 before its stage counts as hung.
 SLOW_STEP_MARGIN = 4.0
-
-
-class OutputStream:
-    """What one request has produced and its Submit call has not sent yet.
-
-    Outputs accumulate into one pending message and the sender is woken once: when the sender
-    is slower than the steps, several steps' tokens go out as one message, and a final_only
-    request sends a single message when it finishes."""
-
-    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool):
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.final_only = final_only
-        # Accumulated in Python lists (cheaper than growing a message every step); next() builds
-        # the message.
-        self._token_ids: list[int] = []
-        self._logprobs: list = []
-        self._cached_prompt_tokens = 0
-        self._queue_seconds = 0.0
-        self._finish_reason = _RUNNING
-        self._stop_token_id: int | None = None
-        self.failure: RequestFailed | None = None
-        self.ready = asyncio.Event()
-
-    def push(
-        self,
-        token_ids,
-        logprobs,
-        finish_reason: int = _RUNNING,
-        stop_token_id: int | None = None,
-        cached_prompt_tokens: int = 0,
-        queue_seconds: float = 0.0,
-    ) -> None:
-        self._token_ids.extend(token_ids)
-        self._logprobs.extend(logprobs)
-        self._cached_prompt_tokens = cached_prompt_tokens
-        self._queue_seconds = queue_seconds
-        if finish_reason:
-            self._finish_reason, self._stop_token_id = finish_reason, stop_token_id
-        if finish_reason or not self.final_only:
-            self.ready.set()
-
-    def fail(self, failure: RequestFailed) -> None:
-        self.failure = failure
-        self.ready.set()
-
-    async def next(self) -> engine_pb2.EngineOutput:
-        """The next (merged) output; raises RequestFailed when the request failed."""
-        await self.ready.wait()
-        self.ready.clear()
-        if self.failure is not None:
-            raise self.failure
-        out = engine_pb2.EngineOutput(
-            request_id=self.request_id,
-            prompt_tokens=self.prompt_tokens,
-            token_ids=self._token_ids,
-            logprobs=self._logprobs,
-            cached_prompt_tokens=self._cached_prompt_tokens,
-            queue_seconds=self._queue_seconds,
-            finish_reason=self._finish_reason,
-            stop_token_id=self._stop_token_id,
-        )
-        self._token_ids, self._logprobs = [], []
-        return out
 
 
 class Engine:

@@ -10,8 +10,8 @@ from strata.grpc_util import add_service, bind, new_server, set_serving, wait_fo
 from strata.services.scheduler.engine import Engine, SchedulerConfig
 from strata.services.scheduler.metrics import serve_metrics
 from strata.services.scheduler.pipeline import Pipeline
-from strata.services.scheduler.scheduler import SpeculativeConfig
 from strata.services.scheduler.server import SchedulerServicer
+from strata.services.scheduler.speculation.config import SpeculativeConfig
 from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.scheduler")

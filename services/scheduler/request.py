@@ -17,7 +17,7 @@ from strata.v1 import engine_pb2
 
 if TYPE_CHECKING:
     from strata.services.scheduler.prefix_sharing import SharingState
-    from strata.services.scheduler.speculation import SpecState
+    from strata.services.scheduler.speculation.request_state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -137,3 +137,9 @@ class Request:
     @property
     def finish_reason(self) -> int:
         return self.status.finish_reason
+
+
+def arrival_of(req: Request) -> int:
+    """The running list's sort key: requests keep their arrival order (preemption victims come
+    from its end)."""
+    return req.arrival

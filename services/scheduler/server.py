@@ -7,7 +7,8 @@ import logging
 import grpc
 
 from strata.sampling_rules import check_sampling_options
-from strata.services.scheduler.engine import Engine, RequestFailed
+from strata.services.scheduler.engine import Engine
+from strata.services.scheduler.output_stream import RequestFailed
 from strata.services.scheduler.request import Request
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 

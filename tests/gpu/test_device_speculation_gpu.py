@@ -17,7 +17,7 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
-from strata.services.scheduler.scheduler import SpeculativeConfig  # noqa: E402
+from strata.services.scheduler.speculation.config import SpeculativeConfig  # noqa: E402
 from strata.v1 import engine_pb2  # noqa: E402
 from tests.test_device_speculation import (  # noqa: E402
     BLOCKS,

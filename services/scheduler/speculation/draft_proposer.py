@@ -8,7 +8,7 @@ The draft model's KV cache follows the target's block tables: the positions are 
 scheduler keeps one table per sequence for both models (the target's verify step reserved blocks
 for every position the draft writes). What the draft worker holds of each table, and which
 positions its KV is valid for, is tracked in the request's SpecState (req.spec.draft_seq_id,
-draft_synced_blocks, draft_computed; speculation.py): each call catches the draft up from there
+draft_synced_blocks, draft_computed; request_state.py): each call catches the draft up from there
 to the sequence's last token, then draws k tokens in k autoregressive steps on the draft worker.
 """
 

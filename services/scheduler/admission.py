@@ -1,0 +1,76 @@
+"""Admission: a waiting request gets a seat and its first chunk (its shared or cached prefix
+found first), within its micro-batch's share of the seats. Part of the Scheduler (scheduler.py),
+as a mixin over the core's state: the running list, the block manager, prefix sharing."""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from strata.services.scheduler.plan import ScheduledSeq
+from strata.services.scheduler.prefix_sharing import HOLD, NO_ROOM
+from strata.services.scheduler.request import Request, RequestStatus, arrival_of
+
+
+class Admission:
+    """The Scheduler's admission of waiting requests (module docstring)."""
+
+    def _micro_batch_seats(self, micro_batch: int) -> int:
+        """Sequences a micro-batch may hold: what runs and waits, shared evenly (by decode
+        tokens; each plan's prefill is bounded by its own token budget) over as many
+        micro-batches as hold micro_batch_min_seqs each (at least one, at most all), at most
+        max_num_seqs each. An empty micro-batch opens only while fewer than that many hold any."""
+        demand = len(self.running) + len(self.waiting)
+        used = min(self.num_micro_batches, max(1, -(-demand // self.micro_batch_min_seqs)))
+        counts = self.micro_batch_seqs
+        if not counts[micro_batch] and sum(1 for c in counts if c) >= used:
+            return 0
+        return min(self.max_num_seqs, -(-demand // used))
+
+    def _admit(
+        self,
+        req: Request,
+        step_id: int,
+        budget: int,
+        seqs: list[ScheduledSeq],
+        copies: list[tuple[int, int]],
+    ) -> int | object | None:
+        """Admits a waiting request and schedules its first chunk. Returns the tokens it
+        scheduled, HOLD to wait for a sibling (or a prefix group's other members), or None when
+        its blocks do not fit now."""
+        bm = self.block_manager
+        found = None
+        if req.parent_id or req.group_size:
+            free_seats = self.max_num_seqs - len(self.running) - self.sharing.reserved_seats
+            found = self.sharing.shared_prefix(req, step_id, bm, free_seats)
+        if found is HOLD:
+            return HOLD
+        if found is NO_ROOM:
+            return None
+        if found is not None:  # a sibling's blocks, or its prefix group's pinned prefix
+            shared, num_computed = found
+        else:
+            shared = bm.lookup(req)
+            num_computed = len(shared) * self.block_size
+        end = num_computed + min(req.num_tokens - num_computed, budget)
+        free = bm.num_free_blocks - self.sharing.reserved_for_others(req)
+        if bm.admission_cost(shared, num_computed, end) > free:
+            return None
+
+        bm.acquire(req, shared, cached=found is None)
+        self.sharing.admitted(req)
+        req.sharing.num_shared_blocks = num_computed // self.block_size  # full blocks it did not compute
+        req.num_computed_tokens = num_computed
+        if req.num_preemptions == 0:  # first admission
+            req.num_cached_prompt_tokens = num_computed
+            req.queue_seconds = time.monotonic() - req.arrival_time
+            bm.record_prefix_query(req.num_prompt_tokens, num_computed)
+        req.seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        if self.spec is not None:
+            self.spec.admit(req)
+        req.num_synced_blocks = 0
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=arrival_of)
+        self._schedule_seq(req, end, 0, step_id, seqs, copies)
+        return end - num_computed

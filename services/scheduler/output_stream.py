@@ -1,0 +1,81 @@
+"""What one request has produced and its Submit call has not sent yet (OutputStream), and how a
+request fails (RequestFailed, a gRPC status code's name and a message)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from strata.v1 import engine_pb2
+
+_RUNNING = engine_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code  # a grpc.StatusCode name
+        self.message = message
+
+
+class OutputStream:
+    """What one request has produced and its Submit call has not sent yet.
+
+    Outputs accumulate into one pending message and the sender is woken once: when the sender
+    is slower than the steps, several steps' tokens go out as one message, and a final_only
+    request sends a single message when it finishes."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.final_only = final_only
+        # Accumulated in Python lists (cheaper than growing a message every step); next() builds
+        # the message.
+        self._token_ids: list[int] = []
+        self._logprobs: list = []
+        self._cached_prompt_tokens = 0
+        self._queue_seconds = 0.0
+        self._finish_reason = _RUNNING
+        self._stop_token_id: int | None = None
+        self.failure: RequestFailed | None = None
+        self.ready = asyncio.Event()
+
+    def push(
+        self,
+        token_ids,
+        logprobs,
+        finish_reason: int = _RUNNING,
+        stop_token_id: int | None = None,
+        cached_prompt_tokens: int = 0,
+        queue_seconds: float = 0.0,
+    ) -> None:
+        self._token_ids.extend(token_ids)
+        self._logprobs.extend(logprobs)
+        self._cached_prompt_tokens = cached_prompt_tokens
+        self._queue_seconds = queue_seconds
+        if finish_reason:
+            self._finish_reason, self._stop_token_id = finish_reason, stop_token_id
+        if finish_reason or not self.final_only:
+            self.ready.set()
+
+    def fail(self, failure: RequestFailed) -> None:
+        self.failure = failure
+        self.ready.set()
+
+    async def next(self) -> engine_pb2.EngineOutput:
+        """The next (merged) output; raises RequestFailed when the request failed."""
+        await self.ready.wait()
+        self.ready.clear()
+        if self.failure is not None:
+            raise self.failure
+        out = engine_pb2.EngineOutput(
+            request_id=self.request_id,
+            prompt_tokens=self.prompt_tokens,
+            token_ids=self._token_ids,
+            logprobs=self._logprobs,
+            cached_prompt_tokens=self._cached_prompt_tokens,
+            queue_seconds=self._queue_seconds,
+            finish_reason=self._finish_reason,
+            stop_token_id=self._stop_token_id,
+        )
+        self._token_ids, self._logprobs = [], []
+        return out
