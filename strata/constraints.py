@@ -10,6 +10,7 @@ regex's repetition counts, a choice list's length.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -20,6 +21,7 @@ MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 48
 MAX_REPEAT = 1000  # largest {m,n} count in a regex
 MAX_CHOICES = 1024
+MAX_PARSED = 256  # distinct constraints whose parsed grammar a process keeps
 
 KIND_NAMES = {
     engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA: "json_schema",
@@ -64,7 +66,9 @@ def check_choices(choices, field: str) -> None:
 
 def grammar(kind: int, text: str, field: str = "constraint"):
     """The xgrammar Grammar of a constraint (kind: engine_pb2.ConstraintKind); raises
-    SamplingRuleError naming `field` for a constraint that is too large or does not parse."""
+    SamplingRuleError naming `field` for a constraint that is too large or does not parse.
+    Each process parses a distinct constraint once (the gateway checking requests, the last
+    stage compiling them): a batch whose requests share a schema pays one parse."""
     import xgrammar as xgr
 
     if kind == engine_pb2.CONSTRAINT_KIND_JSON_OBJECT:
@@ -76,25 +80,46 @@ def grammar(kind: int, text: str, field: str = "constraint"):
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise SamplingRuleError(field, f"{field} has {len(text):,} characters; at most {MAX_CONSTRAINT_CHARS:,}")
     try:
+        return _parse(kind, text)
+    except _Refused as refused:
+        raise SamplingRuleError(field, field + refused.rule) from None
+
+
+class _Refused(Exception):
+    """A constraint that does not parse; rule: what follows the field's name in the message.
+    Raised, so that only parsed grammars are kept (a refusal is parsed again: it may have been
+    the process's own transient failure)."""
+
+    def __init__(self, rule: str):
+        super().__init__(rule)
+        self.rule = rule
+
+
+@functools.lru_cache(maxsize=MAX_PARSED)
+def _parse(kind: int, text: str):
+    """The Grammar of a constraint that passed the size checks; raises _Refused."""
+    import xgrammar as xgr
+
+    try:
         if kind == engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA:
             try:
                 schema = json.loads(text)
             except (json.JSONDecodeError, RecursionError) as e:
-                raise SamplingRuleError(field, f"{field} is not valid JSON: {e}") from None
+                raise _Refused(f" is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise SamplingRuleError(field, f"{field} must be a JSON schema object")
+                raise _Refused(" must be a JSON schema object")
             if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-                raise SamplingRuleError(field, f"{field} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+                raise _Refused(f" nests deeper than {MAX_SCHEMA_DEPTH} levels")
             return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
         if kind == engine_pb2.CONSTRAINT_KIND_REGEX:
             for m in _REPEAT.finditer(text):
                 if any(g and int(g) > MAX_REPEAT for g in m.groups()):
-                    raise SamplingRuleError(field, f"{field} repeats more than {MAX_REPEAT} times ({m.group(0)})")
+                    raise _Refused(f" repeats more than {MAX_REPEAT} times ({m.group(0)})")
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
-    except SamplingRuleError:
+    except _Refused:
         raise
     except Exception as e:  # xgrammar's parse errors (RuntimeError, InvalidJSONError, ...)
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         message = re.sub(r"^\[[0-9:]+\] \S+: ", "", message)  # drop xgrammar's time and source line
-        raise SamplingRuleError(field, f"{field} is not a valid {KIND_NAMES[kind]}: {message[:300]}") from None
+        raise _Refused(f" is not a valid {KIND_NAMES[kind]}: {message[:300]}") from None

@@ -1,11 +1,14 @@
 """What a valid set of sampling options is, and how the last stage reads a temperature: each rule
 written once, for every boundary that checks it.
 
-The gateway checks the public SamplingParams (fields `params.*`), the scheduler and each worker
-the internal SamplingOptions (`sampling.*`) they are sent, the sampler its per-row arrays. They
-all call the functions here, so a value one boundary accepts, the next accepts too. Each check
-takes a Python number or a numpy array (every element must pass) and raises SamplingRuleError
-naming the field; each boundary turns that into its own error (INVALID_ARGUMENT, PlanError, ...).
+Each process checks a request's options once, where they enter it: the gateway the public
+SamplingParams a client sends (fields `params.*`, rule by rule in services/gateway/validation.py),
+the scheduler the internal SamplingOptions on Submit and each worker the same at plan intake, in
+its sequence table (both with check_sampling_options, `sampling.*`). The sampler's SamplingTensors
+checks the per-row arrays it is built from, its own inputs. They all call the functions here, so
+a value one boundary accepts, the next accepts too. Each check takes a Python number or a numpy
+array (every element must pass) and raises SamplingRuleError naming the field; each boundary
+turns that into its own error (INVALID_ARGUMENT, PlanError, ...).
 """
 
 from __future__ import annotations

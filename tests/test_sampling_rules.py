@@ -113,3 +113,23 @@ def test_greedy_and_inverse_temperature_agree_for_rows_and_arrays():
     assert np.array_equal(table.inv_temperature[rows], arrays["inv_temperature"])
     assert np.array_equal(table.greedy[rows].astype(bool), greedy)
     assert np.array_equal(arrays["greedy"], greedy)
+
+
+def test_a_constraint_is_parsed_once_per_process():
+    """The gateway checks each request's constraint and the last stage compiles it: in either
+    process a schema that many requests share is parsed once, and a refused one names the field
+    each caller gives."""
+    from strata import constraints
+
+    schema = '{"type": "object", "properties": {"parsed_once": {"type": "integer"}}}'
+    kind = engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA
+    before = constraints._parse.cache_info()
+    first = constraints.grammar(kind, schema, "params.json_schema")
+    again = constraints.grammar(kind, schema, "constraint")
+    after = constraints._parse.cache_info()
+    assert again is first
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    for field in ("params.regex", "structured_outputs.regex"):
+        with pytest.raises(SamplingRuleError) as info:
+            constraints.grammar(engine_pb2.CONSTRAINT_KIND_REGEX, "a{2000}", field)
+        assert info.value.field == field and str(info.value).startswith(field + " repeats more than")

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from strata.flags import DEFAULTS
 from strata.services.scheduler.output_stream import OutputStream, RequestFailed
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
@@ -27,28 +28,33 @@ log = logging.getLogger("strata.scheduler")
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_plans_in_flight: int = 0  # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
+    """The engine's settings. Each default that a flag has is the flag table's (strata/flags.py):
+    written there only; `strata scheduler` passes every one from its flags."""
+
+    max_num_seqs: int = DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = DEFAULTS["max_num_batched_tokens"]
+    # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
+    max_plans_in_flight: int = DEFAULTS["max_plans_in_flight"]
     # Pipelined decode over P > 1 stages: the last stage hands its tokens to stage 0, and requests
     # run in micro-batches (0: P + 1), each a chain of plans whose decodes are lookaheads of the
     # previous plan's; a micro-batch opens past micro_batch_min_seqs sequences in the others.
-    pipelined_decode: bool = True
-    pipeline_micro_batches: int = 0
-    micro_batch_min_seqs: int = 32
-    enable_prefix_caching: bool = True
-    cascade_attention: bool = True  # send shared-KV runs in the plans (worker: cascade attention)
-    max_kv_blocks: int = 0  # 0: whatever the smallest stage offers
+    pipelined_decode: bool = not DEFAULTS["no_pipelined_decode"]
+    pipeline_micro_batches: int = DEFAULTS["pipeline_micro_batches"]
+    micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"]
+    enable_prefix_caching: bool = not DEFAULTS["no_prefix_caching"]
+    # Send shared-KV runs in the plans (worker: cascade attention).
+    cascade_attention: bool = not DEFAULTS["disable_cascade_attn"]
+    max_kv_blocks: int = DEFAULTS["max_kv_blocks"]  # 0: whatever the smallest stage offers
     # A new request waits this long for a pipeline that is reconnecting, then gets UNAVAILABLE (503
     # over HTTP) so that clients retry elsewhere; requests already running pause until it is back.
     reconnect_timeout: float = 2.0
     speculation: SpeculativeConfig | None = None
     # A lost stage: requests wait this long for the pipeline to come back, then fail.
-    stage_recovery_timeout: float = 60.0
+    stage_recovery_timeout: float = DEFAULTS["stage_recovery_timeout"]
     # A step of max_num_batched_tokens tokens that takes longer means a hung stage (smaller steps
     # get a proportional share, at least a tenth, and never less than a few times the slowest
     # recent step: a loaded CPU worker is slow, not hung).
-    step_timeout: float = 30.0
+    step_timeout: float = DEFAULTS["step_timeout"]
 
 
 # A step may take this many times the slowest of the last 64 before its stage counts as hung.

@@ -26,6 +26,7 @@ import bisect
 import time
 from collections import deque
 
+from strata.flags import DEFAULTS
 from strata.protocol import DEVICE_DRAFT
 from strata.services.scheduler.admission import Admission
 from strata.services.scheduler.block_manager import KVBlockManager
@@ -53,15 +54,15 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         num_blocks: int,
         block_size: int,
         max_model_len: int,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = DEFAULTS["max_num_seqs"],
+        max_num_batched_tokens: int = DEFAULTS["max_num_batched_tokens"],
         enable_prefix_caching: bool = True,
         cascade_attention: bool = True,
         cache_salt: str = "",
         decode_lookahead: int = 0,
         speculation: SpeculativeConfig | None = None,
         num_micro_batches: int = 1,
-        micro_batch_min_seqs: int = 32,
+        micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"],
         pipeline_stages: int = 1,
     ) -> None:
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:

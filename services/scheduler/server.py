@@ -23,7 +23,8 @@ def request_from_proto(msg: engine_pb2.EngineRequest, model: generate_pb2.ModelI
         raise ValueError("request_id is empty")
     vocab = model.vocab_size
     _check_ids("prompt_token_ids", msg.prompt_token_ids, vocab)
-    check_sampling_options(msg.sampling)  # a SamplingRuleError is a ValueError
+    # The scheduler's one check of the options (strata/sampling_rules.py); a SamplingRuleError is a ValueError.
+    check_sampling_options(msg.sampling, vocab_size=vocab)
     stop = msg.stop
     if len(msg.prompt_token_ids) + stop.max_tokens > model.max_model_len:
         raise ValueError(

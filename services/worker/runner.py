@@ -75,7 +75,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
-        self.table = SequenceTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
+        self.table = SequenceTable(
+            max_num_seqs, (max_model_len + block_size - 1) // block_size, vocab_size=model_config.vocab_size
+        )
         self.inputs = StepInputBuilder(
             self.table,
             block_size=block_size,

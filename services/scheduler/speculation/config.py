@@ -5,17 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.flags import DEFAULTS
 from strata.protocol import MAX_VERIFY_ROUNDS
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: who proposes, how many tokens, and up to which batch it may run."""
+    """Speculative decoding: who proposes, how many tokens, and up to which batch it may run.
+
+    `strata scheduler` passes every field from its flags (strata/flags.py, where their defaults
+    are written). A program that builds one gets the flags' defaults too, but for max_batch,
+    proposer and rounds, which start from the plainest setting: prompt lookup in the scheduler,
+    one verify round, a small cap."""
 
     method: str  # "ngram" (prompt lookup) or "draft" (a draft model's worker)
-    num_speculative_tokens: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 4
+    num_speculative_tokens: int = DEFAULTS["num_speculative_tokens"]
+    ngram_min: int = DEFAULTS["ngram_min"]
+    ngram_max: int = DEFAULTS["ngram_max"]
     max_batch: int = 32  # running requests above this decode without drafts (a cap)
     proposer: str = "scheduler"  # ngram: "device" (the last stage) or "scheduler" (here)
     # k per request from its acceptance, and the cost model's per-step choice; off: every
@@ -26,7 +32,7 @@ class SpeculativeConfig:
     # verify_rounds), so that one plan's host work serves several verify steps where the host's
     # time per step exceeds the GPU's (SmolLM2 on an H200: at batches 1 to 64).
     rounds: int = 1
-    rounds_max_batch: int = 64
+    rounds_max_batch: int = DEFAULTS["speculative_rounds_max_batch"]
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):

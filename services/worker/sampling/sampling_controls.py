@@ -25,11 +25,10 @@ import time
 import numpy as np
 import torch
 
-from strata.sampling_rules import SamplingRuleError, check_sampling_options, greedy_and_inverse_temperature
+from strata.sampling_rules import draws_unfiltered
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.sampling.grammar import GrammarCompilerPool, GrammarState
 from strata.services.worker.sampling.penalties import PenaltyState
-from strata.services.worker.step.sequence_table import PlanError
 
 
 class SamplingControls:
@@ -68,19 +67,17 @@ class SamplingControls:
     def active(self) -> bool:
         return bool(self.penalties.rows or self.grammar.rows)
 
-    def add(self, row: int, seq) -> bool:
-        """A sequence's admission (engine_pb2.NewSequence); True when it uses a control."""
+    def add(self, row: int, seq, unfiltered: bool | None = None) -> bool:
+        """A sequence's admission (engine_pb2.NewSequence, whose options the sequence table
+        checked); True when it uses a control. unfiltered: sampling_rules.draws_unfiltered of its
+        options, where the caller has it."""
         s = seq.sampling
-        try:
-            check_sampling_options(s, vocab_size=self.vocab_size)
-        except SamplingRuleError as e:
-            raise PlanError(f"invalid sampling options: {e}") from None
         args = (row, s, seq.num_prompt_tokens, seq.history_start, seq.history_token_ids)
         penalised = self.penalties.add(*args)
         constrained = self.grammar.add(*args)
         self.controlled[row] = penalised or constrained
-        greedy, _ = greedy_and_inverse_temperature(np.float32(s.temperature))
-        unfiltered = s.logprobs < 0 and (greedy or (s.top_k <= 0 and s.top_p >= 1 and s.min_p <= 0))
+        if unfiltered is None:
+            unfiltered = draws_unfiltered(s)
         self.drawable[row] = unfiltered and (not penalised or self.penalties.masks_only_counts(row))
         return penalised or constrained
 

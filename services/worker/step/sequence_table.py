@@ -26,8 +26,9 @@ class PlanError(ValueError):
 class SequenceTable:
     """A row per live sequence: its block table and sampling options."""
 
-    def __init__(self, max_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, vocab_size: int | None = None):
         self.max_blocks = max_blocks_per_seq
+        self.vocab_size = vocab_size  # token ids in the options (biases, allowed, bad words) stay below it
         self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_seqs, dtype=np.int32)
         self.temperature = np.zeros(max_seqs, dtype=np.float32)
@@ -70,8 +71,10 @@ class SequenceTable:
         if not self.free_rows:
             raise PlanError("more live sequences than this worker was sized for")
         s = seq.sampling
-        try:  # the scheduler checked these; a bad plan fails here, not with NaNs on the device
-            check_sampling_options(s)
+        # The worker's one check of a sequence's options, at plan intake (strata/sampling_rules.py):
+        # the scheduler checked them too, but a bad plan fails here, not with NaNs on the device.
+        try:
+            check_sampling_options(s, vocab_size=self.vocab_size)
         except SamplingRuleError as e:
             raise PlanError(f"invalid sampling options: {e}") from None
         row = self.free_rows.pop()
@@ -88,8 +91,8 @@ class SequenceTable:
         # admission, showed up in the launch of prefill steps).
         greedy, self.inv_temperature[row] = greedy_and_inverse_temperature(self.temperature[row])
         self.greedy[row] = greedy
-        self.unfiltered[row] = draws_unfiltered(s, greedy)
-        if self.controls is not None and self.controls.add(row, seq):
+        self.unfiltered[row] = unfiltered = draws_unfiltered(s, greedy)
+        if self.controls is not None and self.controls.add(row, seq, unfiltered):
             self.unfiltered[row] = False  # its logits go through the controls before the draw
         if self.speculation is not None:
             self.speculation.admit(row, seq)
