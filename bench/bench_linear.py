@@ -18,7 +18,6 @@ totals add layers x (qkv + o_proj + gate_up + down) + lm_head.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from strata.kernels import dependent_launch
 from strata.kernels.decode_linear import plain_linear
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -109,11 +109,8 @@ def bench_shape(
         row = dict(n=n, k=k, m=m, cublas_us=cublas_us, floor_us=floor_us)
         if m == 1:  # the batch-1 decode chain's GEMV (decode_linear), with and without PDL between calls
             row["chain_us"] = timed(lambda i: plain_linear(x, weights[i]))
-            os.environ["STRATA_DISABLE_PDL"] = "1"
-            try:
+            with dependent_launch.plain_launches():
                 row["chain_no_pdl_us"] = timed(lambda i: plain_linear(x, weights[i]))
-            finally:
-                os.environ.pop("STRATA_DISABLE_PDL")
         rows.append(row)
         print_row(model, linear, row)
     weights.clear()  # free the copies before the next shape

@@ -62,7 +62,8 @@ def device_name(device: str) -> str:
 
 def git_commit() -> str:
     """$STRATA_GIT_COMMIT when set (a copy of the tree on a GPU host, whose git metadata may be
-    stale), else HEAD's short hash with '+dirty' when the working tree has changes, else 'unknown'."""
+    stale), else HEAD's short hash with '+dirty' when the working tree has changes, else 'unknown'.
+    (The benchmarks' own variable, for their records; not a service switch.)"""
     if os.environ.get("STRATA_GIT_COMMIT"):
         return os.environ["STRATA_GIT_COMMIT"]
 

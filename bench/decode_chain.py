@@ -7,8 +7,8 @@ each against its floor, in one process on the worker's own ModelRunner (as `stra
 Five ways per model and batch, the CUDA graphs recaptured for each:
 - chain + PDL: the default (services/worker/model/decode_chain.py, kernels/dependent_launch.py), with
   rotary, KV write, attention and merge in one launch (kernels/decode_attention.py);
-- chain + PDL (3-kernel attention): those as three kernels (STRATA_DISABLE_FUSED_DECODE_ATTENTION=1);
-- chain: the fused GEMVs and attention, launched plainly (STRATA_DISABLE_PDL=1);
+- chain + PDL (3-kernel attention): those as three kernels (Attention.one_launch_decode off);
+- chain: the fused GEMVs and attention, launched plainly (dependent_launch.plain_launches);
 - unfused + PDL: cuBLAS and the separate norm / SiLU kernels (rotary and attention still PDL);
 - unfused: neither, the engine as it was before the chain.
 The step is the worker's back-to-back period (host work, graph replay, sampling and the copy back
@@ -19,13 +19,14 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 
 from strata.bench import common
 from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
 from strata.flags import DEFAULTS
+from strata.kernels import dependent_launch
 
 # (decode chain, PDL, one-launch decode attention)
 WAYS = {
@@ -42,15 +43,38 @@ def roofline_args(model: str, max_batch: int):
     return bench_settings(model=model, device="cuda", max_num_batched_tokens=budget)
 
 
-def set_way(runner, num_blocks: int, chain: bool, pdl: bool, fused_attention: bool) -> None:
-    # Both switches are read at every launch, so the recapture below takes them.
-    for name, on in (("STRATA_DISABLE_PDL", pdl), ("STRATA_DISABLE_FUSED_DECODE_ATTENTION", fused_attention)):
-        if on:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = "1"
+def set_way(runner, num_blocks: int, chain: bool, fused_attention: bool) -> None:
+    """The way's kernels (PDL is the caller's plain_launches block): both are read at every
+    launch, so the recapture below takes them."""
+    for layer in runner.shard.layers:
+        layer.self_attn.one_launch_decode = fused_attention
     runner.shard.decode_chain = chain
     runner.init_cache(num_blocks)  # new cache, graphs recaptured the new way
+
+
+def time_way(runner, model: str, way: str, batches: list[int], a, bandwidth: float, itemsize: int) -> list[dict]:
+    """Each batch's decode step the way the runner is set, against its floor."""
+    rows = []
+    for batch in batches:
+        t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
+        floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
+        r = {
+            "model": model,
+            "way": way,
+            "batch": batch,
+            "step_ms": t["median_s"] * 1e3,
+            "gpu_ms": t["gpu_s"] * 1e3,
+            "floor_ms": floor_s * 1e3,
+            "step_over_floor": t["median_s"] / floor_s,
+            "gpu_over_floor": t["gpu_s"] / floor_s,
+        }
+        rows.append(r)
+        print(
+            f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
+            f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x",
+            flush=True,
+        )
+    return rows
 
 
 def main() -> None:
@@ -91,32 +115,13 @@ def main() -> None:
         try:
             for way, tile in [(w, default_tile) for w in ways] + [(f"chain + PDL, {t // 1024} KB", t) for t in tiles]:
                 decode_linear.TILE_BYTES = tile
-                set_way(runner, num_blocks, *WAYS.get(way, WAYS["chain + PDL"]))  # tile sweeps: the default way
-                for batch in batches:
-                    t = time_decode_step(runner, batch, a.context_len, a.steps, warmup=5, temperature=0.0)
-                    floor_s = decode_bytes(runner.config, itemsize, batch, a.context_len)["total_bytes"] / bandwidth
-                    rows.append(
-                        {
-                            "model": model,
-                            "way": way,
-                            "batch": batch,
-                            "step_ms": t["median_s"] * 1e3,
-                            "gpu_ms": t["gpu_s"] * 1e3,
-                            "floor_ms": floor_s * 1e3,
-                            "step_over_floor": t["median_s"] / floor_s,
-                            "gpu_over_floor": t["gpu_s"] / floor_s,
-                        }
-                    )
-                    r = rows[-1]
-                    print(
-                        f"{model:<22} {way:<14} batch {batch:>3}: step {r['step_ms']:7.3f} ms  GPU {r['gpu_ms']:7.3f} ms"
-                        f"  floor {r['floor_ms']:6.3f} ms  step/floor {r['step_over_floor']:.2f}x",
-                        flush=True,
-                    )
+                chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # tile sweeps: the default way
+                launches = contextlib.nullcontext() if pdl else dependent_launch.plain_launches()
+                with launches:
+                    set_way(runner, num_blocks, chain, fused_attention)
+                    rows += time_way(runner, model, way, batches, a, bandwidth, itemsize)
         finally:
             decode_linear.TILE_BYTES = default_tile
-            os.environ.pop("STRATA_DISABLE_PDL", None)
-            os.environ.pop("STRATA_DISABLE_FUSED_DECODE_ATTENTION", None)
             del runner
             common.free_accelerator_memory()
     ways += [f"chain + PDL, {t // 1024} KB" for t in tiles]

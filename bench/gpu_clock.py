@@ -1,5 +1,5 @@
 """Where a pipeline's shared GPU idles between its stages' steps, from the workers' GPU clock stamps
-(services/worker/diagnostics/gpu_clock.py: run the cluster with STRATA_GPU_CLOCK_DIR=DIR, then):
+(services/worker/diagnostics/gpu_clock.py: run the cluster with --gpu-clock-dir DIR (env STRATA_GPU_CLOCK_DIR), then):
 
     python -m strata.bench.gpu_clock DIR            # the last dump of each cluster
     python -m strata.bench.gpu_clock DIR --call 3   # `strata bench pipeline`: 3 = its 16-stream phase
@@ -37,7 +37,7 @@ def load(directory: str, call: int | None) -> list[list[dict]]:
     for path in glob.glob(os.path.join(directory, "stage*-*-*.npz")):
         by_call[int(path.rsplit("-", 1)[1].split(".")[0])].append(path)
     if not by_call:
-        raise FileNotFoundError(f"no stamps in {directory} (was STRATA_GPU_CLOCK_DIR set for GPU workers?)")
+        raise FileNotFoundError(f"no stamps in {directory} (did the GPU workers run with --gpu-clock-dir?)")
     calls = [call] if call is not None else sorted(by_call)[-1:]
     clusters = []
     for c in calls:
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("directory", help="STRATA_GPU_CLOCK_DIR the workers wrote to")
+    p.add_argument("directory", help="the --gpu-clock-dir the workers wrote to")
     p.add_argument("--call", type=int, default=None, help="which GetStats dump (default: the last)")
     p.add_argument("--max-gap-ms", type=float, default=2.0, help="longer gaps are no work, not a bubble")
     args = p.parse_args(argv)

@@ -10,17 +10,18 @@ Every kernel of a chain must call gdc_wait before it touches data another kernel
 reads or writes: the wait returns once the predecessor has completed, and the predecessor
 completed only after its own wait, so ordering holds transitively along the chain.
 
-STRATA_DISABLE_PDL=1 turns the attribute off everywhere (for A/B timing); the kernels' gdc calls
-are then no-ops.
+A server always launches so where the GPU supports it. Benchmarks that time what PDL is worth
+turn it off within their own process (plain_launches); the kernels' gdc calls are then no-ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
-from strata.flags import disabled
+_plain = False  # plain_launches() is active: no kernel is launched as a programmatic dependent
 
 
 @functools.cache
@@ -30,7 +31,7 @@ def _sm90_or_later(device_index: int) -> bool:
 
 def dependent_launch_supported(device: torch.device) -> bool:
     """Whether kernels on `device` may be launched as programmatic dependents."""
-    if device.type != "cuda" or disabled("STRATA_DISABLE_PDL"):
+    if device.type != "cuda" or _plain:
         return False
     return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -38,3 +39,15 @@ def dependent_launch_supported(device: torch.device) -> bool:
 def launch_options(enabled: bool) -> dict:
     """Extra keyword arguments of a Triton launch: the PDL attribute when enabled."""
     return {"launch_pdl": True} if enabled else {}
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Within the block, kernels launch plainly (no PDL): benchmarks' A/B only. Read at every
+    launch, so CUDA graphs captured within the block keep plain launches when replayed later."""
+    global _plain
+    previous, _plain = _plain, True
+    try:
+        yield
+    finally:
+        _plain = previous

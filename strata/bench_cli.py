@@ -201,7 +201,7 @@ def _pipeline_parser(sub, formatter_class) -> None:
         "--gpu-clock",
         default=None,
         metavar="DIR",
-        help="multi-stage GPU runs stamp their steps on the GPU's clock into DIR (STRATA_GPU_CLOCK_DIR; a "
+        help="multi-stage GPU runs stamp their steps on the GPU's clock into DIR (--gpu-clock-dir, env STRATA_GPU_CLOCK_DIR; a "
         "diagnostic that slows steps) and print where each phase's GPU idle went (python -m strata.bench.gpu_clock)",
     )
     add_common_flags(p)

@@ -21,12 +21,6 @@ def env(name: str, default=None, cast=str):
     return cast(value) if value not in (None, "") else default
 
 
-def disabled(switch: str) -> bool:
-    """Whether an A/B kernel switch (STRATA_DISABLE_PDL, STRATA_DISABLE_DECODE_CHAIN,
-    STRATA_DISABLE_FUSED_DECODE_ATTENTION) is set: any value but "" and "0"."""
-    return os.environ.get(switch, "") not in ("", "0")
-
-
 def _bool(v: str) -> bool:
     return v.lower() in ("1", "true", "yes", "on")
 
@@ -124,6 +118,13 @@ FLAGS: dict[str, Flag] = {
         "STRATA_PROFILE_STEPS",
         "200:100",
         "FIRST:COUNT, the window of steps --profile-output profiles (counted from the worker's start)",
+    ),
+    "gpu_clock_dir": Flag(
+        "STRATA_GPU_CLOCK_DIR",
+        None,
+        "stamp every step of a GPU worker on the GPU's global clock and write the stamps to this directory, "
+        "where python -m strata.bench.gpu_clock DIR places the stages' work against each other "
+        "(diagnostics; it slows steps)",
     ),
     "stage_index": Flag("STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", int),
     "num_stages": Flag("STRATA_NUM_STAGES", 1, "number of pipeline stages", int),
@@ -344,6 +345,7 @@ WORKER_FLAGS = (
     "piecewise_graph_max_tokens",
     "profile_output",
     "profile_steps",
+    "gpu_clock_dir",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

@@ -20,6 +20,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # STRATA_SLOW_TESTS is the test suite's own variable, not a service switch (strata/flags.py).
     if os.environ.get("STRATA_SLOW_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set STRATA_SLOW_TESTS=1 to run it")

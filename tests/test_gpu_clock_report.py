@@ -73,13 +73,22 @@ def test_long_gaps_are_no_bubble(tmp_path):
     assert (r["idle_ns"], r["skipped_gaps"], r["busy_ns"]) == (0, 1, 200 * US)
 
 
-def test_off_without_the_directory_or_a_gpu(monkeypatch, tmp_path):
+def test_off_without_the_directory_or_a_gpu(tmp_path):
     import torch
 
+    assert GpuClock.for_stage(None, 0, torch.device("cuda")) is None
+    assert GpuClock.for_stage("", 0, torch.device("cuda")) is None
+    assert GpuClock.for_stage(str(tmp_path), 0, torch.device("cpu")) is None
+
+
+def test_the_directory_is_a_worker_flag_and_its_environment_variable(monkeypatch, tmp_path):
+    from strata.flags import service_args
+
     monkeypatch.delenv("STRATA_GPU_CLOCK_DIR", raising=False)
-    assert GpuClock.from_env(0, torch.device("cuda")) is None
+    assert service_args(["worker"]).gpu_clock_dir is None
+    assert service_args(["worker", "--gpu-clock-dir", str(tmp_path)]).gpu_clock_dir == str(tmp_path)
     monkeypatch.setenv("STRATA_GPU_CLOCK_DIR", str(tmp_path))
-    assert GpuClock.from_env(0, torch.device("cpu")) is None
+    assert service_args(["serve"]).gpu_clock_dir == str(tmp_path)  # forwarded to every worker
 
 
 def test_event_stamps_land_on_the_global_clock_through_their_reference(monkeypatch, tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -30,8 +29,7 @@ GiB = 1 << 30
 # while the event loop and the result finisher run Python. 0.5 ms cut the pipeline's token hop
 # from 106 to 84 us a step; 0.1 ms cut a speculating worker's host time per verify step by
 # 12-34% against 0.5 ms, and one stage's offline throughput rose 4.7% (H200s, bench/RESULTS.md).
-# $STRATA_GIL_SWITCH_SECONDS overrides it (A/B runs).
-GIL_SWITCH_SECONDS = float(os.environ.get("STRATA_GIL_SWITCH_SECONDS") or 0.0001)
+GIL_SWITCH_SECONDS = 0.0001
 
 
 def pick_device(name: str) -> torch.device:
@@ -156,6 +154,7 @@ def build(args):
             or (args.speculative_method == "draft" and args.num_stages == 1)
         )
         else None,
+        gpu_clock_dir=args.gpu_clock_dir,
     )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"

@@ -64,6 +64,7 @@ class ModelRunner:
         piecewise_max_tokens: int = 0,
         tokenizer_dir: str | None = None,
         ngram_on_device: tuple[int, int] | None = None,
+        gpu_clock_dir: str | None = None,
     ):
         self.shard = shard
         self.config = model_config
@@ -135,7 +136,7 @@ class ModelRunner:
             )
             self.table.controls = self.controls
         self.timeline = GpuTimeline(device) if device.type == "cuda" else None
-        self.clock = GpuClock.from_env(self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
+        self.clock = GpuClock.for_stage(gpu_clock_dir, self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
         # Pipelined decode over P > 1 stages (token_handoff.py): stage 0's TokenIntake, which
         # fills last_sampled from the last stage's tokens, or the last stage's TokenOutlet; on a
         # one-stage target with a draft worker, the DraftIntake of its proposals.

@@ -10,11 +10,10 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_stamps_bracket_a_kernel_of_known_length(tmp_path, monkeypatch):
+def test_stamps_bracket_a_kernel_of_known_length(tmp_path):
     from strata.services.worker.diagnostics.gpu_clock import POINTS, GpuClock
 
-    monkeypatch.setenv("STRATA_GPU_CLOCK_DIR", str(tmp_path))
-    clock = GpuClock.from_env(1, torch.device("cuda:0"))
+    clock = GpuClock.for_stage(str(tmp_path), 1, torch.device("cuda:0"))
     clock.stamp(7, "queued")  # compiles
     clock.dump()
     torch.cuda.synchronize()

@@ -28,6 +28,7 @@ from docker_engine import DockerEngine, install_debian_packages, run, why_docker
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
+# STRATA_IT_* variables configure these container tests only; they are not service switches.
 BASE_IMAGE = os.environ.get("STRATA_IT_BASE_IMAGE", "strata-base:bookworm")
 IMAGE = "strata:it"
 PROJECT_PREFIX = "strata-it-"

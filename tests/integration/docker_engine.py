@@ -27,6 +27,7 @@ DEBIAN_PACKAGES = {
 
 # Where a daemon started here keeps its state. Images survive between runs on one machine
 # (the base image and build cache make a rerun fast); everything else is torn down.
+# (STRATA_IT_* variables configure these container tests only; they are not service switches.)
 PRIVATE_ROOT = Path(os.environ.get("STRATA_IT_DOCKER_ROOT", "/var/lib/strata-it"))
 PRIVATE_EXEC_ROOT = Path("/run/strata-it")  # sockets live here: keep the path short
 PRIVATE_SOCKET = f"unix://{PRIVATE_EXEC_ROOT}/docker.sock"

@@ -25,8 +25,9 @@ stages' work whether the waiting stage was queued in time (the gap is the hand-o
 late (its host was behind: each stamp also keeps the host's clock at its launch, which the report
 maps onto the GPU's). A diagnostic: find gaps with it, benchmark without it.
 
-Enabled by STRATA_GPU_CLOCK_DIR; each GetStats call writes the stamps taken since the previous
-one to DIR/stage{index}-{pid}-{call}.npz (a benchmark reads stats before and after each phase).
+Enabled by --gpu-clock-dir DIR (env STRATA_GPU_CLOCK_DIR); each GetStats call writes the stamps
+taken since the previous one to DIR/stage{index}-{pid}-{call}.npz (a benchmark reads stats before
+and after each phase).
 """
 
 from __future__ import annotations
@@ -109,11 +110,11 @@ class GpuClock:
         self.dumps = 0
 
     @classmethod
-    def from_env(cls, stage_index: int, device: torch.device) -> GpuClock | None:
-        directory = os.environ.get("STRATA_GPU_CLOCK_DIR")
+    def for_stage(cls, directory: str | None, stage_index: int, device: torch.device) -> GpuClock | None:
+        """The stage's clock when --gpu-clock-dir names a directory and the stage runs on a GPU."""
         if not directory or device.type != "cuda":
             return None
-        log.warning("GPU clock stamps on (STRATA_GPU_CLOCK_DIR=%s): a diagnostic that slows steps", directory)
+        log.warning("GPU clock stamps on (--gpu-clock-dir %s): a diagnostic that slows steps", directory)
         return cls(directory, stage_index, device)
 
     def stamp(self, step_id: int, point: str) -> None:

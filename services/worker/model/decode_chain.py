@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.flags import disabled
-
-DECODE_CHAIN_DEFAULT = not disabled("STRATA_DISABLE_DECODE_CHAIN")
-
 
 def _kernels():
     # On first use: triton.jit reads TRITON_INTERPRET when the kernels are defined.

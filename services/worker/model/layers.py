@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.flags import disabled
 from strata.kernels.reference import (
     embed_tokens_reference,
     fused_add_rms_norm_reference,
@@ -195,6 +194,11 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
 
 
 class Attention(nn.Module):
+    # The one-launch decode attention where it serves (kernels/decode_attention.py); False keeps
+    # rotary, attention and the merge as three kernels. Only bench/decode_chain.py turns it off,
+    # to time what the one launch is worth; a server always takes it.
+    one_launch_decode = True
+
     def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -272,9 +276,9 @@ class Attention(nn.Module):
     def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
         """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
         the fused kernels on, no sliding window or shared-prefix cascade, and a batch small enough
-        that one launch is faster (decode_attention_serves: the latency-bound batches). Its
-        STRATA_DISABLE_FUSED_DECODE_ATTENTION=1 keeps the three kernels (read when a step is built
-        or captured, for A/B timing)."""
+        that one launch is faster (decode_attention_serves: the latency-bound batches), unless a
+        benchmark turned one_launch_decode off to time the three kernels (read when a step is
+        built or captured)."""
         num_seqs = meta.seq_lens.shape[0]
         if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
             return False
@@ -282,9 +286,9 @@ class Attention(nn.Module):
             return False
         from strata.kernels.decode_attention import decode_attention_serves
 
-        return decode_attention_serves(
+        return self.one_launch_decode and decode_attention_serves(
             num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device
-        ) and not disabled("STRATA_DISABLE_FUSED_DECODE_ATTENTION")
+        )
 
 
 class MLP(FusedKernelSwitch, nn.Module):

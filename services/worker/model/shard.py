@@ -14,7 +14,6 @@ import torch
 
 from strata.services.worker.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from strata.services.worker.model.decode_chain import (
-    DECODE_CHAIN_DEFAULT,
     chain_serves,
     decode_chain_forward,
     decode_chain_logits,
@@ -115,11 +114,11 @@ class CausalLMShard(torch.nn.Module):
 
     def _runs_decode_chain(self, hidden: torch.Tensor) -> bool:
         """Batch-1 steps on the GPU take the fused GEMV chain (decode_chain.py); decode_chain
-        None decides by device and kernel switch (and STRATA_DISABLE_DECODE_CHAIN), tests and
+        None decides by device and kernel switch (the fused kernels on), tests and
         benchmarks force it."""
         enabled = self.decode_chain
         if enabled is None:
-            enabled = hidden.is_cuda and self.layers[0].mlp._use_fused(hidden) and DECODE_CHAIN_DEFAULT
+            enabled = hidden.is_cuda and self.layers[0].mlp._use_fused(hidden)
         return enabled and chain_serves(hidden, self)
 
     # ---- weights -----------------------------------------------------------------------

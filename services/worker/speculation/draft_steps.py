@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.flags import disabled
 from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.step.sequence_table import PlanError
@@ -27,8 +26,6 @@ from strata.services.worker.step.step_results import PendingResult
 from strata.v1 import engine_pb2
 
 MAX_PROPOSE_TOKENS = 32
-# A/B runs: every proposal step from a decode plan, as before ModelRunner.decode_again.
-GRAPH_REPLAY = not disabled("STRATA_DISABLE_DRAFT_REPLAY")
 
 
 class DraftProposal:
@@ -83,7 +80,7 @@ def propose(runner, plan: engine_pb2.StepPlan, link=None) -> DraftProposal:
     seq_lens = [c + s for c, s in zip(plan.num_computed, plan.num_scheduled)]
     table_lens = [keep + count for keep, count in zip(plan.table_keep, plan.table_append_counts)]
     for step in range(k):  # the last one feeds draft k (its KV) and draws nothing kept
-        if not (GRAPH_REPLAY and runner.decode_again()):
+        if not runner.decode_again():
             decode = engine_pb2.StepPlan(
                 step_id=plan.step_id,
                 seq_ids=plan.seq_ids,

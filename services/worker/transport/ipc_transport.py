@@ -12,7 +12,6 @@ step threads (the Forward stream carries nothing).
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -129,10 +128,9 @@ class IpcReceiver(Receiver):
     def __init__(self, session, device, dtype, hidden_size, max_rows, timeout, *, slots: int):
         super().__init__(session, device, dtype, hidden_size, max_rows, timeout)
         self.device = check_ipc_device(device)
-        # Slot words (STRATA_STREAM_WAITS, on by default): the GPU waits for the sender's copy on a
-        # word in host memory, as the token link does; 0 keeps the interprocess events (A/B runs).
-        words = os.environ.get("STRATA_STREAM_WAITS", "1") != "0"
-        ring = Ring.create(self.device, dtype, slots, 2, max_rows * hidden_size, words=words)
+        # Slot words: the GPU waits for the sender's copy on a word in host memory, as the token
+        # link does (interprocess events where this GPU cannot wait on a word).
+        ring = Ring.create(self.device, dtype, slots, 2, max_rows * hidden_size, words=True)
         self.reader = RingReader(ring, timeout)
         self._held: tuple[Announcement, int] | None = None  # a later step's announcement, taken early (take)
         log.info(

@@ -184,11 +184,11 @@ class Ring:
             raise TransportError("a CUDA ipc ring needs a CUDA stage and an event pair per slot")
         ring_device = device_of_uuid(link.device_uuid)
         buffer = None
-        if link.slot_words_path and ring_device != device and os.environ.get("STRATA_IPC_PEER_MAP", "own") == "own":
+        if link.slot_words_path and ring_device != device:
             # On slot words every launch of this end goes on its own stream (write), so the ring
             # is mapped into this GPU's context (CUDA IPC enables the peer access): this process
             # then keeps no work on the ring's GPU, whose context there the GPU would time-slice
-            # with the receiver's. STRATA_IPC_PEER_MAP=ring maps it on the ring's GPU (A/B runs).
+            # with the receiver's.
             try:
                 buffer = open_memory(link.ring, device, dtype, numel)
             except RuntimeError as e:  # no peer access between the two: map it where it lives

@@ -20,7 +20,7 @@ on the stage transport the scheduler chose for that pair (strata/stage_links.py)
   announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
   what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
   On GPUs that allow it, stage 0's GPU waits for the tokens instead of its host
-  (token_waits.py, `STRATA_STREAM_WAITS=0` turns that off).
+  (token_waits.py).
 
 The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
 stage gathers `last_sampled` at the sampling rows on its compute stream after the step's draw,
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 
@@ -311,8 +310,7 @@ class IpcTokenReceiver(_TokenReceiving):
 
     def __init__(self, session: int, device, max_tokens: int, timeout: float, slots: int):
         self.session = session
-        words = os.environ.get("STRATA_STREAM_WAITS", "1") != "0"  # (A/B: the host waits as before)
-        ring = Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens, words=words)
+        ring = Ring.create(torch.device(device), torch.int64, slots, 1, max_tokens, words=True)
         self.reader = RingReader(ring, timeout)
         self.acks: asyncio.Queue = asyncio.Queue()  # no credits on the stream: they go on the doorbell
 
@@ -392,7 +390,7 @@ def open_token_receiver(
         receiver = DistributedTokenReceiver(
             session, device, max_tokens, timeout, peer_host=host_of(request.peer_address)
         )
-        if receiver.backend == "nccl" and os.environ.get("STRATA_STREAM_WAITS", "1") != "0":
+        if receiver.backend == "nccl":
             intake.device_waits = NcclTokenWaits(receiver, intake.last_sampled, timeout)
         else:
             intake.pump = receiver.pump
