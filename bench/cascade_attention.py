@@ -60,15 +60,13 @@ def measure(
         seed=seed,
         **LLAMA_1B,
     )
-    groups = share_prefixes(batch, [group_size] * num_groups, [prefix_len] * num_groups)
+    runs = share_prefixes(batch, [group_size] * num_groups, [prefix_len] * num_groups)
     scale = LLAMA_1B["head_dim"] ** -0.5
     args = batch.attention_args()
     out = torch.empty_like(batch.query)
 
     def cascade(prefix_config=None, config=None):
-        return cascade_attention(
-            *args[:5], groups, *args[5:], scale, out=out, config=config, prefix_config=prefix_config
-        )
+        return cascade_attention(*args[:5], runs, *args[5:], scale, out=out, config=config, prefix_config=prefix_config)
 
     want = paged_attention(*args, scale).float()
     error = (cascade().float() - want).abs().max().item()
@@ -89,8 +87,8 @@ def measure(
     cascade_us = time_us(cascade)
     paged_us = time_us(lambda: paged_attention(*args, scale, out=out))
     auto = choose_prefix_config(
-        num_groups=num_groups,
-        max_grouped_tokens=num_seqs,
+        num_runs=num_groups,
+        max_run_tokens=num_seqs,
         max_prefix_len=prefix_len,
         num_q_heads=LLAMA_1B["num_q_heads"],
         num_kv_heads=LLAMA_1B["num_kv_heads"],
@@ -125,13 +123,11 @@ def measure(
         sm_count=sm_count,
     )
     partials = Partials.allocate(batch.query, auto.prefix_splits)
-    launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto, partials)
-    prefix_us = time_us(
-        lambda: launch_shared_prefix(batch.query, batch.kv_cache, args[4], groups, scale, auto, partials)
-    )
+    launch_shared_prefix(batch.query, batch.kv_cache, args[4], runs, scale, auto, partials)
+    prefix_us = time_us(lambda: launch_shared_prefix(batch.query, batch.kv_cache, args[4], runs, scale, auto, partials))
 
     def own(config=own_config):
-        launch_paged_attention(*args[:5], scale, config, out, partials, seq_prefix_lens=groups.seq_prefix_lens)
+        launch_paged_attention(*args[:5], scale, config, out, partials, seq_prefix_lens=runs.seq_prefix_lens)
 
     own_us = time_us(own)
     prefix_floor_us = num_groups * prefix_len * kv_bytes_per_token / (copy_gbps * 1e3)

@@ -1,28 +1,30 @@
 """Cascade attention: a batch whose sequences share prefixes reads each shared prefix's KV once
-per group of sequences, not once per sequence (FlashInfer's cascade, generalised to many groups).
+per shared-KV run of sequences, not once per sequence (FlashInfer's cascade, generalised to many
+runs).
 
-A group is a run of consecutive sequences in the batch whose first prefix_len keys are the same
-KV blocks (an offline prefix group, n > 1 siblings, prefix-cache hits) and whose queries all lie
-past that prefix, so no query needs a causal mask inside it. Attention then splits in two:
+A shared-KV run (shared_kv_runs.py) is consecutive sequences in the batch whose first prefix_len
+keys are the same KV blocks (an offline prefix group, n > 1 siblings, prefix-cache hits) and whose
+queries all lie past that prefix, so no query needs a causal mask inside it. Attention then splits
+in two:
 
-- the shared prefix (`_shared_prefix_kernel`): a program owns BLOCK_T query tokens of one group
+- the shared prefix (`_shared_prefix_kernel`): a program owns BLOCK_T query tokens of one run
   times one KV head, packs tokens x the GQA group's heads into the M rows of its dots (as the
   paged kernel does), and walks the prefix's keys through one member's block table. A decode batch
   of 16 members makes one 64-row tile per KV head: the prefix is read once for all 16. The prefix
-  can be cut into PREFIX_SPLITS parts computed in parallel (few groups, long prefixes);
+  can be cut into PREFIX_SPLITS parts computed in parallel (few runs, long prefixes);
 - each sequence's own keys past its prefix: the paged kernel with a per-sequence key start.
 
 The prefix kernel runs first and writes unnormalised softmax partials (acc, max, sum), one part
 per prefix split; the paged kernel then attends each sequence's own keys and, in its epilogue,
 folds those parts into its result by log-sum-exp (the split-KV merge's arithmetic, without a third
-launch or a round trip of the own keys' partials through memory). Sequences outside any group
+launch or a round trip of the own keys' partials through memory). Sequences outside any run
 (prefix length 0) read no parts, so one launch of each kernel serves a mixed batch. On Hopper the
 paged kernel is a programmatic dependent launch: its programs start on the SMs that the prefix
 kernel's last programs leave idle, and wait for that grid only before the merge.
 
-Grid sizes depend on python ints only (the same numbering trick as the paged kernel: group g owns
-tile indices [(start_g - start_0) // BLOCK_T + g, ...)), so the launches are CUDA-graph safe with
-fixed upper bounds and empty padding groups.
+Grid sizes depend on python ints only (the same numbering trick as the paged kernel: run r owns
+tile indices [(start_r - start_0) // BLOCK_T + r, ...)), so the launches are CUDA-graph safe with
+fixed upper bounds and empty padding runs.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ class PrefixLaunchConfig:
 
 def choose_prefix_config(
     *,
-    num_groups: int,
-    max_grouped_tokens: int,
+    num_runs: int,
+    max_run_tokens: int,
     max_prefix_len: int,
     num_q_heads: int,
     num_kv_heads: int,
@@ -86,10 +88,10 @@ def choose_prefix_config(
     """64-row tiles as in the paged kernel's prefill path. Splits while fewer than ~2 programs
     per SM would stream the prefixes (each split adds a round trip of its partials), at least
     256 keys each, powers of two (each value is a compiled variant of both kernels). Programs
-    with work: one per group and KV head, more for groups of over block_t tokens."""
+    with work: one per run and KV head, more for runs of over block_t tokens."""
     block_t = max(1, 64 // (num_q_heads // num_kv_heads))
     if not prefix_splits:
-        programs = max(num_groups, triton.cdiv(max_grouped_tokens, block_t)) * num_kv_heads
+        programs = max(num_runs, triton.cdiv(max_run_tokens, block_t)) * num_kv_heads
         want = triton.cdiv(2 * sm_count, max(programs, 1))
         prefix_splits = max(1, min(want, max_prefix_len // 256, MAX_PREFIX_SPLITS))
         prefix_splits = 1 << (prefix_splits.bit_length() - 1)
@@ -105,7 +107,7 @@ def choose_own_keys_config(**shape) -> AttentionLaunchConfig:
     return dataclasses.replace(config, num_stages=3) if config.block_q == 1 else config
 
 
-@triton.jit(do_not_specialize=["num_groups", "stride_block_table"])
+@triton.jit(do_not_specialize=["num_runs", "stride_block_table"])
 def _shared_prefix_kernel(
     query_ptr,
     key_cache_ptr,
@@ -117,7 +119,7 @@ def _shared_prefix_kernel(
     prefix_lens_ptr,
     table_rows_ptr,
     block_tables_ptr,
-    num_groups,
+    num_runs,
     qk_scale_log2,
     stride_q_t,
     stride_q_h,
@@ -145,22 +147,22 @@ def _shared_prefix_kernel(
         gdc_launch_dependents()
 
     base = tl.load(token_start_ptr)
-    g = _find_sequence(token_start_ptr, q_tile, num_groups, BLOCK_T, base)
-    g_begin = tl.load(token_start_ptr + g)
-    g_end = tl.load(token_start_ptr + g + 1)
+    r = _find_sequence(token_start_ptr, q_tile, num_runs, BLOCK_T, base)
+    r_begin = tl.load(token_start_ptr + r)
+    r_end = tl.load(token_start_ptr + r + 1)
     if BLOCK_T > 1:
-        local_tile = q_tile - ((g_begin - base) // BLOCK_T + g)
+        local_tile = q_tile - ((r_begin - base) // BLOCK_T + r)
     else:
-        local_tile = q_tile - (g_begin - base)
-    first_token = g_begin + local_tile * BLOCK_T
-    if first_token >= g_end:
+        local_tile = q_tile - (r_begin - base)
+    first_token = r_begin + local_tile * BLOCK_T
+    if first_token >= r_end:
         return
-    prefix_len = tl.load(prefix_lens_ptr + g)
+    prefix_len = tl.load(prefix_lens_ptr + r)
 
     rows = tl.arange(0, BLOCK_M)
     token = first_token + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_T * GROUP) & (token < g_end)
+    row_valid = (rows < BLOCK_T * GROUP) & (token < r_end)
     token = token.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
@@ -178,7 +180,7 @@ def _shared_prefix_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    block_table_row = block_tables_ptr + tl.load(table_rows_ptr + g).to(tl.int64) * stride_block_table
+    block_table_row = block_tables_ptr + tl.load(table_rows_ptr + r).to(tl.int64) * stride_block_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
 
     m_i, l_i, acc = attend_tiles(
@@ -220,7 +222,7 @@ def cascade_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    groups: SharedKVRuns,
+    runs: SharedKVRuns,
     max_query_len: int,
     max_seq_len: int,
     scale: float,
@@ -229,9 +231,9 @@ def cascade_attention(
     config: AttentionLaunchConfig | None = None,
     prefix_config: PrefixLaunchConfig | None = None,
 ) -> torch.Tensor:
-    """Same result as paged_attention (no sliding window), with each group's shared prefix read once.
+    """Same result as paged_attention (no sliding window), with each run's shared prefix read once.
 
-    groups' token ranges must be consecutive and cover exactly the sequences with a nonzero
+    runs' token ranges must be consecutive and cover exactly the sequences with a nonzero
     seq_prefix_lens; every member computes only tokens past its prefix (num_computed >= prefix).
     The own keys run single-pass: the parallelism of long shared contexts comes from the prefix
     splits, and fewer variants need compiling."""
@@ -241,7 +243,7 @@ def cascade_attention(
     assert out.shape == query.shape and out.stride(-1) == 1
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[2]
-    assert groups.seq_prefix_lens.shape == (num_seqs,) and groups.token_start.shape == (groups.num_groups + 1,)
+    assert runs.seq_prefix_lens.shape == (num_seqs,) and runs.token_start.shape == (runs.num_runs + 1,)
     if num_tokens == 0 or num_seqs == 0:
         return out
     sm_count = _device_sm_count(query.device)
@@ -257,17 +259,17 @@ def cascade_attention(
         )
     if prefix_config is None:
         prefix_config = choose_prefix_config(
-            num_groups=groups.num_groups,
-            max_grouped_tokens=groups.max_grouped_tokens,
-            max_prefix_len=groups.max_prefix_len,
+            num_runs=runs.num_runs,
+            max_run_tokens=runs.max_run_tokens,
+            max_prefix_len=runs.max_prefix_len,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             sm_count=sm_count,
-            prefix_splits=groups.prefix_splits,
+            prefix_splits=runs.prefix_splits,
         )
     partials = Partials.allocate(query, prefix_config.prefix_splits)
-    launch_shared_prefix(query, kv_cache, block_tables, groups, scale, prefix_config, partials)
-    overlap = prefix_config.overlap and bool(groups.num_groups) and _has_pdl(query.device)
+    launch_shared_prefix(query, kv_cache, block_tables, runs, scale, prefix_config, partials)
+    overlap = prefix_config.overlap and bool(runs.num_runs) and _has_pdl(query.device)
     launch_paged_attention(
         query,
         kv_cache,
@@ -278,7 +280,7 @@ def cascade_attention(
         config,
         out,
         partials,
-        seq_prefix_lens=groups.seq_prefix_lens,
+        seq_prefix_lens=runs.seq_prefix_lens,
         dependent_launch=overlap,
     )
     return out
@@ -294,19 +296,19 @@ def launch_shared_prefix(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    groups: SharedKVRuns,
+    runs: SharedKVRuns,
     scale: float,
     prefix_config: PrefixLaunchConfig,
     partials: Partials,
 ) -> None:
-    """The prefix kernel alone: each group's shared prefix attended once, into partials' parts."""
-    if not groups.num_groups:
+    """The prefix kernel alone: each run's shared prefix attended once, into partials' parts."""
+    if not runs.num_runs:
         return
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[2]
     block_t = prefix_config.block_t
     group = num_q_heads // num_kv_heads
-    num_tiles = groups.max_grouped_tokens // block_t + groups.num_groups if block_t > 1 else groups.max_grouped_tokens
+    num_tiles = runs.max_run_tokens // block_t + runs.num_runs if block_t > 1 else runs.max_run_tokens
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _shared_prefix_kernel[(num_tiles, num_kv_heads, prefix_config.prefix_splits)](
         query,
@@ -315,11 +317,11 @@ def launch_shared_prefix(
         partials.acc,
         partials.max,
         partials.sum,
-        groups.token_start,
-        groups.prefix_lens,
-        groups.table_rows,
+        runs.token_start,
+        runs.prefix_lens,
+        runs.table_rows,
         block_tables,
-        groups.num_groups,
+        runs.num_runs,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -355,17 +357,17 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
     for q_lens in ((1, 1), (3, 1)):
         query = torch.zeros(sum(q_lens), num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
         seq_lens = ints(*(q + 1 for q in q_lens))  # one shared key, then each member's own
-        groups = SharedKVRuns(
+        runs = SharedKVRuns(
             token_start=ints(0, sum(q_lens)),
             prefix_lens=ints(1),
             table_rows=ints(0),
             seq_prefix_lens=ints(1, 1),
-            max_grouped_tokens=sum(q_lens),
+            max_run_tokens=sum(q_lens),
             max_prefix_len=1,
         )
         prefix_config = choose_prefix_config(
-            num_groups=1,
-            max_grouped_tokens=1,
+            num_runs=1,
+            max_run_tokens=1,
             max_prefix_len=1,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
@@ -379,7 +381,7 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
                 ints(0, q_lens[0], sum(q_lens)),
                 seq_lens,
                 ints(0, 0).view(2, 1),
-                groups,
+                runs,
                 max(q_lens),
                 2,
                 1.0,

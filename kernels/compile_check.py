@@ -213,8 +213,8 @@ def compile_cascade(
         PREFIX_PARTS=prefix_splits,
     )
     prefix_config = cascade_attention.choose_prefix_config(
-        num_groups=16,
-        max_grouped_tokens=256,
+        num_runs=16,
+        max_run_tokens=256,
         max_prefix_len=2048,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,

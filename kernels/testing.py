@@ -112,11 +112,11 @@ def make_paged_batch(
     )
 
 
-def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[int], first_seq: int = 0):
-    """Makes the batch's sequences from first_seq on, in consecutive groups of group_sizes[g], share
-    their first prefix_lens[g] keys as the server does: whole blocks through the block table, and
+def share_prefixes(batch: PagedBatch, run_sizes: list[int], prefix_lens: list[int], first_seq: int = 0):
+    """Makes the batch's sequences from first_seq on, in consecutive shared-KV runs of run_sizes[r],
+    share their first prefix_lens[r] keys as the server does: whole blocks through the block table, and
     the block the prefix ends in (if it ends mid-block) as a copy of the first member's, so only
-    the keys before prefix_len are alike. Every member must have at least prefix_lens[g] cached
+    the keys before prefix_len are alike. Every member must have at least prefix_lens[r] cached
     keys. Returns the cascade's SharedKVRuns for the batch."""
     from strata.kernels.shared_kv_runs import SharedKVRuns
 
@@ -127,7 +127,7 @@ def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[
     seq_prefix = [0] * len(seq_lens)
     token_start, table_rows = [qsl[first_seq]], []
     seq = first_seq
-    for size, prefix in zip(group_sizes, prefix_lens):
+    for size, prefix in zip(run_sizes, prefix_lens):
         leader, full = seq, prefix // block_size
         for member in range(seq, seq + size):
             assert seq_lens[member] - q_lens[member] >= prefix, "a member's queries must lie past its prefix"
@@ -150,6 +150,6 @@ def share_prefixes(batch: PagedBatch, group_sizes: list[int], prefix_lens: list[
         prefix_lens=ints(list(prefix_lens)),
         table_rows=ints(table_rows),
         seq_prefix_lens=ints(seq_prefix),
-        max_grouped_tokens=token_start[-1] - token_start[0],
+        max_run_tokens=token_start[-1] - token_start[0],
         max_prefix_len=max(prefix_lens, default=0),
     )

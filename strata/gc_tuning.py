@@ -1,6 +1,6 @@
 """Garbage-collector settings for the long-lived service processes.
 
-The scheduler's step loop, the gateway's streams and the worker's step inputs allocate many
+The scheduler's engine loop, the gateway's streams and the worker's step inputs allocate many
 short-lived objects that the collector tracks (plans, per-sequence records, token lists) and
 that almost never form cycles. With Python's default first-generation threshold (700) the
 collector runs several times per engine step and walks every live prompt and output list (in a

@@ -25,19 +25,19 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
 
         def choose(**overrides):
             args = dict(
-                num_groups=32, max_grouped_tokens=512, max_prefix_len=2048, num_q_heads=32, num_kv_heads=8, sm_count=132
+                num_runs=32, max_run_tokens=512, max_prefix_len=2048, num_q_heads=32, num_kv_heads=8, sm_count=132
             )
             return choose_prefix_config(**{**args, **overrides})
 
         assert choose().block_t * 4 == 64  # 16 tokens x GQA group of 4: 64 rows per dot
         assert choose(num_q_heads=9, num_kv_heads=3).block_t == 21  # SmolLM2: 63 rows
-        # 32 groups of 16 decodes (issue 12's workload): 256 programs, under 2 per SM: 2 parts.
+        # 32 runs of 16 decodes (issue 12's workload): 256 programs, under 2 per SM: 2 parts.
         assert choose().prefix_splits == 2
-        assert choose(num_groups=256).prefix_splits == 1  # 256 pairs: 2,048 programs already
-        one_group = choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=1024)
-        assert one_group.prefix_splits == 4  # n = 64 siblings over 1024 tokens: 32 programs, 256 keys per part
-        assert choose(num_groups=1, max_grouped_tokens=64, max_prefix_len=100).prefix_splits == 1
-        assert choose(num_groups=1, max_grouped_tokens=2, max_prefix_len=1 << 20).prefix_splits == 8
+        assert choose(num_runs=256).prefix_splits == 1  # 256 pairs: 2,048 programs already
+        one_run = choose(num_runs=1, max_run_tokens=64, max_prefix_len=1024)
+        assert one_run.prefix_splits == 4  # n = 64 siblings over 1024 tokens: 32 programs, 256 keys per part
+        assert choose(num_runs=1, max_run_tokens=64, max_prefix_len=100).prefix_splits == 1
+        assert choose(num_runs=1, max_run_tokens=2, max_prefix_len=1 << 20).prefix_splits == 8
         assert choose(prefix_splits=3).prefix_splits == 3
 
 else:
@@ -48,10 +48,10 @@ else:
 
     TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
-    def grouped_batch(
+    def batch_with_runs(
         query_lens,
         context_lens,
-        group_sizes,
+        run_sizes,
         prefix_lens,
         *,
         first_seq=0,
@@ -71,17 +71,17 @@ else:
             dtype=dtype,
             seed=seed,
         )
-        return batch, share_prefixes(batch, group_sizes, prefix_lens, first_seq=first_seq)
+        return batch, share_prefixes(batch, run_sizes, prefix_lens, first_seq=first_seq)
 
-    def check(batch, groups, dtype=torch.float32, **kwargs):
+    def check(batch, runs, dtype=torch.float32, **kwargs):
         scale = batch.query.shape[2] ** -0.5
         want = paged_attention_reference(*batch.attention_args(), scale)
         by_parts = cascade_attention_reference(
-            *batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale
+            *batch.attention_args()[:5], runs, batch.max_query_len, batch.max_seq_len, scale
         )
         torch.testing.assert_close(by_parts.float(), want.float(), **TOLERANCE[dtype])
         got = cascade_attention(
-            *batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale, **kwargs
+            *batch.attention_args()[:5], runs, batch.max_query_len, batch.max_seq_len, scale, **kwargs
         )
         assert not torch.isnan(got).any(), "read a poisoned (unowned) slot"
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
@@ -99,12 +99,12 @@ else:
         RAGGED_CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in RAGGED_SLOW],
         ids=[f"heads{LAYOUTS.index(h)}-{d}-dtype{int(t == torch.float16)}" for h, d, t in RAGGED_CASES + RAGGED_SLOW],
     )
-    def test_ragged_groups_of_decodes_and_prefill_chunks(dtype, heads, head_dim):
-        """Two ungrouped sequences, then groups of 1, 3 and 2 members: decodes and prefill chunks
+    def test_ragged_runs_of_decodes_and_prefill_chunks(dtype, heads, head_dim):
+        """Two sequences outside any run, then runs of 1, 3 and 2 members: decodes and prefill chunks
         past the prefix; prefixes of 37 (mid-block), 16 (block end) and 5 keys."""
         query_lens = [1, 4, 1, 1, 1, 1, 3, 1]
         context_lens = [20, 9, 45, 40, 47, 52, 33, 30]
-        batch, groups = grouped_batch(
+        batch, runs = batch_with_runs(
             query_lens,
             context_lens,
             [1, 3, 2],
@@ -115,37 +115,37 @@ else:
             head_dim=head_dim,
             seed=head_dim + heads[0],
         )
-        check(batch, groups, dtype)
+        check(batch, runs, dtype)
 
-    def test_large_group_spans_several_query_tiles():
-        """20 decode members with GQA 4: two 16-token tiles of the group, each reading the prefix."""
-        batch, groups = grouped_batch([1] * 20, [70 + i for i in range(20)], [20], [67], heads=(8, 2))
-        check(batch, groups)
+    def test_large_run_spans_several_query_tiles():
+        """20 decode members with GQA 4: two 16-token tiles of the run, each reading the prefix."""
+        batch, runs = batch_with_runs([1] * 20, [70 + i for i in range(20)], [20], [67], heads=(8, 2))
+        check(batch, runs)
 
     @pytest.mark.parametrize("prefix_splits,own_block_q", [(1, 4), (3, 4), (2, 1)])
     def test_split_prefix_with_either_query_block(prefix_splits, own_block_q):
         """The prefix in parallel parts (some empty for the short prefix), each folded into the
         own keys' result by prefill-shaped and decode-shaped programs alike."""
-        batch, groups = grouped_batch([1, 1, 1, 2, 1], [150, 160, 171, 40, 41], [3, 2], [149, 33], heads=(4, 1))
+        batch, runs = batch_with_runs([1, 1, 1, 2, 1], [150, 160, 171, 40, 41], [3, 2], [149, 33], heads=(4, 1))
         check(
             batch,
-            groups,
+            runs,
             config=AttentionLaunchConfig(block_q=own_block_q, tile_n=16, num_kv_splits=1),
             prefix_config=PrefixLaunchConfig(block_t=2, prefix_splits=prefix_splits, tile_n=16),
         )
 
-    def test_padding_groups_and_loose_bounds_as_in_a_cuda_graph():
-        """A captured graph launches for fixed bounds: more groups than the step has (empty ones at
-        the end), a larger grouped-token bound, padding sequences with seq_len 0."""
-        batch, groups = grouped_batch([1] * 6, [30, 31, 45, 40, 41, 0], [2, 3], [24, 40])
+    def test_padding_runs_and_loose_bounds_as_in_a_cuda_graph():
+        """A captured graph launches for fixed bounds: more runs than the step has (empty ones at
+        the end), a larger run-token bound, padding sequences with seq_len 0."""
+        batch, runs = batch_with_runs([1] * 6, [30, 31, 45, 40, 41, 0], [2, 3], [24, 40])
         batch.seq_lens[5] = 0  # a padding row: reads nothing
-        end = int(groups.token_start[-1])
+        end = int(runs.token_start[-1])
         padded = SharedKVRuns(
-            token_start=torch.cat([groups.token_start, torch.full((3,), end, dtype=torch.int32)]),
-            prefix_lens=torch.cat([groups.prefix_lens, torch.zeros(3, dtype=torch.int32)]),
-            table_rows=torch.cat([groups.table_rows, torch.zeros(3, dtype=torch.int32)]),
-            seq_prefix_lens=groups.seq_prefix_lens,
-            max_grouped_tokens=6,
+            token_start=torch.cat([runs.token_start, torch.full((3,), end, dtype=torch.int32)]),
+            prefix_lens=torch.cat([runs.prefix_lens, torch.zeros(3, dtype=torch.int32)]),
+            table_rows=torch.cat([runs.table_rows, torch.zeros(3, dtype=torch.int32)]),
+            seq_prefix_lens=runs.seq_prefix_lens,
+            max_run_tokens=6,
             max_prefix_len=4096,
         )
         scale = 32**-0.5
@@ -153,14 +153,14 @@ else:
         want = paged_attention_reference(*batch.attention_args(), scale)
         torch.testing.assert_close(got[:5], want[:5], **TOLERANCE[torch.float32])
 
-    def test_no_groups_equals_paged_attention():
+    def test_no_runs_equals_paged_attention():
         batch = make_paged_batch([1, 3], [10, 4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
         none = SharedKVRuns(
             token_start=torch.zeros(1, dtype=torch.int32),
             prefix_lens=torch.zeros(0, dtype=torch.int32),
             table_rows=torch.zeros(0, dtype=torch.int32),
             seq_prefix_lens=torch.zeros(2, dtype=torch.int32),
-            max_grouped_tokens=0,
+            max_run_tokens=0,
             max_prefix_len=0,
         )
         check(batch, none)

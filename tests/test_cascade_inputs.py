@@ -1,4 +1,4 @@
-"""The worker's reading of a plan's shared-prefix groups (services/worker/step/cascade_inputs.py):
+"""The worker's reading of a plan's shared-KV runs (services/worker/step/cascade_inputs.py):
 the arrays cascade attention gets, when it is skipped, and the malformed structures it refuses."""
 
 import numpy as np
@@ -11,8 +11,8 @@ from strata.v1 import engine_pb2
 BS = 4
 
 
-def step(group_of, lens, q_lens, num_computed, tables):
-    plan = engine_pb2.StepPlan(shared_prefix_group=group_of, shared_prefix_lens=lens)
+def step(run_of, lens, q_lens, num_computed, tables):
+    plan = engine_pb2.StepPlan(shared_kv_run=run_of, shared_kv_run_lens=lens)
     q_lens, num_computed = np.asarray(q_lens), np.asarray(num_computed)
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     width = max(len(t) for t in tables)
@@ -25,8 +25,8 @@ def inputs(*args):
     return shared_kv_run_inputs(plan, qsl, num_computed, seq_lens, tables, BS)
 
 
-def test_two_groups_after_an_ungrouped_sequence():
-    # seq 0 alone; group 1 = seqs 1-3 (prefix 12: blocks 10-12); group 2 = seqs 4-6 (prefix 8: blocks 20, 21).
+def test_two_runs_after_a_sequence_outside_any():
+    # seq 0 alone; run 1 = seqs 1-3 (prefix 12: blocks 10-12); run 2 = seqs 4-6 (prefix 8: blocks 20, 21).
     got = inputs(
         [0, 1, 1, 1, 2, 2, 2],
         [12, 8],
@@ -57,7 +57,7 @@ def test_prompt_chunks_save_no_prefix_reads():
     assert inputs([1] * 6, [40], [20, 1, 1, 1, 1, 1], [40] * 6, six) is not None  # five decodes save 60%
 
 
-def test_no_groups_or_too_little_shared_means_no_cascade():
+def test_no_runs_or_too_little_shared_means_no_cascade():
     assert inputs([], [], [1, 1], [4, 4], [[1, 2], [3, 4]]) is None
     # Two members sharing 4 of their 2 x 41 keys: not worth a second kernel and a merge.
     assert inputs([1, 1], [4], [1, 1], [40, 40], [list(range(11)), [0] + list(range(11, 21))]) is None
@@ -73,7 +73,7 @@ def test_no_groups_or_too_little_shared_means_no_cascade():
 
 
 @pytest.mark.parametrize(
-    "group_of,lens,num_computed,tables,why",
+    "run_of,lens,num_computed,tables,why",
     [
         ([1, 0, 1], [4], [5, 5, 5], [[1, 2], [3, 4], [1, 5]], "consecutive"),
         ([2, 2], [4, 4], [5, 5], [[1, 2], [1, 3]], "numbered"),
@@ -85,6 +85,6 @@ def test_no_groups_or_too_little_shared_means_no_cascade():
         ([1, 1], [6], [9, 9], [[1, 2, 3], [1, 5, 4]], "share the blocks"),  # mid-block: the partial block too
     ],
 )
-def test_malformed_groups_are_refused(group_of, lens, num_computed, tables, why):
+def test_malformed_runs_are_refused(run_of, lens, num_computed, tables, why):
     with pytest.raises(PlanError, match=why):
-        inputs(group_of, lens, [1] * len(num_computed), num_computed, tables)
+        inputs(run_of, lens, [1] * len(num_computed), num_computed, tables)

@@ -1,4 +1,6 @@
-"""The two-stage engine loop: submit plans, collect results, keep up to P plans in flight.
+"""The engine loop (Engine._engine_loop): submit plans, collect results, keep up to P plans in flight,
+the two-stage loop of the seeds' pipeline RFC. (Not the workers' step thread, which runs the plans:
+services/worker/step/step_thread.py.)
 
 All scheduler state is touched from this one asyncio loop and scheduling itself never awaits,
 so there are no locks. Plans in flight cover disjoint requests (the scheduler guarantees it);
@@ -90,7 +92,7 @@ class Engine:
 
     async def start(self) -> None:
         await self._connect()
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._task = asyncio.create_task(self._engine_loop(), name="engine-loop")
 
     async def stop(self) -> None:
         if self._task:
@@ -214,7 +216,7 @@ class Engine:
 
     # ------------------------------------------------------------ loop
 
-    async def _run(self) -> None:
+    async def _engine_loop(self) -> None:
         readers: list[asyncio.Task] = []  # the last stage's results (and the draft worker's, with the draft link)
         try:
             while True:

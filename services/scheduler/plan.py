@@ -40,7 +40,7 @@ class StepPlan:
     copies: list[tuple[int, int]]
     # Shared-KV runs for cascade attention (shared_kv_runs.find_shared_kv_runs): per sequence its
     # run's index + 1 (0: none), per run its shared prefix in tokens. Empty when nothing is
-    # shared. On the wire: StepPlan.shared_prefix_group / shared_prefix_lens.
+    # shared. On the wire: StepPlan.shared_kv_run / shared_kv_run_lens.
     shared_kv_run: list[int] = field(default_factory=list)
     shared_kv_run_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)

@@ -51,8 +51,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         copy_src_blocks=[src for src, _ in plan.copies],
         copy_dst_blocks=[dst for _, dst in plan.copies],
         # The shared-KV runs keep the wire names they had before they were called runs.
-        shared_prefix_group=plan.shared_kv_run,
-        shared_prefix_lens=plan.shared_kv_run_lens,
+        shared_kv_run=plan.shared_kv_run,
+        shared_kv_run_lens=plan.shared_kv_run_lens,
         rejected_drafts=plan.rejected_drafts,
     )
     if plan.linked_drafts:

@@ -2,7 +2,7 @@
 its tokens and KV state.
 
 The gateway resolved every default before the request got here (EngineRequest): the sampling
-options travel to the workers as they came, and the stop criteria are plain fields the step loop
+options travel to the workers as they came, and the stop criteria are plain fields the engine loop
 reads without touching a message.
 """
 

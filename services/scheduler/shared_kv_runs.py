@@ -6,8 +6,8 @@ who shares blocks: a run is found per step, from the block tables alone, whoever
 run's shared prefix once for all of its members.
 
 The plan carries them as StepPlan.shared_kv_run (per sequence, its run's index + 1; 0: none) and
-shared_kv_run_lens (per run, its prefix in tokens); on the wire they keep their first names,
-engine.proto's StepPlan.shared_prefix_group / shared_prefix_lens.
+shared_kv_run_lens (per run, its prefix in tokens), under the same names on the wire
+(engine.proto's StepPlan).
 """
 
 from __future__ import annotations

@@ -305,8 +305,8 @@ class ModelRunner:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
         if rounds > 1 and graphs is not None and not self.commits_in_graph(graphs, h):
             graphs, h = None, built  # the rounds run eagerly, each drawn by the sampler
-        num_groups = len(h.shared_kv_runs.prefix_lens) if cascade else 0
-        bs = graphs.padded_size(len(h.seq_lens), num_groups) if graphs is not None else None
+        num_runs = len(h.shared_kv_runs.prefix_lens) if cascade else 0
+        bs = graphs.padded_size(len(h.seq_lens), num_runs) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
             return self._execute_graph(graphs, plan, h, bs, arrive, start, spec)
         if verifies_on_graph and h is built:  # no graph took it (nor padded it): attend with them

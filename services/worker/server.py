@@ -1,10 +1,12 @@
 """Worker service: one process per pipeline stage.
 
 Plans arrive from the scheduler on the Steps stream; each step's activations come from the
-previous stage through the stage transport (stage_transport.py), announced on the Forward
-stream. A single step thread runs the queued plans back to back, strictly in step order, and a
-finisher thread hands their results back (step_loop.py), so the event loop keeps receiving plans
-and activations while the model computes.
+previous stage through the stage transport (transport/), announced on the Forward stream or on
+the link's own doorbell. A single step thread runs the queued plans back to back, strictly in
+step order (step/step_thread.py; what one plan's step does there: step/stage_step.py), and a
+finisher thread hands their results back, so the event loop keeps receiving plans and
+activations while the model computes. (The scheduler's engine loop, which sends the plans, is a
+loop of its own: services/scheduler/engine.py.)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from strata.services.worker.diagnostics.stage_stats import StageStats
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.speculation.draft_steps import propose
 from strata.services.worker.step.stage_step import execute_and_send, execute_last, fetch_result, on_loop, on_step_thread
-from strata.services.worker.step.step_thread import ResultOut, StepLoop
+from strata.services.worker.step.step_thread import ResultOut, StepThread
 from strata.services.worker.transport.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
     PeerLost,
@@ -398,7 +400,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
         out = ResultOut(self.finisher, loop, results, fetch_result)
-        steps = StepLoop(self.executor, functools.partial(self._run_one, loop, session, out))
+        steps = StepThread(self.executor, functools.partial(self._run_one, loop, session, out))
 
         async def read_plans():
             try:
@@ -421,7 +423,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             reader.cancel()
 
     def _run_one(self, loop, session: int, out: ResultOut, plan) -> None:
-        """On the step thread (step_loop.py): one plan's step; the last stage's result, or a
+        """On the step thread (step/step_thread.py): one plan's step; the last stage's result, or a
         failed step's error, goes on in step order."""
         if session != self._session:
             return  # a plan of an older pipeline, queued before InitCache

@@ -367,7 +367,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_start: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_prefix_group", "shared_prefix_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds", "linked_drafts")
+    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_kv_run", "shared_kv_run_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds", "linked_drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -383,8 +383,8 @@ class StepPlan(_message.Message):
     COPY_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SHARED_PREFIX_GROUP_FIELD_NUMBER: _ClassVar[int]
-    SHARED_PREFIX_LENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KV_RUN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KV_RUN_LENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     AFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
@@ -405,14 +405,14 @@ class StepPlan(_message.Message):
     copy_src_blocks: _containers.RepeatedScalarFieldContainer[int]
     copy_dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     propose_tokens: int
-    shared_prefix_group: _containers.RepeatedScalarFieldContainer[int]
-    shared_prefix_lens: _containers.RepeatedScalarFieldContainer[int]
+    shared_kv_run: _containers.RepeatedScalarFieldContainer[int]
+    shared_kv_run_lens: _containers.RepeatedScalarFieldContainer[int]
     propose_drafts: _containers.RepeatedScalarFieldContainer[int]
     rejected_drafts: _containers.RepeatedScalarFieldContainer[int]
     after_idle: bool
     verify_rounds: _containers.RepeatedScalarFieldContainer[int]
     linked_drafts: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_prefix_group: _Optional[_Iterable[int]] = ..., shared_prefix_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ..., linked_drafts: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_kv_run: _Optional[_Iterable[int]] = ..., shared_kv_run_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ..., linked_drafts: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds", "num_proposed", "proposed_token_ids", "peer_lost", "round_num_tokens", "round_num_proposed")

@@ -1,6 +1,6 @@
 """Cascade attention on a real GPU: bf16 (which the CPU interpreter cannot check) over random
-ragged groups of 1 to 64 members with prefixes that end mid-block, beside ungrouped sequences,
-decodes and prefill chunks; and a CUDA-graph replay with padding groups, as the worker runs it.
+ragged runs of 1 to 64 members with prefixes that end mid-block, beside ungrouped sequences,
+decodes and prefill chunks; and a CUDA-graph replay with padding runs, as the worker runs it.
 
     python -m pytest tests/gpu/test_cascade_attention_gpu.py -q
 
@@ -27,7 +27,7 @@ from tests.gpu.test_kernels_gpu import assert_close_to_reference  # noqa: E402
 
 
 def random_grouped_case(seed: int):
-    """Ungrouped sequences first, then groups of 1..64 members; prefixes of any length (mostly
+    """Ungrouped sequences first, then runs of 1..64 members; prefixes of any length (mostly
     mid-block); members decode or compute a chunk past the prefix."""
     rng = random.Random(seed)
     block_size = rng.choice([16, 16, 8, 32])
@@ -62,14 +62,14 @@ def random_grouped_case(seed: int):
 
 @pytest.mark.parametrize("seed", range(24))
 def test_random_ragged_groups_bf16(seed):
-    batch, groups = random_grouped_case(seed)
+    batch, runs = random_grouped_case(seed)
     scale = batch.query.shape[2] ** -0.5
     want = paged_attention_reference(*batch.attention_args(), scale)
-    got = cascade_attention(*batch.attention_args()[:5], groups, batch.max_query_len, batch.max_seq_len, scale)
+    got = cascade_attention(*batch.attention_args()[:5], runs, batch.max_query_len, batch.max_seq_len, scale)
     assert_close_to_reference(got, want, torch.bfloat16)
     forced = cascade_attention(
         *batch.attention_args()[:5],
-        groups,
+        runs,
         batch.max_query_len,
         batch.max_seq_len,
         scale,
@@ -81,7 +81,7 @@ def test_random_ragged_groups_bf16(seed):
 
 
 def test_cuda_graph_replay_with_padding_groups():
-    """Captured once for 48 sequences and 24 groups, replayed on two different group layouts
+    """Captured once for 48 sequences and 24 runs, replayed on two different group layouts
     written into the same buffers (the worker's cascade decode graphs)."""
     num_seqs, most = 48, 24
     contexts = [700 + 13 * i for i in range(num_seqs)]
@@ -106,7 +106,7 @@ def test_cuda_graph_replay_with_padding_groups():
         prefix_lens=torch.zeros(most, dtype=torch.int32, device="cuda"),
         table_rows=torch.zeros(most, dtype=torch.int32, device="cuda"),
         seq_prefix_lens=torch.zeros(num_seqs, dtype=torch.int32, device="cuda"),
-        max_grouped_tokens=num_seqs,
+        max_run_tokens=num_seqs,
         max_prefix_len=4096,
     )
     out = torch.empty_like(batch.query)
@@ -123,10 +123,10 @@ def test_cuda_graph_replay_with_padding_groups():
         layout = share_prefixes(step_batch, sizes, prefixes, first_seq=first)
         for name in ("query", "kv_cache", "block_tables"):  # into the captured tensors
             getattr(batch, name).copy_(getattr(step_batch, name))
-        g = layout.num_groups
-        buffers.token_start.copy_(torch.cat([layout.token_start, layout.token_start[-1:].repeat(most - g)]))
-        buffers.prefix_lens.zero_()[:g] = layout.prefix_lens
-        buffers.table_rows.zero_()[:g] = layout.table_rows
+        r = layout.num_runs
+        buffers.token_start.copy_(torch.cat([layout.token_start, layout.token_start[-1:].repeat(most - r)]))
+        buffers.prefix_lens.zero_()[:r] = layout.prefix_lens
+        buffers.table_rows.zero_()[:r] = layout.table_rows
         buffers.seq_prefix_lens.copy_(layout.seq_prefix_lens)
         graph.replay()
         want = paged_attention_reference(*batch.attention_args(), scale)

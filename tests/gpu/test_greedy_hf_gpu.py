@@ -1,7 +1,7 @@
 """Greedy tokens through the model shards' Triton kernels on a GPU equal transformers' generate().
 
 The CPU tests (tests/test_model_shard.py) check the shards against HF on the torch attention
-path; this runs the same step loop with the GPU's kernels (paged attention, the one-launch decode
+path; this runs the same steps with the GPU's kernels (paged attention, the one-launch decode
 attention, the fused norm, rotary and SiLU kernels), in float32 so that the only difference from
 HF is the order of float32 sums (the attention kernels take IEEE dots there). The prompts are long
 enough for the launches the offline benchmarks take: 64-key tiles every query sees in full (no

@@ -331,8 +331,8 @@ def shared_prefix_plan(
         table_append_ids=[b for s in seqs if s in new for b in _table(s, s in shares and s != 1)],
     )
     if grouped:
-        plan.shared_prefix_group.extend([1 if s in shares else 0 for s in seqs])
-        plan.shared_prefix_lens.append(SHARED)
+        plan.shared_kv_run.extend([1 if s in shares else 0 for s in seqs])
+        plan.shared_kv_run_lens.append(SHARED)
     return plan
 
 

@@ -51,11 +51,11 @@ _ROW_FIELDS = (
     ("seq_lens", np.int32),
     ("greedy", np.uint8),
     ("skip_draw", np.uint8),  # the graph's draw leaves the row to the controlled draw (sampling_controls.py)
-    # Cascade graphs (shared prefixes): per sequence, then per group (at most max_batch // 2 + 1).
+    # Cascade graphs (shared-KV runs): per sequence, then per run (at most max_batch // 2 + 1).
     ("seq_prefix_lens", np.int32),
-    ("group_token_start", np.int32),
-    ("group_prefix_lens", np.int32),
-    ("group_table_rows", np.int32),
+    ("run_token_start", np.int32),
+    ("run_prefix_lens", np.int32),
+    ("run_table_rows", np.int32),
 )
 # What padding rows hold: no KV read (seq_len 0) or written (slot -1), a greedy draw.
 _PADDING = {
@@ -143,7 +143,7 @@ class DecodeGraphs:
         self.samples = samples  # the last stage draws unfiltered rows in the graph (needs Triton)
         self.query_len = q = query_len
         # Cascade graphs attend with shared prefixes (cascade_attention), for up to half as many
-        # groups as sequences (a group has two members or more); a batch of one shares nothing.
+        # shared-KV runs as sequences (a run has two members or more); a batch of one shares nothing.
         self.cascade = cascade
         self.sizes = [s for s in graph_batch_sizes(max_batch) if s >= 2 or not cascade]
         self.max_batch = self.sizes[-1]
@@ -182,7 +182,7 @@ class DecodeGraphs:
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool = None
 
-    def max_groups(self, bs: int) -> int:
+    def max_runs(self, bs: int) -> int:
         return bs // 2 if self.cascade else 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -190,23 +190,23 @@ class DecodeGraphs:
         if self.cascade:
             from strata.kernels.cascade_attention import choose_prefix_config  # Triton: CUDA only
 
-            g = self.max_groups(bs)
-            # The group count is only a bound here: cut the prefixes as for a few large groups
+            r = self.max_runs(bs)
+            # The run count is only a bound here: cut the prefixes as for a few large runs
             # (one program per KV head and 64 rows), where splitting pays; pairs lose little.
             splits = choose_prefix_config(
-                num_groups=1,
-                max_grouped_tokens=bs * self.query_len,
+                num_runs=1,
+                max_run_tokens=bs * self.query_len,
                 max_prefix_len=self.max_model_len,
                 num_q_heads=self.shard.config.num_attention_heads,
                 num_kv_heads=self.kv_caches[0].shape[2],
                 sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count,
             ).prefix_splits
             shared = SharedKVRuns(
-                token_start=rows["group_token_start"][: g + 1],
-                prefix_lens=rows["group_prefix_lens"][:g],
-                table_rows=rows["group_table_rows"][:g],
+                token_start=rows["run_token_start"][: r + 1],
+                prefix_lens=rows["run_prefix_lens"][:r],
+                table_rows=rows["run_table_rows"][:r],
                 seq_prefix_lens=rows["seq_prefix_lens"][:bs],
-                max_grouped_tokens=bs * self.query_len,
+                max_run_tokens=bs * self.query_len,
                 max_prefix_len=self.max_model_len,
                 prefix_splits=splits,
             )
@@ -281,20 +281,20 @@ class DecodeGraphs:
 
     def _fill_padding(self) -> None:
         """Device rows start as padding (what capture runs on) with the scratch state row, and
-        empty groups."""
+        empty runs."""
         for name, value in {
             **_PADDING,
             "state_rows": self.scratch_row,
-            "group_token_start": 0,
-            "group_prefix_lens": 0,
-            "group_table_rows": 0,
+            "run_token_start": 0,
+            "run_prefix_lens": 0,
+            "run_table_rows": 0,
         }.items():
             self.rows[name].fill_(value)
 
-    def padded_size(self, batch: int, num_groups: int = 0) -> int | None:
-        """The smallest captured size that holds `batch` rows (and num_groups groups); None when none does."""
+    def padded_size(self, batch: int, num_runs: int = 0) -> int | None:
+        """The smallest captured size that holds `batch` rows (and num_runs shared-KV runs); None when none does."""
         i = bisect.bisect_left(self.sizes, batch)
-        while i < len(self.sizes) and self.max_groups(self.sizes[i]) < num_groups:
+        while i < len(self.sizes) and self.max_runs(self.sizes[i]) < num_runs:
             i += 1
         return self.sizes[i] if i < len(self.sizes) else None
 
@@ -334,7 +334,7 @@ class DecodeGraphs:
         rows["seq_lens"][:n] = h.seq_lens
         rows["seq_lens"][n:bs] = 0
         if self.cascade:
-            self._stage_groups(rows, h, n, bs)
+            self._stage_runs(rows, h, n, bs)
         rows["state_rows"][t:padded] = self.scratch_row
         if host.extra is not None:
             if stage_extra is None:  # the graph reads them: stale rows would move the wrong sequences
@@ -385,13 +385,13 @@ class DecodeGraphs:
         stream = cuda_driver.current_stream(self.device)
         cuda_driver.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream)
 
-    def _stage_groups(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:
-        """The step's groups, then empty ones up to the graph's group count (they own no tokens)."""
-        groups, g, most = h.shared_kv_runs, len(h.shared_kv_runs.prefix_lens), self.max_groups(bs)
-        rows["seq_prefix_lens"][:n] = groups.seq_prefix_lens  # padding rows: 0 (_PADDING)
-        rows["group_token_start"][: g + 1] = groups.token_start
-        rows["group_token_start"][g + 1 : most + 1] = groups.token_start[-1]
-        rows["group_prefix_lens"][:g] = groups.prefix_lens
-        rows["group_prefix_lens"][g:most] = 0
-        rows["group_table_rows"][:g] = groups.table_rows
-        rows["group_table_rows"][g:most] = 0
+    def _stage_runs(self, rows: dict[str, np.ndarray], h: HostInputs, n: int, bs: int) -> None:
+        """The step's shared-KV runs, then empty ones up to the graph's run count (they own no tokens)."""
+        runs, r, most = h.shared_kv_runs, len(h.shared_kv_runs.prefix_lens), self.max_runs(bs)
+        rows["seq_prefix_lens"][:n] = runs.seq_prefix_lens  # padding rows: 0 (_PADDING)
+        rows["run_token_start"][: r + 1] = runs.token_start
+        rows["run_token_start"][r + 1 : most + 1] = runs.token_start[-1]
+        rows["run_prefix_lens"][:r] = runs.prefix_lens
+        rows["run_prefix_lens"][r:most] = 0
+        rows["run_table_rows"][:r] = runs.table_rows
+        rows["run_table_rows"][r:most] = 0

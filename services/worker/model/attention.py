@@ -28,7 +28,7 @@ class AttentionMetadata:
     max_seq_len: int
     # The shortest query (host-side, shapes the launch: long prefills take larger tiles).
     min_query_len: int = 1
-    # Sequences that share a prefix of KV: attention reads it once per group (cascade). Layers
+    # Sequences that share a prefix of KV: attention reads it once per shared-KV run (cascade). Layers
     # with a sliding window ignore it (a window may not see the whole prefix).
     shared_kv_runs: SharedKVRuns | None = None
 

@@ -2,9 +2,8 @@
 
 The scheduler lists the sequences that share leading KV blocks (explicit prefix groups, n > 1
 siblings, shared prefix-cache hits) as consecutive runs with a prefix length per run
-(services/scheduler/shared_kv_runs.py; on the wire StepPlan.shared_prefix_group /
-shared_prefix_lens, names older than "runs": a run is numbered like a group there). Attention trusts that structure to read a
-prefix through one member's block table for all of them, so a wrong plan would silently mix
+(services/scheduler/shared_kv_runs.py; on the wire StepPlan.shared_kv_run / shared_kv_run_lens).
+Attention trusts that structure to read a prefix through one member's block table for all of them, so a wrong plan would silently mix
 sequences: it is checked here as strictly as any other plan field.
 """
 
@@ -21,7 +20,7 @@ from strata.v1 import engine_pb2
 
 # A cascade costs a second kernel and a merge of partials, and the plain kernel already reads a
 # prefix that neighbouring sequences share partly from L2: pairs (which save under half the
-# reads) ran slower as cascades, 16-member groups much faster (bench/cascade_attention.py;
+# reads) ran slower as cascades, 16-member runs much faster (bench/cascade_attention.py;
 # figures: bench/RESULTS.md, "Figures moved from code comments").
 MIN_SAVED_FRACTION = 0.5
 # Only a member whose queries fit one tile of the prefix kernel (decodes, verify steps) reads its
@@ -35,10 +34,10 @@ SHORT_QUERY = 16
 class SharedKVRunInputs:
     """Host twin of kernels' SharedKVRuns (numpy, in plan order)."""
 
-    token_start: np.ndarray  # [G+1] first batch token of each group, then the end of the last
-    prefix_lens: np.ndarray  # [G]
-    table_rows: np.ndarray  # [G] a member's index in the step (its block-table row holds the prefix)
-    seq_prefix_lens: np.ndarray  # [B] its group's prefix length, 0 outside any group
+    token_start: np.ndarray  # [R+1] first batch token of each run, then the end of the last
+    prefix_lens: np.ndarray  # [R]
+    table_rows: np.ndarray  # [R] a member's index in the step (its block-table row holds the prefix)
+    seq_prefix_lens: np.ndarray  # [B] its run's prefix length, 0 outside any run
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -58,40 +57,40 @@ def shared_kv_run_inputs(
     """The step's shared-KV runs, or None when it has none or a cascade would not pay. Raises PlanError
     on a malformed structure: members not consecutive, queries inside the prefix, or members
     whose block tables differ where the prefix lives."""
-    if not plan.shared_prefix_group and not plan.shared_prefix_lens:
+    if not plan.shared_kv_run and not plan.shared_kv_run_lens:
         return None
-    group_of = np.asarray(plan.shared_prefix_group, dtype=np.int64)
-    lens = np.asarray(plan.shared_prefix_lens, dtype=np.int64)
-    num_groups = len(lens)
-    if len(group_of) != len(seq_lens) or num_groups == 0 or (lens <= 0).any() or (group_of > num_groups).any():
-        raise PlanError("shared_prefix_group needs one entry per sequence, each 0 or a group of shared_prefix_lens")
-    members = np.nonzero(group_of)[0]
-    ids = group_of[members]
-    # Consecutive members, groups in order 1..G, none empty: then the groups' tokens are one run.
+    run_of = np.asarray(plan.shared_kv_run, dtype=np.int64)
+    lens = np.asarray(plan.shared_kv_run_lens, dtype=np.int64)
+    num_runs = len(lens)
+    if len(run_of) != len(seq_lens) or num_runs == 0 or (lens <= 0).any() or (run_of > num_runs).any():
+        raise PlanError("shared_kv_run needs one entry per sequence, each 0 or a run of shared_kv_run_lens")
+    members = np.nonzero(run_of)[0]
+    ids = run_of[members]
+    # Consecutive members, runs in order 1..R, none empty: then the runs' tokens are one stretch.
     if (
         (np.diff(members) != 1).any()
         or ids[0] != 1
         or (np.diff(ids) < 0).any()
         or (np.diff(ids) > 1).any()
-        or ids[-1] != num_groups
+        or ids[-1] != num_runs
     ):
-        raise PlanError("a plan's shared-prefix groups must be consecutive runs of sequences, numbered 1.. in order")
+        raise PlanError("a plan's shared-KV runs must be consecutive sequences, numbered 1.. in order")
     member_prefix = lens[ids - 1]
     if (num_computed[members] < member_prefix).any():
-        raise PlanError("a shared-prefix member must compute only tokens past its prefix")
-    first = np.searchsorted(ids, np.arange(1, num_groups + 1))  # each group's first member, in members
+        raise PlanError("a shared-KV run's member must compute only tokens past its prefix")
+    first = np.searchsorted(ids, np.arange(1, num_runs + 1))  # each run's first member, in members
     leaders = members[first]
     prefix_blocks = -(-member_prefix // block_size)
     width = int(prefix_blocks.max())
     if width > block_tables.shape[1]:
         raise PlanError("a shared prefix is longer than its members' block tables")
     column = np.arange(width)[None, :] < prefix_blocks[:, None]
-    leader_rows = block_tables[np.repeat(leaders, np.bincount(ids - 1, minlength=num_groups)), :width]
+    leader_rows = block_tables[np.repeat(leaders, np.bincount(ids - 1, minlength=num_runs)), :width]
     if (column & (block_tables[members, :width] != leader_rows)).any():
-        raise PlanError("shared-prefix members must share the blocks that hold their prefix")
+        raise PlanError("a shared-KV run's members must share the blocks that hold their prefix")
 
     short = (query_start_loc[members + 1] - query_start_loc[members]) <= SHORT_QUERY
-    readers = np.bincount(ids - 1, weights=short, minlength=num_groups)  # members that read the prefix once
+    readers = np.bincount(ids - 1, weights=short, minlength=num_runs)  # members that read the prefix once
     saved = int((np.maximum(readers - 1, 0) * lens).sum())
     if saved < MIN_SAVED_FRACTION * int(seq_lens.sum()):
         return None
@@ -116,6 +115,6 @@ def shared_kv_runs(h, uploaded: dict[str, torch.Tensor]) -> SharedKVRuns | None:
         prefix_lens=uploaded["cascade.prefix_lens"],
         table_rows=uploaded["cascade.table_rows"],
         seq_prefix_lens=uploaded["cascade.seq_prefix_lens"],
-        max_grouped_tokens=int(runs.token_start[-1] - runs.token_start[0]),
+        max_run_tokens=int(runs.token_start[-1] - runs.token_start[0]),
         max_prefix_len=int(runs.prefix_lens.max()),
     )

@@ -1,5 +1,6 @@
-"""The worker's step loop: plans run back to back on the step thread, results leave from the
-finisher thread, and the event loop only queues plans and writes results.
+"""The worker's step thread: plans run back to back on it, results leave from the finisher
+thread, and the event loop only queues plans and writes results. (Not the scheduler's engine
+loop, services/scheduler/engine.py, which builds and sends the plans.)
 
 Each plan used to go event loop -> step thread -> event loop (one run_in_executor per plan), and
 each result event loop -> finisher -> event loop. Between two launches the step thread then
@@ -22,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 log = logging.getLogger("strata.worker")
 
 
-class StepLoop:
+class StepThread:
     """Plans queued from the event loop (put), run by `run_plan` on `executor`'s single thread."""
 
     def __init__(self, executor: ThreadPoolExecutor, run_plan):
@@ -61,7 +62,7 @@ class StepLoop:
             try:
                 self.run_plan(plan)
             except Exception:  # run_plan reports a failed step itself; this is a bug, not a step
-                log.exception("step %d: the step loop failed", plan.step_id)
+                log.exception("step %d: the step thread failed", plan.step_id)
 
 
 class ResultOut:

@@ -1,4 +1,4 @@
-"""The worker's step loop (services/worker/step/step_thread.py): plans queued from the event loop run in
+"""The worker's step thread (services/worker/step/step_thread.py): plans queued from the event loop run in
 order on the one step thread, back to back, and that thread is free between drains (InitCache
 runs there); results reach the event loop in the order they were put."""
 
@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from strata.services.worker.step.step_thread import ResultOut, StepLoop
+from strata.services.worker.step.step_thread import ResultOut, StepThread
 
 
 def test_plans_run_in_order_on_one_thread_and_the_thread_is_free_between_drains():
@@ -23,7 +23,7 @@ def test_plans_run_in_order_on_one_thread_and_the_thread_is_free_between_drains(
             ran.append(plan.step_id)
             threads.add(threading.get_ident())
 
-        steps = StepLoop(executor, run_plan)
+        steps = StepThread(executor, run_plan)
         for i in range(5):
             steps.put(SimpleNamespace(step_id=i))
         other = asyncio.get_running_loop().run_in_executor(executor, lambda: list(ran))  # as InitCache
@@ -51,7 +51,7 @@ def test_dropped_plans_never_run_and_a_failing_plan_does_not_stop_the_loop():
                 raise RuntimeError("a bug")
             ran.append(plan.step_id)
 
-        steps = StepLoop(executor, run_plan)
+        steps = StepThread(executor, run_plan)
         for i in range(3):
             steps.put(SimpleNamespace(step_id=i))
         await asyncio.to_thread(started.wait, 5)  # step 0 is running: 1 and 2 wait in the queue
