@@ -2,9 +2,9 @@
 
 Without MPS a GPU runs one process's context at a time and switches between them. Two stages on
 one GPU hand each step to each other twice (activations, then sampled tokens), and each hand-off
-left the GPU idle about 150 us while it switched contexts: 15-19% of a 16-stream decode step of
-the 1B shape. Under an MPS server the stages' work shares one context and runs without the
-switch (bench/RESULTS.md, issue 29: 14.0% idle without, 5.9% with, same H100).
+left the GPU idle while it switched contexts, a large share of a small decode step. Under an MPS
+server the stages' work shares one context and runs without the switch (bench/RESULTS.md, issue
+29, and "Figures moved from code comments").
 
 The daemon started here is the cluster's own: a private pipe and log folder (processes find an
 MPS server through $CUDA_MPS_PIPE_DIRECTORY), started before the workers and told to quit after

@@ -156,15 +156,15 @@ class Engine:
             return self.config.pipeline_micro_batches
         # P + 1 keep P GPUs busy while one micro-batch's tokens travel back. Stages sharing one GPU
         # take turns on it: P suffice, and fewer, larger micro-batches mean fewer steps, each
-        # costing every stage a whole step's host work (H200, 2 stages, offline: 0.91x one stage
-        # at 2 micro-batches, 0.82x at 3, which ran 788 steps against 536; bench/RESULTS.md).
+        # costing every stage a whole step's host work (bench/RESULTS.md, "Figures moved from
+        # code comments").
         return self.pipeline.num_stages + (0 if self.pipeline.stages_share_one_gpu else 1)
 
     @property
     def max_in_flight(self) -> int:
         # One stage: 3 plans, the later two decode lookaheads of the first's requests, so the
-        # host has two GPU steps to turn a result into the next plan (against 2 plans, ITL fell
-        # from 1.55x to 1.18x the bare step: bench/RESULTS.md, "Figures moved from code comments"). P stages,
+        # host has two GPU steps to turn a result into the next plan (bench/RESULTS.md, "Figures
+        # moved from code comments", has the A/B against 2 plans). P stages,
         # pipelined decode: two plans per micro-batch (the one running and its lookahead; a lone
         # micro-batch takes up to P + 1, its lookahead depth), so none waits for the scheduler;
         # without it: one plan per stage.

@@ -24,11 +24,11 @@ from strata.v1 import engine_pb2, generate_pb2
 log = logging.getLogger("strata.worker")
 GiB = 1 << 30
 # How long a thread that wants the GIL waits before it asks the holder to drop it (Python's
-# default: 5 ms). The step thread gives the GIL up in each system call and torch call (the
-# doorbell's send and recv, event waits, copies, graph launches) and wants it back at once,
-# while the event loop and the result finisher run Python. 0.5 ms cut the pipeline's token hop
-# from 106 to 84 us a step; 0.1 ms cut a speculating worker's host time per verify step by
-# 12-34% against 0.5 ms, and one stage's offline throughput rose 4.7% (H200s, bench/RESULTS.md).
+# default is fifty times this). The step thread gives the GIL up in each system call and torch
+# call (the doorbell's send and recv, event waits, copies, graph launches) and wants it back at
+# once, while the event loop and the result finisher run Python: a short interval gives it back
+# sooner. This one beat a longer and a shorter interval in the A/B runs (bench/RESULTS.md, "The
+# GIL switch interval").
 GIL_SWITCH_SECONDS = 0.0001
 
 

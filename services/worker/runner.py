@@ -369,8 +369,8 @@ class ModelRunner:
     def decode_again(self) -> bool:
         """The latest step's decode graph replayed once more, each of its sequences fed the token
         it just drew, at the next position (a draft worker's proposal, draft_steps.py): the inputs
-        move on the device, with no plan, upload or staging (0.6-0.7 ms of host time a step for
-        SmolLM2 on an H200). False when the latest step cannot be replayed so: it ran eagerly,
+        move on the device, with no plan, upload or staging (most of a draft step's host time).
+        False when the latest step cannot be replayed so: it ran eagerly,
         drew outside its graph, or attended with shared prefixes; or a sequence's next position
         lies in a block its staged table does not hold (step_inputs stages the blocks a step
         reaches; a plan then stages more)."""

@@ -30,8 +30,8 @@ class AdaptiveK:
     may have found more). Verifying k slots then emits expected_tokens(alpha, min(k, found)),
     and k maximises that per unit of the step's cost, (1 + f + c k) decode steps: f the fixed
     part of a verify step's extra cost and c one more position's (the cost model's, at the
-    current batch: at batch 1 a verify step of SmolLM2 on an H200 costs 1.5-2 decode steps
-    whatever its k, at batch 64 its cost grows with k). Where no k beats a plain decode (alpha
+    current batch: at batch 1 a verify step costs about the same whatever its k, where the
+    weights' read dominates; at batch 64 its cost grows with k). Where no k beats a plain decode (alpha
     too low, or nothing found), k is 0: the request proposes nothing for `backoff` tokens (16,
     doubling while it keeps failing), then tries again."""
 

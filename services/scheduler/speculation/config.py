@@ -30,7 +30,7 @@ class SpeculativeConfig:
     # Verify rounds per plan (device proposer, one stage) while at most rounds_max_batch requests
     # run: the last stage verifies, proposes and verifies again without the host (StepPlan.
     # verify_rounds), so that one plan's host work serves several verify steps where the host's
-    # time per step exceeds the GPU's (SmolLM2 on an H200: at batches 1 to 64).
+    # time per step exceeds the GPU's (a small model at small batches: bench/RESULTS.md).
     rounds: int = 1
     rounds_max_batch: int = DEFAULTS["speculative_rounds_max_batch"]
 

@@ -40,8 +40,8 @@ class CostModel:
     # must come back before its request decodes plainly), so estimates near the line must not flip it
     # Consecutive steps of one kind (decode or verify, at one bucket) timed together. With several
     # plans in flight results often arrive together, so one step's result-to-result time says
-    # little (the GPU time was its floor, and a host-bound verify step looked 1.4 ms long where the
-    # H200 run's steps took 2.3 ms); a window's wall time is what its steps cost.
+    # little (the GPU time was its floor, and a host-bound verify step looked shorter than the
+    # run's steps took); a window's wall time is what its steps cost.
     WINDOW = 8
     AVERAGE = 0.2  # weight of a new window in the averages
 
@@ -64,8 +64,8 @@ class CostModel:
         self._last_result: float | None = None
         self._pipelines = False  # some step was sent before the previous result came back
         # verify_cost per bucket, until the next window is recorded: every verifying request
-        # asks for it after every verify step (16 least-squares fits a step cost the scheduler
-        # 0.48 ms at batch 16 on a CPU, bench/scheduler_step.py --speculate).
+        # asks for it after every verify step, and a least-squares fit each was a visible part of
+        # the scheduler's step (bench/scheduler_step.py --speculate).
         self._verify_costs: dict[int, tuple[float, float]] = {}
 
     @staticmethod
@@ -93,8 +93,8 @@ class CostModel:
         until WINDOW of them were seen, whether or not steps of another kind came between. Once
         any step was `pipelined` (sent before the previous result came back), steps that were
         not are left out: a plain step that had to wait for a verify step's result (the change of kind's
-        bubble) took a whole round trip, 1.5-1.6 ms against 1.0 for the pipelined decode steps
-        of SmolLM2 at batch 1 on an H200, and made plain decoding look dearer than it is."""
+        bubble) took a whole round trip, half again a pipelined decode step, and made plain
+        decoding look dearer than it is."""
         self.enabled = True
         tokens = batch if tokens is None else tokens
         if now is None:

@@ -163,7 +163,7 @@ class Speculation:
             if on_device:
                 # While speculation is off, no proposals: a plain step in a speculating cluster
                 # then costs what a plain cluster's does (the lookup kernel and its proposals'
-                # read-back made plain steps 35% dearer in host time). The step after it turns
+                # read-back made plain steps dearer in host time). The step after it turns
                 # back on proposes; the one after that verifies.
                 s.propose = spec.proposed = k if self.speculating else 0
             count += 1
@@ -191,8 +191,8 @@ class Speculation:
         steps only. A verify step whose drafts ride in its plan (a draft model's, the scheduler's
         lookup, P stages, controls) always waits for the previous result: that wait is its cost,
         so it counts as pipelined. (Left out as a bubble, no such verify step was ever timed
-        once a plain step had pipelined: the dummy 8B with a 1B draft accepting nothing kept
-        verifying in 472 of 512 steps at 0.37x, the choice stuck on "not measured yet".)"""
+        once a plain step had pipelined, and a draft that accepted nothing kept verifying, the
+        choice stuck on "not measured yet".)"""
         if self.costs is not None and plan.max_query and seconds > 0:
             pipelined = pipelined or plan.verifies
             self.costs.observe(len(plan.seqs), plan.max_query, seconds, now, tokens, pipelined, plan.verify_rounds)

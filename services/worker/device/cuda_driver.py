@@ -4,9 +4,8 @@ records and graph launches.
 Every torch call that reaches CUDA (copy_, Event.record, CUDAGraph.replay) lets go of the GIL
 around it, and the step thread must then take it back from whichever thread grabbed it: the
 worker's event loop or its finisher, which keep it for their whole burst of Python or up to the
-interpreter's switch interval. py-spy of the step thread on an H200 (bench/RESULTS.md, issue 29
-session 10) put 17% of the last stage's step thread at 16 streams, and 22% of a speculating
-worker's at batch 1, on the two staging copies of a graph step: a few microseconds of driver
+interpreter's switch interval. py-spy of the step thread (bench/RESULTS.md, issue 29 session 10)
+put a large share of it on the two staging copies of a graph step, a few microseconds of driver
 work each. The calls here only queue work on a stream or ask whether an event is done, and never
 wait for the GPU, so they run with the GIL held (ctypes.PyDLL), as a Python call would.
 

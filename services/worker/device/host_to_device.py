@@ -47,8 +47,8 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
 def wait_for(event: torch.cuda.Event) -> None:
     """Until `event` has completed, asking first: a double-buffered staging's previous copy almost
     always has. Event.synchronize gives the GIL away, and the step thread then waits to take it
-    back while the worker's event loop and finisher run Python (py-spy of a worker at batch 1 on
-    the H200: 6% of the step thread's samples in that synchronize); query keeps the GIL."""
+    back while the worker's event loop and finisher run Python (py-spy found the step thread
+    there: bench/RESULTS.md, "Figures moved from code comments"); query keeps the GIL."""
     if not event.query():
         event.synchronize()
 

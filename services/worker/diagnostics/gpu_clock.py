@@ -9,13 +9,12 @@ A stamp is a CUDA event (a few us of host time). Events cannot be compared acros
 every REFERENCE_EVERY stamps a one-program kernel reads the GPU's global nanosecond clock
 (kernels/globaltimer.py) with an event right behind it; each stamp's time is its reference's time
 plus the events' elapsed time. (The first version launched that kernel at every stamp: on a slow
-host its launches, 35-90 us each, made the last stage's host the bottleneck.)
+host its launches made the last stage's host the bottleneck.)
 
 A reading does not place its reference exactly. Placed by its own reading, each reference's stamps
-stood -0.2 to +0.6 ms off the next one's (median +0.12 ms on stage 0, +0.33 ms on stage 1, over
-the 64 steps between two references), and two stages' steps seemed to overlap by up to 0.3 ms
-(16 streams, an H200, session 14). Coarse readings (late by up to a tick) of a clock whose rate
-differs from the events' would do that; neither was measured apart. So each reference is placed
+stood off the next one's by up to a fraction of a step, and two stages' steps seemed to overlap
+(bench/RESULTS.md, "Figures moved from code comments"). Coarse readings (late by up to a tick) of
+a clock whose rate differs from the events' would do that; neither was measured apart. So each reference is placed
 by the lowest line, over its neighbours' times on the events' clock, that none of their readings
 lies above (a reading can only be late); its slope is the two clocks' rate: place_references.
 tests/gpu/test_gpu_clock_gpu.py checks the result across two processes.
@@ -45,8 +44,8 @@ log = logging.getLogger("strata.worker")
 POINTS = ("queued", "start", "body", "handed")
 REFERENCE_EVERY = 64  # stamps between two readings of the global clock (16 steps of 4 stamps)
 # References each side that place one (place_references): enough readings at random phases
-# against the tick (on synthetic readings of a 0.8 ms tick: within 45 us at 64, 57 us at 32),
-# over a span (about 3 s at 16 streams) in which the clocks' rate holds.
+# against the tick to place it well within a tick (tests/test_gpu_clock_report.py's synthetic
+# readings), over a span short enough that the clocks' rate holds.
 PLACEMENT_WINDOW = 64
 MIN_FIT = 16  # references that fit the clocks' rate; fewer keep the events' own
 

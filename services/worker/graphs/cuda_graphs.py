@@ -162,8 +162,8 @@ class DecodeGraphs:
         # The step's tables arrive packed [n, width] with the rows (one copy of the flat buffer's
         # head), then one device copy spreads them into the graphs' [max_batch, max_blocks_per_seq]
         # table. Copying the 2-D slice from the host instead went through temporaries on both
-        # sides (a strided host-to-device copy): 8% of a stage's step thread at 16 streams (py-spy,
-        # H200, bench/RESULTS.md).
+        # sides (a strided host-to-device copy), which py-spy found in the step thread
+        # (bench/RESULTS.md, "Figures moved from code comments").
         self.tables_offset = layout["tables"][0]
         self.staged_tables = self.flat[self.tables_offset :].view(torch.int32)
         self.block_tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)

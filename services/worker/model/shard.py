@@ -102,9 +102,9 @@ class CausalLMShard(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Last stage: final norm of (hidden + residual), lm_head; [N, vocab] in the model's dtype.
 
-        Not upcast here: the fused sampling kernel reads bf16 logits directly (an fp32 copy of
-        256 x 128k logits costs as much as a tenth of a 1B model's decode step); the sampler
-        upcasts only for the torch ops that need it."""
+        Not upcast here: the fused sampling kernel reads bf16 logits directly (an fp32 copy of a
+        full batch's logits over a large vocabulary is a sizeable part of a small model's decode
+        step); the sampler upcasts only for the torch ops that need it."""
         if not self.is_last:
             raise RuntimeError("compute_logits runs on the last stage only")
         if self._runs_decode_chain(hidden):

@@ -17,8 +17,8 @@ proposal) is rolled back to it.
 
 The matchers see the tokenizer's vocabulary only (`mask_vocab`), not the model's padded one: a
 dummy 1B model with SmolLM2's tokenizer pads 49,152 tokens to 128,256, and xgrammar treats every
-padding id as a special token, which made each accept ~40x and each bitmask fill ~6x slower (one
-step of 256 rows: 5.7 ms of accepts instead of 0.13). The ids past it are forbidden wherever a
+padding id as a special token, which made each accept and each bitmask fill many times slower
+(bench/RESULTS.md, "Figures moved from code comments"). The ids past it are forbidden wherever a
 bitmask applies, as xgrammar's own processor forbids them.
 """
 
@@ -43,9 +43,8 @@ log = logging.getLogger("strata.worker")
 
 MAX_COMPILED_GRAMMARS = 256
 MAX_ROLLBACK_TOKENS = 64
-# Threads xgrammar fills a decode step's bitmask rows on. One: on a 16-core H100 host, 256 rows
-# under a JSON schema filled in 0.32 ms on one thread, 0.67 on 2 and 1.31 on 8, and the accepts
-# beside them slowed from 0.37 to 0.61 ms (bench_constrained's sweep, bench/RESULTS.md).
+# Threads xgrammar fills a decode step's bitmask rows on. One: more threads filled a step's rows
+# slower, and slowed the accepts beside them (bench_constrained's sweep, bench/RESULTS.md).
 FILL_THREADS = 1
 
 
@@ -398,8 +397,8 @@ class GrammarState:
                 else:
                     self._feed(r, p, [t])
             if batch:
-                # xgrammar's batch accept is serial (~2-9 us a token on the H200 machines' hosts)
-                # and holds the GIL: 4 threads accepting chunks of rows measured no faster, and a
+                # xgrammar's batch accept is serial (a few microseconds a token) and holds the
+                # GIL: 4 threads accepting chunks of rows measured no faster, and a
                 # second thread accepting beside the step thread slowed both (bench/RESULTS.md).
                 for r, t, ok in zip(batch, toks, _batch_accept([r.matcher for r in batch], toks)):
                     if ok:  # refused (never after a masked draw): the matcher stays as it was
@@ -422,9 +421,9 @@ class GrammarState:
 
 def _batch_accept(matchers, tokens):
     """xgrammar's BatchGrammarMatcher.batch_accept_token without its wrapper's per-item read of
-    the result: reading 256 items of the core's result array took as long as the accepts
-    themselves (0.18 of 0.37 ms a step on this host). A masked draw is never refused, so the
-    whole array is read only when it holds a refusal; `in` runs in the core (0.01 ms)."""
+    the result: reading a step's items of the core's result array one by one took about as long
+    as the accepts themselves. A masked draw is never refused, so the whole array is read only
+    when it holds a refusal; `in` runs in the core."""
     import xgrammar as xgr
 
     core = getattr(xgr.matcher, "_core", None)

@@ -176,7 +176,7 @@ class DeviceSpeculation:
             # Plain decodes, as a speculating cluster runs while its cost model has speculation
             # off: they cost what a plain cluster's steps cost (the commit's meta rows, kernel
             # and packed read-back made each step dearer on the host; so did this step's own
-            # upload and history writes, 0.35 ms of host time a step at batch 1 on an H200).
+            # upload and history writes).
             return SpecStep(None, np.arange(n), False, False, plain=(h.token_rows, h.seq_lens))
         sample = np.asarray(plan.sample, dtype=bool)
         sample_idx = np.nonzero(sample)[0]

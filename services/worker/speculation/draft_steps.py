@@ -9,7 +9,8 @@ moved on by a token on the device (ModelRunner.decode_again), or, where that gra
 runs a decode plan of placeholders. The last of them feeds the
 k-th draft and its draw is dropped: with its KV written, the next proposal's catch-up is one
 token (the target's bonus or correction) whatever was accepted, a decode the draft's decode
-graphs run, where a catch-up of two tokens ran eagerly (2-3 ms of host time for SmolLM2).
+graphs run, where a catch-up of two tokens ran eagerly, at several times a graph step's host
+time.
 Draws use the request's own (seed, position) noise and filters: where the draft's distribution
 agrees with the target's, it proposes exactly the token the target will draw, and verification
 accepts it.

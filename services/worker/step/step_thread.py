@@ -4,8 +4,9 @@ loop, services/scheduler/engine.py, which builds and sends the plans.)
 
 Each plan used to go event loop -> step thread -> event loop (one run_in_executor per plan), and
 each result event loop -> finisher -> event loop. Between two launches the step thread then
-waited for two thread wake-ups and a turn of the event loop: 9% of the last stage's step thread
-at 16 streams on the H200, where that host bounds a two-stage pipeline (bench/RESULTS.md).
+waited for two thread wake-ups and a turn of the event loop, a share of the last stage's step
+thread that shows where that host bounds a two-stage pipeline (bench/RESULTS.md, "Figures moved
+from code comments").
 
 Here the step thread takes the next queued plan itself, and goes back to its pool only when none
 is queued (InitCache shares that one thread, between drains). Steps and results stay in step

@@ -14,8 +14,8 @@ inputs where it has them. NCCL pairs point-to-point calls in posting order, and 
 in step order; an announced step no plan here reads is received anyway and dropped. On GPUs
 nothing waits on a host: the sender's sends wait for its step on the device, and the receiver's
 compute stream waits for its receives. (Through the Forward stream, each announcement took a
-transport thread's wake-up, a gRPC message and an event-loop hop on both sides: 346-546 us of
-transport and 2.8 ms of waiting per step at 16 streams on two H200s, bench/RESULTS.md.)
+transport thread's wake-up, a gRPC message and an event-loop hop on both sides, and the stages
+waited on them: bench/RESULTS.md, "Figures moved from code comments".)
 
 Deadlines: the rendezvous, every doorbell wait and every gloo wait take at most the link's
 timeout; NCCL work is bounded by the group's timeout (its watchdog aborts the communicator, see
@@ -58,7 +58,7 @@ _CLOSING: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _join_closing_links() -> None:
     """At exit, closed links finish tearing their groups down before CUDA shuts down: a group
-    aborted during the driver's shutdown ends the process with SIGABRT (seen on two H200s, after
+    aborted during the driver's shutdown ends the process with SIGABRT (seen on two GPUs, after
     every step had arrived intact)."""
     for thread in list(_CLOSING):
         thread.join(timeout=10)

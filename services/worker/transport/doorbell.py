@@ -3,8 +3,8 @@ straight from one stage's step thread to the other's: a Unix SEQPACKET socket on
 a TCP connection on a `distributed` one (its stages may be on two hosts).
 
 Why not the Forward stream: there, each announcement took a transport thread's wake-up, a gRPC
-message and an event-loop hop on both sides, 446-669 us per step on the H200 (bench/RESULTS.md,
-"Pipeline parallelism"). A SEQPACKET message from one step thread to the other, blocked in recv,
+message and an event-loop hop on both sides, hundreds of microseconds per step (bench/RESULTS.md,
+"Figures moved from code comments"). A SEQPACKET message from one step thread to the other, blocked in recv,
 takes microseconds; it keeps message boundaries; the system call orders the ring's writes before
 the announcement on every CPU; and its end of file says at once that the peer is gone (kill -9),
 where a gRPC stream waits for its keepalive.
@@ -61,8 +61,8 @@ class _End:
     system call: a probe is recv(MSG_DONTWAIT), a wait polls the socket with its deadline, and a
     send is one send(), bounded by the kernel's send timeout. (Python's settimeout() around each
     call cost two fcntl calls more per call, and a timed send a poll() first, each dropping and
-    taking back the GIL, which the worker's other threads hold often: the token hop's host time
-    was 105-154 us a step.)"""
+    taking back the GIL, which the worker's other threads hold often: it showed in the token
+    hop's host time.)"""
 
     def __init__(self, timeout: float, stream: bool = False):
         self.timeout = timeout

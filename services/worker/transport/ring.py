@@ -108,8 +108,8 @@ class Ring:
         self.ready, self.consumed = ready, consumed  # CUDA only
         self.words: stream_memops.SharedWords | None = words  # CUDA only, where asked for and usable
         self.path = ""  # CPU: the shared file (the sender unlinks it once mapped; close() too)
-        # Views by (slot, part, shape): a slice and a view cost ~2.5 us of the step thread, four
-        # a step at each end, and a decode's shape repeats. Bounded: offline shapes vary.
+        # Views by (slot, part, shape): a slice and a view cost the step thread measurable time,
+        # four a step at each end, and a decode's shape repeats. Bounded: offline shapes vary.
         self._views: dict[tuple, torch.Tensor] = {}
 
     @classmethod
@@ -230,8 +230,8 @@ class Ring:
         words, all of it goes on the sender's own stream (the wait until the receiver has read
         the slot, the copy, the ready word), also when the ring is on a peer GPU: a stream of
         this process on the peer's GPU is a context of its own there, which that GPU time-slices
-        with the receiver's (each hand-off's GPU work took about 200 us between two H200s,
-        against about 20 us on one). Events order the copy on the ring GPU's current stream
+        with the receiver's: a hand-off between two GPUs then cost the GPU several times one on a
+        single GPU (bench/RESULTS.md, stage_hop). Events order the copy on the ring GPU's current stream
         (torch syncs a peer copy with both devices' current streams).
         count: the announcement's number + 1, for the slot's word."""
         if self.words is not None:

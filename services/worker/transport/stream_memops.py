@@ -10,7 +10,7 @@ end (no SM is held) until the peer's stream writes a value at least as large.
 The words live in a file in /dev/shm that both processes map and register with CUDA, not in
 device memory: the waiting side's host can then release its own GPU with a plain store (a peer
 that died never writes; a stream of the same process writing a word its other stream waits on
-did not return on the H200), and can read how far the peer got without touching the GPU.
+did not return on the GPU it was tried on), and can read how far the peer got without touching the GPU.
 
 torch has no binding for these calls; they are functions of libcuda (cuda_driver.py: they keep
 the GIL, as they only queue work).

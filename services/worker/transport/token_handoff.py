@@ -417,8 +417,8 @@ class TokenOutlet:
     def before_step(self, step_id: int, h, staged_rows: torch.Tensor | None = None) -> None:
         """staged_rows: each token's state row, as a graph staged them on the device. A decode
         whose every token samples hands exactly those rows' tokens, and gathers through them
-        instead of uploading its own (an upload was 4% of the last stage's step thread at 16
-        streams: bench/RESULTS.md)."""
+        instead of uploading its own (an upload showed in the last stage's step thread:
+        bench/RESULTS.md, "Figures moved from code comments")."""
         self._pending = None
         if h.sample_seq_ids:
             rows = sampler_rows(h)

@@ -4,7 +4,7 @@ slot words, ring.py and stream_memops.py; or NCCL, at the end): no host on the t
 With the doorbell alone, stage 0's step thread could queue a step whose placeholders need step
 s's tokens only after the last stage's announcement of s had arrived (an interprocess event can
 be waited on only after its record): every micro-batch's step waited for the other host's launch
-and a socket hop (0.71 ms on 429 of 532 steps at 16 streams on the H200, bench/RESULTS.md).
+and a socket hop (bench/RESULTS.md, "Figures moved from code comments").
 Here stage 0 queues it at once, behind a wait of its stream on the slot's word.
 
 The order: the last stage announces one thing per step that samples, its tokens or its error,
@@ -28,7 +28,7 @@ for a failed step, zeros (distributed_transport.py, fixed_elements), so stage 0 
 receive's size and order before the announcement; each is posted into one of a few buffers when a
 step needs its tokens, the compute stream waits for it, and the scatter follows. Close aborts the
 link's group, which ends any receive still waiting (before this, stage 0's host waited for each
-announcement: 0.72 ms a step at 16 streams on two H200s, 2.29 ms at four, bench/RESULTS.md).
+announcement, longer the more stages: bench/RESULTS.md, issue 29 session 12).
 """
 
 from __future__ import annotations
