@@ -11,6 +11,7 @@ import torch
 
 from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
+from strata.quiet_exit import quiet_exit
 from strata.services.worker.diagnostics.profiling import StepProfiler
 from strata.services.worker.model.attention import kv_cache_bytes_per_block
 from strata.services.worker.model.model_config import ModelConfig
@@ -222,4 +223,6 @@ async def serve(args) -> None:
 
 def run(args) -> int:
     asyncio.run(serve(args))
-    return 0
+    # Stopped cleanly: leave without the interpreter's finalization, where Triton's bindings
+    # would report every object the kernel caches still hold (strata/quiet_exit.py).
+    quiet_exit(0)
