@@ -12,4 +12,7 @@ Everything else lives in a room of its own:
     speculation/  speculative decoding on the device: drafts, verification, a draft worker's steps
     device/       the worker's own calls into CUDA: driver calls that keep the GIL, uploads
     diagnostics/  what a stage measures about itself: GPU clock stamps, profiles, busy and idle
+
+Tensor parallelism's sharded linears go in model/, its rank group (a process group per stage) in
+a room of its own beside transport/.
 """
