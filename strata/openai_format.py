@@ -285,8 +285,8 @@ def prompt_input(body: dict, chat: bool) -> PromptInput | list[int]:
             tools_json=tools_json(body.get("tools")),
         )
     prompts = completion_prompts(body, 2**31, special)
-    if len(prompts) > 1:
-        raise BadField("prompt", f"holds {len(prompts)} prompts: one per request here")
+    if len(prompts) > 1:  # (the HTTP front takes several: completion_inputs)
+        raise BadField("prompt", f"holds {len(prompts)} prompts; a batch line takes one (give each a line)")
     return prompts[0]
 
 
