@@ -11,7 +11,8 @@ Each row's logprob is its logit minus the row's logsumexp, and each top entry's 
 the prompt token is among the top k, its logprob and its top entry are the same float (a client
 such as lm-eval calls a position greedy by comparing them). The rank counts the tokens whose
 logit is at least the prompt token's (vLLM counts on logprobs; equal but for ties that the
-subtraction would create).
+subtraction would create). On CUDA one kernel reads each chunk's logits once for all of it
+(kernels/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata.kernels.gumbel_sampling import HAVE_TRITON
+from strata.kernels.prompt_logprobs import logprob_rows, logprob_rows_reference
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.step.sequence_table import PlanError
 
@@ -89,18 +92,13 @@ def prompt_logprobs(
 
 
 def rows_of_logits(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """(logprob, rank, top ids, top logprobs) of each row of logits [r, V] (any float dtype:
-    compared as they are, reduced in float32) for the token `targets` names."""
-    log_norm = torch.logsumexp(logits.float(), dim=-1)
-    target = logits.gather(1, targets.unsqueeze(1))
-    ranks = (logits >= target).sum(dim=-1)
-    logprobs = target.squeeze(1).float() - log_norm
-    if k:
-        top_values, top_ids = logits.topk(k, dim=-1)
-    else:
-        top_values = logits.new_empty((logits.shape[0], 0))
-        top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
-    return logprobs, ranks, top_ids, top_values.float() - log_norm.unsqueeze(1)
+    """(logprob, rank, top ids, top logprobs) of each row of logits [r, V] for the token `targets`
+    names: on CUDA from one read of the logits (kernels/prompt_logprobs.py), else its torch
+    reference. The token's logprob and its top entry come from the same logit and logsumexp."""
+    rows = logprob_rows if logits.is_cuda and HAVE_TRITON else logprob_rows_reference
+    log_norm, ranks, top_values, top_ids = rows(logits, targets, k)
+    target = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
+    return target - log_norm, ranks, top_ids, top_values - log_norm.unsqueeze(1)
 
 
 def add_to_result(result, host: list[torch.Tensor], num_top: np.ndarray) -> None:
