@@ -456,3 +456,11 @@ def test_float_equality_of_rows_survives_the_wire():
         logprob=rows.logprobs[0], top=[generate_pb2.TopLogprob(logprob=rows.top_logprobs[0])]
     )
     assert entry.logprob == entry.top[0].logprob == value
+
+
+def test_every_internal_boundary_checks_the_count():
+    from strata.sampling_rules import SamplingRuleError, check_sampling_options
+
+    check_sampling_options(engine_pb2.SamplingOptions(top_p=1.0, logprobs=-1, prompt_logprobs=20))
+    with pytest.raises(SamplingRuleError, match="sampling.prompt_logprobs must be at most 20"):
+        check_sampling_options(engine_pb2.SamplingOptions(top_p=1.0, logprobs=-1, prompt_logprobs=21))
