@@ -464,3 +464,36 @@ def test_every_internal_boundary_checks_the_count():
     check_sampling_options(engine_pb2.SamplingOptions(top_p=1.0, logprobs=-1, prompt_logprobs=20))
     with pytest.raises(SamplingRuleError, match="sampling.prompt_logprobs must be at most 20"):
         check_sampling_options(engine_pb2.SamplingOptions(top_p=1.0, logprobs=-1, prompt_logprobs=21))
+
+
+def test_the_json_bound_holds_for_vllms_shapes(tmp_path_factory):
+    """The HTTP bound (response_size.json_bytes) against real bodies of the widest floats and ranks
+    and the vocabulary's longest token texts."""
+    import json
+
+    from strata.default_model import build_tiny_tokenizer
+    from strata.openai_prompts import echo_logprobs_body, prompt_logprobs_body
+    from strata.services.gateway import response_size
+
+    texts = response_size.TokenTexts(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384))
+    longest = sorted(range(len(texts.texts)), key=texts.json_size)[-30:]
+    rng = np.random.default_rng(0)
+    prompt = rng.choice(longest, 40).tolist()
+    k = 20
+
+    def widest() -> float:
+        return float(np.float32(-rng.uniform(1e-5, 9e-5)))  # e.g. -1.2345678629267216e-05
+
+    entries = [generate_pb2.PromptLogprob(token_id=prompt[0])] + [
+        generate_pb2.PromptLogprob(
+            token_id=t,
+            logprob=widest(),
+            rank=10**9,
+            top=[generate_pb2.TopLogprob(token_id=longest[j], logprob=widest()) for j in range(k)],
+        )
+        for t in prompt[1:]
+    ]
+    listed = len(json.dumps(prompt_logprobs_body(entries, texts)))
+    echoed = len(json.dumps(echo_logprobs_body(entries, texts))) + sum(texts.json_size(t) for t in prompt)
+    assert listed <= response_size.json_bytes(prompt, texts, k, echo=False, echo_logprobs=False)
+    assert listed + echoed <= response_size.json_bytes(prompt, texts, k, echo=True, echo_logprobs=True)

@@ -117,6 +117,18 @@ def test_n2_gets_the_list_once_in_its_first_response(cluster, hf, kind):
     assert got[-1].usage.completion_tokens == 8
 
 
+def test_a_constrained_request_asks_too(cluster, hf):
+    """Constrained decoding masks the sampled logits only: the prompt's rows stay the raw ones."""
+    _, client = cluster
+    prompt = _prompt(12, 20)
+    choice = generate_pb2.ChoiceList(choices=["yes", "no way"])
+    (final,) = responses(
+        client, prompt, prompt_logprobs=2, choice=choice, max_tokens=8, output_kind=generate_pb2.FINAL_ONLY
+    )
+    assert final.outputs[0].text in choice.choices
+    check_entries(final.prompt_logprobs, prompt, hf(prompt), 2)
+
+
 def test_a_prefix_group_member_gets_its_whole_prompt(cluster, hf):
     c, _ = cluster
     prefix, own = _prompt(4, 24), [[5, 6, 7], [8, 9, 10, 11]]

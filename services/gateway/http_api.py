@@ -285,9 +285,8 @@ def build_app(gateway: Gateway) -> Starlette:
             raise failed
         rid, created = openai_format.response_id(chat), int(time.time())
         texts: dict[int, str] = {}  # each output's text so far (tool calls)
-        merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int) -> None:
+        async def pump(i: int, merged: asyncio.Queue) -> None:
             """Prompt i's responses into `merged`, then None (or the error that ended them)."""
             try:
                 response = firsts[i]
@@ -298,20 +297,38 @@ def build_app(gateway: Gateway) -> Starlette:
             except GatewayError as e:
                 merged.put_nowait((i, e))
 
-        async def events():
-            last: dict[int, generate_pb2.GenerateResponse] = {}
-            started: list[set[int]] = [set() for _ in streams]
-            pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        async def arrivals():
+            """(prompt index, response) as they come; a prompt's failure raises its GatewayError.
+            One prompt (most requests) is read as it comes, without a task in between."""
+            if len(streams) == 1:
+                response = firsts[0]
+                while response is not None:
+                    yield 0, response
+                    response = await anext(streams[0], None)
+                return
+            merged: asyncio.Queue = asyncio.Queue()
+            pumps = [asyncio.ensure_future(pump(i, merged)) for i in range(len(streams))]
             try:
                 running = len(streams)
                 while running:
                     i, response = await merged.get()
                     if isinstance(response, GatewayError):
-                        yield f"data: {json.dumps(json.loads(_from_gateway(response).body))}\n\n"
-                        break
+                        raise response
                     if response is None:
                         running -= 1
-                        continue
+                    else:
+                        yield i, response
+            finally:
+                for task in pumps:
+                    task.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+
+        async def events():
+            last: dict[int, generate_pb2.GenerateResponse] = {}
+            started: list[set[int]] = [set() for _ in streams]
+            responses = arrivals()
+            try:
+                async for i, response in responses:
                     last[i] = response
                     chunk = openai_format.chunk_body(
                         response, chat, model, rid, created, started[i], token_text, views[i]
@@ -319,24 +336,23 @@ def build_app(gateway: Gateway) -> Starlette:
                     if calls is not None:
                         chunk = calls.chunk(chunk, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
-                else:
-                    if include_usage and last:
-                        usages = [views[i].usage(openai_format.usage_body(r.usage)) for i, r in last.items()]
-                        usage = {
-                            "id": rid,
-                            "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": openai_prompts.merge_usage(usages),
-                        }
-                        yield f"data: {json.dumps(usage)}\n\n"
+                if include_usage and last:
+                    usages = [views[i].usage(openai_format.usage_body(r.usage)) for i, r in last.items()]
+                    usage = {
+                        "id": rid,
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": openai_prompts.merge_usage(usages),
+                    }
+                    yield f"data: {json.dumps(usage)}\n\n"
+            except GatewayError as e:
+                yield f"data: {json.dumps(json.loads(_from_gateway(e).body))}\n\n"
             finally:  # also when the client disconnected: every request is cancelled
-                for task in pumps:
-                    task.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-                for responses in streams:
-                    await responses.aclose()
+                await responses.aclose()
+                for stream in streams:
+                    await stream.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -43,7 +43,8 @@ class Admission:
         if req.parent_id or req.group_size:
             free_seats = self.max_num_seqs - len(self.running) - self.sharing.reserved_seats
             found = self.sharing.shared_prefix(req, step_id, bm, free_seats)
-        if found is HOLD and req.prompt_logprobs is not None and not req.group_size:
+        asks = req.prompt_logprobs is not None and not req.prompt_logprobs.complete
+        if found is HOLD and asks and not req.group_size:
             found = None  # it computes its prompt itself (no logits in a sibling's blocks): no wait
         if found is HOLD:
             return HOLD
