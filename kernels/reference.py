@@ -234,7 +234,8 @@ def embed_tokens_reference(
 def logprob_rows_reference(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """Per row of logits [R, V] (any float dtype: compared as they are, reduced in float32) and
     its token `targets[r]`: (logsumexp float32 [R], rank int64 [R]: the entries at least as large
-    as the token's, top values float32 [R, k], top ids int64 [R, k], largest first)."""
+    as the token's, the token's logit float32 [R], top values float32 [R, k], top ids int64
+    [R, k], largest first)."""
     log_norm = torch.logsumexp(logits.float(), dim=-1)
     target = logits.gather(1, targets.unsqueeze(1))
     ranks = (logits >= target).sum(dim=-1)
@@ -243,4 +244,4 @@ def logprob_rows_reference(logits: torch.Tensor, targets: torch.Tensor, k: int) 
     else:
         top_values = logits.new_empty((logits.shape[0], 0))
         top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
-    return log_norm, ranks, top_values.float(), top_ids
+    return log_norm, ranks, target.squeeze(1).float(), top_values.float(), top_ids

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from strata.kernels.gumbel_sampling import HAVE_TRITON
-from strata.kernels.prompt_logprobs import logprob_rows, logprob_rows_reference
+from strata.kernels.prompt_logprobs import LogprobRows, logprob_rows_reference
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.step.sequence_table import PlanError
 
@@ -73,32 +73,37 @@ def asked_rows(plan, query_start_loc: np.ndarray, top_of_rows: np.ndarray, vocab
     return PromptRows(index, targets, np.repeat(top_of_rows, counts))
 
 
+def fused(device: torch.device) -> bool:
+    """Whether the rows' kernel serves this device (else its torch reference)."""
+    return device.type == "cuda" and HAVE_TRITON
+
+
 def prompt_logprobs(
     compute_logits, hidden: torch.Tensor, residual: torch.Tensor, rows: PromptRows, vocab_size: int
 ) -> list[torch.Tensor]:
     """[logprobs float32 [R], ranks int64 [R], top ids int64 [R, K], top logprobs float32 [R, K]]
     on the device, K the most any row asks. compute_logits(hidden, residual): the shard's final
-    norm and lm_head over some rows."""
+    norm and lm_head over some rows. On CUDA each chunk's logits are read once, by one kernel,
+    and the chunks' statistics merged once (kernels/prompt_logprobs.py); elsewhere the torch
+    reference takes each chunk."""
     d = upload({"index": rows.token_index, "targets": rows.targets}, hidden.device)
-    k = rows.max_top
+    k, total = rows.max_top, len(rows.targets)
     chunk = max(1, CHUNK_ELEMENTS // vocab_size)
-    parts: list[list[torch.Tensor]] = [[], [], [], []]
-    for start in range(0, len(rows.targets), chunk):
-        index = d["index"][start : start + chunk]
+    stats = LogprobRows(total, vocab_size, k, hidden.device) if fused(hidden.device) else None
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for start in range(0, total, chunk):
+        index, targets = d["index"][start : start + chunk], d["targets"][start : start + chunk]
         logits = compute_logits(hidden[index], residual[index])
-        for part, x in zip(parts, rows_of_logits(logits, d["targets"][start : start + chunk], k)):
-            part.append(x)
-    return [torch.cat(p) if len(p) > 1 else p[0] for p in parts]
-
-
-def rows_of_logits(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """(logprob, rank, top ids, top logprobs) of each row of logits [r, V] for the token `targets`
-    names: on CUDA from one read of the logits (kernels/prompt_logprobs.py), else its torch
-    reference. The token's logprob and its top entry come from the same logit and logsumexp."""
-    rows = logprob_rows if logits.is_cuda and HAVE_TRITON else logprob_rows_reference
-    log_norm, ranks, top_values, top_ids = rows(logits, targets, k)
-    target = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
-    return target - log_norm, ranks, top_ids, top_values - log_norm.unsqueeze(1)
+        if stats is not None:
+            stats.fill(logits, targets, start)
+        else:
+            parts.append(logprob_rows_reference(logits, targets, k))
+    if stats is not None:
+        log_norm, ranks, target, top_values, top_ids = stats.merge()
+    else:
+        log_norm, ranks, target, top_values, top_ids = (torch.cat(x) for x in zip(*parts))
+    # The token's logprob and its top entry: the same logit minus the same logsumexp.
+    return [target - log_norm, ranks, top_ids, top_values - log_norm.unsqueeze(1)]
 
 
 def add_to_result(result, host: list[torch.Tensor], num_top: np.ndarray) -> None:
