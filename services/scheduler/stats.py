@@ -15,6 +15,7 @@ class Counters:
     lookahead_decodes: int = 0
     prefill_tokens: int = 0  # context (re)computed: prompts, and outputs again after a preemption
     decode_tokens: int = 0  # each decode's input token, plus the drafts it verifies
+    resumed: int = 0  # requests that arrived with output from a lost replica
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         stats.lookahead_decodes = self.lookahead_decodes
@@ -23,3 +24,4 @@ class Counters:
         stats.steps = self.steps
         stats.preemptions = self.preemptions
         stats.finished_requests = self.finished
+        stats.resumed_requests = self.resumed
