@@ -55,15 +55,17 @@ class Replica:
     info: generate_pb2.ModelInfo | None = None
     stats: engine_pb2.SchedulerStats | None = None
     stats_at: float = 0.0
+    load_at_stats: int = 0  # load_tokens when the stats came
     load_tokens: int = 0  # tokens of the children this gateway has running there
     routed: Counter = field(default_factory=Counter)  # requests and groups routed there, by reason
     resumed: int = 0  # children resumed there from a lost replica
     calls: set = field(default_factory=set)  # failover.ReplicaCall running there
 
-    def polled_tokens(self, now: float) -> float | None:
+    def others_tokens(self, now: float) -> float | None:
+        """Tokens its scheduler held at the last poll beyond what this gateway had there then."""
         if self.stats is None or now - self.stats_at > 4 * STATS_INTERVAL:
             return None
-        return self.stats.waiting_tokens + self.stats.running_tokens
+        return max(0, self.stats.waiting_tokens + self.stats.running_tokens - self.load_at_stats)
 
     def kv_used_fraction(self) -> float | None:
         if self.stats is None or not self.stats.num_kv_blocks:
@@ -169,7 +171,7 @@ class ReplicaSet:
     def loads(self) -> list[float | None]:
         now = time.monotonic()
         return [
-            effective_load(r.load_tokens, r.polled_tokens(now), r.kv_used_fraction()) if r.up else None
+            effective_load(r.load_tokens, r.others_tokens(now), r.kv_used_fraction()) if r.up else None
             for r in self.replicas
         ]
 
@@ -294,7 +296,7 @@ class ReplicaSet:
         async def poll(r: Replica) -> None:
             try:
                 r.stats = await r.stub.GetStats(request, timeout=STATS_INTERVAL * 2)
-                r.stats_at = time.monotonic()
+                r.stats_at, r.load_at_stats = time.monotonic(), r.load_tokens
             except grpc.aio.AioRpcError:
                 pass
 

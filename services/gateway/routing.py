@@ -26,7 +26,8 @@ MAX_INDEXED_BLOCKS = 64
 MAX_INDEX_ENTRIES = 1 << 18
 # A shared prefix shorter than this is not worth sending a request to a busier replica for.
 MIN_AFFINITY_TOKENS = 32
-# Affinity holds while the replica's load is at most this many times the mean, plus the request.
+# Affinity holds while the replica's load is at most this many times the mean of the other
+# replicas' (up ones), plus the request's.
 LOAD_BOUND = 1.25
 
 LOAD, AFFINITY, GROUP, RESUME = "load", "affinity", "group", "resume"
@@ -93,7 +94,7 @@ class Router:
     ) -> tuple[int | None, str]:
         """(replica index, reason) for a request of `cost` tokens starting with `prompt`:
         the replica its prefix went to when it matches at least MIN_AFFINITY_TOKENS and that
-        replica's load is within the bound, else the least-loaded replica that is up (the
+        replica's load is within the bound (LOAD_BOUND), else the least-loaded replica that is up (the
         lowest index on ties). (None, LOAD) when none is up but `exclude`. The prompt's blocks
         are recorded for the replica chosen."""
         up = [i for i, load in enumerate(loads) if load is not None and i != exclude]
@@ -106,7 +107,8 @@ class Router:
         if hashes:
             replica, depth = self.index.match(hashes)
             if replica in up and depth * self.block_size >= MIN_AFFINITY_TOKENS:
-                mean = sum(loads[i] for i in up) / len(up)
+                others = [loads[i] for i in up if i != replica]
+                mean = sum(others) / len(others) if others else 0.0
                 if loads[replica] <= LOAD_BOUND * mean + cost:
                     choice, reason = replica, AFFINITY
         if choice is None:
@@ -116,11 +118,13 @@ class Router:
         return choice, reason
 
 
-def effective_load(local_tokens: float, polled_tokens: float | None, kv_used_fraction: float | None) -> float:
-    """The load a replica is routed by: what this gateway has running there, or what its scheduler
-    last reported (other gateways' requests, preemptions) when that is larger; raised as its KV
-    cache fills (from half used, +100% at 95% used), where admissions start to wait for blocks."""
-    load = max(local_tokens, polled_tokens or 0.0)
+def effective_load(local_tokens: float, others_tokens: float | None, kv_used_fraction: float | None) -> float:
+    """The load a replica is routed by: what this gateway has running there now, plus what its
+    scheduler last held beyond what this gateway had there then (other gateways' requests);
+    raised as its KV cache fills (from half used, +100% at 95% used), where admissions start to
+    wait for blocks. (Not the polled figure itself: half a second old, it sent a whole burst past
+    a replica that had just finished its requests.)"""
+    load = local_tokens + (others_tokens or 0.0)
     if kv_used_fraction is not None and kv_used_fraction > 0.5:
         load *= 1.0 + min(1.0, (kv_used_fraction - 0.5) / 0.45)
     return load
