@@ -130,7 +130,8 @@ class Endpoints:
     scheduler: str | None  # None: stats are not available (--address without --scheduler-address)
     own_cluster: bool
     service_pids: dict[str, int] = field(default_factory=dict)  # of a cluster this run started
-    workers: list[str] = field(default_factory=list)  # its workers' addresses, in stage order
+    workers: list[str] = field(default_factory=list)  # its workers' addresses, in stage order (replica by replica)
+    schedulers: list[str] = field(default_factory=list)  # one per data-parallel replica (scheduler is the first)
 
 
 def with_overrides(args, **overrides):
@@ -144,6 +145,7 @@ def with_overrides(args, **overrides):
 # speculative ones only when a method is set (a draft model alone would turn speculation on).
 SERVE_FLAGS = (
     "pipeline_stages",
+    "data_parallel_size",  # `strata bench pipeline`'s dp way
     "device",
     "dtype",
     "block_size",
@@ -237,7 +239,8 @@ def cluster_for(args):
                 cluster.scheduler_address,
                 own_cluster=True,
                 service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
-                workers=list(cluster.worker_addresses),
+                workers=[w for replica in cluster.replicas for w in replica.workers],
+                schedulers=[replica.scheduler for replica in cluster.replicas],
             )
     finally:
         cluster.stop()

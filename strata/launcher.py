@@ -117,6 +117,26 @@ class Cluster:
             time.sleep(0.3)
         raise TimeoutError(f"{name} at {address} not healthy after {timeout:.0f}s")
 
+    def wait_replicas_up(self, api_key: str | None, timeout: float) -> None:
+        """The gateway serves once one replica is up: the cluster is ready once it sees them all."""
+        import grpc
+
+        from strata.v1 import generate_pb2_grpc
+
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.gateway_address) as channel:
+            stub = generate_pb2_grpc.GatewayStub(channel)
+            while time.monotonic() < deadline:
+                info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10, metadata=metadata)
+                if all(r.up for r in info.replicas):
+                    return
+                for pname, proc in self.procs:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{pname} exited with code {proc.returncode} during start-up")
+                time.sleep(0.3)
+        raise TimeoutError(f"not every replica up after {timeout:.0f}s")
+
     def stop(self, timeout: float = 10.0) -> None:
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
@@ -258,6 +278,8 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         cluster.http_address = f"http://{host}:{args.http_port}" if args.http_port else ""
         if not args.tls_cert:
             cluster.wait_healthy(cluster.gateway_address, "gateway", startup_timeout, service=GATEWAY_SERVICE)
+            if len(cluster.replicas) > 1:
+                cluster.wait_replicas_up(args.api_key, startup_timeout)
         return cluster
     except BaseException:
         cluster.stop()

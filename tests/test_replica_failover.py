@@ -290,7 +290,11 @@ def test_what_is_not_a_lost_replica_fails_the_request(tokenizer, case, monkeypat
     gateway, e = asyncio.run(go())
     code = grpc.StatusCode.INTERNAL if case == "internal" else grpc.StatusCode.UNAVAILABLE
     assert e.code == code
-    assert [len(s.submitted) for s in stubs] == {"internal": [1, 0], "no-other-replica": [1], "too-many-moves": [1, 1, 0]}[case]
+    assert [len(s.submitted) for s in stubs] == {
+        "internal": [1, 0],
+        "no-other-replica": [1],
+        "too-many-moves": [1, 1, 0],
+    }[case]
     assert loads_are_free(gateway)
 
 

@@ -214,16 +214,17 @@ class ReplicaSet:
     def _set_up(self, replica: Replica, up: bool, why: str = "") -> None:
         if up == replica.up and (up or replica.down_since is not None):
             return
+        starting = not up and not replica.up  # never up yet: still starting
         replica.up = up
         replica.down_since = None if up else time.monotonic()
         if not up:
             self.router.index.forget(replica.index)  # its prefix cache is gone or going
         log.log(
-            logging.INFO if up else logging.WARNING,
+            logging.INFO if up or starting else logging.WARNING,
             "replica %d (%s) %s%s",
             replica.index,
             replica.address,
-            "serving" if up else "NOT serving",
+            "serving" if up else "not serving yet" if starting else "NOT serving",
             f": {why}" if why else "",
         )
         self._notify()
