@@ -135,11 +135,6 @@ class ReplicaCall:
             replica.load_tokens += tokens
             replica.calls.add(self)
 
-    def _add(self, tokens: int) -> None:
-        if self.replica is not None:
-            self._charged += tokens
-            self.replica.load_tokens += tokens
-
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
 
@@ -153,11 +148,15 @@ class ReplicaCall:
                 self._charge(replica, len(self.child.prompt_token_ids) + len(self.received))
                 self._moved = False
                 self._call = call = replica.stub.Submit(request, timeout=self._timeout())
+                received = self.received
                 try:
-                    async for out in call:
-                        if out.token_ids:
-                            self.received.extend(out.token_ids)
-                            self._add(len(out.token_ids))
+                    async for out in call:  # (one of the gateway's hottest loops: kept lean)
+                        ids = out.token_ids
+                        if ids:
+                            received.extend(ids)
+                            if self.replica is replica:  # (not after cancel() took its load back)
+                                self._charged += len(ids)
+                                replica.load_tokens += len(ids)
                         yield out
                     return
                 except asyncio.CancelledError:
