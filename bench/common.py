@@ -532,6 +532,21 @@ async def scheduler_stats(address: str | None):
         return await engine_pb2_grpc.SchedulerStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=30)
 
 
+async def cluster_stats(endpoints):
+    """The scheduler's statistics; with data-parallel replicas, their counters (and pools) summed."""
+    from strata.v1 import engine_pb2
+
+    addresses = endpoints.schedulers or [endpoints.scheduler]
+    if len(addresses) == 1:
+        return await scheduler_stats(addresses[0])
+    total = engine_pb2.SchedulerStats()
+    for stats in [await scheduler_stats(a) for a in addresses]:
+        for name in (*COUNTERS, "num_kv_blocks", "peak_used_kv_blocks", "used_kv_blocks"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total.gpu_idle_fraction = max(total.gpu_idle_fraction, stats.gpu_idle_fraction)
+    return total
+
+
 def stats_delta(before, after) -> dict:
     """Counters over a phase, plus the pool's size and (cumulative) peak after it."""
     if before is None or after is None:

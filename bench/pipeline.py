@@ -71,21 +71,6 @@ def replica_counts(value: str) -> list[int]:
     return [d for d in (2, 4) if d <= gpus]
 
 
-async def _scheduler_stats(endpoints):
-    """The scheduler's statistics; with replicas, their counters summed (and their pools')."""
-    from strata.v1 import engine_pb2
-
-    addresses = endpoints.schedulers or [endpoints.scheduler]
-    if len(addresses) == 1:
-        return await common.scheduler_stats(addresses[0])
-    total = engine_pb2.SchedulerStats()
-    for stats in [await common.scheduler_stats(a) for a in addresses]:
-        for name in (*common.COUNTERS, "num_kv_blocks", "peak_used_kv_blocks", "used_kv_blocks"):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
-        total.gpu_idle_fraction = max(total.gpu_idle_fraction, stats.gpu_idle_fraction)
-    return total
-
-
 def stage_counts(value: str) -> list[int]:
     """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
     if value != "auto":
@@ -109,11 +94,11 @@ def _worker_delta(before, after) -> list[dict]:
 
 async def _phase(endpoints, workers, run):
     before_w = await worker_stats(workers)
-    before = await _scheduler_stats(endpoints)
+    before = await common.cluster_stats(endpoints)
     start = time.perf_counter()
     records = await run()
     elapsed = time.perf_counter() - start
-    after = await _scheduler_stats(endpoints)
+    after = await common.cluster_stats(endpoints)
     # Stages finish their last steps' timing as their events complete: read them after a moment.
     after_w = await worker_stats(workers)
     done = [r for r in records if not r.error]

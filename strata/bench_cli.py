@@ -313,6 +313,13 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
         help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
         "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="every way's cluster as this many replicas behind one gateway (a GPU each): groups go whole to "
+        "one replica each, spread by load; the statistics are the replicas' summed",
+    )
     add_common_flags(p)
     # All 512 requests run at once (the offline budget, as for the throughput benchmark).
     p.set_defaults(max_num_seqs=OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
