@@ -84,6 +84,7 @@ class ReplicaSet:
         self._model: generate_pb2.ModelInfo | None = None
         self._on_serving = None
         self._serving: bool | None = None
+        self._health_updates: set[asyncio.Task] = set()  # (the loop keeps only weak references)
 
     @classmethod
     def connect(cls, addresses: Sequence[str], token: str | None, **kw) -> ReplicaSet:
@@ -233,7 +234,9 @@ class ReplicaSet:
         serving = any(r.up for r in self.replicas)
         if serving != self._serving and self._on_serving is not None:
             self._serving = serving
-            asyncio.get_running_loop().create_task(self._on_serving(serving))
+            task = asyncio.get_running_loop().create_task(self._on_serving(serving))
+            self._health_updates.add(task)
+            task.add_done_callback(self._health_updates.discard)
 
     async def follow(self, on_serving) -> None:
         """Until cancelled: each replica's health (on_serving(bool) when the gateway's own should
