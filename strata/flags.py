@@ -476,8 +476,9 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
         formatter_class=formatter_class,
         help="start scheduler, workers and gateway on this host as separate processes",
         description="Starts the scheduler, one worker per pipeline stage and the gateway as separate "
-        "processes, waits until all are healthy, prints the gateway address, and stops "
-        "them all on Ctrl-C.",
+        "processes (with --data-parallel-size D, D schedulers, each with its workers, behind the gateway), "
+        "waits until all are healthy, prints the gateway address, starts a worker or scheduler that exits "
+        "again, and stops them all on Ctrl-C.",
     )
     add_flags(
         p,
