@@ -121,3 +121,13 @@ def gpus_shared_without_mps(stages: list[engine_pb2.WorkerDescription]) -> list[
         if d.device.startswith("cuda") and loc.device_uuid:
             by_gpu.setdefault((loc.hostname, loc.boot_id, loc.device_uuid), []).append(i)
     return [idx for idx in by_gpu.values() if len(idx) > 1 and not all(stages[i].location.mps for i in idx)]
+
+
+# ------------------------------------------------------------------ placement
+
+
+def gpu_for(replica: int, stage: int, rank: int = 0, num_stages: int = 1, tensor_parallel_size: int = 1) -> int:
+    """The GPU (index among the visible ones) of rank `rank` of stage `stage` of data-parallel
+    replica `replica`: replicas one after another, each its stages in order, each stage's ranks
+    side by side (NVLink neighbours where not every pair of GPUs is linked)."""
+    return (replica * num_stages + stage) * tensor_parallel_size + rank

@@ -302,7 +302,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "pipeline_stages", "num_kv_blocks", "block_size", "dtype")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "pipeline_stages", "num_kv_blocks", "block_size", "dtype", "data_parallel_size", "replicas")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,8 @@ class ModelInfo(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -321,4 +323,30 @@ class ModelInfo(_message.Message):
     num_kv_blocks: int
     block_size: int
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pipeline_stages: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    data_parallel_size: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pipeline_stages: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., data_parallel_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("index", "address", "up", "pipeline_stages", "num_kv_blocks", "running", "waiting", "load_tokens", "routed", "resumed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    up: bool
+    pipeline_stages: int
+    num_kv_blocks: int
+    running: int
+    waiting: int
+    load_tokens: int
+    routed: int
+    resumed: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., pipeline_stages: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., load_tokens: _Optional[int] = ..., routed: _Optional[int] = ..., resumed: _Optional[int] = ...) -> None: ...
