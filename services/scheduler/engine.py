@@ -315,7 +315,7 @@ class Engine:
             plan.sent_at = time.monotonic()
             plan.after_idle = msg.after_idle = self._busy_since is None  # (the engine had nothing to run)
             self.in_flight.append(plan)
-            self._deadlines.append(self._step_deadline(sum(s.num_scheduled for s in plan.seqs)))
+            self._deadlines.append(self._step_deadline(plan.num_tokens))
             self._mark_busy()
             await self.pipeline.send(msg)
 
