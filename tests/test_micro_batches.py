@@ -346,3 +346,26 @@ def test_prefill_chunks_ride_any_plan_and_the_final_one_its_homes():
     assert sum(n for _, n, _ in rides) == 1500 and len({mb for mb, _, _ in rides}) == 3
     assert [sample for _, _, sample in rides] == [False] * (len(rides) - 1) + [True]
     assert max(n for _, n, _ in rides) <= 512 and long.micro_batch not in (PREFILLING, MIGRATING)
+
+
+# ---------------------------------------------------------------------------- the workers' cache
+
+
+def test_the_cache_of_p_stages_holds_every_micro_batchs_sequences():
+    """A CPU worker caps its blocks at what the sequences that may run at once can use: one
+    micro-batch's with one stage, P + 1 micro-batches' with P stages (each stage holds 1/P of
+    the layers, so the same memory holds P times the blocks)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from strata.services.worker.main import num_kv_blocks_for
+
+    config = SimpleNamespace(num_key_value_heads=2, head_dim=8)
+    blocks = {}
+    for stages in (1, 2, 3):
+        args = SimpleNamespace(
+            num_kv_blocks=0, block_size=16, max_num_seqs=8, num_stages=stages, kv_cache_memory_gb=1.0
+        )
+        blocks[stages] = num_kv_blocks_for(args, config, 2, 160, torch.device("cpu"), torch.float32)
+    assert blocks == {1: 8 * 10, 2: 3 * 8 * 10, 3: 4 * 8 * 10}

@@ -262,7 +262,10 @@ def _drive(sched: Scheduler, requests: list[Request], max_in_flight: int, seed: 
             break
         plan = sched.schedule() if len(in_flight) < max_in_flight else None
         if plan is not None:
-            decoding = {s.request.micro_batch for s in plan.seqs if s.num_computed >= s.request.num_prompt_tokens}
+            # (a preempted request recomputing its output samples nothing: it has no micro-batch yet)
+            decoding = {
+                s.request.micro_batch for s in plan.seqs if s.sample and s.num_computed >= s.request.num_prompt_tokens
+            }
             assert len(decoding) <= 1, "a plan's decodes come from one micro-batch"
             micro_batches_used |= decoding
             in_flight.append((plan, pipe.execute(plan)))

@@ -38,8 +38,9 @@ class SchedulerConfig:
     # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
     max_plans_in_flight: int = DEFAULTS["max_plans_in_flight"]
     # Pipelined decode over P > 1 stages: the last stage hands its tokens to stage 0, and requests
-    # run in micro-batches (0: P + 1), each a chain of plans whose decodes are lookaheads of the
-    # previous plan's; a micro-batch opens past micro_batch_min_seqs sequences in the others.
+    # run in micro-batches (at most pipeline_micro_batches, 0: P + 1; how many follows the load,
+    # services/scheduler/micro_batches.py), each a chain of plans whose decodes are lookaheads of
+    # the previous plan's.
     pipelined_decode: bool = not DEFAULTS["no_pipelined_decode"]
     pipeline_micro_batches: int = DEFAULTS["pipeline_micro_batches"]
     micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"]
