@@ -55,6 +55,7 @@ class Admission:
         bm.acquire(req, shared, cached=found is None)
         self.sharing.admitted(req)
         req.sharing.num_shared_blocks = num_computed // self.block_size  # full blocks it did not compute
+        self._running_shared += req.sharing.num_shared_blocks > 0
         req.num_computed_tokens = num_computed
         if req.num_preemptions == 0:  # first admission
             req.num_cached_prompt_tokens = num_computed

@@ -296,3 +296,4 @@ class MicroBatches:
         self._migrating = []
         self.micro_batch_plans = [0] * self.num_micro_batches
         self._round_tokens = []
+        self._recent_prefill.clear()

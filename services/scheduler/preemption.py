@@ -74,6 +74,7 @@ class Preemption:
         if self.spec is not None:
             self.spec.reset()
         self.running = []
+        self._running_shared = 0
         self._reset_micro_batches()
         self._num_in_flight = 0
         self._pending_releases = []

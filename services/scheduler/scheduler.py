@@ -101,6 +101,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         self._requests: dict[str, Request] = {}  # unfinished, by request_id
         self._pending_releases: list[int] = []
         self._num_in_flight = 0
+        self._running_shared = 0  # running requests that hold blocks they did not compute (cascade runs)
+        self._drafts_in_plan = 0
         self._next_seq_id = 1
         self._next_step_id = 1
         self._next_arrival = 0
@@ -190,6 +192,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         new_requests: list[Request] = []
         preempted = False
         bm = self.block_manager
+        self._drafts_in_plan = 0  # entries with drafts (_schedule_seq counts them)
 
         # 1. Running requests first: decodes and unfinished prefill chunks, in arrival order.
         running = self.running  # preemption shrinks it in place: its length is read every time
@@ -302,14 +305,17 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
                 self._place(req, micro_batch, seqs[-1].sample)
             budget -= admitted
         self.waiting.extendleft(reversed(held))
-        if micro_batches:
-            self._took_prefill(quota - budget if quota else 0)
 
         if not seqs:
             return None
+        if micro_batches:
+            self._took_prefill(quota - budget if quota else 0)
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
         plan.num_tokens = self.max_num_batched_tokens - budget - unspent
-        plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
+        # (The scans below over every entry run only where some entry can match.)
+        plan.verifies = bool(self._drafts_in_plan) and any(
+            s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs
+        )
         if spec is not None:
             if rounds > 1:
                 plan.verify_rounds = max(s.rounds for s in seqs)
@@ -321,7 +327,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
             plan.send_prefixes = spec.on_device and bool(new_requests)
             if all(s.sample and len(s.input_token_ids) == s.num_draft + 1 for s in seqs) and not new_requests:
                 plan.max_query = 1 + max(s.num_draft for s in seqs)
-        if self.cascade_attention and any(s.request.sharing.num_shared_blocks for s in seqs):
+        if self.cascade_attention and self._running_shared and any(s.request.sharing.num_shared_blocks for s in seqs):
             find_shared_kv_runs(plan, self.block_size)  # (reorders plan.seqs)
         if spec is not None and any(s.shifted for s in plan.seqs):
             plan.rejected_drafts = [s.request.spec.rejected for s in plan.seqs]
@@ -369,6 +375,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         index = bisect.bisect_left(self.running, req.arrival, key=arrival_of)
         assert self.running[index] is req
         del self.running[index]
+        if req.sharing.num_shared_blocks:
+            self._running_shared -= 1
         if self.num_micro_batches > 1:
             self._leave_micro_batch(req)
 
