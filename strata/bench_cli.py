@@ -163,7 +163,7 @@ def _pipeline_parser(sub, formatter_class) -> None:
     p.add_argument(
         "--num-prompts",
         type=_batches,
-        default=[1000],
+        default="1000",
         help="requests of the offline workload, comma-separated: an offline phase each, in every run",
     )
     p.add_argument(
@@ -176,14 +176,22 @@ def _pipeline_parser(sub, formatter_class) -> None:
     p.add_argument(
         "--mixed-lengths",
         type=_length_range,
-        default=(100, 1024),
+        default="100,1024",
         metavar="SHORTEST,LONGEST",
         help="with --shape mixed: the range of prompt and output lengths in tokens",
     )
     p.add_argument(
-        "--input-len", type=int, default=512, help="prompt tokens (random ids); the warm-up's with --shape mixed"
+        "--input-len",
+        type=int,
+        default=512,
+        help="prompt tokens (random ids) of --shape fixed and of the latency streams",
     )
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="generated tokens (ignore_eos) of --shape fixed and of the latency streams",
+    )
     p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
     p.add_argument(
         "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 16 per stream)"

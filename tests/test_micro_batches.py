@@ -47,14 +47,16 @@ def _reference(req: Request, max_model_len: int) -> list[int]:
     return out
 
 
-def _request(i: int, prompt_len: int, max_tokens: int, eos: bool = False) -> Request:
-    rng = random.Random(i)
+def _request(i: int, prompt_len: int, max_tokens: int, eos: bool = False, parent: int | None = None) -> Request:
+    """Request r{i}; with `parent`, an n > 1 sibling: the prompt of r{parent}, its own seed."""
+    rng = random.Random(i if parent is None else parent)
     return Request(
         f"r{i}",
         [rng.randrange(VOCAB) for _ in range(prompt_len)],
         engine_pb2.SamplingOptions(seed=i),
         max_tokens=max_tokens,
         eos_token_ids=frozenset({7}) if eos else frozenset(),
+        parent_id="" if parent is None else f"g{parent}",
     )
 
 
@@ -220,12 +222,18 @@ def test_the_count_grows_at_once_and_shrinks_only_after_it_held(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("num_blocks", [4000, 120])
 def test_every_request_gets_its_tokens_through_growth_drain_and_shrink(seed, num_blocks):
-    """Mixed prompts (chunked past the budget) and outputs, stops, arrivals over time, aborts
-    while in flight; 120 blocks of 4 tokens also preempt. The count rises to P + 1, falls to P
-    and to one as the load drains."""
+    """Mixed prompts (chunked past the budget) and outputs, stops, n > 1 siblings sharing their
+    prompt's blocks, arrivals over time, aborts while in flight; 120 blocks of 4 tokens also
+    preempt. The count rises to P + 1, falls to P and to one as the load drains."""
     rng = random.Random(seed)
     sched = _scheduler(num_blocks=num_blocks, max_model_len=256)
-    requests = [_request(1000 * seed + i, rng.randint(1, 150), rng.randint(1, 60), eos=i % 3 == 0) for i in range(90)]
+    requests = []
+    for i in range(90):
+        first = 1000 * seed + 10 * i
+        prompt_len, siblings = rng.randint(1, 150), 3 if i % 10 == 0 else 1
+        for j in range(siblings):
+            parent = first if siblings > 1 else None
+            requests.append(_request(first + j, prompt_len, rng.randint(1, 60), eos=i % 3 == 0, parent=parent))
     driver = PipelineDriver(sched, stages=2, seed=seed)
     aborted = set()
 
