@@ -21,8 +21,12 @@ round for few tokens; one that holds more sequences than the others paces the ro
 - The prefill pool (`prefilling`): a request whose prompt (or recompute) is unfinished belongs
   to no micro-batch yet. Its chunks that sample nothing ride any plan, since every stage runs
   plans in step order (the KV is written before the next chunk reads it), under a quota per
-  plan: the pending prefill spread over the round's m plans. Its final chunk, which samples,
-  rides a plan of a micro-batch with a free seat, which becomes its home.
+  plan: a round's share, (pending prefill + what the previous m - 1 plans took) / m, so that a
+  prompt rides the round's m plans in equal parts. Its final chunk, which samples, rides a plan
+  of a micro-batch with a free seat, which becomes its home.
+- Turns: the micro-batches' plans take turns; one whose turn it is but whose plans in flight are
+  at the limit is waited for (two plans of one micro-batch side by side would make the second
+  wait on every stage for the first one's tokens).
 - Rebalancing: a micro-batch past its share (plus slack), or one no longer active, gives up its
   latest arrivals; once their plans in flight are back (about a round), each joins the
   micro-batch that holds fewest. No recompute: micro-batches exist only in the scheduler.
