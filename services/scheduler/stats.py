@@ -20,6 +20,7 @@ class Counters:
     micro_batch_migrations: int = 0
     micro_batch_rounds: int = 0
     micro_batch_token_spread: float = 0.0
+    prompt_logprob_positions: int = 0  # prompt logprob rows received
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         stats.lookahead_decodes = self.lookahead_decodes
@@ -31,3 +32,4 @@ class Counters:
         stats.micro_batch_migrations = self.micro_batch_migrations
         stats.micro_batch_rounds = self.micro_batch_rounds
         stats.micro_batch_token_spread = self.micro_batch_token_spread
+        stats.prompt_logprob_positions = self.prompt_logprob_positions
