@@ -367,11 +367,17 @@ def test_mixed_step_times_each_shape_against_its_floor():
 
 
 def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path):
+    """Two offline phases of the mixed shape in each run (6 and 3 requests of 4-12 tokens in and
+    out), then the streams."""
     r = bench(
         tmp_path,
         "pipeline",
         "--num-prompts",
-        "6",
+        "6,3",
+        "--shape",
+        "mixed",
+        "--mixed-lengths",
+        "4,12",
         "--input-len",
         str(INPUT_LEN),
         "--output-len",
@@ -396,22 +402,59 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert [(x["stages"], x["transport"], x["micro_batches"]) for x in runs] == [(1, "-", 0), (2, "ipc", 2)]
     # CPU stages take no GPU clock stamps: the multi-stage run says so, the one-stage run has none
     assert "gpu_clock" not in runs[0] and all("no stamps" in v for v in runs[1]["gpu_clock"].values())
+    assert len(runs[1]["gpu_clock"]) == 3  # two offline phases and the streams
     for x in runs:
-        off, lat = x["offline"], x["latency"]
-        assert off["failed"] == lat["failed"] == 0
-        assert off["output_tokens"] == 6 * OUTPUT_LEN and lat["output_tokens"] == 2 * OUTPUT_LEN
-        assert len(off["stages"]) == x["stages"]
-        for stage in off["stages"] + lat["stages"]:
+        lat = x["latency"]
+        assert [o["workload"] for o in x["offline"]] == ["6 x 4-12/4-12", "3 x 4-12/4-12"]
+        for off, num in zip(x["offline"], (6, 3)):
+            assert off["failed"] == 0 and off["requests"] == num and 4 * num <= off["output_tokens"] <= 12 * num
+            assert len(off["stages"]) == x["stages"]
+        assert lat["failed"] == 0 and lat["output_tokens"] == 2 * OUTPUT_LEN
+        for stage in [s for o in x["offline"] for s in o["stages"]] + lat["stages"]:
             assert stage["steps"] > 0 and stage["timed_steps"] > 0 and stage["busy_seconds"] > 0
         assert lat["tpot_ms"]["p50"] > 0
-    two = runs[1]["offline"]
+    # The same requests, whatever the stages: the same output lengths.
+    assert [o["output_tokens"] for o in runs[0]["offline"]] == [o["output_tokens"] for o in runs[1]["offline"]]
+    two = runs[1]["offline"][0]
     first, last = two["stages"]
     assert first["activation_steps_sent"] == first["steps"] and first["activation_bytes_sent"] > 0
     assert last["token_steps_sent"] > 0 and last["token_bytes_sent"] == 8 * two["output_tokens"]
     assert two["scheduler"]["lookahead_decodes"] > 0
+    assert two["scheduler"]["micro_batches_after"] == 1  # 6 requests: one micro-batch (fewer than 2 x 32)
     ratios = runs[1]["ratios"]
-    assert ratios["offline_tok_s"] > 0 and ratios["tpot_p50"] > 0 and ratios["token_hop_us"] > 0
-    assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
+    assert [x["workload"] for x in ratios] == ["6 x 4-12/4-12", "3 x 4-12/4-12"]
+    assert all(x["offline_tok_s"] > 0 and x["tpot_p50"] > 0 and x["token_hop_us"] > 0 for x in ratios)
+    assert len(r["markdown_rows"]) == 2 and "| 2 | ipc, 2 micro-batches | 6 x 4-12/4-12 |" in r["markdown_row"]
+
+
+def test_the_pipeline_benchs_offline_workloads():
+    """--shape fixed: every prompt --input-len tokens and every output --output-len; mixed: both
+    uniform in the range, each request's own max_tokens (ignore_eos), the same for every run."""
+    import argparse
+
+    from strata.bench import pipeline
+
+    args = argparse.Namespace(
+        num_prompts=[5, 300],
+        shape="fixed",
+        input_len=7,
+        output_len=3,
+        mixed_lengths=(100, 1024),
+        temperature=0.0,
+        seed=1,
+    )
+    fixed = pipeline.offline_workloads(args, vocab_size=500)
+    assert [name for name, _, _ in fixed] == ["5 x 7/3", "300 x 7/3"]
+    assert all(len(p) == 7 for _, prompts, _ in fixed for p in prompts)
+    assert all(x.max_tokens == 3 and x.ignore_eos for _, _, params in fixed for x in params)
+    args.shape = "mixed"
+    mixed = pipeline.offline_workloads(args, vocab_size=500)
+    _, prompts, params = mixed[1]
+    lengths, outputs = [len(p) for p in prompts], [x.max_tokens for x in params]
+    assert min(lengths) >= 100 and max(lengths) <= 1024 and min(outputs) >= 100 and max(outputs) <= 1024
+    assert max(lengths) - min(lengths) > 700 and len(set(outputs)) > 100  # spread over the range
+    assert all(x.ignore_eos and x.min_tokens == x.max_tokens for x in params)
+    assert [p for _, p, _ in pipeline.offline_workloads(args, vocab_size=500)] == [p for _, p, _ in mixed]
 
 
 # Behind the slow marker (STRATA_SLOW_TESTS=1): the replicas' cluster is tests/test_data_parallel.py's,
@@ -481,3 +524,33 @@ def test_stage_hop_plays_ping_pong_through_two_real_links(tmp_path, transport):
     assert figures["intact"] is True
     assert figures["live_hop_us"] > 0 and figures["send_host_us"] > 0
     assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure
+
+
+def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
+    """The policy model (bench/pipeline_schedule.py): every request finishes and every block comes
+    back; on two simulated GPUs the mixed shape runs faster than on one, every stage busy."""
+    import argparse
+
+    from strata.bench import pipeline_schedule
+
+    args = argparse.Namespace(
+        shape="8b",
+        min_len=20,
+        max_len=120,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        micro_batch_min_seqs=8,
+        micro_batches=0,
+        bandwidth=4.0e12,
+        flops=6.0e14,
+        host_ms=0.3,
+        host_us_per_seq=2.0,
+        hop_us=100.0,
+        result_us=100.0,
+        scheduler_us_per_seq=0.0,
+        seed=0,
+    )
+    one, two = (pipeline_schedule.simulate(args, stages, 96) for stages in (1, 2))
+    assert two["tok_s"] > 1.2 * one["tok_s"]
+    assert all(0.3 < b <= 1.0 for b in two["busy"]) and two["spread"] is not None
+    assert one["spread"] is None and one["migrations"] == 0 and two["plans"] > one["plans"]

@@ -74,8 +74,10 @@ def num_kv_blocks_for(
     per_block = kv_cache_bytes_per_block(
         num_layers, args.block_size, config.num_key_value_heads, config.head_dim, dtype
     )
-    # More blocks than max_num_seqs full-length sequences can use only hold cached prefixes.
-    useful = args.max_num_seqs * -(-max_model_len // args.block_size)
+    # More blocks than the sequences that may run at once can use only hold cached prefixes: with
+    # P stages, up to P + 1 micro-batches of max_num_seqs each (the scheduler's most by default).
+    running = args.max_num_seqs * (args.num_stages + 1 if args.num_stages > 1 else 1)
+    useful = running * -(-max_model_len // args.block_size)
     if device.type != "cuda":
         return max(1, min(useful, int(args.kv_cache_memory_gb * GiB) // per_block))
     free, total = torch.cuda.mem_get_info(device)
