@@ -484,12 +484,13 @@ def test_pipeline_bench_runs_the_dp_way_beside_one_stage(tmp_path):
     runs = r["runs"]
     assert [(x["stages"], x["replicas"]) for x in runs] == [(1, 1), (1, 2)]
     dp = runs[1]
-    for phase in (dp["offline"], dp["latency"]):
+    (offline,) = dp["offline"]  # one offline workload (one --num-prompts count)
+    for phase in (offline, dp["latency"]):
         assert phase["failed"] == 0 and len(phase["stages"]) == 2  # one stage in each replica
         assert all(stage["steps"] > 0 for stage in phase["stages"])  # both replicas served
-    assert dp["offline"]["output_tokens"] == 6 * OUTPUT_LEN
-    assert dp["offline"]["scheduler"]["finished_requests"] >= 6  # summed over both schedulers
-    assert dp["ratios"]["offline_tok_s"] > 0
+    assert offline["output_tokens"] == 6 * OUTPUT_LEN
+    assert offline["scheduler"]["finished_requests"] >= 6  # summed over both schedulers
+    assert dp["ratios"][0]["offline_tok_s"] > 0
     assert "| 1 x 2 replicas | - |" in r["markdown_row"]
 
 
