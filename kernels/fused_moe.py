@@ -29,7 +29,7 @@ into a bf16 output one expert at a time.
 Expert parallelism: `expert_map` [E_global] int32 maps global ids to this rank's experts (-1 for
 experts held elsewhere: their pairs are dropped at alignment and add nothing). Tensor parallelism
 only shrinks I. Tile sizes come from a small table by tokens per expert (choose_moe_config), never
-autotuned, so warm-up can compile every variant serving will use (compile_variants lists them).
+autotuned, so warm-up can compile every variant serving will use (warm_up_token_counts, launch_variants).
 """
 
 from __future__ import annotations
@@ -56,15 +56,18 @@ __all__ = [
     "fused_moe",
     "fused_moe_reference",
     "launch_variants",
+    "warm_up_token_counts",
     "select_experts",
     "select_experts_reference",
 ]
 
-# Pairs an align program sorts at once: a decode step of up to 256 tokens at k = 8 in one launch.
-# The interpreter sorts slowly: there a smaller chunk, which also brings the several-chunk path
+# Pairs an align program sorts at once, smallest first: one program takes all the pairs when they
+# fit one of these (a decode step of up to 256 tokens at k = 8), sorting only as many keys as the
+# smallest that fits, since a sort's time grows with its width; more pairs go in chunks of the
+# largest. The interpreter sorts slowly: there only 64, which also brings the several-chunk path
 # within reach of small tests.
-ALIGN_CHUNK = 2048
-_INTERPRETED_ALIGN_CHUNK = 64
+ALIGN_CHUNKS = (64, 256, 2048)
+_INTERPRETED_ALIGN_CHUNKS = (64,)
 # Elements of the align kernels' [rows, E] tiles (block experts, chunk offsets).
 _ALIGN_TILE = 4096
 _ALIGN_WARPS = 8
@@ -405,6 +408,14 @@ def max_padded_blocks(num_pairs: int, num_local_experts: int, block_m: int) -> i
     return triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1), block_m)
 
 
+def align_chunk(num_pairs: int) -> tuple[int, bool]:
+    """(pairs per align program, whether one program takes all num_pairs)."""
+    interpreted = isinstance(_align_one_chunk_kernel, InterpretedFunction)
+    sizes = _INTERPRETED_ALIGN_CHUNKS if interpreted else ALIGN_CHUNKS
+    fits = [size for size in sizes if num_pairs <= size]
+    return (fits[0], True) if fits else (sizes[-1], False)
+
+
 def align_pairs_by_expert(
     topk_ids: torch.Tensor,
     num_local_experts: int,
@@ -415,7 +426,7 @@ def align_pairs_by_expert(
 ) -> MoEAlignment:
     """Group the (token, slot) pairs of topk_ids [T, k] by local expert (vLLM's
     moe_align_block_size), on the device, into buffers whose sizes depend on T, k, E only.
-    chunk: pairs per align program, a power of two (default ALIGN_CHUNK)."""
+    chunk: pairs per align program, a power of two (default: align_chunk's)."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), (topk_ids.dtype, topk_ids.stride())
     if expert_map is not None:
         assert expert_map.dtype == torch.int32 and expert_map.is_contiguous()
@@ -425,11 +436,11 @@ def align_pairs_by_expert(
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     padded_total = torch.empty(1, dtype=torch.int32, device=device)
+    chunk, one_program = (chunk, num_pairs <= chunk) if chunk else align_chunk(num_pairs)
     launches = _align_launches(num_local_experts, block_m, expert_map is not None, chunk)
     map_arg = expert_map if expert_map is not None else topk_ids  # never read without HAS_MAP
-    chunk = launches["one_chunk"].constexprs["CHUNK"]
     layout = (sorted_pairs, block_experts, padded_total)
-    if num_pairs <= chunk:
+    if one_program:
         launches["one_chunk"]((1,), topk_ids, map_arg, *layout, num_pairs, max_blocks)
     else:
         num_chunks = triton.cdiv(num_pairs, chunk)
@@ -443,25 +454,26 @@ def align_pairs_by_expert(
 
 
 @cache
-def _align_launches(num_local_experts: int, block_m: int, has_map: bool, chunk: int | None = None) -> dict:
+def _align_launches(num_local_experts: int, block_m: int, has_map: bool, chunk: int) -> dict:
     experts_pad = triton.next_power_of_2(num_local_experts)
-    interpreted = isinstance(_align_one_chunk_kernel, InterpretedFunction)
-    chunk = chunk or (_INTERPRETED_ALIGN_CHUNK if interpreted else ALIGN_CHUNK)
     pairs = dict(HAS_MAP=has_map, CHUNK=chunk, EXPERTS_PAD=experts_pad)
     layout = dict(EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS_PER_STEP=max(16, _ALIGN_TILE // experts_pad))
     shape = f"E={num_local_experts}{' mapped' if has_map else ''}"
     return dict(
         one_chunk=KernelLaunch(
-            f"moe_align one chunk {shape} BM={block_m}", _align_one_chunk_kernel, {**pairs, **layout}, _ALIGN_WARPS
+            f"moe_align one chunk {shape} BM={block_m} chunk={chunk}",
+            _align_one_chunk_kernel,
+            {**pairs, **layout},
+            _ALIGN_WARPS,
         ),
-        count=KernelLaunch(f"moe_align count {shape}", _align_count_kernel, pairs, _ALIGN_WARPS),
+        count=KernelLaunch(f"moe_align count {shape} chunk={chunk}", _align_count_kernel, pairs, _ALIGN_WARPS),
         offsets=KernelLaunch(
             f"moe_align offsets E={num_local_experts} BM={block_m}",
             _align_offsets_kernel,
             {**layout, "CHUNKS_PER_STEP": max(1, _ALIGN_TILE // experts_pad)},
             _ALIGN_WARPS,
         ),
-        scatter=KernelLaunch(f"moe_align scatter {shape}", _align_scatter_kernel, pairs, _ALIGN_WARPS),
+        scatter=KernelLaunch(f"moe_align scatter {shape} chunk={chunk}", _align_scatter_kernel, pairs, _ALIGN_WARPS),
     )
 
 
@@ -500,11 +512,6 @@ def choose_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoELaunc
     the model's, so every expert-parallel rank picks the same tiles)."""
     per_expert = num_tokens * top_k / num_experts
     return next(config for limit, config in _CONFIG_TABLE if per_expert <= limit)
-
-
-def serving_configs() -> list[MoELaunchConfig]:
-    """Every config the table can choose (for warm-up and compile_check)."""
-    return [config for _, config in _CONFIG_TABLE]
 
 
 @triton.jit
@@ -793,7 +800,23 @@ def _sum_launch(hidden_size: int, top_k: int, has_map: bool) -> KernelLaunch:
     constexprs = dict(
         HIDDEN=hidden_size, TOP_K=top_k, BLOCK_H=min(1024, triton.next_power_of_2(hidden_size)), HAS_MAP=has_map
     )
-    return KernelLaunch(f"moe_sum_topk H={hidden_size} k={top_k}", _sum_topk_kernel, constexprs, num_warps=4)
+    name = f"moe_sum_topk H={hidden_size} k={top_k}{' mapped' if has_map else ''}"
+    return KernelLaunch(name, _sum_topk_kernel, constexprs, num_warps=4)
+
+
+def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
+    """The fewest token counts whose fused_moe calls launch every variant serving can launch
+    (each block_m of the table, each way of aligning): a warm-up that runs select_experts and
+    fused_moe at each compiles them all before traffic."""
+    counts = list(range(1, max(ALIGN_CHUNKS) // top_k + 2)) + [1 << p for p in range(18)]
+    first_of = {}
+    for tokens in sorted(set(counts)):
+        first_of.setdefault(_variant_key(tokens, num_experts, top_k), tokens)
+    return sorted(first_of.values())
+
+
+def _variant_key(tokens: int, num_experts: int, top_k: int) -> tuple:
+    return (choose_moe_config(tokens, top_k, num_experts), *align_chunk(tokens * top_k))
 
 
 def launch_variants(
@@ -806,18 +829,15 @@ def launch_variants(
     weight_dtype: torch.dtype | None = None,
     ieee_dot: bool = False,
 ) -> list[KernelLaunch]:
-    """Every kernel variant a model of this shape launches while serving (each table row, the
-    one- and several-chunk alignments, routing with the model's options): for compile_check."""
-    variants = {}
-    routing = _routing_launch(num_experts, top_k, renormalize, weight_dtype)
-    for launch in [routing, _sum_launch(hidden_size, top_k, False)]:
-        variants[launch.name] = launch
-    for config in serving_configs():
-        for launch in _align_launches(num_experts, config.block_m, False).values():
-            variants[launch.name] = launch
-        for launch in _gemm_launches(hidden_size, intermediate, top_k, config, ieee_dot):
-            variants[launch.name] = launch
-    return list(variants.values())
+    """Every kernel variant a model of this shape launches while serving (those of each of
+    warm_up_token_counts, routing with the model's options): for compile_check."""
+    variants = [_routing_launch(num_experts, top_k, renormalize, weight_dtype), _sum_launch(hidden_size, top_k, False)]
+    for tokens in warm_up_token_counts(num_experts, top_k):
+        config, chunk, one_program = _variant_key(tokens, num_experts, top_k)
+        aligns = _align_launches(num_experts, config.block_m, False, chunk)
+        variants += [aligns["one_chunk"]] if one_program else [aligns[key] for key in ("count", "offsets", "scatter")]
+        variants += _gemm_launches(hidden_size, intermediate, top_k, config, ieee_dot)
+    return list({launch.name: launch for launch in variants}.values())
 
 
 def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, expert_map, out) -> None:

@@ -129,6 +129,17 @@ if not can_run_interpreted_here("strata.kernels.fused_moe"):
         names = [v.name for v in launch_variants(hidden_size=2048, intermediate=768, num_experts=128, top_k=8)]
         assert len(names) == len(set(names)) and sum("gemm" in name for name in names) == 8
 
+    @pytest.mark.parametrize("experts,top_k", [(128, 8), (8, 2), (64, 6)])
+    def test_warm_up_token_counts_reach_every_variant(experts, top_k):
+        """Every token count serving may see launches the variants of one of the warm-up counts."""
+        from strata.kernels.fused_moe import _variant_key, warm_up_token_counts
+
+        counts = warm_up_token_counts(experts, top_k)
+        warmed = {_variant_key(tokens, experts, top_k) for tokens in counts}
+        assert len(warmed) == len(counts) and counts[0] == 1
+        for tokens in [*range(1, 3000), 4095, 8192, 16384, 65536]:
+            assert _variant_key(tokens, experts, top_k) in warmed, tokens
+
 else:
     from strata.kernels.fused_moe import (
         GemmTile,

@@ -169,7 +169,7 @@ def test_expert_parallel_ranks_add_up():
 def test_alignment_layout_on_gpu():
     """Several chunks (prefill) and one (decode): every pair exactly once, in its expert's blocks."""
     layer = Layer("qwen3-30b-a3b", seed=3)
-    for tokens in (3, 256, 5000):
+    for tokens in (3, 20, 256, 5000):  # one program sorting 64, 256, 2048 keys; several chunks
         _, logits = layer.inputs(tokens)
         _, ids = layer.route(logits)
         block_m = choose_moe_config(tokens, 8, 128).block_m
