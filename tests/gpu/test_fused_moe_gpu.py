@@ -97,7 +97,7 @@ def test_select_experts_matches_reference(shape, tokens):
     dense = torch.zeros_like(logits, dtype=torch.float32).scatter(1, ids.long(), weights)
     want_dense = torch.zeros_like(dense).scatter(1, want_ids.long(), want_weights)
     same = ((dense > 0) == (want_dense > 0)).all(dim=1)
-    torch.testing.assert_close(dense[same], want_dense[same], rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(dense[same], want_dense[same], rtol=2**-7, atol=1e-6)  # one bf16 step
     assert (chosen.min(dim=1).values[~same] == unchosen.max(dim=1).values[~same]).all()
     torch.testing.assert_close(weights.sum(dim=1), torch.ones(tokens, device=DEVICE), atol=2e-2, rtol=0)
 
