@@ -22,6 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -328,11 +329,10 @@ def default_reports() -> list[CompileReport]:
             )
     reports.append(compile_kv_write(dtype="bf16", head_dim=64, num_kv_heads=8))
     reports.append(compile_kv_write(dtype="fp16", head_dim=128, num_kv_heads=2))
-    import torch  # Qwen3-MoE rounds its routing weights to bf16; Mixtral keeps them float32
-
+    # Qwen3-30B-A3B (its router rounds the weights to bf16), then Mixtral (keeps them float32).
     reports += compile_fused_moe(
         dtype="bf16", hidden_size=2048, intermediate=768, num_experts=128, top_k=8, weight_dtype=torch.bfloat16
-    )  # Qwen3-30B-A3B
+    )
     reports += compile_fused_moe(dtype="bf16", hidden_size=4096, intermediate=14336, num_experts=8, top_k=2)  # Mixtral
     return reports
 
