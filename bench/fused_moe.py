@@ -17,7 +17,7 @@ Times are per call, from CUDA-graph replays timed with CUDA events: each graph c
 two copies of the weights in turn and on several routings, so every call's experts were evicted
 from L2 by the calls between (as in a model, where 47 other layers run in between). "routed"
 adds select_experts (routing from router logits) to the layer: the MoE part of a decode step.
-The naive path is HF transformers' eager expert loop (kernels/moe_reference.py: a gather, two
+The naive path is HF transformers' eager expert loop (kernels/reference.py: a gather, two
 linears and an index_add per expert hit, with host synchronisation), timed eagerly.
 """
 

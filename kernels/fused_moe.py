@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.activation import silu_mul
-from strata.kernels.moe_reference import fused_moe_reference, select_experts_reference
+from strata.kernels.reference import fused_moe_reference, select_experts_reference
 
 __all__ = [
     "GemmTile",

@@ -1,4 +1,4 @@
-"""The fused-MoE kernels (kernels/fused_moe.py) against their torch references (kernels/moe_reference.py).
+"""The fused-MoE kernels (kernels/fused_moe.py) against their torch references (kernels/reference.py).
 
 As in tests/test_kernels.py: triton.jit reads TRITON_INTERPRET when a kernel is defined, so this
 process runs only what needs no interpreter (the references against HF transformers' MoE blocks,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels.moe_reference import fused_moe_reference, select_experts_reference
+from strata.kernels.reference import fused_moe_reference, select_experts_reference
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 

@@ -5,7 +5,7 @@ graph and replayed with new inputs.
 
     python -m pytest tests/gpu/test_fused_moe_gpu.py -q
 
-Oracle: the torch references (kernels/moe_reference.py, HF's eager expert loop) on the same GPU.
+Oracle: the torch references (kernels/reference.py, HF's eager expert loop) on the same GPU.
 In bf16 the kernel and the reference round at the same points; they differ in accumulation
 order (Triton's tiles against cuBLAS) and in the k-sum (float32 here, HF adds into bf16 one
 expert at a time), so the kernel must be about as close as the bf16 reference to the float32
@@ -29,7 +29,7 @@ from strata.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     select_experts,
 )
-from strata.kernels.moe_reference import fused_moe_reference, select_experts_reference  # noqa: E402
+from strata.kernels.reference import fused_moe_reference, select_experts_reference  # noqa: E402
 
 DEVICE = "cuda"
 # name -> (hidden, intermediate, experts, top_k, Qwen3-style bf16 weight rounding)
