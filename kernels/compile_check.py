@@ -229,6 +229,7 @@ def compile_cascade(
         max_prefix_len=2048,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         sm_count=132,
         prefix_splits=prefix_splits,
     )
@@ -291,7 +292,8 @@ def compile_fused_moe(*, dtype: str, **shape) -> list[CompileReport]:
 
 
 def default_reports() -> list[CompileReport]:
-    """Llama-3.2-1B (32/8 heads, D=64), Llama-3-8B-like (32/8, D=128), MHA D=128, GQA 8, Qwen2 GQA 7."""
+    """Llama-3.2-1B (32/8 heads, D=64), Llama-3-8B-like (32/8, D=128), MHA D=128, GQA 8, Qwen2 GQA 7,
+    Gemma 3 12B (16/8, D=256) and 1B (4/1, D=256)."""
     reports = []
     for dtype, head_dim, heads, kv_heads in [
         ("bf16", 64, 32, 8),
@@ -299,6 +301,8 @@ def default_reports() -> list[CompileReport]:
         ("bf16", 128, 16, 16),
         ("bf16", 128, 64, 8),
         ("bf16", 64, 14, 2),
+        ("bf16", 256, 16, 8),
+        ("bf16", 256, 4, 1),
     ]:
         reports += compile_attention(
             dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=1
@@ -309,7 +313,7 @@ def default_reports() -> list[CompileReport]:
             num_q_heads=heads,
             num_kv_heads=kv_heads,
             max_query_len=512,
-            sliding_window=head_dim == 128,
+            sliding_window=head_dim >= 128,
         )
         reports += compile_attention(
             dtype=dtype,
@@ -319,16 +323,23 @@ def default_reports() -> list[CompileReport]:
             max_query_len=512,
             min_query_len=512,
         )  # the 128-row prefill launch
-    reports += compile_attention(
-        dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, max_query_len=1, num_kv_splits=16
-    )
-    for dtype, head_dim, heads, kv_heads in [("bf16", 64, 32, 8), ("bf16", 128, 32, 8), ("bf16", 64, 9, 3)]:
+    for head_dim, heads, kv_heads in [(128, 32, 8), (256, 16, 8)]:
+        reports += compile_attention(
+            dtype="bf16", head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=1, num_kv_splits=16
+        )
+    for dtype, head_dim, heads, kv_heads in [
+        ("bf16", 64, 32, 8),
+        ("bf16", 128, 32, 8),
+        ("bf16", 64, 9, 3),
+        ("bf16", 256, 16, 8),
+    ]:
         for max_query_len in (1, 512):
             reports += compile_cascade(
                 dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=max_query_len
             )
     reports.append(compile_kv_write(dtype="bf16", head_dim=64, num_kv_heads=8))
     reports.append(compile_kv_write(dtype="fp16", head_dim=128, num_kv_heads=2))
+    reports.append(compile_kv_write(dtype="bf16", head_dim=256, num_kv_heads=8))
     # Qwen3-30B-A3B (its router rounds the weights to bf16), then Mixtral (keeps them float32).
     reports += compile_fused_moe(
         dtype="bf16", hidden_size=2048, intermediate=768, num_experts=128, top_k=8, weight_dtype=torch.bfloat16
