@@ -176,19 +176,22 @@ def cascade_attention_reference(
 # in float32 but rounds at the same points is compared against the HF-exact path.
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) with the normalisation in float32 and cast back before scaling (as HF)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """weight * (x / rms(x)) with the normalisation in float32 and cast back before scaling (as HF's
+    Llama). unit_offset: (1 + weight) * (x / rms(x)) all in float32, rounded once (HF's Gemma3RMSNorm)."""
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
+    if unit_offset:
+        return (x32 * torch.rsqrt(variance + eps) * (1.0 + weight.float())).to(x.dtype)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
 def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to the activation dtype."""
     new_residual = x + residual
-    return rms_norm_reference(new_residual, weight, eps), new_residual
+    return rms_norm_reference(new_residual, weight, eps, unit_offset), new_residual
 
 
 def rotary_embedding_reference(
@@ -217,6 +220,12 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] of shape [T, 2I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (HF's gelu_pytorch_tanh, Gemma's MLP) for gate_up = [gate | up] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def embed_tokens_reference(
