@@ -6,7 +6,9 @@ forms of their experts, and the benchmark presets of their real shapes.
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,3 +355,43 @@ def test_moe_layer_rules_and_windows():
     assert config.norm_topk_prob and not config.router_weights_in_model_dtype
     assert config.sliding_window_for_layer(1) == 4096
     assert ModelConfig.from_dict(dict(mixtral, sliding_window=None)).sliding_window is None
+
+
+def test_warm_up_calls_a_layer_of_experts_at_every_variant_count(monkeypatch):
+    """graphs/warm_up.py runs one layer of experts at each token count whose fused-MoE call
+    launches a kernel variant no other does (kernels/fused_moe.py's warm_up_token_counts); a dense
+    shard runs none."""
+    from strata.kernels.fused_moe import warm_up_token_counts
+    from strata.services.worker.graphs.warm_up import warm_up_experts
+    from strata.services.worker.model.moe import SparseMoE
+
+    config = ModelConfig.from_dict(
+        dict(HUB_CONFIGS["qwen3-30b-a3b"], num_hidden_layers=2, hidden_size=64, num_experts=16, num_experts_per_tok=4)
+    )
+    calls = []
+    monkeypatch.setattr(SparseMoE, "forward", lambda self, x: calls.append((self, x.shape)))
+    shard = CausalLMShard(config, 0, 2, device="meta")
+    warm_up_experts(shard, torch.bfloat16, torch.device("meta"))
+    assert [shape for _, shape in calls] == [(t, 64) for t in warm_up_token_counts(16, 4)]
+    assert all(moe is shard.layers[0].mlp for moe, _ in calls)
+    calls.clear()
+    warm_up_experts(
+        CausalLMShard(ModelConfig.from_dict(HUB_CONFIGS["qwen3-8b"] | {"num_hidden_layers": 1}), 0, 1, device="meta"),
+        torch.bfloat16,
+        torch.device("meta"),
+    )
+    assert not calls
+
+
+def test_every_preset_is_listed_where_users_look():
+    """`--model`'s help (strata serve, strata bench) and the README name every dummy preset."""
+    from strata.bench.cluster_flags import add_common_flags
+    from strata.flags import FLAGS
+    from strata.services.worker.model.weights import DUMMY_PRESETS
+
+    parser = argparse.ArgumentParser()
+    add_common_flags(parser)
+    bench_help = next(a.help for a in parser._actions if a.dest == "model")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name in DUMMY_PRESETS:
+        assert name in FLAGS["model"].help and name in bench_help and name in readme, name
