@@ -236,6 +236,31 @@ def test_floor_reads_the_experts_a_step_touches_and_a_sliding_layers_window():
     assert roofline.attended_keys(gemma, 1, 2048) == 8 * 2048 * 2049 // 2 + 40 * (1024 * 1025 // 2 + 1024 * 1024)
 
 
+def test_hf_baseline_builds_every_preset_as_transformers_model():
+    """The HF baseline's config of each dummy preset reads back as the preset (ids aside) and
+    gives transformers' model as many parameters as the workers' (on the meta device)."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from strata.bench.hf_baseline import hf_config
+    from strata.services.worker.model.model_config import ModelConfig
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.weights import DUMMY_PRESETS, dummy_config
+
+    for name in DUMMY_PRESETS:
+        preset = dummy_config(name)
+        config = hf_config(preset)
+        back = ModelConfig.from_dict({**config.to_dict(), "architectures": [preset.architecture]})
+        ids = dict(eos_token_id=preset.eos_token_id, bos_token_id=preset.bos_token_id, torch_dtype=preset.torch_dtype)
+        assert dataclasses.replace(back, **ids) == preset, name
+        with torch.device("meta"):
+            hf = getattr(transformers, preset.architecture)(config)
+        ours = CausalLMShard(preset, 0, preset.num_hidden_layers, device="meta")
+        assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters()), name
+
+
 def test_throughput_mixed_lengths_are_uniform_in_their_ranges():
     from strata.bench import offline
 
