@@ -603,24 +603,35 @@ else:
     @pytest.mark.parametrize("family", list(FAMILIES))
     def test_new_families_through_the_kernels_match_torch_path(family, monkeypatch):
         """Qwen3's q/k norms fused into rotary, Gemma 3's norms, GELU-tanh, local rotary table and
-        logit cap, Qwen3-MoE's routing and fused experts (kernels/fused_moe.py): a prefill then a
-        decode step over a paged cache, fused (forced on CPU) vs the HF-exact torch path."""
-        from strata.kernels import fused_moe
+        logit cap, Qwen3-MoE's routing and fused experts (kernels/fused_moe.py): a prefill, a
+        decode step over a paged cache and a batch-1 one, fused (forced on CPU) vs the HF-exact
+        torch path. The batch-1 decode chain and the one-launch decode attention, forced on too,
+        decline these layers (their GEMVs have no q/k norms, Gemma norms or experts)."""
+        from strata.kernels import decode_attention, decode_linear, fused_moe
 
-        config = tiny_config(**FAMILIES[family])
+        config = tiny_config(**FAMILIES[family], head_dim=32)
         shard = random_shard(config)
         calls = {}
         kernels = layers_module._fused_kernels()
         for name in ("rotary_embedding_", "gelu_tanh_and_mul", "silu_and_mul"):
             monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
         monkeypatch.setattr(fused_moe, "fused_moe", _counting(fused_moe.fused_moe, "fused_moe", calls))
+        declined = []
+        monkeypatch.setattr(
+            decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, declined)
+        )
+        monkeypatch.setattr(
+            decode_attention, "_decode_attention_kernel", Counted(decode_attention._decode_attention_kernel, declined)
+        )
         steps = [
             [SequenceChunk([5, 9, 11, 3, 7, 2, 8], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
             [SequenceChunk([4], 7, [2, 0]), SequenceChunk([8], 3, [1, 3])],
+            [SequenceChunk([6], 8, [2, 0, 3])],
         ]
         results = {}
         for fused in (False, True):
             set_fused_kernels(shard, fused)
+            shard.decode_chain = fused
             caches = allocate_kv_cache(2, 4, 4, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
             outputs = []
             for chunks in steps:
@@ -629,11 +640,11 @@ else:
                 logits = shard.compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
                 outputs += [hidden, residual, logits]
             results[fused] = outputs + [caches[-1]]
-        # Two steps of two layers: rotary (with the q/k norms) in every layer, and the MLPs.
-        assert calls["rotary_embedding_"] == 4
+        # Three steps of two layers: rotary (with the q/k norms) in every layer, and the MLPs.
+        assert calls["rotary_embedding_"] == 6 and not declined
         mlp = "gelu_tanh_and_mul" if family == "gemma3" else "silu_and_mul"
-        assert calls[mlp] == (2 if family == "qwen3_moe" else 4)  # layer 1 only: layer 0 has experts
-        assert calls.get("fused_moe", 0) == (2 if family == "qwen3_moe" else 0)
+        assert calls[mlp] == (3 if family == "qwen3_moe" else 6)  # layer 1 only: layer 0 has experts
+        assert calls.get("fused_moe", 0) == (3 if family == "qwen3_moe" else 0)
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
