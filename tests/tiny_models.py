@@ -158,7 +158,11 @@ def load_hf_model(path: str | Path):
     expert loop, the math our references copy (from_pretrained would pick grouped_mm)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, experts_implementation="eager").eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, experts_implementation="eager")
+    except (TypeError, ValueError):  # a transformers without the option has only the eager loop
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
 
 
 def write_tiny_model(
