@@ -85,18 +85,19 @@ CASES = [
     # One architecture per stage count by default: gemma3-3 has a first, a middle and a last stage
     # with its sliding and global layers and its tied head on both ends; gemma3-1 (with a draft of
     # its first 2 layers) is its one-stage twin for the sampled comparison; qwen3_moe-2 has experts
-    # on both sides of a boundary, with n-gram speculation. The rest behind the slow marker: the
-    # in-process shard tests (tests/test_model_families.py) cover each at every split.
+    # (and Qwen3's q/k norms) on both sides of a boundary, with n-gram speculation.
     ("gemma3", 3, ()),
     ("gemma3", 1, DRAFT),
     ("qwen3_moe", 2, NGRAM),
-    pytest.param("gemma3", 2, (), marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 1, (), marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 3, DRAFT, marks=pytest.mark.slow),
-    pytest.param("qwen3", 1, (), marks=pytest.mark.slow),
+    # Behind the slow marker, each with the default case that covers its path (and every
+    # architecture at every split in process: tests/test_model_families.py):
+    pytest.param("gemma3", 2, (), marks=pytest.mark.slow),  # gemma3-3's boundaries
+    pytest.param("qwen3_moe", 1, (), marks=pytest.mark.slow),  # qwen3_moe-2's layers, gemma3-1's one stage
+    pytest.param("qwen3_moe", 3, DRAFT, marks=pytest.mark.slow),  # qwen3_moe-2, gemma3-1's draft
+    pytest.param("qwen3", 1, (), marks=pytest.mark.slow),  # qwen3_moe-2's attention (Qwen3's), dense MLPs
     pytest.param("qwen3", 2, NGRAM, marks=pytest.mark.slow),
     pytest.param("qwen3", 3, (), marks=pytest.mark.slow),
-    pytest.param("mixtral", 1, DRAFT, marks=pytest.mark.slow),
+    pytest.param("mixtral", 1, DRAFT, marks=pytest.mark.slow),  # qwen3_moe-2's experts (the same kernel path)
     pytest.param("mixtral", 2, (), marks=pytest.mark.slow),
     pytest.param("mixtral", 3, NGRAM, marks=pytest.mark.slow),
 ]
@@ -117,6 +118,7 @@ def test_greedy_matches_hf(clusters, tokenizer, arch, stages, flags):
     "arch,runs",
     [
         ("gemma3", [(3, ()), (1, DRAFT)]),
+        # Behind the slow marker: gemma3's comparison takes the same path (the sampler sees logits).
         pytest.param("qwen3_moe", [(2, NGRAM), (1, ()), (3, DRAFT)], marks=pytest.mark.slow),
         pytest.param("mixtral", [(1, DRAFT), (2, ()), (3, NGRAM)], marks=pytest.mark.slow),
     ],
