@@ -306,12 +306,15 @@ else:
         torch.testing.assert_close(mean_square, torch.ones(5), atol=1e-2, rtol=0)
 
     def test_rms_norm_float32_weight_promotes_like_torch():
-        x = torch.randn(3, 64).to(torch.float16)
-        weight = torch.rand(64) + 0.5
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(3, 64, generator=gen).to(torch.float16)
+        weight = torch.rand(64, generator=gen) + 0.5
         got = rms_norm(x, weight, 1e-6)
         want = rms_norm_reference(x, weight, 1e-6)
         assert got.dtype == want.dtype == torch.float32
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # The normed row is rounded to float16 before the float32 weight: float16's tolerance
+        # (a rare last-bit flip of that rounding; the inputs were unseeded and flipped one in 192).
+        assert_matches(got, want, torch.float16)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     def test_unit_offset_norms_match_reference(dtype):
