@@ -226,7 +226,8 @@ def test_moe_decode_step_replays_from_a_cuda_graph():
         graph.replay()
         replayed = [t.clone() for t in captured]
         for name, g, w in zip(("hidden", "residual", "logits"), replayed, step()):
-            assert torch.equal(g, w), f"{name}: graph replay differs from the eager step"
+            error = ((g.float() - w.float()).norm() / w.float().norm()).item()
+            assert error < 1e-3, f"{name}: graph replay differs from the eager step by {error:.2e}"
 
 
 # --- the worker's runner on them: decode graphs, piecewise graphs, warm-up ------------------------
