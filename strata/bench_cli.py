@@ -62,6 +62,12 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         description=DESCRIPTIONS["throughput"],
     )
     _workload(p, 1000, 512, 128)
+    p.add_argument(
+        "--min-input-len", type=int, default=0, help="prompt lengths uniform in [this, --input-len] (0: all fixed)"
+    )
+    p.add_argument(
+        "--min-output-len", type=int, default=0, help="output lengths uniform in [this, --output-len] (0: all fixed)"
+    )
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: all at once)")
     p.add_argument(
         "--hf-baseline",

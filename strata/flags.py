@@ -61,8 +61,9 @@ FLAGS: dict[str, Flag] = {
     "model": Flag(
         "STRATA_MODEL",
         None,
-        "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:llama-3.2-1b' / "
-        "'dummy:llama-3-8b' for random weights of that shape; unset: the embedded default model",
+        "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:PRESET' for random weights "
+        "of a preset's shape (llama-3.2-1b, llama-3-8b, qwen3-8b, qwen3-30b-a3b, gemma-3-12b); unset: the "
+        "embedded default model",
     ),
     # -------------------------------------------------------------- `strata serve`
     "pipeline_stages": Flag("STRATA_PIPELINE_STAGES", 1, "number of pipeline stages (one worker process each)", int),

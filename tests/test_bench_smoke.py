@@ -215,6 +215,66 @@ def _stats(t_steps, prefill, decode, running, gpu_busy=0.0, gpu_idle=0.0):
     )
 
 
+def test_floor_reads_the_experts_a_step_touches_and_a_sliding_layers_window():
+    """Of qwen3-30b-a3b's 128 experts a layer, a batch-1 step reads its 8, a large batch all of
+    them (then every weight once, as the parameter count says); gemma-3-12b's sliding layers
+    read at most their 1,024-token window of KV, its global layers the whole context."""
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.weights import dummy_config
+
+    moe = dummy_config("qwen3-30b-a3b")
+    expert = 3 * moe.hidden_size * moe.moe_intermediate_size
+    assert roofline.experts_touched(moe, 1) == pytest.approx(8)
+    assert roofline.experts_touched(moe, 256) == pytest.approx(128, rel=1e-6)
+    one, many = (roofline.decode_bytes(moe, 2, batch, 0)["weight_bytes"] for batch in (1, 4096))
+    assert many - one == pytest.approx(2 * (48 * 120 * expert + 4095 * moe.hidden_size), rel=1e-9)
+    params = sum(p.numel() for p in CausalLMShard(moe, 0, 48, device="meta").parameters())
+    assert many == 2 * (params - moe.vocab_size * moe.hidden_size + 4096 * moe.hidden_size)
+    gemma = dummy_config("gemma-3-12b")
+    kv = gemma.num_key_value_heads * gemma.head_dim
+    assert roofline.decode_bytes(gemma, 2, 3, 4096)["kv_bytes"] == 2 * 3 * (8 * 4096 + 40 * 1024) * 2 * kv
+    assert roofline.attended_keys(gemma, 1, 2048) == 8 * 2048 * 2049 // 2 + 40 * (1024 * 1025 // 2 + 1024 * 1024)
+
+
+def test_hf_baseline_builds_every_preset_as_transformers_model():
+    """The HF baseline's config of each dummy preset reads back as the preset (ids aside) and
+    gives transformers' model as many parameters as the workers' (on the meta device)."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from strata.bench.hf_baseline import hf_config
+    from strata.services.worker.model.model_config import ModelConfig
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.weights import DUMMY_PRESETS, dummy_config
+
+    for name in DUMMY_PRESETS:
+        preset = dummy_config(name)
+        config = hf_config(preset)
+        back = ModelConfig.from_dict({**config.to_dict(), "architectures": [preset.architecture]})
+        ids = dict(eos_token_id=preset.eos_token_id, bos_token_id=preset.bos_token_id, torch_dtype=preset.torch_dtype)
+        assert dataclasses.replace(back, **ids) == preset, name
+        with torch.device("meta"):
+            hf = getattr(transformers, preset.architecture)(config)
+        ours = CausalLMShard(preset, 0, preset.num_hidden_layers, device="meta")
+        assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters()), name
+
+
+def test_throughput_mixed_lengths_are_uniform_in_their_ranges():
+    from strata.bench import offline
+
+    argv = ["throughput", "--num-prompts", "500", "--input-len", "1024", "--output-len", "1024"]
+    args = parse_bench(*argv, "--min-input-len", "100", "--min-output-len", "100")
+    prompts, output_lens = offline._workload(args, vocab_size=400)
+    for lengths in ([len(p) for p in prompts], output_lens):
+        assert 100 <= min(lengths) < 150 and 980 < max(lengths) <= 1024
+        assert 450 < sum(lengths) / len(lengths) < 680
+    assert offline._lengths(args) == "100-1024 in / 100-1024 out" and not offline._hf_enabled(args)
+    prompts, output_lens = offline._workload(parse_bench(*argv), vocab_size=400)
+    assert {len(p) for p in prompts} == {1024} and set(output_lens) == {1024}
+
+
 def test_decode_only_timing_skips_intervals_with_prefill():
     samples = [
         (0.0, _stats(0, 100, 0, 8, 0.0, 0.0)),

@@ -90,7 +90,12 @@ def num_kv_blocks_for(
     itemsize = torch.empty((), dtype=dtype).element_size()
     # The piecewise graphs keep a pool of their own for steps up to their largest size.
     tokens = args.max_num_batched_tokens + piecewise_max_tokens(args)
-    activations = tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
+    mlp = 2 * config.intermediate_size
+    if config.num_experts:  # the fused MoE's rows: k (intermediate + weighted output) a token, and the router's
+        mlp = max(
+            mlp, config.num_experts_per_tok * (config.moe_intermediate_size + config.hidden_size) + config.num_experts
+        )
+    activations = tokens * (mlp + 8 * config.hidden_size) * itemsize
     logits = args.max_num_seqs * config.vocab_size * 4 * 4
     available = min(args.gpu_memory_utilization * total - own, free)
     budget = available - activations - logits - GiB // 2
