@@ -19,8 +19,8 @@ import torch
 
 from strata.grpc_util import bearer
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir
-from tests.test_data_parallel import run_all, workload
+from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster, tiny_llama_dir
+from tests.test_data_parallel import MAX_TOKENS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,7 +59,7 @@ def test_replicas_on_their_own_gpus_match_hf_and_survive_a_lost_scheduler(model_
             got = list(pool.map(one, range(16)))
         assert got == hf_greedy(model_dir, prompts, lengths)
 
-        work = workload()
+        work = mixed_requests(MAX_TOKENS)
         threads, plain, errors = run_all(client, work)
         for t in threads:
             t.join()

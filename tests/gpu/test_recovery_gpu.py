@@ -19,8 +19,8 @@ import torch
 
 from strata.grpc_util import check_health
 from strata.v1 import engine_pb2
-from tests.cluster import running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
-from tests.test_recovery import hang_until_noticed, requests, restart, run_all, worker
+from tests.cluster import mixed_requests, run_all, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
+from tests.test_recovery import MAX_TOKENS, hang_until_noticed, restart, worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
 def test_a_lost_stage_never_leaves_the_others_gpu_waiting(model_dir, link, stop, lost):
     if link == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs the stages on distinct GPUs")
-    work = requests()[:8]
+    work = mixed_requests(MAX_TOKENS)[:8]
     with running_cluster(model_dir, 2, *LINKS[link], *FLAGS, "--step-timeout", "30") as (cluster, client):
         threads, plain, errors = run_all(client, work)
         for t in threads:
