@@ -66,6 +66,15 @@ FLAGS: dict[str, Flag] = {
     ),
     # -------------------------------------------------------------- `strata serve`
     "pipeline_stages": Flag("STRATA_PIPELINE_STAGES", 1, "number of pipeline stages (one worker process each)", int),
+    "tensor_parallel_size": Flag(
+        "STRATA_TENSOR_PARALLEL_SIZE",
+        1,
+        "GPUs (worker processes) per pipeline stage: every layer's heads, MLP and vocabulary are split over "
+        "them, with one all-reduce per pair of linears, so a token takes less time; rank 0 of each stage "
+        "speaks to the scheduler and relays its plans to the others. strata serve places rank t of stage i on "
+        "GPU i x size + t (ranks of a stage side by side); the size must divide the model's attention heads",
+        int,
+    ),
     "mps": Flag(
         "STRATA_MPS",
         False,
@@ -127,6 +136,33 @@ FLAGS: dict[str, Flag] = {
         "(diagnostics; it slows steps)",
     ),
     "stage_index": Flag("STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", int),
+    "tensor_parallel_rank": Flag(
+        "STRATA_TENSOR_PARALLEL_RANK",
+        0,
+        "with --tensor-parallel-size: this worker's rank in its stage (0-based); rank 0 is the one the "
+        "scheduler's --workers names, the others reach it through --tensor-parallel-master",
+        int,
+    ),
+    "tensor_parallel_master": Flag(
+        "STRATA_TENSOR_PARALLEL_MASTER",
+        None,
+        "with --tensor-parallel-size > 1: host:port of the store that rank 0 of this stage hosts (rank 0 "
+        "listens there, every rank of the stage names the same), where the ranks find each other and form "
+        "their group",
+    ),
+    "advertise_address": Flag(
+        "STRATA_ADVERTISE_ADDRESS",
+        None,
+        "host:port at which the other ranks of this worker's stage reach its Worker service (unset: this "
+        "host's name and --port)",
+    ),
+    "collective_timeout": Flag(
+        "STRATA_COLLECTIVE_TIMEOUT",
+        60.0,
+        "with tensor parallelism: the longest a stage's ranks wait for each other (forming their group, "
+        "each all-reduce or gather); a rank lost past it fails the step and the stage is rebuilt",
+        float,
+    ),
     "num_stages": Flag("STRATA_NUM_STAGES", 1, "number of pipeline stages", int),
     "seed": Flag("STRATA_SEED", 0, "seed of dummy weights", int),
     "role": Flag(
@@ -346,6 +382,7 @@ WORKER_FLAGS = (
     "profile_output",
     "profile_steps",
     "gpu_clock_dir",
+    "collective_timeout",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (
@@ -451,7 +488,17 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
     )
     add_flags(
         p,
-        ("model", "pipeline_stages", "mps", "host", "port", *WORKER_FLAGS, *ENGINE_FLAGS, *SPECULATIVE_FLAGS),
+        (
+            "model",
+            "pipeline_stages",
+            "tensor_parallel_size",
+            "mps",
+            "host",
+            "port",
+            *WORKER_FLAGS,
+            *ENGINE_FLAGS,
+            *SPECULATIVE_FLAGS,
+        ),
         host={"default": "127.0.0.1", "help": "gateway bind address"},
         port={"help": "gateway port"},
     )
@@ -477,6 +524,10 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
             "stage_index",
             "cluster_token",
             "num_stages",
+            "tensor_parallel_size",
+            "tensor_parallel_rank",
+            "tensor_parallel_master",
+            "advertise_address",
             "seed",
             "role",
             "draft_num_layers",

@@ -13,6 +13,7 @@ import time
 from strata.flags import BATCH_FLAGS, ENGINE_FLAGS, GATEWAY_FLAGS, SPECULATIVE_FLAGS, WORKER_FLAGS, argv_for
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
+from strata.stage_links import NCCL_ENVIRONMENT, gpu_for
 from strata.v1 import generate_pb2
 
 # Set by the launcher in each service it starts: the launcher's pid.
@@ -79,7 +80,9 @@ class Cluster:
         # Every internal RPC carries it: $STRATA_CLUSTER_TOKEN, or a fresh one for this cluster.
         self.cluster_token = os.environ.get("STRATA_CLUSTER_TOKEN") or secrets.token_hex(16)
         self.scheduler_address = ""
-        self.worker_addresses: list[str] = []
+        self.worker_addresses: list[str] = []  # rank 0 of each stage, in stage order
+        # Every rank of each stage (tensor parallelism; one each without it), in rank order.
+        self.rank_addresses: list[list[str]] = []
         self.env: dict[str, str] = {}  # for every service (an MPS daemon's folders)
         self.mps = None  # the cluster's own MpsDaemon (--mps), stopped after the services
 
@@ -87,9 +90,15 @@ class Cluster:
         self.procs.append((name, subprocess.Popen([sys.executable, "-m", module, *argv], env=self.service_env())))
 
     def service_env(self) -> dict[str, str]:
-        """The environment of every service of this cluster: its token, and this process as the
-        launcher it dies with."""
-        return {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
+        """The environment of every service of this cluster: its token, this process as the
+        launcher it dies with, and NVLink multicast off."""
+        return {
+            **NCCL_ENVIRONMENT,  # NVLink multicast off in every process (explicit settings win)
+            **os.environ,
+            **self.env,
+            "STRATA_CLUSTER_TOKEN": self.cluster_token,
+            PARENT_ENV: str(os.getpid()),
+        }
 
     def wait_healthy(self, address: str, name: str, timeout: float, service: str = "") -> None:
         """service: the gRPC service that must be SERVING there (another server on the port would
@@ -120,22 +129,69 @@ class Cluster:
             self.mps = None
 
 
-_WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", "tokenizer", *WORKER_FLAGS)
+_WORKER_ARGV = (
+    "host",
+    "port",
+    "model",
+    "stage_index",
+    "num_stages",
+    "tensor_parallel_size",
+    "tensor_parallel_rank",
+    "tensor_parallel_master",
+    "tokenizer",
+    *WORKER_FLAGS,
+)
 
 
-def worker_argv(args, stage: int, port: int, model: str) -> list[str]:
-    """`strata worker` arguments of one stage of the cluster `strata serve` args describe."""
+def worker_argv(args, stage: int, port: int, model: str, rank: int = 0, master: str | None = None) -> list[str]:
+    """`strata worker` arguments of one stage (of its rank `rank`, whose stage's rank 0 hosts the
+    store at `master`) of the cluster `strata serve` args describe."""
     return [
         "worker",
-        *argv_for(_worker_settings(args, stage, port, model), _WORKER_ARGV),
+        *argv_for(_worker_settings(args, stage, port, model, rank, master), _WORKER_ARGV),
         *speculation_argv(args, None),
     ]
 
 
-def _worker_settings(args, stage: int, port: int, model: str) -> dict:
+def _tensor_parallel_size(args) -> int:
+    return getattr(args, "tensor_parallel_size", 1)
+
+
+def check_tensor_parallel_placement(args) -> None:
+    """Tensor-parallel ranks each need a GPU of their own (NCCL pairs no two ranks on one GPU):
+    a GPU per rank of every stage, or all on CPUs."""
+    size, stages = _tensor_parallel_size(args), args.pipeline_stages
+    if size < 1:
+        raise SystemExit("--tensor-parallel-size must be at least 1")
+    if size == 1:
+        return
+    if args.mps:
+        raise SystemExit("--mps is for stages sharing one GPU; tensor-parallel ranks take a GPU each")
+    if args.speculative_method == "draft" or args.draft_model:
+        raise SystemExit("a draft model's worker serves a one-rank target: --tensor-parallel-size 1")
+    if args.device.startswith("cuda") and ":" in args.device:
+        raise SystemExit(f"--device {args.device} names one GPU; --tensor-parallel-size {size} needs a GPU per rank")
+    if args.device in ("cuda", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus and gpus < size * stages:
+            raise SystemExit(
+                f"--tensor-parallel-size {size} x --pipeline-stages {stages} needs {size * stages} GPUs; {gpus} visible"
+            )
+
+
+def _worker_settings(args, stage: int, port: int, model: str, rank: int = 0, master: str | None = None) -> dict:
     settings = {**vars(args), "host": "127.0.0.1", "port": port, "model": model, "stage_index": stage}
     settings["num_stages"] = args.pipeline_stages
-    if args.pipeline_stages > 1 and args.device.startswith("cuda") and ":" in args.device:
+    size = settings["tensor_parallel_size"] = _tensor_parallel_size(args)
+    settings.update(tensor_parallel_rank=rank, tensor_parallel_master=master)
+    if size > 1 and args.device in ("cuda", "auto"):
+        import torch
+
+        if torch.cuda.device_count():  # a GPU per rank (check_tensor_parallel_placement)
+            settings["device"] = f"cuda:{gpu_for(0, stage, rank, args.pipeline_stages, size)}"
+    elif args.pipeline_stages > 1 and args.device.startswith("cuda") and ":" in args.device:
         # Every stage on the one GPU named: they split its memory share (each sizes its KV cache
         # from the free memory it measures, and the first would take what the others need).
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization / args.pipeline_stages
@@ -150,6 +206,8 @@ def _worker_settings(args, stage: int, port: int, model: str) -> dict:
             settings["gpu_memory_utilization"] = args.gpu_memory_utilization / per_gpu
     if settings.get("profile_output") and args.pipeline_stages > 1:  # one file per stage
         settings["profile_output"] = f"{args.profile_output}.stage{stage}"
+    if settings.get("profile_output") and size > 1:  # and rank
+        settings["profile_output"] = f"{settings['profile_output']}.rank{rank}"
     return settings
 
 
@@ -192,6 +250,7 @@ def speculation_argv(args, draft_address: str | None) -> list[str]:
 def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
     if args.pipeline_stages < 1:
         raise SystemExit("--pipeline-stages must be at least 1")
+    check_tensor_parallel_placement(args)
     model_path, dummy = resolve_model(args.model)
     model = model_path or f"dummy:{dummy}"
     cluster = Cluster()
@@ -203,10 +262,18 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         share = args.gpu_memory_utilization
         if draft:  # the target's stages keep the rest of the share
             args.gpu_memory_utilization = share * (1 - DRAFT_MEMORY_SHARE)
+        size = _tensor_parallel_size(args)
         for stage in range(args.pipeline_stages):
-            port = free_port()
-            worker_addresses.append(f"127.0.0.1:{port}")
-            cluster.start(f"worker {stage}", worker_argv(args, stage, port, model))
+            # Tensor parallelism: the stage's ranks find each other at its rank 0's store.
+            master = f"127.0.0.1:{free_port()}" if size > 1 else None
+            ranks = []
+            for rank in range(size):
+                port = free_port()
+                ranks.append(f"127.0.0.1:{port}")
+                name = f"worker {stage}" + (f" rank {rank}" if size > 1 else "")
+                cluster.start(name, worker_argv(args, stage, port, model, rank, master))
+            worker_addresses.append(ranks[0])
+            cluster.rank_addresses.append(ranks)
         args.gpu_memory_utilization = share
         draft_address = None
         if draft:
@@ -261,8 +328,9 @@ def serve(args) -> int:
     try:
         cluster = start_cluster(args)
         http = f", OpenAI-compatible HTTP on http://{args.host}:{args.http_port}/v1" if args.http_port else ""
+        ranks = f" of {_tensor_parallel_size(args)} ranks each" if _tensor_parallel_size(args) > 1 else ""
         print(
-            f"Strata is serving gRPC on {args.host}:{args.port}{http} ({args.pipeline_stages} stage(s)). "
+            f"Strata is serving gRPC on {args.host}:{args.port}{http} ({args.pipeline_stages} stage(s){ranks}). "
             "Ctrl-C stops it.",
             flush=True,
         )

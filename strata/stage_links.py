@@ -28,6 +28,24 @@ NAMES = {"grpc": GRPC, "ipc": IPC, "distributed": DISTRIBUTED}
 CHOICES = ("auto", *NAMES)
 
 
+# Set in every process Strata starts (strata/launcher.py) and in every worker before
+# torch.distributed or NCCL start: NVLink multicast (NVLS) stays off.
+NCCL_ENVIRONMENT = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    # A collective past its timeout aborts its communicator and fails its work, not the process:
+    # the scheduler rebuilds the pipeline (a new InitCache) around a lost peer.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
+def set_nccl_environment() -> None:
+    """At worker start, before torch.distributed or NCCL read them (explicit settings win)."""
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
 def name_of(kind: int) -> str:
     return {v: k for k, v in NAMES.items()}.get(kind, "none")
 
@@ -121,3 +139,13 @@ def gpus_shared_without_mps(stages: list[engine_pb2.WorkerDescription]) -> list[
         if d.device.startswith("cuda") and loc.device_uuid:
             by_gpu.setdefault((loc.hostname, loc.boot_id, loc.device_uuid), []).append(i)
     return [idx for idx in by_gpu.values() if len(idx) > 1 and not all(stages[i].location.mps for i in idx)]
+
+
+# ------------------------------------------------------------------ placement
+
+
+def gpu_for(replica: int, stage: int, rank: int = 0, num_stages: int = 1, tensor_parallel_size: int = 1) -> int:
+    """The GPU (index among the visible ones) of rank `rank` of stage `stage` of data-parallel
+    replica `replica`: replicas one after another, each its stages in order, each stage's ranks
+    side by side (NVLink neighbours where not every pair of GPUs is linked)."""
+    return (replica * num_stages + stage) * tensor_parallel_size + rank

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -121,12 +122,27 @@ class TensorParallelGroup:
             if self.device.type == "cuda":
                 work.wait()
             else:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+                self._wait_on_host(work, what)
         except PeerLost:
             raise
         except Exception as e:
             self.abort(f"{what} failed: {e}")
             raise PeerLost(f"tensor parallel: {what} failed: {e}") from None
+
+    def _wait_on_host(self, work, what: str) -> None:
+        """gloo's wait, in short turns that see the group broken from another thread (gloo's
+        abort does not release a wait): a rank whose peer is lost is free at once, not after
+        the deadline."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not work.is_completed():
+            if self.broken is not None:
+                raise PeerLost(f"tensor parallel: {what}: {self.broken}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no peer answered in {self.timeout:g} s")
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.0002)
+        work.wait()  # (its error, if it failed)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
