@@ -156,6 +156,15 @@ FLAGS: dict[str, Flag] = {
         "host:port at which the other ranks of this worker's stage reach its Worker service (unset: this "
         "host's name and --port)",
     ),
+    "tensor_parallel_all_reduce": Flag(
+        "STRATA_TENSOR_PARALLEL_ALL_REDUCE",
+        "nccl",
+        "how a tensor-parallel stage on GPUs sums its ranks' partial outputs: nccl (NCCL's all-reduce, captured "
+        "in the CUDA graphs) or symm-mem (a one-shot all-reduce through torch's symmetric memory, without NVLink "
+        "multicast, for messages up to 512 KiB: a decode step's; larger ones take NCCL). python -m "
+        "strata.bench.all_reduce times both per message size",
+        choices=("nccl", "symm-mem"),
+    ),
     "collective_timeout": Flag(
         "STRATA_COLLECTIVE_TIMEOUT",
         60.0,
@@ -383,6 +392,7 @@ WORKER_FLAGS = (
     "profile_steps",
     "gpu_clock_dir",
     "collective_timeout",
+    "tensor_parallel_all_reduce",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

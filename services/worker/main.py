@@ -205,7 +205,15 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
         host, _ = split_address(args.tensor_parallel_master)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    return TensorParallelGroup(rank, size, device, args.collective_timeout, master_host=host)
+    return TensorParallelGroup(
+        rank,
+        size,
+        device,
+        args.collective_timeout,
+        master_host=host,
+        all_reduce=args.tensor_parallel_all_reduce,
+        dtype=pick_dtype(args.dtype, device),
+    )
 
 
 def advertised_address(args, port: int) -> str:

@@ -47,11 +47,24 @@ class TensorParallelGroup:
     """Rank `rank` of `size` of one stage. Collectives run on the step thread; abort() may come
     from any thread."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, timeout: float = 60.0, master_host: str = ""):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout: float = 60.0,
+        master_host: str = "",
+        all_reduce: str = "nccl",
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is not in [0, {size})")
         self.rank, self.size, self.device, self.timeout = rank, size, torch.device(device), timeout
         self.master_host = master_host or "127.0.0.1"  # gloo listens on the interface towards it
+        # "symm-mem": small all-reduces of `dtype` take a one-shot through symmetric memory
+        # (symm_mem.py), the rest NCCL's.
+        self.all_reduce_kind, self.dtype = all_reduce, dtype
+        self.one_shot = None
         self.pg = None
         self.session = 0
         # Why the group cannot run collectives (None: it can, once formed).
@@ -81,6 +94,7 @@ class TensorParallelGroup:
             warm = torch.ones(1, device=self.device)
             pg.allreduce([warm]).wait()
             torch.cuda.current_stream(self.device).synchronize()
+            self.one_shot = self._one_shot(pg, store, session)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -89,12 +103,24 @@ class TensorParallelGroup:
         self.pg, self.session, self.broken = pg, session, None
         log.info("tensor parallel: rank %d of %d joined the group of session %d", self.rank, self.size, session)
 
+    def _one_shot(self, pg, store, session: int):
+        if self.all_reduce_kind != "symm-mem":
+            return None
+        from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
+
+        try:
+            return SymmetricMemoryAllReduce(pg, store, self.rank, self.size, session, self.device, self.dtype)
+        except Exception as e:  # (a torch without it, or no peer access): NCCL takes every message
+            log.warning("tensor parallel: no symmetric-memory all-reduce (%s); NCCL takes every one", e)
+            return None
+
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
         """Breaks the group (any thread): NCCL kernels waiting for a lost rank exit, and every
         later collective raises PeerLost until the next form()."""
         if self.size == 1:
             return
         self.broken = reason
+        self.one_shot = None
         pg, self.pg = self.pg, None
         if pg is not None:
             _abort(pg)
@@ -147,6 +173,8 @@ class TensorParallelGroup:
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
         if self.size == 1 or self.skip_collectives:
+            return x
+        if self.one_shot is not None and self.broken is None and self.one_shot(x):
             return x
         self._run("all-reduce", lambda pg: pg.allreduce([x]))
         return x
