@@ -144,6 +144,9 @@ def with_overrides(args, **overrides):
 # speculative ones only when a method is set (a draft model alone would turn speculation on).
 SERVE_FLAGS = (
     "pipeline_stages",
+    "tensor_parallel_size",  # (the tensor-parallel bench's, as below)
+    "tensor_parallel_all_reduce",
+    "tensor_parallel_no_collectives",
     "device",
     "dtype",
     "block_size",

@@ -165,6 +165,14 @@ FLAGS: dict[str, Flag] = {
         "strata.bench.all_reduce times both per message size",
         choices=("nccl", "symm-mem"),
     ),
+    "tensor_parallel_no_collectives": Flag(
+        "STRATA_TENSOR_PARALLEL_NO_COLLECTIVES",
+        False,
+        "benchmarks only: a tensor-parallel stage's ranks skip every collective (all-reduces and gathers), each "
+        "going on with its own partial sums: wrong tokens, but a step's time without its communication "
+        "(strata bench tensor-parallel times the all-reduce's share of a decode step so)",
+        bool,
+    ),
     "collective_timeout": Flag(
         "STRATA_COLLECTIVE_TIMEOUT",
         60.0,
@@ -393,6 +401,7 @@ WORKER_FLAGS = (
     "gpu_clock_dir",
     "collective_timeout",
     "tensor_parallel_all_reduce",
+    "tensor_parallel_no_collectives",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

@@ -445,3 +445,43 @@ def test_stage_hop_plays_ping_pong_through_two_real_links(tmp_path, transport):
     assert figures["intact"] is True
     assert figures["live_hop_us"] > 0 and figures["send_host_us"] > 0
     assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure
+
+
+# Three clusters, about 65 s: with STRATA_SLOW_TESTS=1. A tensor-parallel cluster's path is
+# tests/test_tensor_parallel_e2e.py's, the phases' machinery the pipeline bench's above.
+@pytest.mark.slow
+def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_path):
+    r = bench(
+        tmp_path,
+        "tensor-parallel",
+        "--ways",
+        "1,tp2",
+        "--num-prompts",
+        "4",
+        "--shape",
+        "mixed",
+        "--mixed-lengths",
+        "4,12",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--concurrency",
+        "2",
+        "--latency-num-prompts",
+        "2",
+        "--max-num-batched-tokens",
+        "64",
+    )
+    assert_environment(r)
+    runs = r["runs"]
+    ways = [(x["way"], x["ranks"], x["no_collectives"]) for x in runs]
+    assert ways == [("1", 1, False), ("tp2", 2, False), ("tp2", 2, True)]
+    for x in runs:
+        for name, phase in x.items():
+            if name.startswith(("offline", "streams_")):
+                assert phase["failed"] == 0 and phase["output_tokens_per_s"] > 0
+                assert len(phase["gpu_busy_share"]) == x["ranks"] * x["stages"]
+    assert "offline" not in runs[2]  # the run without collectives times batch 1 only
+    assert runs[1]["ratios"]["tpot_1"] > 0 and runs[1]["all_reduce_share"] is not None
+    assert "| tp2 |" in r["markdown_row"]

@@ -205,7 +205,7 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
         host, _ = split_address(args.tensor_parallel_master)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    return TensorParallelGroup(
+    group = TensorParallelGroup(
         rank,
         size,
         device,
@@ -214,6 +214,10 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
         all_reduce=args.tensor_parallel_all_reduce,
         dtype=pick_dtype(args.dtype, device),
     )
+    group.skip_collectives = args.tensor_parallel_no_collectives
+    if group.skip_collectives:
+        log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
+    return group
 
 
 def advertised_address(args, port: int) -> str:
