@@ -198,6 +198,7 @@ class ModelRunner:
                 hidden_size=self.config.hidden_size,
                 dtype=self.dtype,
                 device=self.device,
+                vocab_width=self.vocab.local,
             )
             if self.spec is not None:
                 self.spec.warm_up()
@@ -229,6 +230,7 @@ class ModelRunner:
                 query_len=query_len,
                 cascade=cascade,
                 draw=self.sampler.draw_unfiltered if self.tp.active and self.is_last else None,
+                compute_logits=self.compute_logits,
             )
             graphs.capture()
             return graphs
