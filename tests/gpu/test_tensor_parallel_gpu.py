@@ -23,10 +23,43 @@ import torch
 
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
-pytestmark = [
-    *compiled_gpu_kernels_only(),
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
-]
+pytestmark = compiled_gpu_kernels_only()
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def test_slice_draws_combine_to_the_whole_rows_draw_on_one_gpu():
+    """The compiled kernel on each slice (vocab_offset, packed keys) and their max against the
+    whole rows' draw, bf16 logits of a Llama-3 vocabulary, both launch shapes: no second GPU."""
+    from strata.kernels.gumbel_sampling import gumbel_argmax, unpack_draw_tokens
+    from strata.services.worker.sampling.sampler import SamplingTensors
+    from strata.services.worker.tensor_parallel.vocab import VocabShard
+
+    vocab_size = 128_256
+    for n in (3, 200):
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        logits = (torch.randn(n, vocab_size, generator=gen) * 2).to(device="cuda", dtype=torch.bfloat16)
+        logits[0, [7, 100_000]] = 30.0
+        st = SamplingTensors.build(
+            temperature=[0.0] + [0.8] * (n - 1),
+            top_k=[0] * n,
+            top_p=[1.0] * n,
+            min_p=[0.0] * n,
+            seeds=list(range(n)),
+            positions=[3] * n,
+            num_logprobs=-1,
+            device="cuda",
+        )
+        args = (st.seeds, st.positions, st.inv_temperature, st.greedy, None, False)
+        whole = gumbel_argmax(logits, *args)[0]
+        assert whole[0].item() == 7
+        for size in (2, 4):
+            keys = []
+            for rank in range(size):
+                v = VocabShard(vocab_size, rank, size)
+                k = torch.empty(n, dtype=torch.int64, device="cuda")
+                gumbel_argmax(logits[:, v.offset : v.offset + v.valid], *args, vocab_offset=v.offset, keys=k)
+                keys.append(k)
+            assert torch.equal(unpack_draw_tokens(torch.stack(keys).amax(dim=0)), whole), (n, size)
 
 
 def _free_port() -> int:
@@ -105,6 +138,7 @@ def _collectives(rank, group):
     return x.sum().item(), keys.tolist(), gathered.tolist(), replays, torch.equal(one, nccl), one.float().sum().item()
 
 
+@two_gpus
 def test_collectives_eager_and_in_a_graph():
     a, b = _on_ranks(_collectives)
     assert a[0] == b[0] == 3.0 * 35
@@ -170,6 +204,7 @@ def _draws(rank, group):
     return whole[0].item(), in_graph, eager, close
 
 
+@two_gpus
 def test_the_draw_over_slices_is_the_whole_rows_draw_in_a_graph_and_eagerly():
     for first, in_graph, eager, close in _on_ranks(_draws):
         assert first == 5 and in_graph and eager and close < 1e-3
@@ -188,6 +223,7 @@ def model_dir(tmp_path_factory):
 FLAGS = ("--device", "cuda", "--dtype", "float32", "--stage-recovery-timeout", "90", "--step-timeout", "30")
 
 
+@two_gpus
 def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
     from strata.v1 import generate_pb2
     from tests.cluster import collect, hf_greedy, running_cluster
@@ -214,6 +250,7 @@ def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
     assert outs["2"] == outs["1"]
 
 
+@two_gpus
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model_dir, stop):
     from tests.cluster import running_cluster, scheduler_stats
