@@ -154,3 +154,31 @@ def test_vocab_slices_cover_the_vocabulary_once():
             else:
                 assert shards[0].local == vocab_size
     assert VocabShard(128256, 1, 2).padded == 128256  # Llama 3's vocabulary needs no padding
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_prompt_logprob_rows_from_slices_equal_the_whole_rows(groups, size):
+    """Prompt logprobs over slices: the logsumexp combined from each slice's (max, sum of exp),
+    the target's logit from its slice, the rank summed over slices (ties counted), the top k
+    merged; against log_softmax of the whole rows."""
+    rng = np.random.default_rng(11)
+    rows, vocab_size, k = 7, 1000, 4
+    logits = torch.from_numpy(rng.normal(size=(rows, vocab_size)).astype(np.float32) * 2)
+    logits[0, [3, 600, 999]] = 20.0  # the target tied with tokens of other slices
+    targets = torch.tensor([600, 0, 999, 383, 384, 767, 768])  # slice edges of 2 and 3 ranks
+
+    def rank(r, group):
+        vocab = VocabShard(vocab_size, r, size)
+        return ShardedSampler(group, vocab, "torch").logprob_rows(slices(logits, vocab), targets, k)
+
+    lsm = torch.log_softmax(logits, dim=-1)
+    want_target = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    want_rank = (logits >= want_target.unsqueeze(1)).sum(dim=1)
+    want_top = logits.topk(k, dim=-1)
+    for log_norm, ranks, target, top_values, top_ids in run_ranks(groups[size], rank):
+        assert torch.equal(target, want_target) and torch.equal(ranks, want_rank)
+        assert ranks[0] == 3
+        torch.testing.assert_close(target - log_norm, lsm.gather(1, targets.unsqueeze(1)).squeeze(1), rtol=0, atol=1e-5)
+        assert torch.equal(top_values, want_top.values)
+        assert torch.equal(top_ids[1:], want_top.indices[1:])  # (row 0's tie: the smaller ids first)
+        assert top_ids[0, :3].tolist() == [3, 600, 999]

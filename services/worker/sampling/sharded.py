@@ -197,6 +197,29 @@ class ShardedSampler:
         scaled = torch.where(torch.isinf(maxes) & (maxes < 0), 0.0, sums * torch.exp(maxes - shift))
         return shift + torch.log(scaled.sum(dim=0))
 
+    # ------------------------------------------------------------ prompt logprobs
+
+    def logprob_rows(self, logits: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Prompt logprobs' statistics of whole rows from this rank's slice [R, local] of their
+        raw logits: (logsumexp [R], rank [R]: tokens whose logit is at least the target's, the
+        target's logit [R], the top k logits [R, k] and their ids), each rank's slice reduced
+        and the slices combined: the logsumexps from each slice's (max, sum of exp), the target
+        from the slice that holds it, the ranks summed, the top k merged from each slice's."""
+        vocab = self.vocab
+        x = logits[:, : vocab.valid].float()
+        owned = (targets >= vocab.offset) & (targets < vocab.offset + vocab.valid)
+        local = (targets - vocab.offset).clamp(0, max(vocab.valid - 1, 0)).unsqueeze(1)
+        mine = x.gather(1, local).squeeze(1) if vocab.valid else x.new_full((x.shape[0],), _NEG_INF)
+        target = self.group.all_reduce_max_(torch.where(owned, mine, _NEG_INF))
+        ranks = self.group.all_reduce_((x >= target.unsqueeze(1)).sum(dim=1, dtype=torch.int64))
+        log_norm = self._log_norm(x)
+        if k > 0:
+            top_values, top_ids = self._merged_top(x, min(k, vocab.vocab_size))
+        else:
+            top_values = x.new_empty((x.shape[0], 0))
+            top_ids = torch.empty((x.shape[0], 0), dtype=torch.int64, device=x.device)
+        return log_norm, ranks, target, top_values, top_ids
+
     # ------------------------------------------------------------ in a decode graph
 
     def draw_unfiltered(

@@ -14,3 +14,4 @@ stage per pipeline position, and rank 0 relays its plans and links to the other 
 
 The sampler's exact draw over vocabulary slices is sampling/sharded.py; the sharded linears,
 embedding and head are the model's (model/).
+"""
