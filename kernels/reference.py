@@ -229,3 +229,19 @@ def embed_tokens_reference(
     if token_rows is not None:
         input_ids = torch.where(input_ids < 0, last_sampled[token_rows], input_ids)
     return torch.nn.functional.embedding(input_ids, weight)
+
+
+def logprob_rows_reference(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Per row of logits [R, V] (any float dtype: compared as they are, reduced in float32) and
+    its token `targets[r]`: (logsumexp float32 [R], rank int64 [R]: the entries at least as large
+    as the token's, the token's logit float32 [R], top values float32 [R, k], top ids int64
+    [R, k], largest first)."""
+    log_norm = torch.logsumexp(logits.float(), dim=-1)
+    target = logits.gather(1, targets.unsqueeze(1))
+    ranks = (logits >= target).sum(dim=-1)
+    if k:
+        top_values, top_ids = logits.topk(k, dim=-1)
+    else:
+        top_values = logits.new_empty((logits.shape[0], 0))
+        top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+    return log_norm, ranks, target.squeeze(1).float(), top_values.float(), top_ids

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from strata import openai_format
+from strata import openai_format, openai_prompts
 from strata.batch_tokenize import GatewayTokenizer, TokenizerMismatch, check_tokenizer
 from strata.client import gateway_channel
 from strata.common_prefix import sort_by_prefix
@@ -45,6 +45,8 @@ class Item:
     chat: bool
     prompt: list[int]
     params: generate_pb2.SamplingParams
+    echo: openai_prompts.Echo | None = None
+    text: str | None = None  # the prompt's text, when the line gave one (an echo's)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Entry:
     chat: bool
     prompt: PromptInput | list[int]
     params: generate_pb2.SamplingParams
+    echo: openai_prompts.Echo | None = None
 
 
 # Tokenizes prompts: each one's ids, or the message that refuses it.
@@ -75,7 +78,8 @@ def read_items(path: Path, done: set[str], tokenize: Tokenize, max_model_len: in
             continue
         if entry.chat and not entry.params.HasField("max_tokens") and len(prompt) < max_model_len:
             entry.params.max_tokens = max_model_len - len(prompt)  # a chat answer may fill the context
-        items.append(Item(entry.custom_id, entry.chat, prompt, entry.params))
+        text = entry.prompt.text if isinstance(entry.prompt, PromptInput) else None
+        items.append(Item(entry.custom_id, entry.chat, prompt, entry.params, entry.echo, text))
     return items, errors
 
 
@@ -123,7 +127,8 @@ def _entry(entry: dict, custom_id: str, line: int) -> Entry:
         raise openai_format.BadField("body.stream", "a batch request cannot stream")
     chat = url == openai_format.CHAT_COMPLETIONS
     prompt = openai_format.prompt_input(body, chat)
-    return Entry(custom_id, line, chat, prompt, openai_format.sampling_params(body, chat))
+    params = openai_format.sampling_params(body, chat)
+    return Entry(custom_id, line, chat, prompt, params, openai_prompts.echo_of(body, chat))
 
 
 def local_tokenize(tokenizer) -> Tokenize:
@@ -179,14 +184,22 @@ def group_messages(groups: list[tuple[int, list[Item]]]):
         )
 
 
-def answer_line(item: Item, response: generate_pb2.GenerateResponse, model: str) -> dict:
+def answer_line(
+    item: Item, response: generate_pb2.GenerateResponse, model: str, token_text=None, detokenize=None
+) -> dict:
+    """token_text(id): a token's text for logprobs (None without a tokenizer: the token texts
+    of logprobs stay out); detokenize(ids): an echoed token id prompt's text."""
+    text = item.text
+    if text is None and item.echo is not None and detokenize is not None:
+        text = detokenize(item.prompt)
+    view = openai_prompts.PromptView(text or "", item.echo)
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": item.custom_id,
         "response": {
             "status_code": 200,
             "request_id": response.request_id,
-            "body": openai_format.response_body(response, item.chat, model),
+            "body": openai_format.response_body(response, item.chat, model, token_text, view),
         },
         "error": None,
     }
@@ -255,6 +268,7 @@ def run_batch(
             tokenize = local
         items, errors = read_items(input_path, done, tokenize, info.max_model_len)
         by_id = {item.custom_id: item for item in items}
+        texts = _token_texts(stub, metadata, tokenizer)
         with (
             open(output_path, "a", encoding="utf-8") as out,
             tqdm(total=len(items) + len(errors), desc="batch", unit="req", disable=not progress) as bar,
@@ -277,8 +291,27 @@ def run_batch(
                         failed += 1
                         write(error_line(r.error.request_id, _STATUS.get(r.error.code, 500), r.error.message))
                     elif r.response.finished:
-                        write(answer_line(by_id[r.response.request_id], r.response, info.model_name))
+                        write(answer_line(by_id[r.response.request_id], r.response, info.model_name, *texts))
     return failed
+
+
+def _token_texts(stub, metadata, tokenizer):
+    """(token_text, detokenize) for the answers: a token's text from the local tokenizer (None
+    without one), and a prompt's text from it or from the gateway."""
+    if tokenizer is not None:
+        cache: dict[int, str] = {}
+
+        def token_text(token_id: int) -> str:
+            if token_id not in cache:
+                cache[token_id] = tokenizer.decode([token_id])
+            return cache[token_id]
+
+        return token_text, tokenizer.decode
+
+    def detokenize(ids: list[int]) -> str:
+        return stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=ids), timeout=60, metadata=metadata).prompt
+
+    return None, detokenize
 
 
 def batch_cli(args) -> int:

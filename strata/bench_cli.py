@@ -23,6 +23,9 @@ DESCRIPTIONS = {
     "bandwidth; also the step time the scheduler sees through the stack.",
     "parallel-sampling": "One request of n=N against N requests of n=1 with distinct prompts and with one "
     "repeated prompt: output tokens/s, prefill tokens computed, peak KV blocks.",
+    "prompt-logprobs": "What prompt logprobs cost: a batch where a share of the requests ask (top k) against "
+    "the same batch where nobody asks (the others' output tok/s), and a prefill where every request asks "
+    "against one where none does (the last stage's GPU time), on one cluster.",
     "prefix-groups": "An offline batch whose requests share prefixes, as prefix groups (GenerateGroups), as plain "
     "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
@@ -147,6 +150,19 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         default=True,
         help="a new cluster per phase, so each phase's peak KV blocks is its own",
     )
+    add_common_flags(p)
+
+    p = sub.add_parser(
+        "prompt-logprobs",
+        formatter_class=formatter_class,
+        help="prompt logprobs' cost to others and to a prefill",
+        description=DESCRIPTIONS["prompt-logprobs"],
+    )
+    _workload(p, 256, 1024, 128)
+    p.add_argument("--ask-fraction", type=float, default=0.25, help="share of the batch asking prompt logprobs")
+    p.add_argument("--top", type=int, default=5, help="prompt_logprobs: top tokens per position")
+    p.add_argument("--prefill-prompts", type=int, default=64, help="requests of each prefill phase (max_tokens 1)")
+    p.add_argument("--repeats", type=int, default=2, help="times each pair of phases runs")
     add_common_flags(p)
     _speculative_parser(sub, formatter_class)
     _prefix_groups_parser(sub, formatter_class)
@@ -394,6 +410,10 @@ def run_bench(args) -> int:
         from strata.bench import parallel_sampling
 
         return parallel_sampling.run(args)
+    if args.bench_command == "prompt-logprobs":
+        from strata.bench import prompt_logprobs
+
+        return prompt_logprobs.run(args)
     if args.bench_command == "prefix-groups":
         from strata.bench import prefix_groups
 

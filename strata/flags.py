@@ -353,6 +353,20 @@ FLAGS: dict[str, Flag] = {
         "largest gRPC request message the gateway takes, in bytes (larger: RESOURCE_EXHAUSTED)",
         int,
     ),
+    "max_response_bytes": Flag(
+        "STRATA_MAX_RESPONSE_BYTES",
+        16 << 20,
+        "largest part of a response a request's prompt may make, in bytes: its prompt logprobs (and an echoed "
+        "prompt over HTTP), estimated after tokenizing; a request past it is refused (INVALID_ARGUMENT, 400) "
+        "before it runs",
+        int,
+    ),
+    "max_completion_prompts": Flag(
+        "STRATA_MAX_COMPLETION_PROMPTS",
+        256,
+        "most prompts one /v1/completions request may hold (a list of strings or of token id lists)",
+        int,
+    ),
     "max_prompt_chars": Flag(
         "STRATA_MAX_PROMPT_CHARS",
         0,
@@ -439,6 +453,8 @@ GATEWAY_FLAGS = (
     "tls_cert",
     "tls_key",
     "max_request_bytes",
+    "max_response_bytes",
+    "max_completion_prompts",
     "max_prompt_chars",
     "max_stop_strings",
     "max_stop_length",
@@ -448,6 +464,8 @@ _GATEWAY_HELP_ORDER = (
     "tokenizer",
     "served_model_name",
     "max_request_bytes",
+    "max_response_bytes",
+    "max_completion_prompts",
     "max_prompt_chars",
     "max_stop_strings",
     "max_stop_length",

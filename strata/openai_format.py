@@ -14,8 +14,11 @@ import json
 import time
 import uuid
 
+from strata.openai_prompts import BadField, PromptView, completion_prompts, prompt_logprobs_body
 from strata.prompt_tokens import PromptInput, token_ids
 from strata.v1 import generate_pb2
+
+__all__ = ["BadField"]  # (defined beside the prompt's shapes, raised by both)
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -39,10 +42,10 @@ ACCEPTED_FIELDS = frozenset(
         "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "logprobs",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
         "allowed_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
-        "guided_choice", "guided_grammar", "add_special_tokens", "skip_special_tokens",
+        "guided_choice", "guided_grammar", "add_special_tokens", "skip_special_tokens", "prompt_logprobs",
     }
 )  # fmt: skip
-COMPLETIONS_FIELDS = frozenset({"prompt"})
+COMPLETIONS_FIELDS = frozenset({"prompt", "echo"})
 CHAT_FIELDS = frozenset(
     {
         "messages",
@@ -58,12 +61,6 @@ CHAT_FIELDS = frozenset(
 IGNORED_FIELDS = frozenset({"user", "metadata", "store"})
 # Fields Strata does not implement, accepted only at the value that asks for nothing.
 NO_OP_VALUES = {"echo": False, "best_of": 1, "use_beam_search": False, "include_stop_str_in_output": False}
-
-
-class BadField(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def check_fields(body: dict, chat: bool) -> None:
@@ -96,9 +93,12 @@ def sampling_params(body: dict, chat: bool, output_kind: int = generate_pb2.FINA
             setattr(params, field, int(value) if field in ("top_k", "seed", "min_tokens", "n") else float(value))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadField("max_tokens", f"must be a positive integer, got {max_tokens!r}")
-        params.max_tokens = max_tokens
+        echo = not chat and body.get("echo") is True  # max_tokens 0: the prompt's echo alone
+        least = 0 if echo else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+            rule = "an integer >= 0 (0 with echo only)" if not chat else "a positive integer"
+            raise BadField("max_tokens", f"must be {rule}, got {max_tokens!r}")
+        params.max_tokens = max(max_tokens, 1)  # (echo's one token is left out of the response)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -115,6 +115,13 @@ def sampling_params(body: dict, chat: bool, output_kind: int = generate_pb2.FINA
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         params.logprobs = logprobs
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
+            raise BadField("prompt_logprobs", f"must be an integer >= 0, got {prompt_logprobs!r}")
+        params.prompt_logprobs = prompt_logprobs
+    elif logprobs is not None and not chat and body.get("echo") is True:
+        params.prompt_logprobs = logprobs  # the echoed prompt's logprobs, as vLLM's echo
     if body.get("skip_special_tokens") is not None:
         params.skip_special_tokens = _bool(body, "skip_special_tokens")
     _penalties(body, params)
@@ -277,12 +284,16 @@ def prompt_input(body: dict, chat: bool) -> PromptInput | list[int]:
             add_generation_prompt=True if generation_prompt is None else generation_prompt,
             tools_json=tools_json(body.get("tools")),
         )
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        return PromptInput(text=prompt, add_special_tokens=special)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    raise BadField("prompt", "must be a non-empty string or list of token ids")
+    prompts = completion_prompts(body, 2**31, special)
+    if len(prompts) > 1:  # (the HTTP front takes several: completion_inputs)
+        raise BadField("prompt", f"holds {len(prompts)} prompts; a batch line takes one (give each a line)")
+    return prompts[0]
+
+
+def completion_inputs(body: dict, most: int) -> list[PromptInput | list[int]]:
+    """/v1/completions' prompts (openai_prompts.completion_prompts: one or several), with the
+    body's add_special_tokens."""
+    return completion_prompts(body, most, _optional_bool(body, "add_special_tokens"))
 
 
 def tokenize_input(body: dict) -> PromptInput:
@@ -435,8 +446,14 @@ def response_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: str, token_text=None) -> dict:
-    """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response."""
+def response_body(
+    response: generate_pb2.GenerateResponse, chat: bool, model: str, token_text=None, view: PromptView | None = None
+) -> dict:
+    """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response; view:
+    what it shows of its prompt (openai_prompts: echo, prompt_logprobs, its choices' indices)."""
+    view = view or PromptView("")
+    if response.prompt_logprobs:
+        view.entries = list(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
         choice = {
@@ -449,15 +466,19 @@ def response_body(response: generate_pb2.GenerateResponse, chat: bool, model: st
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
+            view.completion_choice(choice, token_text)
         choices.append(choice)
-    return {
+    body = {
         "id": response_id(chat),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage_body(response.usage),
+        "usage": view.usage(usage_body(response.usage)),
     }
+    if chat and view.entries:
+        body["prompt_logprobs"] = prompt_logprobs_body(view.entries, token_text)
+    return body
 
 
 def chunk_body(
@@ -468,9 +489,16 @@ def chunk_body(
     created: int,
     started: set[int],
     token_text,
+    view: PromptView | None = None,
 ) -> dict:
     """A streamed chunk of a DELTA response: each advanced output's new text (chat: as a delta,
-    the first one opening the assistant's turn; `started` holds the indices that began)."""
+    the first one opening the assistant's turn; `started` holds the indices that began); view:
+    what it shows of its prompt (a completion choice's first chunk: the echo, prompt_logprobs;
+    a chat's first chunk: prompt_logprobs)."""
+    view = view or PromptView("")
+    first_response = bool(response.prompt_logprobs)
+    if first_response:
+        view.entries = list(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
         choice = {
@@ -486,12 +514,16 @@ def chunk_body(
             choice["delta"] = delta
         else:
             choice["text"] = out.text
+            view.completion_choice(choice, token_text, first=out.index not in started)
         started.add(out.index)
         choices.append(choice)
-    return {
+    chunk = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
     }
+    if chat and first_response:
+        chunk["prompt_logprobs"] = prompt_logprobs_body(view.entries, token_text)
+    return chunk

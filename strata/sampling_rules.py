@@ -155,6 +155,8 @@ def check_sampling_options(
     check_min_p(s.min_p, prefix + "min_p")
     check_top_k(s.top_k, prefix + "top_k")
     check_logprobs(s.logprobs, prefix + "logprobs")
+    if s.HasField("prompt_logprobs"):
+        check_logprobs(s.prompt_logprobs, prefix + "prompt_logprobs")
     if not uses_penalties(s) and not s.constraint_kind:
         return
     check_penalty(s.presence_penalty, prefix + "presence_penalty")

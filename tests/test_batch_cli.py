@@ -326,3 +326,53 @@ def test_with_an_address_a_model_is_not_taken_for_the_gateways(cluster, model_di
     write_input(tmp_path / "in.jsonl", lines()[:1])
     done = run_batch_through_gateway(c, tmp_path, "--model", str(model_dir))
     assert done.returncode == 2 and "--model" in done.stderr
+
+
+def test_echo_prompt_logprobs_and_token_ids_answer_as_the_http_front_does(cluster, model_dir, tmp_path):
+    """Batch lines share the HTTP front's body parsing and shapes (issue 52): lm-eval's echo with
+    logprobs over token ids, and prompt_logprobs on a chat; a line of several prompts is refused."""
+    import httpx
+
+    c, _ = cluster
+    bodies = {
+        "echo": (
+            "/v1/completions",
+            {"prompt": [1, 40, 41, 42, 43, 44], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
+        ),
+        "echo-text": ("/v1/completions", {"prompt": CONTEXTS[0], "echo": True, "max_tokens": 0}),
+        "chat": (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Name a river."}],
+                "prompt_logprobs": 2,
+                "max_tokens": 2,
+                "temperature": 0,
+            },
+        ),
+        "several": ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}),
+    }
+    write_input(
+        tmp_path / "in.jsonl", [{"custom_id": k, "url": url, "body": body} for k, (url, body) in bodies.items()]
+    )
+    done = run_batch(c, model_dir, tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = {line["custom_id"]: line for line in read_output(tmp_path / "out.jsonl")}
+    assert "a batch line takes one" in out["several"]["error"]["message"]
+    for key in ("echo", "echo-text", "chat"):
+        url, body = bodies[key]
+        got, want = out[key]["response"]["body"], httpx.post(c.http_address + url, json=body, timeout=60).json()
+        usage = ("prompt_tokens", "completion_tokens", "total_tokens")  # (the second run finds the cache)
+        assert [got["usage"][k] for k in usage] == [want["usage"][k] for k in usage]
+        for g, w in zip(got["choices"], want["choices"], strict=True):
+            assert g.get("text") == w.get("text") and g.get("message") == w.get("message")
+            if w["logprobs"] is not None:
+                assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+                assert g["logprobs"]["token_logprobs"][0] is None
+                assert g["logprobs"]["token_logprobs"][1:] == pytest.approx(
+                    w["logprobs"]["token_logprobs"][1:], abs=1e-4
+                )
+        if "prompt_logprobs" in want:
+            assert len(got["prompt_logprobs"]) == len(want["prompt_logprobs"]) > 1
+            for g, w in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]):
+                assert g.keys() == w.keys() and all(g[t]["decoded_token"] == w[t]["decoded_token"] for t in g)
+    assert out["echo-text"]["response"]["body"]["choices"][0]["text"] == CONTEXTS[0]

@@ -229,7 +229,7 @@ def _http_checks(cluster) -> dict:
     tool = {"type": "function", "function": {"name": "get", "parameters": SCHEMA}}
     cases = {
         "unknown": ("/v1/chat/completions", {**chat, "frobnicate": 1}, "frobnicate"),
-        "echo": ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        "echo": ("/v1/chat/completions", {**chat, "echo": True}, "echo"),  # (completions echo: issue 52)
         "suffix": ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
         "tool_auto": ("/v1/chat/completions", {**chat, "tools": [tool]}, "tool_choice"),
         "tool_unknown": (

@@ -14,6 +14,7 @@ from collections import deque
 import pytest
 import torch
 
+from strata.services.scheduler import prompt_logprobs
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
@@ -86,6 +87,8 @@ def _requests(seed: int) -> list[Request]:
         dict(temperature=0.0, logprobs=3),
         dict(temperature=1.0, top_k=5, logprobs=2),
         dict(temperature=0.8, constraint_kind=engine_pb2.CONSTRAINT_KIND_JSON_SCHEMA, constraint=SCHEMA),
+        dict(temperature=0.0, prompt_logprobs=3),
+        dict(temperature=0.9, prompt_logprobs=0, logprobs=1),
     ]
     out = []
     for i, kind in enumerate(kinds):
@@ -133,6 +136,8 @@ def _drive(runners, sched: Scheduler, requests: list[Request], in_flight: int):
         plan, pending = queue.popleft()
         result = pending.finish()
         assert not result.error, result.error
+        if plan.asks_prompt_logprobs:
+            prompt_logprobs.receive(plan, result)
         sampled, lp = split_result(result)
         for seq in plan.seqs:
             if seq.seq_id in lp:
@@ -141,6 +146,14 @@ def _drive(runners, sched: Scheduler, requests: list[Request], in_flight: int):
         sched.update(plan, sampled, proposals, split_rounds(result) if plan.verify_rounds > 1 else None)
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and sched.num_in_flight == 0
+    for r in requests:  # the prompt's rows, as the request's first output carries them
+        if r.prompt_logprobs is not None:
+            rows = r.prompt_logprobs
+            assert rows.complete
+            entries = [(t, lp, []) for t, lp in zip(rows.ranks, rows.logprobs)]
+            logprobs[f"{r.request_id} prompt"] = entries + [
+                (t, lp, []) for t, lp in zip(rows.top_token_ids, rows.top_logprobs)
+            ]
     return {r.request_id: list(r.output_token_ids) for r in requests}, logprobs
 
 
@@ -157,7 +170,11 @@ def _scheduler(in_flight: int, spec=None) -> Scheduler:
 
 
 def _flat(entries):
-    return [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
+    """(token or rank, logprob, top entries) of TokenLogprobs, or such tuples as they are."""
+    return [
+        e if isinstance(e, tuple) else (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top])
+        for e in entries
+    ]
 
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "device-ngram"])

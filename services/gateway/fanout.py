@@ -14,6 +14,11 @@ Output kinds of the merged stream:
 Whatever the kind, the text of each index concatenated over the DELTA responses equals the
 FINAL_ONLY text, which equals the last CUMULATIVE response's.
 
+Prompt logprobs (params.prompt_logprobs) are computed once, by child 0 (the others share its
+prompt), and answered in the request's first response, whatever its output kind: until child 0's
+first output brings them, nothing is sent (other children's progress waits and goes out whole
+with them).
+
 Usage: prompt_tokens counts the prompt once; completion_tokens sums the children's tokens;
 cached_prompt_tokens is the largest count any child found in the prefix cache. The children
 share one prompt, so this is the parent's cached prompt, reported once as vLLM does, whether
@@ -110,7 +115,7 @@ def child_requests(
         engine_pb2.EngineRequest(
             request_id=child_request_id(i, request_id),
             prompt_token_ids=prompt,
-            sampling=params.sampling_options(seed),
+            sampling=params.sampling_options(seed, prompt_logprobs=i == 0),
             stop=stop,
             final_only=final_only,
             **sharing,
@@ -142,7 +147,12 @@ async def merged_responses(
     """
     children = child_requests(request_id, params, prompt_token_ids, eos_token_ids, group=group)
     state = RequestOutputState(
-        request_id, len(children), params.output_kind, params.logprobs is not None, len(prompt_token_ids)
+        request_id,
+        len(children),
+        params.output_kind,
+        params.logprobs is not None,
+        len(prompt_token_ids),
+        want_prompt_logprobs=params.prompt_logprobs is not None,
     )
     texts = [
         OutputTextStream(
@@ -166,6 +176,12 @@ async def merged_responses(
                 continue  # outputs that were already on their way after a stop string
             if on_output is not None:
                 on_output(index, out)
+            if out.HasField("prompt_logprobs"):
+                response = state.prompt_logprobs_ready(
+                    await prompt_logprob_entries(prompt_token_ids, out.prompt_logprobs)
+                )
+                if response is not None:
+                    yield response
             response = _advance(index, texts[index], out, state, calls[index])
             if response is not None:
                 yield response
@@ -206,6 +222,35 @@ async def _pump(index: int, call, merged: asyncio.Queue) -> None:
         pass
 
 
+# Prompt logprob entries past this many (rows x entries) are built off the event loop.
+_INLINE_PROMPT_ENTRIES = 4096
+
+
+async def prompt_logprob_entries(
+    prompt_token_ids: Sequence[int], rows: engine_pb2.PromptLogprobRows
+) -> list[generate_pb2.PromptLogprob]:
+    """The public list of a prompt's logprobs: the first token alone, then each later token with
+    its row (its logprob, rank and top k)."""
+    k = rows.num_top
+
+    def build() -> list[generate_pb2.PromptLogprob]:
+        lps, ranks, top_ids, top_lps = rows.logprobs, rows.ranks, rows.top_token_ids, rows.top_logprobs
+        out = [generate_pb2.PromptLogprob(token_id=prompt_token_ids[0])]
+        for i in range(min(len(lps), len(prompt_token_ids) - 1)):
+            top = [
+                generate_pb2.TopLogprob(token_id=t, logprob=v)
+                for t, v in zip(top_ids[i * k : i * k + k], top_lps[i * k : i * k + k])
+            ]
+            out.append(
+                generate_pb2.PromptLogprob(token_id=prompt_token_ids[i + 1], logprob=lps[i], rank=ranks[i], top=top)
+            )
+        return out
+
+    if len(rows.logprobs) * (k + 1) < _INLINE_PROMPT_ENTRIES:
+        return build()
+    return await asyncio.to_thread(build)
+
+
 ABORT = "abort"
 
 
@@ -234,6 +279,7 @@ class RequestOutputState:
         output_kind: int,
         want_logprobs: bool,
         prompt_tokens: int,
+        want_prompt_logprobs: bool = False,
     ):
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
@@ -245,6 +291,9 @@ class RequestOutputState:
         self.prompt_tokens = prompt_tokens
         self._children = [_ChildOutput(i) for i in range(n)]
         self._num_unfinished = n
+        # Prompt logprobs: None until they come (nothing is sent before), then sent once.
+        self._awaiting_prompt_logprobs = want_prompt_logprobs
+        self._prompt_logprobs: list[generate_pb2.PromptLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -280,8 +329,22 @@ class RequestOutputState:
             child.logprobs.extend(new_logprobs)
         if finish_reason:
             self._finish(child, finish_reason, stop or {})
+        if self._awaiting_prompt_logprobs:
+            return None  # goes out whole with the prompt logprobs
         delta = self._completion(child, new_text, new_token_ids, new_logprobs if self.want_logprobs else ())
         return self._respond([delta])
+
+    def prompt_logprobs_ready(self, entries: list[generate_pb2.PromptLogprob]) -> generate_pb2.GenerateResponse | None:
+        """The prompt logprobs came: the response of what waited for them, if anything did (the
+        next response carries them otherwise)."""
+        if not self._awaiting_prompt_logprobs:
+            return None
+        self._awaiting_prompt_logprobs = False
+        self._prompt_logprobs = entries
+        started = [c for c in self._children if c.text or c.token_ids or c.finished]
+        if not started:
+            return None
+        return self._respond([self._whole(c) for c in started])
 
     def snapshot(self) -> generate_pb2.GenerateResponse:
         """Every output whole so far, whatever the output kind."""
@@ -307,12 +370,16 @@ class RequestOutputState:
         return self.snapshot()
 
     def _response(self, outputs: list[generate_pb2.CompletionOutput]) -> generate_pb2.GenerateResponse:
-        return generate_pb2.GenerateResponse(
+        response = generate_pb2.GenerateResponse(
             request_id=self.request_id,
             outputs=outputs,
             finished=self.finished,
             usage=self.usage(),
         )
+        if self._prompt_logprobs is not None:  # the first response: once
+            response.prompt_logprobs.extend(self._prompt_logprobs)
+            self._prompt_logprobs = None
+        return response
 
     def _whole(self, child: _ChildOutput) -> generate_pb2.CompletionOutput:
         return self._completion(child, child.text, child.token_ids, child.logprobs)

@@ -2,7 +2,7 @@
 event loop, calling the same Gateway object as the gRPC front (no second network hop).
 
   GET  /v1/models            the served model
-  POST /v1/completions       prompt (text or token ids) -> text; streamed as server-sent events
+  POST /v1/completions       prompt (text or token ids, or several) -> text; streamed as server-sent events
   POST /v1/chat/completions  messages through the model's chat template
   POST /tokenize             a prompt or messages -> {count, max_model_len, tokens} (vLLM's shapes)
   POST /detokenize           {tokens} -> {prompt}
@@ -29,9 +29,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from strata import openai_format
+from strata import openai_format, openai_prompts
+from strata.openai_prompts import PromptView
 from strata.prompt_tokens import PromptInput
-from strata.services.gateway import tools
+from strata.protocol import MAX_LOGPROBS
+from strata.services.gateway import response_size, tools
 from strata.services.gateway.server import Gateway, GatewayError
 from strata.services.gateway.validation import InvalidRequest
 from strata.v1 import generate_pb2
@@ -55,6 +57,11 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
         503: "service_unavailable",
     }.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _names_tokens(params: generate_pb2.SamplingParams) -> bool:
+    """Whether a response names tokens by their text (logprobs of either kind)."""
+    return params.HasField("logprobs") or params.HasField("prompt_logprobs")
 
 
 def _from_gateway(e: GatewayError) -> JSONResponse:
@@ -131,6 +138,44 @@ def build_app(gateway: Gateway) -> Starlette:
             return prompt
         return await gateway.prompt_ids(prompt, "messages" if prompt.is_chat else "prompt")
 
+    async def prompts_ids(inputs: list[PromptInput | list[int]]) -> list[list[int]]:
+        """prompt_ids of several prompts, tokenized together."""
+        texts = [(p, "messages" if p.is_chat else "prompt") for p in inputs if isinstance(p, PromptInput)]
+        tokenized = iter(await gateway.prompts_ids(texts) if texts else ())
+        out = [p if isinstance(p, list) else next(tokenized) for p in inputs]
+        for ids in out:
+            if isinstance(ids, InvalidRequest):
+                raise ids
+        return out
+
+    async def prompt_views(body: dict, chat: bool, params, inputs, prompts, stream: bool) -> list[PromptView]:
+        """What each prompt's choices show of it (openai_prompts), once the prompt part's size
+        is checked against --max-response-bytes."""
+        echo = openai_prompts.echo_of(body, chat)
+        n = params.n or 1
+        views = [PromptView("", echo, i * n) for i in range(len(prompts))]
+        k = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+        if echo is None and (k is None or k > MAX_LOGPROBS):  # (validation refuses k past the cap)
+            return views
+        texts = await gateway.token_texts()
+        copies = 1 if chat else n
+        sizes = [
+            copies * response_size.json_bytes(ids, texts, k, echo is not None, bool(echo and echo.logprobs))
+            for ids in prompts
+        ]
+        field = (
+            "prompt_logprobs" if body.get("prompt_logprobs") is not None else "logprobs" if echo.logprobs else "echo"
+        )
+        response_size.check(max(sizes) if stream else sum(sizes), gateway.limits.max_response_bytes, field)
+        if echo is not None:
+            for view, prompt, ids in zip(views, inputs, prompts):
+                view.text = (
+                    prompt.text
+                    if isinstance(prompt, PromptInput)
+                    else await asyncio.to_thread(gateway.tokenizer.decode, ids)
+                )
+        return views
+
     async def generate(request: Request, chat: bool) -> Response:
         if isinstance(body := await json_body(request), Response):
             return body
@@ -141,23 +186,29 @@ def build_app(gateway: Gateway) -> Starlette:
             kind = generate_pb2.DELTA if stream else generate_pb2.FINAL_ONLY
             params = openai_format.sampling_params(body, chat, kind)
             calls = tools.tool_calls(body, params) if chat else None
-            prompt = await prompt_ids(openai_format.prompt_input(body, chat))
-        except openai_format.BadField as e:
-            return error_response(400, str(e), e.field)
-        except InvalidRequest as e:
+            if chat:
+                inputs = [openai_format.prompt_input(body, chat)]
+            else:
+                inputs = openai_format.completion_inputs(body, gateway.limits.max_completion_prompts)
+            prompts = await prompts_ids(inputs)
+            views = await prompt_views(body, chat, params, inputs, prompts, stream)
+        except (openai_format.BadField, InvalidRequest) as e:
             return error_response(400, str(e), e.field)
         except GatewayError as e:
             return _from_gateway(e)
-        if chat and not params.HasField("max_tokens") and len(prompt) < info.max_model_len:
-            params.max_tokens = info.max_model_len - len(prompt)  # a chat answer may fill the context
-        generate_request = generate_pb2.GenerateRequest(
-            prompt_token_ids=generate_pb2.TokenIds(ids=prompt), params=params
-        )
-        responses = gateway.generate(generate_request)
+        if chat and not params.HasField("max_tokens") and len(prompts[0]) < info.max_model_len:
+            params.max_tokens = info.max_model_len - len(prompts[0])  # a chat answer may fill the context
+        streams = [
+            gateway.generate(
+                generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=ids), params=params)
+            )
+            for ids in prompts
+        ]
+        token_text = await gateway.token_texts() if _names_tokens(params) else decode_token
         if stream:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await _streamed(responses, chat, info.model_name, usage, request, calls)
-        return await _whole(responses, chat, info.model_name, request, calls)
+            return await _streamed(streams, views, chat, info.model_name, usage, request, token_text, calls)
+        return await _whole(streams, views, chat, info.model_name, request, token_text, calls)
 
     async def tokenize(request: Request) -> Response:
         if isinstance(body := await json_body(request), Response):
@@ -188,19 +239,20 @@ def build_app(gateway: Gateway) -> Starlette:
             return _from_gateway(e)
         return JSONResponse({"prompt": response.prompt})
 
-    def token_text(token_id: int) -> str:
+    def decode_token(token_id: int) -> str:
         return gateway.tokenizer.decode([token_id])
 
-    async def _whole(responses, chat: bool, model: str, request: Request, calls=None) -> Response:
-        """The final response; a client that disconnects before it cancels the request."""
+    async def _whole(streams, views, chat: bool, model: str, request: Request, token_text, calls=None) -> Response:
+        """The final response (of every prompt's request); a client that disconnects before it
+        cancels them all."""
 
-        async def final():
+        async def final(responses):
             last = None
             async for response in responses:
                 last = response
             return last
 
-        work = asyncio.ensure_future(final())
+        work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
         try:
             while not work.done():
                 await asyncio.wait([work], timeout=0.25)
@@ -208,52 +260,99 @@ def build_app(gateway: Gateway) -> Starlette:
                     work.cancel()
                     with contextlib.suppress(asyncio.CancelledError, GatewayError):
                         await work
-                    await responses.aclose()
                     return Response(status_code=499)  # nobody is listening
-            response = work.result()
+            finals = work.result()
         except GatewayError as e:
             return _from_gateway(e)
-        body = openai_format.response_body(response, chat, model, token_text)
+        finally:  # a prompt that failed cancels the others
+            for responses in streams:
+                await responses.aclose()
+        bodies = [openai_format.response_body(r, chat, model, token_text, v) for r, v in zip(finals, views)]
+        body = openai_prompts.merge_bodies(bodies)
         return JSONResponse(calls.message(body) if calls is not None else body)
 
     async def _streamed(
-        responses, chat: bool, model: str, include_usage: bool, request: Request, calls=None
+        streams, views, chat: bool, model: str, include_usage: bool, request: Request, token_text, calls=None
     ) -> Response:
-        # The first response decides the status: a request rejected at validation gets its 400.
-        try:
-            first = await responses.__anext__()
-        except GatewayError as e:
-            return _from_gateway(e)
-        except StopAsyncIteration:
-            first = None
-        rid, created, started = openai_format.response_id(chat), int(time.time()), set()
+        # The first responses decide the status: a request rejected at validation gets its 400.
+        firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for responses in streams:
+                await responses.aclose()
+            if isinstance(failed, GatewayError):
+                return _from_gateway(failed)
+            raise failed
+        rid, created = openai_format.response_id(chat), int(time.time())
         texts: dict[int, str] = {}  # each output's text so far (tool calls)
 
-        async def events():
-            last = None
+        async def pump(i: int, merged: asyncio.Queue) -> None:
+            """Prompt i's responses into `merged`, then None (or the error that ended them)."""
             try:
-                response = first
+                response = firsts[i]
                 while response is not None:
-                    last = response
-                    chunk = openai_format.chunk_body(response, chat, model, rid, created, started, token_text)
+                    merged.put_nowait((i, response))
+                    response = await anext(streams[i], None)
+                merged.put_nowait((i, None))
+            except GatewayError as e:
+                merged.put_nowait((i, e))
+
+        async def arrivals():
+            """(prompt index, response) as they come; a prompt's failure raises its GatewayError.
+            One prompt (most requests) is read as it comes, without a task in between."""
+            if len(streams) == 1:
+                response = firsts[0]
+                while response is not None:
+                    yield 0, response
+                    response = await anext(streams[0], None)
+                return
+            merged: asyncio.Queue = asyncio.Queue()
+            pumps = [asyncio.ensure_future(pump(i, merged)) for i in range(len(streams))]
+            try:
+                running = len(streams)
+                while running:
+                    i, response = await merged.get()
+                    if isinstance(response, GatewayError):
+                        raise response
+                    if response is None:
+                        running -= 1
+                    else:
+                        yield i, response
+            finally:
+                for task in pumps:
+                    task.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+
+        async def events():
+            last: dict[int, generate_pb2.GenerateResponse] = {}
+            started: list[set[int]] = [set() for _ in streams]
+            responses = arrivals()
+            try:
+                async for i, response in responses:
+                    last[i] = response
+                    chunk = openai_format.chunk_body(
+                        response, chat, model, rid, created, started[i], token_text, views[i]
+                    )
                     if calls is not None:
                         chunk = calls.chunk(chunk, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
-                    response = await anext(responses, None)
-                if include_usage and last is not None:
+                if include_usage and last:
+                    usages = [views[i].usage(openai_format.usage_body(r.usage)) for i, r in last.items()]
                     usage = {
                         "id": rid,
                         "object": "chat.completion.chunk" if chat else "text_completion",
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": openai_format.usage_body(last.usage),
+                        "usage": openai_prompts.merge_usage(usages),
                     }
                     yield f"data: {json.dumps(usage)}\n\n"
             except GatewayError as e:
                 yield f"data: {json.dumps(json.loads(_from_gateway(e).body))}\n\n"
-            finally:  # also when the client disconnected: the request is cancelled
+            finally:  # also when the client disconnected: every request is cancelled
                 await responses.aclose()
+                for stream in streams:
+                    await stream.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -43,7 +43,13 @@ async def serve(args) -> None:
     tokenizer, name = load_tokenizer(args.model, args.tokenizer)
     name = args.served_model_name or name
     channel = aio_channel(args.scheduler_address, args.cluster_token)
-    limits = Limits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_length)
+    limits = Limits(
+        args.max_prompt_chars,
+        args.max_stop_strings,
+        args.max_stop_length,
+        args.max_response_bytes,
+        args.max_completion_prompts,
+    )
     gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
     server, health = new_server(max_receive_bytes=args.max_request_bytes)
     add_service(

@@ -155,6 +155,7 @@ class GroupRunner:
                     max_stop_length=limits.max_stop_length,
                     encode=self.gateway.encode_plain,
                 )
+                self.gateway.check_prompt_part(params, len(prompt))
             except InvalidRequest as e:
                 errors.append(_error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue

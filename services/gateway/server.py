@@ -20,10 +20,17 @@ import grpc
 
 from strata import openai_format
 from strata.prompt_tokens import ChatTemplateError, PromptInput, token_ids
+from strata.services.gateway import response_size
 from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
-from strata.services.gateway.validation import InvalidRequest, Limits, top_level_field_size, validate_request
+from strata.services.gateway.validation import (
+    InvalidRequest,
+    Limits,
+    ValidatedParams,
+    top_level_field_size,
+    validate_request,
+)
 from strata.v1 import engine_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 GENERATE_PROMPT_FIELD = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
@@ -64,6 +71,20 @@ class Gateway:
         self.request_timeout = request_timeout
         self.metrics = metrics or GatewayMetrics()
         self._model_info: generate_pb2.ModelInfo | None = None
+        self._token_texts: asyncio.Future | None = None
+
+    async def token_texts(self) -> response_size.TokenTexts:
+        """Every token's text, decoded once (on a thread) when a request first needs them."""
+        if self._token_texts is None:
+            self._token_texts = asyncio.ensure_future(asyncio.to_thread(response_size.TokenTexts, self.tokenizer))
+        return await asyncio.shield(self._token_texts)
+
+    def check_prompt_part(self, params: ValidatedParams, prompt_len: int) -> None:
+        """Refuses (InvalidRequest) prompt logprobs whose first response would pass
+        --max-response-bytes."""
+        if params.prompt_logprobs is not None:
+            size = response_size.proto_bytes(prompt_len, params.prompt_logprobs)
+            response_size.check(size, self.limits.max_response_bytes, "params.prompt_logprobs")
 
     def authorized(self, authorization: str | None) -> bool:
         """The `authorization` metadata or header: `Bearer KEY` when an API key is set."""
@@ -213,6 +234,7 @@ class Gateway:
                 max_stop_length=self.limits.max_stop_length,
                 encode=self.encode_plain,
             )
+            self.check_prompt_part(params, len(prompt_ids))
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         timer = RequestTimer(self.metrics, params.n, timed=scheduler_streams(params))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from strata import constraints, sampling_rules
+from strata.flags import DEFAULTS
 from strata.protocol import MAX_LOGPROBS
 from strata.v1 import engine_pb2, generate_pb2
 
@@ -30,6 +31,10 @@ class Limits:
     max_prompt_chars: int = 0  # 0: 32 characters per token of the model's context
     max_stop_strings: int = 32
     max_stop_length: int = 1024
+    # The largest response message the prompt's part may make (prompt logprobs, an echoed prompt),
+    # estimated before the request is admitted (response_size.py).
+    max_response_bytes: int = DEFAULTS["max_response_bytes"]
+    max_completion_prompts: int = DEFAULTS["max_completion_prompts"]  # prompts in one /v1/completions request
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or 32 * max_model_len
@@ -71,10 +76,14 @@ class ValidatedParams:
     allowed_token_ids: tuple[int, ...] = ()
     constraint_kind: int = 0  # engine_pb2.ConstraintKind
     constraint: str = ""
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the top k
 
-    def sampling_options(self, seed: int) -> engine_pb2.SamplingOptions:
-        """What the last stage needs to sample one child (seed: the child's own)."""
+    def sampling_options(self, seed: int, prompt_logprobs: bool = True) -> engine_pb2.SamplingOptions:
+        """What the last stage needs to sample one child (seed: the child's own). prompt_logprobs:
+        this child computes the prompt logprobs asked (one child of n does, for all of them)."""
+        asks = prompt_logprobs and self.prompt_logprobs is not None
         return engine_pb2.SamplingOptions(
+            prompt_logprobs=self.prompt_logprobs if asks else None,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
@@ -198,6 +207,9 @@ def validate_request(
     logprobs = p.logprobs if p.HasField("logprobs") else None
     if logprobs is not None:
         _sampling_rule(sampling_rules.check_logprobs, logprobs, "params.logprobs", most=max_logprobs)
+    prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None:
+        _sampling_rule(sampling_rules.check_logprobs, prompt_logprobs, "params.prompt_logprobs", most=max_logprobs)
 
     if any(s == "" for s in p.stop):
         raise InvalidRequest("params.stop", "params.stop must not contain empty strings")
@@ -231,6 +243,7 @@ def validate_request(
         logprobs=logprobs,
         output_kind=p.output_kind,
         skip_special_tokens=p.skip_special_tokens,
+        prompt_logprobs=prompt_logprobs,
         **controls,
     )
 

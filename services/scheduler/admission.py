@@ -43,6 +43,9 @@ class Admission:
         if req.parent_id or req.group_size:
             free_seats = self.max_num_seqs - len(self.running) - self.sharing.reserved_seats
             found = self.sharing.shared_prefix(req, step_id, bm, free_seats)
+        asks = req.prompt_logprobs is not None and not req.prompt_logprobs.complete
+        if found is HOLD and asks and not req.group_size:
+            found = None  # it computes its prompt itself (no logits in a sibling's blocks): no wait
         if found is HOLD:
             return HOLD
         if found is NO_ROOM:
@@ -52,6 +55,10 @@ class Admission:
         else:
             shared = bm.lookup(req)
             num_computed = len(shared) * self.block_size
+        if req.prompt_logprobs is not None:  # prompt positions it still needs rows of are computed
+            req.prompt_logprobs.admitted()
+            num_computed = req.prompt_logprobs.readable_prefix(num_computed, self.block_size)
+            shared = shared[: -(-num_computed // self.block_size)]
         end = num_computed + min(req.num_tokens - num_computed, budget)
         free = bm.num_free_blocks - self.sharing.reserved_for_others(req)
         if bm.admission_cost(shared, num_computed, end) > free:

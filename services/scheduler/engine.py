@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from strata.flags import DEFAULTS
+from strata.services.scheduler import prompt_logprobs
 from strata.services.scheduler.output_stream import OutputStream, RequestFailed
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
@@ -372,6 +373,8 @@ class Engine:
                 self.scheduler.retire(plan)
                 raise RuntimeError(result.error)
             sampled, logprobs = split_result(result)
+            if plan.asks_prompt_logprobs:  # before update() ends a request
+                self.scheduler.counters.prompt_logprob_positions += prompt_logprobs.receive(plan, result)
             spec = self.scheduler.spec
             if spec is not None and result.gpu_seconds > 0:
                 # The cost model: what a step costs the pipeline (result to result, the host's
@@ -410,6 +413,7 @@ class Engine:
             upd.stop_token_id,
             req.num_cached_prompt_tokens,
             req.queue_seconds,
+            req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,
         )
         if upd.finished:
             del self.streams[req.request_id]

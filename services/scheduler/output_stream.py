@@ -36,6 +36,7 @@ class OutputStream:
         self._queue_seconds = 0.0
         self._finish_reason = _RUNNING
         self._stop_token_id: int | None = None
+        self._prompt_logprobs: engine_pb2.PromptLogprobRows | None = None  # until the next message takes it
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
 
@@ -47,7 +48,10 @@ class OutputStream:
         stop_token_id: int | None = None,
         cached_prompt_tokens: int = 0,
         queue_seconds: float = 0.0,
+        prompt_logprobs: engine_pb2.PromptLogprobRows | None = None,
     ) -> None:
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = prompt_logprobs
         self._token_ids.extend(token_ids)
         self._logprobs.extend(logprobs)
         self._cached_prompt_tokens = cached_prompt_tokens
@@ -76,6 +80,7 @@ class OutputStream:
             queue_seconds=self._queue_seconds,
             finish_reason=self._finish_reason,
             stop_token_id=self._stop_token_id,
+            prompt_logprobs=self._prompt_logprobs,
         )
-        self._token_ids, self._logprobs = [], []
+        self._token_ids, self._logprobs, self._prompt_logprobs = [], [], None
         return out

@@ -25,6 +25,7 @@ class ScheduledSeq:
     propose: int = 0  # drafts the last stage proposes after this step for the next (device prompt lookup)
     shifted: bool = False  # sent before a verification of its request came back: may move back on the device
     rounds: int = 1  # verify rounds the last stage runs for it (StepPlan.verify_rounds), k + 1 slots each
+    prompt_rows: tuple[int, int] | None = None  # prompt logprob rows asked: (offset in its tokens, count)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class StepPlan:
     send_prefixes: bool = False  # new sequences carry their tokens before their first step
     verify_rounds: int = 1  # the most verify rounds of any sequence (the cost model times a round)
     linked_drafts: bool = False  # its drafts come over the draft link (StepPlan.linked_drafts)
+    asks_prompt_logprobs: bool = False  # some sequence has prompt_rows
 
 
 @dataclass(slots=True)

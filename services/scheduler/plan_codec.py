@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from strata.sampling_rules import history_needed
+from strata.services.scheduler import prompt_logprobs
 from strata.services.scheduler.plan import StepPlan
 from strata.v1 import engine_pb2, generate_pb2
 
@@ -61,6 +62,7 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         msg.propose_drafts.extend([s.propose for s in seqs])
     if plan.verify_rounds > 1:
         msg.verify_rounds.extend([s.rounds for s in seqs])
+    prompt_logprobs.add_to_plan(plan, msg)
     return msg
 
 

@@ -64,6 +64,8 @@ class PlanEntries:
                 rounds=rounds,
             )
         )
+        if req.prompt_logprobs is not None and start < num_prompt - 1:
+            seqs[-1].prompt_rows = req.prompt_logprobs.rows(start, confirmed_end)
         req.pending_sample = seqs[-1].sample and not num_draft
         if seqs[-1].sample:
             spec.max_pending += rounds * (num_draft + 1)

@@ -17,6 +17,7 @@ from strata.v1 import engine_pb2
 
 if TYPE_CHECKING:
     from strata.services.scheduler.prefix_sharing import SharingState
+    from strata.services.scheduler.prompt_logprobs import PromptLogprobState
     from strata.services.scheduler.speculation.request_state import SpecState
 
 
@@ -81,6 +82,7 @@ class Request:
     # ---- each feature's state, in an object of that feature, set by Scheduler.add_request
     spec: SpecState | None = None  # speculation.py: drafts, the draft worker's view of it
     sharing: SharingState | None = None  # prefix_sharing.py: blocks shared and reserved
+    prompt_logprobs: PromptLogprobState | None = None  # prompt_logprobs.py: rows asked and received (None: not asked)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

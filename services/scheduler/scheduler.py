@@ -16,6 +16,7 @@ The core's jobs, each a mixin of its own over the state kept here:
 Features live in modules of their own and keep their per-request state on the request:
   speculation/       drafts, their slots, rollback, acceptance, k (req.spec; self.spec, None when off)
   prefix_sharing.py  n > 1 siblings and prefix groups: shared blocks, pins (req.sharing; self.sharing)
+  prompt_logprobs.py the prompt positions a request asks logprobs for, and their rows (req.prompt_logprobs)
   shared_kv_runs.py  which of a step's sequences share KV blocks, for cascade attention
   stop.py            check_stop: when sampled tokens end a request
 """
@@ -35,6 +36,7 @@ from strata.services.scheduler.plan import ScheduledSeq, StepPlan
 from strata.services.scheduler.plan_entries import PlanEntries
 from strata.services.scheduler.preemption import Preemption
 from strata.services.scheduler.prefix_sharing import HOLD, PrefixSharing, SharingState
+from strata.services.scheduler.prompt_logprobs import PromptLogprobState
 from strata.services.scheduler.request import Request, RequestStatus, arrival_of
 from strata.services.scheduler.results import ResultUpdates
 from strata.services.scheduler.shared_kv_runs import find_shared_kv_runs
@@ -108,6 +110,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: preemption victims come from the end
         self._requests: dict[str, Request] = {}  # unfinished, by request_id
+        self._prompt_logprob_requests = 0  # unfinished requests that ask for prompt logprobs
         self._pending_releases: list[int] = []
         self._num_in_flight = 0
         self._next_seq_id = 1
@@ -128,6 +131,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
         req.spec, req.sharing = SpecState(k=self.spec.k if self.spec is not None else 0), SharingState()
+        req.prompt_logprobs = PromptLogprobState.of(req)
+        self._prompt_logprob_requests += req.prompt_logprobs is not None
         self._requests[req.request_id] = req
         if req.parent_id:
             self.sharing.add(req)
@@ -328,6 +333,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         if not seqs:
             return None
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
+        if self._prompt_logprob_requests:  # (nobody else pays for the look)
+            plan.asks_prompt_logprobs = any(s.prompt_rows for s in seqs)
         plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
         if spec is not None:
             if rounds > 1:
@@ -374,6 +381,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         if self.spec is not None:
             self.spec.forget(req)
         del self._requests[req.request_id]
+        self._prompt_logprob_requests -= req.prompt_logprobs is not None
         if req.parent_id:
             self.sharing.finished(req, self.block_manager)
         self.counters.finished += 1

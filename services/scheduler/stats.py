@@ -15,6 +15,7 @@ class Counters:
     lookahead_decodes: int = 0
     prefill_tokens: int = 0  # context (re)computed: prompts, and outputs again after a preemption
     decode_tokens: int = 0  # each decode's input token, plus the drafts it verifies
+    prompt_logprob_positions: int = 0  # prompt logprob rows received
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         stats.lookahead_decodes = self.lookahead_decodes
@@ -23,3 +24,4 @@ class Counters:
         stats.steps = self.steps
         stats.preemptions = self.preemptions
         stats.finished_requests = self.finished
+        stats.prompt_logprob_positions = self.prompt_logprob_positions

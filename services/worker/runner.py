@@ -21,6 +21,7 @@ from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.diagnostics.gpu_clock import GpuClock
 from strata.services.worker.graphs.warm_up import warm_up, warn_on_late_compiles
 from strata.services.worker.model.attention import AttentionMetadata, allocate_kv_cache
+from strata.services.worker.sampling.prompt_logprobs import PromptRows, asked_rows, prompt_logprobs
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling.sampling_controls import SamplingControls
 from strata.services.worker.sampling.sharded import ShardedSampler
@@ -289,6 +290,8 @@ class ModelRunner:
         rounds = spec.rounds if spec is not None else 1
         if rounds > 1:
             self._check_rounds(h)
+        # Prompt logprobs need the hidden states of prompt positions: such a step runs eagerly.
+        prompt = self._asked_prompt_rows(plan, h, rows) if self.is_last and plan.prompt_logprob_counts else None
 
         def arrive(into=None, staged_rows=None):
             """Waits for what the step needs from the other stages, then marks the step's start
@@ -320,6 +323,8 @@ class ModelRunner:
                 h, graphs = padded, self.verify_graphs[h.max_query_len]
         if rounds > 1 and graphs is not None and not self.commits_in_graph(graphs, h):
             graphs, h = None, built  # the rounds run eagerly, each drawn by the sampler
+        if prompt is not None:
+            graphs, h = None, built
         num_runs = len(h.shared_kv_runs.prefix_lens) if cascade else 0
         bs = graphs.padded_size(len(h.seq_lens), num_runs) if graphs is not None else None
         if bs is not None:  # every sequence decodes (or verifies k drafts): replay a captured graph
@@ -358,16 +363,25 @@ class ModelRunner:
                 )
             if not self.is_last:
                 return hidden, residual
+            if prompt is not None and r == 0:  # (a prefill chunk runs one round)
+                sharded = self.sampler if self.tp.active else None  # (its slices' statistics combined)
+                prompt_tensors = prompt_logprobs(
+                    self.compute_logits, hidden, residual, prompt, self.config.vocab_size, sharded
+                )
+                prompt = (prompt_tensors, prompt.num_top)
             logits = None
             if h.sample_seq_ids:
                 idx = d["sample_token_index"]
                 logits = self.compute_logits(hidden[idx], residual[idx])
             if rounds == 1:
-                return self.sample_result(plan, h, logits, d["sample_rows"], sampling, start, spec)
+                return self.sample_result(plan, h, logits, d["sample_rows"], sampling, start, spec, prompt)
             out = self.sampler(logits, sampling)  # (_check_rounds: no logprobs, no controls)
             kept.append((out.token_ids, self.spec.after_draw(spec, out.token_ids, per_token=False)))
         draws, packed = (torch.stack(x) for x in zip(*kept))
-        return self.rounds_result(plan, h, start, spec, draws, packed)
+        return self.rounds_result(plan, h, start, spec, draws, packed, prompt=prompt)
+
+    def _asked_prompt_rows(self, plan, h: HostInputs, rows: np.ndarray) -> PromptRows | None:
+        return asked_rows(plan, h.query_start_loc, self.table.prompt_logprobs[rows], self.config.vocab_size)
 
     def _check_rounds(self, h: HostInputs) -> None:
         """Several verification rounds in one step: one stage (the next round's inputs are the
@@ -402,7 +416,9 @@ class ModelRunner:
         unfiltered): what several rounds on the graph need."""
         return getattr(graphs, "commits", False) and graphs.samples and bool(self.table.unfiltered[h.token_rows].all())
 
-    def rounds_result(self, plan, h: HostInputs, start: float, spec, draws, packed, take=None) -> PendingResult:
+    def rounds_result(
+        self, plan, h: HostInputs, start: float, spec, draws, packed, take=None, prompt=None
+    ) -> PendingResult:
         """The result of a step of several verification rounds: draws [rounds, rows] and packed
         [rounds, n, 2 + max_k], each round's."""
         return PendingResult(
@@ -417,6 +433,7 @@ class ModelRunner:
             take=take,
             speculation=(packed, spec.sample_idx),
             rounds=spec.seq_rounds,
+            prompt=prompt,
         )
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -441,13 +458,15 @@ class ModelRunner:
         sampling: SamplingTensors | None,
         start: float,
         spec=None,
+        prompt=None,
     ) -> PendingResult:
+        """prompt: the step's prompt logprobs (device tensors, each row's k), when it asked."""
         step_id = plan.step_id
         controlled = self.controls is not None and self.controls.active
         if controlled:  # after the forward's launch: its host work overlaps the GPU's
             self.controls.begin_step(plan, h)
         if not h.sample_seq_ids:
-            return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, self.gpu_start)
+            return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, self.gpu_start, prompt=prompt)
         sampler = self.sampler
         if controlled and self.tp.active and self.controls.controlled[h.sample_rows].any():
             # Penalties and grammars on the whole rows, then the unsharded draw, as at T = 1.
@@ -474,4 +493,5 @@ class ModelRunner:
             self.gpu_start,
             h.verify,
             speculation=(packed, spec.sample_idx) if packed is not None else None,
+            prompt=prompt,
         )

@@ -47,7 +47,7 @@ METRIC_FIELD_NUMBER: _ClassVar[int]
 metric: _descriptor.FieldDescriptor
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias_token_ids", "logit_bias_values", "bad_words", "allowed_token_ids", "constraint_kind", "constraint")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias_token_ids", "logit_bias_values", "bad_words", "allowed_token_ids", "constraint_kind", "constraint", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class SamplingOptions(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_KIND_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -78,7 +79,8 @@ class SamplingOptions(_message.Message):
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     constraint_kind: ConstraintKind
     constraint: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., bad_words: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., constraint_kind: _Optional[_Union[ConstraintKind, str]] = ..., constraint: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., bad_words: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., constraint_kind: _Optional[_Union[ConstraintKind, str]] = ..., constraint: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StopCriteria(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "stop_token_ids", "eos_token_ids", "ignore_eos")
@@ -115,7 +117,7 @@ class EngineRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ..., shared_prefix_len: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "prompt_tokens", "cached_prompt_tokens", "queue_seconds")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "prompt_tokens", "cached_prompt_tokens", "queue_seconds", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class EngineOutput(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
@@ -132,7 +135,22 @@ class EngineOutput(_message.Message):
     prompt_tokens: int
     cached_prompt_tokens: int
     queue_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobRows
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobRows, _Mapping]] = ...) -> None: ...
+
+class PromptLogprobRows(_message.Message):
+    __slots__ = ("num_top", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    num_top: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_top: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -151,7 +169,7 @@ class MetricSpec(_message.Message):
     def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ..., name: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds", "spec_decode_linked_proposals", "spec_decode_failed_proposals")
+    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds", "spec_decode_linked_proposals", "spec_decode_failed_proposals", "prompt_logprob_positions")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +202,7 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_LINKED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FAILED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     free_kv_blocks: int
     cached_kv_blocks: int
@@ -216,7 +235,8 @@ class SchedulerStats(_message.Message):
     spec_decode_verify_rounds: int
     spec_decode_linked_proposals: int
     spec_decode_failed_proposals: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ..., spec_decode_linked_proposals: _Optional[int] = ..., spec_decode_failed_proposals: _Optional[int] = ...) -> None: ...
+    prompt_logprob_positions: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ..., spec_decode_linked_proposals: _Optional[int] = ..., spec_decode_failed_proposals: _Optional[int] = ..., prompt_logprob_positions: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -377,7 +397,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_start: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_kv_run", "shared_kv_run_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds", "linked_drafts")
+    __slots__ = ("step_id", "new_sequences", "released_seq_ids", "seq_ids", "num_computed", "num_scheduled", "input_token_ids", "table_keep", "table_append_counts", "table_append_ids", "sample", "num_draft_tokens", "copy_src_blocks", "copy_dst_blocks", "propose_tokens", "shared_kv_run", "shared_kv_run_lens", "propose_drafts", "rejected_drafts", "after_idle", "verify_rounds", "linked_drafts", "prompt_logprob_offsets", "prompt_logprob_counts", "prompt_logprob_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +420,9 @@ class StepPlan(_message.Message):
     AFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LINKED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -422,10 +445,13 @@ class StepPlan(_message.Message):
     after_idle: bool
     verify_rounds: _containers.RepeatedScalarFieldContainer[int]
     linked_drafts: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_kv_run: _Optional[_Iterable[int]] = ..., shared_kv_run_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ..., linked_drafts: _Optional[bool] = ...) -> None: ...
+    prompt_logprob_offsets: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprob_counts: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., input_token_ids: _Optional[_Iterable[int]] = ..., table_keep: _Optional[_Iterable[int]] = ..., table_append_counts: _Optional[_Iterable[int]] = ..., table_append_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., propose_tokens: _Optional[int] = ..., shared_kv_run: _Optional[_Iterable[int]] = ..., shared_kv_run_lens: _Optional[_Iterable[int]] = ..., propose_drafts: _Optional[_Iterable[int]] = ..., rejected_drafts: _Optional[_Iterable[int]] = ..., after_idle: _Optional[bool] = ..., verify_rounds: _Optional[_Iterable[int]] = ..., linked_drafts: _Optional[bool] = ..., prompt_logprob_offsets: _Optional[_Iterable[int]] = ..., prompt_logprob_counts: _Optional[_Iterable[int]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds", "num_proposed", "proposed_token_ids", "peer_lost", "round_num_tokens", "round_num_proposed")
+    __slots__ = ("step_id", "seq_ids", "num_tokens", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "execute_seconds", "error", "gpu_seconds", "gpu_idle_seconds", "launch_seconds", "num_proposed", "proposed_token_ids", "peer_lost", "round_num_tokens", "round_num_proposed", "prompt_logprobs", "prompt_logprob_ranks", "prompt_top_token_ids", "prompt_top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +470,10 @@ class StepResult(_message.Message):
     PEER_LOST_FIELD_NUMBER: _ClassVar[int]
     ROUND_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUND_NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -462,7 +492,11 @@ class StepResult(_message.Message):
     peer_lost: bool
     round_num_tokens: _containers.RepeatedScalarFieldContainer[int]
     round_num_proposed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_seconds: _Optional[float] = ..., error: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., gpu_idle_seconds: _Optional[float] = ..., launch_seconds: _Optional[float] = ..., num_proposed: _Optional[_Iterable[int]] = ..., proposed_token_ids: _Optional[_Iterable[int]] = ..., peer_lost: _Optional[bool] = ..., round_num_tokens: _Optional[_Iterable[int]] = ..., round_num_proposed: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprob_ranks: _containers.RepeatedScalarFieldContainer[int]
+    prompt_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_seconds: _Optional[float] = ..., error: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., gpu_idle_seconds: _Optional[float] = ..., launch_seconds: _Optional[float] = ..., num_proposed: _Optional[_Iterable[int]] = ..., proposed_token_ids: _Optional[_Iterable[int]] = ..., peer_lost: _Optional[bool] = ..., round_num_tokens: _Optional[_Iterable[int]] = ..., round_num_proposed: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprob_ranks: _Optional[_Iterable[int]] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

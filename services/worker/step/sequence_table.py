@@ -37,6 +37,7 @@ class SequenceTable:
         self.min_p = np.zeros(max_seqs, dtype=np.float32)
         self.seed = np.zeros(max_seqs, dtype=np.int64)
         self.logprobs = np.full(max_seqs, -1, dtype=np.int32)
+        self.prompt_logprobs = np.full(max_seqs, -1, dtype=np.int32)  # top k of asked prompt positions; -1: none
         # Derived once per sequence, as SamplingTensors derives them, for the decode graphs' draw.
         self.inv_temperature = np.ones(max_seqs, dtype=np.float32)
         self.greedy = np.zeros(max_seqs, dtype=np.uint8)
@@ -87,6 +88,7 @@ class SequenceTable:
         # Seeds are uint64 on the wire; keep their bits in int64.
         self.seed[row] = np.uint64(s.seed).astype(np.int64)
         self.logprobs[row] = s.logprobs
+        self.prompt_logprobs[row] = s.prompt_logprobs if s.HasField("prompt_logprobs") else -1
         # SamplingTensors.prepare's rule on one row (prepare's array overhead, paid per
         # admission, showed up in the launch of prefill steps).
         greedy, self.inv_temperature[row] = greedy_and_inverse_temperature(self.temperature[row])

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from strata.services.worker.device import cuda_driver
+from strata.services.worker.sampling.prompt_logprobs import add_to_result
 from strata.services.worker.speculation.verification import Verification, accepted_rows, emitted_rows, round_tokens
 from strata.v1 import engine_pb2
 
@@ -66,6 +67,7 @@ class PendingResult:
         take: np.ndarray | None = None,
         speculation: tuple[torch.Tensor, np.ndarray] | None = None,
         rounds: np.ndarray | None = None,
+        prompt: tuple[list[torch.Tensor], np.ndarray] | None = None,
     ):
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
@@ -79,6 +81,10 @@ class PendingResult:
         # Several verification rounds (StepPlan.verify_rounds): each sampling sequence's rounds;
         # the token tensor and the packed outcome then hold a row per round.
         self.rounds = rounds
+        # Prompt logprobs (sampling/prompt_logprobs.py): their tensors and each row's k.
+        self.prompt = None
+        if prompt is not None:
+            self.prompt = ([x.to("cpu", non_blocking=True) for x in prompt[0]], prompt[1])
         self.timeline, self.gpu_start = timeline, gpu_start
         self.event = timeline.mark() if gpu_start is not None else None
         self.launch_seconds = time.perf_counter() - start
@@ -118,6 +124,8 @@ class PendingResult:
                 result.proposed_token_ids.extend(
                     packed[:, 2:][np.arange(packed.shape[1] - 2) < counts[:, None]].tolist()
                 )
+        if self.prompt is not None:
+            add_to_result(result, *self.prompt)
         result.execute_seconds = time.perf_counter() - self.start
         return result
 
