@@ -130,7 +130,8 @@ class Endpoints:
     scheduler: str | None  # None: stats are not available (--address without --scheduler-address)
     own_cluster: bool
     service_pids: dict[str, int] = field(default_factory=dict)  # of a cluster this run started
-    workers: list[str] = field(default_factory=list)  # its workers' addresses, in stage order
+    workers: list[str] = field(default_factory=list)  # its workers' addresses, in stage order (replica by replica)
+    schedulers: list[str] = field(default_factory=list)  # one per data-parallel replica (scheduler is the first)
 
 
 def with_overrides(args, **overrides):
@@ -144,6 +145,7 @@ def with_overrides(args, **overrides):
 # speculative ones only when a method is set (a draft model alone would turn speculation on).
 SERVE_FLAGS = (
     "pipeline_stages",
+    "data_parallel_size",  # `strata bench pipeline`'s dp way
     "tensor_parallel_size",  # (the tensor-parallel bench's, as below)
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
@@ -240,7 +242,8 @@ def cluster_for(args):
                 cluster.scheduler_address,
                 own_cluster=True,
                 service_pids={name.replace(" ", "_"): proc.pid for name, proc in cluster.procs},
-                workers=list(cluster.worker_addresses),
+                workers=[w for replica in cluster.replicas for w in replica.workers],
+                schedulers=[replica.scheduler for replica in cluster.replicas],
             )
     finally:
         cluster.stop()
@@ -530,6 +533,21 @@ async def scheduler_stats(address: str | None):
 
     async with scheduler_channel(address) as channel:
         return await engine_pb2_grpc.SchedulerStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=30)
+
+
+async def cluster_stats(endpoints):
+    """The scheduler's statistics; with data-parallel replicas, their counters (and pools) summed."""
+    from strata.v1 import engine_pb2
+
+    addresses = endpoints.schedulers or [endpoints.scheduler]
+    if len(addresses) == 1:
+        return await scheduler_stats(addresses[0])
+    total = engine_pb2.SchedulerStats()
+    for stats in [await scheduler_stats(a) for a in addresses]:
+        for name in (*COUNTERS, "num_kv_blocks", "peak_used_kv_blocks", "used_kv_blocks"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total.gpu_idle_fraction = max(total.gpu_idle_fraction, stats.gpu_idle_fraction)
+    return total
 
 
 def stats_delta(before, after) -> dict:

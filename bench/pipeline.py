@@ -1,7 +1,10 @@
-"""`strata bench pipeline`: pipeline parallelism against one stage, in one run (issue 29).
+"""`strata bench pipeline`: pipeline parallelism against one stage, in one run (issue 29), and
+data-parallel replicas beside them (the `dp` way, issue 50: --data-parallel, replicas of one
+stage each behind one gateway, a GPU each).
 
 For each stage count (1, 2, and 4 where the GPUs allow; stages share a GPU when the host has
-fewer GPUs than stages) and each stage transport (--transports), a fresh cluster runs:
+fewer GPUs than stages) and each stage transport (--transports), and each replica count, a fresh
+cluster runs:
 
 - the offline workload (--num-prompts x --input-len / --output-len, all at once, FINAL_ONLY):
   output tokens/s;
@@ -23,6 +26,10 @@ import time
 from strata.bench import common
 
 TARGET_OFFLINE_RATIO = 0.9  # output tok/s of P stages / one stage, 1B offline
+# Issue 50, on two GPUs (8B, 1,024 requests): D replicas' output tok/s / one GPU's, and P stages'
+# / the D = P replicas'.
+TARGET_DP_RATIO = 1.85
+TARGET_PP_OVER_DP = 0.9
 TARGET_TPOT_RATIO = 1.25  # TPOT p50 of P stages / one stage, 16 streams
 TARGET_IDLE = 0.10  # each stage's GPU idle between steps / its timeline, offline
 # The issue's hop: 2 MiB of activations at batch 256 (bench/stage_hop.py measures it); printed
@@ -56,6 +63,14 @@ def _visible_gpus() -> int:
         return 0
 
 
+def replica_counts(value: str) -> list[int]:
+    """'auto': 2 replicas where 2 GPUs are visible (and 4 where 4 are); else a comma list (0: none)."""
+    if value != "auto":
+        return [int(d) for d in value.split(",") if d.strip() and int(d) > 0]
+    gpus = _visible_gpus()
+    return [d for d in (2, 4) if d <= gpus]
+
+
 def stage_counts(value: str) -> list[int]:
     """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
     if value != "auto":
@@ -79,11 +94,11 @@ def _worker_delta(before, after) -> list[dict]:
 
 async def _phase(endpoints, workers, run):
     before_w = await worker_stats(workers)
-    before = await common.scheduler_stats(endpoints.scheduler)
+    before = await common.cluster_stats(endpoints)
     start = time.perf_counter()
     records = await run()
     elapsed = time.perf_counter() - start
-    after = await common.scheduler_stats(endpoints.scheduler)
+    after = await common.cluster_stats(endpoints)
     # Stages finish their last steps' timing as their events complete: read them after a moment.
     after_w = await worker_stats(workers)
     done = [r for r in records if not r.error]
@@ -145,10 +160,13 @@ async def _run_config(endpoints, workers, args, name: str) -> dict:
     return {"offline": offline, "latency": latency}
 
 
-def _stage_rows(phase: dict) -> list[tuple[str, str]]:
+def _stage_rows(phase: dict, replicas: int = 1) -> list[tuple[str, str]]:
     rows = []
     stages = phase["stages"]
-    for i, s in enumerate(stages):
+    per_replica = len(stages) // replicas
+    for j, s in enumerate(stages):
+        i = j % per_replica  # the stage within its replica
+        label = f"replica {j // per_replica} stage {i}" if replicas > 1 else f"stage {i}"
         timed = s["timed_steps"]
         busy, idle = s["busy_seconds"], s["idle_seconds"]
         share = idle / max(busy + idle, 1e-9)
@@ -162,7 +180,7 @@ def _stage_rows(phase: dict) -> list[tuple[str, str]]:
             line += f"; waited {s['input_wait_seconds'] / max(s['steps'], 1) * 1e3:.3f} ms/step for activations"
         if s["token_waits"]:
             line += f"; {s['token_waits']:,} steps waited for tokens, {s['token_wait_seconds'] * 1e3 / s['token_waits']:.3f} ms each"
-        rows.append((f"stage {i}", line))
+        rows.append((label, line))
         if s["activation_steps_sent"]:
             n = s["activation_steps_sent"]
             rows.append(
@@ -211,7 +229,9 @@ def _token_hop_us(phase: dict) -> float | None:
     return last["token_send_seconds"] / last["token_steps_sent"] * 1e6
 
 
-def _run_name(stages: int, transport: str, micro_batches: int) -> str:
+def _run_name(stages: int, transport: str, micro_batches: int, replicas: int = 1) -> str:
+    if replicas > 1:
+        return f"{replicas}-replicas-of-{stages}-stage"
     return f"{stages}-stages-{transport}-{micro_batches or 'default'}-mb"
 
 
@@ -247,38 +267,46 @@ def run(args) -> int:
     for stages in stage_counts(args.stages):
         for transport in transports if stages > 1 else ["-"]:
             for mb in micro_batches if stages > 1 else [0]:
-                configs.append((stages, transport, mb))
+                configs.append((stages, transport, mb, 1))
+    # The dp way: replicas of one stage each, a GPU each (and no MPS: nothing shares a GPU).
+    configs += [(1, "-", 0, d) for d in replica_counts(args.data_parallel) if d > 1]
     runs = []
     failed = 0
-    for stages, transport, mb in configs:
+    for stages, transport, mb, replicas in configs:
         run_args = common.with_overrides(
             args,
             pipeline_stages=stages,
             stage_transport=None if transport == "-" else transport,
             pipeline_micro_batches=mb,
+            data_parallel_size=replicas,
+            mps=args.mps and replicas == 1,
         )
         name = (
-            f"{stages} stage(s)"
+            (f"{replicas} replicas of " if replicas > 1 else "")
+            + f"{stages} stage(s)"
             + ("" if stages == 1 else f", {transport}")
             + (f", {mb} micro-batches" if mb else "")
-            + (", under the cluster's MPS daemon" if args.mps else "")
+            + (", under the cluster's MPS daemon" if run_args.mps else "")
         )
         print(f"\n--- {name}", flush=True)
-        clock_dir = _clock_dir(args, stages, transport, mb)
+        clock_dir = _clock_dir(args, stages, transport, mb) if replicas == 1 else None
+        run_name = _run_name(stages, transport, mb, replicas)
         with common.env_var("STRATA_GPU_CLOCK_DIR", clock_dir), common.cluster_for(run_args) as endpoints:
             workers = list(endpoints.workers)
-            phases = common.run(_run_config(endpoints, workers, run_args, _run_name(stages, transport, mb)))
+            phases = common.run(_run_config(endpoints, workers, run_args, run_name))
         if clock_dir:
             phases["gpu_clock"] = _gpu_clock_breakdown(clock_dir)
-        runs.append({"stages": stages, "transport": transport, "micro_batches": mb, **phases})
+        runs.append({"stages": stages, "transport": transport, "micro_batches": mb, "replicas": replicas, **phases})
         failed += phases["offline"]["failed"] + phases["latency"]["failed"]
 
-    base = next((r for r in runs if r["stages"] == 1), None)
+    base = next((r for r in runs if r["stages"] == 1 and r["replicas"] == 1), None)
     result = {"benchmark": "pipeline", "environment": env, "config": common.args_dict(args), "runs": runs}
     rows_md = []
     for r in runs:
         off, lat = r["offline"], r["latency"]
         title = f"{r['stages']} stage(s)" + ("" if r["stages"] == 1 else f", {r['transport']} transport")
+        if r["replicas"] > 1:
+            title = f"{r['replicas']} replicas of {title}"
         if r["micro_batches"]:
             title += f", {r['micro_batches']} micro-batches"
         sched = off["scheduler"]
@@ -294,7 +322,7 @@ def run(args) -> int:
                     "lookahead decodes",
                     f"{sched.get('lookahead_decodes', 0):,} of {sched.get('decode_tokens_computed', 0):,}",
                 ),
-                *_stage_rows(off),
+                *_stage_rows(off, r["replicas"]),
             ],
         )
         common.print_section(
@@ -306,7 +334,7 @@ def run(args) -> int:
                     f"p50 {common.fmt(lat['tpot_ms'].get('p50'), '.2f')}  p99 {common.fmt(lat['tpot_ms'].get('p99'), '.2f')}",
                 ),
                 ("ITL ms", f"p50 {common.fmt(lat['itl_ms'].get('p50'), '.2f')}"),
-                *_stage_rows(lat),
+                *_stage_rows(lat, r["replicas"]),
             ],
         )
         if base is None or r is base:
@@ -319,8 +347,13 @@ def run(args) -> int:
         stream_idle = _shared_gpu_idle(lat) if shared else _idle_share(lat)
         base_idle = _idle_share(base["latency"])
         hop = _token_hop_us(off)
+        dp = r["replicas"] > 1
+        # P stages against as many replicas of one stage (the same GPUs), when both ran.
+        peer = None if dp else next((d for d in runs if d["replicas"] == r["stages"] and d["stages"] == 1), None)
+        over_dp = peer and common.ratio(off["output_tokens_per_s"], peer["offline"]["output_tokens_per_s"])
         r["ratios"] = {
             "offline_tok_s": tok,
+            "offline_tok_s_over_dp": over_dp,
             "tpot_p50": tpot,
             "max_stage_idle_share": idle,
             "streams_gpu_idle_share": stream_idle,
@@ -329,7 +362,21 @@ def run(args) -> int:
         common.print_section(
             f"Targets, {title} against one stage (same run)",
             [
-                ("offline output tok/s", f"{common.fmt(tok, '.2f')}x   (target >= {TARGET_OFFLINE_RATIO:g}x)"),
+                (
+                    "offline output tok/s",
+                    f"{common.fmt(tok, '.2f')}x   (target >= {TARGET_DP_RATIO if dp else TARGET_OFFLINE_RATIO:g}x"
+                    f"{' on two GPUs, 8B' if dp else ''})",
+                ),
+                *(
+                    [
+                        (
+                            f"offline tok/s over {r['stages']} replicas",
+                            f"{common.fmt(over_dp, '.2f')}x   (target >= {TARGET_PP_OVER_DP:g}x on two GPUs, 8B)",
+                        )
+                    ]
+                    if peer
+                    else []
+                ),
                 ("16-stream TPOT p50", f"{common.fmt(tpot, '.2f')}x   (target <= {TARGET_TPOT_RATIO:g}x)"),
                 (
                     "GPU idle between steps",
@@ -354,10 +401,10 @@ def run(args) -> int:
                     env["commit"],
                     env["device_name"],
                     env["model"],
-                    str(r["stages"]),
+                    f"{r['stages']} x {r['replicas']} replicas" if dp else str(r["stages"]),
                     r["transport"]
                     + (f", {r['micro_batches']} micro-batches" if r["micro_batches"] else "")
-                    + (", MPS" if args.mps else ""),
+                    + (", MPS" if args.mps and not dp else ""),
                     f"{args.num_prompts} x {args.input_len}/{args.output_len}",
                     f(off["output_tokens_per_s"], ",.0f"),
                     f(tok, ".2f"),

@@ -113,11 +113,11 @@ async def _phase(endpoints, args, way: str) -> dict:
     info = await common.model_info(endpoints.gateway)
     await common.warm_up(endpoints.gateway, args, info.vocab_size, 8, args.seed + 99)
     groups = workload(args, info.vocab_size)
-    before = await common.scheduler_stats(endpoints.scheduler)
+    before = await common.cluster_stats(endpoints)
     start = time.perf_counter()
     tokens, failed = await (_as_groups if way == "groups" else _as_requests)(endpoints, args, groups)
     elapsed = time.perf_counter() - start
-    after = await common.scheduler_stats(endpoints.scheduler)
+    after = await common.cluster_stats(endpoints)
     requests = args.num_groups * args.group_size
     return {
         "requests": requests,

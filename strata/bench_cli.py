@@ -31,9 +31,9 @@ DESCRIPTIONS = {
     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
     "a group batch (cascade and paged) against its floor.",
     "pipeline": "Pipeline parallelism against one stage in one run: the offline workload and --concurrency "
-    "streams at 1, 2 (and 4 where GPUs allow) stages, per stage transport; each stage's busy and idle "
-    "time (the bubbles), the hops' bytes and time per step, tok/s and TPOT relative to one stage, and "
-    "the targets.",
+    "streams at 1, 2 (and 4 where GPUs allow) stages, per stage transport, and as many data-parallel "
+    "replicas of one stage (the dp way); each stage's busy and idle time (the bubbles), the hops' bytes "
+    "and time per step, tok/s and TPOT relative to one stage, and the targets.",
     "tensor-parallel": "Tensor parallelism against one GPU and the pipeline in one run: for each way (one "
     "GPU, tp2, pp2, tpTppP) an offline workload (mixed or fixed lengths), --concurrency streams and one "
     "stream; output tok/s, TPOT, every GPU's busy share, the ratios to one GPU, and the all-reduce's share of "
@@ -250,6 +250,13 @@ def _pipeline_parser(sub, formatter_class) -> None:
         help="stage transports of the multi-stage runs, comma-separated: auto, ipc, distributed, grpc",
     )
     p.add_argument(
+        "--data-parallel",
+        default="auto",
+        help="the dp way: replica counts, comma-separated, each a run of that many one-stage replicas behind one "
+        "gateway (strata serve --data-parallel-size), a GPU each (auto: 2 where 2 GPUs are visible, and 4 where "
+        "4 are; 0: none)",
+    )
+    p.add_argument(
         "--no-pipelined-decode",
         action="store_true",
         help="multi-stage runs without pipelined decode (every decode waits for the scheduler; A/B)",
@@ -379,6 +386,13 @@ def _prefix_groups_parser(sub, formatter_class) -> None:
         default=None,
         help="each way's workers write a torch.profiler table of their steps to DIR/<way>.txt "
         "(window: STRATA_PROFILE_STEPS=FIRST:COUNT, default 200:100; slows those steps)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="every way's cluster as this many replicas behind one gateway (a GPU each): groups go whole to "
+        "one replica each, spread by load; the statistics are the replicas' summed",
     )
     add_common_flags(p)
     # All 512 requests run at once (the offline budget, as for the throughput benchmark).

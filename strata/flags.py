@@ -71,8 +71,25 @@ FLAGS: dict[str, Flag] = {
         1,
         "GPUs (worker processes) per pipeline stage: every layer's heads, MLP and vocabulary are split over "
         "them, with one all-reduce per pair of linears, so a token takes less time; rank 0 of each stage "
-        "speaks to the scheduler and relays its plans to the others. strata serve places rank t of stage i on "
-        "GPU i x size + t (ranks of a stage side by side); the size must divide the model's attention heads",
+        "speaks to the scheduler and relays its plans to the others. strata serve places rank t of stage i of "
+        "replica r on GPU (r x stages + i) x size + t (ranks of a stage side by side); the size must divide the "
+        "model's attention heads",
+        int,
+    ),
+    "data_parallel_size": Flag(
+        "STRATA_DATA_PARALLEL_SIZE",
+        1,
+        "data-parallel replicas: this many pipelines, each of --pipeline-stages stages with a scheduler of its "
+        "own, behind the one gateway, which routes each request by load with prefix affinity and resumes a lost "
+        "replica's requests on another; stage i of replica r on GPU r x stages + i (times --tensor-parallel-size, "
+        "plus the rank, with tensor parallelism)",
+        int,
+    ),
+    "restart_limit": Flag(
+        "STRATA_RESTART_LIMIT",
+        5,
+        "a worker or scheduler that exits is started again (its replica recovers: requests resume by recompute) "
+        "up to this many times a minute, after which the cluster stops; 0: the cluster stops when any service exits",
         int,
     ),
     "mps": Flag(
@@ -334,7 +351,20 @@ FLAGS: dict[str, Flag] = {
         bool,
     ),
     # -------------------------------------------------------------- the gateway
-    "scheduler_address": Flag("STRATA_SCHEDULER_ADDRESS", "127.0.0.1:50052", "scheduler host:port"),
+    "scheduler_address": Flag(
+        "STRATA_SCHEDULER_ADDRESS",
+        "127.0.0.1:50052",
+        "scheduler host:port; several, comma-separated, put data-parallel replicas (a scheduler and its "
+        "pipeline each, on any hosts) behind this gateway",
+    ),
+    "replica_failover_seconds": Flag(
+        "STRATA_REPLICA_FAILOVER_SECONDS",
+        5.0,
+        "with several replicas: how long a replica may be NOT_SERVING (rebuilding a lost stage, its requests "
+        "paused) before its requests resume on another replica, with the tokens they would have had; a replica "
+        "whose scheduler is gone loses them at once",
+        float,
+    ),
     "tokenizer": Flag(
         "STRATA_TOKENIZER",
         None,
@@ -458,6 +488,7 @@ GATEWAY_FLAGS = (
     "max_prompt_chars",
     "max_stop_strings",
     "max_stop_length",
+    "replica_failover_seconds",
 )
 # In the order --help lists them.
 _GATEWAY_HELP_ORDER = (
@@ -473,6 +504,7 @@ _GATEWAY_HELP_ORDER = (
     "api_key",
     "tls_cert",
     "tls_key",
+    "replica_failover_seconds",
 )
 
 
@@ -520,8 +552,9 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
         formatter_class=formatter_class,
         help="start scheduler, workers and gateway on this host as separate processes",
         description="Starts the scheduler, one worker per pipeline stage and the gateway as separate "
-        "processes, waits until all are healthy, prints the gateway address, and stops "
-        "them all on Ctrl-C.",
+        "processes (with --data-parallel-size D, D schedulers, each with its workers, behind the gateway), "
+        "waits until all are healthy, prints the gateway address, starts a worker or scheduler that exits "
+        "again, and stops them all on Ctrl-C.",
     )
     add_flags(
         p,
@@ -529,6 +562,8 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
             "model",
             "pipeline_stages",
             "tensor_parallel_size",
+            "data_parallel_size",
+            "restart_limit",
             "mps",
             "host",
             "port",

@@ -15,6 +15,7 @@ import time
 import uuid
 
 from strata.openai_prompts import BadField, PromptView, completion_prompts, prompt_logprobs_body
+from strata.prompt_logprobs import positions
 from strata.prompt_tokens import PromptInput, token_ids
 from strata.v1 import generate_pb2
 
@@ -452,8 +453,8 @@ def response_body(
     """The OpenAI response object of a finished (FINAL_ONLY or last CUMULATIVE) response; view:
     what it shows of its prompt (openai_prompts: echo, prompt_logprobs, its choices' indices)."""
     view = view or PromptView("")
-    if response.prompt_logprobs:
-        view.entries = list(response.prompt_logprobs)
+    if response.HasField("prompt_logprobs"):
+        view.entries = positions(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
         choice = {
@@ -496,9 +497,9 @@ def chunk_body(
     what it shows of its prompt (a completion choice's first chunk: the echo, prompt_logprobs;
     a chat's first chunk: prompt_logprobs)."""
     view = view or PromptView("")
-    first_response = bool(response.prompt_logprobs)
+    first_response = response.HasField("prompt_logprobs")
     if first_response:
-        view.entries = list(response.prompt_logprobs)
+        view.entries = positions(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
         choice = {

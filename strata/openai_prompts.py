@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from strata.prompt_logprobs import PromptPosition
 from strata.prompt_tokens import PromptInput
-from strata.v1 import generate_pb2
 
 # A -inf logprob as JSON (which has no infinity), as vLLM writes it.
 NEG_INF_LOGPROB = -9999.0
@@ -146,7 +146,7 @@ class PromptView:
     text: str  # the prompt's text (a token id prompt's decoded)
     echo: Echo | None = None
     index_offset: int = 0  # its first choice's index (prompt index x n)
-    entries: list[generate_pb2.PromptLogprob] | None = None  # from its first response
+    entries: list[PromptPosition] | None = None  # from its first response
 
     def completion_choice(self, choice: dict, token_text, first: bool = True) -> dict:
         """A /v1/completions choice, whole or a stream's chunk of it, indexed among every

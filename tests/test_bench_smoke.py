@@ -414,6 +414,42 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
 
 
+# Behind the slow marker (STRATA_SLOW_TESTS=1): the replicas' cluster is tests/test_data_parallel.py's,
+# and the bench's runs are the case above's; this adds summing the replicas' statistics.
+@pytest.mark.slow
+def test_pipeline_bench_runs_the_dp_way_beside_one_stage(tmp_path):
+    r = bench(
+        tmp_path,
+        "pipeline",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--concurrency",
+        "2",
+        "--latency-num-prompts",
+        "2",
+        "--stages",
+        "1",
+        "--data-parallel",
+        "2",
+        "--max-num-batched-tokens",
+        "64",
+    )
+    runs = r["runs"]
+    assert [(x["stages"], x["replicas"]) for x in runs] == [(1, 1), (1, 2)]
+    dp = runs[1]
+    for phase in (dp["offline"], dp["latency"]):
+        assert phase["failed"] == 0 and len(phase["stages"]) == 2  # one stage in each replica
+        assert all(stage["steps"] > 0 for stage in phase["stages"])  # both replicas served
+    assert dp["offline"]["output_tokens"] == 6 * OUTPUT_LEN
+    assert dp["offline"]["scheduler"]["finished_requests"] >= 6  # summed over both schedulers
+    assert dp["ratios"]["offline_tok_s"] > 0
+    assert "| 1 x 2 replicas | - |" in r["markdown_row"]
+
+
 @pytest.mark.parametrize(
     "transport",
     [

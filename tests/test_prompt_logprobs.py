@@ -5,13 +5,12 @@ End to end through a cluster: tests/test_prompt_logprobs_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
 
-from strata.services.gateway.fanout import RequestOutputState, prompt_logprob_entries
+from strata.prompt_logprobs import Alternative, PromptPosition, positions
+from strata.services.gateway.fanout import RequestOutputState, prompt_logprobs_message
 from strata.services.gateway.validation import InvalidRequest, validate_request
 from strata.services.scheduler import prompt_logprobs as scheduler_rows
 from strata.services.scheduler.plan_codec import plan_to_proto
@@ -366,11 +365,11 @@ def _rows(prompt_len: int, k: int) -> engine_pb2.PromptLogprobRows:
     return rows
 
 
-def test_the_public_list_starts_with_the_first_token_alone():
+def test_the_public_message_reads_as_the_first_token_alone_then_each_row():
     prompt = [11, 12, 13, 14]
-    entries = asyncio.run(prompt_logprob_entries(prompt, _rows(4, 2)))
+    entries = positions(prompt_logprobs_message(prompt, _rows(4, 2)))
     assert [e.token_id for e in entries] == prompt
-    assert not entries[0].HasField("logprob") and entries[0].rank == 0 and not entries[0].top
+    assert entries[0].logprob is None and entries[0].rank == 0 and not entries[0].top
     for p, e in enumerate(entries[1:]):
         lp, rank, ids, tops = _fake_row(p, 2)
         assert (e.logprob, e.rank, [t.token_id for t in e.top]) == (pytest.approx(lp), rank, ids)
@@ -380,7 +379,7 @@ def test_the_public_list_starts_with_the_first_token_alone():
 def test_the_first_response_carries_the_prompt_logprobs_whatever_came_before(kind):
     """Child 1 makes progress before child 0 (the asker) brings the list: nothing goes out until
     then, and the first response holds the list and everything so far."""
-    entries = [generate_pb2.PromptLogprob(token_id=5), generate_pb2.PromptLogprob(token_id=6, logprob=-1.0, rank=2)]
+    entries = generate_pb2.PromptLogprobs(token_ids=[5, 6], num_top=0, logprobs=[-1.0], ranks=[2])
     state = RequestOutputState("r", 2, kind, False, prompt_tokens=2, want_prompt_logprobs=True)
     assert state.update(1, "a", [3]) is None
     first = state.prompt_logprobs_ready(entries)
@@ -391,8 +390,8 @@ def test_the_first_response_carries_the_prompt_logprobs_whatever_came_before(kin
         state.update(0, "d", [6], finish_reason="stop"),
     ]
     sent = [r for r in responses if r is not None]
-    assert list(sent[0].prompt_logprobs) == entries
-    assert all(not r.prompt_logprobs for r in sent[1:])
+    assert sent[0].prompt_logprobs == entries
+    assert all(not r.HasField("prompt_logprobs") for r in sent[1:])
     if kind == generate_pb2.FINAL_ONLY:
         assert len(sent) == 1 and [o.text for o in sent[0].outputs] == ["bd", "ac"]
     else:
@@ -429,16 +428,16 @@ def test_the_response_size_bound_holds_and_refuses_past_the_limit():
     from strata.services.gateway import response_size
 
     prompt_len, k = 50, 20
-    entries = [generate_pb2.PromptLogprob(token_id=2**31 - 1)] + [
-        generate_pb2.PromptLogprob(
-            token_id=2**31 - 1,
-            logprob=-1e-30,
-            rank=2**31,
-            top=[generate_pb2.TopLogprob(token_id=2**31 - 1, logprob=-3.3e-30) for _ in range(k)],
-        )
-        for _ in range(prompt_len - 1)
-    ]
-    widest = generate_pb2.GenerateResponse(prompt_logprobs=entries).ByteSize()
+    rows = prompt_len - 1
+    widest_message = generate_pb2.PromptLogprobs(  # negative ids and the top ranks: the widest varints
+        token_ids=[-1] * prompt_len,
+        num_top=k,
+        logprobs=[-1e-30] * rows,
+        ranks=[2**32 - 1] * rows,
+        top_token_ids=[-(2**31)] * (rows * k),
+        top_logprobs=[-3.3e-30] * (rows * k),
+    )
+    widest = generate_pb2.GenerateResponse(prompt_logprobs=widest_message).ByteSize()
     assert widest <= response_size.proto_bytes(prompt_len, k) < 1.5 * widest
     response_size.check(widest, widest, "params.prompt_logprobs")
     with pytest.raises(InvalidRequest, match="max-response-bytes") as e:
@@ -448,13 +447,17 @@ def test_the_response_size_bound_holds_and_refuses_past_the_limit():
 
 def test_float_equality_of_rows_survives_the_wire():
     """The worker's float32 rows, through StepResult, the scheduler's PromptLogprobRows and the
-    public PromptLogprob, stay the same floats (lm-eval compares them with ==)."""
+    public PromptLogprobs, stay the same floats (lm-eval compares them with ==)."""
     value = float(np.float32(-0.123456789))
     result = engine_pb2.StepResult(prompt_logprobs=[value], prompt_top_logprobs=[value])
-    rows = engine_pb2.PromptLogprobRows(logprobs=result.prompt_logprobs, top_logprobs=result.prompt_top_logprobs)
-    entry = generate_pb2.PromptLogprob(
-        logprob=rows.logprobs[0], top=[generate_pb2.TopLogprob(logprob=rows.top_logprobs[0])]
+    rows = engine_pb2.PromptLogprobRows(
+        num_top=1,
+        logprobs=result.prompt_logprobs,
+        ranks=[1],
+        top_token_ids=[2],
+        top_logprobs=result.prompt_top_logprobs,
     )
+    entry = positions(prompt_logprobs_message([1, 2], rows))[1]
     assert entry.logprob == entry.top[0].logprob == value
 
 
@@ -484,13 +487,8 @@ def test_the_json_bound_holds_for_vllms_shapes(tmp_path_factory):
     def widest() -> float:
         return float(np.float32(-rng.uniform(1e-5, 9e-5)))  # e.g. -1.2345678629267216e-05
 
-    entries = [generate_pb2.PromptLogprob(token_id=prompt[0])] + [
-        generate_pb2.PromptLogprob(
-            token_id=t,
-            logprob=widest(),
-            rank=10**9,
-            top=[generate_pb2.TopLogprob(token_id=longest[j], logprob=widest()) for j in range(k)],
-        )
+    entries = [PromptPosition(prompt[0], None, 0, ())] + [
+        PromptPosition(t, widest(), 10**9, tuple(Alternative(longest[j], widest()) for j in range(k)))
         for t in prompt[1:]
     ]
     listed = len(json.dumps(prompt_logprobs_body(entries, texts)))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata.prompt_logprobs import positions
 from strata.v1 import generate_pb2, generate_pb2_grpc
 from tests.cluster import running_cluster, scheduler_stats, shared_cluster, tiny_llama_dir
 
@@ -63,11 +64,12 @@ def hf(model_dir):
     return _oracle(model_dir)
 
 
-def check_entries(entries, prompt: list[int], want: torch.Tensor, k: int) -> None:
-    """The public list against HF: the prompt's tokens, the first alone, then each token's
+def check_entries(msg, prompt: list[int], want: torch.Tensor, k: int) -> None:
+    """The public message against HF: the prompt's tokens, the first alone, then each token's
     logprob, rank (tokens at least as likely) and top k ids."""
-    assert [e.token_id for e in entries] == prompt
-    assert not entries[0].HasField("logprob") and not entries[0].top
+    entries = positions(msg)
+    assert [e.token_id for e in entries] == prompt and msg.num_top == k
+    assert entries[0].logprob is None and not entries[0].top
     for p, e in enumerate(entries[1:]):
         row, target = want[p], prompt[p + 1]
         assert abs(e.logprob - row[target].item()) <= TOLERANCE, (p, e.logprob, row[target].item())
@@ -88,7 +90,8 @@ def test_a_chunked_prompt_equals_hf(cluster, hf):
     _, client = cluster
     prompt = _prompt(1, 70)  # five 16-token steps
     got = responses(client, prompt, prompt_logprobs=5, max_tokens=2, output_kind=generate_pb2.DELTA)
-    assert len(got[0].prompt_logprobs) == len(prompt) and not any(r.prompt_logprobs for r in got[1:])
+    assert len(got[0].prompt_logprobs.token_ids) == len(prompt)
+    assert not any(r.HasField("prompt_logprobs") for r in got[1:])
     check_entries(got[0].prompt_logprobs, prompt, hf(prompt), 5)
 
 
@@ -112,7 +115,7 @@ def test_n2_gets_the_list_once_in_its_first_response(cluster, hf, kind):
     _, client = cluster
     prompt = _prompt(3, 30)
     got = responses(client, prompt, prompt_logprobs=1, n=2, max_tokens=4, seed=7, temperature=1.0, output_kind=kind)
-    assert [bool(r.prompt_logprobs) for r in got] == [True] + [False] * (len(got) - 1)
+    assert [r.HasField("prompt_logprobs") for r in got] == [True] + [False] * (len(got) - 1)
     check_entries(got[0].prompt_logprobs, prompt, hf(prompt), 1)
     assert got[-1].usage.completion_tokens == 8
 
@@ -155,7 +158,7 @@ def test_a_prefix_group_member_gets_its_whole_prompt(cluster, hf):
             r.response.request_id: r.response
             for r in generate_pb2_grpc.GatewayStub(channel).GenerateGroups(iter([group]), timeout=120)
         }
-    assert set(got) == {"m0", "m1"} and not got["m1"].prompt_logprobs
+    assert set(got) == {"m0", "m1"} and not got["m1"].HasField("prompt_logprobs")
     check_entries(got["m0"].prompt_logprobs, prefix + own[0], hf(prefix + own[0]), 3)
 
 

@@ -177,9 +177,7 @@ async def merged_responses(
             if on_output is not None:
                 on_output(index, out)
             if out.HasField("prompt_logprobs"):
-                response = state.prompt_logprobs_ready(
-                    await prompt_logprob_entries(prompt_token_ids, out.prompt_logprobs)
-                )
+                response = state.prompt_logprobs_ready(prompt_logprobs_message(prompt_token_ids, out.prompt_logprobs))
                 if response is not None:
                     yield response
             response = _advance(index, texts[index], out, state, calls[index])
@@ -222,33 +220,18 @@ async def _pump(index: int, call, merged: asyncio.Queue) -> None:
         pass
 
 
-# Prompt logprob entries past this many (rows x entries) are built off the event loop.
-_INLINE_PROMPT_ENTRIES = 4096
-
-
-async def prompt_logprob_entries(
+def prompt_logprobs_message(
     prompt_token_ids: Sequence[int], rows: engine_pb2.PromptLogprobRows
-) -> list[generate_pb2.PromptLogprob]:
-    """The public list of a prompt's logprobs: the first token alone, then each later token with
-    its row (its logprob, rank and top k)."""
-    k = rows.num_top
-
-    def build() -> list[generate_pb2.PromptLogprob]:
-        lps, ranks, top_ids, top_lps = rows.logprobs, rows.ranks, rows.top_token_ids, rows.top_logprobs
-        out = [generate_pb2.PromptLogprob(token_id=prompt_token_ids[0])]
-        for i in range(min(len(lps), len(prompt_token_ids) - 1)):
-            top = [
-                generate_pb2.TopLogprob(token_id=t, logprob=v)
-                for t, v in zip(top_ids[i * k : i * k + k], top_lps[i * k : i * k + k])
-            ]
-            out.append(
-                generate_pb2.PromptLogprob(token_id=prompt_token_ids[i + 1], logprob=lps[i], rank=ranks[i], top=top)
-            )
-        return out
-
-    if len(rows.logprobs) * (k + 1) < _INLINE_PROMPT_ENTRIES:
-        return build()
-    return await asyncio.to_thread(build)
+) -> generate_pb2.PromptLogprobs:
+    """The public form of a prompt's logprobs: the scheduler's rows beside the prompt's tokens."""
+    return generate_pb2.PromptLogprobs(
+        token_ids=prompt_token_ids,
+        num_top=rows.num_top,
+        logprobs=rows.logprobs,
+        ranks=rows.ranks,
+        top_token_ids=rows.top_token_ids,
+        top_logprobs=rows.top_logprobs,
+    )
 
 
 ABORT = "abort"
@@ -293,7 +276,7 @@ class RequestOutputState:
         self._num_unfinished = n
         # Prompt logprobs: None until they come (nothing is sent before), then sent once.
         self._awaiting_prompt_logprobs = want_prompt_logprobs
-        self._prompt_logprobs: list[generate_pb2.PromptLogprob] | None = None
+        self._prompt_logprobs: generate_pb2.PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -334,7 +317,7 @@ class RequestOutputState:
         delta = self._completion(child, new_text, new_token_ids, new_logprobs if self.want_logprobs else ())
         return self._respond([delta])
 
-    def prompt_logprobs_ready(self, entries: list[generate_pb2.PromptLogprob]) -> generate_pb2.GenerateResponse | None:
+    def prompt_logprobs_ready(self, entries: generate_pb2.PromptLogprobs) -> generate_pb2.GenerateResponse | None:
         """The prompt logprobs came: the response of what waited for them, if anything did (the
         next response carries them otherwise)."""
         if not self._awaiting_prompt_logprobs:
@@ -377,7 +360,7 @@ class RequestOutputState:
             usage=self.usage(),
         )
         if self._prompt_logprobs is not None:  # the first response: once
-            response.prompt_logprobs.extend(self._prompt_logprobs)
+            response.prompt_logprobs.CopyFrom(self._prompt_logprobs)
             self._prompt_logprobs = None
         return response
 

@@ -6,7 +6,7 @@ event loop, calling the same Gateway object as the gRPC front (no second network
   POST /v1/chat/completions  messages through the model's chat template
   POST /tokenize             a prompt or messages -> {count, max_model_len, tokens} (vLLM's shapes)
   POST /detokenize           {tokens} -> {prompt}
-  GET  /health               200 while the scheduler answers, else 503
+  GET  /health               200 while a scheduler (any replica's) answers, else 503
   GET  /metrics              the gateway's Prometheus metrics
 
 Errors use OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
@@ -99,9 +99,7 @@ def build_app(gateway: Gateway) -> Starlette:
         )
 
     async def health(request: Request) -> Response:
-        try:
-            await gateway.scheduler.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=2)
-        except grpc.aio.AioRpcError as e:
+        if (e := await gateway.replicas.probe(timeout=2)) is not None:  # no replica's scheduler answers
             return error_response(503, f"scheduler unavailable: {e.code().name}")
         return Response(status_code=200)
 

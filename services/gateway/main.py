@@ -1,4 +1,5 @@
-"""`strata gateway`: the public API in front of the scheduler."""
+"""`strata gateway`: the public API in front of the scheduler (or of several: one per data-parallel
+replica, services/gateway/replicas.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import logging
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
 from strata.gc_tuning import tune_for_serving
-from strata.grpc_util import add_service, aio_channel, bind, new_server, set_serving, wait_for_termination_signal
+from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
 from strata.model_source import resolve_model
 from strata.services.gateway.http_api import http_server
+from strata.services.gateway.replicas import ReplicaSet
 from strata.services.gateway.server import (
     GENERATE_PROMPT_FIELD,
     TOKENIZE_PROMPT_FIELD,
@@ -23,7 +24,7 @@ from strata.services.gateway.server import (
     GatewayServicer,
 )
 from strata.services.gateway.validation import Limits
-from strata.v1 import engine_pb2_grpc, generate_pb2
+from strata.v1 import generate_pb2
 
 log = logging.getLogger("strata.gateway")
 
@@ -42,7 +43,10 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None):
 async def serve(args) -> None:
     tokenizer, name = load_tokenizer(args.model, args.tokenizer)
     name = args.served_model_name or name
-    channel = aio_channel(args.scheduler_address, args.cluster_token)
+    addresses = [a.strip() for a in args.scheduler_address.split(",") if a.strip()]
+    if not addresses:
+        raise SystemExit("--scheduler-address names no scheduler")
+    replicas = ReplicaSet.connect(addresses, args.cluster_token, failover_seconds=args.replica_failover_seconds)
     limits = Limits(
         args.max_prompt_chars,
         args.max_stop_strings,
@@ -50,7 +54,7 @@ async def serve(args) -> None:
         args.max_response_bytes,
         args.max_completion_prompts,
     )
-    gateway = Gateway(engine_pb2_grpc.SchedulerStub(channel), tokenizer, name, api_key=args.api_key, limits=limits)
+    gateway = Gateway(replicas, tokenizer, name, api_key=args.api_key, limits=limits)
     server, health = new_server(max_receive_bytes=args.max_request_bytes)
     add_service(
         server,
@@ -73,7 +77,7 @@ async def serve(args) -> None:
     await set_serving(health, service_names, serving=False)
     await server.start()
     http_task = asyncio.create_task(http.serve(), name="http") if http else None
-    # Serving once the scheduler answers: it only answers when its pipeline is up.
+    # Serving once a scheduler answers: it only answers when its pipeline is up.
     while True:
         try:
             await gateway.model_info()
@@ -82,13 +86,18 @@ async def serve(args) -> None:
             log.info("waiting for the scheduler at %s: %s", args.scheduler_address, e.message)
             await asyncio.sleep(1.0)
     tune_for_serving()
-    watch = asyncio.create_task(follow_scheduler_health(channel, health, service_names), name="health")
+
+    async def on_serving(serving: bool) -> None:  # SERVING while any replica is
+        await set_serving(health, service_names, serving=serving)
+
+    watch = asyncio.create_task(replicas.follow(on_serving), name="replicas")
     log.info(
-        "gateway on %s:%d%s (model %s)",
+        "gateway on %s:%d%s (model %s%s)",
         args.host,
         port,
         f", OpenAI-compatible HTTP on {args.host}:{args.http_port}" if http else "",
         name,
+        f", {len(addresses)} replicas" if len(addresses) > 1 else "",
     )
     await wait_for_termination_signal()
     watch.cancel()
@@ -96,24 +105,7 @@ async def serve(args) -> None:
         http.should_exit = True
         await http_task
     await server.stop(grace=2.0)
-    await channel.close()
-
-
-async def follow_scheduler_health(channel, health, service_names: list[str], interval: float = 1.0) -> None:
-    """SERVING exactly while the scheduler says it is (it says so only while its pipeline is up)."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    serving = None
-    while True:
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=interval)
-            now = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            now = False
-        if now != serving:
-            serving = now
-            await set_serving(health, service_names, serving=now)
-            log.log(logging.INFO if now else logging.WARNING, "scheduler %s", "serving" if now else "NOT serving")
-        await asyncio.sleep(interval)
+    await replicas.close()
 
 
 def run(args) -> int:

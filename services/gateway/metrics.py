@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Buckets spanning a fast decode step (ms) to a long offline request (minutes).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40, 80, 160)
@@ -58,6 +60,44 @@ class GatewayMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def add_replicas(self, replicas) -> None:
+        """Exports each replica of a ReplicaSet (replicas.py), read on every scrape."""
+        self.registry.register(ReplicaCollector(replicas))
+
+
+class ReplicaCollector(Collector):
+    """Per replica (label `replica`, its index in --scheduler-address): whether it is up, the load
+    routed by, what its scheduler runs and holds waiting (polled), the requests routed there by
+    reason (load, affinity, group, resume) and the children resumed there from a lost replica."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def collect(self):
+        label = ["replica"]
+        up = GaugeMetricFamily("strata_replica_up", "1 while the replica serves the model", labels=label)
+        load = GaugeMetricFamily(
+            "strata_replica_load_tokens", "tokens of the requests routed there running", labels=label
+        )
+        running = GaugeMetricFamily("strata_replica_running", "requests running there (polled)", labels=label)
+        waiting = GaugeMetricFamily("strata_replica_waiting", "requests waiting there (polled)", labels=label)
+        routed = CounterMetricFamily(
+            "strata_replica_routed", "requests and prefix groups routed there, by reason", labels=["replica", "reason"]
+        )
+        resumed = CounterMetricFamily(
+            "strata_replica_resumed", "child requests resumed there after their replica was lost", labels=label
+        )
+        for r in self.replicas.replicas:
+            index = [str(r.index)]
+            up.add_metric(index, float(r.up))
+            load.add_metric(index, max(r.load_tokens, 0))
+            running.add_metric(index, r.stats.running if r.stats else 0)
+            waiting.add_metric(index, r.stats.waiting if r.stats else 0)
+            for reason, count in sorted(r.routed.items()):
+                routed.add_metric([str(r.index), reason], count)
+            resumed.add_metric(index, r.resumed)
+        yield from (up, load, running, waiting, routed, resumed)
 
 
 class RequestTimer:

@@ -33,7 +33,7 @@ _READER_ENDED = object()  # queued when the input stream has been read (or broke
 
 class GroupRunner:
     def __init__(self, gateway, info: generate_pb2.ModelInfo, max_in_flight: int = MAX_MEMBERS_IN_FLIGHT):
-        self.gateway = gateway  # server.Gateway: the scheduler, the tokenizer, the limits
+        self.gateway = gateway  # server.Gateway: the replicas, the tokenizer, the limits
         self.info = info
         self.max_in_flight = max_in_flight
 
@@ -48,10 +48,12 @@ class GroupRunner:
         in_flight = 0  # members holding room (the back-pressure's count)
         active = 0  # member tasks whose end marker the loop has not taken yet
 
-        async def member(request_id: str, params: ValidatedParams, prompt: list[int], group: GroupMembership | None):
+        async def member(
+            request_id: str, params: ValidatedParams, prompt: list[int], group: GroupMembership | None, route
+        ):
             nonlocal in_flight
             try:
-                await self._answer(out, request_id, params, prompt, group)
+                await self._answer(out, request_id, params, prompt, group, route)
             except Exception as e:  # never a member that ends without an answer
                 log.exception("group member %s failed", request_id)
                 out.put_nowait(_error(request_id, grpc.StatusCode.INTERNAL, f"the member failed in the gateway: {e}"))
@@ -73,8 +75,8 @@ class GroupRunner:
                     async with room:  # wait for room, but never refuse a group larger than the limit
                         await room.wait_for(lambda: in_flight == 0 or in_flight + len(members) <= self.max_in_flight)
                         in_flight += len(members)
-                    for args in members:
-                        task = asyncio.create_task(member(*args))
+                    for args, route in zip(members, self._routes(members)):
+                        task = asyncio.create_task(member(*args, route))
                         active += 1
                         running.add(task)
                         task.add_done_callback(running.discard)
@@ -105,12 +107,14 @@ class GroupRunner:
         params: ValidatedParams,
         prompt: list[int],
         group: GroupMembership | None,
+        route,
     ) -> None:
-        """Runs one member, queueing its responses (or its scheduler's error) on `out`."""
+        """Runs one member on its route (the replica its group runs on), queueing its responses
+        (or its scheduler's error) on `out`."""
         gw = self.gateway
         timer = RequestTimer(gw.metrics, params.n, timed=scheduler_streams(params))  # as Generate's
         responses = merged_responses(
-            gw.scheduler,
+            route,
             request_id,
             params,
             prompt,
@@ -133,6 +137,17 @@ class GroupRunner:
         finally:
             timer.close()
             await responses.aclose()
+
+    def _routes(self, members: list) -> list:
+        """Each member's route (replicas.py), chosen as it starts: a group's members all on one
+        replica, which computes their prefix once (the group is spread over replicas by load, by
+        its prefix's affinity); members without a prefix each on their own."""
+        replicas = self.gateway.replicas
+        if members and members[0][3] is not None:
+            prefix = members[0][2][: members[0][3].prefix_len]
+            cost = sum(len(prompt) * params.n for _, params, prompt, _ in members)
+            return [replicas.route(prefix, cost, group=True)] * len(members)
+        return [replicas.route(prompt, len(prompt) * params.n) for _, params, prompt, _ in members]
 
     async def _prepare(self, group: generate_pb2.PrefixGroup):
         """(members to run: (request_id, params, prompt ids, membership), their errors)."""

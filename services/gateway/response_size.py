@@ -3,8 +3,8 @@ its prompt logprobs and, over HTTP, an echoed prompt. The sampled part grows wit
 stays outside the limit, as before.
 
 Checked after tokenizing and before anything is admitted, against an upper bound of the largest
-message the prompt's part lands in: over gRPC the first GenerateResponse (its PromptLogprob
-entries, whose token texts are unset: fixed widths per entry); over HTTP the whole body, or the
+message the prompt's part lands in: over gRPC the first GenerateResponse (its PromptLogprobs
+arrays: fixed widths per position); over HTTP the whole body, or the
 first chunk of a stream, in vLLM's JSON shapes, where the prompt's own tokens' texts are counted
 as they are and each top alternative's as the vocabulary's longest (TokenTexts.json_bound).
 
@@ -19,9 +19,11 @@ from collections.abc import Sequence
 
 from strata.services.gateway.validation import InvalidRequest
 
-# One PromptLogprob: its tag and length, then token_id, logprob and rank (ints at their widest varint).
-PROTO_ENTRY = 1 + 2 + 6 + 5 + 6
-PROTO_TOP = 1 + 1 + 6 + 5  # one TopLogprob: tag, length, token_id, logprob (no text)
+# One position of PromptLogprobs' packed arrays: its token id and rank at their widest varint, its
+# logprob; and each top alternative's id and logprob. PROTO_HEADERS: the six fields' tags and lengths.
+PROTO_POSITION = 10 + 4 + 5
+PROTO_TOP = 10 + 4
+PROTO_HEADERS = 6 * (1 + 5) + 6
 FLOAT_JSON = 24  # a float32 value as JSON at its longest (-1.2345678901234567e-05)
 INT_JSON = 11
 # Around one {"<id>": {"logprob": f, "rank": r, "decoded_token": "t"}} entry of vLLM's prompt_logprobs.
@@ -52,7 +54,7 @@ class TokenTexts:
 
 def proto_bytes(num_tokens: int, k: int) -> int:
     """The first GenerateResponse's prompt_logprobs of a prompt of num_tokens tokens, top k."""
-    return num_tokens * (PROTO_ENTRY + k * PROTO_TOP)
+    return PROTO_HEADERS + num_tokens * (PROTO_POSITION + k * PROTO_TOP)
 
 
 def json_bytes(prompt: Sequence[int], texts: TokenTexts, k: int | None, echo: bool, echo_logprobs: bool) -> int:

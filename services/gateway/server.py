@@ -24,6 +24,7 @@ from strata.services.gateway import response_size
 from strata.services.gateway.fanout import ChildFailed, merged_responses, scheduler_streams
 from strata.services.gateway.metrics import GatewayMetrics, RequestTimer
 from strata.services.gateway.prefix_groups import GroupRunner
+from strata.services.gateway.replicas import ReplicaSet
 from strata.services.gateway.validation import (
     InvalidRequest,
     Limits,
@@ -55,7 +56,7 @@ class GatewayError(Exception):
 class Gateway:
     def __init__(
         self,
-        scheduler_stub: engine_pb2_grpc.SchedulerStub,
+        scheduler: engine_pb2_grpc.SchedulerStub | ReplicaSet,
         tokenizer,
         model_name: str,
         api_key: str | None = None,
@@ -63,13 +64,15 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         limits: Limits | None = None,
     ):
-        self.scheduler = scheduler_stub
+        # The schedulers, one per data-parallel replica (a lone stub is a set of one).
+        self.replicas = scheduler if isinstance(scheduler, ReplicaSet) else ReplicaSet.single(scheduler)
         self.limits = limits or Limits()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.request_timeout = request_timeout
         self.metrics = metrics or GatewayMetrics()
+        self.metrics.add_replicas(self.replicas)
         self._model_info: generate_pb2.ModelInfo | None = None
         self._token_texts: asyncio.Future | None = None
 
@@ -93,12 +96,17 @@ class Gateway:
     async def model_info(self) -> generate_pb2.ModelInfo:
         if self._model_info is None:
             try:
-                info = await self.scheduler.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+                info = generate_pb2.ModelInfo()
+                info.CopyFrom(await self.replicas.model_info())
             except grpc.aio.AioRpcError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {e.details()}") from None
             info.model_name = self.model_name
             self._model_info = info
         return self._model_info
+
+    async def describe(self) -> generate_pb2.ModelInfo:
+        """GetModelInfo: the model, and each data-parallel replica (up, load, routed, resumed)."""
+        return self.replicas.describe(await self.model_info())
 
     async def prompt_ids(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
         """The token ids of a prompt's text or chat; raises InvalidRequest naming `field`."""
@@ -238,8 +246,10 @@ class Gateway:
         except InvalidRequest as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         timer = RequestTimer(self.metrics, params.n, timed=scheduler_streams(params))
+        # The children go where routing says (replicas.py), together: siblings share the prompt.
+        route = self.replicas.route(prompt_ids, len(prompt_ids) * params.n)
         responses = merged_responses(
-            self.scheduler,
+            route,
             request_id,
             params,
             prompt_ids,
@@ -287,7 +297,7 @@ class GatewayServicer(generate_pb2_grpc.GatewayServicer):
             await context.abort(e.code, e.message)
 
     async def GetModelInfo(self, request, context):
-        return await self._unary(context, self.gateway.model_info)
+        return await self._unary(context, self.gateway.describe)
 
     async def Tokenize(self, request, context):
         return await self._unary(context, lambda: self.gateway.tokenize(request))

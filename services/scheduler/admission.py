@@ -69,9 +69,10 @@ class Admission:
         req.sharing.num_shared_blocks = num_computed // self.block_size  # full blocks it did not compute
         req.num_computed_tokens = num_computed
         if req.num_preemptions == 0:  # first admission
-            req.num_cached_prompt_tokens = num_computed
+            # (a request resumed from a lost replica may find its output's blocks too)
+            req.num_cached_prompt_tokens = min(num_computed, req.num_prompt_tokens)
             req.queue_seconds = time.monotonic() - req.arrival_time
-            bm.record_prefix_query(req.num_prompt_tokens, num_computed)
+            bm.record_prefix_query(req.num_prompt_tokens, req.num_cached_prompt_tokens)
         req.seq_id = self._next_seq_id
         self._next_seq_id += 1
         if self.spec is not None:

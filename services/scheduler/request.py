@@ -104,6 +104,8 @@ class Request:
             parent_id=msg.parent_id,
             shared_prefix_len=msg.shared_prefix_len,
             group_size=msg.group_size,
+            # Tokens produced on a lost replica (data parallelism): admitted as after a preemption.
+            output_token_ids=list(msg.resume_output_token_ids),
         )
 
     @property

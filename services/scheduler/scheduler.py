@@ -128,6 +128,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         req.arrival = self._next_arrival
         req.arrival_time = time.monotonic()
         self._next_arrival += 1
+        self.counters.resumed += bool(req.output_token_ids)
         req.max_output_tokens = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_check_ids = req.stop_token_ids if req.ignore_eos else req.stop_token_ids | req.eos_token_ids
         req.spec, req.sharing = SpecState(k=self.spec.k if self.spec is not None else 0), SharingState()
@@ -147,8 +148,11 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.max_model_len}")
         if req.max_tokens < 1 or req.min_tokens < 0:
             raise ValueError("stop.max_tokens must be >= 1 and stop.min_tokens >= 0")
-        if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
+        if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
             raise ValueError("request was already scheduled")
+        if len(req.output_token_ids) >= min(req.max_tokens, self.max_model_len - req.num_prompt_tokens):
+            # Output it brings (resumed from a lost replica) must leave a token to generate.
+            raise ValueError(f"{len(req.output_token_ids)} resumed output tokens leave none to generate")
         if req.parent_id:
             self.sharing.check(req)
 
@@ -410,5 +414,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         stats.waiting = len(self.waiting)
         stats.prefix_cache_queries = bm.prefix_cache_queries
         stats.prefix_cache_hits = bm.prefix_cache_hits
+        stats.waiting_tokens = sum(r.num_tokens for r in self.waiting)
+        stats.running_tokens = sum(r.num_tokens for r in self.running)
         self.counters.fill_stats(stats)
         self.acceptance.fill_stats(stats)

@@ -33,6 +33,12 @@ def request_from_proto(msg: engine_pb2.EngineRequest, model: generate_pb2.ModelI
         )
     _check_ids("stop.stop_token_ids", stop.stop_token_ids, vocab)
     _check_ids("stop.eos_token_ids", stop.eos_token_ids, vocab)
+    _check_ids("resume_output_token_ids", msg.resume_output_token_ids, vocab)
+    if len(msg.resume_output_token_ids) >= stop.max_tokens:
+        raise ValueError(
+            f"resume_output_token_ids holds {len(msg.resume_output_token_ids)} tokens: fewer than "
+            f"stop.max_tokens ({stop.max_tokens}) leave one to generate"
+        )
     return Request.from_proto(msg)
 
 

@@ -16,6 +16,7 @@ class Counters:
     prefill_tokens: int = 0  # context (re)computed: prompts, and outputs again after a preemption
     decode_tokens: int = 0  # each decode's input token, plus the drafts it verifies
     prompt_logprob_positions: int = 0  # prompt logprob rows received
+    resumed: int = 0  # requests that arrived with output from a lost replica
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         stats.lookahead_decodes = self.lookahead_decodes
@@ -25,3 +26,4 @@ class Counters:
         stats.preemptions = self.preemptions
         stats.finished_requests = self.finished
         stats.prompt_logprob_positions = self.prompt_logprob_positions
+        stats.resumed_requests = self.resumed

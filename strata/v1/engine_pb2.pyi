@@ -97,7 +97,7 @@ class StopCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "parent_id", "final_only", "shared_prefix_len", "group_size")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "parent_id", "final_only", "shared_prefix_len", "group_size", "resume_output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class EngineRequest(_message.Message):
     FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -114,7 +115,8 @@ class EngineRequest(_message.Message):
     final_only: bool
     shared_prefix_len: int
     group_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ..., shared_prefix_len: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+    resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., parent_id: _Optional[str] = ..., final_only: _Optional[bool] = ..., shared_prefix_len: _Optional[int] = ..., group_size: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "prompt_tokens", "cached_prompt_tokens", "queue_seconds", "prompt_logprobs")
@@ -169,7 +171,7 @@ class MetricSpec(_message.Message):
     def __init__(self, help: _Optional[str] = ..., counter: _Optional[bool] = ..., name: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds", "spec_decode_linked_proposals", "spec_decode_failed_proposals", "prompt_logprob_positions")
+    __slots__ = ("num_kv_blocks", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "peak_used_kv_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_computed", "decode_tokens_computed", "steps", "preemptions", "finished_requests", "gpu_idle_fraction", "pipeline_stages", "lookahead_decodes", "busy_seconds", "worker_gpu_busy_seconds", "worker_gpu_idle_seconds", "worker_timed_steps", "worker_launch_seconds", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_accepted_per_position", "spec_decode_acceptance_rate", "spec_decode_verify_steps", "host_seconds", "spec_decode_verify_rounds", "spec_decode_linked_proposals", "spec_decode_failed_proposals", "prompt_logprob_positions", "waiting_tokens", "running_tokens", "resumed_requests")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,9 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_LINKED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FAILED_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     free_kv_blocks: int
     cached_kv_blocks: int
@@ -236,7 +241,10 @@ class SchedulerStats(_message.Message):
     spec_decode_linked_proposals: int
     spec_decode_failed_proposals: int
     prompt_logprob_positions: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ..., spec_decode_linked_proposals: _Optional[int] = ..., spec_decode_failed_proposals: _Optional[int] = ..., prompt_logprob_positions: _Optional[int] = ...) -> None: ...
+    waiting_tokens: int
+    running_tokens: int
+    resumed_requests: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., peak_used_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished_requests: _Optional[int] = ..., gpu_idle_fraction: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., lookahead_decodes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., worker_gpu_busy_seconds: _Optional[float] = ..., worker_gpu_idle_seconds: _Optional[float] = ..., worker_timed_steps: _Optional[int] = ..., worker_launch_seconds: _Optional[float] = ..., spec_decode_drafts: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_accepted_per_position: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_verify_steps: _Optional[int] = ..., host_seconds: _Optional[float] = ..., spec_decode_verify_rounds: _Optional[int] = ..., spec_decode_linked_proposals: _Optional[int] = ..., spec_decode_failed_proposals: _Optional[int] = ..., prompt_logprob_positions: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., resumed_requests: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
