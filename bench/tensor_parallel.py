@@ -2,12 +2,14 @@
 (issue 51; issue 54 runs it on four GPUs).
 
 Ways (--ways, each a fresh cluster): `1` (one GPU), `tp2` (--tensor-parallel-size 2), `pp2`
-(--pipeline-stages 2), and any `tpTppP` (T ranks in each of P stages) the GPUs allow. For each:
+(--pipeline-stages 2), `dp2` (--data-parallel-size 2), and any `tpTppPdpD` (D replicas of P
+stages of T ranks) the GPUs allow. For each:
 
 - offline: --num-prompts requests at once, of --shape mixed (prompt and output lengths uniform in
   --mixed-lengths, the nano-vllm shape) or fixed (--input-len / --output-len): output tokens/s;
 - --concurrency streams in a closed loop: TPOT; and one stream (batch 1): TPOT;
-- each GPU's busy share (every rank's WorkerStats: time inside steps over the phase's wall time).
+- each GPU's busy share (every rank's WorkerStats, of the first replica: time inside steps over the
+  phase's wall time).
 
 Each tensor-parallel way also runs its batch-1 phase on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
@@ -32,14 +34,15 @@ TARGET_OFFLINE_RATIO = 1.6  # TP2 / one GPU, output tok/s of the mixed shape
 TARGET_ALL_REDUCE_SHARE = 0.15  # of a batch-1 decode step
 
 
-def parse_way(way: str) -> tuple[int, int]:
-    """'1' -> (1, 1); 'tp2' -> (2, 1); 'pp2' -> (1, 2); 'tp2pp2' -> (2, 2): (ranks, stages)."""
+def parse_way(way: str) -> tuple[int, int, int]:
+    """(ranks, stages, replicas): '1' -> (1, 1, 1); 'tp2' -> (2, 1, 1); 'pp2' -> (1, 2, 1);
+    'dp2' -> (1, 1, 2); 'tp2pp2' -> (2, 2, 1); 'tp2dp2' -> (2, 1, 2)."""
     if way == "1":
-        return 1, 1
-    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", way)
-    if not m or not (m.group(1) or m.group(2)):
-        raise ValueError(f"unknown way {way!r}: 1, tpT, ppP or tpTppP")
-    return int(m.group(1) or 1), int(m.group(2) or 1)
+        return 1, 1, 1
+    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?", way)
+    if not m or not any(m.groups()):
+        raise ValueError(f"unknown way {way!r}: 1, or tpT, ppP and dpD in that order (tp2pp2, tp2dp2, ...)")
+    return int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3) or 1)
 
 
 def mixed_workload(num: int, lengths: tuple[int, int], vocab_size: int, seed: int):
@@ -136,7 +139,7 @@ def run(args) -> int:
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     runs, failed = [], 0
     for way in ways:
-        ranks, stages = parse_way(way)
+        ranks, stages, replicas = parse_way(way)
         plan = [(False, way)]
         if ranks > 1:
             plan.append((True, f"{way} without collectives"))
@@ -145,19 +148,29 @@ def run(args) -> int:
                 args,
                 tensor_parallel_size=ranks,
                 pipeline_stages=stages,
+                data_parallel_size=replicas,
                 tensor_parallel_no_collectives=no_collectives,
             )
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
                 phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives))
-            runs.append({"way": way, "ranks": ranks, "stages": stages, "no_collectives": no_collectives, **phases})
+            runs.append(
+                {
+                    "way": way,
+                    "ranks": ranks,
+                    "stages": stages,
+                    "replicas": replicas,
+                    "no_collectives": no_collectives,
+                    **phases,
+                }
+            )
             failed += sum(p["failed"] for p in phases.values())
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
         if r["no_collectives"]:
             continue
-        title = f"{r['way']} ({r['ranks']} rank(s) x {r['stages']} stage(s))"
+        title = f"{r['way']} ({r['replicas']} replica(s) of {r['stages']} stage(s) of {r['ranks']} rank(s))"
         lines = []
         if "offline" in r:
             off = r["offline"]

@@ -34,8 +34,8 @@ DESCRIPTIONS = {
     "streams at 1, 2 (and 4 where GPUs allow) stages, per stage transport, and as many data-parallel "
     "replicas of one stage (the dp way); each stage's busy and idle time (the bubbles), the hops' bytes "
     "and time per step, tok/s and TPOT relative to one stage, and the targets.",
-    "tensor-parallel": "Tensor parallelism against one GPU and the pipeline in one run: for each way (one "
-    "GPU, tp2, pp2, tpTppP) an offline workload (mixed or fixed lengths), --concurrency streams and one "
+    "tensor-parallel": "Tensor parallelism against one GPU, the pipeline and replicas in one run: for each way "
+    "(one GPU, tp2, pp2, dp2, their combinations) an offline workload (mixed or fixed lengths), --concurrency streams and one "
     "stream; output tok/s, TPOT, every GPU's busy share, the ratios to one GPU, and the all-reduce's share of "
     "a batch-1 decode step (the same way without collectives), against issue 51's targets.",
     "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
@@ -182,9 +182,10 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
     )
     p.add_argument(
         "--ways",
-        default="1,tp2,pp2",
+        default="1,tp2,pp2,dp2",
         help="comma-separated, each a cluster of its own: 1 (one GPU), tpT (T ranks in one stage), ppP (P stages), "
-        "tpTppP (T ranks in each of P stages); a GPU per worker",
+        "dpD (D replicas), and their combinations in that order (tp2pp2: T ranks in each of P stages; tp2dp2); a "
+        "GPU per worker",
     )
     p.add_argument("--num-prompts", type=int, default=1024, help="requests of the offline workload")
     p.add_argument(

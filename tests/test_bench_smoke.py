@@ -513,6 +513,16 @@ def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_pat
     runs = r["runs"]
     ways = [(x["way"], x["ranks"], x["no_collectives"]) for x in runs]
     assert ways == [("1", 1, False), ("tp2", 2, False), ("tp2", 2, True)]
+    from strata.bench.tensor_parallel import parse_way
+
+    assert [parse_way(w) for w in ("1", "tp2", "pp2", "dp2", "tp2pp2", "tp2dp2")] == [
+        (1, 1, 1),
+        (2, 1, 1),
+        (1, 2, 1),
+        (1, 1, 2),
+        (2, 2, 1),
+        (2, 1, 2),
+    ]
     for x in runs:
         for name, phase in x.items():
             if name.startswith(("offline", "streams_")):
