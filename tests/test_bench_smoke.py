@@ -513,16 +513,7 @@ def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_pat
     runs = r["runs"]
     ways = [(x["way"], x["ranks"], x["no_collectives"]) for x in runs]
     assert ways == [("1", 1, False), ("tp2", 2, False), ("tp2", 2, True)]
-    from strata.bench.tensor_parallel import parse_way
 
-    assert [parse_way(w) for w in ("1", "tp2", "pp2", "dp2", "tp2pp2", "tp2dp2")] == [
-        (1, 1, 1),
-        (2, 1, 1),
-        (1, 2, 1),
-        (1, 1, 2),
-        (2, 2, 1),
-        (2, 1, 2),
-    ]
     for x in runs:
         for name, phase in x.items():
             if name.startswith(("offline", "streams_")):
@@ -531,3 +522,12 @@ def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_pat
     assert "offline" not in runs[2]  # the run without collectives times batch 1 only
     assert runs[1]["ratios"]["tpot_1"] > 0 and runs[1]["all_reduce_share"] is not None
     assert "| tp2 |" in r["markdown_row"]
+
+
+def test_tensor_parallel_ways_name_ranks_stages_and_replicas():
+    from strata.bench.tensor_parallel import parse_way
+
+    ways = ("1", "tp2", "pp2", "dp2", "tp2pp2", "tp2dp2", "tp4")
+    assert [parse_way(w) for w in ways] == [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)]
+    with pytest.raises(ValueError, match="unknown way"):
+        parse_way("pp2tp2")
