@@ -92,6 +92,7 @@ def measure(
         max_prefix_len=prefix_len,
         num_q_heads=LLAMA_1B["num_q_heads"],
         num_kv_heads=LLAMA_1B["num_kv_heads"],
+        head_dim=LLAMA_1B["head_dim"],
         sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
     )
     print(

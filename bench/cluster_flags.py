@@ -21,8 +21,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="HF model directory or dummy:llama-3.2-1b / dummy:llama-3-8b "
-        "(default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)",
+        help="HF model directory or dummy:PRESET (llama-3.2-1b, llama-3-8b, qwen3-8b, qwen3-30b-a3b, gemma-3-12b; "
+        "default: dummy:llama-3.2-1b on GPU, the embedded default model on CPU)",
     )
     g.add_argument(
         "--tokenizer",

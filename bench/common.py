@@ -301,6 +301,17 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=(num, length)).tolist()
 
 
+def mixed_prompts(
+    num: int, shortest: int, longest: int, vocab_size: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """`num` prompts of random ids and their output lengths, both uniform in shortest..longest
+    (the nano-vllm benchmark's shape)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(shortest, longest + 1, size=num)
+    outputs = rng.integers(shortest, longest + 1, size=num).tolist()
+    return [rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=n).tolist() for n in lengths], outputs
+
+
 def sampling_params(max_tokens: int, temperature: float, output_kind: int, n: int = 1, seed: int | None = None):
     """Fixed-length generation: ignore_eos, min_tokens = max_tokens, no top-k/top-p."""
     from strata.v1 import generate_pb2
@@ -523,6 +534,9 @@ COUNTERS = (
     "busy_seconds",
     "spec_decode_verify_steps",
     "spec_decode_verify_rounds",
+    "micro_batch_migrations",
+    "micro_batch_rounds",
+    "micro_batch_token_spread",
 )
 
 
@@ -560,6 +574,7 @@ def stats_delta(before, after) -> dict:
         peak_used_kv_blocks=after.peak_used_kv_blocks,
         used_kv_blocks_after=after.used_kv_blocks,
         gpu_idle_fraction_since_start=after.gpu_idle_fraction,
+        micro_batches_after=after.micro_batches,
     )
     return delta
 

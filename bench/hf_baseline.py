@@ -37,51 +37,90 @@ def build_hf_model(args):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         weights = "same checkpoint as the strata workers"
     else:
-        model = _random_llama(preset, dtype, device, args.seed)
+        model = _random_hf_model(preset, dtype, device, args.seed)
         weights = "same shapes, random weights (throughput depends on shapes only)"
     model.eval()
     model.generation_config.eos_token_id = None  # fixed-length generation, like ignore_eos
     return model, weights
 
 
-def _random_llama(preset: str, dtype, device: str, seed: int):
+def _random_hf_model(preset: str, dtype, device: str, seed: int):
+    """transformers' own model of a dummy preset's config (hf_config), random weights of the
+    dummy initialiser's scale (norms at their unit: 1, or 0 where they scale by 1 + weight)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     from strata.services.worker.model.weights import DUMMY_STD, dummy_config
 
     c = dummy_config(preset)
-    if c.architecture != "LlamaForCausalLM":
-        raise SystemExit(f"HF baseline: dummy preset {preset} is a {c.architecture}; only Llama presets are built")
-    config = LlamaConfig.from_dict(
-        dict(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=c.tie_word_embeddings,
-            attention_bias=c.attention_bias,
-            mlp_bias=c.mlp_bias,
-        )
-    )
     # Built directly on the device: initialising billions of weights on the CPU takes minutes.
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = getattr(transformers, c.architecture)._from_config(hf_config(c), dtype=dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if c.norm_unit_offset else 1.0)
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)
     return model
+
+
+def hf_config(c):
+    """The transformers config of a ModelConfig (the inverse of ModelConfig.from_dict)."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
+    fields = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters=rope,
+    )
+    if c.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        fields.update(attention_bias=c.attention_bias)
+    if c.architecture == "LlamaForCausalLM":
+        fields.update(mlp_bias=c.mlp_bias)
+    if c.architecture == "Qwen3MoeForCausalLM":
+        fields.update(
+            num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            moe_intermediate_size=c.moe_intermediate_size,
+            norm_topk_prob=c.norm_topk_prob,
+            mlp_only_layers=c.mlp_only_layers,
+            decoder_sparse_step=c.decoder_sparse_step,
+        )
+    if c.architecture == "MixtralForCausalLM":
+        fields.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+    if c.architecture == "Gemma3ForCausalLM":
+        local = {"rope_type": "default", "rope_theta": c.rope_local_theta}
+        fields.update(
+            hidden_activation=c.hidden_act,
+            query_pre_attn_scalar=int(c.query_pre_attn_scalar),  # an int to transformers 5's strict config
+            sliding_window=c.sliding_window,
+            layer_types=c.layer_types,
+            final_logit_softcapping=c.final_logit_softcapping,
+            rope_parameters={"full_attention": rope, "sliding_attention": local},
+        )
+    elif c.sliding_window is not None:
+        fields.update(sliding_window=c.sliding_window, use_sliding_window=True)
+    config_class = {
+        "LlamaForCausalLM": "LlamaConfig",
+        "MistralForCausalLM": "MistralConfig",
+        "Qwen2ForCausalLM": "Qwen2Config",
+        "Qwen3ForCausalLM": "Qwen3Config",
+        "Gemma3ForCausalLM": "Gemma3TextConfig",
+        "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+        "MixtralForCausalLM": "MixtralConfig",
+    }[c.architecture]
+    return getattr(transformers, config_class)(**fields)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: str):

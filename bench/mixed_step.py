@@ -24,10 +24,11 @@ import numpy as np
 from strata.bench import common
 from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import (
-    _layer_matmul_weights,
+    attended_keys,
     back_to_back,
     decode_bytes,
     load_runner,
+    matmul_weights_per_token,
     measure_copy_bandwidth,
     measure_matmul_flops,
 )
@@ -81,11 +82,13 @@ def step_floor(
     kv = config.num_key_value_heads * config.head_dim
     q = config.num_attention_heads * config.head_dim
     layers = config.num_hidden_layers
-    data = decode_bytes(config, itemsize, decodes, context_len)["total_bytes"] + chunk * layers * 2 * kv * itemsize
+    # The weights all the step's tokens need (experts: those they pick), the decodes' KV, the chunk's.
+    data = decode_bytes(config, itemsize, decodes + chunk, context_len)["weight_bytes"]
+    data += (decodes * attended_keys(config, context_len, 1) + chunk * layers) * 2 * kv * itemsize
     tokens = decodes + chunk
-    attention = 4 * layers * q * (decodes * context_len + chunk * (chunk + 1) / 2)
+    attention = 4 * q * (decodes * attended_keys(config, context_len, 1) + attended_keys(config, 1, chunk))
     work = (
-        2 * layers * _layer_matmul_weights(config) * tokens
+        2 * matmul_weights_per_token(config) * tokens
         + 2 * config.vocab_size * config.hidden_size * (decodes + 1)
         + attention
     )

@@ -3,12 +3,16 @@ the decode roofline, printed in the same run.
 
 Every prompt (random token ids, fixed input and output lengths, ignore_eos) is submitted at once
 (or with at most --max-concurrency in flight); FINAL_ONLY responses keep the client out of the
-way of the measurement.
+way of the measurement. --min-input-len / --min-output-len make the lengths uniform in
+[min, --input-len] and [min, --output-len] instead (a mixed shape: no HF run nor workload floor,
+which assume fixed lengths).
 """
 
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 from strata.bench import common, roofline
 from strata.bench.hf_baseline import run_hf_baseline
@@ -23,8 +27,8 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
 
     info = await common.model_info(endpoints.gateway)
     await common.warm_up(endpoints.gateway, args, info.vocab_size, args.input_len, args.seed + 1)
-    prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
-    params = common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY)
+    prompts, output_lens = _workload(args, info.vocab_size)
+    params = [common.sampling_params(n, args.temperature, generate_pb2.FINAL_ONLY) for n in output_lens]
     before = await common.scheduler_stats(endpoints.scheduler)
     with common.sampled_stacks(endpoints.service_pids, args.spy_dir, "offline", args.spy_native):
         async with common.StatsPoller(endpoints.scheduler) as poller:
@@ -50,7 +54,7 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
         "elapsed_s": elapsed,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
-        "all_outputs_full_length": all(r.output_tokens == args.output_len for r in done),
+        "all_outputs_full_length": all(r.output_tokens == n for r, n in zip(records, output_lens) if not r.error),
         "requests_per_s": len(done) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
@@ -60,7 +64,26 @@ async def _strata_phase(endpoints, args) -> tuple[dict, list[list[int]], list]:
     return result, prompts, poller.samples
 
 
+def _workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """The prompts and each one's output length: fixed, or uniform from the --min-* lengths."""
+    if not _mixed_lengths(args):
+        return common.random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed), [
+            args.output_len
+        ] * args.num_prompts
+    rng = np.random.default_rng(args.seed)
+    input_lens = rng.integers(args.min_input_len or args.input_len, args.input_len + 1, args.num_prompts)
+    output_lens = rng.integers(args.min_output_len or args.output_len, args.output_len + 1, args.num_prompts)
+    prompts = [rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, n).tolist() for n in input_lens]
+    return prompts, output_lens.tolist()
+
+
+def _mixed_lengths(args) -> bool:
+    return bool(args.min_input_len or args.min_output_len)
+
+
 def _hf_enabled(args) -> bool:
+    if _mixed_lengths(args):
+        return False
     if args.hf_baseline is not None:
         return args.hf_baseline
     return common.resolve_device(args.device).startswith("cuda")
@@ -73,7 +96,7 @@ def run(args) -> int:
         strata, prompts, samples = common.run(_strata_phase(endpoints, args))
     s = strata
     common.print_section(
-        f"Strata, full stack ({args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
+        f"Strata, full stack ({args.num_prompts} prompts, {_lengths(args)}, "
         f"temperature {args.temperature}, ignore_eos)",
         [
             ("requests", f"{s['num_prompts'] - s['failed']} ok, {s['failed']} failed"),
@@ -135,7 +158,7 @@ def run(args) -> int:
             note="floor = (weight bytes + KV bytes read) / copy bandwidth",
         )
         result["roofline"] = roofline.json_ready(roof)
-        floor = _workload_floor(args, roof, hf, s)
+        floor = None if _mixed_lengths(args) else _workload_floor(args, roof, hf, s)
         if floor:
             result["workload_floor"] = floor
 
@@ -204,6 +227,15 @@ def _workload_floor(args, roof: dict, hf: dict | None, s: dict) -> dict | None:
     return floor
 
 
+def _lengths(args) -> str:
+    if not _mixed_lengths(args):
+        return f"{args.input_len} in / {args.output_len} out"
+    return (
+        f"{args.min_input_len or args.input_len}-{args.input_len} in / "
+        f"{args.min_output_len or args.output_len}-{args.output_len} out"
+    )
+
+
 def _markdown_row(env, args, s, hf, roof, ratios) -> str:
     f = common.fmt
     cells = [
@@ -212,7 +244,7 @@ def _markdown_row(env, args, s, hf, roof, ratios) -> str:
         env["device_name"],
         env["model"],
         str(args.pipeline_stages),
-        f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+        f"{args.num_prompts} x {_lengths(args)}",
         f(s["requests_per_s"], ".2f"),
         f(s["output_tokens_per_s"], ",.0f"),
         f(s["total_tokens_per_s"], ",.0f"),

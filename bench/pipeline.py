@@ -6,16 +6,21 @@ For each stage count (1, 2, and 4 where the GPUs allow; stages share a GPU when 
 fewer GPUs than stages) and each stage transport (--transports), and each replica count, a fresh
 cluster runs:
 
-- the offline workload (--num-prompts x --input-len / --output-len, all at once, FINAL_ONLY):
-  output tokens/s;
+- the offline workload, all at once, FINAL_ONLY, once per --num-prompts count: with --shape
+  fixed, --input-len / --output-len tokens each; with --shape mixed, prompts and outputs uniform
+  in --mixed-lengths (100..1,024: the nano-vllm benchmark's shape), ignore_eos: output tokens/s;
 - the latency workload (--concurrency streams in a closed loop, DELTA): TPOT and ITL.
 
 It prints, per run and phase, each stage's own timeline (WorkerStats: time inside steps and idle
 between them, from CUDA events on GPUs, host time on CPUs: the bubbles; not the time before a
-step the scheduler sent after it had nothing to run, waiting for clients), the hops (activations
+step the scheduler sent after it had nothing to run, waiting for clients) and each GPU's busy
+share of the phase's wall time, the scheduler's host time per step and its micro-batches
+(how many ran, requests moved between them, how unequal a round's plans were), the hops (activations
 stage i -> i+1 and sampled tokens last -> stage 0: bytes and the sender's transport time per
 step, and the time stage 0's steps waited for tokens), tok/s and TPOT relative to one stage, and
-the targets measured against in the same run, plus a RESULTS.md row per multi-stage run.
+the targets measured against in the same run, plus a RESULTS.md row per multi-stage run and
+offline workload:
+`| Date | Commit | Device | Model | Stages | Transport | Offline | out tok/s | x one stage | GPU busy by stage, offline | TPOT p50 ms, 16 streams | x one stage | idlest stage idle, offline | GPU idle, 16 streams | token hop us/step |`
 """
 
 from __future__ import annotations
@@ -26,15 +31,15 @@ import time
 from strata.bench import common
 
 TARGET_OFFLINE_RATIO = 0.9  # output tok/s of P stages / one stage, 1B offline
-# Issue 50, on two GPUs (8B, 1,024 requests): D replicas' output tok/s / one GPU's, and P stages'
-# / the D = P replicas'.
-TARGET_DP_RATIO = 1.85
-TARGET_PP_OVER_DP = 0.9
 TARGET_TPOT_RATIO = 1.25  # TPOT p50 of P stages / one stage, 16 streams
 TARGET_IDLE = 0.10  # each stage's GPU idle between steps / its timeline, offline
 # The issue's hop: 2 MiB of activations at batch 256 (bench/stage_hop.py measures it); printed
 # here beside the token link's sender host time per step, which this bench measures.
 TARGET_HOP_US = 100.0
+# Issue 50, on two GPUs (8B, 1,024 requests): D replicas' output tok/s / one GPU's, and P stages'
+# / the D = P replicas'.
+TARGET_DP_RATIO = 1.85
+TARGET_PP_OVER_DP = 0.9
 
 WORKER_COUNTERS = (
     "steps",
@@ -63,19 +68,19 @@ def _visible_gpus() -> int:
         return 0
 
 
+def stage_counts(value: str) -> list[int]:
+    """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
+    if value != "auto":
+        return [int(s) for s in value.split(",") if s.strip()]
+    return [1, 2, 4] if _visible_gpus() >= 4 else [1, 2]
+
+
 def replica_counts(value: str) -> list[int]:
     """'auto': 2 replicas where 2 GPUs are visible (and 4 where 4 are); else a comma list (0: none)."""
     if value != "auto":
         return [int(d) for d in value.split(",") if d.strip() and int(d) > 0]
     gpus = _visible_gpus()
     return [d for d in (2, 4) if d <= gpus]
-
-
-def stage_counts(value: str) -> list[int]:
-    """'auto': 1 and 2, and 4 where at least 4 GPUs are visible; else a comma list."""
-    if value != "auto":
-        return [int(s) for s in value.split(",") if s.strip()]
-    return [1, 2, 4] if _visible_gpus() >= 4 else [1, 2]
 
 
 async def worker_stats(addresses: list[str]):
@@ -119,24 +124,47 @@ async def _phase(endpoints, workers, run):
     }
 
 
+def offline_workloads(args, vocab_size: int) -> list[tuple[str, list[list[int]], list]]:
+    """(name, prompts, each prompt's SamplingParams) of each offline phase: one per --num-prompts
+    count, in the --shape asked for."""
+    from strata.v1 import generate_pb2
+
+    out = []
+    for i, num in enumerate(args.num_prompts):
+        seed = args.seed + 10 * i
+        if args.shape == "mixed":
+            shortest, longest = args.mixed_lengths
+            prompts, lengths = common.mixed_prompts(num, shortest, longest, vocab_size, seed)
+            name = f"{num} x {shortest}-{longest}/{shortest}-{longest}"
+        else:
+            prompts = common.random_prompts(num, args.input_len, vocab_size, seed)
+            lengths = [args.output_len] * num
+            name = f"{num} x {args.input_len}/{args.output_len}"
+        params = [common.sampling_params(n, args.temperature, generate_pb2.FINAL_ONLY) for n in lengths]
+        out.append((name, prompts, params))
+    return out
+
+
 async def _run_config(endpoints, workers, args, name: str) -> dict:
     from strata.v1 import generate_pb2
 
     info = await common.model_info(endpoints.gateway)
     await common.warm_up(endpoints.gateway, args, info.vocab_size, args.input_len, args.seed + 1)
-    prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
-    offline = await _phase(
-        endpoints,
-        workers,
-        lambda: common.run_all_at_once(
-            endpoints.gateway,
-            prompts,
-            common.sampling_params(args.output_len, args.temperature, generate_pb2.FINAL_ONLY),
-            args.request_timeout,
-            desc="offline",
-            progress=not args.no_progress,
-        ),
-    )
+    offline = []
+    for workload, prompts, params in offline_workloads(args, info.vocab_size):
+        phase = await _phase(
+            endpoints,
+            workers,
+            lambda: common.run_all_at_once(
+                endpoints.gateway,
+                prompts,
+                params,
+                args.request_timeout,
+                desc=f"offline {workload}",
+                progress=not args.no_progress,
+            ),
+        )
+        offline.append({"workload": workload, **phase})
     # 16 requests a stream: at 4 the phase lasted about a second on an H200, and one stage's GPU
     # idle in it swung from 3% to 12% between runs of one machine (bench/RESULTS.md, session 10).
     num = args.latency_num_prompts or 16 * args.concurrency
@@ -171,8 +199,9 @@ def _stage_rows(phase: dict, replicas: int = 1) -> list[tuple[str, str]]:
         busy, idle = s["busy_seconds"], s["idle_seconds"]
         share = idle / max(busy + idle, 1e-9)
         line = (
-            f"{s['steps']:,} steps: busy {busy:.2f} s, idle between steps {idle:.2f} s ({share:.1%} of its "
-            f"timeline{', CUDA events' if common.resolve_device('auto').startswith('cuda') else ', host time'})"
+            f"{s['steps']:,} steps: busy {busy:.2f} s ({busy / phase['elapsed_s']:.0%} of the wall time), idle "
+            f"between steps {idle:.2f} s ({share:.1%} of its timeline"
+            f"{', CUDA events' if common.resolve_device('auto').startswith('cuda') else ', host time'})"
             if timed
             else f"{s['steps']:,} steps (no timeline)"
         )
@@ -199,6 +228,30 @@ def _stage_rows(phase: dict, replicas: int = 1) -> list[tuple[str, str]]:
                     f"{s['token_send_seconds'] / n * 1e6:,.1f} us of transport per step",
                 )
             )
+    return rows
+
+
+def _busy_shares(phase: dict) -> list[float]:
+    """Each GPU's (stage's) time inside steps over the phase's wall time: where it is short of
+    1, that GPU waited (bubbles, hops, hosts, clients)."""
+    return [s["busy_seconds"] / phase["elapsed_s"] for s in phase["stages"] if s["timed_steps"]]
+
+
+def _scheduler_rows(phase: dict) -> list[tuple[str, str]]:
+    """The scheduler's host time per step, and its micro-batches over the phase."""
+    sched = phase["scheduler"]
+    if not sched.get("steps"):
+        return []
+    rows = [("scheduler host", f"{sched['host_seconds'] / sched['steps'] * 1e3:.3f} ms per step on results and plans")]
+    if sched.get("micro_batch_rounds"):
+        rows.append(
+            (
+                "micro-batches",
+                f"{sched['micro_batches_after']} running at the end; {sched['micro_batch_migrations']:,} requests "
+                f"moved between them; a round's plans {sched['micro_batch_token_spread'] / sched['micro_batch_rounds']:.1%} "
+                "short of its heaviest on average (1 - mean / most tokens)",
+            )
+        )
     return rows
 
 
@@ -241,13 +294,14 @@ def _clock_dir(args, stages: int, transport: str, micro_batches: int) -> str | N
     return os.path.join(args.gpu_clock, _run_name(stages, transport, micro_batches))
 
 
-def _gpu_clock_breakdown(directory: str) -> dict[str, str]:
+def _gpu_clock_breakdown(directory: str, num_offline: int) -> dict[str, str]:
     """Where each phase's GPU idle went, from the stages' stamps (bench/gpu_clock.py): each phase
-    is read between two GetStats calls (_phase), so the dumps after the phases are calls 1 and 3."""
+    is read between two GetStats calls (_phase), so the dumps after the phases are calls 1, 3, ..."""
     from strata.bench import gpu_clock
 
     out = {}
-    for phase, call in (("offline", 1), ("latency", 3)):
+    phases = [(f"offline {i + 1}" if num_offline > 1 else "offline", 2 * i + 1) for i in range(num_offline)]
+    for phase, call in (*phases, ("latency", 2 * num_offline + 1)):
         try:
             clusters = gpu_clock.load(directory, call)
         except FileNotFoundError as e:
@@ -295,23 +349,37 @@ def run(args) -> int:
             workers = list(endpoints.workers)
             phases = common.run(_run_config(endpoints, workers, run_args, run_name))
         if clock_dir:
-            phases["gpu_clock"] = _gpu_clock_breakdown(clock_dir)
+            phases["gpu_clock"] = _gpu_clock_breakdown(clock_dir, len(phases["offline"]))
         runs.append({"stages": stages, "transport": transport, "micro_batches": mb, "replicas": replicas, **phases})
-        failed += phases["offline"]["failed"] + phases["latency"]["failed"]
+        failed += sum(o["failed"] for o in phases["offline"]) + phases["latency"]["failed"]
 
     base = next((r for r in runs if r["stages"] == 1 and r["replicas"] == 1), None)
     result = {"benchmark": "pipeline", "environment": env, "config": common.args_dict(args), "runs": runs}
     rows_md = []
     for r in runs:
-        off, lat = r["offline"], r["latency"]
-        title = f"{r['stages']} stage(s)" + ("" if r["stages"] == 1 else f", {r['transport']} transport")
-        if r["replicas"] > 1:
-            title = f"{r['replicas']} replicas of {title}"
-        if r["micro_batches"]:
-            title += f", {r['micro_batches']} micro-batches"
+        rows_md += _report(r, base, runs, args, env)
+    result["markdown_rows"] = rows_md
+    result["markdown_row"] = "\n".join(rows_md)
+    if rows_md:
+        print("RESULTS.md row(s):\n" + result["markdown_row"])
+    common.write_json(args.output, result)
+    return 1 if failed else 0
+
+
+def _report(r: dict, base: dict | None, runs: list[dict], args, env: dict) -> list[str]:
+    """Prints a run's sections (and its targets against one stage, and a pipeline's against as
+    many replicas when both ran); returns its RESULTS.md rows, one per offline workload."""
+    lat = r["latency"]
+    title = f"{r['stages']} stage(s)" + ("" if r["stages"] == 1 else f", {r['transport']} transport")
+    dp = r["replicas"] > 1
+    if dp:
+        title = f"{r['replicas']} replicas of {title}"
+    if r["micro_batches"]:
+        title += f", {r['micro_batches']} micro-batches"
+    for off in r["offline"]:
         sched = off["scheduler"]
         common.print_section(
-            f"{title}: offline {args.num_prompts} x {args.input_len}/{args.output_len}",
+            f"{title}: offline {off['workload']}",
             [
                 (
                     "requests",
@@ -322,45 +390,54 @@ def run(args) -> int:
                     "lookahead decodes",
                     f"{sched.get('lookahead_decodes', 0):,} of {sched.get('decode_tokens_computed', 0):,}",
                 ),
+                ("GPU busy", " / ".join(f"{b:.0%}" for b in _busy_shares(off)) + " of the wall time, by stage"),
+                *_scheduler_rows(off),
                 *_stage_rows(off, r["replicas"]),
             ],
         )
-        common.print_section(
-            f"{title}: {args.concurrency} streams, closed loop",
-            [
-                ("requests", f"{lat['requests'] - lat['failed']} ok in {lat['elapsed_s']:.2f} s"),
-                (
-                    "TPOT ms",
-                    f"p50 {common.fmt(lat['tpot_ms'].get('p50'), '.2f')}  p99 {common.fmt(lat['tpot_ms'].get('p99'), '.2f')}",
-                ),
-                ("ITL ms", f"p50 {common.fmt(lat['itl_ms'].get('p50'), '.2f')}"),
-                *_stage_rows(lat, r["replicas"]),
-            ],
-        )
-        if base is None or r is base:
-            continue
-        tok = common.ratio(off["output_tokens_per_s"], base["offline"]["output_tokens_per_s"])
-        tpot = common.ratio(lat["tpot_ms"].get("p50"), base["latency"]["tpot_ms"].get("p50"))
+    common.print_section(
+        f"{title}: {args.concurrency} streams, closed loop",
+        [
+            ("requests", f"{lat['requests'] - lat['failed']} ok in {lat['elapsed_s']:.2f} s"),
+            (
+                "TPOT ms",
+                f"p50 {common.fmt(lat['tpot_ms'].get('p50'), '.2f')}  p99 {common.fmt(lat['tpot_ms'].get('p99'), '.2f')}",
+            ),
+            ("ITL ms", f"p50 {common.fmt(lat['itl_ms'].get('p50'), '.2f')}"),
+            ("GPU busy", " / ".join(f"{b:.0%}" for b in _busy_shares(lat)) + " of the wall time, by stage"),
+            *_scheduler_rows(lat),
+            *_stage_rows(lat, r["replicas"]),
+        ],
+    )
+    if base is None or r is base:
+        return []
+    tpot = common.ratio(lat["tpot_ms"].get("p50"), base["latency"]["tpot_ms"].get("p50"))
+    shared = 0 < _visible_gpus() < r["stages"]
+    # The issue's idle target is the 16-stream run's; on a shared GPU, the GPU's own idle.
+    stream_idle = _shared_gpu_idle(lat) if shared else _idle_share(lat)
+    base_idle = _idle_share(base["latency"])
+    # P stages against as many replicas of one stage (the same GPUs), when both ran.
+    peer = None if dp else next((d for d in runs if d["replicas"] == r["stages"] and d["stages"] == 1), None)
+    r["ratios"] = []
+    rows = []
+    for n, (off, base_off) in enumerate(zip(r["offline"], base["offline"])):
+        tok = common.ratio(off["output_tokens_per_s"], base_off["output_tokens_per_s"])
+        over_dp = peer and common.ratio(off["output_tokens_per_s"], peer["offline"][n]["output_tokens_per_s"])
         idle = _idle_share(off)
-        shared = 0 < _visible_gpus() < r["stages"]
-        # The issue's idle target is the 16-stream run's; on a shared GPU, the GPU's own idle.
-        stream_idle = _shared_gpu_idle(lat) if shared else _idle_share(lat)
-        base_idle = _idle_share(base["latency"])
         hop = _token_hop_us(off)
-        dp = r["replicas"] > 1
-        # P stages against as many replicas of one stage (the same GPUs), when both ran.
-        peer = None if dp else next((d for d in runs if d["replicas"] == r["stages"] and d["stages"] == 1), None)
-        over_dp = peer and common.ratio(off["output_tokens_per_s"], peer["offline"]["output_tokens_per_s"])
-        r["ratios"] = {
-            "offline_tok_s": tok,
-            "offline_tok_s_over_dp": over_dp,
-            "tpot_p50": tpot,
-            "max_stage_idle_share": idle,
-            "streams_gpu_idle_share": stream_idle,
-            "token_hop_us": hop,
-        }
+        r["ratios"].append(
+            {
+                "workload": off["workload"],
+                "offline_tok_s": tok,
+                "offline_tok_s_over_dp": over_dp,
+                "tpot_p50": tpot,
+                "max_stage_idle_share": idle,
+                "streams_gpu_idle_share": stream_idle,
+                "token_hop_us": hop,
+            }
+        )
         common.print_section(
-            f"Targets, {title} against one stage (same run)",
+            f"Targets, {title} against one stage (same run), offline {off['workload']}",
             [
                 (
                     "offline output tok/s",
@@ -393,7 +470,7 @@ def run(args) -> int:
             ],
         )
         f = common.fmt
-        rows_md.append(
+        rows.append(
             "| "
             + " | ".join(
                 [
@@ -405,9 +482,10 @@ def run(args) -> int:
                     r["transport"]
                     + (f", {r['micro_batches']} micro-batches" if r["micro_batches"] else "")
                     + (", MPS" if args.mps and not dp else ""),
-                    f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+                    off["workload"],
                     f(off["output_tokens_per_s"], ",.0f"),
                     f(tok, ".2f"),
+                    " / ".join(f"{b:.0%}" for b in _busy_shares(off)) or "-",
                     f(lat["tpot_ms"].get("p50"), ".2f"),
                     f(tpot, ".2f"),
                     f(idle and idle * 100, ".1f"),
@@ -417,9 +495,4 @@ def run(args) -> int:
             )
             + " |"
         )
-    result["markdown_rows"] = rows_md
-    result["markdown_row"] = "\n".join(rows_md)
-    if rows_md:
-        print("RESULTS.md row(s):\n" + result["markdown_row"])
-    common.write_json(args.output, result)
-    return 1 if failed else 0
+    return rows

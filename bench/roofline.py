@@ -1,4 +1,6 @@
 """The decode step against its floor: (weight bytes + KV bytes read) / measured copy bandwidth.
+Of a mixture of experts' layers, the bytes of the experts the step's tokens pick (as many as
+uniform routing touches); of a sliding layer, the window of KV at most.
 
 The step is timed in this process on the worker's own ModelRunner (what `strata worker` builds),
 fed hand-made StepPlans: every sequence decodes one token over `context_len` cached positions.
@@ -21,16 +23,61 @@ from strata.flags import argv_for, service_args
 # ---------------------------------------------------------------- the floor
 
 
-def _layer_matmul_weights(config) -> int:
-    """Weights one decoder layer multiplies each token by: qkv, o, gate_up and down projections."""
-    h = config.hidden_size
+def _attention_weights(config) -> int:
+    """qkv and o projections of one layer."""
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return config.hidden_size * (q + 2 * kv) + q * config.hidden_size
+
+
+def _expert_weights(config) -> int:
+    """One expert's gate, up and down projections."""
+    return 3 * config.hidden_size * config.moe_intermediate_size
+
+
+def _moe_layers(config) -> int:
+    return sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+
+
+def experts_touched(config, batch: int) -> float:
+    """Expected distinct experts a step of `batch` tokens reads in one layer of experts, if each
+    token picks its top-k uniformly: E (1 - (1 - k/E)^B). (Uniform routing is what the dummy
+    models' random routers give; trained routers are skewed, and touch fewer.)"""
+    e, k = config.num_experts, config.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch) if e else 0.0
+
+
+def matmul_weights_per_token(config) -> int:
+    """Weights the whole model multiplies each token by (lm_head aside): every layer's qkv and o
+    projections, and its MLP's, or for a layer of experts its router and the k experts it picks."""
+    h, moe_layers = config.hidden_size, _moe_layers(config)
+    dense_layers = config.num_hidden_layers - moe_layers
+    moe = moe_layers * (h * config.num_experts + config.num_experts_per_tok * _expert_weights(config))
+    return config.num_hidden_layers * _attention_weights(config) + dense_layers * 3 * h * config.intermediate_size + moe
+
+
+def attended_keys(config, first: int, count: int) -> int:
+    """Keys the queries at context lengths first .. first + count - 1 attend to, over all layers:
+    each its whole context, or at most a sliding layer's window."""
+
+    def series(lo: int, n: int) -> int:  # lo + (lo + 1) + ... + (lo + n - 1)
+        return n * lo + n * (n - 1) // 2
+
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        window = config.sliding_window_for_layer(layer)
+        if window is None or first + count - 1 <= window:
+            total += series(first, count)
+        else:
+            below = max(0, min(count, window - first + 1))
+            total += series(first, below) + (count - below) * window
+    return total
 
 
 def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
-    """Bytes a decode step must read at least: every weight once, every cached K and V once.
+    """Bytes a decode step of `batch` sequences at `context_len` must read at least: every weight
+    once (of a layer of experts, the router and the experts its tokens pick: experts_touched),
+    every cached K and V once (a sliding layer's window of them at most).
 
     The embedding table is only gathered (batch rows) unless it is also the lm_head (tied),
     which reads it whole.
@@ -38,12 +85,16 @@ def decode_bytes(config, itemsize: int, batch: int, context_len: int) -> dict:
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    per_layer = _layer_matmul_weights(config) + 2 * h  # and the two norms' weights
-    per_layer += (q + 2 * kv) * config.attention_bias + h * config.o_proj_bias + (2 * inter + h) * config.mlp_bias
+    norms = (4 if config.sandwich_norms else 2) * h + (2 * config.head_dim if config.qk_norm else 0)
+    per_layer = _attention_weights(config) + norms
+    per_layer += (q + 2 * kv) * config.attention_bias + h * config.o_proj_bias
+    moe_layers = _moe_layers(config)
+    dense = (layers - moe_layers) * (3 * h * inter + (2 * inter + h) * config.mlp_bias)
+    experts = moe_layers * (h * config.num_experts + experts_touched(config, batch) * _expert_weights(config))
     head = config.vocab_size * h
     embeddings = 0 if config.tie_word_embeddings else batch * h
-    weight_elems = layers * per_layer + h + head + embeddings
-    kv_elems = batch * context_len * layers * 2 * kv
+    weight_elems = round(layers * per_layer + dense + experts + h + head + embeddings)
+    kv_elems = batch * attended_keys(config, context_len, 1) * 2 * kv
     return {
         "weight_bytes": weight_elems * itemsize,
         "kv_bytes": kv_elems * itemsize,
@@ -116,20 +167,21 @@ def workload_floor(
     measured GEMM rate, then its decode at the larger of its compute time and its bytes (every
     weight once per step of max_batch sequences, each token's KV once per later token) over the
     copy bandwidth. A lower bound: no engine overlaps prefill and decode work for free."""
-    h, layers = config.hidden_size, config.num_hidden_layers
+    h = config.hidden_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    linear = layers * _layer_matmul_weights(config)  # weights per token
+    linear = matmul_weights_per_token(config)
     head = config.vocab_size * h
-    # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each query's context.
-    prefill_context = num_prompts * input_len * (input_len + 1) / 2
-    prefill_flops = 2 * linear * num_prompts * input_len + 2 * head * num_prompts + 4 * layers * q * prefill_context
+    # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each query's context (or window).
+    prefill_context = num_prompts * attended_keys(config, 1, input_len)
+    prefill_flops = 2 * linear * num_prompts * input_len + 2 * head * num_prompts + 4 * q * prefill_context
     decode_tokens = num_prompts * (output_len - 1)  # the first output token comes with the prefill
-    decode_context = num_prompts * ((output_len - 1) * input_len + (output_len - 1) * output_len / 2)
-    decode_flops = 2 * (linear + head) * decode_tokens + 4 * layers * q * decode_context
+    decode_context = num_prompts * attended_keys(config, input_len + 1, output_len - 1)
+    decode_flops = 2 * (linear + head) * decode_tokens + 4 * q * decode_context
     steps = math.ceil(num_prompts / max_batch) * (output_len - 1)
-    weight_bytes = decode_bytes(config, itemsize, 0, 0)["weight_bytes"]
-    decode_bytes_total = steps * weight_bytes + decode_context * layers * 2 * kv * itemsize
+    # Each step's weights: of a layer of experts, those max_batch tokens pick (decode_bytes).
+    weight_bytes = decode_bytes(config, itemsize, min(max_batch, num_prompts), 0)["weight_bytes"]
+    decode_bytes_total = steps * weight_bytes + decode_context * 2 * kv * itemsize
     prefill_s = prefill_flops / flops
     decode_s = max(decode_flops / flops, decode_bytes_total / bandwidth)
     return {
@@ -413,6 +465,10 @@ def json_ready(r: dict) -> dict:
             "intermediate_size",
             "vocab_size",
             "tie_word_embeddings",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "sliding_window",
         )
     }
     return out

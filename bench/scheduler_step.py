@@ -23,6 +23,11 @@ sequence gets K proposals back. Its line says how many timed steps verified.
     python -m strata.bench.scheduler_step                          # 256 and 512 sequences
     python -m strata.bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
     python -m strata.bench.scheduler_step --num-seqs 16 --speculate 8 --accept 0.35
+    python -m strata.bench.scheduler_step --stages 2 --num-seqs 768  # 3 micro-batches of 256
+
+With --stages P > 1 the scheduler runs pipelined decode as the engine does for P stages on P GPUs:
+up to P + 1 micro-batches of at most N / (P + 1) sequences, decode lookahead P, and two plans per
+micro-batch in flight; a step is then one plan (one micro-batch's), and its line says so.
 """
 
 from __future__ import annotations
@@ -57,16 +62,20 @@ class _NoPipeline:
 
 
 def make_engine(args, rng: random.Random) -> Engine:
-    engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=args.num_seqs))
+    micro_batches = args.stages + 1 if args.stages > 1 else 1
+    per_micro_batch = -(-args.num_seqs // micro_batches)
+    engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=per_micro_batch))
     # No sequence ends by length (a verify step emits up to k + 1 tokens).
     max_len = args.prompt_len + (args.warmup + args.repeat * args.steps) * (args.speculate + 1) + 64
     engine.scheduler = Scheduler(
         num_blocks=args.num_seqs * -(-max_len // args.block_size),
         block_size=args.block_size,
         max_model_len=max_len,
-        max_num_seqs=args.num_seqs,
+        max_num_seqs=per_micro_batch,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_lookahead=args.lookahead,
+        decode_lookahead=args.stages if args.stages > 1 else args.lookahead,
+        num_micro_batches=micro_batches,
+        pipeline_stages=args.stages,
         speculation=SpeculativeConfig(
             "ngram", num_speculative_tokens=args.speculate, proposer="device", max_batch=args.num_seqs
         )
@@ -114,8 +123,10 @@ def run_steps(
     engine: Engine, results: collections.deque, steps: int, rng: random.Random, totals: dict[str, float], args
 ) -> None:
     sched, clock = engine.scheduler, time.perf_counter
+    # The engine's plans in flight: lookahead + 1 with one stage, two per micro-batch with P.
+    most = 2 * sched.num_micro_batches if sched.num_micro_batches > 1 else sched.decode_lookahead + 1
     for _ in range(steps):
-        while len(engine.in_flight) <= sched.decode_lookahead:
+        while len(engine.in_flight) < most:
             t0 = clock()
             plan = sched.schedule()
             t1 = clock()
@@ -178,6 +189,12 @@ def main() -> None:
         help="decode lookahead: plans in flight beyond the first (the one-stage engine uses 2; "
         "0: one plan in flight, each decode scheduled after its token came back)",
     )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="P > 1: pipelined decode over P stages (P + 1 micro-batches, lookahead P; --lookahead unused)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
     p.add_argument("--speculate", type=int, default=0, help="k: speculate as with the device's prompt lookup (0: off)")
@@ -208,9 +225,11 @@ def main() -> None:
         median = statistics.median(totals)
         phases = ", ".join(f"{k} {runs[best][k] * 1e3:.3f}" for k in PHASES)
         verifying = f"; {runs[best]['verifying'] * 100:.0f}% of plans verified" if args.speculate else ""
+        per_plan = -(-n // (args.stages + 1)) if args.stages > 1 else n  # sequences in one step's plan
         print(
-            f"N={n}: {totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
-            f"{totals[best] / n * 1e6:.2f} us per sequence; best run in ms: {phases}{verifying}"
+            f"N={n}{f' over {args.stages + 1} micro-batches' if args.stages > 1 else ''}: "
+            f"{totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
+            f"{totals[best] / per_plan * 1e6:.2f} us per sequence of a plan; best run in ms: {phases}{verifying}"
         )
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import re
 import time
 
-import numpy as np
-
 from strata.bench import common
 
 TARGET_TPOT_RATIO = 0.6  # TP2 / one GPU, batch 1 and 16 streams
@@ -43,16 +41,6 @@ def parse_way(way: str) -> tuple[int, int, int]:
     if not m or not any(m.groups()):
         raise ValueError(f"unknown way {way!r}: 1, or tpT, ppP and dpD in that order (tp2pp2, tp2dp2, ...)")
     return int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3) or 1)
-
-
-def mixed_workload(num: int, lengths: tuple[int, int], vocab_size: int, seed: int):
-    """(prompts, output lengths): both uniform in [shortest, longest]."""
-    rng = np.random.default_rng(seed)
-    lo, hi = lengths
-    prompt_lens = rng.integers(lo, hi + 1, num)
-    outputs = rng.integers(lo, hi + 1, num).tolist()
-    prompts = [rng.integers(common.FIRST_PROMPT_TOKEN, vocab_size, n).tolist() for n in prompt_lens]
-    return prompts, outputs
 
 
 async def rank_stats(stage_addresses: list[str]):
@@ -104,7 +92,7 @@ async def _run_way(endpoints, args, latency_only: bool) -> dict:
     out = {}
     if not latency_only:
         if args.shape == "mixed":
-            prompts, outputs = mixed_workload(args.num_prompts, args.mixed_lengths, info.vocab_size, args.seed)
+            prompts, outputs = common.mixed_prompts(args.num_prompts, *args.mixed_lengths, info.vocab_size, args.seed)
             params = [common.sampling_params(n, args.temperature, generate_pb2.FINAL_ONLY) for n in outputs]
         else:
             prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)

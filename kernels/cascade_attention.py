@@ -82,13 +82,15 @@ def choose_prefix_config(
     max_prefix_len: int,
     num_q_heads: int,
     num_kv_heads: int,
+    head_dim: int,
     sm_count: int,
     prefix_splits: int | None = None,
 ) -> PrefixLaunchConfig:
     """64-row tiles as in the paged kernel's prefill path. Splits while fewer than ~2 programs
     per SM would stream the prefixes (each split adds a round trip of its partials), at least
     256 keys each, powers of two (each value is a compiled variant of both kernels). Programs
-    with work: one per run and KV head, more for runs of over block_t tokens."""
+    with work: one per run and KV head, more for runs of over block_t tokens. At D = 256 half the
+    keys per tile and twice the warps, as the paged kernel takes them (spill-free on sm_90)."""
     block_t = max(1, 64 // (num_q_heads // num_kv_heads))
     if not prefix_splits:
         programs = max(num_runs, triton.cdiv(max_run_tokens, block_t)) * num_kv_heads
@@ -96,15 +98,23 @@ def choose_prefix_config(
         prefix_splits = max(1, min(want, max_prefix_len // 256, MAX_PREFIX_SPLITS))
         prefix_splits = 1 << (prefix_splits.bit_length() - 1)
     assert prefix_splits >= 1
+    if head_dim > 128:
+        return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits, tile_n=32, num_warps=8)
     return PrefixLaunchConfig(block_t=block_t, prefix_splits=prefix_splits)
 
 
 def choose_own_keys_config(**shape) -> AttentionLaunchConfig:
     """The paged kernel's launch for each sequence's own keys: single pass, and for decodes three
     stages instead of two, since a member's few own tiles leave no loop to pipeline across
-    otherwise (measured faster for 512 members of ~225 own keys: bench/RESULTS.md)."""
+    otherwise (measured faster for 512 members of ~225 own keys: bench/RESULTS.md). At D = 256,
+    prefill blocks of 32 rows, not 64: merging the prefix's partials needs registers that the
+    64-row tile leaves none of (it spills on sm_90; compile_check --strict)."""
     config = choose_launch_config(**shape, num_kv_splits=1)
-    return dataclasses.replace(config, num_stages=3) if config.block_q == 1 else config
+    if config.block_q == 1:
+        return dataclasses.replace(config, num_stages=3)
+    if shape["head_dim"] > 128:
+        return dataclasses.replace(config, block_q=max(1, 32 // (shape["num_q_heads"] // shape["num_kv_heads"])))
+    return config
 
 
 @triton.jit(do_not_specialize=["num_runs", "stride_block_table"])
@@ -264,6 +274,7 @@ def cascade_attention(
             max_prefix_len=runs.max_prefix_len,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             sm_count=sm_count,
             prefix_splits=runs.prefix_splits,
         )
@@ -371,6 +382,7 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
             max_prefix_len=1,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             sm_count=1,
         )
         splits = 1
@@ -385,6 +397,6 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
                 max(q_lens),
                 2,
                 1.0,
-                prefix_config=PrefixLaunchConfig(block_t=prefix_config.block_t, prefix_splits=splits),
+                prefix_config=dataclasses.replace(prefix_config, prefix_splits=splits),
             )
             splits *= 2

@@ -22,11 +22,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import strata.kernels.cascade_attention as cascade_attention
+import strata.kernels.fused_moe as fused_moe
 import strata.kernels.kv_cache_write as kv_cache_write
 import strata.kernels.paged_attention as paged_attention
 
@@ -40,8 +42,17 @@ _INT_POINTERS = {
     "token_start_ptr": "*i32",
     "prefix_lens_ptr": "*i32",
     "table_rows_ptr": "*i32",
+    # fused_moe: routing ids, the expert-grouped layout, expert-parallel maps
+    "ids_ptr": "*i32",
+    "topk_ids_ptr": "*i32",
+    "expert_map_ptr": "*i32",
+    "sorted_pairs_ptr": "*i32",
+    "block_experts_ptr": "*i32",
+    "padded_total_ptr": "*i32",
+    "chunk_counts_ptr": "*i32",
 }
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr", "stats_ptr", "stats_out_ptr"}
+_FP32_POINTERS |= {"weights_ptr", "topk_weights_ptr"}
 _FLOAT_ARGS = {"qk_scale_log2", "eps"}
 
 
@@ -218,6 +229,7 @@ def compile_cascade(
         max_prefix_len=2048,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         sm_count=132,
         prefix_splits=prefix_splits,
     )
@@ -271,8 +283,17 @@ def compile_kv_write(*, dtype: str, head_dim: int, num_kv_heads: int, block_size
     )
 
 
+def compile_fused_moe(*, dtype: str, **shape) -> list[CompileReport]:
+    """Every variant fused_moe launches for a model shape (fused_moe.launch_variants)."""
+    return [
+        _compile(f"{launch.name} {dtype}", launch.kernel, dtype, launch.constexprs, launch.num_warps, launch.num_stages)
+        for launch in fused_moe.launch_variants(**shape)
+    ]
+
+
 def default_reports() -> list[CompileReport]:
-    """Llama-3.2-1B (32/8 heads, D=64), Llama-3-8B-like (32/8, D=128), MHA D=128, GQA 8, Qwen2 GQA 7."""
+    """Llama-3.2-1B (32/8 heads, D=64), Llama-3-8B-like (32/8, D=128), MHA D=128, GQA 8, Qwen2 GQA 7,
+    Gemma 3 12B (16/8, D=256) and 1B (4/1, D=256)."""
     reports = []
     for dtype, head_dim, heads, kv_heads in [
         ("bf16", 64, 32, 8),
@@ -280,6 +301,8 @@ def default_reports() -> list[CompileReport]:
         ("bf16", 128, 16, 16),
         ("bf16", 128, 64, 8),
         ("bf16", 64, 14, 2),
+        ("bf16", 256, 16, 8),
+        ("bf16", 256, 4, 1),
     ]:
         reports += compile_attention(
             dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=1
@@ -290,7 +313,7 @@ def default_reports() -> list[CompileReport]:
             num_q_heads=heads,
             num_kv_heads=kv_heads,
             max_query_len=512,
-            sliding_window=head_dim == 128,
+            sliding_window=head_dim >= 128,
         )
         reports += compile_attention(
             dtype=dtype,
@@ -300,16 +323,28 @@ def default_reports() -> list[CompileReport]:
             max_query_len=512,
             min_query_len=512,
         )  # the 128-row prefill launch
-    reports += compile_attention(
-        dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8, max_query_len=1, num_kv_splits=16
-    )
-    for dtype, head_dim, heads, kv_heads in [("bf16", 64, 32, 8), ("bf16", 128, 32, 8), ("bf16", 64, 9, 3)]:
+    for head_dim, heads, kv_heads in [(128, 32, 8), (256, 16, 8)]:
+        reports += compile_attention(
+            dtype="bf16", head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=1, num_kv_splits=16
+        )
+    for dtype, head_dim, heads, kv_heads in [
+        ("bf16", 64, 32, 8),
+        ("bf16", 128, 32, 8),
+        ("bf16", 64, 9, 3),
+        ("bf16", 256, 16, 8),
+    ]:
         for max_query_len in (1, 512):
             reports += compile_cascade(
                 dtype=dtype, head_dim=head_dim, num_q_heads=heads, num_kv_heads=kv_heads, max_query_len=max_query_len
             )
     reports.append(compile_kv_write(dtype="bf16", head_dim=64, num_kv_heads=8))
     reports.append(compile_kv_write(dtype="fp16", head_dim=128, num_kv_heads=2))
+    reports.append(compile_kv_write(dtype="bf16", head_dim=256, num_kv_heads=8))
+    # Qwen3-30B-A3B (its router rounds the weights to bf16), then Mixtral (keeps them float32).
+    reports += compile_fused_moe(
+        dtype="bf16", hidden_size=2048, intermediate=768, num_experts=128, top_k=8, weight_dtype=torch.bfloat16
+    )
+    reports += compile_fused_moe(dtype="bf16", hidden_size=4096, intermediate=14336, num_experts=8, top_k=2)  # Mixtral
     return reports
 
 
@@ -327,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{report.name}: {report.spill_bytes} bytes spilled")
         if report.name.startswith("attention") and report.async_copies == 0:
             failures.append(f"{report.name}: K/V loads not pipelined")
+        if report.name.startswith("fused_moe gemm") and report.async_copies == 0:
+            failures.append(f"{report.name}: weight loads not pipelined")
     for failure in failures:
         print("FAIL", failure)
     return 1 if (args.strict and failures) else 0

@@ -394,8 +394,14 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
-    """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide) and the dtypes it takes."""
-    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide), up to the D = 128 its
+    tiles were sized for (the D = 256 models, Gemma 3, norm q and k before rotary, which this launch
+    does not: they take rotary + paged attention), and the dtypes it takes."""
+    return (
+        32 <= head_dim <= 128
+        and head_dim & (head_dim - 1) == 0
+        and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
 def kernel_constants(

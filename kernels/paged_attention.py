@@ -109,6 +109,13 @@ def choose_launch_config(
             # Powers of two only: bounds the number of compiled variants.
             num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)
     assert num_kv_splits >= 1
+    if head_dim > 128:
+        # D = 256 (Gemma 3): the D <= 128 tiles spill at twice the head width on sm_90. Half the
+        # keys per tile and twice the warps keep each thread's share of K, V and the accumulator
+        # as it was, spill-free (compile_check --strict).
+        if block_q == 1:
+            return AttentionLaunchConfig(block_q=1, tile_n=32, num_kv_splits=num_kv_splits, num_warps=4, num_stages=2)
+        return AttentionLaunchConfig(block_q=block_q, tile_n=32, num_kv_splits=num_kv_splits, num_warps=8, num_stages=3)
     if block_q == 1:
         # Decode: a 16-row dot per tile, so the loads are the whole job; 2 warps per program keep
         # more programs resident per SM, which was faster at every batch swept (bench_attention.py;

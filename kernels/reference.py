@@ -16,6 +16,7 @@ keys at positions p with  position - sliding_window < p <= position.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cache_reference(
@@ -175,19 +176,22 @@ def cascade_attention_reference(
 # in float32 but rounds at the same points is compared against the HF-exact path.
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) with the normalisation in float32 and cast back before scaling (as HF)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """weight * (x / rms(x)) with the normalisation in float32 and cast back before scaling (as HF's
+    Llama). unit_offset: (1 + weight) * (x / rms(x)) all in float32, rounded once (HF's Gemma3RMSNorm)."""
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
+    if unit_offset:
+        return (x32 * torch.rsqrt(variance + eps) * (1.0 + weight.float())).to(x.dtype)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
 def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to the activation dtype."""
     new_residual = x + residual
-    return rms_norm_reference(new_residual, weight, eps), new_residual
+    return rms_norm_reference(new_residual, weight, eps, unit_offset), new_residual
 
 
 def rotary_embedding_reference(
@@ -218,6 +222,12 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (HF's gelu_pytorch_tanh, Gemma's MLP) for gate_up = [gate | up] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def embed_tokens_reference(
     input_ids: torch.Tensor,
     weight: torch.Tensor,
@@ -245,3 +255,69 @@ def logprob_rows_reference(logits: torch.Tensor, targets: torch.Tensor, k: int) 
         top_values = logits.new_empty((logits.shape[0], 0))
         top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
     return log_norm, ranks, target.squeeze(1).float(), top_values.float(), top_ids
+
+
+# --- mixture of experts: routing and the experts' MLPs (kernels/fused_moe.py) -------------------
+# HF transformers' (5.x) Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock, operation by operation,
+# so in float32 the outputs are identical to HF's and in bf16 they round where HF rounds:
+# - router: softmax over the logits in float32, top-k of the probabilities, optionally divided by
+#   their sum (Qwen3-MoE's norm_topk_prob; Mixtral always). Qwen3-MoE then casts the weights to the
+#   logits' dtype (bf16 when serving); Mixtral 5.x keeps them float32. `weight_dtype` says which.
+# - experts, in ascending id order: gather the expert's tokens (slot-major, as torch.where on HF's
+#   [k, T] mask orders them), gate_up linear, silu(gate) * up, down linear (each rounded to the
+#   hidden dtype), times the routing weight, index_add_ into a zeroed output in the hidden dtype.
+# Weights are stacked as HF 5.x stores them: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+# Host-synchronising (nonzero, per-expert loops): the CPU path, tests and benchmarks' naive baseline.
+
+
+def select_experts_reference(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, *, weight_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's router on [T, E] logits -> (weights float32 [T, k], expert ids int32 [T, k]).
+
+    weight_dtype: round the weights to this dtype as Qwen3MoeTopKRouter does (the logits' dtype);
+    None keeps float32 (MixtralTopKRouter). The result is float32 either way."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    if weight_dtype is not None:
+        weights = weights.to(weight_dtype).float()
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as strata.kernels.fused_moe.fused_moe: HF's expert loop.
+
+    hidden [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_weights [T, k] (float32, or any
+    dtype HF would multiply in); topk_ids [T, k] global expert ids. expert_map [E_global] int32
+    maps a global id to this rank's local expert, -1 for experts held elsewhere (they add nothing);
+    None means ids are local. Returns [T, H] in hidden's dtype (written into `out` if given)."""
+    num_experts = w13.shape[0] if expert_map is None else expert_map.shape[0]
+    intermediate = w2.shape[2]
+    result = torch.zeros_like(hidden)
+    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts).permute(2, 1, 0)  # [E, k, T]
+    hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    local_ids = hit[:, 0].tolist() if expert_map is None else expert_map[hit[:, 0]].tolist()
+    for (expert,), local in zip(hit.tolist(), local_ids):
+        if local < 0:
+            continue  # held by another expert-parallel rank
+        slot, token = torch.where(expert_mask[expert])
+        gate_up = F.linear(hidden[token], w13[local])
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        expert_out = F.linear(F.silu(gate) * up, w2[local])
+        expert_out = expert_out * topk_weights[token, slot, None]
+        result.index_add_(0, token, expert_out.to(result.dtype))
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -36,6 +36,7 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -49,17 +50,20 @@ def _rms_norm_kernel(
         # The torch path adds in the activation dtype: round the sum the same way.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
-    out = rms_norm_row(x, weight, HIDDEN, eps)
+    out = rms_norm_row(x, weight, HIDDEN, eps, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def rms_norm_row(x, weight, HIDDEN: tl.constexpr, eps):
+def rms_norm_row(x, weight, HIDDEN: tl.constexpr, eps, UNIT_OFFSET: tl.constexpr = False):
     """weight * rms_normalise(x) of one whole row (padding zero), in float32 (also decode_linear's
     prologue). Float32 statistics; HF casts the normalised row back to the input dtype before
-    scaling by the weight, and so does this."""
+    scaling by the weight, and so does this. UNIT_OFFSET: (1 + weight) * rms_normalise(x) with
+    nothing rounded in between (Gemma's norm)."""
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / HIDDEN
+    if UNIT_OFFSET:
+        return (x32 * tl.math.rsqrt(variance + eps)) * (1.0 + weight.to(tl.float32))
     normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
     return weight.to(tl.float32) * normed.to(tl.float32)
 
@@ -70,13 +74,16 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     residual_out: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ):
     assert x.dim() == 2, f"expected [T, hidden], got {tuple(x.shape)}"
     num_rows, hidden = x.shape
     assert weight.shape == (hidden,) and weight.stride(0) == 1, (weight.shape, hidden)
     assert x.stride(-1) == 1, "rows must be contiguous"
-    # weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output).
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    # weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output); Gemma's
+    # norm returns x's dtype.
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if residual is None:
         residual_out = None
     else:
@@ -105,14 +112,16 @@ def _launch(
         HIDDEN=hidden,
         BLOCK=block,
         ADD_RESIDUAL=add,
+        UNIT_OFFSET=unit_offset,
         num_warps=num_warps,
     )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rms_normalise(x) for x [T, hidden]; float32 statistics, output in x's dtype."""
-    out, _ = _launch(x, None, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """weight * rms_normalise(x) for x [T, hidden]; float32 statistics, output in x's dtype.
+    unit_offset: (1 + weight) * rms_normalise(x), rounded once (Gemma)."""
+    out, _ = _launch(x, None, weight, eps, unit_offset=unit_offset)
     return out
 
 
@@ -122,7 +131,8 @@ def fused_add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual_out: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; x and residual are left untouched
     unless residual_out is residual (in place is safe: a program reads its whole row first)."""
-    return _launch(x, residual, weight, eps, residual_out)
+    return _launch(x, residual, weight, eps, residual_out, unit_offset)

@@ -11,6 +11,10 @@ No host synchronisation: capturable in a CUDA graph for any (padded) token count
 clamped into the table, so a padding token holding a stale or garbage position never reads out of
 bounds (the torch path would raise instead).
 
+Given the weights of q and k norms (Qwen3, Gemma 3), each head of the token is RMS-normalised
+over its head_dim before it is rotated, rounded where HF's Qwen3RMSNorm / Gemma3RMSNorm round: the
+norm costs no launch and no pass over q and k of its own.
+
 Given a KV cache, the same launch also stores the token's rotated keys and its values into their
 cache slot (what kernels/kv_cache_write.py does alone): the keys go from registers straight to the
 cache, never back into the projection. At batch 1 every launch is a few microseconds of latency
@@ -36,21 +40,45 @@ def _rotated_heads(
     stride_head,
     cos,
     sin,
+    norm_ptr,
+    norm_eps,
     NUM_HEADS: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NORM_UNIT_OFFSET: tl.constexpr,
 ):
     """The halves (x1 cos - x2 sin, x2 cos + x1 sin) of every head of one token, in its dtype,
-    with the mask of real (head, dim) pairs."""
+    with the mask of real (head, dim) pairs; with QK_NORM, of each head RMS-normalised first."""
     heads = tl.arange(0, HEADS_PADDED)
     dims = tl.arange(0, HALF_PADDED)
     mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
     first_ptrs = base_ptr + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(first_ptrs, mask=mask, other=0.0)
     x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        x1, x2 = _normed_halves(x1, x2, norm_ptr, norm_eps, dims, HALF, NORM_UNIT_OFFSET)
     first, second = rotate_halves(x1, x2, cos, sin)
     return first, second, mask
+
+
+@triton.jit
+def _normed_halves(x1, x2, weight_ptr, eps, dims, HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Both halves of each head [heads, HALF] RMS-normalised over the head (2 HALF values) with
+    weight [2 HALF], in x's dtype, rounded as kernels/rmsnorm.py's rows (padding zero)."""
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    inv_rms = tl.math.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    if UNIT_OFFSET:  # Gemma: (1 + w) * normed, nothing rounded in between
+        return (a * inv_rms * (1.0 + w1)).to(dtype), (b * inv_rms * (1.0 + w2)).to(dtype)
+    # Qwen3 (Llama's RMSNorm): the normed head rounded to x's dtype, then times the weight.
+    normed1 = (a * inv_rms).to(dtype).to(tl.float32)
+    normed2 = (b * inv_rms).to(dtype).to(tl.float32)
+    return (w1 * normed1).to(dtype), (w2 * normed2).to(dtype)
 
 
 @triton.jit
@@ -96,6 +124,9 @@ def _rotary_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
     stride_query_t,
     stride_query_h,
     stride_key_t,
@@ -117,6 +148,8 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr = False,
     BLOCK_SIZE: tl.constexpr = 1,
     PDL: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
+    NORM_UNIT_OFFSET: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     if PDL:
@@ -131,10 +164,36 @@ def _rotary_kernel(
     if PDL:
         gdc_wait()  # q, k, v come from the projection before this launch
     query = query_ptr + token * stride_query_t
-    q1, q2, q_mask = _rotated_heads(query, stride_query_h, cos, sin, NUM_Q_HEADS, Q_HEADS_PADDED, HALF, HALF_PADDED)
+    q1, q2, q_mask = _rotated_heads(
+        query,
+        stride_query_h,
+        cos,
+        sin,
+        q_norm_ptr,
+        norm_eps,
+        NUM_Q_HEADS,
+        Q_HEADS_PADDED,
+        HALF,
+        HALF_PADDED,
+        QK_NORM,
+        NORM_UNIT_OFFSET,
+    )
     _store_halves(query, stride_query_h, q1, q2, q_mask, Q_HEADS_PADDED, HALF, HALF_PADDED)
     key = key_ptr + token * stride_key_t
-    k1, k2, kv_mask = _rotated_heads(key, stride_key_h, cos, sin, NUM_KV_HEADS, KV_HEADS_PADDED, HALF, HALF_PADDED)
+    k1, k2, kv_mask = _rotated_heads(
+        key,
+        stride_key_h,
+        cos,
+        sin,
+        k_norm_ptr,
+        norm_eps,
+        NUM_KV_HEADS,
+        KV_HEADS_PADDED,
+        HALF,
+        HALF_PADDED,
+        QK_NORM,
+        NORM_UNIT_OFFSET,
+    )
     if not WRITE_KV:
         _store_halves(key, stride_key_h, k1, k2, kv_mask, KV_HEADS_PADDED, HALF, HALF_PADDED)
     else:
@@ -164,6 +223,7 @@ def rotary_embedding_(
     value: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
 ) -> None:
     """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by positions [T] (int32/int64).
 
@@ -173,6 +233,9 @@ def rotary_embedding_(
     With kv_cache [2, num_blocks, Hkv, block_size, D] (value [T, Hkv, D] and slot_mapping [T]
     int64 given too): the rotated keys and the values are stored at slot_mapping (slots < 0
     skipped) as write_kv_cache would, and key itself is left unrotated.
+
+    qk_norm (q weight [D], k weight [D], eps, unit_offset): each head of query and key is
+    RMS-normalised with its weight first (rms_norm_reference's rounding; unit_offset: Gemma's).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -190,6 +253,8 @@ def rotary_embedding_(
         assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
         assert kv_cache.shape[2] == num_kv_heads and kv_cache.shape[4] == head_dim, (kv_cache.shape, key.shape)
         assert kv_cache.stride(-1) == 1 and slot_mapping.shape == (num_tokens,), slot_mapping.shape
+    if qk_norm is not None:
+        assert qk_norm[0].shape == qk_norm[1].shape == (head_dim,), (qk_norm[0].shape, head_dim)
     if num_tokens == 0:
         return
     q_heads_padded = triton.next_power_of_2(num_q_heads)
@@ -208,6 +273,9 @@ def rotary_embedding_(
         key_cache,
         value_cache,
         slot_mapping if write_kv else positions,
+        qk_norm[0] if qk_norm else cos_cache,  # not read without QK_NORM
+        qk_norm[1] if qk_norm else cos_cache,
+        qk_norm[2] if qk_norm else 0.0,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -228,6 +296,8 @@ def rotary_embedding_(
         WRITE_KV=write_kv,
         BLOCK_SIZE=kv_cache.shape[3] if write_kv else 1,
         PDL=pdl,
+        QK_NORM=qk_norm is not None,
+        NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
         num_warps=num_warps,
         **launch_options(pdl),
     )

@@ -30,10 +30,11 @@ DESCRIPTIONS = {
     "requests with the automatic prefix cache, and without it, each on a fresh cluster: req/s, "
     "prefill tokens computed, peak KV blocks and the ratios; on a GPU also the decode attention of "
     "a group batch (cascade and paged) against its floor.",
-    "pipeline": "Pipeline parallelism against one stage in one run: the offline workload and --concurrency "
-    "streams at 1, 2 (and 4 where GPUs allow) stages, per stage transport, and as many data-parallel "
-    "replicas of one stage (the dp way); each stage's busy and idle time (the bubbles), the hops' bytes "
-    "and time per step, tok/s and TPOT relative to one stage, and the targets.",
+    "pipeline": "Pipeline parallelism against one stage in one run: the offline workload (fixed or mixed "
+    "lengths, at one or more request counts) and --concurrency streams at 1, 2 (and 4 where GPUs allow) "
+    "stages, per stage transport, and as many data-parallel replicas of one stage (the dp way); each GPU's "
+    "busy share and each stage's idle time (the bubbles), the scheduler's host time and micro-batches, the "
+    "hops' bytes and time per step, tok/s and TPOT relative to one stage, and the targets.",
     "tensor-parallel": "Tensor parallelism against one GPU, the pipeline and replicas in one run: for each way "
     "(one GPU, tp2, pp2, dp2, their combinations) an offline workload (mixed or fixed lengths), --concurrency streams and one "
     "stream; output tok/s, TPOT, every GPU's busy share, the ratios to one GPU, and the all-reduce's share of "
@@ -65,6 +66,12 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
         description=DESCRIPTIONS["throughput"],
     )
     _workload(p, 1000, 512, 128)
+    p.add_argument(
+        "--min-input-len", type=int, default=0, help="prompt lengths uniform in [this, --input-len] (0: all fixed)"
+    )
+    p.add_argument(
+        "--min-output-len", type=int, default=0, help="output lengths uniform in [this, --output-len] (0: all fixed)"
+    )
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: all at once)")
     p.add_argument(
         "--hf-baseline",
@@ -218,13 +225,6 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
 
-def _length_range(value: str) -> tuple[int, int]:
-    parts = [int(v) for v in value.split(",")]
-    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
-        raise argparse.ArgumentTypeError(f"SHORTEST,LONGEST with 1 <= SHORTEST <= LONGEST, got {value!r}")
-    return parts[0], parts[1]
-
-
 def _pipeline_parser(sub, formatter_class) -> None:
     from strata.flags import DEFAULTS
 
@@ -234,7 +234,38 @@ def _pipeline_parser(sub, formatter_class) -> None:
         help="pipeline parallelism vs one stage",
         description=DESCRIPTIONS["pipeline"],
     )
-    _workload(p, 1000, 512, 128)
+    p.add_argument(
+        "--num-prompts",
+        type=_batches,
+        default="1000",
+        help="requests of the offline workload, comma-separated: an offline phase each, in every run",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("fixed", "mixed"),
+        default="fixed",
+        help="the offline prompts and outputs: fixed, --input-len / --output-len tokens each; mixed, both "
+        "uniform in --mixed-lengths (the nano-vllm benchmark's shape)",
+    )
+    p.add_argument(
+        "--mixed-lengths",
+        type=_length_range,
+        default="100,1024",
+        metavar="SHORTEST,LONGEST",
+        help="with --shape mixed: the range of prompt and output lengths in tokens",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=512,
+        help="prompt tokens (random ids) of --shape fixed and of the latency streams",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="generated tokens (ignore_eos) of --shape fixed and of the latency streams",
+    )
     p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
     p.add_argument(
         "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 16 per stream)"
@@ -293,6 +324,13 @@ def _pipeline_parser(sub, formatter_class) -> None:
 
 def _batches(value: str) -> list[int]:
     return [int(b) for b in value.split(",") if b.strip()]
+
+
+def _length_range(value: str) -> tuple[int, int]:
+    parts = [int(v) for v in value.split(",")]
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise argparse.ArgumentTypeError(f"SHORTEST,LONGEST with 1 <= SHORTEST <= LONGEST, got {value!r}")
+    return parts[0], parts[1]
 
 
 def _prompt_sets(value: str) -> list[str]:

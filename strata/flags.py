@@ -61,8 +61,9 @@ FLAGS: dict[str, Flag] = {
     "model": Flag(
         "STRATA_MODEL",
         None,
-        "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:llama-3.2-1b' / "
-        "'dummy:llama-3-8b' for random weights of that shape; unset: the embedded default model",
+        "HF model directory (config.json, *.safetensors, tokenizer files), or 'dummy:PRESET' for random weights "
+        "of a preset's shape (llama-3.2-1b, llama-3-8b, qwen3-8b, qwen3-30b-a3b, gemma-3-12b); unset: the "
+        "embedded default model",
     ),
     # -------------------------------------------------------------- `strata serve`
     "pipeline_stages": Flag("STRATA_PIPELINE_STAGES", 1, "number of pipeline stages (one worker process each)", int),
@@ -106,9 +107,21 @@ FLAGS: dict[str, Flag] = {
         "(implies --speculative-method draft)",
     ),
     # -------------------------------------------------------------- step size (workers and scheduler)
-    "max_num_seqs": Flag("STRATA_MAX_NUM_SEQS", 256, "most sequences running at once", int),
+    "max_num_seqs": Flag(
+        "STRATA_MAX_NUM_SEQS",
+        256,
+        "most sequences in one step's batch: with one stage, most running at once; with P pipeline stages, "
+        "per micro-batch, so up to P + 1 times this many run at once (--pipeline-micro-batches), their KV "
+        "spread over the P GPUs (each stage holds 1/P of the layers)",
+        int,
+    ),
     "max_num_batched_tokens": Flag(
-        "STRATA_MAX_NUM_BATCHED_TOKENS", 2048, "token budget of one step (prefill chunks + decodes)", int
+        "STRATA_MAX_NUM_BATCHED_TOKENS",
+        2048,
+        "token budget of one step (prefill chunks + decodes); with P pipeline stages, of each micro-batch's "
+        "step, every stage running one step per micro-batch in turn, prompts' chunks shared out evenly "
+        "over the steps of a round",
+        int,
     ),
     # -------------------------------------------------------------- workers
     "device": Flag("STRATA_DEVICE", "auto", "cpu, cuda, cuda:N, or auto (cuda when available)"),
@@ -218,8 +231,8 @@ FLAGS: dict[str, Flag] = {
     "max_plans_in_flight": Flag(
         "STRATA_MAX_PLANS_IN_FLIGHT",
         0,
-        "plans executing at once (0: 3 with one stage, else the number of pipeline stages); with one "
-        "stage the plans after the first are decode lookaheads of its requests",
+        "plans executing at once (0: 3 with one stage; with P stages two per micro-batch, at least P + 1, "
+        "or P without pipelined decode); the plans after a request's first are decode lookaheads of it",
         int,
     ),
     "no_pipelined_decode": Flag(
@@ -232,16 +245,19 @@ FLAGS: dict[str, Flag] = {
     "pipeline_micro_batches": Flag(
         "STRATA_PIPELINE_MICRO_BATCHES",
         0,
-        "pipelined decode: micro-batches of requests, each up to --max-num-seqs sequences, whose plans "
-        "follow each other through the stages (0: stages + 1, or stages where they all share one GPU; workers hold max(4, stages + 2) x "
-        "--max-num-seqs sequences, so more than stages + 1 needs a smaller --max-num-seqs)",
+        "pipelined decode: the most micro-batches of requests, each up to --max-num-seqs sequences, whose plans "
+        "follow each other through the stages (0: stages + 1, or stages where they all share one GPU). How many "
+        "run follows the load: one while stages x --micro-batch-min-seqs would not fill them, as many as the "
+        "stages while they seat the load, more only when it needs more seats. Workers hold max(4, stages + 2) x "
+        "--max-num-seqs sequences, so more than stages + 1 needs a smaller --max-num-seqs",
         int,
     ),
     "micro_batch_min_seqs": Flag(
         "STRATA_MICRO_BATCH_MIN_SEQS",
         32,
-        "pipelined decode: another micro-batch opens only when the requests would give each at least this "
-        "many (a small batch's step costs the weights' read whatever its size)",
+        "pipelined decode: the load runs in one micro-batch until it would give each of the stages' "
+        "micro-batches at least this many sequences (a small batch's step costs the weights' read whatever "
+        "its size, and one micro-batch's chain of lookahead plans keeps the stages as busy)",
         int,
     ),
     "max_kv_blocks": Flag("STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", int),

@@ -90,10 +90,9 @@ def worker_calls(cluster, method: str, request) -> list:
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
     """HF transformers generate(), greedy, float32, one prompt at a time (no padding effects)."""
-    from transformers import AutoModelForCausalLM
+    from tests.tiny_models import load_hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
+    model = load_hf_model(model_dir)
     model.generation_config.eos_token_id = None  # compared with ignore_eos=True
     outs = []
     with torch.inference_mode():

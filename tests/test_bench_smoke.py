@@ -215,6 +215,66 @@ def _stats(t_steps, prefill, decode, running, gpu_busy=0.0, gpu_idle=0.0):
     )
 
 
+def test_floor_reads_the_experts_a_step_touches_and_a_sliding_layers_window():
+    """Of qwen3-30b-a3b's 128 experts a layer, a batch-1 step reads its 8, a large batch all of
+    them (then every weight once, as the parameter count says); gemma-3-12b's sliding layers
+    read at most their 1,024-token window of KV, its global layers the whole context."""
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.weights import dummy_config
+
+    moe = dummy_config("qwen3-30b-a3b")
+    expert = 3 * moe.hidden_size * moe.moe_intermediate_size
+    assert roofline.experts_touched(moe, 1) == pytest.approx(8)
+    assert roofline.experts_touched(moe, 256) == pytest.approx(128, rel=1e-6)
+    one, many = (roofline.decode_bytes(moe, 2, batch, 0)["weight_bytes"] for batch in (1, 4096))
+    assert many - one == pytest.approx(2 * (48 * 120 * expert + 4095 * moe.hidden_size), rel=1e-9)
+    params = sum(p.numel() for p in CausalLMShard(moe, 0, 48, device="meta").parameters())
+    assert many == 2 * (params - moe.vocab_size * moe.hidden_size + 4096 * moe.hidden_size)
+    gemma = dummy_config("gemma-3-12b")
+    kv = gemma.num_key_value_heads * gemma.head_dim
+    assert roofline.decode_bytes(gemma, 2, 3, 4096)["kv_bytes"] == 2 * 3 * (8 * 4096 + 40 * 1024) * 2 * kv
+    assert roofline.attended_keys(gemma, 1, 2048) == 8 * 2048 * 2049 // 2 + 40 * (1024 * 1025 // 2 + 1024 * 1024)
+
+
+def test_hf_baseline_builds_every_preset_as_transformers_model():
+    """The HF baseline's config of each dummy preset reads back as the preset (ids aside) and
+    gives transformers' model as many parameters as the workers' (on the meta device)."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from strata.bench.hf_baseline import hf_config
+    from strata.services.worker.model.model_config import ModelConfig
+    from strata.services.worker.model.shard import CausalLMShard
+    from strata.services.worker.model.weights import DUMMY_PRESETS, dummy_config
+
+    for name in DUMMY_PRESETS:
+        preset = dummy_config(name)
+        config = hf_config(preset)
+        back = ModelConfig.from_dict({**config.to_dict(), "architectures": [preset.architecture]})
+        ids = dict(eos_token_id=preset.eos_token_id, bos_token_id=preset.bos_token_id, torch_dtype=preset.torch_dtype)
+        assert dataclasses.replace(back, **ids) == preset, name
+        with torch.device("meta"):
+            hf = getattr(transformers, preset.architecture)(config)
+        ours = CausalLMShard(preset, 0, preset.num_hidden_layers, device="meta")
+        assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters()), name
+
+
+def test_throughput_mixed_lengths_are_uniform_in_their_ranges():
+    from strata.bench import offline
+
+    argv = ["throughput", "--num-prompts", "500", "--input-len", "1024", "--output-len", "1024"]
+    args = parse_bench(*argv, "--min-input-len", "100", "--min-output-len", "100")
+    prompts, output_lens = offline._workload(args, vocab_size=400)
+    for lengths in ([len(p) for p in prompts], output_lens):
+        assert 100 <= min(lengths) < 150 and 980 < max(lengths) <= 1024
+        assert 450 < sum(lengths) / len(lengths) < 680
+    assert offline._lengths(args) == "100-1024 in / 100-1024 out" and not offline._hf_enabled(args)
+    prompts, output_lens = offline._workload(parse_bench(*argv), vocab_size=400)
+    assert {len(p) for p in prompts} == {1024} and set(output_lens) == {1024}
+
+
 def test_decode_only_timing_skips_intervals_with_prefill():
     samples = [
         (0.0, _stats(0, 100, 0, 8, 0.0, 0.0)),
@@ -367,11 +427,17 @@ def test_mixed_step_times_each_shape_against_its_floor():
 
 
 def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path):
+    """Two offline phases of the mixed shape in each run (6 and 3 requests of 4-12 tokens in and
+    out), then the streams."""
     r = bench(
         tmp_path,
         "pipeline",
         "--num-prompts",
-        "6",
+        "6,3",
+        "--shape",
+        "mixed",
+        "--mixed-lengths",
+        "4,12",
         "--input-len",
         str(INPUT_LEN),
         "--output-len",
@@ -396,22 +462,59 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert [(x["stages"], x["transport"], x["micro_batches"]) for x in runs] == [(1, "-", 0), (2, "ipc", 2)]
     # CPU stages take no GPU clock stamps: the multi-stage run says so, the one-stage run has none
     assert "gpu_clock" not in runs[0] and all("no stamps" in v for v in runs[1]["gpu_clock"].values())
+    assert len(runs[1]["gpu_clock"]) == 3  # two offline phases and the streams
     for x in runs:
-        off, lat = x["offline"], x["latency"]
-        assert off["failed"] == lat["failed"] == 0
-        assert off["output_tokens"] == 6 * OUTPUT_LEN and lat["output_tokens"] == 2 * OUTPUT_LEN
-        assert len(off["stages"]) == x["stages"]
-        for stage in off["stages"] + lat["stages"]:
+        lat = x["latency"]
+        assert [o["workload"] for o in x["offline"]] == ["6 x 4-12/4-12", "3 x 4-12/4-12"]
+        for off, num in zip(x["offline"], (6, 3)):
+            assert off["failed"] == 0 and off["requests"] == num and 4 * num <= off["output_tokens"] <= 12 * num
+            assert len(off["stages"]) == x["stages"]
+        assert lat["failed"] == 0 and lat["output_tokens"] == 2 * OUTPUT_LEN
+        for stage in [s for o in x["offline"] for s in o["stages"]] + lat["stages"]:
             assert stage["steps"] > 0 and stage["timed_steps"] > 0 and stage["busy_seconds"] > 0
         assert lat["tpot_ms"]["p50"] > 0
-    two = runs[1]["offline"]
+    # The same requests, whatever the stages: the same output lengths.
+    assert [o["output_tokens"] for o in runs[0]["offline"]] == [o["output_tokens"] for o in runs[1]["offline"]]
+    two = runs[1]["offline"][0]
     first, last = two["stages"]
     assert first["activation_steps_sent"] == first["steps"] and first["activation_bytes_sent"] > 0
     assert last["token_steps_sent"] > 0 and last["token_bytes_sent"] == 8 * two["output_tokens"]
     assert two["scheduler"]["lookahead_decodes"] > 0
+    assert two["scheduler"]["micro_batches_after"] == 1  # 6 requests: one micro-batch (fewer than 2 x 32)
     ratios = runs[1]["ratios"]
-    assert ratios["offline_tok_s"] > 0 and ratios["tpot_p50"] > 0 and ratios["token_hop_us"] > 0
-    assert "| 2 | ipc, 2 micro-batches |" in r["markdown_row"]
+    assert [x["workload"] for x in ratios] == ["6 x 4-12/4-12", "3 x 4-12/4-12"]
+    assert all(x["offline_tok_s"] > 0 and x["tpot_p50"] > 0 and x["token_hop_us"] > 0 for x in ratios)
+    assert len(r["markdown_rows"]) == 2 and "| 2 | ipc, 2 micro-batches | 6 x 4-12/4-12 |" in r["markdown_row"]
+
+
+def test_the_pipeline_benchs_offline_workloads():
+    """--shape fixed: every prompt --input-len tokens and every output --output-len; mixed: both
+    uniform in the range, each request's own max_tokens (ignore_eos), the same for every run."""
+    import argparse
+
+    from strata.bench import pipeline
+
+    args = argparse.Namespace(
+        num_prompts=[5, 300],
+        shape="fixed",
+        input_len=7,
+        output_len=3,
+        mixed_lengths=(100, 1024),
+        temperature=0.0,
+        seed=1,
+    )
+    fixed = pipeline.offline_workloads(args, vocab_size=500)
+    assert [name for name, _, _ in fixed] == ["5 x 7/3", "300 x 7/3"]
+    assert all(len(p) == 7 for _, prompts, _ in fixed for p in prompts)
+    assert all(x.max_tokens == 3 and x.ignore_eos for _, _, params in fixed for x in params)
+    args.shape = "mixed"
+    mixed = pipeline.offline_workloads(args, vocab_size=500)
+    _, prompts, params = mixed[1]
+    lengths, outputs = [len(p) for p in prompts], [x.max_tokens for x in params]
+    assert min(lengths) >= 100 and max(lengths) <= 1024 and min(outputs) >= 100 and max(outputs) <= 1024
+    assert max(lengths) - min(lengths) > 700 and len(set(outputs)) > 100  # spread over the range
+    assert all(x.ignore_eos and x.min_tokens == x.max_tokens for x in params)
+    assert [p for _, p, _ in pipeline.offline_workloads(args, vocab_size=500)] == [p for _, p, _ in mixed]
 
 
 # Behind the slow marker (STRATA_SLOW_TESTS=1): the replicas' cluster is tests/test_data_parallel.py's,
@@ -441,12 +544,13 @@ def test_pipeline_bench_runs_the_dp_way_beside_one_stage(tmp_path):
     runs = r["runs"]
     assert [(x["stages"], x["replicas"]) for x in runs] == [(1, 1), (1, 2)]
     dp = runs[1]
-    for phase in (dp["offline"], dp["latency"]):
+    (offline,) = dp["offline"]  # one offline workload (one --num-prompts count)
+    for phase in (offline, dp["latency"]):
         assert phase["failed"] == 0 and len(phase["stages"]) == 2  # one stage in each replica
         assert all(stage["steps"] > 0 for stage in phase["stages"])  # both replicas served
-    assert dp["offline"]["output_tokens"] == 6 * OUTPUT_LEN
-    assert dp["offline"]["scheduler"]["finished_requests"] >= 6  # summed over both schedulers
-    assert dp["ratios"]["offline_tok_s"] > 0
+    assert offline["output_tokens"] == 6 * OUTPUT_LEN
+    assert offline["scheduler"]["finished_requests"] >= 6  # summed over both schedulers
+    assert dp["ratios"][0]["offline_tok_s"] > 0
     assert "| 1 x 2 replicas | - |" in r["markdown_row"]
 
 
@@ -531,3 +635,33 @@ def test_tensor_parallel_ways_name_ranks_stages_and_replicas():
     assert [parse_way(w) for w in ways] == [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)]
     with pytest.raises(ValueError, match="unknown way"):
         parse_way("pp2tp2")
+
+
+def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
+    """The policy model (bench/pipeline_schedule.py): every request finishes and every block comes
+    back; on two simulated GPUs the mixed shape runs faster than on one, every stage busy."""
+    import argparse
+
+    from strata.bench import pipeline_schedule
+
+    args = argparse.Namespace(
+        shape="8b",
+        min_len=20,
+        max_len=120,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        micro_batch_min_seqs=8,
+        micro_batches=0,
+        bandwidth=4.0e12,
+        flops=6.0e14,
+        host_ms=0.3,
+        host_us_per_seq=2.0,
+        hop_us=100.0,
+        result_us=100.0,
+        scheduler_us_per_seq=0.0,
+        seed=0,
+    )
+    one, two = (pipeline_schedule.simulate(args, stages, 96) for stages in (1, 2))
+    assert two["tok_s"] > 1.2 * one["tok_s"]
+    assert all(0.3 < b <= 1.0 for b in two["busy"]) and two["spread"] is not None
+    assert one["spread"] is None and one["migrations"] == 0 and two["plans"] > one["plans"]

@@ -25,7 +25,13 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
 
         def choose(**overrides):
             args = dict(
-                num_runs=32, max_run_tokens=512, max_prefix_len=2048, num_q_heads=32, num_kv_heads=8, sm_count=132
+                num_runs=32,
+                max_run_tokens=512,
+                max_prefix_len=2048,
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=64,
+                sm_count=132,
             )
             return choose_prefix_config(**{**args, **overrides})
 
@@ -39,6 +45,7 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
         assert choose(num_runs=1, max_run_tokens=64, max_prefix_len=100).prefix_splits == 1
         assert choose(num_runs=1, max_run_tokens=2, max_prefix_len=1 << 20).prefix_splits == 8
         assert choose(prefix_splits=3).prefix_splits == 3
+        assert (choose(head_dim=256).tile_n, choose(head_dim=256).num_warps) == (32, 8)  # Gemma 3: spill-free
 
 else:
     from strata.kernels.cascade_attention import PrefixLaunchConfig, SharedKVRuns, cascade_attention
@@ -152,6 +159,14 @@ else:
         got = cascade_attention(*batch.attention_args()[:5], padded, 1, 4096, scale)
         want = paged_attention_reference(*batch.attention_args(), scale)
         torch.testing.assert_close(got[:5], want[:5], **TOLERANCE[torch.float32])
+
+    def test_head_dim_256_with_its_own_tiles():
+        """Gemma 3's head size with the tiles chosen for it (half the keys per tile; the own keys'
+        prefill blocks of 32 rows): decodes and a prefill chunk past two shared prefixes."""
+        batch, runs = batch_with_runs(
+            [1, 5, 1, 1], [40, 38, 45, 50], [2, 2], [37, 20], heads=(4, 2), head_dim=256, block_size=16, seed=9
+        )
+        check(batch, runs)
 
     def test_no_runs_equals_paged_attention():
         batch = make_paged_batch([1, 3], [10, 4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)

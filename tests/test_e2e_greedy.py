@@ -75,7 +75,11 @@ def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     model_dir = _model(tmp_path_factory, tokenizer, arch)
     prompts, lengths = _workload(len(tokenizer), seed=stages)
     expected = hf_greedy(model_dir, prompts, lengths)
-    with running_cluster(model_dir, stages, "--max-num-batched-tokens", "64") as (cluster, client):
+    # With several stages, micro-batches of 4 that open past 2 sequences each: the 16 requests
+    # run in P + 1 of them, prompts' chunks ride any plan, and they are rebalanced and fewer as
+    # requests finish (services/scheduler/micro_batches.py).
+    micro_batches = ("--max-num-seqs", "4", "--micro-batch-min-seqs", "2") if stages > 1 else ()
+    with running_cluster(model_dir, stages, "--max-num-batched-tokens", "64", *micro_batches) as (cluster, client):
         got = _run_concurrently(client, prompts, lengths)
         stats = scheduler_stats(cluster)
     assert got == expected
@@ -83,6 +87,8 @@ def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     # Decodes go out before their input token is back: one stage fills it in itself, with more
     # stages the last hands its tokens to stage 0 (pipelined decode).
     assert stats.lookahead_decodes > 0
+    if stages > 1:
+        assert stats.micro_batch_rounds > 0
 
 
 # Behind the slow marker (STRATA_SLOW_TESTS=1): preemption by recompute leaves every token as

@@ -243,6 +243,29 @@ else:
         assert_matches(got_split, want, dtype)
         assert_matches(got_single, want, dtype)
 
+    def test_head_dim_256_with_its_own_tiles():
+        """Gemma 3's head size, with the tiles chosen for it (half the keys per tile of D <= 128):
+        a mixed batch in the prefill launch (windowed too), then decodes cut into split-KV parts."""
+        batch = make_paged_batch(
+            [9, 1, 4], [30, 40, 0], num_q_heads=4, num_kv_heads=2, head_dim=256, block_size=16, seed=256
+        )
+        for window in (None, 7):
+            got, want = run_both(batch, 256**-0.5, sliding_window=window, num_kv_splits=1)
+            assert_matches(got, want, torch.float32)
+        decodes = make_paged_batch([1, 1], [70, 3], num_q_heads=4, num_kv_heads=2, head_dim=256, block_size=16, seed=2)
+        config = choose_launch_config(
+            num_seqs=2,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=256,
+            max_query_len=1,
+            max_seq_len=decodes.max_seq_len,
+            sm_count=132,
+        )
+        assert config.tile_n == 32 and config.num_kv_splits == 2  # 71 keys: two 64-key splits
+        got, want = run_both(decodes, 256**-0.5, config=config)
+        assert_matches(got, want, torch.float32)
+
     def test_split_kv_with_prefill_chunks_and_window():
         """The split path is general: query blocks of prefill chunks and a window split too."""
         batch = make_paged_batch(

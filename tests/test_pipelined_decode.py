@@ -262,7 +262,10 @@ def _drive(sched: Scheduler, requests: list[Request], max_in_flight: int, seed: 
             break
         plan = sched.schedule() if len(in_flight) < max_in_flight else None
         if plan is not None:
-            decoding = {s.request.micro_batch for s in plan.seqs if s.num_computed >= s.request.num_prompt_tokens}
+            # (a preempted request recomputing its output samples nothing: it has no micro-batch yet)
+            decoding = {
+                s.request.micro_batch for s in plan.seqs if s.sample and s.num_computed >= s.request.num_prompt_tokens
+            }
             assert len(decoding) <= 1, "a plan's decodes come from one micro-batch"
             micro_batches_used |= decoding
             in_flight.append((plan, pipe.execute(plan)))
@@ -484,3 +487,22 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
     assert stats.pipeline_stages == 2 and stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
     assert stats.host_seconds > 0  # the scheduler's own time on results and plans is counted
     assert all(t.timed_steps > stats.steps and t.idle_seconds < 0.5 for t in timelines), timelines
+
+
+def test_a_plan_is_serialized_once_for_every_stage():
+    """Pipeline.send writes the same bytes to each stage's Steps stream (the raw-bytes call), not
+    the message for each stream to serialize again."""
+    from strata.services.scheduler.pipeline import Pipeline, StageHandle
+
+    writes = []
+
+    class Call:
+        async def write(self, data):
+            writes.append(data)
+
+    pipeline = Pipeline(["s0:1", "s1:1", "s2:1"])
+    pipeline.stages = [StageHandle(f"s{i}:1", None, None, engine_pb2.WorkerDescription(), Call()) for i in range(3)]
+    plan = engine_pb2.StepPlan(step_id=7, seq_ids=[1, 2], num_computed=[3, 4], num_scheduled=[1, 1])
+    asyncio.run(pipeline.send(plan))
+    assert len(writes) == 3 and all(w is writes[0] for w in writes)
+    assert engine_pb2.StepPlan.FromString(writes[0]) == plan

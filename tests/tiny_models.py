@@ -17,6 +17,12 @@ TINY_INIT_STD = 0.15
 
 # Mistral's window is smaller than the test sequences, so sliding attention is exercised.
 TINY_MISTRAL_SLIDING_WINDOW = 12
+# Gemma 3's and Mixtral's too (Gemma 3 slides on its odd layers only).
+TINY_GEMMA3_SLIDING_WINDOW = 10
+TINY_MIXTRAL_SLIDING_WINDOW = 14
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 _BASE = dict(
     hidden_size=64,
@@ -34,8 +40,16 @@ _BASE = dict(
 
 
 def tiny_config(arch: str = "llama", tokenizer: Any = None, **overrides: Any):
-    """The transformers config of a tiny `arch` model ("llama", "mistral" or "qwen2")."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """The transformers config of a tiny `arch` model (one of ARCHS)."""
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     kwargs: dict[str, Any] = dict(_BASE)
     if tokenizer is not None:
@@ -59,6 +73,47 @@ def tiny_config(arch: str = "llama", tokenizer: Any = None, **overrides: Any):
         config_class = Qwen2Config
         kwargs["tie_word_embeddings"] = True
         kwargs["rope_parameters"] = dict(rope_type="default", rope_theta=1000000.0)
+    elif arch == "qwen3":
+        config_class = Qwen3Config
+        # head_dim 32 with hidden 64 and 4 heads: q is wider than hidden, as head_dim is explicit.
+        kwargs.update(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+    elif arch == "gemma3":
+        config_class = Gemma3TextConfig
+        # Sliding on even layers, global on odd ones (Gemma 3 has five in six sliding), the global
+        # ones with linear rope scaling as Gemma 3 4B+ have it, the local ones their own base; a
+        # query_pre_attn_scalar that is not head_dim; GELU-tanh and tied embeddings by default.
+        layers = overrides.get("num_hidden_layers", kwargs["num_hidden_layers"])
+        kwargs.update(
+            head_dim=32,
+            sliding_window=TINY_GEMMA3_SLIDING_WINDOW,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            query_pre_attn_scalar=24,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=1000.0),
+            ),
+        )
+    elif arch == "qwen3_moe":
+        config_class = Qwen3MoeConfig
+        # 8 experts, 3 a token, renormalised; layer 1 keeps a dense MLP (mlp_only_layers).
+        kwargs.update(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        )
+    elif arch == "mixtral":
+        config_class = MixtralConfig
+        kwargs.update(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            sliding_window=TINY_MIXTRAL_SLIDING_WINDOW,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        )
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     kwargs.update(overrides)
@@ -67,20 +122,46 @@ def tiny_config(arch: str = "llama", tokenizer: Any = None, **overrides: Any):
 
 def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer: Any = None, **overrides: Any):
     """A float32 HF model with deterministic large-std random weights, in eval mode."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    import transformers
 
-    model_class = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+    model_class = getattr(transformers, _MODEL_CLASSES[arch])
+    # "eager": HF's expert loop, the math of our references (transformers 5 picks grouped_mm).
     config = tiny_config(arch, tokenizer, **overrides)
+    config._experts_implementation = "eager"
     model = model_class(config).to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)
             if name.endswith("norm.weight"):
-                # Not all ones, so a swapped or missing norm weight changes the output.
-                param.copy_(1.0 + 0.1 * noise)
+                # Not all ones (Gemma's: not all zeros), so a swapped or missing norm weight
+                # changes the output.
+                param.copy_(0.1 * noise if arch == "gemma3" else 1.0 + 0.1 * noise)
             else:
                 param.copy_(TINY_INIT_STD * noise)
+    return model.eval()
+
+
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def load_hf_model(path: str | Path):
+    """The HF oracle of a saved model, float32, eval mode; mixtures of experts run HF's eager
+    expert loop, the math our references copy (from_pretrained would pick grouped_mm)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, experts_implementation="eager")
+    except (TypeError, ValueError):  # a transformers without the option has only the eager loop
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval()
 
 

@@ -1,5 +1,6 @@
 """Admission: a waiting request gets a seat and its first chunk (its shared or cached prefix
-found first), within its micro-batch's share of the seats. Part of the Scheduler (scheduler.py),
+found first); with micro-batches a first chunk that samples needs a seat in the plan's micro-batch
+(micro_batches.py). Part of the Scheduler (scheduler.py),
 as a mixin over the core's state: the running list, the block manager, prefix sharing."""
 
 from __future__ import annotations
@@ -15,18 +16,6 @@ from strata.services.scheduler.request import Request, RequestStatus, arrival_of
 class Admission:
     """The Scheduler's admission of waiting requests (module docstring)."""
 
-    def _micro_batch_seats(self, micro_batch: int) -> int:
-        """Sequences a micro-batch may hold: what runs and waits, shared evenly (by decode
-        tokens; each plan's prefill is bounded by its own token budget) over as many
-        micro-batches as hold micro_batch_min_seqs each (at least one, at most all), at most
-        max_num_seqs each. An empty micro-batch opens only while fewer than that many hold any."""
-        demand = len(self.running) + len(self.waiting)
-        used = min(self.num_micro_batches, max(1, -(-demand // self.micro_batch_min_seqs)))
-        counts = self.micro_batch_seqs
-        if not counts[micro_batch] and sum(1 for c in counts if c) >= used:
-            return 0
-        return min(self.max_num_seqs, -(-demand // used))
-
     def _admit(
         self,
         req: Request,
@@ -34,14 +23,16 @@ class Admission:
         budget: int,
         seqs: list[ScheduledSeq],
         copies: list[tuple[int, int]],
+        may_sample: bool = True,
     ) -> int | object | None:
-        """Admits a waiting request and schedules its first chunk. Returns the tokens it
-        scheduled, HOLD to wait for a sibling (or a prefix group's other members), or None when
-        its blocks do not fit now."""
+        """Admits a waiting request and schedules its first chunk (one that samples only if
+        may_sample). Returns the tokens it scheduled, HOLD to wait for a sibling (or a prefix
+        group's other members), or None when its blocks (or, without may_sample, a chunk) do
+        not fit now."""
         bm = self.block_manager
         found = None
         if req.parent_id or req.group_size:
-            free_seats = self.max_num_seqs - len(self.running) - self.sharing.reserved_seats
+            free_seats = self._seat_limit() - len(self.running) - self.sharing.reserved_seats
             found = self.sharing.shared_prefix(req, step_id, bm, free_seats)
         asks = req.prompt_logprobs is not None and not req.prompt_logprobs.complete
         if found is HOLD and asks and not req.group_size:
@@ -60,6 +51,10 @@ class Admission:
             num_computed = req.prompt_logprobs.readable_prefix(num_computed, self.block_size)
             shared = shared[: -(-num_computed // self.block_size)]
         end = num_computed + min(req.num_tokens - num_computed, budget)
+        if end == req.num_tokens and not may_sample:
+            end -= 1  # all but the last token: its final chunk waits for a seat
+            if end <= num_computed:
+                return None
         free = bm.num_free_blocks - self.sharing.reserved_for_others(req)
         if bm.admission_cost(shared, num_computed, end) > free:
             return None
@@ -67,6 +62,7 @@ class Admission:
         bm.acquire(req, shared, cached=found is None)
         self.sharing.admitted(req)
         req.sharing.num_shared_blocks = num_computed // self.block_size  # full blocks it did not compute
+        self._running_shared += req.sharing.num_shared_blocks > 0
         req.num_computed_tokens = num_computed
         if req.num_preemptions == 0:  # first admission
             # (a request resumed from a lost replica may find its output's blocks too)

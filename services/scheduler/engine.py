@@ -39,8 +39,9 @@ class SchedulerConfig:
     # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
     max_plans_in_flight: int = DEFAULTS["max_plans_in_flight"]
     # Pipelined decode over P > 1 stages: the last stage hands its tokens to stage 0, and requests
-    # run in micro-batches (0: P + 1), each a chain of plans whose decodes are lookaheads of the
-    # previous plan's; a micro-batch opens past micro_batch_min_seqs sequences in the others.
+    # run in micro-batches (at most pipeline_micro_batches, 0: P + 1; how many follows the load,
+    # services/scheduler/micro_batches.py), each a chain of plans whose decodes are lookaheads of
+    # the previous plan's.
     pipelined_decode: bool = not DEFAULTS["no_pipelined_decode"]
     pipeline_micro_batches: int = DEFAULTS["pipeline_micro_batches"]
     micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"]
@@ -316,7 +317,7 @@ class Engine:
             plan.sent_at = time.monotonic()
             plan.after_idle = msg.after_idle = self._busy_since is None  # (the engine had nothing to run)
             self.in_flight.append(plan)
-            self._deadlines.append(self._step_deadline(sum(s.num_scheduled for s in plan.seqs)))
+            self._deadlines.append(self._step_deadline(plan.num_tokens))
             self._mark_busy()
             await self.pipeline.send(msg)
 

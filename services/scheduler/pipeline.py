@@ -30,6 +30,14 @@ class StageHandle:
     call: grpc.aio.StreamStreamCall | None = None
 
 
+def _raw_steps(channel: grpc.aio.Channel):
+    """Worker.Steps taking plans already serialized: the engine serializes each plan once, not
+    once per stage."""
+    return channel.stream_stream(
+        "/strata.v1.Worker/Steps", request_serializer=None, response_deserializer=engine_pb2.StepResult.FromString
+    )
+
+
 class Pipeline:
     """The ordered stages; sends each plan to every stage and reads results from the last one.
     With a draft worker (speculative decoding), also the draft model's proposals."""
@@ -108,8 +116,10 @@ class Pipeline:
                     self.draft_transport = await self._open_token_link(self.draft, stages[0], session, drafts=True)
                 except PipelineError as e:  # (an older target, or no transport between the two): as before
                     log.warning("%s; the draft worker's proposals go through the scheduler", e)
-        for stage in every:
-            stage.call = stage.stub.Steps()
+        for stage in stages:
+            stage.call = _raw_steps(stage.channel)()
+        if self.draft is not None:
+            self.draft.call = self.draft.stub.Steps()
         for shared in gpus_shared_without_mps([s.description for s in stages]):
             log.warning(
                 "stages %s share one GPU without MPS: each hand-off between them leaves the GPU idle while it "
@@ -266,8 +276,10 @@ class Pipeline:
             raise PipelineError(f"draft worker {draft.address}: max_model_len below the target's")
 
     async def send(self, plan: engine_pb2.StepPlan) -> None:
+        """Writes the plan to every stage's Steps stream, serialized once for all of them."""
+        raw = plan.SerializeToString()
         try:
-            await asyncio.gather(*(s.call.write(plan) for s in self.stages))
+            await asyncio.gather(*(s.call.write(raw) for s in self.stages))
         # An intercepted call (the cluster token) reports a write after the stream ended as
         # InvalidStateError rather than the call's status: either way the stage is gone.
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:

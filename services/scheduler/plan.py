@@ -48,6 +48,7 @@ class StepPlan:
     after_idle: bool = False  # nothing ran before it: the GPU's wait for it is no bubble (StepPlan.after_idle)
     verifies: bool = False  # some sequence verifies drafts that the plan carries
     micro_batch: int = 0  # pipelined decode: the micro-batch it runs
+    num_tokens: int = 0  # KV slots it computes: the sum of its sequences' num_scheduled
     retired: bool = False  # its result came back (Scheduler.retire), whatever it was
     # Per sequence, when some sequence is `shifted`: the rejected drafts its num_computed
     # accounts for (StepPlan.rejected_drafts); empty otherwise.

@@ -47,6 +47,7 @@ class PlanEntries:
         spec = req.spec
         if num_draft:
             tokens.extend(spec.draft_token_ids[:num_draft])
+            self._drafts_in_plan += 1
         if spec.draft_token_ids:
             spec.draft_token_ids = []
         keep = req.num_synced_blocks

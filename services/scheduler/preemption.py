@@ -5,6 +5,8 @@ state."""
 
 from __future__ import annotations
 
+import bisect
+
 from strata.services.scheduler.block_manager import BlockTable, KVBlockManager
 from strata.services.scheduler.request import Request, RequestStatus, arrival_of
 
@@ -12,9 +14,10 @@ from strata.services.scheduler.request import Request, RequestStatus, arrival_of
 class Preemption:
     """The Scheduler's preemption and reset (module docstring)."""
 
-    def _make_room(self, req: Request, end: int, index: int, lookahead: bool = False) -> tuple[bool, bool]:
+    def _make_room(self, req: Request, end: int, index: int | None, lookahead: bool = False) -> tuple[bool, bool]:
         """Frees blocks until req can compute up to `end`, preempting the latest-arrived
-        running requests not in flight (those after `index`, then req itself).
+        running requests not in flight (those after `index`, req's place in the running list,
+        found here when None; then req itself).
         Returns (req still runs, someone was preempted). lookahead: req is in flight (a chunk
         following its previous one), so it preempts nobody and is not preempted: (False, False)."""
         bm = self.block_manager
@@ -22,6 +25,8 @@ class Preemption:
         if lookahead:
             return bm.blocks_needed(req, end) <= bm.num_free_blocks, False
         while bm.blocks_needed(req, end) > bm.num_free_blocks:
+            if index is None:
+                index = bisect.bisect_left(self.running, req.arrival, key=arrival_of)
             victim = None
             for j in range(len(self.running) - 1, index, -1):
                 if not self.running[j].in_flight:
@@ -69,8 +74,8 @@ class Preemption:
         if self.spec is not None:
             self.spec.reset()
         self.running = []
-        self.micro_batch_seqs = [0] * self.num_micro_batches
-        self.micro_batch_plans = [0] * self.num_micro_batches
+        self._running_shared = 0
+        self._reset_micro_batches()
         self._num_in_flight = 0
         self._pending_releases = []
         self.counters.preemptions += len(resumed)

@@ -67,7 +67,9 @@ class Request:
     num_preemptions: int = 0
     num_synced_blocks: int = 0  # leading block-table entries the workers already hold
     in_flight: int = 0  # plans whose result has not come back that include it (2 with lookahead)
-    micro_batch: int = 0  # pipelined decode: the micro-batch whose plans it runs in (set at admission)
+    # Pipelined decode: the micro-batch whose plans it runs in (micro_batches.py: PREFILLING while
+    # its prompt is unfinished, MIGRATING between two).
+    micro_batch: int = 0
     pending_sample: bool = False  # its latest plan samples exactly one token for it
     last_scheduled_step: int = -1
     num_computed_at_step_start: int = 0  # num_computed_tokens before its latest scheduled step

@@ -11,6 +11,7 @@ The core's jobs, each a mixin of its own over the state kept here:
   admission.py       a waiting request's seat and first chunk (its shared or cached prefix found first)
   plan_entries.py    a request's entry in the plan: its tokens, slots, copies, what stays in flight
   lookahead.py       plans that go out before the results they follow (decode and verify lookahead)
+  micro_batches.py   P stages: how many micro-batches run, their seats, the prefill pool, rebalancing
   preemption.py      preemption by recompute, and the reset after a lost stage
   results.py         a plan's result applied: tokens appended, stops, a verify step's outcome
 Features live in modules of their own and keep their per-request state on the request:
@@ -32,6 +33,7 @@ from strata.protocol import DEVICE_DRAFT
 from strata.services.scheduler.admission import Admission
 from strata.services.scheduler.block_manager import KVBlockManager
 from strata.services.scheduler.lookahead import DecodeLookahead
+from strata.services.scheduler.micro_batches import MicroBatches
 from strata.services.scheduler.plan import ScheduledSeq, StepPlan
 from strata.services.scheduler.plan_entries import PlanEntries
 from strata.services.scheduler.preemption import Preemption
@@ -50,7 +52,7 @@ from strata.v1 import engine_pb2
 __all__ = ["Scheduler"]
 
 
-class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdates):
+class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemption, ResultUpdates):
     def __init__(
         self,
         num_blocks: int,
@@ -79,21 +81,10 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         self.decode_lookahead = decode_lookahead  # decodes ahead of their input token (0: off)
         # Pipelined decode over P stages: requests run in micro-batches, each a chain of plans
         # (the next a lookahead of the previous), up to max_num_seqs sequences each, so up to
-        # num_micro_batches * max_num_seqs run (each stage holds KV for 1/P of the layers).
-        # A micro-batch opens only past micro_batch_min_seqs sequences in the others: a small
-        # batch's step costs the weights' read whatever its size, so splitting it costs latency.
-        if num_micro_batches < 1 or micro_batch_min_seqs < 1:
-            raise ValueError("num_micro_batches and micro_batch_min_seqs must be >= 1")
-        self.num_micro_batches = num_micro_batches
-        self.micro_batch_min_seqs = micro_batch_min_seqs
+        # num_micro_batches * max_num_seqs run (each stage holds KV for 1/P of the layers);
+        # how many run follows the load (micro_batches.py).
+        self._init_micro_batches(num_micro_batches, micro_batch_min_seqs, pipeline_stages)
         self.max_running = max_num_seqs * num_micro_batches
-        self.micro_batch_seqs = [0] * num_micro_batches  # running requests per micro-batch
-        # Plans in flight per micro-batch, at most decode_lookahead + 1: a micro-batch's requests
-        # are each in every one of its plans in flight. With more (the engine allows two per
-        # micro-batch), a lone micro-batch would split into two cohorts that alternate steps,
-        # each reading all the weights for half the tokens.
-        self.micro_batch_plans = [0] * num_micro_batches
-        self._next_micro_batch = 0
         self.cascade_attention = cascade_attention  # plans list their shared-KV runs
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
         # that cannot stop its request). They give the same plans and outputs as the general
@@ -113,6 +104,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         self._prompt_logprob_requests = 0  # unfinished requests that ask for prompt logprobs
         self._pending_releases: list[int] = []
         self._num_in_flight = 0
+        self._running_shared = 0  # running requests that hold blocks they did not compute (cascade runs)
+        self._drafts_in_plan = 0
         self._next_seq_id = 1
         self._next_step_id = 1
         self._next_arrival = 0
@@ -188,21 +181,10 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
 
     def schedule(self) -> StepPlan | None:
         """Builds the next plan from requests not in flight, or None when none can run now.
-        With micro-batches, the next one in turn that has work (round robin)."""
-        n = self.num_micro_batches
-        if n == 1:
+        With micro-batches, the next one in turn that has work (micro_batches.py)."""
+        if self.num_micro_batches == 1:
             return self._schedule(0)
-        for k in range(n):
-            mb = (self._next_micro_batch + k) % n
-            if self.decode_lookahead and self.micro_batch_plans[mb] > self.decode_lookahead:
-                continue
-            plan = self._schedule(mb)
-            if plan is not None:
-                self._next_micro_batch = (mb + 1) % n
-                plan.micro_batch = mb
-                self.micro_batch_plans[mb] += 1
-                return plan
-        return None
+        return self._next_plan()
 
     def retire(self, plan: StepPlan) -> None:
         """The plan's result came back, or its step failed (update() calls it too)."""
@@ -219,6 +201,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         new_requests: list[Request] = []
         preempted = False
         bm = self.block_manager
+        self._drafts_in_plan = 0  # entries with drafts (_schedule_seq counts them)
 
         # 1. Running requests first: decodes and unfinished prefill chunks, in arrival order.
         running = self.running  # preemption shrinks it in place: its length is read every time
@@ -236,22 +219,11 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         # the next plan holds them all.
         merge_cohorts = speculate and self.decode_lookahead > 0 and spec.verifying_plans > 0
         micro_batches = self.num_micro_batches > 1
+        if micro_batches:  # the micro-batch's own requests (the pool's prefill comes after them)
+            running = self.micro_batch_members[micro_batch]
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if micro_batches:  # another micro-batch's, or a prefill chunk that may follow its last
-                if req.micro_batch != micro_batch:
-                    i += 1
-                    continue
-                if req.in_flight and self._can_follow_chunk(req):
-                    num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                    end = req.num_computed_tokens + num_new
-                    fits, evicted = self._make_room(req, end, i, lookahead=True)
-                    if fits:
-                        self._schedule_seq(req, end, 0, step_id, seqs, copies)
-                        budget -= num_new
-                    i += 1
-                    continue
             out = req.output_token_ids
             on_device = drafts_stay and req.spec.on_device
             # A request due to speculate with drafts its plan carries gets no decode lookahead: it
@@ -303,7 +275,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
                 end -= dropped  # drafts are optional: drop them before preempting anyone
                 num_new -= dropped
                 num_draft, seq_rounds = 0, 1
-            fits, evicted = self._make_room(req, end, i)
+            fits, evicted = self._make_room(req, end, None if micro_batches else i)
             preempted = preempted or evicted
             if not fits:
                 continue  # req itself was preempted; running[i] is now the next request
@@ -311,35 +283,50 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
             budget -= num_new
             i += 1
 
+        unspent = quota = 0  # with micro-batches: this plan's prefill quota, and the budget past it
+        if micro_batches and budget > 0:
+            # Prefill shared out over the round's plans: the pool's chunks, then admissions.
+            quota = self._prefill_quota(budget)
+            unspent = budget - quota
+            spent, evicted = self._schedule_prefill_pool(micro_batch, quota, step_id, seqs, copies)
+            preempted = preempted or evicted
+            budget = quota - spent
+
         # 2. Waiting requests, FCFS. After a preemption, admitting new work would only thrash.
         held: list[Request] = []
-        seats = self._micro_batch_seats(micro_batch) if micro_batches else self.max_running
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not (preempted and seqs):
-            if micro_batches and self.micro_batch_seqs[micro_batch] >= seats:
-                break  # this micro-batch has its share: the next plans' micro-batches take the rest
+        limit = self._seat_limit()
+        while self.waiting and budget > 0 and len(self.running) < limit and not (preempted and seqs):
             req = self.waiting.popleft()
-            if not req.sharing.has_seat and len(self.running) + self.sharing.reserved_seats >= self.max_running:
+            if not req.sharing.has_seat and len(self.running) + self.sharing.reserved_seats >= limit:
                 self.waiting.appendleft(req)  # the free seats are held for started prefix groups
                 break
-            admitted = self._admit(req, step_id, budget, seqs, copies)
+            # A micro-batch seats a first chunk that samples only while it has room for it.
+            may_sample = not micro_batches or self._has_seat(micro_batch, arriving=1)
+            admitted = self._admit(req, step_id, budget, seqs, copies, may_sample)
             if admitted is HOLD:
                 held.append(req)
                 continue
             if admitted is None:
-                self.waiting.appendleft(req)  # not enough blocks: keep its place in line
+                self.waiting.appendleft(req)  # not enough blocks (or no seat): keep its place in line
                 break
             new_requests.append(req)
-            req.micro_batch = micro_batch
-            self.micro_batch_seqs[micro_batch] += 1
+            if micro_batches:
+                self._place(req, micro_batch, seqs[-1].sample)
             budget -= admitted
         self.waiting.extendleft(reversed(held))
 
         if not seqs:
             return None
+        if micro_batches:
+            self._took_prefill(quota - budget if quota else 0)
         plan = StepPlan(step_id, new_requests, self._pending_releases, seqs, copies)
+        plan.num_tokens = self.max_num_batched_tokens - budget - unspent
         if self._prompt_logprob_requests:  # (nobody else pays for the look)
             plan.asks_prompt_logprobs = any(s.prompt_rows for s in seqs)
-        plan.verifies = any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
+        # (The scans below over every entry run only where some entry can match.)
+        plan.verifies = bool(self._drafts_in_plan) and any(
+            s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs
+        )
         if spec is not None:
             if rounds > 1:
                 plan.verify_rounds = max(s.rounds for s in seqs)
@@ -351,7 +338,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
             plan.send_prefixes = spec.on_device and bool(new_requests)
             if all(s.sample and len(s.input_token_ids) == s.num_draft + 1 for s in seqs) and not new_requests:
                 plan.max_query = 1 + max(s.num_draft for s in seqs)
-        if self.cascade_attention and any(s.request.sharing.num_shared_blocks for s in seqs):
+        if self.cascade_attention and self._running_shared and any(s.request.sharing.num_shared_blocks for s in seqs):
             find_shared_kv_runs(plan, self.block_size)  # (reorders plan.seqs)
         if spec is not None and any(s.shifted for s in plan.seqs):
             plan.rejected_drafts = [s.request.spec.rejected for s in plan.seqs]
@@ -400,7 +387,10 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         index = bisect.bisect_left(self.running, req.arrival, key=arrival_of)
         assert self.running[index] is req
         del self.running[index]
-        self.micro_batch_seqs[req.micro_batch] -= 1
+        if req.sharing.num_shared_blocks:
+            self._running_shared -= 1
+        if self.num_micro_batches > 1:
+            self._leave_micro_batch(req)
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         """Writes the scheduler's part of the statistics (declared in engine.proto)."""
@@ -416,5 +406,6 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, Preemption, ResultUpdat
         stats.prefix_cache_hits = bm.prefix_cache_hits
         stats.waiting_tokens = sum(r.num_tokens for r in self.waiting)
         stats.running_tokens = sum(r.num_tokens for r in self.running)
+        stats.micro_batches = self.active_micro_batches
         self.counters.fill_stats(stats)
         self.acceptance.fill_stats(stats)

@@ -77,8 +77,10 @@ def num_kv_blocks_for(
     per_block = kv_cache_bytes_per_block(
         num_layers, args.block_size, config.num_key_value_heads, config.head_dim, dtype
     )
-    # More blocks than max_num_seqs full-length sequences can use only hold cached prefixes.
-    useful = args.max_num_seqs * -(-max_model_len // args.block_size)
+    # More blocks than the sequences that may run at once can use only hold cached prefixes: with
+    # P stages, up to P + 1 micro-batches of max_num_seqs each (the scheduler's most by default).
+    running = args.max_num_seqs * (args.num_stages + 1 if args.num_stages > 1 else 1)
+    useful = running * -(-max_model_len // args.block_size)
     if device.type != "cuda":
         return max(1, min(useful, int(args.kv_cache_memory_gb * GiB) // per_block))
     free, total = torch.cuda.mem_get_info(device)
@@ -91,7 +93,12 @@ def num_kv_blocks_for(
     itemsize = torch.empty((), dtype=dtype).element_size()
     # The piecewise graphs keep a pool of their own for steps up to their largest size.
     tokens = args.max_num_batched_tokens + piecewise_max_tokens(args)
-    activations = tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * itemsize
+    mlp = 2 * config.intermediate_size
+    if config.num_experts:  # the fused MoE's rows: k (intermediate + weighted output) a token, and the router's
+        mlp = max(
+            mlp, config.num_experts_per_tok * (config.moe_intermediate_size + config.hidden_size) + config.num_experts
+        )
+    activations = tokens * (mlp + 8 * config.hidden_size) * itemsize
     logits = args.max_num_seqs * config.vocab_size * 4 * 4
     available = min(args.gpu_memory_utilization * total - own, free)
     budget = available - activations - logits - GiB // 2

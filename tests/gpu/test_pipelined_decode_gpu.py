@@ -74,3 +74,38 @@ def test_pipelined_stages_give_one_stages_tokens(model_dir, one_stage, stages, t
     assert stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
     assert all(w.timed_steps > 0 and w.busy_seconds > 0 for w in workers)
     assert workers[-1].token_steps_sent > 0 and workers[0].token_waits > 0
+
+
+def test_micro_batches_on_two_stages_give_hf_greedy_tokens(model_dir):
+    """Concurrent requests in micro-batches of 4 (up to P + 1 = 3 of them, fewer as requests
+    finish, prompts' chunks riding any plan, rebalanced as they drain; services/scheduler/
+    micro_batches.py) on two stages, a GPU each where there are two: greedy tokens equal HF's in
+    float32, and every block comes back."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.cluster import hf_greedy
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 90))] for _ in range(16)]
+    lengths = [rng.randint(4, 40) for _ in range(16)]
+    expected = hf_greedy(model_dir, prompts, lengths)
+    argv = ("--device", "cuda", "--dtype", "float32", "--max-num-seqs", "4", "--micro-batch-min-seqs", "2")
+    with running_cluster(model_dir, 2, *argv, "--max-num-batched-tokens", "64") as (cluster, client):
+
+        def one(i):
+            stream = client.generate(
+                prompts[i],
+                max_tokens=lengths[i],
+                temperature=0.0,
+                ignore_eos=True,
+                output_kind=generate_pb2.DELTA,
+                timeout=300,
+            )
+            return collect(stream)[0]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, range(len(prompts))))
+        stats = scheduler_stats(cluster)
+    assert got == expected
+    assert stats.micro_batch_rounds > 0 and stats.used_kv_blocks == 0 and stats.lookahead_decodes > 0

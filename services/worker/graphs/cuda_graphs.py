@@ -205,6 +205,7 @@ class DecodeGraphs:
                 max_prefix_len=self.max_model_len,
                 num_q_heads=self.shard.config.num_attention_heads,
                 num_kv_heads=self.kv_caches[0].shape[2],
+                head_dim=self.kv_caches[0].shape[4],
                 sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count,
             ).prefix_splits
             shared = SharedKVRuns(

@@ -106,7 +106,12 @@ class PiecewiseGraphs:
             qkv, _ = layers[0].before_attention(self.hidden_in[:tp], residual, in_place=True, qkv_out=self.qkv[:tp])
         layer = layers[index]
         layer.self_attn.rotate_and_cache(
-            qkv, self.positions[:tp], shard.rotary, self.kv_caches[index], self.slot_mapping[:tp], shard.attn_backend
+            qkv,
+            self.positions[:tp],
+            shard.rotary_for(layer),
+            self.kv_caches[index],
+            self.slot_mapping[:tp],
+            shard.attn_backend,
         )
         return None
 

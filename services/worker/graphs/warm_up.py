@@ -17,6 +17,7 @@ import torch
 from strata.kernels.gumbel_sampling import batches_per_launch_shape
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.model.attention import AttentionMetadata
+from strata.services.worker.model.moe import SparseMoE
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 
 log = logging.getLogger("strata.worker")
@@ -34,7 +35,8 @@ def warm_up(
     vocab_width: int = 0,
 ) -> None:
     """Runs eager steps whose token counts are odd and a multiple of 16 (Triton specialises on
-    both), one of long queries only (prefill attention's larger tiles), and, on the last stage
+    both), one of long queries only (prefill attention's larger tiles), a layer of experts at
+    the token counts that launch every fused-MoE variant (warm_up_experts), and, on the last stage
     (`sampler` given), every sampler variant (filters, logprobs) and the kernels of penalised and
     constrained rows. Block 0 is read and nothing is written (slot -1). vocab_width: the logits'
     columns (a tensor-parallel rank's slice; default the vocabulary), whose ranks all run this in
@@ -71,6 +73,7 @@ def warm_up(
             inputs["input_ids"] if shard.is_first else None, inputs["positions"], hidden, residual, kv_caches, meta
         )
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
+    warm_up_experts(shard, dtype, device)
     if sampler is not None:
         shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
         # The draw's launch shape changes with the batch (kernels/gumbel_sampling.py): warm both.
@@ -104,6 +107,19 @@ def warm_up(
                     whole(target, _plain_settings(rows, device))
         warm_up_controls(shard.config.vocab_size, dtype, device)
     torch.cuda.synchronize(device)
+
+
+def warm_up_experts(shard, dtype: torch.dtype, device: torch.device) -> None:
+    """kernels/fused_moe.py's variants (a tile table row per tokens-per-expert range, one or
+    several align programs): one call of the shard's first layer of experts at each of
+    warm_up_token_counts launches them all (every layer of experts has the same shape)."""
+    moe = next((layer.mlp for layer in shard.layers if isinstance(layer.mlp, SparseMoE)), None)
+    if moe is None:
+        return
+    from strata.kernels.fused_moe import warm_up_token_counts
+
+    for tokens in warm_up_token_counts(moe.experts.num_experts, moe.top_k):
+        moe(torch.zeros(tokens, shard.config.hidden_size, dtype=dtype, device=device))
 
 
 def _plain_settings(rows: int, device: torch.device) -> SamplingTensors:

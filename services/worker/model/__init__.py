@@ -1,7 +1,9 @@
-"""The model a stage runs: its layers (`layers.py`: linears, norms, rotary, attention, MLP, the
-decoder layer), the stage's shard of them with embeddings and head (`shard.py`), the HF config it
-reads (`model_config.py`), its weights from safetensors or a dummy initialiser (`weights.py`),
-the attention backends behind one interface (`attention.py`: the torch reference and KV cache
-layout; `triton_backend.py`: the Triton kernels) and the batch-1 decode chain of fused GEMVs
-(`decode_chain.py`). New architectures and tensor-parallel (sharded) linears land here.
+"""The model a stage runs: the HF config it reads and every architecture's options
+(`model_config.py`), the layers' blocks (`layers.py`: linears, norms, rotary with q/k norms,
+attention, the gated MLP), the mixture of experts (`moe.py`), the decoder layer that chains them
+(`decoder_layer.py`), the stage's shard of them with embeddings and head (`shard.py`), where each
+checkpoint tensor goes (`weight_names.py`), its weights from safetensors or a dummy preset
+(`weights.py`), the attention backends behind one interface (`attention.py`: the torch reference
+and KV cache layout; `triton_backend.py`: the Triton kernels) and the batch-1 decode chain of fused
+GEMVs (`decode_chain.py`). Tensor-parallel (sharded) linears and expert parallelism land here.
 """

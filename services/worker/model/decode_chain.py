@@ -32,8 +32,10 @@ def _kernels():
 
 
 def chain_serves(hidden: torch.Tensor, shard) -> bool:
-    """Whether the chain can run this batch: one token, of a dtype and weights it takes."""
-    return _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
+    """Whether the chain can run this batch: layers laid out as Llama's (no q/k norms, Gemma's
+    norms or activation, experts or logit cap: ModelConfig.llama_layout), one token, of a dtype
+    and weights it takes."""
+    return shard.config.llama_layout and _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
 
 
 def decode_chain_forward(
@@ -54,7 +56,7 @@ def decode_chain_forward(
         qkv, h = k.norm_linear(
             hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual
         )
-        out = attn.attend(qkv, positions, shard.rotary, kv_cache, meta, shard.attn_backend)
+        out = attn.attend(qkv, positions, shard.rotary_for(layer), kv_cache, meta, shard.attn_backend)
         h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:

@@ -1,8 +1,15 @@
-"""The decoder's layers: linears, RMSNorm, rotary embeddings, attention, the SiLU-gated MLP, and
-the decoder layer that chains them, for Llama / Mistral / Qwen2.
+"""The decoder's building blocks: linears, RMSNorm, rotary embeddings, attention and the gated MLP
+(the mixture of experts that replaces the MLP is in moe.py, the decoder layer that chains them in
+decoder_layer.py).
+
+One layer layout serves every architecture of model_config.py; what differs between them is an
+option of these layers, read from the config: q/k norms before rotary (Qwen3, Gemma 3), norms
+scaling by 1 + weight (Gemma), the norms around the attention and the MLP (Gemma's four), the
+embedding scale, the activation (SiLU or GELU-tanh), the attention scale, a second rotary table
+for sliding layers (Gemma 3), experts in place of the MLP (Qwen3-MoE, Mixtral).
 
 The math follows Hugging Face transformers step for step (RMSNorm in float32, rotate-half
-RoPE, SiLU-gated MLP) so that float32 greedy decoding matches `generate()` token for token. On
+RoPE, gated MLP) so that float32 greedy decoding matches `generate()` token for token. On
 CUDA tensors the fused Triton kernels run; elsewhere the torch references in
 kernels/reference.py, which are those kernels' oracle.
 The residual stream is carried vLLM style: each layer receives (hidden, residual), adds them
@@ -22,6 +29,7 @@ from torch import nn
 from strata.kernels.reference import (
     embed_tokens_reference,
     fused_add_rms_norm_reference,
+    gelu_tanh_and_mul_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
@@ -30,7 +38,7 @@ from strata.services.worker.model.attention import AttentionBackend, AttentionMe
 from strata.services.worker.model.model_config import ModelConfig
 
 
-def _empty_param(*shape: int, device, dtype) -> nn.Parameter:
+def empty_param(*shape: int, device, dtype) -> nn.Parameter:
     # Weights always come from a checkpoint or the dummy initialiser: skip nn.Linear's init,
     # which would cost seconds per layer on large models.
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
@@ -41,8 +49,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
         super().__init__()
-        self.weight = _empty_param(out_features, in_features, device=device, dtype=dtype)
-        self.bias = _empty_param(out_features, device=device, dtype=dtype) if bias else None
+        self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear)."""
@@ -57,7 +65,7 @@ class Linear(nn.Module):
 def _fused_kernels() -> SimpleNamespace:
     # Imported on first use, not with this module: CPU-only installs may lack triton, and
     # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
-    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from strata.kernels.embedding import embed_tokens
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from strata.kernels.rotary import rotary_embedding_
@@ -67,6 +75,7 @@ def _fused_kernels() -> SimpleNamespace:
         fused_add_rms_norm=fused_add_rms_norm,
         rotary_embedding_=rotary_embedding_,
         silu_and_mul=silu_and_mul,
+        gelu_tanh_and_mul=gelu_tanh_and_mul,
         embed_tokens=embed_tokens,
     )
 
@@ -85,28 +94,36 @@ class FusedKernelSwitch:
 
 
 class Embedding(FusedKernelSwitch, nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, device, dtype) -> None:
+    def __init__(self, num_embeddings: int, dim: int, device, dtype, scale: float | None = None) -> None:
         super().__init__()
-        self.weight = _empty_param(num_embeddings, dim, device=device, dtype=dtype)
+        self.weight = empty_param(num_embeddings, dim, device=device, dtype=dtype)
+        # Gemma multiplies by sqrt(hidden) rounded to the weights' dtype first (HF's
+        # Gemma3TextScaledWordEmbedding); the product, in that dtype, rounds as HF's.
+        self.scale = None if scale is None else torch.tensor(scale).to(dtype).item()
 
     def forward(self, ids: torch.Tensor, placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The rows of `ids`; placeholders (token_rows, last_sampled): a decode lookahead's ids < 0
         stand for last_sampled[token_rows] (kernels/embedding.py)."""
         if self._use_fused(ids):
-            return _fused_kernels().embed_tokens(ids, self.weight, *(placeholders or ()))
-        return embed_tokens_reference(ids, self.weight, *(placeholders or ()))
+            rows = _fused_kernels().embed_tokens(ids, self.weight, *(placeholders or ()))
+        else:
+            rows = embed_tokens_reference(ids, self.weight, *(placeholders or ()))
+        return rows if self.scale is None else rows.mul_(self.scale)
 
 
 class RMSNorm(FusedKernelSwitch, nn.Module):
-    def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
+    """unit_offset: scale by (1 + weight), in float32 (Gemma's norm); else by weight (Llama's)."""
+
+    def __init__(self, hidden_size: int, eps: float, device, dtype, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = _empty_param(hidden_size, device=device, dtype=dtype)
+        self.weight = empty_param(hidden_size, device=device, dtype=dtype)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_fused(x):
-            return _fused_kernels().rms_norm(x, self.weight, self.eps)
-        return rms_norm_reference(x, self.weight, self.eps)
+            return _fused_kernels().rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return rms_norm_reference(x, self.weight, self.eps, self.unit_offset)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False
@@ -117,19 +134,33 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
             return self(x), x
         if self._use_fused(x):
             return _fused_kernels().fused_add_rms_norm(
-                x, residual, self.weight, self.eps, residual_out=residual if in_place else None
+                x,
+                residual,
+                self.weight,
+                self.eps,
+                residual_out=residual if in_place else None,
+                unit_offset=self.unit_offset,
             )
-        normed, summed = fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
+        normed, summed = fused_add_rms_norm_reference(x, residual, self.weight, self.eps, self.unit_offset)
         return normed, residual.copy_(summed) if in_place else summed
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim / 2], float32, with llama3 scaling when configured."""
+def rms_norm_for(config: ModelConfig, size: int, device, dtype) -> RMSNorm:
+    """An RMSNorm of the model's kind over `size` values."""
+    return RMSNorm(size, config.rms_norm_eps, device, dtype, unit_offset=config.norm_unit_offset)
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], float32, with llama3 or linear scaling when
+    configured. local: the sliding layers' table (Gemma 3: its own base, never scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None or scaling["rope_type"] == "default":
         return inv_freq
+    if scaling["rope_type"] == "linear":  # positions divided by factor (Gemma 3's global layers)
+        return inv_freq / scaling["factor"]
     # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -146,11 +177,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(FusedKernelSwitch, nn.Module):
-    """Rotate-half (GPT-NeoX) RoPE with cos/sin tables precomputed for every position."""
+    """Rotate-half (GPT-NeoX) RoPE with cos/sin tables precomputed for every position. local: the
+    table of the sliding layers (rope_inv_freq)."""
 
-    def __init__(self, config: ModelConfig, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, device, dtype, local: bool = False) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config).to(device)
+        inv_freq = rope_inv_freq(config, local).to(device)
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2], as HF computes it
         # HF casts cos/sin to the activation dtype before rotating; do the same.
@@ -177,19 +209,34 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         backend: AttentionBackend,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
         """Rotate q in place and store the rotated k and v in kv_cache at slot_mapping; returns q.
+        qk_norm: the (q_norm, k_norm) each head of q and k goes through first.
 
         The fused kernel does all of it in one launch (as SGLang fuses its KV store into RoPE):
         the keys go rotated to the cache, never back into the projection. The torch path rotates
         q in place too, so that q stays where the piecewise graphs' attention reads it."""
         if self._use_fused(q):
+            norms = None
+            if qk_norm is not None:
+                q_norm, k_norm = qk_norm
+                norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
             _fused_kernels().rotary_embedding_(
-                positions, q, k, self.cos, self.sin, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping
+                positions,
+                q,
+                k,
+                self.cos,
+                self.sin,
+                value=v,
+                kv_cache=kv_cache,
+                slot_mapping=slot_mapping,
+                qk_norm=norms,
             )
             return q
-        rotated_q, k = self(positions, q, k)
-        backend.write_kv(k, v, kv_cache, slot_mapping)
+        normed_q, normed_k = (qk_norm[0](q), qk_norm[1](k)) if qk_norm is not None else (q, k)
+        rotated_q, rotated_k = self(positions, normed_q, normed_k)
+        backend.write_kv(rotated_k, v, kv_cache, slot_mapping)
         return q.copy_(rotated_q)
 
 
@@ -206,10 +253,15 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.sliding_window_for_layer(layer_index)
+        # Whether the layer rotates with the shard's local table (CausalLMShard.rotary_for).
+        self.local_rotary = config.local_rotary_for_layer(layer_index)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+        # Qwen3, Gemma 3: each head of q and k RMS-normalised over head_dim before rotary.
+        self.q_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
+        self.k_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
 
     def attend(
         self,
@@ -258,7 +310,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend, qk_norm)
 
     def attend_cached(
         self,
@@ -275,14 +328,14 @@ class Attention(nn.Module):
 
     def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
         """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
-        the fused kernels on, no sliding window or shared-prefix cascade, and a batch small enough
+        the fused kernels on, no q/k norms, no sliding window or shared-prefix cascade, and a batch small enough
         that one launch is faster (decode_attention_serves: the latency-bound batches), unless a
         benchmark turned one_launch_decode off to time the three kernels (read when a step is
         built or captured)."""
         num_seqs = meta.seq_lens.shape[0]
         if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
             return False
-        if self.sliding_window is not None or meta.shared_kv_runs is not None:
+        if self.sliding_window is not None or meta.shared_kv_runs is not None or self.q_norm is not None:
             return False
         from strata.kernels.decode_attention import decode_attention_serves
 
@@ -292,55 +345,18 @@ class Attention(nn.Module):
 
 
 class MLP(FusedKernelSwitch, nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one [gate | up] projection; act SiLU or GELU-tanh."""
+
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
+        self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = _fused_kernels().silu_and_mul if self._use_fused(x) else silu_and_mul_reference
+        if self._use_fused(x):
+            kernels = _fused_kernels()
+            act = kernels.gelu_tanh_and_mul if self.gelu_tanh else kernels.silu_and_mul
+        else:
+            act = gelu_tanh_and_mul_reference if self.gelu_tanh else silu_and_mul_reference
         return self.down_proj(act(self.gate_up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(config, layer_index, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = MLP(config, device, dtype)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.before_attention(hidden, residual)
-        attn = self.self_attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
-        return self.after_attention(attn, residual)
-
-    # The layer cut at attention, for the piecewise CUDA graphs (piecewise_graphs.py): what comes
-    # before and after it has launches that depend only on the token count.
-
-    def before_attention(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        in_place: bool = False,
-        qkv_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input norm (with the residual add) and the qkv projection: (qkv, residual)."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place)
-        return self.self_attn.qkv_proj(hidden, out=qkv_out), residual
-
-    def after_attention(
-        self, attn: torch.Tensor, residual: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, the post-attention norm (with the residual add) and the MLP: (hidden, residual)."""
-        hidden, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual, in_place)
-        return self.mlp(hidden), residual

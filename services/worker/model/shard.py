@@ -1,6 +1,7 @@
-"""One pipeline stage of a Llama / Mistral / Qwen2 decoder over a paged KV cache: layers
-[start, end) of the model (layers.py), plus the embeddings on the first stage and the final norm
-and lm_head on the last, and where each tensor of an HF checkpoint goes in it.
+"""One pipeline stage of a decoder (any architecture of model_config.py) over a paged KV cache:
+layers [start, end) of the model (decoder_layer.py), plus the embeddings on the first stage and
+the final norm and lm_head on the last, and the checkpoint's tensors loaded into them
+(weight_names.py says where each goes).
 
 Batch-1 decode steps on the GPU take the decode chain of fused GEMVs (decode_chain.py) instead of
 the layers' own forward; both return the same (hidden, residual) pair at the stage's boundary.
@@ -18,8 +19,10 @@ from strata.services.worker.model.decode_chain import (
     decode_chain_forward,
     decode_chain_logits,
 )
-from strata.services.worker.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
+from strata.services.worker.model.decoder_layer import DecoderLayer
+from strata.services.worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, rms_norm_for
 from strata.services.worker.model.model_config import ModelConfig
+from strata.services.worker.model.weight_names import Destination, checkpoint_names
 
 
 class CausalLMShard(torch.nn.Module):
@@ -46,22 +49,32 @@ class CausalLMShard(torch.nn.Module):
 
         self.embed_tokens: Embedding | None = None
         if self.is_first:
-            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, dtype)
-        self.rotary = RotaryEmbedding(config, device, dtype)
+            self.embed_tokens = Embedding(
+                config.vocab_size, config.hidden_size, device, dtype, scale=config.embedding_scale
+            )
         self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(start_layer, end_layer))
+        self.rotary = RotaryEmbedding(config, device, dtype)
+        # Gemma 3's sliding layers rotate with a table of their own.
+        self.local_rotary: RotaryEmbedding | None = None
+        if any(layer.self_attn.local_rotary for layer in self.layers):
+            self.local_rotary = RotaryEmbedding(config, device, dtype, local=True)
         self.norm: RMSNorm | None = None
         self.lm_head: Linear | None = None
         if self.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+            self.norm = rms_norm_for(config, config.hidden_size, device, dtype)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        self._expected_names = self._weight_names()
+        self._destinations, self._alternatives = checkpoint_names(config, start_layer, end_layer)
         self.decode_chain: bool | None = None
 
     @property
     def num_layers(self) -> int:
         return self.end_layer - self.start_layer
+
+    def rotary_for(self, layer: DecoderLayer) -> RotaryEmbedding:
+        """The rotary table a layer of this shard rotates with."""
+        return self.local_rotary if layer.self_attn.local_rotary else self.rotary
 
     # ---- compute -----------------------------------------------------------------------
 
@@ -95,7 +108,9 @@ class CausalLMShard(torch.nn.Module):
         if self._runs_decode_chain(hidden):
             return decode_chain_forward(self, hidden, residual, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, meta, self.attn_backend)
+            hidden, residual = layer(
+                hidden, residual, positions, self.rotary_for(layer), kv_cache, meta, self.attn_backend
+            )
         return hidden, residual
 
     @torch.no_grad()
@@ -110,12 +125,16 @@ class CausalLMShard(torch.nn.Module):
         if self._runs_decode_chain(hidden):
             return decode_chain_logits(self, hidden, residual)
         normed, _ = self.norm.add_and_norm(hidden, residual)
-        return self.lm_head(normed)
+        logits = self.lm_head(normed)
+        cap = self.config.final_logit_softcapping
+        if cap:  # as HF's Gemma: in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _runs_decode_chain(self, hidden: torch.Tensor) -> bool:
-        """Batch-1 steps on the GPU take the fused GEMV chain (decode_chain.py); decode_chain
-        None decides by device and kernel switch (the fused kernels on), tests and
-        benchmarks force it."""
+        """Batch-1 steps on the GPU take the fused GEMV chain (decode_chain.py) where it serves the
+        architecture; decode_chain None decides by device and kernel switch (the fused kernels
+        on), tests and benchmarks force it."""
         enabled = self.decode_chain
         if enabled is None:
             enabled = hidden.is_cuda and self.layers[0].mlp._use_fused(hidden)
@@ -125,85 +144,44 @@ class CausalLMShard(torch.nn.Module):
 
     def wants_weight(self, name: str) -> bool:
         """Whether an HF checkpoint tensor name is needed by this shard."""
-        return name in self._expected_names
+        return name in self._destinations or name in self._alternatives
 
     def weight_shape(self, name: str) -> torch.Size:
         """Shape of HF tensor `name` as this shard stores it."""
-        return self._destination_of(name).shape
+        return self._target(self._destination(name)).shape
 
     def expected_weight_names(self) -> set[str]:
-        """HF tensor names this shard needs, all of which must be loaded."""
-        return set(self._expected_names)
-
-    def _weight_names(self) -> set[str]:
-        cfg = self.config
-        names: set[str] = set()
-        if self.is_first or (self.is_last and cfg.tie_word_embeddings):
-            names.add("model.embed_tokens.weight")
-        if self.is_last:
-            names.add("model.norm.weight")
-            # A tied checkpoint may still hold lm_head.weight (a copy of the embedding): unused.
-            if not cfg.tie_word_embeddings:
-                names.add("lm_head.weight")
-        projections = (
-            [("self_attn", p, cfg.attention_bias) for p in ("q_proj", "k_proj", "v_proj")]
-            + [("self_attn", "o_proj", cfg.o_proj_bias)]
-            + [("mlp", p, cfg.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
-        )
-        for i in range(self.start_layer, self.end_layer):
-            prefix = f"model.layers.{i}."
-            names.add(prefix + "input_layernorm.weight")
-            names.add(prefix + "post_attention_layernorm.weight")
-            for module, proj, has_bias in projections:
-                names.add(f"{prefix}{module}.{proj}.weight")
-                if has_bias:
-                    names.add(f"{prefix}{module}.{proj}.bias")
-        return names
+        """HF tensor names this shard needs, all of which must be loaded (an alternative form
+        counts for the names it covers: weight_names.py)."""
+        return set(self._destinations)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this shard, skipping names it does not own.
 
-        Returns the names that were loaded.
+        Returns the names that were loaded (with those an alternative form covered).
         """
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name not in self._expected_names:
+            if not self.wants_weight(name):
                 continue
-            dest = self._destination_of(name)
+            dest = self._target(self._destination(name))
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add(name)
+            alternative = self._alternatives.get(name)
+            loaded.update(alternative.covers if alternative else (name,))
         return loaded
 
-    def _destination_of(self, name: str) -> torch.Tensor:
-        """The parameter, or rows of a fused parameter, that receive HF tensor `name`."""
-        if name == "model.embed_tokens.weight":
-            # A tied head on a last stage without embeddings takes the embedding matrix.
-            owner = self.embed_tokens if self.embed_tokens is not None else self.lm_head
-            return owner.weight
-        if name == "model.norm.weight":
-            return self.norm.weight
-        if name == "lm_head.weight":
-            return self.lm_head.weight
-        # model.layers.{i}.{norm}.weight or model.layers.{i}.{self_attn|mlp}.{proj}.{weight|bias}
-        parts = name.split(".")
-        layer = self.layers[int(parts[2]) - self.start_layer]
-        if len(parts) == 5:
-            return getattr(layer, parts[3]).weight
-        module, proj, kind = parts[3:]
-        cfg = self.config
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            q_size = cfg.num_attention_heads * cfg.head_dim
-            kv_size = cfg.num_key_value_heads * cfg.head_dim
-            start, size = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}[
-                proj
-            ]
-            return getattr(layer.self_attn.qkv_proj, kind)[start : start + size]
-        if proj in ("gate_proj", "up_proj"):
-            size = cfg.intermediate_size
-            start = 0 if proj == "gate_proj" else size
-            return getattr(layer.mlp.gate_up_proj, kind)[start : start + size]
-        owner = layer.self_attn if module == "self_attn" else layer.mlp
-        return getattr(getattr(owner, proj), kind)
+    def _destination(self, name: str) -> Destination:
+        alternative = self._alternatives.get(name)
+        return alternative.destination if alternative else self._destinations[name]
+
+    def _target(self, dest: Destination) -> torch.Tensor:
+        """The parameter, or the part of a fused parameter, that a Destination names."""
+        tensor = self.get_parameter(dest.param)
+        if dest.expert is not None:
+            tensor = tensor[dest.expert]
+        if dest.rows is not None:
+            tensor = tensor[dest.rows[0] : dest.rows[1]]
+        return tensor

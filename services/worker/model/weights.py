@@ -21,6 +21,10 @@ from strata.services.worker.model.shard import CausalLMShard
 DUMMY = "dummy"
 DUMMY_STD = 0.02
 
+# The real checkpoints' config.json values (the Hub's Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B and
+# google/gemma-3-12b-it's text_config, with their generation_config's eos ids), as
+# ModelConfig.from_dict reads them; tests/test_model_families.py counts each preset's parameters
+# against transformers' own model of the same config.
 DUMMY_PRESETS: dict[str, dict] = {
     "llama-3.2-1b": dict(
         architecture="LlamaForCausalLM",
@@ -63,11 +67,80 @@ DUMMY_PRESETS: dict[str, dict] = {
         bos_token_id=128000,
         torch_dtype="bfloat16",
     ),
+    "qwen3-8b": dict(
+        architecture="Qwen3ForCausalLM",
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        eos_token_id=[151645, 151643],
+        bos_token_id=151643,
+        torch_dtype="bfloat16",
+    ),
+    "qwen3-30b-a3b": dict(
+        architecture="Qwen3MoeForCausalLM",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,  # a dense layer's (none: every layer has experts)
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        router_weights_in_model_dtype=True,
+        eos_token_id=[151645, 151643],
+        bos_token_id=151643,
+        torch_dtype="bfloat16",
+    ),
+    "gemma-3-12b": dict(
+        architecture="Gemma3ForCausalLM",
+        hidden_size=3840,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        intermediate_size=15360,
+        vocab_size=262208,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0),
+        rope_local_theta=10000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        sliding_window=1024,
+        # sliding_window_pattern 6: five sliding layers, then a global one.
+        layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(48)],
+        hidden_act="gelu_pytorch_tanh",
+        qk_norm=True,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embedding_scale=3840**0.5,
+        query_pre_attn_scalar=256.0,
+        eos_token_id=[1, 106],
+        bos_token_id=2,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
 def dummy_config(name: str) -> ModelConfig:
-    """A preset ModelConfig for random-weight benchmarks ("llama-3.2-1b", "llama-3-8b")."""
+    """A preset ModelConfig for random-weight benchmarks (a name of DUMMY_PRESETS)."""
     if name not in DUMMY_PRESETS:
         raise ValueError(f"unknown dummy preset {name!r}; known: {', '.join(DUMMY_PRESETS)}")
     return ModelConfig(**copy.deepcopy(DUMMY_PRESETS[name]))
@@ -164,7 +237,8 @@ def model_fingerprint(model: str | Path, config: ModelConfig, seed: int = 0) -> 
 
 
 def _dummy_tensors(shard: CausalLMShard, seed: int, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random HF-named tensors: norms at 1, everything else N(0, DUMMY_STD).
+    """Random HF-named tensors: norms at 1 (Gemma's, which scale by 1 + weight, at 0), everything
+    else N(0, DUMMY_STD).
 
     Each tensor's generator is seeded from (seed, name), so a layer gets the same weights
     however the model is split into stages.
@@ -177,7 +251,8 @@ def _dummy_tensors(shard: CausalLMShard, seed: int, device: torch.device | str) 
     for name in sorted(shard.expected_weight_names()):
         shape = shard.weight_shape(name)
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, device=device)
+            unit = 0.0 if shard.config.norm_unit_offset else 1.0
+            yield name, torch.full(shape, unit, device=device)
             continue
         generator.manual_seed(_name_seed(seed, name))
         tensor = torch.empty(shape, device=device, dtype=torch.float32)
