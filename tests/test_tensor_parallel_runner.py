@@ -46,7 +46,7 @@ def _runner(model, group=None, k: int = 0):
     from strata.services.worker.model.weights import load_shard
     from strata.services.worker.runner import ModelRunner
 
-    shard, config = load_shard(model, 0, 1, torch.float32, "cpu")
+    shard, config = load_shard(model, 0, 1, torch.float32, "cpu", tp=group)
     runner = ModelRunner(
         shard,
         config,

@@ -125,17 +125,21 @@ def build(args):
     group = tensor_parallel_group(args, device)
     if draft and group.active:
         raise SystemExit("a draft worker is one process: --tensor-parallel-size 1")
-    shard, config = load_shard(
-        "dummy" if dummy else model_path,
-        args.stage_index,
-        args.num_stages,
-        dtype,
-        device,
-        dummy_config=dummy,
-        seed=args.seed,
-        attn_backend=attention_backend_for(device),
-        first_layers=args.draft_num_layers,
-    )
+    try:
+        shard, config = load_shard(
+            "dummy" if dummy else model_path,
+            args.stage_index,
+            args.num_stages,
+            dtype,
+            device,
+            dummy_config=dummy,
+            seed=args.seed,
+            attn_backend=attention_backend_for(device),
+            first_layers=args.draft_num_layers,
+            tp=group,
+        )
+    except ValueError as e:  # (a model whose heads do not split into the ranks, among others)
+        raise SystemExit(str(e)) from None
     max_model_len = args.max_model_len or config.max_position_embeddings
     speculate = bool(args.speculative_method)
     # A draft worker runs batches of speculating sequences only; a target captures verification

@@ -76,6 +76,8 @@ class ModelRunner:
         # columns); the last stage draws exactly over the slices (sampling/sharded.py).
         self.tp = tp or single_rank(device)
         self.vocab = VocabShard(model_config.vocab_size, self.tp.rank, self.tp.size)
+        if getattr(shard, "vocab", self.vocab) != self.vocab:
+            raise ValueError("the shard holds another vocabulary slice than this rank's (load_shard's tp)")
         self.config = model_config
         self.stage_index = stage_index
         self.is_first = stage_index == 0
@@ -438,13 +440,7 @@ class ModelRunner:
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The head's logits: [N, V], or this rank's [N, vocab.local] slice with tensor parallelism."""
-        logits = self.shard.compute_logits(hidden, residual)
-        if self.tp.active and logits.shape[-1] != self.vocab.local:  # a head computed whole: its slice
-            v = self.vocab
-            part = logits.new_zeros((logits.shape[0], v.local))
-            part[:, : v.valid] = logits[:, v.offset : v.offset + v.valid]
-            logits = part
-        return logits
+        return self.shard.compute_logits(hidden, residual)
 
     def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, arrive, start: float, spec):
         return run_on_graph(self, graphs, plan, h, bs, arrive, start, spec)
