@@ -280,3 +280,58 @@ def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model
         assert not errors, errors
         assert resumed == plain
         assert scheduler_stats(cluster).used_kv_blocks == 0
+
+
+def _chain_and_layers(rank, group):
+    """A batch-1 decode through the decode chain and through the layers, at two ranks (bf16)."""
+    from strata.services.worker.model.attention import allocate_kv_cache
+    from strata.services.worker.model.model_config import ModelConfig
+    from strata.services.worker.model.triton_backend import TritonAttentionBackend
+    from strata.services.worker.model.weights import load_shard
+    from strata.services.worker.sampling.sharded import ShardedSampler
+    from tests.paged_inputs import SequenceChunk, build_step_inputs
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+        vocab_size=5000,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+    )
+    shard, local = load_shard(
+        "dummy",
+        0,
+        1,
+        torch.bfloat16,
+        group.device,
+        dummy_config=config,
+        attn_backend=TritonAttentionBackend(),
+        tp=group,
+    )
+    assert shard._runs_decode_chain(torch.zeros(1, 1024, device=group.device, dtype=torch.bfloat16))
+    prompt = [SequenceChunk(list(range(3, 40)), 0, [0, 1, 2])]
+    decode = [SequenceChunk([7], 37, [0, 1, 2])]
+    gather = ShardedSampler(group, shard.vocab).all_gather_rows
+    logits = {}
+    for chain in (False, True):
+        shard.decode_chain = chain
+        caches = allocate_kv_cache(4, 3, 16, local.num_key_value_heads, 64, torch.bfloat16, group.device)
+        for chunks in (prompt, decode):
+            inputs = build_step_inputs(chunks, block_size=16, device=group.device)
+            hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
+        logits[chain] = gather(shard.compute_logits(hidden, residual)).float().cpu()
+    return logits[False], logits[True]
+
+
+@two_gpus
+def test_the_decode_chain_at_two_ranks_adds_the_residual_once():
+    (plain, chain), (plain1, chain1) = _on_ranks(_chain_and_layers)
+    assert torch.equal(plain, plain1) and torch.equal(chain, chain1)  # every rank the same logits
+    scale = plain.abs().max().item()
+    torch.testing.assert_close(chain, plain, atol=0.03 * scale, rtol=0.0)
+    assert torch.equal(chain.argmax(-1), plain.argmax(-1))

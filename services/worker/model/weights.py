@@ -190,7 +190,8 @@ def load_shard(
     if is_dummy:
         loaded = shard.load_weights(_dummy_tensors(shard, seed, device, slices))
     else:
-        loaded = shard.load_weights(iter_checkpoint_tensors(model, shard.wants_weight, slices.take))
+        sliced = (slices.take,) if size > 1 else ()  # (one rank reads whole tensors)
+        loaded = shard.load_weights(iter_checkpoint_tensors(model, shard.wants_weight, *sliced))
     missing = shard.expected_weight_names() - loaded
     if missing:
         raise ValueError(
