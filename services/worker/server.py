@@ -288,11 +288,13 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
 
         async def read_plans():
             try:
-                async for raw, plan in request_iterator:
+                async for item in request_iterator:
+                    # (raw bytes, plan) as main.py registers the service (add_service's raw_too)
+                    raw, plan = item if isinstance(item, tuple) else (None, item)
                     if session != self._session:
                         break  # InitCache rebuilt the state these plans refer to
                     if peers is not None:  # before this rank's own step: a peer's plan is never late
-                        await peers.write(raw)
+                        await peers.write(raw if raw is not None else plan.SerializeToString())
                     steps.put(plan)
             except asyncio.CancelledError:
                 steps.drop()  # the scheduler went away: launch nothing more of this stream
