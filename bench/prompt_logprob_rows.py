@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     t_head, t_kernel, t_rows = (_time(f, args.repeats) for f in (lm_head, kernel, rows))
     print(f"{args.rows} rows, hidden {args.hidden}, vocabulary {args.vocab:,}, top {args.top}, chunks of {chunk}")
     print(f"  lm_head  {t_head:.3f} ms ({flops / t_head / 1e9:.0f} TFLOP/s)")
-    print(f"  kernel   {t_kernel:.3f} ms ({args.rows * args.vocab * 2 / t_kernel / 1e9:.0f} GB/s of logits read)")
+    print(f"  kernel   {t_kernel:.3f} ms ({args.rows * args.vocab * 2 / t_kernel / 1e6:.0f} GB/s of logits read)")
     print(f"  rows     {t_rows:.3f} ms (everything the step adds)")
     return 0
 

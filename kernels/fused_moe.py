@@ -500,10 +500,10 @@ class MoELaunchConfig:
 # weights once with small tiles (16-row MMAs, narrow N for enough programs); prefill rows reuse each
 # weight tile over 64-128 rows. Table, not autotune: every variant is known at warm-up.
 _CONFIG_TABLE: tuple[tuple[float, MoELaunchConfig], ...] = (
-    (12, MoELaunchConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))),
+    (12, MoELaunchConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
     (24, MoELaunchConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))),
     (96, MoELaunchConfig(64, GemmTile(64, 64, 4, 3, group_m=8), GemmTile(128, 64, 4, 3, group_m=8))),
-    (float("inf"), MoELaunchConfig(128, GemmTile(128, 64, 8, 3, group_m=8), GemmTile(128, 64, 8, 4, group_m=8))),
+    (float("inf"), MoELaunchConfig(128, GemmTile(128, 64, 8, 4, group_m=16), GemmTile(256, 64, 8, 3, group_m=8))),
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 import grpc
@@ -12,7 +13,7 @@ from strata.cli import build_parser
 from strata.client import StrataClient
 from strata.grpc_util import bearer
 from strata.launcher import free_port, start_cluster
-from strata.v1 import engine_pb2, engine_pb2_grpc
+from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 # Clusters that tests of several modules share, by (model directory, stages, flags); stopped at
 # the end of the session (tests/conftest.py).
@@ -134,3 +135,38 @@ def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "ll
     if shared:
         _SHARED_MODELS[seed, layers, arch] = path
     return path
+
+
+def mixed_requests(max_tokens: int) -> list[tuple[str, dict]]:
+    """16 streamed requests, greedy and seeded sampled, some with n = 2: what the fault tests
+    (a lost stage, a lost replica) run through a failure and compare token for token."""
+    out = []
+    for i in range(16):
+        kw = dict(max_tokens=max_tokens, ignore_eos=True, output_kind=generate_pb2.DELTA)
+        kw.update(temperature=0.0) if i % 2 else kw.update(temperature=0.9, top_p=0.95, seed=1000 + i)
+        if i % 4 == 1:
+            kw.update(n=2, temperature=0.8, seed=50 + i)
+        out.append((f"request {i} " * (1 + i % 3), kw))
+    return out
+
+
+def run_all(client, work, started: threading.Barrier | None = None):
+    """Starts every request of `work` on a thread of its own: (threads, results, errors), filled
+    as they end (collect()'s tokens by output index; the gRPC status code of a failed one).
+    started: each waits there once its first response came (a fault then hits them mid-stream)."""
+    results, errors = {}, {}
+
+    def one(i, prompt, kw):
+        try:
+            stream = client.generate(prompt, timeout=300, **kw)
+            first = next(stream)
+            if started is not None:
+                started.wait()
+            results[i] = collect([first, *stream])
+        except grpc.RpcError as e:
+            errors[i] = e.code()
+
+    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(work)]
+    for t in threads:
+        t.start()
+    return threads, results, errors

@@ -19,7 +19,7 @@ import pytest
 
 from strata.grpc_util import bearer, check_health
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, tiny_llama_dir
+from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster, tiny_llama_dir
 
 # Long enough that every stream is far from its end when a replica goes (each run decodes them).
 MAX_TOKENS = 150
@@ -126,40 +126,9 @@ def test_siblings_a_shared_system_prompt_and_group_members_stay_together(dp):
         assert cached[1] >= 40, cached
 
 
-def workload():
-    """16 requests: greedy and seeded sampled, some with n = 2, streamed."""
-    out = []
-    for i in range(16):
-        kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=generate_pb2.DELTA)
-        kw.update(temperature=0.0) if i % 2 else kw.update(temperature=0.9, top_p=0.95, seed=1000 + i)
-        if i % 4 == 1:
-            kw.update(n=2, temperature=0.8, seed=50 + i)
-        out.append((f"request {i} " * (1 + i % 3), kw))
-    return out
-
-
-def run_all(client, work, started: threading.Barrier | None = None):
-    results, errors = {}, {}
-
-    def one(i, prompt, kw):
-        try:
-            stream = client.generate(prompt, timeout=300, **kw)
-            first = next(stream)
-            if started is not None:
-                started.wait()
-            results[i] = collect([first, *stream])
-        except grpc.RpcError as e:
-            errors[i] = e.code()
-
-    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(work)]
-    for t in threads:
-        t.start()
-    return threads, results, errors
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(dp):
-    threads, plain, errors = run_all(dp[1], workload())
+    threads, plain, errors = run_all(dp[1], mixed_requests(MAX_TOKENS))
     for t in threads:
         t.join()
     assert not errors and len(plain) == 16
@@ -185,7 +154,7 @@ def wait_until_both_up(client, timeout: float = 60.0) -> None:
 )
 def test_killing_a_replica_mid_stream_loses_no_request_and_changes_no_token(dp, uninterrupted, victim):
     cluster, client = dp
-    work = workload()
+    work = mixed_requests(MAX_TOKENS)
     resumed_before = sum(s.resumed_requests for s in replica_stats(cluster))
     started = threading.Barrier(len(work) + 1)
     threads, resumed, errors = run_all(client, work, started)

@@ -18,8 +18,8 @@ import pytest
 
 from strata.grpc_util import check_health
 from strata.services.scheduler.pipeline import Pipeline, PipelineError, StageHandle
-from strata.v1 import engine_pb2, generate_pb2
-from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir
+from strata.v1 import engine_pb2
+from tests.cluster import mixed_requests, run_all, running_cluster, scheduler_stats, tiny_llama_dir
 
 # A stage goes once every request has streamed its first token (the 16 start within a few steps
 # of one another): far from their last. Each case decodes them twice (160 took 40% longer).
@@ -29,37 +29,6 @@ MAX_TOKENS = 100
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, seed=21)
-
-
-def requests():
-    """16 requests: greedy and seeded sampled, some with n = 2."""
-    out = []
-    for i in range(16):
-        kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=generate_pb2.DELTA)
-        kw.update(temperature=0.0) if i % 2 else kw.update(temperature=0.9, top_p=0.95, seed=1000 + i)
-        if i % 4 == 1:
-            kw.update(n=2, temperature=0.8, seed=50 + i)
-        out.append((f"request {i} " * (1 + i % 3), kw))
-    return out
-
-
-def run_all(client, work, started: threading.Barrier | None = None):
-    results, errors = {}, {}
-
-    def one(i, prompt, kw):
-        try:
-            stream = client.generate(prompt, timeout=300, **kw)
-            first = next(stream)
-            if started is not None:
-                started.wait()
-            results[i] = collect([first, *stream])
-        except grpc.RpcError as e:
-            errors[i] = e.code()
-
-    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(work)]
-    for t in threads:
-        t.start()
-    return threads, results, errors
 
 
 def worker(cluster, name):
@@ -123,7 +92,7 @@ def two_stages(model_dir):
             stack = contextlib.ExitStack()
             argv = ("--stage-recovery-timeout", "60", "--stage-transport", transport, "--step-timeout", "10")
             cluster, client = stack.enter_context(running_cluster(model_dir, 2, *argv))
-            threads, plain, errors = run_all(client, requests())
+            threads, plain, errors = run_all(client, mixed_requests(MAX_TOKENS))
             for t in threads:
                 t.join()
             assert not errors and len(plain) == 16
@@ -178,7 +147,7 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
     surviving stage at once); a distributed link's TCP doorbell does the same. Either way the
     rebuilt pipeline forms a new link. A stopped stage exits within seconds, also with a step waiting for its
     activations (docker stop kills it past its grace period)."""
-    work = requests()
+    work = mixed_requests(MAX_TOKENS)
     cluster, client, plain = two_stages(transport)
     before = scheduler_stats(cluster)
     started = threading.Barrier(len(work) + 1)
@@ -199,7 +168,7 @@ def test_a_lost_worker_restarted_within_seconds_loses_no_request_and_changes_no_
 def test_a_hung_worker_is_declared_lost_and_its_requests_finish_identically(two_stages):
     """On the lost-worker cases' cluster (the cases above leave it serving): a stage that stops
     answering is declared lost past its step deadline (--step-timeout 10)."""
-    work = requests()[:6]
+    work = mixed_requests(MAX_TOKENS)[:6]
     cluster, client, plain = two_stages("auto")
     started = threading.Barrier(len(work) + 1)
     threads, resumed, errors = run_all(client, work, started)
@@ -218,7 +187,7 @@ def one_stage(model_dir):
     then the recovery-timeout test's cluster, which kills its worker (a 2 s recovery timeout
     changes nothing while the stage serves): one cluster start for both."""
     with running_cluster(model_dir, 1, "--stage-recovery-timeout", "2") as (cluster, client):
-        threads, plain, errors = run_all(client, requests())
+        threads, plain, errors = run_all(client, mixed_requests(MAX_TOKENS))
         for t in threads:
             t.join()
         assert not errors and len(plain) == 16
@@ -234,7 +203,7 @@ def test_a_lost_draft_worker_or_target_on_the_draft_link_loses_no_request_and_ch
     killed draft worker fails the target's step waiting for its drafts (the link's end of file),
     a killed target the draft worker's sends; either way the pipeline and the link are rebuilt
     when it is back, and every request finishes with the tokens it had without speculation."""
-    work = requests()
+    work = mixed_requests(MAX_TOKENS)
     _, _, plain = one_stage
     flags = ("--stage-recovery-timeout", "60", "--speculative-method", "draft", "--draft-num-layers", "1")
     with running_cluster(model_dir, 1, *flags) as (cluster, client):
