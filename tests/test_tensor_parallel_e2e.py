@@ -20,8 +20,8 @@ import pytest
 
 from strata.grpc_util import bearer, check_health
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
-from tests.test_recovery import restart, run_all, worker
+from tests.cluster import collect, hf_greedy, run_all, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls
+from tests.test_recovery import restart, worker
 
 MAX_TOKENS = 40
 

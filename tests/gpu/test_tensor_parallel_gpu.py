@@ -226,8 +226,7 @@ FLAGS = ("--device", "cuda", "--dtype", "float32", "--stage-recovery-timeout", "
 @two_gpus
 def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
     from strata.v1 import generate_pb2
-    from tests.cluster import collect, hf_greedy, running_cluster
-    from tests.test_recovery import requests, run_all
+    from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster
 
     prompts = [[5, 17, 42, 99, 100, 7], list(range(30, 90))]
     outs = {}
@@ -241,7 +240,7 @@ def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
                 )[0]
                 for p in prompts
             ]
-            threads, sampled, errors = run_all(client, requests()[:12])
+            threads, sampled, errors = run_all(client, mixed_requests(40)[:12])
             for t in threads:
                 t.join()
             assert not errors
@@ -253,10 +252,10 @@ def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
 @two_gpus
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model_dir, stop):
-    from tests.cluster import running_cluster, scheduler_stats
-    from tests.test_recovery import hang_until_noticed, requests, restart, run_all, worker
+    from tests.cluster import mixed_requests, run_all, running_cluster, scheduler_stats
+    from tests.test_recovery import hang_until_noticed, restart, worker
 
-    work = requests()[:8]
+    work = mixed_requests(40)[:8]
     flags = (*FLAGS, "--tensor-parallel-size", "2", "--collective-timeout", "30")
     with running_cluster(model_dir, 1, *flags) as (cluster, client):
         threads, plain, errors = run_all(client, work)
