@@ -20,6 +20,7 @@ from strata.services.worker.model.weights import load_shard
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.server import WorkerServicer
 from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+from strata.services.worker.tensor_parallel.plan_socket import PlanListener
 from strata.services.worker.tensor_parallel.ranks import StageRanks
 from strata.services.worker.tensor_parallel.rendezvous import split_address
 from strata.stage_links import local_location, set_nccl_environment
@@ -265,6 +266,10 @@ async def serve(args) -> None:
     )
     worker_service = engine_pb2.DESCRIPTOR.services_by_name["Worker"]
     add_service(server, servicer, worker_service, token=args.cluster_token, raw_too=("Steps",))
+    plans = None
+    if ranks.size > 1 and ranks.rank > 0:  # a peer rank: its rank 0 writes it every plan here
+        plans = PlanListener(args.cluster_token, servicer.serve_relayed_plans)
+        description.tensor_parallel_plan_port = await plans.start(args.host)
     await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()
     await set_serving(health, ["strata.v1.Worker"])
@@ -285,6 +290,8 @@ async def serve(args) -> None:
     # A step still waiting for its activations (or tokens) holds the step thread until the
     # transport's deadline, and the interpreter's exit joins that thread: with the streams ended,
     # nothing it computes can go anywhere, so the links close and it returns at once.
+    if plans is not None:
+        await plans.close()
     await servicer.close()
 
 

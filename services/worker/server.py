@@ -18,6 +18,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
@@ -28,6 +29,7 @@ from strata.services.worker.speculation.draft_steps import propose
 from strata.services.worker.step.sequence_table import PlanError
 from strata.services.worker.step.stage_step import execute_and_send, execute_last, fetch_result, on_loop, on_step_thread
 from strata.services.worker.step.step_thread import ResultOut, StepThread
+from strata.services.worker.tensor_parallel.plan_socket import frame, read_frame
 from strata.services.worker.tensor_parallel.ranks import PeersUnavailable, StageRanks
 from strata.services.worker.transport.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
@@ -274,6 +276,37 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
     async def Steps(self, request_iterator, context):
         if not self.runner.kv_caches:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitCache first")
+
+        async def plans():
+            async for item in request_iterator:
+                # (raw bytes, plan) as main.py registers the service (add_service's raw_too)
+                yield item if isinstance(item, tuple) else (None, item)
+
+        async for result in self._run_plans(plans()):
+            yield result
+
+    async def serve_relayed_plans(self, session: int, reader, writer) -> None:
+        """A peer rank (tensor parallelism): the plans its rank 0 relays on its plan socket
+        (tensor_parallel/plan_socket.py) run as a Steps stream's would; a failed step's result
+        goes back on it."""
+        if session != self._link_session or not self.runner.kv_caches:
+            log.warning("tensor parallel: plans of session %d refused (InitCache of it first)", session)
+            return
+
+        async def plans():
+            while (raw := await read_frame(reader)) is not None:
+                yield raw, engine_pb2.StepPlan.FromString(raw)
+
+        async for result in self._run_plans(plans()):
+            try:
+                writer.write(frame(result.SerializeToString()))
+                await writer.drain()
+            except ConnectionError:  # rank 0 is gone or closed the relay: it knows already
+                pass
+
+    async def _run_plans(self, plans):
+        """Runs plans (an async iterator of (raw bytes or None, StepPlan)) on the step thread, in
+        order; yields the results (the last stage's; a peer rank's failures)."""
         session = self._session
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
@@ -284,24 +317,25 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
             if session == self._session:
                 self.ranks.fail(reason)
 
-        peers = self.ranks.open_steps(lost)  # rank 0 of several: every plan to the other ranks too
+        # Rank 0 of several: every plan to the other ranks too.
+        peers = await self.ranks.open_plans(self._link_session, lost)
 
         async def read_plans():
             try:
-                async for item in request_iterator:
-                    # (raw bytes, plan) as main.py registers the service (add_service's raw_too)
-                    raw, plan = item if isinstance(item, tuple) else (None, item)
+                async for raw, plan in plans:
                     if session != self._session:
                         break  # InitCache rebuilt the state these plans refer to
                     if peers is not None:  # before this rank's own step: a peer's plan is never late
                         await peers.write(raw if raw is not None else plan.SerializeToString())
                     steps.put(plan)
             except asyncio.CancelledError:
-                steps.drop()  # the scheduler went away: launch nothing more of this stream
+                steps.drop()  # the scheduler (or rank 0) went away: launch nothing more of these
                 raise
+            except DecodeError as e:  # a relayed plan that does not parse: this rank is lost
+                self.ranks.fail(f"an undecodable relayed plan: {e}")
             finally:
-                # Ranks that ran this stream's plans together are apart now: until a new
-                # InitCache re-forms the group, no rank waits in a collective for another.
+                # Ranks that ran these plans together are apart now: until a new InitCache
+                # re-forms the group, no rank waits in a collective for another.
                 if session == self._session:
                     self.ranks.abort("the stage's stream of plans ended")
                 if peers is not None:

@@ -259,7 +259,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft", "location", "previous_stage_transport", "next_stage_transport", "tensor_parallel_size", "tensor_parallel_rank", "tensor_parallel_peers")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft", "location", "previous_stage_transport", "next_stage_transport", "tensor_parallel_size", "tensor_parallel_rank", "tensor_parallel_peers", "tensor_parallel_plan_port")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class WorkerDescription(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_PLAN_PORT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -292,7 +293,8 @@ class WorkerDescription(_message.Message):
     tensor_parallel_size: int
     tensor_parallel_rank: int
     tensor_parallel_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensor_parallel_plan_port: int
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_peers: _Optional[_Iterable[str]] = ..., tensor_parallel_plan_port: _Optional[int] = ...) -> None: ...
 
 class WorkerLocation(_message.Message):
     __slots__ = ("hostname", "boot_id", "ipc_namespace", "device_uuid", "visible_device_uuids", "mps")

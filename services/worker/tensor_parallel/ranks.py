@@ -10,7 +10,8 @@ import logging
 import torch
 
 from strata.services.worker.tensor_parallel.group import TensorParallelGroup, single_rank
-from strata.services.worker.tensor_parallel.relay import PeerRelay, PeerSteps, PeersUnavailable
+from strata.services.worker.tensor_parallel.plan_socket import SocketPeerSteps
+from strata.services.worker.tensor_parallel.relay import PeerRelay, PeersUnavailable
 from strata.services.worker.tensor_parallel.rendezvous import Rendezvous
 from strata.v1 import engine_pb2
 
@@ -93,10 +94,10 @@ class StageRanks:
         if self.relay is not None:
             self.relay.nest_links(link, ends)
 
-    def open_steps(self, on_lost) -> PeerSteps | None:
-        """Rank 0: a relay of one Steps call's plans to every peer; on_lost(reason) when a peer is
-        lost (the caller breaks the group)."""
-        return self.relay.open_steps(on_lost) if self.relay is not None else None
+    async def open_plans(self, session: int, on_lost) -> SocketPeerSteps | None:
+        """Rank 0: a relay of one Steps call's plans to every peer (session: the InitCache's);
+        on_lost(reason) when a peer is lost (the caller breaks the group)."""
+        return await self.relay.open_plans(session, on_lost) if self.relay is not None else None
 
     async def close(self) -> None:
         self.group.abort("the worker is stopping")

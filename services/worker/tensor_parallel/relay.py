@@ -7,16 +7,11 @@ it, as a client of their own Worker services:
 - InitCache: each peer's own request, its links those of the next stage's rank of the same
   number (StageLink.rank_links); their receiving ends come back nested in rank 0's.
 - OpenTokenLink: likewise, rank t of the last stage to rank t of stage 0.
-- Steps: each plan's bytes as they arrived, written to every peer's Steps stream from the event
+- Steps: each plan's bytes as they arrived, written to every peer's plan socket from the event
   loop before rank 0's own step runs (plans are in flight ahead of the GPU, so a peer has its
-  plan before the step's first collective). A peer's stream yields nothing but failures: any
-  message, or its end, breaks the group (the stage fails its steps as a lost stage's, and the
-  scheduler rebuilds it).
-
-Why streams of gRPC and not a socket of rank 0's own: the Worker service already has every
-deadline, the cluster token and the stream-ends-on-death behaviour a relay needs, and the
-relay's writes leave the event loop while the step thread computes. bench/RESULTS.md has the
-measured cost of a relayed plan.
+  plan before the step's first collective; plan_socket.py says why a socket). A peer answers
+  nothing but failures: any message, or the connection's end, breaks the group (the stage fails
+  its steps as a lost stage's, and the scheduler rebuilds it).
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from strata.grpc_util import aio_channel
+from strata.services.worker.tensor_parallel.plan_socket import SocketPeerSteps
 from strata.stage_links import host_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
@@ -48,6 +44,7 @@ class Peer:
     address: str
     channel: grpc.aio.Channel
     stub: engine_pb2_grpc.WorkerStub
+    plan_port: int = 0  # its plan socket's (plan_socket.py), from its Describe
 
 
 def with_host(address: str, host: str) -> str:
@@ -105,6 +102,7 @@ class PeerRelay:
             raise PeersUnavailable(f"a tensor-parallel peer is unreachable: {e.details()}") from None
         for peer, d in zip(self.peers, found):
             self._check(peer, d)
+            peer.plan_port = d.tensor_parallel_plan_port
         return list(found)
 
     async def _connect(self, addresses: list[str]) -> None:
@@ -134,6 +132,8 @@ class PeerRelay:
             problem = f"serves stage {d.stage_index} of {d.num_stages} (layers {d.layer_start}-{d.layer_end})"
         elif d.model_fingerprint != own.model_fingerprint or d.block_size != own.block_size:
             problem = "serves a different model or block size"
+        elif not d.tensor_parallel_plan_port:
+            problem = "listens for no plans"
         if problem:
             raise PeersUnavailable(f"tensor-parallel peer {peer.address} {problem}")
 
@@ -213,62 +213,13 @@ class PeerRelay:
 
     # ------------------------------------------------------------ plans
 
-    def open_steps(self, on_lost: Callable[[str], None]) -> PeerSteps:
-        return PeerSteps(self.peers, on_lost)
+    async def open_plans(self, session: int, on_lost: Callable[[str], None]) -> SocketPeerSteps:
+        """A relay of one Steps call's plans to every peer's plan socket (plan_socket.py)."""
+        relay = SocketPeerSteps(self.peers, session, self.token, on_lost)
+        await relay.open(DESCRIBE_SECONDS)
+        return relay
 
     async def close(self) -> None:
         for p in self.peers:
             await p.channel.close()
         self.peers = []
-
-
-class PeerSteps:
-    """One scheduler Steps call's relay: a Steps call on every peer, plans written as raw bytes,
-    and a watch on each peer's stream, where anything that arrives means the group is lost."""
-
-    def __init__(self, peers: list[Peer], on_lost: Callable[[str], None]):
-        self.on_lost = on_lost
-        self.lost = False
-        self.calls = []
-        for peer in peers:
-            steps = peer.channel.stream_stream(
-                "/strata.v1.Worker/Steps",
-                request_serializer=None,
-                response_deserializer=engine_pb2.StepResult.FromString,
-            )
-            self.calls.append((peer, steps()))
-        self.watchers = [asyncio.create_task(self._watch(peer, call)) for peer, call in self.calls]
-
-    def _lose(self, reason: str) -> None:
-        if not self.lost:
-            self.lost = True
-            self.on_lost(reason)
-
-    async def _watch(self, peer: Peer, call) -> None:
-        try:
-            result = await call.read()
-            if result is grpc.aio.EOF:
-                self._lose(f"tensor-parallel rank {peer.rank} ({peer.address}) ended its stream")
-            else:
-                self._lose(f"tensor-parallel rank {peer.rank} failed step {result.step_id}: {result.error}")
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            self._lose(f"tensor-parallel rank {peer.rank} ({peer.address}) lost: {e.details()}")
-        except Exception as e:  # a stream broken some other way (the channel closed)
-            self._lose(f"tensor-parallel rank {peer.rank} ({peer.address}) lost: {e}")
-
-    async def write(self, raw: bytes) -> None:
-        """A plan's bytes to every peer (a peer that cannot take them breaks the group)."""
-        if self.lost:
-            return
-        try:
-            await asyncio.gather(*(call.write(raw) for _, call in self.calls))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._lose(f"a tensor-parallel peer took no plan: {e}")
-
-    async def close(self) -> None:
-        for task in self.watchers:
-            task.cancel()
-        for _, call in self.calls:
-            call.cancel()
