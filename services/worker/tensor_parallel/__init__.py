@@ -8,10 +8,11 @@ stage per pipeline position, and rank 0 relays its plans and links to the other 
     symm_mem.py    the one-shot all-reduce of small messages through symmetric memory (opt-in)
     rendezvous.py  the store rank 0 hosts, where the ranks find each other
     relay.py       rank 0's side: its peers described, InitCache and token links relayed with each
-                   rank's own link ends, every plan's bytes written to the peers' Steps streams
+                   rank's own link ends
+    plan_socket.py every plan's bytes from rank 0 to each peer, on a socket of their own
     ranks.py       a worker's place in its stage, as the Worker service uses it
     vocab.py       a rank's slice of the vocabulary (padded to whole bitmask words)
 
-The sampler's exact draw over vocabulary slices is sampling/sharded.py; the sharded linears,
-embedding and head are the model's (model/).
+The sampler's exact draw over vocabulary slices is sampling/sharded.py; the rank's slice of the
+model (its linears, embedding and head) is model/sharding.py's.
 """
