@@ -587,7 +587,7 @@ def test_stage_hop_plays_ping_pong_through_two_real_links(tmp_path, transport):
     assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure
 
 
-# Three clusters, about 65 s: with STRATA_SLOW_TESTS=1. A tensor-parallel cluster's path is
+# Three clusters (15 s on an idle host, 65 s on a busy one): with STRATA_SLOW_TESTS=1. A tensor-parallel cluster's path is
 # tests/test_tensor_parallel_e2e.py's, the phases' machinery the pipeline bench's above.
 @pytest.mark.slow
 def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_path):
