@@ -146,6 +146,9 @@ def with_overrides(args, **overrides):
 SERVE_FLAGS = (
     "pipeline_stages",
     "data_parallel_size",  # `strata bench pipeline`'s dp way
+    "tensor_parallel_size",  # (the tensor-parallel bench's, as below)
+    "tensor_parallel_all_reduce",
+    "tensor_parallel_no_collectives",
     "device",
     "dtype",
     "block_size",

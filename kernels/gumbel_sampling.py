@@ -134,8 +134,39 @@ def gumbel_row_keys(seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     return _row_keys(seeds, positions, 0, _DOMAIN_GUMBEL)
 
 
-def gumbel_from_keys(key_a: Tensor, key_b: Tensor, vocab_size: int) -> Tensor:
+def gumbel_from_keys(key_a: Tensor, key_b: Tensor, vocab_size: int, offset: int = 0) -> Tensor:
+    """Noise [..., vocab_size] of the vocabulary indices offset .. offset + vocab_size - 1."""
+    if offset:
+        index = torch.arange(offset, offset + vocab_size, device=key_a.device, dtype=torch.int64)
+        u = _uniform_from_hash(_element_hash(key_a.unsqueeze(-1), key_b.unsqueeze(-1), index))
+        return -torch.log(-torch.log(u))
     return _gumbel_from_keys(key_a, key_b, vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# A draw over several slices of the vocabulary (tensor parallelism): each slice's best (value,
+# global index) packed into one int64, so that one all-reduce (max) over the slices gives the
+# whole row's draw, with torch.argmax's rule: the largest value, the smallest index among equal
+# values. The Triton kernel packs in the same way (_pack_key_tl).
+# ---------------------------------------------------------------------------------------------
+
+_LOW32 = 0xFFFFFFFF
+
+
+def pack_draw_keys(values: Tensor, tokens: Tensor) -> Tensor:
+    """int64 keys, ordered as (value, then -token): float32 values as order-preserving int32
+    (-0.0 as +0.0, NaN above +inf, as argmax takes them) in the high word, 2**32 - 1 - token
+    in the low one."""
+    values = values.float() + 0.0
+    bits = values.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = torch.where(torch.isnan(values), torch.full_like(ordered, 0x7FFFFFFF), ordered)
+    return (ordered.to(torch.int64) << 32) | (_LOW32 - tokens.to(torch.int64))
+
+
+def unpack_draw_tokens(keys: Tensor) -> Tensor:
+    """The tokens of pack_draw_keys' keys."""
+    return _LOW32 - (keys & _LOW32)
 
 
 if triton is not None:
@@ -214,8 +245,10 @@ if triton is not None:
         store_rows_ptr,
         store_ptr,
         skip_ptr,
+        key_ptr,
         vocab_size,
         num_splits,
+        col_offset,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLITS_PADDED: tl.constexpr,
@@ -225,11 +258,16 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         PREFETCH: tl.constexpr,
         SKIP: tl.constexpr = False,
+        KEY: tl.constexpr = False,
     ):
         # Program (row, split) scans logits[row, split*CHUNK : (split+1)*CHUNK] once and stores
         # its best perturbed value and index (plus max and sum of exp of the raw logits when
         # LOG_NORM); the row's last split to arrive merges them (kernels/arrival_counters.py).
         # SKIP: rows whose skip flag is set are left alone (another kernel draws them).
+        # col_offset: the global vocabulary index of column 0 (a tensor-parallel rank's slice of
+        # the logits): the noise is that of the global index, and tokens are global. KEY: the
+        # row's best also goes to key_ptr as a packed int64 (pack_draw_keys), which an
+        # all-reduce (max) over the ranks' slices turns into the whole row's draw.
         row = tl.program_id(0)
         split = tl.program_id(1)
         if SKIP:
@@ -269,7 +307,7 @@ if triton is not None:
                 x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
             val = x
             if greedy == 0:
-                val = _perturbed_tl(x, cols, key_a, key_b, inv_t, INTERPRETED)
+                val = _perturbed_tl(x, cols + col_offset, key_a, key_b, inv_t, INTERPRETED)
                 if HAS_THRESHOLD:
                     val = tl.where(x >= threshold, val, float("-inf"))
             val = tl.where(in_vocab, val, float("-inf"))
@@ -306,9 +344,31 @@ if triton is not None:
                 SPLITS_PADDED,
                 LOG_NORM,
             )
+            token += col_offset
+            if col_offset != 0:
+                tl.store(token_ptr + row, token)
             if STORE:  # a copy where the caller keeps it (the worker's last_sampled, by state row)
                 tl.store(store_ptr + tl.load(store_rows_ptr + row), token)
+            if KEY:
+                splits = tl.arange(0, SPLITS_PADDED)
+                vals = tl.load(
+                    best_val_ptr + row * num_splits + splits,
+                    mask=splits < num_splits,
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )
+                tl.store(key_ptr + row, _pack_key_tl(tl.max(vals, axis=0), token))
             tl.store(arrivals_ptr + row, 0)  # ready for the next launch
+
+    @triton.jit
+    def _pack_key_tl(value, token):
+        """pack_draw_keys for one row: a float32 value and an int64 token."""
+        value = value + 0.0  # -0.0 -> +0.0: torch.argmax takes them as equal
+        bits = value.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        ordered = tl.where(value != value, 0x7FFFFFFF, ordered)  # NaN above everything, as argmax
+        low = tl.full((), 0xFFFFFFFF, tl.int64)
+        return (ordered.to(tl.int64) << 32) | (low - token.to(tl.int64))
 
     @triton.jit
     def _merge_splits(
@@ -382,6 +442,8 @@ def gumbel_argmax(
     launch: tuple[int, int, int, bool] | None = None,
     skip: Tensor | None = None,
     out: Tensor | None = None,
+    vocab_offset: int = 0,
+    keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per row: argmax of logits * inv_temperature + Gumbel noise over logits >= threshold
     (plain argmax where greedy), reading the logits once; also logsumexp of the raw logits when
@@ -389,7 +451,10 @@ def gumbel_argmax(
     store (out, rows): also out[rows[i]] = token i (int64 out). launch: (chunk, block, num_warps,
     prefetch) instead of _launch_shape's, for sweeps. skip: uint8 [rows], nonzero where the row
     is left alone (no token, no store: the controlled draw of kernels/controlled_sampling.py
-    draws it). out: the int64 token tensor to write (default: a new one)."""
+    draws it). out: the int64 token tensor to write (default: a new one).
+    vocab_offset: the logits are columns [vocab_offset, vocab_offset + V) of the vocabulary (a
+    tensor-parallel rank's slice): noise and tokens are the global index's. keys: an int64 [rows]
+    tensor that also gets each row's pack_draw_keys(best value, token)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -424,8 +489,10 @@ def gumbel_argmax(
         log_norm if want_log_norm else partial[0],
         *(reversed(store) if store else (token_ids, token_ids)),
         skip.view(torch.uint8) if skip is not None else greedy.view(torch.uint8),
+        keys if keys is not None else token_ids,
         vocab,
         num_splits,
+        vocab_offset,
         CHUNK=chunk,
         BLOCK=block,
         SPLITS_PADDED=triton.next_power_of_2(num_splits),
@@ -435,6 +502,7 @@ def gumbel_argmax(
         INTERPRETED=_INTERPRETED,
         PREFETCH=prefetch,
         SKIP=skip is not None,
+        KEY=keys is not None,
         num_warps=num_warps,
     )
     return token_ids, log_norm

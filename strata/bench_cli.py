@@ -35,6 +35,10 @@ DESCRIPTIONS = {
     "stages, per stage transport, and as many data-parallel replicas of one stage (the dp way); each GPU's "
     "busy share and each stage's idle time (the bubbles), the scheduler's host time and micro-batches, the "
     "hops' bytes and time per step, tok/s and TPOT relative to one stage, and the targets.",
+    "tensor-parallel": "Tensor parallelism against one GPU, the pipeline and replicas in one run: for each way "
+    "(one GPU, tp2, pp2, dp2, their combinations) an offline workload (mixed or fixed lengths), --concurrency streams and one "
+    "stream; output tok/s, TPOT, every GPU's busy share, the ratios to one GPU, and the all-reduce's share of "
+    "a batch-1 decode step (the same way without collectives), against issue 51's targets.",
     "speculative": "The same chat requests with and without speculative decoding, on a real model: prompts "
     "where prompt lookup pays (repeat or edit a passage) and open-ended ones, at several "
     "concurrencies; tok/s, acceptance, mean accepted length, speedup, and every request's tokens "
@@ -170,7 +174,55 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     _speculative_parser(sub, formatter_class)
     _prefix_groups_parser(sub, formatter_class)
     _pipeline_parser(sub, formatter_class)
+    _tensor_parallel_parser(sub, formatter_class)
     return bench
+
+
+def _tensor_parallel_parser(sub, formatter_class) -> None:
+    from strata.flags import DEFAULTS, FLAGS
+
+    p = sub.add_parser(
+        "tensor-parallel",
+        formatter_class=formatter_class,
+        help="tensor parallelism vs one GPU and the pipeline",
+        description=DESCRIPTIONS["tensor-parallel"],
+    )
+    p.add_argument(
+        "--ways",
+        default="1,tp2,pp2,dp2",
+        help="comma-separated, each a cluster of its own: 1 (one GPU), tpT (T ranks in one stage), ppP (P stages), "
+        "dpD (D replicas), and their combinations in that order (tp2pp2: T ranks in each of P stages; tp2dp2); a "
+        "GPU per worker",
+    )
+    p.add_argument("--num-prompts", type=int, default=1024, help="requests of the offline workload")
+    p.add_argument(
+        "--shape",
+        choices=("mixed", "fixed"),
+        default="mixed",
+        help="the offline prompts and outputs: mixed, both uniform in --mixed-lengths (the nano-vllm shape); "
+        "fixed, --input-len / --output-len each",
+    )
+    p.add_argument(
+        "--mixed-lengths",
+        type=_length_range,
+        default="100,1024",
+        metavar="SHORTEST,LONGEST",
+        help="with --shape mixed: the range of prompt and output lengths in tokens",
+    )
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens of --shape fixed and of the streams")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens of --shape fixed and of the streams")
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
+    p.add_argument(
+        "--latency-num-prompts", type=int, default=0, help="requests of each latency workload (0: 4 per stream)"
+    )
+    p.add_argument(
+        "--tensor-parallel-all-reduce",
+        choices=FLAGS["tensor_parallel_all_reduce"].choices,
+        default=DEFAULTS["tensor_parallel_all_reduce"],
+        help="the tensor-parallel ways' small all-reduce (strata serve's flag)",
+    )
+    add_common_flags(p)
+    p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
 
 def _pipeline_parser(sub, formatter_class) -> None:
@@ -391,6 +443,10 @@ def run_bench(args) -> int:
         from strata.bench import pipeline
 
         return pipeline.run(args)
+    if args.bench_command == "tensor-parallel":
+        from strata.bench import tensor_parallel
+
+        return tensor_parallel.run(args)
     if args.bench_command == "throughput":
         from strata.bench import offline
 

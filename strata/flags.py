@@ -67,12 +67,23 @@ FLAGS: dict[str, Flag] = {
     ),
     # -------------------------------------------------------------- `strata serve`
     "pipeline_stages": Flag("STRATA_PIPELINE_STAGES", 1, "number of pipeline stages (one worker process each)", int),
+    "tensor_parallel_size": Flag(
+        "STRATA_TENSOR_PARALLEL_SIZE",
+        1,
+        "GPUs (worker processes) per pipeline stage: every layer's heads, MLP and vocabulary are split over "
+        "them, with one all-reduce per pair of linears, so a token takes less time; rank 0 of each stage "
+        "speaks to the scheduler and relays its plans to the others. strata serve places rank t of stage i of "
+        "replica r on GPU (r x stages + i) x size + t (ranks of a stage side by side); the size must divide the "
+        "model's attention heads",
+        int,
+    ),
     "data_parallel_size": Flag(
         "STRATA_DATA_PARALLEL_SIZE",
         1,
         "data-parallel replicas: this many pipelines, each of --pipeline-stages stages with a scheduler of its "
         "own, behind the one gateway, which routes each request by load with prefix affinity and resumes a lost "
-        "replica's requests on another; stage i of replica r on GPU r x stages + i",
+        "replica's requests on another; stage i of replica r on GPU r x stages + i (times --tensor-parallel-size, "
+        "plus the rank, with tensor parallelism)",
         int,
     ),
     "restart_limit": Flag(
@@ -155,6 +166,50 @@ FLAGS: dict[str, Flag] = {
         "(diagnostics; it slows steps)",
     ),
     "stage_index": Flag("STRATA_STAGE_INDEX", 0, "this worker's pipeline stage (0-based)", int),
+    "tensor_parallel_rank": Flag(
+        "STRATA_TENSOR_PARALLEL_RANK",
+        0,
+        "with --tensor-parallel-size: this worker's rank in its stage (0-based); rank 0 is the one the "
+        "scheduler's --workers names, the others reach it through --tensor-parallel-master",
+        int,
+    ),
+    "tensor_parallel_master": Flag(
+        "STRATA_TENSOR_PARALLEL_MASTER",
+        None,
+        "with --tensor-parallel-size > 1: host:port of the store that rank 0 of this stage hosts (rank 0 "
+        "listens there, every rank of the stage names the same), where the ranks find each other and form "
+        "their group",
+    ),
+    "advertise_address": Flag(
+        "STRATA_ADVERTISE_ADDRESS",
+        None,
+        "host:port at which the other ranks of this worker's stage reach its Worker service (unset: this "
+        "host's name and --port)",
+    ),
+    "tensor_parallel_all_reduce": Flag(
+        "STRATA_TENSOR_PARALLEL_ALL_REDUCE",
+        "nccl",
+        "how a tensor-parallel stage on GPUs sums its ranks' partial outputs: nccl (NCCL's all-reduce, captured "
+        "in the CUDA graphs) or symm-mem (a one-shot all-reduce through torch's symmetric memory, without NVLink "
+        "multicast, for messages up to 512 KiB: a decode step's; larger ones take NCCL). python -m "
+        "strata.bench.all_reduce times both per message size",
+        choices=("nccl", "symm-mem"),
+    ),
+    "tensor_parallel_no_collectives": Flag(
+        "STRATA_TENSOR_PARALLEL_NO_COLLECTIVES",
+        False,
+        "benchmarks only: a tensor-parallel stage's ranks skip every collective (all-reduces and gathers), each "
+        "going on with its own partial sums: wrong tokens, but a step's time without its communication "
+        "(strata bench tensor-parallel times the all-reduce's share of a decode step so)",
+        bool,
+    ),
+    "collective_timeout": Flag(
+        "STRATA_COLLECTIVE_TIMEOUT",
+        60.0,
+        "with tensor parallelism: the longest a stage's ranks wait for each other (forming their group, "
+        "each all-reduce or gather); a rank lost past it fails the step and the stage is rebuilt",
+        float,
+    ),
     "num_stages": Flag("STRATA_NUM_STAGES", 1, "number of pipeline stages", int),
     "seed": Flag("STRATA_SEED", 0, "seed of dummy weights", int),
     "role": Flag(
@@ -404,6 +459,9 @@ WORKER_FLAGS = (
     "profile_output",
     "profile_steps",
     "gpu_clock_dir",
+    "collective_timeout",
+    "tensor_parallel_all_reduce",
+    "tensor_parallel_no_collectives",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (
@@ -519,6 +577,7 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
         (
             "model",
             "pipeline_stages",
+            "tensor_parallel_size",
             "data_parallel_size",
             "restart_limit",
             "mps",
@@ -553,6 +612,10 @@ def add_service_parsers(sub, formatter_class=Formatter) -> None:
             "stage_index",
             "cluster_token",
             "num_stages",
+            "tensor_parallel_size",
+            "tensor_parallel_rank",
+            "tensor_parallel_master",
+            "advertise_address",
             "seed",
             "role",
             "draft_num_layers",

@@ -90,13 +90,16 @@ def aio_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
-def add_service(server: grpc.aio.Server, servicer, service, token: str | None = None, prechecks=None) -> None:
+def add_service(
+    server: grpc.aio.Server, servicer, service, token: str | None = None, prechecks=None, raw_too=()
+) -> None:
     """Registers servicer's methods for `service` (a ServiceDescriptor) and, unlike the generated
     add_*_to_server, parses requests itself: an undecodable message gets INVALID_ARGUMENT (not
     UNKNOWN), and with `token` every call must carry `authorization: Bearer TOKEN`
     (UNAUTHENTICATED otherwise). prechecks: method name -> async check of a request's raw bytes
     before it is parsed, returning an INVALID_ARGUMENT message or None (refuses a huge message
-    without parsing it)."""
+    without parsing it). raw_too: client-streaming methods whose requests come as (raw bytes,
+    message) pairs (a worker relays a plan's bytes as they came)."""
     prechecks = prechecks or {}
     handlers = {}
     for method in service.methods:
@@ -110,7 +113,13 @@ def add_service(server: grpc.aio.Server, servicer, service, token: str | None = 
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
         handler = _checked(
-            behavior, request_cls, method.client_streaming, method.server_streaming, token, prechecks.get(method.name)
+            behavior,
+            request_cls,
+            method.client_streaming,
+            method.server_streaming,
+            token,
+            prechecks.get(method.name),
+            method.name in raw_too,
         )
         handlers[method.name] = factory(
             handler, request_deserializer=None, response_serializer=response_cls.SerializeToString
@@ -118,7 +127,15 @@ def add_service(server: grpc.aio.Server, servicer, service, token: str | None = 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bool, token: str | None, precheck=None):
+def _checked(
+    behavior,
+    request_cls,
+    client_streaming: bool,
+    server_streaming: bool,
+    token: str | None,
+    precheck=None,
+    raw_too: bool = False,
+):
     expected = f"Bearer {token}" if token else None
 
     async def authorize(context) -> None:
@@ -135,7 +152,8 @@ def _checked(behavior, request_cls, client_streaming: bool, server_streaming: bo
 
     async def requests(raw_iterator, context):
         async for raw in raw_iterator:
-            yield await parse(raw, context)
+            message = await parse(raw, context)
+            yield (raw, message) if raw_too else message
 
     if client_streaming and server_streaming:
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from strata.flags import BATCH_FLAGS, ENGINE_FLAGS, GATEWAY_FLAGS, SPECULATIVE_FLAGS, WORKER_FLAGS, argv_for
 from strata.grpc_util import check_health
 from strata.model_source import resolve_model
-from strata.stage_links import gpu_for
+from strata.stage_links import NCCL_ENVIRONMENT, gpu_for
 from strata.supervision import Supervisor
 from strata.v1 import generate_pb2
 
@@ -78,7 +78,9 @@ class ReplicaAddresses:
     """One data-parallel replica of a local cluster: its scheduler and its workers, in stage order."""
 
     scheduler: str
-    workers: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)  # rank 0 of each stage
+    # Every rank of each stage, in rank order (tensor parallelism; one each without it).
+    ranks: list[list[str]] = field(default_factory=list)
 
 
 class Cluster:
@@ -92,7 +94,8 @@ class Cluster:
         self.cluster_token = os.environ.get("STRATA_CLUSTER_TOKEN") or secrets.token_hex(16)
         self.replicas: list[ReplicaAddresses] = []  # one per data-parallel replica
         self.scheduler_address = ""  # the first replica's (the only one's without data parallelism)
-        self.worker_addresses: list[str] = []  # the first replica's
+        self.worker_addresses: list[str] = []  # the first replica's (rank 0 of each stage)
+        self.rank_addresses: list[list[str]] = []  # the first replica's, every rank of each stage
         self.env: dict[str, str] = {}  # for every service (an MPS daemon's folders)
         self.mps = None  # the cluster's own MpsDaemon (--mps), stopped after the services
 
@@ -100,9 +103,15 @@ class Cluster:
         self.procs.append((name, subprocess.Popen([sys.executable, "-m", module, *argv], env=self.service_env())))
 
     def service_env(self) -> dict[str, str]:
-        """The environment of every service of this cluster: its token, and this process as the
-        launcher it dies with."""
-        return {**os.environ, **self.env, "STRATA_CLUSTER_TOKEN": self.cluster_token, PARENT_ENV: str(os.getpid())}
+        """The environment of every service of this cluster: its token, this process as the
+        launcher it dies with, and NVLink multicast off."""
+        return {
+            **NCCL_ENVIRONMENT,  # NVLink multicast off in every process (explicit settings win)
+            **os.environ,
+            **self.env,
+            "STRATA_CLUSTER_TOKEN": self.cluster_token,
+            PARENT_ENV: str(os.getpid()),
+        }
 
     def wait_healthy(self, address: str, name: str, timeout: float, service: str = "") -> None:
         """service: the gRPC service that must be SERVING there (another server on the port would
@@ -153,21 +162,38 @@ class Cluster:
             self.mps = None
 
 
-_WORKER_ARGV = ("host", "port", "model", "stage_index", "num_stages", "tokenizer", *WORKER_FLAGS)
+_WORKER_ARGV = (
+    "host",
+    "port",
+    "model",
+    "stage_index",
+    "num_stages",
+    "tensor_parallel_size",
+    "tensor_parallel_rank",
+    "tensor_parallel_master",
+    "tokenizer",
+    *WORKER_FLAGS,
+)
 
 
-def worker_argv(args, stage: int, port: int, model: str, replica: int = 0) -> list[str]:
-    """`strata worker` arguments of one stage (of one replica) of the cluster `strata serve` args
-    describe."""
+def worker_argv(
+    args, stage: int, port: int, model: str, replica: int = 0, rank: int = 0, master: str | None = None
+) -> list[str]:
+    """`strata worker` arguments of one stage (of one replica; its rank `rank`, whose stage's rank 0
+    hosts the store at `master`) of the cluster `strata serve` args describe."""
     return [
         "worker",
-        *argv_for(_worker_settings(args, stage, port, model, replica), _WORKER_ARGV),
+        *argv_for(_worker_settings(args, stage, port, model, replica, rank, master), _WORKER_ARGV),
         *speculation_argv(args, None),
     ]
 
 
 def _replicas(args) -> int:
     return getattr(args, "data_parallel_size", 1)
+
+
+def _tensor_parallel_size(args) -> int:
+    return getattr(args, "tensor_parallel_size", 1)
 
 
 def _visible_gpus(args) -> int:
@@ -181,10 +207,14 @@ def _visible_gpus(args) -> int:
 
 def check_placement(args) -> None:
     """Data-parallel replicas each need GPUs of their own (replicas sharing one would only take
-    turns on it): a GPU per stage of every replica, or all on CPUs."""
-    replicas, workers = _replicas(args), _replicas(args) * args.pipeline_stages
-    if replicas < 1 or args.pipeline_stages < 1:
-        raise SystemExit("--pipeline-stages and --data-parallel-size must be at least 1")
+    turns on it), and so does every tensor-parallel rank (NCCL pairs no two ranks on one GPU): a
+    GPU per rank of every stage of every replica, or all on CPUs."""
+    size = _tensor_parallel_size(args)
+    replicas, workers = _replicas(args), _replicas(args) * args.pipeline_stages * size
+    if replicas < 1 or args.pipeline_stages < 1 or size < 1:
+        raise SystemExit("--pipeline-stages, --tensor-parallel-size and --data-parallel-size must be at least 1")
+    if size > 1:
+        check_tensor_parallel_placement(args, workers)
     if replicas == 1:
         return
     if args.mps:
@@ -200,11 +230,34 @@ def check_placement(args) -> None:
         )
 
 
-def _worker_settings(args, stage: int, port: int, model: str, replica: int = 0) -> dict:
+def check_tensor_parallel_placement(args, workers: int) -> None:
+    size = _tensor_parallel_size(args)
+    if args.mps:
+        raise SystemExit("--mps is for stages sharing one GPU; tensor-parallel ranks take a GPU each")
+    if args.speculative_method == "draft" or args.draft_model:
+        raise SystemExit("a draft model's worker serves a one-rank target: --tensor-parallel-size 1")
+    if args.device.startswith("cuda") and ":" in args.device:
+        raise SystemExit(f"--device {args.device} names one GPU; --tensor-parallel-size {size} needs a GPU per rank")
+    gpus = _visible_gpus(args)
+    if gpus and gpus < workers:
+        raise SystemExit(
+            f"--tensor-parallel-size {size} x --pipeline-stages {args.pipeline_stages} x --data-parallel-size "
+            f"{_replicas(args)} needs {workers} GPUs; {gpus} visible"
+        )
+
+
+def _worker_settings(
+    args, stage: int, port: int, model: str, replica: int = 0, rank: int = 0, master: str | None = None
+) -> dict:
     settings = {**vars(args), "host": "127.0.0.1", "port": port, "model": model, "stage_index": stage}
     stages = settings["num_stages"] = args.pipeline_stages
-    workers = stages * _replicas(args)
-    if stages > 1 and args.device.startswith("cuda") and ":" in args.device:
+    size = settings["tensor_parallel_size"] = _tensor_parallel_size(args)
+    settings.update(tensor_parallel_rank=rank, tensor_parallel_master=master)
+    workers = stages * _replicas(args) * size
+    if size > 1:
+        if _visible_gpus(args):  # a GPU per rank (check_placement): rank t of stage i of replica r
+            settings["device"] = f"cuda:{gpu_for(replica, stage, rank, stages, size)}"
+    elif stages > 1 and args.device.startswith("cuda") and ":" in args.device:
         # Every stage on the one GPU named: they split its memory share (each sizes its KV cache
         # from the free memory it measures, and the first would take what the others need).
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization / stages
@@ -214,9 +267,10 @@ def _worker_settings(args, stage: int, port: int, model: str, replica: int = 0) 
         settings["device"] = f"cuda:{gpu_for(replica, stage, num_stages=stages) % gpus}"
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization / -(-workers // gpus)
     if settings.get("profile_output") and workers > 1:  # one file per worker
-        replica_part = f".replica{replica}" if workers > stages else ""
+        replica_part = f".replica{replica}" if _replicas(args) > 1 else ""
         stage_part = f".stage{stage}" if stages > 1 else ""
-        settings["profile_output"] = f"{args.profile_output}{replica_part}{stage_part}"
+        rank_part = f".rank{rank}" if size > 1 else ""
+        settings["profile_output"] = f"{args.profile_output}{replica_part}{stage_part}{rank_part}"
     return settings
 
 
@@ -267,6 +321,7 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
         for replica in range(_replicas(args)):
             cluster.replicas.append(start_replica(cluster, args, model, replica))
         cluster.worker_addresses = cluster.replicas[0].workers
+        cluster.rank_addresses = cluster.replicas[0].ranks
         cluster.scheduler_address = cluster.replicas[0].scheduler
         schedulers = ",".join(r.scheduler for r in cluster.replicas)
         gateway = {**vars(args), "scheduler_address": schedulers, "model": model_path or ""}
@@ -289,16 +344,24 @@ def start_cluster(args, startup_timeout: float = 600.0) -> Cluster:
 def start_replica(cluster: Cluster, args, model: str, replica: int) -> ReplicaAddresses:
     """Starts one replica's workers (and draft worker) and its scheduler."""
     prefix = f"replica {replica} " if _replicas(args) > 1 else ""  # one replica: "worker 0", "scheduler"
-    worker_addresses = []
+    worker_addresses, rank_addresses = [], []
     draft = draft_model_of(args, model)
     share = args.gpu_memory_utilization
     if draft:  # the target's stages keep the rest of the share
         args.gpu_memory_utilization = share * (1 - DRAFT_MEMORY_SHARE)
+    size = _tensor_parallel_size(args)
     try:
         for stage in range(args.pipeline_stages):
-            port = free_port()
-            worker_addresses.append(f"127.0.0.1:{port}")
-            cluster.start(f"{prefix}worker {stage}", worker_argv(args, stage, port, model, replica))
+            # Tensor parallelism: the stage's ranks find each other at its rank 0's store.
+            master = f"127.0.0.1:{free_port()}" if size > 1 else None
+            ranks = []
+            for rank in range(size):
+                port = free_port()
+                ranks.append(f"127.0.0.1:{port}")
+                name = f"{prefix}worker {stage}" + (f" rank {rank}" if size > 1 else "")
+                cluster.start(name, worker_argv(args, stage, port, model, replica, rank, master))
+            worker_addresses.append(ranks[0])
+            rank_addresses.append(ranks)
     finally:
         args.gpu_memory_utilization = share
     draft_address = None
@@ -316,7 +379,7 @@ def start_replica(cluster: Cluster, args, model: str, replica: int) -> ReplicaAd
         *speculation_argv(args, draft_address),
     ]
     cluster.start(f"{prefix}scheduler", sched_argv)
-    return ReplicaAddresses(f"127.0.0.1:{sched_port}", worker_addresses)
+    return ReplicaAddresses(f"127.0.0.1:{sched_port}", worker_addresses, rank_addresses)
 
 
 def start_mps(cluster: Cluster, args) -> None:
@@ -345,8 +408,9 @@ def serve(args) -> int:
         cluster = start_cluster(args)
         http = f", OpenAI-compatible HTTP on http://{args.host}:{args.http_port}/v1" if args.http_port else ""
         replicas = f"{_replicas(args)} replicas of " if _replicas(args) > 1 else ""
+        ranks = f" of {_tensor_parallel_size(args)} ranks each" if _tensor_parallel_size(args) > 1 else ""
         print(
-            f"Strata is serving gRPC on {args.host}:{args.port}{http} ({replicas}{args.pipeline_stages} stage(s)). "
+            f"Strata is serving gRPC on {args.host}:{args.port}{http} ({replicas}{args.pipeline_stages} stage(s){ranks}). "
             "Ctrl-C stops it.",
             flush=True,
         )

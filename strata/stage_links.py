@@ -28,6 +28,24 @@ NAMES = {"grpc": GRPC, "ipc": IPC, "distributed": DISTRIBUTED}
 CHOICES = ("auto", *NAMES)
 
 
+# Set in every process Strata starts (strata/launcher.py) and in every worker before
+# torch.distributed or NCCL start: NVLink multicast (NVLS) stays off.
+NCCL_ENVIRONMENT = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    # A collective past its timeout aborts its communicator and fails its work, not the process:
+    # the scheduler rebuilds the pipeline (a new InitCache) around a lost peer.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
+def set_nccl_environment() -> None:
+    """At worker start, before torch.distributed or NCCL read them (explicit settings win)."""
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
 def name_of(kind: int) -> str:
     return {v: k for k, v in NAMES.items()}.get(kind, "none")
 

@@ -1,9 +1,12 @@
 """A model's pipeline shards chained in one process, against Hugging Face transformers: the step
 loop of tests/test_model_shard.py (CPU, torch attention) and tests/gpu/test_greedy_hf_gpu.py
-(the Triton kernels), with chunked prefill and greedy decoding as the engine schedules them."""
+(the Triton kernels), with chunked prefill and greedy decoding as the engine schedules them.
+With tensor parallelism (tp > 1) each stage is that many rank shards, each on a thread of its own
+over gloo (tests/tp_threads.py), and the logits are the ranks' vocabulary slices put together."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import torch
@@ -11,6 +14,7 @@ import torch
 from strata.services.worker.model.attention import allocate_kv_cache
 from strata.services.worker.model.weights import load_shard
 from tests.paged_inputs import SequenceChunk, build_step_inputs
+from tests.tp_threads import form_groups, run_on_threads
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -28,36 +32,49 @@ class Pipeline:
         dtype: torch.dtype = torch.float32,
         block_size: int = BLOCK_SIZE,
         num_blocks: int = NUM_BLOCKS,
+        tp: int = 1,
         **load_kwargs,
     ):
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
-        self.shards = []
-        self.kv_caches = []
+        self.tp = tp
+        # Per stage, a shard and its KV caches per rank (one rank without tensor parallelism).
+        self.ranks: list[list[tuple]] = []
+        self.groups = [form_groups(tp) for _ in range(num_stages)] if tp > 1 else [[None]] * num_stages
         for stage in range(num_stages):
-            shard, config = load_shard(model_dir, stage, num_stages, dtype, device, **load_kwargs)
-            self.shards.append(shard)
-            self.kv_caches.append(
-                allocate_kv_cache(
-                    shard.num_layers,
-                    num_blocks,
-                    block_size,
-                    config.num_key_value_heads,
-                    config.head_dim,
-                    dtype,
-                    device,
+
+            def load(group, stage=stage):
+                shard, config = load_shard(model_dir, stage, num_stages, dtype, device, tp=group, **load_kwargs)
+                caches = allocate_kv_cache(
+                    shard.num_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device
                 )
-            )
-        self.config = config
+                return shard, caches, config
+
+            self.ranks.append(run_on_threads([lambda g=g: load(g) for g in self.groups[stage]]))
+        self.config = self.ranks[-1][0][2]
+        self.shards = [ranks[0][0] for ranks in self.ranks]  # rank 0's
+        self.kv_caches = [ranks[0][1] for ranks in self.ranks]
+
+    def close(self) -> None:
+        """Drops the ranks' gloo groups before the interpreter's exit (which they would abort)."""
+        self.ranks, self.groups, self.shards = [], [], []
+        gc.collect()
 
     def step(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
         inputs = build_step_inputs(chunks, self.block_size, self.device)
         hidden = residual = None
-        for shard, caches in zip(self.shards, self.kv_caches):
-            input_ids = inputs.input_ids if shard.is_first else None
-            hidden, residual = shard(input_ids, inputs.positions, hidden, residual, caches, inputs.meta)
+        for ranks in self.ranks:
+
+            def rank_step(shard, caches, hidden=hidden, residual=residual):
+                input_ids = inputs.input_ids if shard.is_first else None
+                return shard(input_ids, inputs.positions, hidden, residual, caches, inputs.meta)
+
+            # Every rank ends the stage with the same (hidden, residual): rank 0's goes on.
+            hidden, residual = run_on_threads([lambda s=s, c=c: rank_step(s, c) for s, c, _ in ranks])[0]
         if not all_logits:
             hidden, residual = hidden[inputs.logits_indices], residual[inputs.logits_indices]
-        return self.shards[-1].compute_logits(hidden, residual)
+        slices = run_on_threads([lambda s=s: s.compute_logits(hidden, residual) for s, _, _ in self.ranks[-1]])
+        vocab = self.config.vocab_size
+        return torch.cat(slices, dim=-1)[:, :vocab] if len(slices) > 1 else slices[0]
 
 
 def shuffled_block_tables(

@@ -587,6 +587,56 @@ def test_stage_hop_plays_ping_pong_through_two_real_links(tmp_path, transport):
     assert "gpu_hop_us" not in figures  # no GPU: no GPU-side figure
 
 
+# Three clusters (15 s on an idle host, 65 s on a busy one): with STRATA_SLOW_TESTS=1. A tensor-parallel cluster's path is
+# tests/test_tensor_parallel_e2e.py's, the phases' machinery the pipeline bench's above.
+@pytest.mark.slow
+def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_path):
+    r = bench(
+        tmp_path,
+        "tensor-parallel",
+        "--ways",
+        "1,tp2",
+        "--num-prompts",
+        "4",
+        "--shape",
+        "mixed",
+        "--mixed-lengths",
+        "4,12",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--concurrency",
+        "2",
+        "--latency-num-prompts",
+        "2",
+        "--max-num-batched-tokens",
+        "64",
+    )
+    assert_environment(r)
+    runs = r["runs"]
+    ways = [(x["way"], x["ranks"], x["no_collectives"]) for x in runs]
+    assert ways == [("1", 1, False), ("tp2", 2, False), ("tp2", 2, True)]
+
+    for x in runs:
+        for name, phase in x.items():
+            if name.startswith(("offline", "streams_")):
+                assert phase["failed"] == 0 and phase["output_tokens_per_s"] > 0
+                assert len(phase["gpu_busy_share"]) == x["ranks"] * x["stages"]
+    assert "offline" not in runs[2]  # the run without collectives times batch 1 only
+    assert runs[1]["ratios"]["tpot_1"] > 0 and runs[1]["all_reduce_share"] is not None
+    assert "| tp2 |" in r["markdown_row"]
+
+
+def test_tensor_parallel_ways_name_ranks_stages_and_replicas():
+    from strata.bench.tensor_parallel import parse_way
+
+    ways = ("1", "tp2", "pp2", "dp2", "tp2pp2", "tp2dp2", "tp4")
+    assert [parse_way(w) for w in ways] == [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)]
+    with pytest.raises(ValueError, match="unknown way"):
+        parse_way("pp2tp2")
+
+
 def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
     """The policy model (bench/pipeline_schedule.py): every request finishes and every block comes
     back; on two simulated GPUs the mixed shape runs faster than on one, every stage busy."""

@@ -67,3 +67,47 @@ else:
         assert torch.equal(gumbel_argmax(logits, *keys, store=(kept, rows))[0], tokens)
         assert torch.equal(kept[rows], tokens) and (kept[[3, 4, 6, 8]] == -1).all()
         assert not arrival_counters(logits.device, n, "gumbel_argmax").any()
+
+    def test_triton_slice_draws_combine_to_the_whole_rows_draw():
+        """Tensor parallelism: the kernel on a rank's slice of the columns (vocab_offset, keys)
+        draws with the global index's noise, and the max of the slices' packed keys is the whole
+        row's token; a greedy row's key packs its raw logit as pack_draw_keys does."""
+        from strata.kernels.gumbel_sampling import pack_draw_keys, unpack_draw_tokens
+        from strata.services.worker.tensor_parallel.vocab import VocabShard
+
+        n, vocab = 5, 9000
+        rng = np.random.default_rng(1)
+        logits = torch.from_numpy(rng.normal(size=(n, vocab)).astype(np.float32))
+        logits[0, [100, 4600, 8999]] = 30.0  # a greedy tie across slices: the first wins
+        logits[1, 7000] = -0.0  # a greedy row whose max is -0.0
+        logits[1, :7000] = -1.0
+        logits[1, 7001:] = -1.0
+        st = SamplingTensors.build(
+            temperature=[0.0, 0.0, 1.0, 0.7, 1.5],
+            top_k=[0] * n,
+            top_p=[1.0] * n,
+            min_p=[0.0] * n,
+            seeds=rng.integers(-(2**63), 2**63 - 1, n),
+            positions=rng.integers(0, 2**40, n),
+            num_logprobs=-1,
+            device="cpu",
+        )
+        args = (st.seeds, st.positions, st.inv_temperature, st.greedy, None, False)
+        whole, _ = gumbel_argmax(logits, *args)
+        assert whole[0].item() == 100 and whole[1].item() == 7000
+        for size in (2, 3):
+            keys = []
+            for rank in range(size):
+                v = VocabShard(vocab, rank, size)
+                k = torch.empty(n, dtype=torch.int64)
+                tokens, _ = gumbel_argmax(
+                    logits[:, v.offset : v.offset + v.valid], *args, vocab_offset=v.offset, keys=k
+                )
+                assert torch.equal(unpack_draw_tokens(k), tokens)
+                assert ((tokens >= v.offset) & (tokens < v.offset + v.valid)).all()
+                greedy_rows = torch.tensor([0, 1])
+                expected = pack_draw_keys(logits[greedy_rows, tokens[greedy_rows]], tokens[greedy_rows])
+                assert torch.equal(k[greedy_rows], expected)
+                keys.append(k)
+            combined = unpack_draw_tokens(torch.stack(keys).amax(dim=0))
+            assert torch.equal(combined, whole), (size, combined, whole)

@@ -13,6 +13,8 @@ Everything else lives in a room of its own:
     device/       the worker's own calls into CUDA: driver calls that keep the GIL, uploads
     diagnostics/  what a stage measures about itself: GPU clock stamps, profiles, busy and idle
 
-Tensor parallelism's sharded linears go in model/, its rank group (a process group per stage) in
-a room of its own beside transport/.
+    tensor_parallel/  a stage's ranks: their group and collectives, rank 0's relay to the others
+
+Tensor parallelism's sharded linears are the model's (model/), its exact draw over vocabulary
+slices the sampler's (sampling/sharded.py).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -18,8 +19,11 @@ from strata.services.worker.model.model_config import ModelConfig
 from strata.services.worker.model.weights import load_shard
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.server import WorkerServicer
-from strata.services.worker.transport.stage_transport import set_nccl_environment
-from strata.stage_links import local_location
+from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+from strata.services.worker.tensor_parallel.plan_socket import PlanListener
+from strata.services.worker.tensor_parallel.ranks import StageRanks
+from strata.services.worker.tensor_parallel.rendezvous import split_address
+from strata.stage_links import local_location, set_nccl_environment
 from strata.v1 import engine_pb2, generate_pb2
 
 log = logging.getLogger("strata.worker")
@@ -119,17 +123,24 @@ def build(args):
     draft = args.role == "draft"
     if draft and args.num_stages != 1:
         raise SystemExit("a draft worker holds the whole draft model: --num-stages 1")
-    shard, config = load_shard(
-        "dummy" if dummy else model_path,
-        args.stage_index,
-        args.num_stages,
-        dtype,
-        device,
-        dummy_config=dummy,
-        seed=args.seed,
-        attn_backend=attention_backend_for(device),
-        first_layers=args.draft_num_layers,
-    )
+    group = tensor_parallel_group(args, device)
+    if draft and group.active:
+        raise SystemExit("a draft worker is one process: --tensor-parallel-size 1")
+    try:
+        shard, config = load_shard(
+            "dummy" if dummy else model_path,
+            args.stage_index,
+            args.num_stages,
+            dtype,
+            device,
+            dummy_config=dummy,
+            seed=args.seed,
+            attn_backend=attention_backend_for(device),
+            first_layers=args.draft_num_layers,
+            tp=group,
+        )
+    except ValueError as e:  # (a model whose heads do not split into the ranks, among others)
+        raise SystemExit(str(e)) from None
     max_model_len = args.max_model_len or config.max_position_embeddings
     speculate = bool(args.speculative_method)
     # A draft worker runs batches of speculating sequences only; a target captures verification
@@ -163,6 +174,7 @@ def build(args):
         )
         else None,
         gpu_clock_dir=args.gpu_clock_dir,
+        tp=group,
     )
     blocks = num_kv_blocks_for(args, config, shard.num_layers, max_model_len, device, dtype)
     name = Path(model_path).name if model_path else f"dummy:{dummy}"
@@ -184,9 +196,48 @@ def build(args):
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_id,
             dtype=str(dtype).removeprefix("torch."),
+            tensor_parallel_size=group.size,
         ),
+        tensor_parallel_size=group.size,
+        tensor_parallel_rank=group.rank,
     )
     return runner, description
+
+
+def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
+    """This worker's rank of its stage (checked against the flags); the group forms at InitCache."""
+    size, rank = args.tensor_parallel_size, args.tensor_parallel_rank
+    if size < 1 or not 0 <= rank < size:
+        raise SystemExit(f"--tensor-parallel-rank {rank} is not in [0, --tensor-parallel-size {size})")
+    if size == 1:
+        return TensorParallelGroup(0, 1, device)
+    if not args.tensor_parallel_master:
+        raise SystemExit("--tensor-parallel-size > 1 needs --tensor-parallel-master (rank 0's host:port)")
+    try:
+        host, _ = split_address(args.tensor_parallel_master)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    group = TensorParallelGroup(
+        rank,
+        size,
+        device,
+        args.collective_timeout,
+        master_host=host,
+        all_reduce=args.tensor_parallel_all_reduce,
+        dtype=pick_dtype(args.dtype, device),
+    )
+    group.skip_collectives = args.tensor_parallel_no_collectives
+    if group.skip_collectives:
+        log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
+    return group
+
+
+def advertised_address(args, port: int) -> str:
+    """Where the other ranks of this worker's stage reach it."""
+    if args.advertise_address:
+        return args.advertise_address
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def max_activation_rows(args, runner: ModelRunner) -> int:
@@ -201,18 +252,32 @@ async def serve(args) -> None:
     runner, description = build(args)
     server, health = new_server()
     profiler = StepProfiler.from_flags(args.profile_output, args.profile_steps)
-    servicer = WorkerServicer(
-        runner, description, profiler, token=args.cluster_token, max_activation_rows=max_activation_rows(args, runner)
-    )
-    add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Worker"], token=args.cluster_token)
     port = bind(server, args.host, args.port)
+    ranks = StageRanks.join(
+        runner.tp, args.tensor_parallel_master, advertised_address(args, port), description, args.cluster_token
+    )
+    servicer = WorkerServicer(
+        runner,
+        description,
+        profiler,
+        token=args.cluster_token,
+        max_activation_rows=max_activation_rows(args, runner),
+        ranks=ranks,
+    )
+    worker_service = engine_pb2.DESCRIPTOR.services_by_name["Worker"]
+    add_service(server, servicer, worker_service, token=args.cluster_token, raw_too=("Steps",))
+    plans = None
+    if ranks.size > 1 and ranks.rank > 0:  # a peer rank: its rank 0 writes it every plan here
+        plans = PlanListener(args.cluster_token, servicer.serve_relayed_plans)
+        description.tensor_parallel_plan_port = await plans.start(args.host)
     await set_serving(health, ["strata.v1.Worker"], serving=False)
     await server.start()
     await set_serving(health, ["strata.v1.Worker"])
     log.info(
-        "worker stage %d/%d (layers %d-%d, %d KV blocks, %s) listening on %s:%d",
+        "worker stage %d/%d%s (layers %d-%d, %d KV blocks, %s) listening on %s:%d",
         args.stage_index,
         args.num_stages,
+        f", tensor-parallel rank {ranks.rank}/{ranks.size}" if ranks.size > 1 else "",
         description.layer_start,
         description.layer_end,
         description.num_kv_blocks,
@@ -225,6 +290,8 @@ async def serve(args) -> None:
     # A step still waiting for its activations (or tokens) holds the step thread until the
     # transport's deadline, and the interpreter's exit joins that thread: with the streams ended,
     # nothing it computes can go anywhere, so the links close and it returns at once.
+    if plans is not None:
+        await plans.close()
     await servicer.close()
 
 

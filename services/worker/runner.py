@@ -24,6 +24,7 @@ from strata.services.worker.model.attention import AttentionMetadata, allocate_k
 from strata.services.worker.sampling.prompt_logprobs import PromptRows, asked_rows, prompt_logprobs
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 from strata.services.worker.sampling.sampling_controls import SamplingControls
+from strata.services.worker.sampling.sharded import ShardedSampler
 from strata.services.worker.speculation.device_speculation import DeviceSpeculation
 from strata.services.worker.speculation.speculating_graphs import recording_decode_graphs, shifting_verify_graphs
 from strata.services.worker.step.cascade_inputs import shared_kv_runs
@@ -31,6 +32,8 @@ from strata.services.worker.step.graph_step import DecodeReplay, run_on_graph
 from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.services.worker.step.step_inputs import HostInputs, StepInputBuilder
 from strata.services.worker.step.step_results import GpuTimeline, PendingResult
+from strata.services.worker.tensor_parallel.group import TensorParallelGroup, single_rank
+from strata.services.worker.tensor_parallel.vocab import VocabShard
 from strata.v1 import engine_pb2
 
 
@@ -66,8 +69,15 @@ class ModelRunner:
         tokenizer_dir: str | None = None,
         ngram_on_device: tuple[int, int] | None = None,
         gpu_clock_dir: str | None = None,
+        tp: TensorParallelGroup | None = None,
     ):
         self.shard = shard
+        # Tensor parallelism: this rank's group and its slice of the vocabulary (the logits'
+        # columns); the last stage draws exactly over the slices (sampling/sharded.py).
+        self.tp = tp or single_rank(device)
+        self.vocab = VocabShard(model_config.vocab_size, self.tp.rank, self.tp.size)
+        if getattr(shard, "vocab", self.vocab) != self.vocab:
+            raise ValueError("the shard holds another vocabulary slice than this rank's (load_shard's tp)")
         self.config = model_config
         self.stage_index = stage_index
         self.is_first = stage_index == 0
@@ -89,7 +99,9 @@ class ModelRunner:
             device=device,
             vocab_size=model_config.vocab_size,
         )
-        self.sampler = Sampler() if self.is_last else None
+        self.sampler = None
+        if self.is_last:
+            self.sampler = ShardedSampler(self.tp, self.vocab) if self.tp.active else Sampler()
         self.graphs = None  # DecodeGraphs once captured (CUDA only)
         self.cascade_graphs = None  # the same for decode batches with shared prefixes
         self.cuda_graph_max_batch = cuda_graph_max_batch if device.type == "cuda" else 0
@@ -135,6 +147,8 @@ class ModelRunner:
                 tokenizer_dir,
                 getattr(model_config, "eos_token_id", None),
             )
+            # The controlled draw reads whole rows: tensor-parallel ranks gather controlled rows.
+            self.controls.fused_draw = not self.tp.active
             self.table.controls = self.controls
         self.timeline = GpuTimeline(device) if device.type == "cuda" else None
         self.clock = GpuClock.for_stage(gpu_clock_dir, self.stage_index, device)  # cross-stage GPU stamps (diagnostic)
@@ -187,6 +201,7 @@ class ModelRunner:
                 hidden_size=self.config.hidden_size,
                 dtype=self.dtype,
                 device=self.device,
+                vocab_width=self.vocab.local,
             )
             if self.spec is not None:
                 self.spec.warm_up()
@@ -217,6 +232,8 @@ class ModelRunner:
                 samples=self.is_last and HAVE_TRITON,
                 query_len=query_len,
                 cascade=cascade,
+                draw=self.sampler.draw_unfiltered if self.tp.active and self.is_last else None,
+                compute_logits=self.compute_logits,
             )
             graphs.capture()
             return graphs
@@ -349,14 +366,15 @@ class ModelRunner:
             if not self.is_last:
                 return hidden, residual
             if prompt is not None and r == 0:  # (a prefill chunk runs one round)
+                sharded = self.sampler if self.tp.active else None  # (its slices' statistics combined)
                 prompt_tensors = prompt_logprobs(
-                    self.shard.compute_logits, hidden, residual, prompt, self.config.vocab_size
+                    self.compute_logits, hidden, residual, prompt, self.config.vocab_size, sharded
                 )
                 prompt = (prompt_tensors, prompt.num_top)
             logits = None
             if h.sample_seq_ids:
                 idx = d["sample_token_index"]
-                logits = self.shard.compute_logits(hidden[idx], residual[idx])
+                logits = self.compute_logits(hidden[idx], residual[idx])
             if rounds == 1:
                 return self.sample_result(plan, h, logits, d["sample_rows"], sampling, start, spec, prompt)
             out = self.sampler(logits, sampling)  # (_check_rounds: no logprobs, no controls)
@@ -420,6 +438,10 @@ class ModelRunner:
             prompt=prompt,
         )
 
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The head's logits: [N, V], or this rank's [N, vocab.local] slice with tensor parallelism."""
+        return self.shard.compute_logits(hidden, residual)
+
     def _execute_graph(self, graphs, plan, h: HostInputs, bs: int, arrive, start: float, spec):
         return run_on_graph(self, graphs, plan, h, bs, arrive, start, spec)
 
@@ -441,9 +463,13 @@ class ModelRunner:
             self.controls.begin_step(plan, h)
         if not h.sample_seq_ids:
             return PendingResult(step_id, start, [], np.zeros(0), [], self.timeline, self.gpu_start, prompt=prompt)
+        sampler = self.sampler
+        if controlled and self.tp.active and self.controls.controlled[h.sample_rows].any():
+            # Penalties and grammars on the whole rows, then the unsharded draw, as at T = 1.
+            logits, sampler = self.sampler.all_gather_rows(logits), self.sampler.sampler
         if controlled:
             logits, grammar_rows = self.controls.apply(logits, h)
-        out = self.sampler(logits, sampling)
+        out = sampler(logits, sampling)
         if controlled:
             self.controls.after_draw(h, out.token_ids, grammar_rows)
         # Kept on the device for the next plan's decode lookahead (placeholder input tokens).

@@ -18,6 +18,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
@@ -25,8 +26,11 @@ from strata.services.worker.diagnostics.profiling import StepProfiler
 from strata.services.worker.diagnostics.stage_stats import StageStats
 from strata.services.worker.runner import ModelRunner, use_device
 from strata.services.worker.speculation.draft_steps import propose
+from strata.services.worker.step.sequence_table import PlanError
 from strata.services.worker.step.stage_step import execute_and_send, execute_last, fetch_result, on_loop, on_step_thread
 from strata.services.worker.step.step_thread import ResultOut, StepThread
+from strata.services.worker.tensor_parallel.plan_socket import frame, read_frame
+from strata.services.worker.tensor_parallel.ranks import PeersUnavailable, StageRanks
 from strata.services.worker.transport.stage_transport import (
     MAX_PENDING_ACTIVATIONS,
     PeerLost,
@@ -36,21 +40,15 @@ from strata.services.worker.transport.stage_transport import (
     open_receiver,
     open_sender,
 )
-from strata.services.worker.transport.token_handoff import (
-    TOKEN_RING_SLOTS,
-    DraftIntake,
-    TokenIntake,
-    TokenOutlet,
-    open_token_receiver,
-    open_token_sender,
-)
+from strata.services.worker.transport.token_handoff import TokenIntake
+from strata.services.worker.transport.token_link_service import TokenLinkService
 from strata.stage_links import TransportError, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("strata.worker")
 
 
-class WorkerServicer(engine_pb2_grpc.WorkerServicer):
+class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
     def __init__(
         self,
         runner: ModelRunner,
@@ -59,8 +57,11 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         token: str | None = None,
         max_activation_rows: int = 4096,
         ring_slots: int = 0,
+        ranks: StageRanks | None = None,
     ):
         self.token = token  # the cluster token, for the stream to the next stage
+        # Tensor parallelism: this worker's rank of its stage (rank 0 relays to the others).
+        self.ranks = ranks or StageRanks.single(runner.device)
         # The most rows (tokens, padding included) of one step's activations, which sizes the
         # transport's buffers, and the IPC ring's slots (0: one more than the stages).
         self.max_activation_rows = max_activation_rows
@@ -88,7 +89,10 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     # ------------------------------------------------------------ setup
 
     async def Describe(self, request, context):
-        return self.description
+        try:
+            return await self.ranks.describe(self.description)
+        except PeersUnavailable as e:  # the scheduler retries until the whole stage is up
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def InitCache(self, request, context):
         if request.num_kv_blocks <= 0 or request.num_kv_blocks > self.description.num_kv_blocks:
@@ -108,10 +112,22 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             request.previous_stage_transport = engine_pb2.STAGE_TRANSPORT_GRPC
         self._session += 1
         self._link_session = request.session
+        # A step thread held by a collective with a lost rank is released before the new group.
+        self.ranks.abort("the stage is being rebuilt (InitCache)")
         await self._close_links()
         loop = asyncio.get_running_loop()
         thaw()  # a second InitCache (the scheduler came back) replaces the frozen cache and graphs
-        await loop.run_in_executor(self.executor, self.runner.init_cache, request.num_kv_blocks)
+
+        def init_on_step_thread():  # every rank at once: the group forms, then warm-up in lockstep
+            self.ranks.form(request.session)
+            self.runner.init_cache(request.num_kv_blocks)
+
+        try:
+            _, peer_replies = await asyncio.gather(
+                loop.run_in_executor(self.executor, init_on_step_thread), self.ranks.init_peers(request)
+            )
+        except PeersUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         # The model, its graphs and torch's own objects are start-up state: frozen, the collector
         # no longer walks them (a full collection of an idle worker took tens of ms), and the
         # steps' short-lived objects trigger it far less often, as in the scheduler and gateway.
@@ -128,6 +144,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     slots=self.ring_slots,
                 )
                 reply.previous_stage_link.CopyFrom(self._receiver.link())
+                self.ranks.nest(reply.previous_stage_link, [r.previous_stage_link for r in peer_replies])
             if request.next_stage_address:
                 queue: asyncio.Queue = asyncio.Queue()
 
@@ -172,144 +189,6 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                 # The scheduler sees the downstream stage fail and re-initialises the pipeline.
                 log.warning("forward stream to %s ended: %s", address, e.details())
 
-    async def OpenTokenLink(self, request, context):
-        """Pipelined decode: stage 0 opens the receiving end of the token link, returns it and
-        calls the last stage's HandTokens; the last stage opens the sending end with it (after
-        InitCache of the same session)."""
-        runner = self.runner
-        if not request.session or request.session != self._link_session:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "OpenTokenLink needs InitCache of its session first"
-            )
-        if request.drafts:  # the draft link: draft worker -> the one target stage
-            if request.send != self.description.draft or not (runner.is_first and runner.is_last):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "the draft link runs from a draft worker to a one-stage target"
-                )
-            if not request.send and runner.spec is None:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this target keeps no drafts on its device (--speculative-method)",
-                )
-        elif runner.is_first == runner.is_last or request.send != runner.is_last:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the token link runs from the last stage to stage 0 of several"
-            )
-        if not 0 <= request.transport_timeout_seconds <= 3600:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transport_timeout_seconds must be in [0, 3600]")
-        await self._close_token_link()
-        reply = engine_pb2.TokenLinkReply()
-        loop = asyncio.get_running_loop()
-        try:
-            if not request.send:
-                timeout = request.transport_timeout_seconds or 120.0
-                max_tokens = runner.table.block_tables.shape[0]  # one per sequence, or k drafts each
-                intake = (
-                    DraftIntake(runner.last_sampled, timeout)
-                    if request.drafts
-                    else TokenIntake(runner.last_sampled, timeout)
-                )
-                receiver = open_token_receiver(
-                    request,
-                    intake,
-                    max_tokens=max_tokens * (runner.spec.max_k if request.drafts else 1),
-                    vocab_size=runner.config.vocab_size,
-                    slots=TOKEN_RING_SLOTS,
-                )
-                self._token_receiver = receiver
-                runner.handoff = intake
-                reply.link.CopyFrom(receiver.link())
-                self._token_task = asyncio.create_task(self._take_tokens_from(request.peer_address, receiver))
-            else:
-                queue: asyncio.Queue = asyncio.Queue()
-
-                def emit(msg, queue=queue):  # from any thread
-                    loop.call_soon_threadsafe(queue.put_nowait, msg)
-
-                self._token_sender = open_token_sender(request, emit, device=runner.device)
-                self._token_queue = queue
-                if not request.drafts:  # (a draft worker hands its proposals itself: draft_steps.py)
-                    runner.handoff = TokenOutlet(runner.last_sampled)
-        except (TransportError, RuntimeError, ValueError) as e:
-            await self._close_token_link()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"token link: {e}")
-        ends = ("to the target", "from the draft worker") if request.drafts else ("to stage 0", "from the last stage")
-        log.info(
-            "stage %d: %s link %s by %s (session %d)",
-            runner.stage_index,
-            "draft" if request.drafts else "token",
-            ends[0] if request.send else ends[1],
-            name_of(request.transport),
-            request.session,
-        )
-        return reply
-
-    async def _take_tokens_from(self, address: str, receiver) -> None:
-        """Stage 0: the HandTokens stream from the last stage, its tokens into the intake and
-        credits back. When it ends, steps waiting for tokens fail at once (the scheduler rebuilds
-        the pipeline around a lost last stage)."""
-
-        async def credits():
-            yield engine_pb2.TokenCredit(session=receiver.session, hello=True)
-            while (ack := await receiver.acks.get()) is not None:
-                yield engine_pb2.TokenCredit(session=receiver.session, step_id=ack.step_id, slot=ack.slot)
-
-        try:
-            async with aio_channel(address, self.token) as channel:
-                stub = engine_pb2_grpc.WorkerStub(channel)
-                async for msg in stub.HandTokens(credits(), wait_for_ready=True):
-                    if msg.session == receiver.session:
-                        receiver.deliver_tokens(msg)
-        except grpc.aio.AioRpcError as e:
-            log.warning("token stream from %s ended: %s", address, e.details())
-        finally:
-            receiver.intake.close("the last stage's token stream ended")
-
-    async def HandTokens(self, request_iterator, context):
-        """The last stage: each sampling step's tokens to stage 0, which called."""
-        hello = await anext(aiter(request_iterator), None)
-        if hello is None or not hello.hello:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HandTokens starts with a hello naming the session")
-        # Stage 0 calls as soon as its end is open; this end opens right after (OpenTokenLink).
-        deadline = time.monotonic() + 60.0
-        while self._token_sender is None or self._token_sender.session != hello.session:
-            if time.monotonic() > deadline:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no token link of session {hello.session}")
-            await asyncio.sleep(0.01)
-        sender, queue = self._token_sender, self._token_queue
-        if sender is None or sender.session != hello.session:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no token link of session {hello.session}")
-
-        async def read():
-            async for credit in request_iterator:
-                sender.on_ack(engine_pb2.ForwardAck(step_id=credit.step_id, slot=credit.slot))
-
-        reader = asyncio.create_task(read())
-        try:
-            while (msg := await queue.get()) is not None:
-                yield msg
-        finally:
-            reader.cancel()
-
-    async def _close_token_link(self) -> None:
-        self.runner.handoff = None
-        if self._token_sender is not None:
-            self._token_sender.close()
-            self._token_sender = None
-        if self._token_queue is not None:
-            self._token_queue.put_nowait(None)  # ends the HandTokens call serving it
-            self._token_queue = None
-        if self._token_receiver is not None:
-            self._token_receiver.close()  # a step waiting for tokens fails; the credits end
-            self._token_receiver = None
-        if self._token_task is not None:
-            self._token_task.cancel()
-            try:
-                await self._token_task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._token_task = None
-
     async def GetStats(self, request, context):
         s = self.stats
         s.poll()
@@ -338,6 +217,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     async def close(self) -> None:
         """At shutdown, after the server stopped: the links close, and steps waiting on them fail."""
         self._session += 1  # plans still queued run nothing
+        await self.ranks.close()
         await self._close_links()
 
     async def _close_links(self) -> None:
@@ -396,22 +276,70 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     async def Steps(self, request_iterator, context):
         if not self.runner.kv_caches:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitCache first")
+
+        async def plans():
+            async for item in request_iterator:
+                # (raw bytes, plan) as main.py registers the service (add_service's raw_too)
+                yield item if isinstance(item, tuple) else (None, item)
+
+        async for result in self._run_plans(plans()):
+            yield result
+
+    async def serve_relayed_plans(self, session: int, reader, writer) -> None:
+        """A peer rank (tensor parallelism): the plans its rank 0 relays on its plan socket
+        (tensor_parallel/plan_socket.py) run as a Steps stream's would; a failed step's result
+        goes back on it."""
+        if session != self._link_session or not self.runner.kv_caches:
+            log.warning("tensor parallel: plans of session %d refused (InitCache of it first)", session)
+            return
+
+        async def plans():
+            while (raw := await read_frame(reader)) is not None:
+                yield raw, engine_pb2.StepPlan.FromString(raw)
+
+        async for result in self._run_plans(plans()):
+            try:
+                writer.write(frame(result.SerializeToString()))
+                await writer.drain()
+            except ConnectionError:  # rank 0 is gone or closed the relay: it knows already
+                pass
+
+    async def _run_plans(self, plans):
+        """Runs plans (an async iterator of (raw bytes or None, StepPlan)) on the step thread, in
+        order; yields the results (the last stage's; a peer rank's failures)."""
         session = self._session
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
         out = ResultOut(self.finisher, loop, results, fetch_result)
         steps = StepThread(self.executor, functools.partial(self._run_one, loop, session, out))
 
+        def lost(reason: str) -> None:  # (a relay of an older session has no say in a new group)
+            if session == self._session:
+                self.ranks.fail(reason)
+
+        # Rank 0 of several: every plan to the other ranks too.
+        peers = await self.ranks.open_plans(self._link_session, lost)
+
         async def read_plans():
             try:
-                async for plan in request_iterator:
+                async for raw, plan in plans:
                     if session != self._session:
                         break  # InitCache rebuilt the state these plans refer to
+                    if peers is not None:  # before this rank's own step: a peer's plan is never late
+                        await peers.write(raw if raw is not None else plan.SerializeToString())
                     steps.put(plan)
             except asyncio.CancelledError:
-                steps.drop()  # the scheduler went away: launch nothing more of this stream
+                steps.drop()  # the scheduler (or rank 0) went away: launch nothing more of these
                 raise
+            except DecodeError as e:  # a relayed plan that does not parse: this rank is lost
+                self.ranks.fail(f"an undecodable relayed plan: {e}")
             finally:
+                # Ranks that ran these plans together are apart now: until a new InitCache
+                # re-forms the group, no rank waits in a collective for another.
+                if session == self._session:
+                    self.ranks.abort("the stage's stream of plans ended")
+                if peers is not None:
+                    await peers.close()
                 await steps.join()
                 await out.close()
 
@@ -428,7 +356,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         if session != self._session:
             return  # a plan of an older pipeline, queued before InitCache
         runner = self.runner
-        error, peer_lost = "", False
+        error, peer_lost, refused = "", False, False
         inputs = None  # the activations, or how the step thread takes them (an ipc link)
         receiver = self._receiver
         if not runner.is_first:
@@ -457,13 +385,22 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
                     return  # a middle stage: its activations went to the next stage
             except StepFailed as e:  # its activations never came
                 error, peer_lost = str(e), isinstance(e, PeerLost)
+            except PlanError as e:  # every rank refuses the same plan, before any collective
+                log.warning("step %d refused on stage %d: %s", plan.step_id, runner.stage_index, e)
+                error, refused = f"stage {runner.stage_index}: PlanError: {e}", True
             except Exception as e:  # a failed step must not take the worker down
                 log.exception("step %d failed on stage %d", plan.step_id, runner.stage_index)
                 error = f"stage {runner.stage_index}: {type(e).__name__}: {e}"
+        failed = engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else None
+        if error and not refused:  # this rank left its collectives: the others must not wait on it
+            self.ranks.fail(f"step {plan.step_id} failed on rank {self.ranks.rank}: {error}")
+            if not self.ranks.answers:  # a peer's stream carries only this: rank 0 rebuilds the stage
+                out.put(failed)
         # A failed step's error goes on in step order, from the step thread as its data would.
         if runner.is_last:
             if error and self._token_sender is not None and any(plan.sample):
                 self._token_sender.send_error(plan.step_id, error)  # stage 0 must not wait for its tokens
-            out.put(engine_pb2.StepResult(step_id=plan.step_id, error=error, peer_lost=peer_lost) if error else result)
+            if self.ranks.answers:
+                out.put(failed or result)
         elif self._sender is not None:
             self._sender.send_error(plan.step_id, error)

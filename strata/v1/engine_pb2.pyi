@@ -259,7 +259,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft", "location", "previous_stage_transport", "next_stage_transport")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_kv_blocks", "block_size", "model", "device", "model_fingerprint", "draft", "location", "previous_stage_transport", "next_stage_transport", "tensor_parallel_size", "tensor_parallel_rank", "tensor_parallel_peers", "tensor_parallel_plan_port")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,10 @@ class WorkerDescription(_message.Message):
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_STAGE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_PLAN_PORT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -286,7 +290,11 @@ class WorkerDescription(_message.Message):
     location: WorkerLocation
     previous_stage_transport: StageTransport
     next_stage_transport: StageTransport
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    tensor_parallel_rank: int
+    tensor_parallel_peers: _containers.RepeatedScalarFieldContainer[str]
+    tensor_parallel_plan_port: int
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., draft: _Optional[bool] = ..., location: _Optional[_Union[WorkerLocation, _Mapping]] = ..., previous_stage_transport: _Optional[_Union[StageTransport, str]] = ..., next_stage_transport: _Optional[_Union[StageTransport, str]] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_peers: _Optional[_Iterable[str]] = ..., tensor_parallel_plan_port: _Optional[int] = ...) -> None: ...
 
 class WorkerLocation(_message.Message):
     __slots__ = ("hostname", "boot_id", "ipc_namespace", "device_uuid", "visible_device_uuids", "mps")
@@ -329,7 +337,7 @@ class InitCacheReply(_message.Message):
     def __init__(self, previous_stage_link: _Optional[_Union[StageLink, _Mapping]] = ...) -> None: ...
 
 class StageLink(_message.Message):
-    __slots__ = ("transport", "session", "rendezvous_address", "backend", "ring", "slots", "slot_elements", "dtype", "device_uuid", "ready_events", "consumed_events", "doorbell_path", "host_ring_path", "parts", "slot_words_path", "doorbell_port", "doorbell_secret")
+    __slots__ = ("transport", "session", "rendezvous_address", "backend", "ring", "slots", "slot_elements", "dtype", "device_uuid", "ready_events", "consumed_events", "doorbell_path", "host_ring_path", "parts", "slot_words_path", "doorbell_port", "doorbell_secret", "rank_links", "worker_address")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +355,8 @@ class StageLink(_message.Message):
     SLOT_WORDS_PATH_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_PORT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RANK_LINKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     transport: StageTransport
     session: int
     rendezvous_address: str
@@ -364,7 +374,9 @@ class StageLink(_message.Message):
     slot_words_path: str
     doorbell_port: int
     doorbell_secret: bytes
-    def __init__(self, transport: _Optional[_Union[StageTransport, str]] = ..., session: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., ring: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., slots: _Optional[int] = ..., slot_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ..., consumed_events: _Optional[_Iterable[bytes]] = ..., doorbell_path: _Optional[str] = ..., host_ring_path: _Optional[str] = ..., parts: _Optional[int] = ..., slot_words_path: _Optional[str] = ..., doorbell_port: _Optional[int] = ..., doorbell_secret: _Optional[bytes] = ...) -> None: ...
+    rank_links: _containers.RepeatedCompositeFieldContainer[StageLink]
+    worker_address: str
+    def __init__(self, transport: _Optional[_Union[StageTransport, str]] = ..., session: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., ring: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., slots: _Optional[int] = ..., slot_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ..., consumed_events: _Optional[_Iterable[bytes]] = ..., doorbell_path: _Optional[str] = ..., host_ring_path: _Optional[str] = ..., parts: _Optional[int] = ..., slot_words_path: _Optional[str] = ..., doorbell_port: _Optional[int] = ..., doorbell_secret: _Optional[bytes] = ..., rank_links: _Optional[_Iterable[_Union[StageLink, _Mapping]]] = ..., worker_address: _Optional[str] = ...) -> None: ...
 
 class CudaIpcMemory(_message.Message):
     __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

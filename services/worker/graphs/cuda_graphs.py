@@ -134,8 +134,14 @@ class DecodeGraphs:
         query_len: int = 1,
         cascade: bool = False,
         extra_shape: tuple[int, int] | None = None,
+        draw=None,
+        compute_logits=None,
     ):
         self.shard, self.kv_caches = shard, kv_caches
+        # The in-graph draw: sample_unfiltered, or a tensor-parallel rank's over its slice of the
+        # logits with the all-reduce that combines the slices (ShardedSampler.draw_unfiltered).
+        self.draw = draw or sample_unfiltered
+        self.compute_logits = compute_logits or shard.compute_logits  # (the runner's: a rank's slice)
         self.last_sampled, self.scratch_row = last_sampled, scratch_row
         self.device = device
         self.max_model_len = max_model_len
@@ -235,12 +241,12 @@ class DecodeGraphs:
         )
         if not self.last_stage:
             return hidden, residual
-        logits = self.shard.compute_logits(hidden, residual)
+        logits = self.compute_logits(hidden, residual)
         if not self.samples:
             return (logits,)
         # A decode's token stays in last_sampled for the next plan's placeholders (after a
         # verification the scheduler sends real tokens, never a placeholder).
-        tokens = sample_unfiltered(
+        tokens = self.draw(
             logits,
             rows["seeds"][:t],
             rows["sample_positions"][:t],

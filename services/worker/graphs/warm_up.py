@@ -32,12 +32,16 @@ def warm_up(
     hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    vocab_width: int = 0,
 ) -> None:
     """Runs eager steps whose token counts are odd and a multiple of 16 (Triton specialises on
     both), one of long queries only (prefill attention's larger tiles), a layer of experts at
     the token counts that launch every fused-MoE variant (warm_up_experts), and, on the last stage
     (`sampler` given), every sampler variant (filters, logprobs) and the kernels of penalised and
-    constrained rows. Block 0 is read and nothing is written (slot -1)."""
+    constrained rows. Block 0 is read and nothing is written (slot -1). vocab_width: the logits'
+    columns (a tensor-parallel rank's slice; default the vocabulary), whose ranks all run this in
+    lockstep: the sampler's collectives pair up."""
+    vocab_width = vocab_width or shard.config.vocab_size
     block_size = kv_caches[0].shape[3]
     for q_lens in ([3, 1, 1], [15, 1], [129, 128]):
         total = sum(q_lens)
@@ -73,15 +77,19 @@ def warm_up(
     if sampler is not None:
         shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
         # The draw's launch shape changes with the batch (kernels/gumbel_sampling.py): warm both.
-        for rows in batches_per_launch_shape(shard.config.vocab_size, device):
-            logits = torch.zeros(rows, shard.config.vocab_size, dtype=dtype, device=device)
-            for temperature, top_k, logprobs in [(0.0, 0, -1), (1.0, 0, -1), (1.0, 5, -1), (1.0, 0, 2), (1.0, 5, 2)]:
+        # (top-p alone: a tensor-parallel rank's draw over gathered whole rows)
+        variants = [(0.0, 0, 1.0, -1), (1.0, 0, 1.0, -1), (1.0, 5, 1.0, -1), (1.0, 0, 1.0, 2), (1.0, 5, 1.0, 2)]
+        if vocab_width != shard.config.vocab_size:
+            variants.append((1.0, 0, 0.9, -1))
+        for rows in batches_per_launch_shape(vocab_width, device):
+            logits = torch.zeros(rows, vocab_width, dtype=dtype, device=device)
+            for temperature, top_k, top_p, logprobs in variants:
                 sampler(
                     logits,
                     SamplingTensors.build(
                         temperature=[temperature] * rows,
                         top_k=[top_k] * rows,
-                        top_p=[1.0] * rows,
+                        top_p=[top_p] * rows,
                         min_p=[0.0] * rows,
                         seeds=list(range(rows)),
                         positions=[0] * rows,
@@ -91,6 +99,12 @@ def warm_up(
                 )
             # The general path's Sampler draws penalised rows from their float32 copy.
             sampler(logits.float(), _plain_settings(rows, device))
+        whole = getattr(sampler, "sampler", None)  # a rank's Sampler of gathered whole rows
+        if whole is not None:
+            for rows in batches_per_launch_shape(shard.config.vocab_size, device):
+                logits = torch.zeros(rows, shard.config.vocab_size, dtype=dtype, device=device)
+                for target in (logits, logits.float()):
+                    whole(target, _plain_settings(rows, device))
         warm_up_controls(shard.config.vocab_size, dtype, device)
     torch.cuda.synchronize(device)
 

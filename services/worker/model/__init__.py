@@ -5,5 +5,7 @@ attention, the gated MLP), the mixture of experts (`moe.py`), the decoder layer 
 checkpoint tensor goes (`weight_names.py`), its weights from safetensors or a dummy preset
 (`weights.py`), the attention backends behind one interface (`attention.py`: the torch reference
 and KV cache layout; `triton_backend.py`: the Triton kernels) and the batch-1 decode chain of fused
-GEMVs (`decode_chain.py`). Tensor-parallel (sharded) linears and expert parallelism land here.
+GEMVs (`decode_chain.py`). With tensor parallelism a rank's slice of it (`sharding.py`: its
+heads, intermediate sizes and vocabulary, and its part of each checkpoint tensor), whose
+row-parallel linears and embedding sum over the ranks. Expert parallelism lands here.
 """

@@ -17,6 +17,11 @@ residual) pair as given (residual None on the first stage) and adds it in qkv's 
 last layer returns (down's output, h), which the next stage or compute_logits adds and
 normalises. On Hopper every kernel of the chain is a programmatic dependent launch
 (kernels/dependent_launch.py).
+
+With tensor parallelism o_proj and down are row-parallel: rank 0 adds the residual in the
+epilogue as above, the other ranks only project, and one all-reduce sums them, so the residual is
+added once (h + the ranks' partial products); the last layer's down output is all-reduced too.
+The prologues read the replicated h. NCCL's kernels break the chain's dependent launches there.
 """
 
 from __future__ import annotations
@@ -57,15 +62,22 @@ def decode_chain_forward(
             hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual
         )
         out = attn.attend(qkv, positions, shard.rotary_for(layer), kv_cache, meta, shard.attn_backend)
-        h = k.linear_add_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
+        h = _add_row_parallel(k, shard.tp, out, attn.o_proj, h)
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:
-            return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), h
-        hidden, residual = (
-            k.linear_add_residual(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, h, silu_mul=True),
-            None,
-        )
+            down = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
+            return (down if shard.tp is None else shard.tp.all_reduce_(down)), h
+        hidden, residual = _add_row_parallel(k, shard.tp, gate_up, mlp.down_proj, h, silu_mul=True), None
     raise AssertionError("a shard has at least one layer")
+
+
+def _add_row_parallel(k, tp, x: torch.Tensor, linear, h: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """linear(x) + h: in the epilogue, or with tensor parallelism on rank 0 only, then summed."""
+    if tp is None or tp.rank == 0:
+        y = k.linear_add_residual(x, linear.weight, linear.bias, h, silu_mul=silu_mul)
+    else:
+        y = (k.silu_mul_linear if silu_mul else k.plain_linear)(x, linear.weight, linear.bias)
+    return y if tp is None else tp.all_reduce_(y)
 
 
 def decode_chain_logits(shard, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

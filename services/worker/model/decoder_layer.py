@@ -23,18 +23,20 @@ class DecoderLayer(nn.Module):
     their adds too, and the MLP's input norm is pre_feedforward_layernorm (HF's names, so that
     post_attention_layernorm is what each checkpoint calls it)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype, reduce=None) -> None:
+        """reduce: the tensor-parallel group that sums the row-parallel outputs (o_proj, down,
+        the experts'); config then the rank's (model/sharding.py)."""
         super().__init__()
         hidden = config.hidden_size
         self.input_layernorm = rms_norm_for(config, hidden, device, dtype)
-        self.self_attn = Attention(config, layer_index, device, dtype)
+        self.self_attn = Attention(config, layer_index, device, dtype, reduce=reduce)
         self.post_attention_layernorm = rms_norm_for(config, hidden, device, dtype)
         self.sandwich_norms = config.sandwich_norms
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = rms_norm_for(config, hidden, device, dtype)
             self.post_feedforward_layernorm = rms_norm_for(config, hidden, device, dtype)
         moe = config.is_moe_layer(layer_index)
-        self.mlp = SparseMoE(config, device, dtype) if moe else MLP(config, device, dtype)
+        self.mlp = SparseMoE(config, device, dtype, reduce=reduce) if moe else MLP(config, device, dtype, reduce=reduce)
 
     def forward(
         self,

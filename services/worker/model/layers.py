@@ -45,20 +45,25 @@ def empty_param(*shape: int, device, dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with uninitialised parameters."""
+    """y = x W^T (+ b), with uninitialised parameters. reduce: a row-parallel linear's
+    tensor-parallel group (model/sharding.py), over whose ranks y is summed in place: each holds
+    a slice of the input features, and so a partial y."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype, reduce=None) -> None:
         super().__init__()
         self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear)."""
         if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.matmul(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+            y = F.linear(x, self.weight, self.bias)
+        elif self.bias is None:
+            y = torch.matmul(x, self.weight.t(), out=out)
+        else:
+            y = torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return y if self.reduce is None else self.reduce.all_reduce_(y)
 
 
 @functools.cache
@@ -94,21 +99,41 @@ class FusedKernelSwitch:
 
 
 class Embedding(FusedKernelSwitch, nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, device, dtype, scale: float | None = None) -> None:
+    """vocab (tensor parallelism): the rows are the rank's vocabulary slice (VocabShard), ids
+    outside it give zeros, and `reduce` sums the ranks' rows (each id's comes from one rank)."""
+
+    def __init__(
+        self, num_embeddings: int, dim: int, device, dtype, scale: float | None = None, vocab=None, reduce=None
+    ) -> None:
         super().__init__()
         self.weight = empty_param(num_embeddings, dim, device=device, dtype=dtype)
         # Gemma multiplies by sqrt(hidden) rounded to the weights' dtype first (HF's
         # Gemma3TextScaledWordEmbedding); the product, in that dtype, rounds as HF's.
         self.scale = None if scale is None else torch.tensor(scale).to(dtype).item()
+        self.vocab, self.reduce = (vocab, reduce) if vocab is not None and vocab.sharded else (None, None)
 
     def forward(self, ids: torch.Tensor, placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The rows of `ids`; placeholders (token_rows, last_sampled): a decode lookahead's ids < 0
         stand for last_sampled[token_rows] (kernels/embedding.py)."""
-        if self._use_fused(ids):
+        if self.vocab is not None:
+            rows = self._slice_rows(ids, placeholders)
+        elif self._use_fused(ids):
             rows = _fused_kernels().embed_tokens(ids, self.weight, *(placeholders or ()))
         else:
             rows = embed_tokens_reference(ids, self.weight, *(placeholders or ()))
         return rows if self.scale is None else rows.mul_(self.scale)
+
+    def _slice_rows(self, ids: torch.Tensor, placeholders) -> torch.Tensor:
+        """The rank's rows of the ids in its slice, zeros elsewhere, summed over the ranks (the
+        sum adds zeros to one rank's row: exact). Placeholders resolve first, on the device."""
+        if placeholders is not None:
+            token_rows, last_sampled = placeholders
+            ids = torch.where(ids < 0, last_sampled[token_rows], ids)
+        local = ids - self.vocab.offset
+        inside = (local >= 0) & (local < self.vocab.valid)
+        rows = F.embedding(local.clamp(0, max(self.vocab.valid - 1, 0)), self.weight)
+        rows = rows * inside.unsqueeze(1).to(rows.dtype)
+        return self.reduce.all_reduce_(rows)
 
 
 class RMSNorm(FusedKernelSwitch, nn.Module):
@@ -246,7 +271,9 @@ class Attention(nn.Module):
     # to time what the one launch is worth; a server always takes it.
     one_launch_decode = True
 
-    def __init__(self, config: ModelConfig, layer_index: int, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, device, dtype, reduce=None) -> None:
+        """config: the rank's (model/sharding.py's local_config) with tensor parallelism, whose
+        outputs o_proj sums over the ranks (reduce)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -258,7 +285,7 @@ class Attention(nn.Module):
         # Whether the layer rotates with the shard's local table (CausalLMShard.rotary_for).
         self.local_rotary = config.local_rotary_for_layer(layer_index)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, device, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype, reduce=reduce)
         # Qwen3, Gemma 3: each head of q and k RMS-normalised over head_dim before rotary.
         self.q_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
         self.k_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
@@ -347,10 +374,12 @@ class Attention(nn.Module):
 class MLP(FusedKernelSwitch, nn.Module):
     """down(act(gate(x)) * up(x)), gate and up as one [gate | up] projection; act SiLU or GELU-tanh."""
 
-    def __init__(self, config: ModelConfig, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, device, dtype, reduce=None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, device, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype)
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, config.mlp_bias, device, dtype, reduce=reduce
+        )
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

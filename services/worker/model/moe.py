@@ -39,8 +39,11 @@ class FusedExperts(nn.Module):
 class SparseMoE(FusedKernelSwitch, nn.Module):
     """Router (gate) and experts of one layer: HF's Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock."""
 
-    def __init__(self, config: ModelConfig, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, device, dtype, reduce=None) -> None:
+        """reduce: tensor parallelism's group, over which the experts' outputs are summed (each
+        rank holds its part of every expert's intermediate dim: model/sharding.py)."""
         super().__init__()
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         # Qwen3-MoE rounds the routing weights to the logits' dtype; Mixtral keeps them float32.
@@ -58,6 +61,8 @@ class SparseMoE(FusedKernelSwitch, nn.Module):
             from strata.kernels.fused_moe import fused_moe, select_experts  # Triton: imported on first use
 
             weights, ids = select_experts(logits, self.top_k, self.renormalize, weight_dtype=weight_dtype)
-            return fused_moe(x, w13, w2, weights, ids, expert_map=self.expert_map)
-        weights, ids = select_experts_reference(logits, self.top_k, self.renormalize, weight_dtype=weight_dtype)
-        return fused_moe_reference(x, w13, w2, weights, ids, expert_map=self.expert_map)
+            out = fused_moe(x, w13, w2, weights, ids, expert_map=self.expert_map)
+        else:
+            weights, ids = select_experts_reference(logits, self.top_k, self.renormalize, weight_dtype=weight_dtype)
+            out = fused_moe_reference(x, w13, w2, weights, ids, expert_map=self.expert_map)
+        return out if self.reduce is None else self.reduce.all_reduce_(out)

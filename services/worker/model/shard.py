@@ -23,6 +23,7 @@ from strata.services.worker.model.decoder_layer import DecoderLayer
 from strata.services.worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, rms_norm_for
 from strata.services.worker.model.model_config import ModelConfig
 from strata.services.worker.model.weight_names import Destination, checkpoint_names
+from strata.services.worker.tensor_parallel.vocab import VocabShard
 
 
 class CausalLMShard(torch.nn.Module):
@@ -36,7 +37,10 @@ class CausalLMShard(torch.nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         attn_backend: AttentionBackend | None = None,
+        tp=None,
     ) -> None:
+        """tp: this rank's tensor-parallel group (model/sharding.py): config is then the rank's
+        (local_config), the vocabulary its slice."""
         super().__init__()
         if not 0 <= start_layer < end_layer <= config.num_hidden_layers:
             raise ValueError(f"bad layer range [{start_layer}, {end_layer}) for {config.num_hidden_layers} layers")
@@ -46,13 +50,24 @@ class CausalLMShard(torch.nn.Module):
         self.is_first = start_layer == 0
         self.is_last = end_layer == config.num_hidden_layers
         self.attn_backend: AttentionBackend = attn_backend or TorchAttentionBackend()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        rank, size = (tp.rank, tp.size) if self.tp is not None else (0, 1)
+        self.vocab = VocabShard(config.vocab_size, rank, size)  # the embedding's and lm_head's rows
 
         self.embed_tokens: Embedding | None = None
         if self.is_first:
             self.embed_tokens = Embedding(
-                config.vocab_size, config.hidden_size, device, dtype, scale=config.embedding_scale
+                self.vocab.local,
+                config.hidden_size,
+                device,
+                dtype,
+                scale=config.embedding_scale,
+                vocab=self.vocab,
+                reduce=self.tp,
             )
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(start_layer, end_layer))
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, i, device, dtype, reduce=self.tp) for i in range(start_layer, end_layer)
+        )
         self.rotary = RotaryEmbedding(config, device, dtype)
         # Gemma 3's sliding layers rotate with a table of their own.
         self.local_rotary: RotaryEmbedding | None = None
@@ -62,7 +77,7 @@ class CausalLMShard(torch.nn.Module):
         self.lm_head: Linear | None = None
         if self.is_last:
             self.norm = rms_norm_for(config, config.hidden_size, device, dtype)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+            self.lm_head = Linear(config.hidden_size, self.vocab.local, False, device, dtype)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
         self._destinations, self._alternatives = checkpoint_names(config, start_layer, end_layer)
@@ -115,7 +130,8 @@ class CausalLMShard(torch.nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Last stage: final norm of (hidden + residual), lm_head; [N, vocab] in the model's dtype.
+        """Last stage: final norm of (hidden + residual), lm_head; [N, vocab] in the model's dtype
+        ([N, vocab.local], the rank's slice, with tensor parallelism).
 
         Not upcast here: the fused sampling kernel reads bf16 logits directly (an fp32 copy of a
         full batch's logits over a large vocabulary is a sizeable part of a small model's decode

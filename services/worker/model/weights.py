@@ -17,6 +17,7 @@ from safetensors import safe_open
 from strata.services.worker.model.attention import AttentionBackend
 from strata.services.worker.model.model_config import ModelConfig
 from strata.services.worker.model.shard import CausalLMShard
+from strata.services.worker.model.sharding import RankSlices, local_config
 
 DUMMY = "dummy"
 DUMMY_STD = 0.02
@@ -159,12 +160,16 @@ def load_shard(
     seed: int = 0,
     attn_backend: AttentionBackend | None = None,
     first_layers: int = 0,
+    tp=None,
 ) -> tuple[CausalLMShard, ModelConfig]:
     """The shard of pipeline stage `stage_index` out of `num_stages`, and the model config.
 
     `model` is an HF checkpoint directory (config.json + *.safetensors) or "dummy", which
     builds random weights for `dummy_config` (a ModelConfig or a preset name). first_layers: only
-    the model's first layers (plus its final norm and lm_head), as a draft model.
+    the model's first layers (plus its final norm and lm_head), as a draft model. tp: this rank's
+    tensor-parallel group: the shard is the rank's slice (model/sharding.py), read from the
+    checkpoint alone (safetensors slices), and the config returned is the rank's (its heads and
+    intermediate sizes; the vocabulary the model's).
     """
     dtype = _as_dtype(dtype)
     is_dummy = str(model) == DUMMY
@@ -177,25 +182,33 @@ def load_shard(
     if first_layers:
         config = config.first_layers(first_layers)
     start, end = config.layer_range(stage_index, num_stages)
-    shard = CausalLMShard(config, start, end, device=device, dtype=dtype, attn_backend=attn_backend)
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    slices = RankSlices(config, rank, size)
+    local = local_config(config, size)
+    shard = CausalLMShard(local, start, end, device=device, dtype=dtype, attn_backend=attn_backend, tp=tp)
 
     if is_dummy:
-        loaded = shard.load_weights(_dummy_tensors(shard, seed, device))
+        loaded = shard.load_weights(_dummy_tensors(shard, seed, device, slices))
     else:
-        loaded = shard.load_weights(iter_checkpoint_tensors(model, shard.wants_weight))
+        sliced = (slices.take,) if size > 1 else ()  # (one rank reads whole tensors)
+        loaded = shard.load_weights(iter_checkpoint_tensors(model, shard.wants_weight, *sliced))
     missing = shard.expected_weight_names() - loaded
     if missing:
         raise ValueError(
             f"checkpoint {model} lacks {len(missing)} tensors for layers [{start}, {end}), e.g. {sorted(missing)[:5]}"
         )
     shard.loaded_weight_names = loaded
-    shard.fingerprint = model_fingerprint(model, config, seed)
+    shard.fingerprint = model_fingerprint(model, config, seed)  # (the whole model's: every rank the same)
     shard.eval()
-    return shard, config
+    return shard, local
 
 
-def iter_checkpoint_tensors(model_dir: str | Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for each wanted tensor, opening only files that hold one."""
+def iter_checkpoint_tensors(
+    model_dir: str | Path, wanted: Callable[[str], bool], take=None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for each wanted tensor, opening only files that hold one.
+    take(name, slice, shape): the part of the tensor to read (RankSlices.take: a
+    tensor-parallel rank reads only its bytes); default the whole."""
     model_dir = Path(model_dir)
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
@@ -207,7 +220,7 @@ def iter_checkpoint_tensors(model_dir: str | Path, wanted: Callable[[str], bool]
         for file_name, names in sorted(names_by_file.items()):
             with safe_open(model_dir / file_name, framework="pt", device="cpu") as f:
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    yield name, _read(f, name, take)
         return
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -216,7 +229,14 @@ def iter_checkpoint_tensors(model_dir: str | Path, wanted: Callable[[str], bool]
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if wanted(name):
-                    yield name, f.get_tensor(name)
+                    yield name, _read(f, name, take)
+
+
+def _read(f, name: str, take) -> torch.Tensor:
+    if take is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    return take(name, part, part.get_shape())
 
 
 def model_fingerprint(model: str | Path, config: ModelConfig, seed: int = 0) -> str:
@@ -236,12 +256,15 @@ def model_fingerprint(model: str | Path, config: ModelConfig, seed: int = 0) -> 
     return digest.hexdigest()[:16]
 
 
-def _dummy_tensors(shard: CausalLMShard, seed: int, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+def _dummy_tensors(
+    shard: CausalLMShard, seed: int, device: torch.device | str, slices: RankSlices | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Random HF-named tensors: norms at 1 (Gemma's, which scale by 1 + weight, at 0), everything
     else N(0, DUMMY_STD).
 
     Each tensor's generator is seeded from (seed, name), so a layer gets the same weights
-    however the model is split into stages.
+    however the model is split into stages; and into tensor-parallel ranks (slices): each draws
+    the whole tensor and keeps its part.
     """
     if torch.device(device).type == "meta":  # shapes only (memory planning, tests)
         for name in sorted(shard.expected_weight_names()):
@@ -255,8 +278,9 @@ def _dummy_tensors(shard: CausalLMShard, seed: int, device: torch.device | str) 
             yield name, torch.full(shape, unit, device=device)
             continue
         generator.manual_seed(_name_seed(seed, name))
-        tensor = torch.empty(shape, device=device, dtype=torch.float32)
-        yield name, tensor.normal_(0.0, DUMMY_STD, generator=generator)
+        whole = slices.global_shape(name, shape) if slices is not None else shape
+        tensor = torch.empty(whole, device=device, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=generator)
+        yield name, slices.take(name, tensor, tensor.shape) if slices is not None else tensor
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -79,23 +79,27 @@ def fused(device: torch.device) -> bool:
 
 
 def prompt_logprobs(
-    compute_logits, hidden: torch.Tensor, residual: torch.Tensor, rows: PromptRows, vocab_size: int
+    compute_logits, hidden: torch.Tensor, residual: torch.Tensor, rows: PromptRows, vocab_size: int, sharded=None
 ) -> list[torch.Tensor]:
     """[logprobs float32 [R], ranks int64 [R], top ids int64 [R, K], top logprobs float32 [R, K]]
     on the device, K the most any row asks. compute_logits(hidden, residual): the shard's final
     norm and lm_head over some rows. On CUDA each chunk's logits are read once, by one kernel,
     and the chunks' statistics merged once (kernels/prompt_logprobs.py); elsewhere the torch
-    reference takes each chunk."""
+    reference takes each chunk. sharded: a tensor-parallel rank's ShardedSampler, whose
+    compute_logits gives its slice of the vocabulary: each chunk's statistics are the slices'
+    combined (its logprob_rows), in the same chunks on every rank."""
     d = upload({"index": rows.token_index, "targets": rows.targets}, hidden.device)
     k, total = rows.max_top, len(rows.targets)
     chunk = max(1, CHUNK_ELEMENTS // vocab_size)
-    stats = LogprobRows(total, vocab_size, k, hidden.device) if fused(hidden.device) else None
+    stats = LogprobRows(total, vocab_size, k, hidden.device) if fused(hidden.device) and sharded is None else None
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, total, chunk):
         index, targets = d["index"][start : start + chunk], d["targets"][start : start + chunk]
         logits = compute_logits(hidden[index], residual[index])
         if stats is not None:
             stats.fill(logits, targets, start)
+        elif sharded is not None:
+            parts.append(sharded.logprob_rows(logits, targets, k))
         else:
             parts.append(logprob_rows_reference(logits, targets, k))
     if stats is not None:

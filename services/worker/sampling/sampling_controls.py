@@ -61,6 +61,9 @@ class SamplingControls:
         # the patch and the draw) when `profile` is set: bench_constrained reports them.
         self.profile = False
         self.host_seconds = {"inputs": 0.0, "masks": 0.0, "launch": 0.0}
+        # Whether the logits are whole rows the controlled draw can take (not a tensor-parallel
+        # rank's slice: those rows are gathered and take the general path).
+        self.fused_draw = True
         self.gpu_events: list[tuple[torch.cuda.Event, ...]] = []
 
     @property
@@ -129,7 +132,7 @@ class SamplingControls:
     def can_draw(self, token_rows: np.ndarray) -> bool:
         """Whether the controlled draw serves a step whose tokens are of these state rows (CUDA,
         some row controlled, every controlled row drawable)."""
-        if self.device.type != "cuda" or not self.active:
+        if self.device.type != "cuda" or not self.active or not self.fused_draw:
             return False
         controlled = self.controlled[token_rows]
         return bool(controlled.any()) and bool(self.drawable[token_rows[controlled]].all())

@@ -19,7 +19,7 @@ waited on them: bench/RESULTS.md, "Figures moved from code comments".)
 
 Deadlines: the rendezvous, every doorbell wait and every gloo wait take at most the link's
 timeout; NCCL work is bounded by the group's timeout (its watchdog aborts the communicator, see
-NCCL_ENVIRONMENT), and close() aborts the group so a lost peer never leaves a kernel waiting. A
+strata/stage_links.py's NCCL_ENVIRONMENT), and close() aborts the group so a lost peer never leaves a kernel waiting. A
 peer that dies closes the doorbell: the next wait fails at once (PeerLost).
 """
 

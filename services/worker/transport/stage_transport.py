@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -37,21 +36,6 @@ log = logging.getLogger("strata.worker")
 
 # Steps whose activations may wait for their plan: far more than the plans in flight (one per stage).
 MAX_PENDING_ACTIVATIONS = 64
-# Set in every worker before torch.distributed or NCCL start: NVLink multicast (NVLS) stays off.
-NCCL_ENVIRONMENT = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    # A collective past its timeout aborts its communicator and fails its work, not the process:
-    # the scheduler rebuilds the pipeline (a new InitCache) around a lost peer.
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-}
-
-
-def set_nccl_environment() -> None:
-    """At worker start, before torch.distributed or NCCL read them (explicit settings win)."""
-    for key, value in NCCL_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
 
 
 class StepFailed(Exception):

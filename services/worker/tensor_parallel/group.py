@@ -1,0 +1,206 @@
+"""The tensor-parallel group of one stage: its T ranks joined by torch.distributed (NCCL on GPUs,
+gloo on CPUs), and the collectives the model and the sampler call on it.
+
+The group is formed again at every InitCache (the session names its keys in the rank-0 store,
+so a rebuilt group never meets an older one's), on the step thread, where the rendezvous blocks
+until every rank joins (at most the collective deadline). Every collective has that deadline:
+gloo's waits are bounded by the group's timeout; NCCL's host never waits (the stream does), its
+work is bounded by the communicator's timeout and by the engine's step deadline, after which the
+next InitCache aborts the group (NCCL's abort makes enqueued and graph-replayed kernels exit).
+
+A failed collective means a rank is gone or the ranks diverged: it raises PeerLost, so the step
+fails as a lost stage's does (the scheduler rebuilds the pipeline and the requests resume), and
+the group stays broken until then: a rank that skipped a collective would pair every later one
+wrongly.
+
+With one rank every collective is a no-op, so the model and the sampler call them
+unconditionally.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from strata.services.worker.transport.distributed_transport import local_address_towards
+from strata.services.worker.transport.stage_transport import PeerLost
+
+log = logging.getLogger("strata.worker")
+
+
+def _abort(pg) -> None:
+    for name in ("abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception as e:  # a group already broken
+                log.debug("tensor parallel: %s of the old group: %s", name, e)
+
+
+class TensorParallelGroup:
+    """Rank `rank` of `size` of one stage. Collectives run on the step thread; abort() may come
+    from any thread."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout: float = 60.0,
+        master_host: str = "",
+        all_reduce: str = "nccl",
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in [0, {size})")
+        self.rank, self.size, self.device, self.timeout = rank, size, torch.device(device), timeout
+        self.master_host = master_host or "127.0.0.1"  # gloo listens on the interface towards it
+        # "symm-mem": small all-reduces of `dtype` take a one-shot through symmetric memory
+        # (symm_mem.py), the rest NCCL's.
+        self.all_reduce_kind, self.dtype = all_reduce, dtype
+        self.one_shot = None
+        self.pg = None
+        self.session = 0
+        # Why the group cannot run collectives (None: it can, once formed).
+        self.broken: str | None = None if size == 1 else "the tensor-parallel group is not formed yet (InitCache)"
+        # Bench only: collectives return at once, leaving each rank's partial values (wrong
+        # tokens, the step's time without its communication).
+        self.skip_collectives = False
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def form(self, store, session: int) -> None:
+        """Joins the group of `session` through `store` (the rank-0 TCPStore); blocks until every
+        rank joined, at most the deadline. On the step thread, before the KV cache's warm-up and
+        graph capture, which run collectives in lockstep."""
+        if self.size == 1:
+            return
+        prefixed = dist.PrefixStore(f"strata/tp/{session}/", store)
+        delta = datetime.timedelta(seconds=self.timeout)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = delta
+            pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, opts)
+            # NCCL builds its communicator at the first collective and blocks there until every
+            # rank arrives: once here, not inside a graph capture or a step.
+            warm = torch.ones(1, device=self.device)
+            pg.allreduce([warm]).wait()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.one_shot = self._one_shot(pg, store, session)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = delta
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(self.master_host))]
+            pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, opts)
+        self.pg, self.session, self.broken = pg, session, None
+        log.info("tensor parallel: rank %d of %d joined the group of session %d", self.rank, self.size, session)
+
+    def _one_shot(self, pg, store, session: int):
+        if self.all_reduce_kind != "symm-mem":
+            return None
+        from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
+
+        try:
+            return SymmetricMemoryAllReduce(pg, store, self.rank, self.size, session, self.device, self.dtype)
+        except Exception as e:  # (a torch without it, or no peer access): NCCL takes every message
+            log.warning("tensor parallel: no symmetric-memory all-reduce (%s); NCCL takes every one", e)
+            return None
+
+    def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
+        """Breaks the group (any thread): NCCL kernels waiting for a lost rank exit, and every
+        later collective raises PeerLost until the next form()."""
+        if self.size == 1:
+            return
+        self.broken = reason
+        self.one_shot = None
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            _abort(pg)
+
+    def fail(self, reason: str) -> None:
+        """A step failed between collectives on this rank: the ranks no longer pair theirs."""
+        if self.size > 1 and self.broken is None:
+            log.warning("tensor parallel: group broken: %s", reason)
+            self.abort(reason)
+
+    # ------------------------------------------------------------ collectives
+
+    def _group(self):
+        pg = self.pg
+        if self.broken is not None or pg is None:
+            raise PeerLost(f"tensor parallel: {self.broken or 'no group'}")
+        return pg
+
+    def _run(self, what: str, post):
+        """Posts a collective and waits for it: on GPUs the stream waits, on CPUs this thread,
+        at most the deadline. A failure breaks the group and fails the step as a lost peer's."""
+        pg = self._group()
+        try:
+            work = post(pg)
+            if self.device.type == "cuda":
+                work.wait()
+            else:
+                self._wait_on_host(work, what)
+        except PeerLost:
+            raise
+        except Exception as e:
+            self.abort(f"{what} failed: {e}")
+            raise PeerLost(f"tensor parallel: {what} failed: {e}") from None
+
+    def _wait_on_host(self, work, what: str) -> None:
+        """gloo's wait, in short turns that see the group broken from another thread (gloo's
+        abort does not release a wait): a rank whose peer is lost is free at once, not after
+        the deadline."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not work.is_completed():
+            if self.broken is not None:
+                raise PeerLost(f"tensor parallel: {what}: {self.broken}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no peer answered in {self.timeout:g} s")
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.0002)
+        work.wait()  # (its error, if it failed)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (every rank gets the same bits)."""
+        if self.size == 1 or self.skip_collectives:
+            return x
+        if self.one_shot is not None and self.broken is None and self.one_shot(x):
+            return x
+        self._run("all-reduce", lambda pg: pg.allreduce([x]))
+        return x
+
+    def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
+        """x's elementwise maximum over the ranks, in place."""
+        if self.size == 1 or self.skip_collectives:
+            return x
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._run("all-reduce (max)", lambda pg: pg.allreduce([x], opts))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in rank order."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        if self.skip_collectives:
+            out.copy_(x.unsqueeze(0).expand_as(out))
+            return out
+        self._run("all-gather", lambda pg: pg._allgather_base(out.view(-1), x.view(-1)))
+        return out
+
+
+def single_rank(device: torch.device) -> TensorParallelGroup:
+    """The group of a stage without tensor parallelism: every collective a no-op."""
+    return TensorParallelGroup(0, 1, device)
