@@ -2,12 +2,20 @@
 float dtype) and a token per row, the row's logsumexp, the number of entries at least as large as
 the token's (its rank), the token's logit, and the k largest entries with their ids.
 
-One program per (row, tile of BLOCK entries) reads its tile once and writes the tile's maximum,
-its sum of exp below that maximum, its count, and its own k largest (k rounds of max and mask
-in registers). LogprobRows holds those partials for every row of a step, filled a chunk of rows
-at a time as the chunks' logits are made, and merges them once with a handful of torch ops. The
-torch reference (kernels/reference.py) upcasts a float32 copy of the logits and reads them about
-five times, more than the lm_head that made them once the vocabulary is large.
+One program per (row, span of TILES x BLOCK entries) walks its span a tile at a time and keeps
+per-lane running values in registers: the lane's maximum, its sum of exp below that maximum, and
+its count. Block-wide reductions are what cost (each is a round trip through shared memory), so
+they happen once per span, not once per tile.
+
+The top k needs no pass over the span: lane j sees the entries j, j + BLOCK, j + 2 BLOCK, ... of
+the span, and the span's k largest entries all lie in the k lanes with the largest maxima (a lane
+outside those has k lanes above it, so k larger entries). The program picks those k lanes, loads
+their TILES entries each back (from cache) and takes the k largest of those k x TILES.
+
+LogprobRows holds the spans' partials for every row of a step, filled a chunk of rows at a time
+as the chunks' logits are made, and merges them once with a handful of torch ops. The torch
+reference (kernels/reference.py) upcasts a float32 copy of the logits and reads them about five
+times, more than the lm_head that made them once the vocabulary is large.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = ["LogprobRows", "logprob_rows", "logprob_rows_reference"]
 
-BLOCK = 2048
+BLOCK = 1024
+MAX_TILES = 16  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
 _K_VARIANTS = (0, 1, 2, 5, 10, 20)
 
@@ -42,32 +51,58 @@ if triton is not None:
         top_values_ptr,
         top_ids_ptr,
         vocab,
-        num_tiles,
+        num_spans,
         BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
         K: tl.constexpr,
+        K_PAD: tl.constexpr,
     ):
         # Row `row` of this chunk's logits is row `row` of the partials (offset by the caller).
         row = tl.program_id(0).to(tl.int64)
-        tile = tl.program_id(1)
-        offsets = tl.arange(0, BLOCK)
-        cols = tile * BLOCK + offsets
-        valid = cols < vocab
+        span = tl.program_id(1)
+        lanes = tl.arange(0, BLOCK)
+        first = span * (TILES * BLOCK)
         base = logits_ptr + row * stride
-        x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
         target = tl.load(base + tl.load(targets_ptr + row)).to(tl.float32)
-        if tile == 0:
+        if span == 0:
             tl.store(target_values_ptr + row, target)
-        out = row * num_tiles + tile
-        m = tl.max(x, axis=0)
-        shift = tl.where(m == float("-inf"), 0.0, m)  # a tile of -inf only: its sum is 0
+        lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_sum = tl.zeros((BLOCK,), tl.float32)
+        lane_count = tl.zeros((BLOCK,), tl.int32)
+        for t in range(TILES):
+            cols = first + t * BLOCK + lanes
+            valid = cols < vocab
+            x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(lane_max, x)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes of -inf only: sum 0
+            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+            lane_max = new_max
+            lane_count += (valid & (x >= target)).to(tl.int32)
+        out = row * num_spans + span
+        m = tl.max(lane_max, axis=0)
+        shift = tl.where(m == float("-inf"), 0.0, m)
         tl.store(max_ptr + out, m)
-        tl.store(sum_ptr + out, tl.sum(tl.exp(x - shift), axis=0))
-        tl.store(count_ptr + out, tl.sum((valid & (x >= target)).to(tl.int32), axis=0))
-        for j in tl.static_range(K):
-            value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(top_values_ptr + out * K + j, value)
-            tl.store(top_ids_ptr + out * K + j, tile * BLOCK + index)
-            x = tl.where(offsets == index, float("-inf"), x)
+        tl.store(sum_ptr + out, tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0))
+        tl.store(count_ptr + out, tl.sum(lane_count, axis=0))
+        if K > 0:
+            # The K lanes of the largest maxima, then the K largest of their entries.
+            slots = tl.arange(0, K_PAD)
+            picked = tl.zeros((K_PAD,), tl.int32)
+            for j in tl.static_range(K):
+                _, lane = tl.max(lane_max, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                picked = tl.where(slots == j, lane, picked)
+                lane_max = tl.where(lanes == lane, float("-inf"), lane_max)
+            cols = first + tl.arange(0, TILES)[None, :] * BLOCK + picked[:, None]
+            keep = (slots[:, None] < K) & (cols < vocab)
+            values = tl.load(base + cols, mask=keep, other=float("-inf")).to(tl.float32)
+            values = tl.reshape(values, (K_PAD * TILES,))
+            cols = tl.reshape(cols, (K_PAD * TILES,))
+            at = tl.arange(0, K_PAD * TILES)
+            for j in tl.static_range(K):
+                value, index = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                tl.store(top_values_ptr + out * K + j, value)
+                tl.store(top_ids_ptr + out * K + j, tl.sum(tl.where(at == index, cols, 0), axis=0))
+                values = tl.where(at == index, float("-inf"), values)
 
 
 class LogprobRows:
@@ -76,14 +111,15 @@ class LogprobRows:
     def __init__(self, rows: int, vocab: int, k: int, device: torch.device):
         self.k, self.vocab = k, vocab
         self.variant = next(v for v in _K_VARIANTS if v >= k)
-        self.tiles = triton.cdiv(vocab, BLOCK)
+        self.tiles_per_span = min(MAX_TILES, triton.next_power_of_2(triton.cdiv(vocab, BLOCK)))
+        self.spans = triton.cdiv(vocab, self.tiles_per_span * BLOCK)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         self.target_values = torch.empty(rows, **f32)
-        self.maxima = torch.empty((rows, self.tiles), **f32)
-        self.sums = torch.empty((rows, self.tiles), **f32)
-        self.counts = torch.empty((rows, self.tiles), **i32)
-        self.top_values = torch.empty((rows, self.tiles * self.variant), **f32)
-        self.top_ids = torch.empty((rows, self.tiles * self.variant), **i32)
+        self.maxima = torch.empty((rows, self.spans), **f32)
+        self.sums = torch.empty((rows, self.spans), **f32)
+        self.counts = torch.empty((rows, self.spans), **i32)
+        self.top_values = torch.empty((rows, self.spans * self.variant), **f32)
+        self.top_ids = torch.empty((rows, self.spans * self.variant), **i32)
 
     def fill(self, logits: torch.Tensor, targets: torch.Tensor, start: int) -> None:
         """Rows start, start + 1, ... from logits [r, vocab] and their tokens."""
@@ -95,7 +131,7 @@ class LogprobRows:
         if not rows:
             return
         end = start + rows
-        _logprob_rows_kernel[(rows, self.tiles)](
+        _logprob_rows_kernel[(rows, self.spans)](
             logits,
             logits.stride(0),
             targets,
@@ -106,10 +142,12 @@ class LogprobRows:
             self.top_values[start:end],
             self.top_ids[start:end],
             vocab,
-            self.tiles,
+            self.spans,
             BLOCK=BLOCK,
+            TILES=self.tiles_per_span,
             K=self.variant,
-            num_warps=8,
+            K_PAD=triton.next_power_of_2(max(self.variant, 1)),
+            num_warps=4,
         )
 
     def merge(self) -> tuple[torch.Tensor, ...]:

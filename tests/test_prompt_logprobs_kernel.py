@@ -39,6 +39,24 @@ else:
         assert got[3].shape == want[3].shape == (rows, k) and torch.equal(got[3], want[3])
         assert torch.equal(got[4], want[4])  # (no ties among the top values here)
 
+    def test_spans_of_a_long_row_and_a_top_k_within_one_lane():
+        """A vocabulary of several spans (each lane of a span sees every BLOCK-th entry), where one
+        lane holds all of a row's top entries and another row's top entries straddle two spans."""
+        from strata.kernels.prompt_logprobs import BLOCK, MAX_TILES
+
+        rows, vocab = 3, 2 * MAX_TILES * BLOCK + 777  # two whole spans and a ragged third
+        g = torch.Generator().manual_seed(11)
+        logits = torch.randn(rows, vocab, generator=g)
+        targets = torch.randint(0, vocab, (rows,), generator=g)
+        logits[0, 5 + BLOCK * torch.arange(6)] = 10.0 + torch.arange(6.0)  # one lane, six tiles
+        edge = MAX_TILES * BLOCK
+        logits[1, edge - 3 : edge + 3] = 20.0 + torch.arange(6.0)  # across the first spans' border
+        logits[2, -4:] = 30.0 + torch.arange(4.0)  # the ragged span's last entries
+        got, want = logprob_rows(logits, targets, 5), logprob_rows_reference(logits, targets, 5)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+        for g_, w_ in zip(got[1:], want[1:]):
+            assert torch.equal(g_, w_)
+
     def test_rows_filled_chunk_by_chunk_merge_as_one():
         from strata.kernels.prompt_logprobs import LogprobRows
 
