@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     def compute_logits(h, r):
         return F.linear(F.rms_norm(h + r, (args.hidden,), norm, 1e-5), head)
 
-    chunk = max(1, rows_module.CHUNK_ELEMENTS // args.vocab)
+    chunk = rows_module.chunk_rows(args.vocab)
     targets = torch.randint(0, args.vocab, (args.rows,), device=dev, generator=g)
     logits = compute_logits(hidden, residual)
 

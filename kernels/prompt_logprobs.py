@@ -34,16 +34,18 @@ __all__ = ["LogprobRows", "logprob_rows", "logprob_rows_reference"]
 
 BLOCK = 1024
 MAX_TILES = 16  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
+NUM_WARPS = 4
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
-_K_VARIANTS = (0, 1, 2, 5, 10, 20)
+K_VARIANTS = (0, 1, 5, 20)
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first_row"])
     def _logprob_rows_kernel(
         logits_ptr,
         stride,
         targets_ptr,
+        first_row,
         target_values_ptr,
         max_ptr,
         sum_ptr,
@@ -57,13 +59,14 @@ if triton is not None:
         K: tl.constexpr,
         K_PAD: tl.constexpr,
     ):
-        # Row `row` of this chunk's logits is row `row` of the partials (offset by the caller).
+        # Row `row` of this chunk's logits and targets is row first_row + row of the partials.
         row = tl.program_id(0).to(tl.int64)
         span = tl.program_id(1)
         lanes = tl.arange(0, BLOCK)
         first = span * (TILES * BLOCK)
         base = logits_ptr + row * stride
         target = tl.load(base + tl.load(targets_ptr + row)).to(tl.float32)
+        row += first_row
         if span == 0:
             tl.store(target_values_ptr + row, target)
         lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -110,7 +113,7 @@ class LogprobRows:
 
     def __init__(self, rows: int, vocab: int, k: int, device: torch.device):
         self.k, self.vocab = k, vocab
-        self.variant = next(v for v in _K_VARIANTS if v >= k)
+        self.variant = next(v for v in K_VARIANTS if v >= k)
         self.tiles_per_span = min(MAX_TILES, triton.next_power_of_2(triton.cdiv(vocab, BLOCK)))
         self.spans = triton.cdiv(vocab, self.tiles_per_span * BLOCK)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
@@ -130,24 +133,26 @@ class LogprobRows:
             raise ValueError(f"logits {tuple(logits.shape)} from row {start} do not fit {tuple(self.maxima.shape)}")
         if not rows:
             return
-        end = start + rows
+        # The partials whole and the row offset apart: slices of them would start at addresses
+        # of varying alignment, each a kernel variant of its own (Triton specialises pointers).
         _logprob_rows_kernel[(rows, self.spans)](
             logits,
             logits.stride(0),
             targets,
-            self.target_values[start:end],
-            self.maxima[start:end],
-            self.sums[start:end],
-            self.counts[start:end],
-            self.top_values[start:end],
-            self.top_ids[start:end],
+            start,
+            self.target_values,
+            self.maxima,
+            self.sums,
+            self.counts,
+            self.top_values,
+            self.top_ids,
             vocab,
             self.spans,
             BLOCK=BLOCK,
             TILES=self.tiles_per_span,
             K=self.variant,
             K_PAD=triton.next_power_of_2(max(self.variant, 1)),
-            num_warps=4,
+            num_warps=NUM_WARPS,
         )
 
     def merge(self) -> tuple[torch.Tensor, ...]:

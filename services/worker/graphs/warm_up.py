@@ -106,7 +106,18 @@ def warm_up(
                 for target in (logits, logits.float()):
                     whole(target, _plain_settings(rows, device))
         warm_up_controls(shard.config.vocab_size, dtype, device)
+        if vocab_width == shard.config.vocab_size:  # a rank's slices take the torch path
+            warm_up_prompt_logprobs(shard.compute_logits(hidden[:2], residual[:2]))
     torch.cuda.synchronize(device)
+
+
+def warm_up_prompt_logprobs(logits: torch.Tensor) -> None:
+    """The prompt-logprob row kernel at each of its top counts, on the head's logits."""
+    from strata.kernels.prompt_logprobs import K_VARIANTS, LogprobRows
+
+    targets = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
+    for k in K_VARIANTS:
+        LogprobRows(len(logits), logits.shape[1], k, logits.device).fill(logits, targets, 0)
 
 
 def warm_up_experts(shard, dtype: torch.dtype, device: torch.device) -> None:

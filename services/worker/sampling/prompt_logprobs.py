@@ -29,6 +29,14 @@ from strata.services.worker.step.sequence_table import PlanError
 
 # Logits one chunk of rows holds at most (rows x vocabulary elements).
 CHUNK_ELEMENTS = 1 << 25
+# The lm_head's GEMM tiles the rows by up to 128: a chunk of whole tiles wastes none.
+GEMM_ROWS = 128
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk: as many as CHUNK_ELEMENTS allows, in whole GEMM tiles where that is one or more."""
+    rows = max(1, CHUNK_ELEMENTS // vocab_size)
+    return rows - rows % GEMM_ROWS if rows >= GEMM_ROWS else rows
 
 
 @dataclass
@@ -90,7 +98,7 @@ def prompt_logprobs(
     combined (its logprob_rows), in the same chunks on every rank."""
     d = upload({"index": rows.token_index, "targets": rows.targets}, hidden.device)
     k, total = rows.max_top, len(rows.targets)
-    chunk = max(1, CHUNK_ELEMENTS // vocab_size)
+    chunk = chunk_rows(vocab_size)
     stats = LogprobRows(total, vocab_size, k, hidden.device) if fused(hidden.device) and sharded is None else None
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, total, chunk):
