@@ -2,8 +2,8 @@
 float dtype) and a token per row, the row's logsumexp, the number of entries at least as large as
 the token's (its rank), the token's logit, and the k largest entries with their ids.
 
-One program per (row, span of TILES x BLOCK entries) walks its span a tile at a time and keeps
-per-lane running values in registers: the lane's maximum, its sum of exp below that maximum, and
+One program per (row, span of TILES x BLOCK entries) walks its span DEPTH tiles at a time and
+keeps per-lane running values in registers: the lane's maximum, its sum of exp below that maximum, and
 its count. Block-wide reductions are what cost (each is a round trip through shared memory), so
 they happen once per span, not once per tile.
 
@@ -34,6 +34,7 @@ __all__ = ["LogprobRows", "logprob_rows", "logprob_rows_reference"]
 
 BLOCK = 1024
 MAX_TILES = 16  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
+DEPTH = 4  # tiles each load takes
 NUM_WARPS = 4
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
 K_VARIANTS = (0, 1, 5, 20)
@@ -56,6 +57,7 @@ if triton is not None:
         num_spans,
         BLOCK: tl.constexpr,
         TILES: tl.constexpr,
+        DEPTH: tl.constexpr,
         K: tl.constexpr,
         K_PAD: tl.constexpr,
     ):
@@ -72,15 +74,17 @@ if triton is not None:
         lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
         lane_sum = tl.zeros((BLOCK,), tl.float32)
         lane_count = tl.zeros((BLOCK,), tl.int32)
-        for t in range(TILES):
-            cols = first + t * BLOCK + lanes
+        # DEPTH tiles per load: several loads in flight per thread (one tile at a time waits on
+        # each load's latency); their reduction along DEPTH stays within a thread's registers.
+        for t in range(0, TILES, DEPTH):
+            cols = first + (t + tl.arange(0, DEPTH))[:, None] * BLOCK + lanes[None, :]
             valid = cols < vocab
             x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(lane_max, x)
+            new_max = tl.maximum(lane_max, tl.max(x, axis=0))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes of -inf only: sum 0
-            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
             lane_max = new_max
-            lane_count += (valid & (x >= target)).to(tl.int32)
+            lane_count += tl.sum((valid & (x >= target)).to(tl.int32), axis=0)
         out = row * num_spans + span
         m = tl.max(lane_max, axis=0)
         shift = tl.where(m == float("-inf"), 0.0, m)
@@ -150,6 +154,7 @@ class LogprobRows:
             self.spans,
             BLOCK=BLOCK,
             TILES=self.tiles_per_span,
+            DEPTH=min(DEPTH, self.tiles_per_span),
             K=self.variant,
             K_PAD=triton.next_power_of_2(max(self.variant, 1)),
             num_warps=NUM_WARPS,
