@@ -13,7 +13,7 @@ outside those has k lanes above it, so k larger entries). The program picks thos
 their TILES entries each back (from cache) and takes the k largest of those k x TILES.
 
 LogprobRows holds the spans' partials for every row of a step, filled a chunk of rows at a time
-as the chunks' logits are made, and merges them once with a handful of torch ops. The torch
+as the chunks' logits are made, and merges them once, a program per row. The torch
 reference (kernels/reference.py) upcasts a float32 copy of the logits and reads them about five
 times, more than the lm_head that made them once the vocabulary is large.
 """
@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["LogprobRows", "logprob_rows", "logprob_rows_reference"]
 
 BLOCK = 1024
-MAX_TILES = 16  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
-DEPTH = 4  # tiles each load takes
+MAX_TILES = 32  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
+DEPTH = 2  # tiles each load takes
 NUM_WARPS = 4
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
 K_VARIANTS = (0, 1, 5, 20)
@@ -111,6 +111,46 @@ if triton is not None:
                 tl.store(top_ids_ptr + out * K + j, tl.sum(tl.where(at == index, cols, 0), axis=0))
                 values = tl.where(at == index, float("-inf"), values)
 
+    @triton.jit(do_not_specialize=["k"])
+    def _merge_rows_kernel(
+        max_ptr,
+        sum_ptr,
+        count_ptr,
+        top_values_ptr,
+        top_ids_ptr,
+        log_norm_ptr,
+        rank_ptr,
+        out_values_ptr,
+        out_ids_ptr,
+        num_spans,
+        k,
+        SPANS: tl.constexpr,
+        K: tl.constexpr,
+        CANDIDATES: tl.constexpr,
+    ):
+        # One program per row: its spans' partials into the row's logsumexp, rank and top k.
+        row = tl.program_id(0).to(tl.int64)
+        spans = tl.arange(0, SPANS)
+        real = spans < num_spans
+        at = row * num_spans + spans
+        maxima = tl.load(max_ptr + at, mask=real, other=float("-inf"))
+        top = tl.max(maxima, axis=0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        sums = tl.load(sum_ptr + at, mask=real, other=0.0)
+        tl.store(log_norm_ptr + row, shift + tl.log(tl.sum(sums * tl.exp(maxima - shift), axis=0)))
+        tl.store(rank_ptr + row, tl.sum(tl.load(count_ptr + at, mask=real, other=0).to(tl.int64), axis=0))
+        if K > 0:
+            cands = tl.arange(0, CANDIDATES)
+            real = cands < num_spans * K
+            values = tl.load(top_values_ptr + row * num_spans * K + cands, mask=real, other=float("-inf"))
+            ids = tl.load(top_ids_ptr + row * num_spans * K + cands, mask=real, other=0)
+            for j in tl.static_range(K):  # the variant's count; the row's own k are stored
+                value, index = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                tl.store(out_values_ptr + row * k + j, value, mask=j < k)
+                picked = tl.sum(tl.where(cands == index, ids, 0), axis=0).to(tl.int64)
+                tl.store(out_ids_ptr + row * k + j, picked, mask=j < k)
+                values = tl.where(cands == index, float("-inf"), values)
+
 
 class LogprobRows:
     """The partial statistics of `rows` rows of a `vocab`-wide vocabulary, top k (at most 20)."""
@@ -162,15 +202,31 @@ class LogprobRows:
 
     def merge(self) -> tuple[torch.Tensor, ...]:
         """logprob_rows_reference's results (logsumexp, rank, the token's logit, top values,
-        top ids) for every row."""
-        top = self.maxima.amax(dim=1, keepdim=True)
-        shift = torch.where(top == float("-inf"), 0.0, top)
-        log_norm = (shift + (self.sums * torch.exp(self.maxima - shift)).sum(dim=1, keepdim=True).log()).squeeze(1)
-        ranks = self.counts.sum(dim=1, dtype=torch.int64)
-        if not self.k:
-            return log_norm, ranks, self.target_values, self.top_values[:, :0], self.top_ids[:, :0].long()
-        values, picked = self.top_values.topk(self.k, dim=1)
-        return log_norm, ranks, self.target_values, values, self.top_ids.gather(1, picked).long()
+        top ids) for every row, from one launch (a dozen small torch ops cost more host time than
+        the row kernel takes on the device)."""
+        rows, device = len(self.maxima), self.maxima.device
+        log_norm = torch.empty(rows, dtype=torch.float32, device=device)
+        ranks = torch.empty(rows, dtype=torch.int64, device=device)
+        values = torch.empty((rows, self.k), dtype=torch.float32, device=device)
+        ids = torch.empty((rows, self.k), dtype=torch.int64, device=device)
+        if rows:
+            _merge_rows_kernel[(rows,)](
+                self.maxima,
+                self.sums,
+                self.counts,
+                self.top_values,
+                self.top_ids,
+                log_norm,
+                ranks,
+                values,
+                ids,
+                self.spans,
+                self.k,
+                SPANS=triton.next_power_of_2(self.spans),
+                K=self.variant,
+                CANDIDATES=triton.next_power_of_2(max(self.spans * self.variant, 1)),
+            )
+        return log_norm, ranks, self.target_values, values, ids
 
 
 def logprob_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

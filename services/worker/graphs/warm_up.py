@@ -112,12 +112,14 @@ def warm_up(
 
 
 def warm_up_prompt_logprobs(logits: torch.Tensor) -> None:
-    """The prompt-logprob row kernel at each of its top counts, on the head's logits."""
+    """The prompt-logprob row kernels at each of their top counts, on the head's logits."""
     from strata.kernels.prompt_logprobs import K_VARIANTS, LogprobRows
 
     targets = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
     for k in K_VARIANTS:
-        LogprobRows(len(logits), logits.shape[1], k, logits.device).fill(logits, targets, 0)
+        rows = LogprobRows(len(logits), logits.shape[1], k, logits.device)
+        rows.fill(logits, targets, 0)
+        rows.merge()
 
 
 def warm_up_experts(shard, dtype: torch.dtype, device: torch.device) -> None:
