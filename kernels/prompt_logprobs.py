@@ -36,10 +36,20 @@ BLOCK = 1024
 MAX_TILES = 32  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
 DEPTH = 2  # tiles each load takes
 NUM_WARPS = 4
+NUM_STAGES = 3
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
 K_VARIANTS = (0, 1, 5, 20)
 
 if triton is not None:
+
+    @triton.jit
+    def _take_tiles(x, hits, lane_max, lane_sum, lane_count):
+        # DEPTH tiles x [DEPTH, BLOCK] into the per-lane running maximum, sum of exp below it, and
+        # count of entries at least the token's (hits).
+        new_max = tl.maximum(lane_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes of -inf only: sum 0
+        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
+        return new_max, lane_sum, lane_count + tl.sum(hits.to(tl.int32), axis=0)
 
     @triton.jit(do_not_specialize=["first_row"])
     def _logprob_rows_kernel(
@@ -76,15 +86,18 @@ if triton is not None:
         lane_count = tl.zeros((BLOCK,), tl.int32)
         # DEPTH tiles per load: several loads in flight per thread (one tile at a time waits on
         # each load's latency); their reduction along DEPTH stays within a thread's registers.
-        for t in range(0, TILES, DEPTH):
-            cols = first + (t + tl.arange(0, DEPTH))[:, None] * BLOCK + lanes[None, :]
-            valid = cols < vocab
-            x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(lane_max, tl.max(x, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes of -inf only: sum 0
-            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
-            lane_max = new_max
-            lane_count += tl.sum((valid & (x >= target)).to(tl.int32), axis=0)
+        # Only a row's last span reaches past the vocabulary: the others load unmasked.
+        tiles = (tl.arange(0, DEPTH) * BLOCK)[:, None] + lanes[None, :]
+        if first + TILES * BLOCK <= vocab:
+            for t in range(0, TILES, DEPTH):
+                x = tl.load(base + first + t * BLOCK + tiles).to(tl.float32)
+                lane_max, lane_sum, lane_count = _take_tiles(x, x >= target, lane_max, lane_sum, lane_count)
+        else:
+            for t in range(0, TILES, DEPTH):
+                cols = first + t * BLOCK + tiles
+                valid = cols < vocab
+                x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
+                lane_max, lane_sum, lane_count = _take_tiles(x, valid & (x >= target), lane_max, lane_sum, lane_count)
         out = row * num_spans + span
         m = tl.max(lane_max, axis=0)
         shift = tl.where(m == float("-inf"), 0.0, m)
@@ -198,6 +211,7 @@ class LogprobRows:
             K=self.variant,
             K_PAD=triton.next_power_of_2(max(self.variant, 1)),
             num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )
 
     def merge(self) -> tuple[torch.Tensor, ...]:
