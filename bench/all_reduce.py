@@ -25,6 +25,8 @@ import socket
 
 import torch
 
+from strata.bench.graph_timing import graph_time_us
+
 SIZES_KIB = (8, 128, 2048, 32768)
 CALLS = 64
 
@@ -33,25 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _time_graph(fn, replays: int) -> float:
-    """Microseconds per call of `fn` (CALLS calls captured in one graph)."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * CALLS)
 
 
 def _rank(rank: int, size: int, port: int, args, results) -> None:
@@ -91,7 +74,7 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
             torch.cuda.synchronize()
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
-            row[name] = _time_graph(fn, args.replays) if ok else float("nan")
+            row[name] = graph_time_us(lambda _: fn(), CALLS, replays=args.replays) if ok else float("nan")
             row[f"{name}_ok"] = ok
         rows.append(row)
     if rank == 0:

@@ -18,13 +18,13 @@ totals add layers x (qkv + o_proj + gate_up + down) + lm_head.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from strata.bench.graph_timing import graph_time_us
 from strata.kernels import dependent_launch
 from strata.kernels.decode_linear import plain_linear
 
@@ -59,34 +59,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 
 
-def graph_time_us(call, copies: int, *, calls: int, replays: int, repeats: int) -> float:
-    """Median over `repeats` of the time per call of a CUDA graph of `calls` back-to-back
-    call(i % copies), replayed `replays` times between two events."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture: Triton compiles, cuBLAS plans
-        for i in range(min(copies, calls)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    del graph
-    return statistics.median(times)
-
-
 def bench_shape(
     model: str, linear: str, n: int, k: int, ms: list[int], dtype: torch.dtype, args, copy_gbps: float
 ) -> list[dict]:
@@ -102,7 +74,7 @@ def bench_shape(
         x = torch.randn(m, k, device=DEVICE, dtype=dtype)
 
         def timed(fn) -> float:
-            return graph_time_us(fn, copies, calls=calls, replays=args.replays, repeats=args.repeats)
+            return graph_time_us(lambda i: fn(i % copies), calls, replays=args.replays, repeats=args.repeats)
 
         cublas_us = timed(lambda i: torch.nn.functional.linear(x, weights[i]))
         floor_us = (weight_bytes + (m * k + m * n) * element) / (copy_gbps * 1e3)

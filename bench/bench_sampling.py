@@ -7,7 +7,7 @@ A decode step samples every row of [batch, vocab] bf16 logits. The draw reads th
 floor is their bytes over the copy bandwidth measured in the same run; with temperature > 0
 each vocabulary entry also costs two 32-bit hash rounds and two logarithms, which is where the
 time over that floor goes. Times are CUDA-graph replays over enough copies of the logits that
-they overflow L2 (bench_linear.graph_time_us). --sweep checks that every launch shape draws the
+they overflow L2 (graph_timing.graph_time_us). --sweep checks that every launch shape draws the
 same tokens as the default one before timing it.
 """
 
@@ -19,7 +19,8 @@ import itertools
 import torch
 
 from strata.bench.bench_attention import copy_bandwidth_gbps
-from strata.bench.bench_linear import graph_time_us, parse_list
+from strata.bench.bench_linear import parse_list
+from strata.bench.graph_timing import graph_time_us
 from strata.kernels.gumbel_sampling import gumbel_argmax
 
 DEVICE = "cuda"
@@ -42,7 +43,7 @@ def time_draw(logits: list[torch.Tensor], greedy: bool, launch) -> tuple[float, 
         return gumbel_argmax(logits[i], seeds, positions, inv_t, flags, None, False, launch=launch)[0]
 
     tokens = draw(0)
-    us = graph_time_us(draw, len(logits), calls=max(len(logits), 8), replays=10, repeats=5)
+    us = graph_time_us(lambda i: draw(i % len(logits)), max(len(logits), 8), replays=10, repeats=5)
     return us, tokens
 
 

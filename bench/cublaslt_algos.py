@@ -21,7 +21,8 @@ import re
 
 import torch
 
-from strata.bench.bench_linear import MODELS, graph_time_us, parse_list
+from strata.bench.bench_linear import MODELS, parse_list
+from strata.bench.graph_timing import graph_time_us
 
 WORKSPACE_BYTES = 64 << 20
 CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F = 14, 0, 68  # library_types.h / cublas_api.h
@@ -184,8 +185,8 @@ def search(lt: CublasLt, m: int, n: int, k: int) -> tuple[float, list[tuple[floa
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x, weights[0]).float()
-    timing = dict(calls=max(copies, 16), replays=10, repeats=5)
-    torch_us = graph_time_us(lambda i: torch.mm(x, weights[i].t(), out=y), copies, **timing)
+    calls, timing = max(copies, 16), dict(replays=10, repeats=5)
+    torch_us = graph_time_us(lambda i: torch.mm(x, weights[i % copies].t(), out=y), calls, **timing)
     problem = lt.problem(m, n, k)
     candidates = lt.heuristics(problem)
     for algo, _ in list(candidates[:6]):
@@ -200,7 +201,7 @@ def search(lt: CublasLt, m: int, n: int, k: int) -> tuple[float, list[tuple[floa
         if (y.float() - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             continue  # wrong answer: never a candidate
         us = graph_time_us(
-            lambda i, a=algo, ws=workspace: lt.matmul(problem, a, ws, x, weights[i], y), copies, **timing
+            lambda i, a=algo, ws=workspace: lt.matmul(problem, a, ws, x, weights[i % copies], y), calls, **timing
         )
         timed.append((us, lt.describe(algo)))
     return torch_us, sorted(timed)

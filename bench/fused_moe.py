@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from strata.bench.graph_timing import graph_time_us
 from strata.kernels.fused_moe import (
     GemmTile,
     MoELaunchConfig,
@@ -134,34 +135,6 @@ def make_case(shape: MoEShape, tokens: int, dtype: torch.dtype, seed: int = 0) -
         case.weights.append(weights)
         case.ids.append(ids)
     return case
-
-
-def graph_time_us(call, calls: int, *, replays: int, repeats: int) -> float:
-    """Median over `repeats` of the time per call of a CUDA graph of call(0) .. call(calls - 1),
-    replayed `replays` times between two events."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture: Triton compiles here
-        for i in range(calls):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    del graph
-    return statistics.median(times)
 
 
 def eager_time_us(call, calls: int, repeats: int) -> float:

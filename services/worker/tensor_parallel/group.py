@@ -26,21 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from strata.services.worker.transport.distributed_transport import local_address_towards
+from strata.services.worker.transport.distributed_transport import abort_group, local_address_towards
 from strata.services.worker.transport.stage_transport import PeerLost
 
 log = logging.getLogger("strata.worker")
-
-
-def _abort(pg) -> None:
-    for name in ("abort", "shutdown"):
-        fn = getattr(pg, name, None)
-        if fn is not None:
-            try:
-                fn()
-                return
-            except Exception as e:  # a group already broken
-                log.debug("tensor parallel: %s of the old group: %s", name, e)
 
 
 class TensorParallelGroup:
@@ -123,7 +112,7 @@ class TensorParallelGroup:
         self.one_shot = None
         pg, self.pg = self.pg, None
         if pg is not None:
-            _abort(pg)
+            abort_group(pg, "tensor parallel")
 
     def fail(self, reason: str) -> None:
         """A step failed between collectives on this rank: the ranks no longer pair theirs."""

@@ -100,7 +100,9 @@ def _form_group(store, rank: int, backend: str, peer_host: str, timeout: float, 
     return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
 
 
-def _abort(pg) -> None:
+def abort_group(pg, owner: str = "stage transport") -> None:
+    """Tear a process group down without waiting on its peers: abort where the backend has it
+    (NCCL), else shut down; a group already broken may refuse either (logged, not raised)."""
     for name in ("abort", "shutdown"):
         fn = getattr(pg, name, None)
         if fn is not None:
@@ -108,7 +110,7 @@ def _abort(pg) -> None:
                 fn()
                 return
             except Exception as e:  # a group already broken
-                log.debug("stage transport: %s of the old group: %s", name, e)
+                log.debug("%s: %s of the old group: %s", owner, name, e)
 
 
 class _Group:
@@ -137,7 +139,7 @@ class _Group:
         self._formed.set()
         self._closed.wait()
         if self.pg is not None and self._device.type == "cuda":  # (gloo's ends with its sockets)
-            _abort(self.pg)
+            abort_group(self.pg)
         self.pg = None
 
     def get(self):
