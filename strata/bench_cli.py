@@ -178,6 +178,37 @@ def add_bench_parser(subparsers, formatter_class=argparse.HelpFormatter) -> argp
     return bench
 
 
+def _parallel_workloads(p, *, shape: str, requests_per_stream: int) -> None:
+    """The parallelism benches' two workloads: the offline one's shape, and the latency streams."""
+    p.add_argument(
+        "--shape",
+        choices=("fixed", "mixed"),
+        default=shape,
+        help="the offline prompts and outputs: fixed, --input-len / --output-len tokens each; mixed, both "
+        "uniform in --mixed-lengths (the nano-vllm benchmark's shape)",
+    )
+    p.add_argument(
+        "--mixed-lengths",
+        type=_length_range,
+        default="100,1024",
+        metavar="SHORTEST,LONGEST",
+        help="with --shape mixed: the range of prompt and output lengths in tokens",
+    )
+    p.add_argument(
+        "--input-len", type=int, default=512, help="prompt tokens (random ids) of --shape fixed and of the streams"
+    )
+    p.add_argument(
+        "--output-len", type=int, default=128, help="generated tokens (ignore_eos) of --shape fixed and of the streams"
+    )
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
+    p.add_argument(
+        "--latency-num-prompts",
+        type=int,
+        default=0,
+        help=f"requests of the latency workload (0: {requests_per_stream} per stream)",
+    )
+
+
 def _tensor_parallel_parser(sub, formatter_class) -> None:
     from strata.flags import DEFAULTS, FLAGS
 
@@ -195,26 +226,7 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
         "GPU per worker",
     )
     p.add_argument("--num-prompts", type=int, default=1024, help="requests of the offline workload")
-    p.add_argument(
-        "--shape",
-        choices=("mixed", "fixed"),
-        default="mixed",
-        help="the offline prompts and outputs: mixed, both uniform in --mixed-lengths (the nano-vllm shape); "
-        "fixed, --input-len / --output-len each",
-    )
-    p.add_argument(
-        "--mixed-lengths",
-        type=_length_range,
-        default="100,1024",
-        metavar="SHORTEST,LONGEST",
-        help="with --shape mixed: the range of prompt and output lengths in tokens",
-    )
-    p.add_argument("--input-len", type=int, default=512, help="prompt tokens of --shape fixed and of the streams")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens of --shape fixed and of the streams")
-    p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
-    p.add_argument(
-        "--latency-num-prompts", type=int, default=0, help="requests of each latency workload (0: 4 per stream)"
-    )
+    _parallel_workloads(p, shape="mixed", requests_per_stream=4)
     p.add_argument(
         "--tensor-parallel-all-reduce",
         choices=FLAGS["tensor_parallel_all_reduce"].choices,
@@ -240,36 +252,7 @@ def _pipeline_parser(sub, formatter_class) -> None:
         default="1000",
         help="requests of the offline workload, comma-separated: an offline phase each, in every run",
     )
-    p.add_argument(
-        "--shape",
-        choices=("fixed", "mixed"),
-        default="fixed",
-        help="the offline prompts and outputs: fixed, --input-len / --output-len tokens each; mixed, both "
-        "uniform in --mixed-lengths (the nano-vllm benchmark's shape)",
-    )
-    p.add_argument(
-        "--mixed-lengths",
-        type=_length_range,
-        default="100,1024",
-        metavar="SHORTEST,LONGEST",
-        help="with --shape mixed: the range of prompt and output lengths in tokens",
-    )
-    p.add_argument(
-        "--input-len",
-        type=int,
-        default=512,
-        help="prompt tokens (random ids) of --shape fixed and of the latency streams",
-    )
-    p.add_argument(
-        "--output-len",
-        type=int,
-        default=128,
-        help="generated tokens (ignore_eos) of --shape fixed and of the latency streams",
-    )
-    p.add_argument("--concurrency", type=int, default=16, help="streams of the latency workload (closed loop)")
-    p.add_argument(
-        "--latency-num-prompts", type=int, default=0, help="requests of the latency workload (0: 16 per stream)"
-    )
+    _parallel_workloads(p, shape="fixed", requests_per_stream=16)
     p.add_argument(
         "--stages",
         default="auto",
