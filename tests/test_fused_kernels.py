@@ -608,8 +608,9 @@ else:
         """Qwen3's q/k norms fused into rotary, Gemma 3's norms, GELU-tanh, local rotary table and
         logit cap, Qwen3-MoE's routing and fused experts (kernels/fused_moe.py): a prefill, a
         decode step over a paged cache and a batch-1 one, fused (forced on CPU) vs the HF-exact
-        torch path. The batch-1 decode chain and the one-launch decode attention, forced on too,
-        decline these layers (their GEMVs have no q/k norms, Gemma norms or experts)."""
+        torch path. The batch-1 decode chain, forced on too, takes Qwen3's and Qwen3-MoE's layers
+        (experts behind their own norm) and declines Gemma's; the one-launch decode attention
+        declines q/k norms."""
         from strata.kernels import decode_attention, decode_linear, fused_moe
 
         config = tiny_config(**FAMILIES[family], head_dim=32)
@@ -619,12 +620,10 @@ else:
         for name in ("rotary_embedding_", "gelu_tanh_and_mul", "silu_and_mul"):
             monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
         monkeypatch.setattr(fused_moe, "fused_moe", _counting(fused_moe.fused_moe, "fused_moe", calls))
-        declined = []
+        gemvs, one_launch = [], []
+        monkeypatch.setattr(decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, gemvs))
         monkeypatch.setattr(
-            decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, declined)
-        )
-        monkeypatch.setattr(
-            decode_attention, "_decode_attention_kernel", Counted(decode_attention._decode_attention_kernel, declined)
+            decode_attention, "_decode_attention_kernel", Counted(decode_attention._decode_attention_kernel, one_launch)
         )
         steps = [
             [SequenceChunk([5, 9, 11, 3, 7, 2, 8], 0, [2, 0]), SequenceChunk([1, 2, 60], 0, [1])],
@@ -643,10 +642,14 @@ else:
                 logits = shard.compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
                 outputs += [hidden, residual, logits]
             results[fused] = outputs + [caches[-1]]
-        # Three steps of two layers: rotary (with the q/k norms) in every layer, and the MLPs.
-        assert calls["rotary_embedding_"] == 6 and not declined
+        # Three steps of two layers: rotary (with the q/k norms) in every layer, and the MLPs. The
+        # batch-1 step of Qwen3 and Qwen3-MoE takes the decode chain (its dense MLP is GEMVs, with
+        # SiLU in down's prologue); Gemma's is declined.
+        chained = family != "gemma3"
+        assert calls["rotary_embedding_"] == 6 and bool(gemvs) == chained and not one_launch
         mlp = "gelu_tanh_and_mul" if family == "gemma3" else "silu_and_mul"
-        assert calls[mlp] == (3 if family == "qwen3_moe" else 6)  # layer 1 only: layer 0 has experts
+        dense_layers = 1 if family == "qwen3_moe" else 2  # layer 1 only: layer 0 has experts
+        assert calls[mlp] == dense_layers * (2 if chained else 3)
         assert calls.get("fused_moe", 0) == (3 if family == "qwen3_moe" else 0)
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
@@ -682,31 +685,30 @@ else:
             # architectures differ in the GEMVs' bias and tied head, not in the attention path).
             pytest.param("llama", 32, marks=pytest.mark.slow),
             pytest.param("qwen2", 16, marks=pytest.mark.slow),
+            ("qwen3_moe", 32),
         ],
         ids=[
             "llama-three-kernel-attention",
             "qwen2-decode-attention",
             "llama-decode-attention",
             "qwen2-three-kernel-attention",
+            "qwen3-moe-experts-then-dense",
         ],
     )
     def test_decode_chain_matches_torch_path_across_stages(arch, head_dim, monkeypatch):
         """The batch-1 chain (services/worker/model/decode_chain.py), forced on CPU, over a prefill (which
         it leaves to the unfused path) and two decode steps: whole model, and split in two stages that pass the unfused
         (hidden, residual) pair between them, against the HF-exact torch path. Heads of 32 take the one-launch
-        decode attention (kernels/decode_attention.py), heads of 16 the three kernels."""
-        config = (
-            tiny_config(num_hidden_layers=2, head_dim=head_dim)
-            if arch == "llama"
-            else tiny_config(
-                num_hidden_layers=2,
-                head_dim=head_dim,
-                architecture="Qwen2ForCausalLM",
-                attention_bias=True,
-                tie_word_embeddings=True,
-                rope_scaling=None,
-            )
-        )
+        decode attention (kernels/decode_attention.py), heads of 16 the three kernels. Qwen3-MoE: a layer of
+        experts in the chain, last of its stage or followed by a dense one."""
+        options = {
+            "llama": {},
+            "qwen2": dict(
+                architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True, rope_scaling=None
+            ),
+            "qwen3_moe": FAMILIES["qwen3_moe"],  # layer 0 of experts (the first stage's last), q/k norms
+        }
+        config = tiny_config(num_hidden_layers=2, head_dim=head_dim, **options[arch])
         whole = random_shard(config)
         # Two layers (each GEMV launch costs the interpreter about 0.3 s): one stage holds both, or
         # each of two stages one.
@@ -761,10 +763,13 @@ else:
             attention_launches.clear()
             for got, expected in zip(run(stages, True), want):
                 torch.testing.assert_close(got, expected, atol=5e-5, rtol=5e-5)
-            # The two decode steps (the prefill's 5 tokens are past the chain's one): 4 GEMVs a layer
-            # (qkv, o_proj, gate_up, down) and lm_head's; the prefill's sampled row: lm_head's.
-            assert len(launches) == 2 * (4 * config.num_hidden_layers + 1) + 1
-            assert len(attention_launches) == (2 * config.num_hidden_layers if head_dim == 32 else 0)
+            # The two decode steps (the prefill's 5 tokens are past the chain's one): 4 GEMVs a dense
+            # layer (qkv, o_proj, gate_up, down), 2 a layer of experts (qkv, o_proj), and lm_head's;
+            # the prefill's sampled row: lm_head's. Q/k norms take the three attention kernels.
+            gemvs = 4 * config.num_hidden_layers - (2 if arch == "qwen3_moe" else 0)
+            assert len(launches) == 2 * (gemvs + 1) + 1
+            one_launch = head_dim == 32 and not config.qk_norm
+            assert len(attention_launches) == (2 * config.num_hidden_layers if one_launch else 0)
 
 
 def _counting(fn, name: str, calls: dict):

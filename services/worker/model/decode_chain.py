@@ -11,6 +11,11 @@ Per layer, five launches instead of ten (kernels/decode_linear.py says why that 
     gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue
     h       = linear_add_residual(gate_up, down, silu_mul=True)
 
+A layer of experts (Qwen3-MoE, Mixtral) keeps its MLP as it is (model/moe.py: the router and the
+fused experts) behind the post-attention RMSNorm on its own; its output and h go to the next
+layer's qkv prologue as a (hidden, residual) pair, as a stage's first layer takes them. Q/k norms
+(Qwen3) take attention's three kernels: the one-launch decode attention has none.
+
 h is the residual stream after each add (what the unfused path calls `residual` once the add is
 done). The stage's interface stays the unfused one: the first layer takes the (hidden,
 residual) pair as given (residual None on the first stage) and adds it in qkv's prologue; the
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.services.worker.model.moe import SparseMoE
+
 
 def _kernels():
     # On first use: triton.jit reads TRITON_INTERPRET when the kernels are defined.
@@ -37,10 +44,11 @@ def _kernels():
 
 
 def chain_serves(hidden: torch.Tensor, shard) -> bool:
-    """Whether the chain can run this batch: layers laid out as Llama's (no q/k norms, Gemma's
-    norms or activation, experts or logit cap: ModelConfig.llama_layout), one token, of a dtype
-    and weights it takes."""
-    return shard.config.llama_layout and _kernels().use_decode_linear(hidden, shard.layers[0].self_attn.qkv_proj.weight)
+    """Whether the chain can run this batch: layers it takes (no Gemma norms, activation or logit
+    cap: ModelConfig.decode_chain_layout), one token, of a dtype and weights it takes."""
+    return shard.config.decode_chain_layout and _kernels().use_decode_linear(
+        hidden, shard.layers[0].self_attn.qkv_proj.weight
+    )
 
 
 def decode_chain_forward(
@@ -57,12 +65,17 @@ def decode_chain_forward(
     for i, (layer, kv_cache) in enumerate(zip(shard.layers, kv_caches)):
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        # The stage's first layer adds the pair as it came; later ones get h, added already.
+        # The stage's first layer, and a layer after experts, add the pair; others get h, added already.
         qkv, h = k.norm_linear(
             hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual
         )
         out = attn.attend(qkv, positions, shard.rotary_for(layer), kv_cache, meta, shard.attn_backend)
         h = _add_row_parallel(k, shard.tp, out, attn.o_proj, h)
+        if isinstance(mlp, SparseMoE):
+            hidden, residual = mlp(norm2(h)), h  # the experts' all-reduce is the layer's own
+            if i == last:
+                return hidden, h
+            continue
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:
             down = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -241,17 +241,12 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
-    def llama_layout(self) -> bool:
-        """Layers exactly as Llama's (the batch-1 decode chain's fused GEMVs take only these): no
-        q/k norms, plain RMSNorm, two norms a layer, a SiLU-gated dense MLP everywhere, no
-        logit soft-capping."""
+    def decode_chain_layout(self) -> bool:
+        """Layers the batch-1 decode chain's fused GEMVs take: Llama's plain RMSNorm, two norms a
+        layer and SiLU-gated MLPs, dense or of experts, with or without q/k norms (Qwen3, Qwen3-MoE,
+        Mixtral); not Gemma's unit-offset and sandwich norms, GELU or logit soft-capping."""
         return not (
-            self.qk_norm
-            or self.norm_unit_offset
-            or self.sandwich_norms
-            or self.num_experts
-            or self.hidden_act != "silu"
-            or self.final_logit_softcapping
+            self.norm_unit_offset or self.sandwich_norms or self.hidden_act != "silu" or self.final_logit_softcapping
         )
 
     def layer_range(self, stage_index: int, num_stages: int) -> tuple[int, int]:
