@@ -109,7 +109,8 @@ if not can_run_interpreted_here("strata.kernels.fused_moe"):
     # --- the tile table ---------------------------------------------------------------------------
 
     def test_config_table_small_tiles_for_decode_large_for_prefill():
-        from strata.kernels.fused_moe import choose_moe_config, launch_variants, max_padded_blocks
+        from strata.kernels.fused_moe import choose_moe_config, launch_variants
+        from strata.kernels.moe_routing import max_padded_blocks
 
         assert choose_moe_config(1, 8, 128).block_m == 16  # Qwen3-30B-A3B decode
         assert choose_moe_config(16, 8, 128).block_m == 16

@@ -308,7 +308,8 @@ def test_gemma_config_forms():
     assert [config.sliding_window_for_layer(i) for i in (0, 4, 5, 11)] == [1024, 1024, None, None]
     assert [config.local_rotary_for_layer(i) for i in (0, 5)] == [True, False]
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.rope_local_theta == 10000.0
-    assert not config.llama_layout and ModelConfig.from_dict(HUB_CONFIGS["qwen3-8b"]).qk_norm
+    qwen3 = ModelConfig.from_dict(HUB_CONFIGS["qwen3-8b"])
+    assert not config.decode_chain_layout and qwen3.qk_norm and qwen3.decode_chain_layout
 
 
 def test_config_refuses_what_it_cannot_serve():

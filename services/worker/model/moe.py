@@ -58,7 +58,8 @@ class SparseMoE(FusedKernelSwitch, nn.Module):
         weight_dtype = logits.dtype if self.round_weights else None
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         if self._use_fused(x):
-            from strata.kernels.fused_moe import fused_moe, select_experts  # Triton: imported on first use
+            from strata.kernels.fused_moe import fused_moe  # Triton: imported on first use
+            from strata.kernels.moe_routing import select_experts
 
             weights, ids = select_experts(logits, self.top_k, self.renormalize, weight_dtype=weight_dtype)
             out = fused_moe(x, w13, w2, weights, ids, expert_map=self.expert_map)
