@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from strata import openai_format, openai_prompts
+from strata import openai_format, openai_prompts, openai_responses
 from strata.batch_tokenize import GatewayTokenizer, TokenizerMismatch, check_tokenizer
 from strata.client import gateway_channel
 from strata.common_prefix import sort_by_prefix
@@ -199,7 +199,7 @@ def answer_line(
         "response": {
             "status_code": 200,
             "request_id": response.request_id,
-            "body": openai_format.response_body(response, item.chat, model, token_text, view),
+            "body": openai_responses.response_body(response, item.chat, model, token_text, view),
         },
         "error": None,
     }

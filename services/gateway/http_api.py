@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from strata import openai_format, openai_prompts
+from strata import openai_format, openai_prompts, openai_responses
 from strata.openai_prompts import PromptView
 from strata.prompt_tokens import PromptInput
 from strata.protocol import MAX_LOGPROBS
@@ -265,7 +265,7 @@ def build_app(gateway: Gateway) -> Starlette:
         finally:  # a prompt that failed cancels the others
             for responses in streams:
                 await responses.aclose()
-        bodies = [openai_format.response_body(r, chat, model, token_text, v) for r, v in zip(finals, views)]
+        bodies = [openai_responses.response_body(r, chat, model, token_text, v) for r, v in zip(finals, views)]
         body = openai_prompts.merge_bodies(bodies)
         return JSONResponse(calls.message(body) if calls is not None else body)
 
@@ -281,7 +281,7 @@ def build_app(gateway: Gateway) -> Starlette:
             if isinstance(failed, GatewayError):
                 return _from_gateway(failed)
             raise failed
-        rid, created = openai_format.response_id(chat), int(time.time())
+        rid, created = openai_responses.response_id(chat), int(time.time())
         texts: dict[int, str] = {}  # each output's text so far (tool calls)
 
         async def pump(i: int, merged: asyncio.Queue) -> None:
@@ -328,14 +328,14 @@ def build_app(gateway: Gateway) -> Starlette:
             try:
                 async for i, response in responses:
                     last[i] = response
-                    chunk = openai_format.chunk_body(
+                    chunk = openai_responses.chunk_body(
                         response, chat, model, rid, created, started[i], token_text, views[i]
                     )
                     if calls is not None:
                         chunk = calls.chunk(chunk, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage and last:
-                    usages = [views[i].usage(openai_format.usage_body(r.usage)) for i, r in last.items()]
+                    usages = [views[i].usage(openai_responses.usage_body(r.usage)) for i, r in last.items()]
                     usage = {
                         "id": rid,
                         "object": "chat.completion.chunk" if chat else "text_completion",
