@@ -35,7 +35,7 @@ __all__ = ["LogprobRows", "logprob_rows", "logprob_rows_reference"]
 BLOCK = 1024
 MAX_TILES = 32  # tiles a span walks at most: enough spans per row to fill the GPU with few rows
 DEPTH = 2  # tiles each load takes
-NUM_WARPS = 4
+NUM_WARPS = 4  # with the three above: the best of an H200 sweep (bench/RESULTS.md)
 NUM_STAGES = 3
 # Top counts the kernel is compiled for: a row's k is served by the next one up (fewer variants).
 K_VARIANTS = (0, 1, 5, 20)
@@ -44,8 +44,8 @@ if triton is not None:
 
     @triton.jit
     def _take_tiles(x, hits, lane_max, lane_sum, lane_count):
-        # DEPTH tiles x [DEPTH, BLOCK] into the per-lane running maximum, sum of exp below it, and
-        # count of entries at least the token's (hits).
+        # A load of DEPTH tiles, x [DEPTH, BLOCK], into each lane's running maximum, sum of exp
+        # below it, and count of entries at least the token's (hits).
         new_max = tl.maximum(lane_max, tl.max(x, axis=0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes of -inf only: sum 0
         lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)

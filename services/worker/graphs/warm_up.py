@@ -75,7 +75,7 @@ def warm_up(
     shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
     warm_up_experts(shard, dtype, device)
     if sampler is not None:
-        shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
+        head_logits = shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it
         # The draw's launch shape changes with the batch (kernels/gumbel_sampling.py): warm both.
         # (top-p alone: a tensor-parallel rank's draw over gathered whole rows)
         variants = [(0.0, 0, 1.0, -1), (1.0, 0, 1.0, -1), (1.0, 5, 1.0, -1), (1.0, 0, 1.0, 2), (1.0, 5, 1.0, 2)]
@@ -107,7 +107,7 @@ def warm_up(
                     whole(target, _plain_settings(rows, device))
         warm_up_controls(shard.config.vocab_size, dtype, device)
         if vocab_width == shard.config.vocab_size:  # a rank's slices take the torch path
-            warm_up_prompt_logprobs(shard.compute_logits(hidden[:2], residual[:2]))
+            warm_up_prompt_logprobs(head_logits)
     torch.cuda.synchronize(device)
 
 
