@@ -53,7 +53,7 @@ _INT_POINTERS = {
 }
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr", "stats_ptr", "stats_out_ptr"}
 _FP32_POINTERS |= {"weights_ptr", "topk_weights_ptr"}
-_FLOAT_ARGS = {"qk_scale_log2", "eps"}
+_FLOAT_ARGS = {"qk_scale_log2", "eps", "norm_eps"}
 
 
 @dataclass

@@ -15,13 +15,15 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
   values (positions before the new token's, written by earlier steps). Its K/V stream thus
   starts while the qkv projection is still running. (Split launches only: unsplit ones, full
   waves of bandwidth-bound programs, keep those registers free for more resident programs.)
-- After the wait: the query heads of the KV head's GQA group, loaded raw from the projection
-  and rotated in registers with kernels/rotary.py's rounding. Scores are two dots, one per
-  rotary half (q . k = q1 . k1 + q2 . k2), so the halves never need re-interleaving.
-- The new token: a split of its own (the last split when the context fills them all) rotates
-  its key, stores key and value to the cache slot, and folds them into its softmax directly
-  (one more score per query row). No program reads a slot this launch writes, so none waits
-  for another's store.
+- After the wait: the query heads of the KV head's GQA group, loaded raw from the projection,
+  RMS-normalised per head where the layer has q/k norms (Qwen3; Gemma 3's scale by 1 + weight;
+  their weights read before the wait) and rotated in registers, with kernels/rotary.py's helpers
+  and rounding. Scores are two dots, one per rotary half (q . k = q1 . k1 + q2 . k2), so the
+  halves never need re-interleaving.
+- The new token: a split of its own (the last split when the context fills them all) norms and
+  rotates its key as the queries, stores key and value to the cache slot, and folds them into
+  its softmax directly (one more score per query row). No program reads a slot this launch
+  writes, so none waits for another's store.
 - Under CUDA graphs the split count follows max_model_len, not the context: splits past the
   context's tiles (and the new token's split) leave at once, and only those that took part merge.
 - The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
@@ -51,7 +53,7 @@ from strata.kernels.paged_attention import (
     choose_launch_config,
     online_softmax_step,
 )
-from strata.kernels.rotary import rotate_halves
+from strata.kernels.rotary import norm_weight_halves, normed_halves, rotate_halves
 
 __all__ = ["compile_serving_variants", "decode_attention", "decode_attention_serves", "decode_attention_supported"]
 
@@ -128,6 +130,9 @@ def _decode_attention_kernel(
     positions_ptr,
     cos_ptr,
     sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
@@ -163,6 +168,8 @@ def _decode_attention_kernel(
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PDL: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
+    NORM_UNIT_OFFSET: tl.constexpr = False,
 ):
     seq = tl.program_id(0)  # = its token: one new token per sequence
     kv_head = tl.program_id(1)
@@ -208,6 +215,10 @@ def _decode_attention_kernel(
             TILE_N,
             HALF,
         )
+    if QK_NORM:  # the norms' weights (the new key's in split launches only, as its K/V below)
+        q_w1, q_w2 = norm_weight_halves(q_norm_ptr, half_dims, HALF)
+        if NUM_SPLITS > 1:
+            k_w1, k_w2 = norm_weight_halves(k_norm_ptr, half_dims, HALF)
     if PDL:
         gdc_wait()  # qkv is the projection's output
 
@@ -223,6 +234,8 @@ def _decode_attention_kernel(
     # so that no register holds them (or cos and sin) across the loop. Only split parts - 1 uses them.
     if NUM_SPLITS > 1:
         kn1, kn2, vn = _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
+    if QK_NORM:  # padding rows are zeros and stay zeros
+        q1, q2 = normed_halves(q1, q2, q_w1, q_w2, norm_eps, HALF, NORM_UNIT_OFFSET)
     q1, q2 = rotate_halves(q1, q2, cos, sin)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # a finite floor: masked rows stay NaN-free
@@ -269,10 +282,14 @@ def _decode_attention_kernel(
             m_i, l_i, acc = _attend_cached(q1, q2, k1, k2, v, k_valid, m_i, l_i, acc, qk_scale_log2, IEEE_DOT)
 
     if split == parts - 1:
-        # The new token: rotate its key, store key and value in the cache, and attend to them here.
+        # The new token: norm and rotate its key, store key and value in the cache, attend to them.
         if NUM_SPLITS == 1:
             kn1, kn2, vn = _new_token_kv(token_qkv, kv_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
             cos, sin = _cos_sin(cos_ptr, sin_ptr, position, stride_cos, stride_sin, HALF)
+            if QK_NORM:
+                k_w1, k_w2 = norm_weight_halves(k_norm_ptr, half_dims, HALF)
+        if QK_NORM:
+            kn1, kn2 = normed_halves(kn1, kn2, k_w1, k_w2, norm_eps, HALF, NORM_UNIT_OFFSET)
         kn1, kn2 = rotate_halves(kn1, kn2, cos, sin)
         if slot >= 0:  # -1: a padding row, nothing stored
             cache_slot = (
@@ -395,8 +412,7 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide), up to the D = 128 its
-    tiles were sized for (the D = 256 models, Gemma 3, norm q and k before rotary, which this launch
-    does not: they take rotary + paged attention), and the dtypes it takes."""
+    tiles were sized for (Gemma 3's D = 256 takes rotary + paged attention), and the dtypes it takes."""
     return (
         32 <= head_dim <= 128
         and head_dim & (head_dim - 1) == 0
@@ -467,6 +483,7 @@ def decode_attention(
     scale: float,
     max_seq_len: int,
     num_kv_splits: int | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq * D] for qkv [T, (Hq + 2 Hkv) * D], one new token per sequence (T = B).
 
@@ -474,7 +491,9 @@ def decode_attention(
     rotated keys and the values in kv_cache [2, NB, Hkv, BS, D] at slot_mapping [T] (slots < 0
     skipped), and attends over each sequence's seq_lens[b] keys, the new one included. Equal to
     rotary_embedding_ + paged_attention up to float32 summation order. max_seq_len: a host-side
-    bound that only picks the split count (under CUDA graphs a fixed one).
+    bound that only picks the split count (under CUDA graphs a fixed one). qk_norm (q weight [D],
+    k weight [D], eps, unit_offset): each query and key head RMS-normalised first, as
+    rotary_embedding_'s qk_norm.
     """
     num_tokens = qkv.shape[0]
     num_kv_heads, block_size, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
@@ -484,6 +503,8 @@ def decode_attention(
     assert block_tables.shape[0] == num_tokens and block_tables.stride(1) == 1
     assert kv_cache.dtype == qkv.dtype and kv_cache.stride(-1) == 1 and cos_cache.shape[1] == head_dim // 2
     assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1 and num_q_heads % num_kv_heads == 0
+    if qk_norm is not None:
+        assert qk_norm[0].shape == qk_norm[1].shape == (head_dim,), (qk_norm[0].shape, head_dim)
     out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return out
@@ -513,6 +534,9 @@ def decode_attention(
         positions,
         cos_cache,
         sin_cache,
+        qk_norm[0] if qk_norm else cos_cache,  # not read without QK_NORM
+        qk_norm[1] if qk_norm else cos_cache,
+        qk_norm[2] if qk_norm else 0.0,
         key_cache,
         value_cache,
         slot_mapping,
@@ -538,6 +562,8 @@ def decode_attention(
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,
+        QK_NORM=qk_norm is not None,
+        NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
         num_warps=num_warps(head_dim, splits),
         num_stages=2,
         **launch_options(pdl),
@@ -545,10 +571,13 @@ def decode_attention(
     return out
 
 
-def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
+def compile_serving_variants(
+    kv_cache: torch.Tensor, num_q_heads: int, qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None
+) -> None:
     """Launches every split count an eager decode step can pick (powers of two up to MAX_KV_SPLITS,
     see choose_launch_config) on one sequence with no cached keys that writes nothing (slot -1), so
-    none compiles mid-serving. Decode graphs compile theirs when captured."""
+    none compiles mid-serving. Decode graphs compile theirs when captured. qk_norm: the layers'
+    (decode_attention's argument), whose variant their steps launch."""
     num_kv_heads, head_dim, device = kv_cache.shape[2], kv_cache.shape[4], kv_cache.device
     if not decode_attention_supported(head_dim, kv_cache.dtype):
         return
@@ -570,5 +599,6 @@ def compile_serving_variants(kv_cache: torch.Tensor, num_q_heads: int) -> None:
             scale=1.0,
             max_seq_len=1,
             num_kv_splits=splits,
+            qk_norm=qk_norm,
         )
         splits *= 2

@@ -58,21 +58,30 @@ def _rotated_heads(
     x1 = tl.load(first_ptrs, mask=mask, other=0.0)
     x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0)
     if QK_NORM:
-        x1, x2 = _normed_halves(x1, x2, norm_ptr, norm_eps, dims, HALF, NORM_UNIT_OFFSET)
+        w1, w2 = norm_weight_halves(norm_ptr, dims, HALF)
+        x1, x2 = normed_halves(x1, x2, w1, w2, norm_eps, HALF, NORM_UNIT_OFFSET)
     first, second = rotate_halves(x1, x2, cos, sin)
     return first, second, mask
 
 
 @triton.jit
-def _normed_halves(x1, x2, weight_ptr, eps, dims, HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+def norm_weight_halves(weight_ptr, dims, HALF: tl.constexpr):
+    """A q/k norm's weight [2 HALF] as its halves [1, len(dims)] in float32 (padding zero), for
+    normed_halves. Shared with kernels/decode_attention.py, which loads them before its wait."""
+    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    return w1, w2
+
+
+@triton.jit
+def normed_halves(x1, x2, w1, w2, eps, HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """Both halves of each head [heads, HALF] RMS-normalised over the head (2 HALF values) with
-    weight [2 HALF], in x's dtype, rounded as kernels/rmsnorm.py's rows (padding zero)."""
+    the weight's halves w1, w2 (norm_weight_halves), in x's dtype, rounded as kernels/rmsnorm.py's
+    rows (padding zero). Shared with kernels/decode_attention.py."""
     dtype = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     inv_rms = tl.math.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     if UNIT_OFFSET:  # Gemma: (1 + w) * normed, nothing rounded in between
         return (a * inv_rms * (1.0 + w1)).to(dtype), (b * inv_rms * (1.0 + w2)).to(dtype)
     # Qwen3 (Llama's RMSNorm): the normed head rounded to x's dtype, then times the weight.

@@ -609,9 +609,9 @@ else:
         logit cap, Qwen3-MoE's routing and fused experts (kernels/fused_moe.py): a prefill, a
         decode step over a paged cache and a batch-1 one, fused (forced on CPU) vs the HF-exact
         torch path. The batch-1 decode chain, forced on too, takes Qwen3's and Qwen3-MoE's layers
-        (experts behind their own norm) and declines Gemma's; the one-launch decode attention
-        declines q/k norms."""
-        from strata.kernels import decode_attention, decode_linear, fused_moe
+        (experts behind their own norm) and declines Gemma's; the decode steps' attention is the
+        one-launch decode attention (q/k norms in it) but in Gemma's sliding layer."""
+        from strata.kernels import decode_attention, decode_linear, decode_moe, fused_moe
 
         config = tiny_config(**FAMILIES[family], head_dim=32)
         shard = random_shard(config)
@@ -620,6 +620,7 @@ else:
         for name in ("rotary_embedding_", "gelu_tanh_and_mul", "silu_and_mul"):
             monkeypatch.setattr(kernels, name, _counting(getattr(kernels, name), name, calls))
         monkeypatch.setattr(fused_moe, "fused_moe", _counting(fused_moe.fused_moe, "fused_moe", calls))
+        monkeypatch.setattr(decode_moe, "decode_moe", _counting(decode_moe.decode_moe, "decode_moe", calls))
         gemvs, one_launch = [], []
         monkeypatch.setattr(decode_linear, "_decode_linear_kernel", Counted(decode_linear._decode_linear_kernel, gemvs))
         monkeypatch.setattr(
@@ -642,15 +643,20 @@ else:
                 logits = shard.compute_logits(hidden[inputs.logits_indices], residual[inputs.logits_indices])
                 outputs += [hidden, residual, logits]
             results[fused] = outputs + [caches[-1]]
-        # Three steps of two layers: rotary (with the q/k norms) in every layer, and the MLPs. The
-        # batch-1 step of Qwen3 and Qwen3-MoE takes the decode chain (its dense MLP is GEMVs, with
-        # SiLU in down's prologue); Gemma's is declined.
+        # Three steps of two layers: rotary (with the q/k norms) in every layer of the prefill and
+        # of the decode steps' layers that the one launch does not take (Gemma's sliding layer 0),
+        # and the MLPs. The batch-1 step of Qwen3 and Qwen3-MoE takes the decode chain (its dense
+        # MLP is GEMVs, with SiLU in down's prologue); Gemma's is declined.
         chained = family != "gemma3"
-        assert calls["rotary_embedding_"] == 6 and bool(gemvs) == chained and not one_launch
+        one_launch_layers = 1 if family == "gemma3" else 2
+        assert calls["rotary_embedding_"] == 2 + 2 * (2 - one_launch_layers)
+        assert len(one_launch) == 2 * one_launch_layers and bool(gemvs) == chained
         mlp = "gelu_tanh_and_mul" if family == "gemma3" else "silu_and_mul"
         dense_layers = 1 if family == "qwen3_moe" else 2  # layer 1 only: layer 0 has experts
         assert calls[mlp] == dense_layers * (2 if chained else 3)
-        assert calls.get("fused_moe", 0) == (3 if family == "qwen3_moe" else 0)
+        # The batch-1 step's experts are the chain's GEMVs (kernels/decode_moe.py), the others fused_moe.
+        assert calls.get("fused_moe", 0) == (2 if family == "qwen3_moe" else 0)
+        assert calls.get("decode_moe", 0) == (1 if family == "qwen3_moe" else 0)
         for got, want in zip(results[True], results[False]):
             torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
@@ -764,11 +770,11 @@ else:
             for got, expected in zip(run(stages, True), want):
                 torch.testing.assert_close(got, expected, atol=5e-5, rtol=5e-5)
             # The two decode steps (the prefill's 5 tokens are past the chain's one): 4 GEMVs a dense
-            # layer (qkv, o_proj, gate_up, down), 2 a layer of experts (qkv, o_proj), and lm_head's;
-            # the prefill's sampled row: lm_head's. Q/k norms take the three attention kernels.
-            gemvs = 4 * config.num_hidden_layers - (2 if arch == "qwen3_moe" else 0)
+            # layer (qkv, o_proj, gate_up, down), 3 a layer of experts (qkv, o_proj, the router: its
+            # experts are kernels/decode_moe.py's), and lm_head's; the prefill's sampled row: lm_head's.
+            gemvs = 4 * config.num_hidden_layers - (1 if arch == "qwen3_moe" else 0)
             assert len(launches) == 2 * (gemvs + 1) + 1
-            one_launch = head_dim == 32 and not config.qk_norm
+            one_launch = head_dim == 32  # q/k norms (Qwen3-MoE) included
             assert len(attention_launches) == (2 * config.num_hidden_layers if one_launch else 0)
 
 

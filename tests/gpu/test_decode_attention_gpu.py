@@ -1,7 +1,8 @@
 """The one-launch decode attention (kernels/decode_attention.py) on a real GPU: bf16 on the Llama-3.2-1B,
 3.1-8B and SmolLM2 head shapes against the three kernels it replaces (rotary + KV write, paged
-attention, merge) and float32 math, many splits racing on their arrival counters, and graph replays
-with programmatic dependent launches equal to eager runs.
+attention, merge) and float32 math, Qwen3's and Gemma 3's q/k norms on Qwen3-30B-A3B's heads, many
+splits racing on their arrival counters, and graph replays with programmatic dependent launches
+equal to eager runs.
 
     python -m pytest tests/gpu/test_decode_attention_gpu.py -q
 """
@@ -20,6 +21,7 @@ from strata.kernels.decode_attention import _arrival_counters, decode_attention 
 from strata.kernels.paged_attention import paged_attention  # noqa: E402
 from strata.kernels.reference import (  # noqa: E402
     paged_attention_reference,
+    rms_norm_reference,
     rotary_embedding_reference,
     write_kv_cache_reference,  # noqa: E402
 )
@@ -55,13 +57,16 @@ def decode_batch(context_lens, num_q_heads, num_kv_heads, head_dim, seed=0):
     return batch, qkv, (batch.seq_lens - 1).long()
 
 
-def three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, cache):
-    """What the chain ran before: rotary + KV write in place, then paged attention (and its merge)."""
+def three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, cache, qk_norm=None):
+    """What the chain ran before: rotary (and q/k norms) + KV write in place, then paged attention
+    (and its merge)."""
     qkv = qkv.clone()
     t = qkv.shape[0]
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
-    rotary_embedding_(positions, q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=batch.slot_mapping)
+    rotary_embedding_(
+        positions, q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=batch.slot_mapping, qk_norm=qk_norm
+    )
     return paged_attention(
         q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1, batch.max_seq_len, head_dim**-0.5
     ).view(t, -1)
@@ -95,6 +100,65 @@ def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_hea
     q_rot, _ = rotary_embedding_reference(
         positions, q.view(t, num_q_heads, head_dim), k.view(t, num_kv_heads, head_dim), cos, sin
     )
+    exact = paged_attention_reference(
+        q_rot.float(),
+        old_cache.float(),
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        1,
+        batch.max_seq_len,
+        head_dim**-0.5,
+    ).view(t, -1)
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
+    assert (got.float() - exact).abs().mean() <= 1.5 * (want.float() - exact).abs().mean() + 1e-5
+    assert not _arrival_counters(qkv.device, 1).any()
+
+
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("context_lens", [[575], [0, 17, 300, 4000]], ids=["batch1-576", "ragged"])
+def test_bf16_qk_norms_equal_three_kernels_within_rounding(context_lens, unit_offset):
+    """Per-head q/k RMSNorm before rotary (Qwen3's weight, Gemma 3's 1 + weight) on Qwen3-30B-A3B's
+    heads (32 query, 4 KV, D = 128): the cache as the rotary kernel's normed path stores it, the
+    output as close to float32 math on the normed, rotated inputs as the three kernels'."""
+    num_q_heads, num_kv_heads, head_dim = 32, 4, 128
+    batch, qkv, positions = decode_batch(context_lens, num_q_heads, num_kv_heads, head_dim)
+    cos, sin = rope_tables(head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q_weight, k_weight = (
+        (torch.randn(head_dim, device="cuda", generator=gen) * 0.5 + (0.0 if unit_offset else 1.0)).to(torch.bfloat16)
+        for _ in "qk"
+    )
+    norms = (q_weight, k_weight, 1e-6, unit_offset)
+    old_cache = batch.kv_cache.clone()
+    want = three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, old_cache, norms)
+    got = decode_attention(
+        qkv,
+        positions,
+        cos,
+        sin,
+        batch.kv_cache,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.slot_mapping,
+        num_q_heads=num_q_heads,
+        scale=head_dim**-0.5,
+        max_seq_len=batch.max_seq_len,
+        qk_norm=norms,
+    )
+    # The same normed, rotated keys as the rotary kernel's (both sum each head's squares in float32,
+    # in their own orders: at most one bf16 step apart, and rarely).
+    new_keys, old_keys = (kv_by_slot(cache).nan_to_num(7.0).float() for cache in (batch.kv_cache, old_cache))
+    torch.testing.assert_close(new_keys, old_keys, atol=1.6e-2, rtol=8e-3)
+    assert (new_keys != old_keys).float().mean() <= 1e-3
+    t = qkv.shape[0]
+    q, k, _ = (
+        x.view(t, -1, head_dim)
+        for x in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    )
+    q_normed = rms_norm_reference(q, q_weight, 1e-6, unit_offset)
+    k_normed = rms_norm_reference(k, k_weight, 1e-6, unit_offset)
+    q_rot, _ = rotary_embedding_reference(positions, q_normed, k_normed, cos, sin)
     exact = paged_attention_reference(
         q_rot.float(),
         old_cache.float(),

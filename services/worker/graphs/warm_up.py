@@ -17,6 +17,7 @@ import torch
 from strata.kernels.gumbel_sampling import batches_per_launch_shape
 from strata.services.worker.device.host_to_device import upload
 from strata.services.worker.model.attention import AttentionMetadata
+from strata.services.worker.model.layers import qk_norm_weights
 from strata.services.worker.model.moe import SparseMoE
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 
@@ -72,7 +73,9 @@ def warm_up(
         hidden, residual = shard.forward(
             inputs["input_ids"] if shard.is_first else None, inputs["positions"], hidden, residual, kv_caches, meta
         )
-    shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads)
+    # Every layer has q/k norms or none: the first one's pick the one-launch decode's variant.
+    qk_norm = qk_norm_weights(shard.layers[0].self_attn.qk_norms)
+    shard.attn_backend.warm_up(kv_caches[0], shard.config.num_attention_heads, qk_norm)
     warm_up_experts(shard, dtype, device)
     if sampler is not None:
         head_logits = shard.compute_logits(hidden[:2], residual[:2])  # the head's path, as a step runs it

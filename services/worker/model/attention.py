@@ -61,8 +61,14 @@ class AttentionBackend(Protocol):
         """
         ...
 
-    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
-        """Compiles, before serving, the kernel variants that steps other than the warm-up's need."""
+    def warm_up(
+        self,
+        kv_cache: torch.Tensor,
+        num_q_heads: int,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+    ) -> None:
+        """Compiles, before serving, the kernel variants that steps other than the warm-up's need.
+        qk_norm: the layers' q/k norms as the kernels take them (layers.qk_norm_weights), or None."""
         ...
 
 
@@ -113,7 +119,7 @@ class TorchAttentionBackend:
             )
         return result if out is None else out.copy_(result)
 
-    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, qk_norm=None) -> None:
         pass  # nothing compiles
 
 

@@ -11,10 +11,11 @@ Per layer, five launches instead of ten (kernels/decode_linear.py says why that 
     gate_up = norm_linear(h)                     post-attention RMSNorm in gate_up's prologue
     h       = linear_add_residual(gate_up, down, silu_mul=True)
 
-A layer of experts (Qwen3-MoE, Mixtral) keeps its MLP as it is (model/moe.py: the router and the
-fused experts) behind the post-attention RMSNorm on its own; its output and h go to the next
-layer's qkv prologue as a (hidden, residual) pair, as a stage's first layer takes them. Q/k norms
-(Qwen3) take attention's three kernels: the one-launch decode attention has none.
+A layer of experts (Qwen3-MoE, Mixtral) runs as three GEMVs of its own (kernels/decode_moe.py:
+the router with the post-attention RMSNorm in its prologue, each slot's expert gate/up, then
+down with the k slots summed); its output and h go to the next layer's qkv prologue as a
+(hidden, residual) pair, as a stage's first layer takes them. Q/k norms
+(Qwen3) go into the one-launch decode attention, before its rotary.
 
 h is the residual stream after each add (what the unfused path calls `residual` once the add is
 done). The stage's interface stays the unfused one: the first layer takes the (hidden,
@@ -72,7 +73,7 @@ def decode_chain_forward(
         out = attn.attend(qkv, positions, shard.rotary_for(layer), kv_cache, meta, shard.attn_backend)
         h = _add_row_parallel(k, shard.tp, out, attn.o_proj, h)
         if isinstance(mlp, SparseMoE):
-            hidden, residual = mlp(norm2(h)), h  # the experts' all-reduce is the layer's own
+            hidden, residual = mlp.forward_one_token(h, norm2), h  # the experts' all-reduce is the layer's own
             if i == last:
                 return hidden, h
             continue

@@ -175,6 +175,14 @@ def rms_norm_for(config: ModelConfig, size: int, device, dtype) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, device, dtype, unit_offset=config.norm_unit_offset)
 
 
+def qk_norm_weights(qk_norm: tuple[RMSNorm, RMSNorm] | None) -> tuple[torch.Tensor, torch.Tensor, float, bool] | None:
+    """(q_norm, k_norm) as the kernels' qk_norm argument: (q weight, k weight, eps, unit_offset)."""
+    if qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    return q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
+
+
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse rotary frequencies [head_dim / 2], float32, with llama3 or linear scaling when
     configured. local: the sliding layers' table (Gemma 3: its own base, never scaled)."""
@@ -243,10 +251,6 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
         the keys go rotated to the cache, never back into the projection. The torch path rotates
         q in place too, so that q stays where the piecewise graphs' attention reads it."""
         if self._use_fused(q):
-            norms = None
-            if qk_norm is not None:
-                q_norm, k_norm = qk_norm
-                norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
             _fused_kernels().rotary_embedding_(
                 positions,
                 q,
@@ -256,7 +260,7 @@ class RotaryEmbedding(FusedKernelSwitch, nn.Module):
                 value=v,
                 kv_cache=kv_cache,
                 slot_mapping=slot_mapping,
-                qk_norm=norms,
+                qk_norm=qk_norm_weights(qk_norm),
             )
             return q
         normed_q, normed_k = (qk_norm[0](q), qk_norm[1](k)) if qk_norm is not None else (q, k)
@@ -290,6 +294,11 @@ class Attention(nn.Module):
         self.q_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
         self.k_norm = rms_norm_for(config, self.head_dim, device, dtype) if config.qk_norm else None
 
+    @property
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """(q_norm, k_norm), or None for a layer without them."""
+        return (self.q_norm, self.k_norm) if self.q_norm is not None else None
+
     def attend(
         self,
         qkv: torch.Tensor,
@@ -301,7 +310,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """From the qkv projection [T, q + 2 kv] to the attention output [T, q] (o_proj's input):
         rotary, the KV cache write, attention. A small decode-only step does all three in one
-        launch (kernels/decode_attention.py) where that kernel serves the layer."""
+        launch (kernels/decode_attention.py, q/k norms included) where that kernel serves the layer."""
         if self._one_launch_decode(qkv, rotary, meta):
             from strata.kernels.decode_attention import decode_attention
 
@@ -317,6 +326,7 @@ class Attention(nn.Module):
                 num_q_heads=self.num_heads,
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
+                qk_norm=qk_norm_weights(self.qk_norms),
             )
         q = self.rotate_and_cache(qkv, positions, rotary, kv_cache, meta.slot_mapping, backend)
         return self.attend_cached(q, kv_cache, meta, backend)
@@ -337,8 +347,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend, qk_norm)
+        return rotary.rotate_and_cache(positions, q, k, v, kv_cache, slot_mapping, backend, self.qk_norms)
 
     def attend_cached(
         self,
@@ -355,14 +364,14 @@ class Attention(nn.Module):
 
     def _one_launch_decode(self, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> bool:
         """Whether kernels/decode_attention.py serves this step: one new token per sequence, with
-        the fused kernels on, no q/k norms, no sliding window or shared-prefix cascade, and a batch small enough
-        that one launch is faster (decode_attention_serves: the latency-bound batches), unless a
-        benchmark turned one_launch_decode off to time the three kernels (read when a step is
-        built or captured)."""
+        the fused kernels on, no sliding window or shared-prefix cascade (q/k norms it takes), and a
+        batch small enough that one launch is faster (decode_attention_serves: the latency-bound
+        batches), unless a benchmark turned one_launch_decode off to time the three kernels (read
+        when a step is built or captured)."""
         num_seqs = meta.seq_lens.shape[0]
         if meta.max_query_len != 1 or qkv.shape[0] != num_seqs or not rotary._use_fused(qkv):
             return False
-        if self.sliding_window is not None or meta.shared_kv_runs is not None or self.q_norm is not None:
+        if self.sliding_window is not None or meta.shared_kv_runs is not None:
             return False
         from strata.kernels.decode_attention import decode_attention_serves
 

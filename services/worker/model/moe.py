@@ -67,3 +67,25 @@ class SparseMoE(FusedKernelSwitch, nn.Module):
             weights, ids = select_experts_reference(logits, self.top_k, self.renormalize, weight_dtype=weight_dtype)
             out = fused_moe_reference(x, w13, w2, weights, ids, expert_map=self.expert_map)
         return out if self.reduce is None else self.reduce.all_reduce_(out)
+
+    def forward_one_token(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """forward(norm(h)) for the decode chain's one token: the norm, router and experts as
+        three GEMVs (kernels/decode_moe.py) where they serve, else the norm and forward."""
+        from strata.kernels import decode_moe  # Triton: imported on first use
+
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        if not decode_moe.decode_moe_serves(h, w13, w2, self.top_k):
+            return self(norm(h))
+        out = decode_moe.decode_moe(
+            h,
+            norm.weight,
+            norm.eps,
+            self.gate.weight,
+            w13,
+            w2,
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            weight_dtype=h.dtype if self.round_weights else None,
+            expert_map=self.expert_map,
+        )
+        return out if self.reduce is None else self.reduce.all_reduce_(out)

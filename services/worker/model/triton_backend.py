@@ -53,6 +53,11 @@ class TritonAttentionBackend:
             min_query_len=meta.min_query_len,
         )
 
-    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+    def warm_up(
+        self,
+        kv_cache: torch.Tensor,
+        num_q_heads: int,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+    ) -> None:
         compile_serving_variants(kv_cache, num_q_heads)
-        decode_attention.compile_serving_variants(kv_cache, num_q_heads)
+        decode_attention.compile_serving_variants(kv_cache, num_q_heads, qk_norm)
