@@ -1,27 +1,28 @@
-"""A layer of experts at batch 1 as three GEMV kernels: the decode chain's MoE layer
+"""A layer of experts at batch 1 as GEMVs: the decode chain's MoE layer
 (services/worker/model/decode_chain.py), for Qwen3-MoE and Mixtral.
 
-    logits, _ = norm_linear(h, gate, norm)            the router, its RMSNorm in the prologue
+    logits, _  = norm_linear(h, gate, norm)           the router, its RMSNorm in the prologue
                                                       (kernels/decode_linear.py)
-    inter     = expert_gate_up(h, logits)             a program per (slot s, BLOCK_N rows of I)
-    out       = expert_down(inter, logits)            a program per BLOCK_N columns of H, all k slots
+    weights, ids = select_experts(logits)             kernels/moe_routing.py, one program
+    inter      = expert_gate_up(h, ids)               a program per (slot s, BLOCK_N rows of I)
+    out        = expert_down(inter, ids, weights)     a program per BLOCK_N columns of H, all k slots
 
 Why: at one token the batched path (kernels/fused_moe.py) is eight launches around its two GEMMs
 (norm, router GEMM, select_experts, align, gate/up, down, k-sum) and each boundary drains the GPU;
 its 16-row tensor-core tiles also stream one token's experts well short of the copy floor
 (bench/RESULTS.md, issue 53). One token needs no grouping by expert: slot s *is* one expert.
 
-- Routing in the prologues. Each program takes the token's top-k from the router's logits itself
-  (moe_routing.top_k_routing, select_experts' rule): a few hundred bytes from L2 and k rounds of
-  argmax, where a launch of its own would cost more than that.
 - gate/up: x = rms_norm(h) in the prologue (decode_linear's rule, the row is whole here), the
   slot's expert's BLOCK_N gate rows and BLOCK_N up rows whole in registers, silu(gate) * up
   stored to inter[s] as fused_moe rounds it.
-- down: every slot's [BLOCK_N, I] rows of its expert, loaded *before* the dependent-launch wait:
-  gate/up signals its dependents only after its own wait, so when down starts the router has
-  completed and its logits can be read early (from L2: `.cg`, as no L1 line may predate them).
-  Then each slot's product is rounded, weighted, rounded (fused_moe's rounding) and the k
-  summed in float32: one store per column, no k-sum kernel, the same order on every run.
+- down: a [k * BLOCK_N, I] tile, the rows of each slot's expert for the program's columns, loaded
+  *before* the dependent-launch wait: gate/up signals its dependents only after its own wait, so
+  when down starts the routing has completed and its ids can be read early (from L2: `.cg`, as no
+  L1 line may predate them). Then each row's product is rounded, weighted, rounded (fused_moe's
+  rounding) and the k slots of a column summed in float32: one store per column, no k-sum
+  kernel, the same order on every run.
+(Routing inside every program's prologue instead of select_experts' launch was measured: k rounds
+of argmax ahead of each program's weight loads made both GEMVs several times slower.)
 
 Expert parallelism: `expert_map` sends a slot whose expert another rank holds to nothing here.
 Tensor parallelism shards I; the caller all-reduces the output. Batch 1 only, and only where a
@@ -38,46 +39,30 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from strata.kernels.activation import silu_mul
 from strata.kernels.decode_linear import TILE_BYTES, DecodeLinearConfig, norm_linear, use_decode_linear
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.moe_routing import _ROUND_CODES, top_k_routing
+from strata.kernels.moe_routing import select_experts
 from strata.kernels.rmsnorm import rms_norm_row
 
 __all__ = ["decode_moe", "decode_moe_serves", "launch_plans", "tile_rows"]
 
 
 @triton.jit
-def _routed_slots(
-    logits_ptr,
-    expert_map_ptr,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    EARLY: tl.constexpr,
-):
-    """The token's k slots: (weights float32 [TOP_K_PAD], local expert ids int32 [TOP_K_PAD],
-    -1 for padding slots and experts held by another rank). EARLY: read before the wait, past L1."""
-    experts = tl.arange(0, EXPERTS_PAD)
-    mask = experts < NUM_EXPERTS
+def _local_expert(ids_ptr, expert_map_ptr, slots, mask, HAS_MAP: tl.constexpr, EARLY: tl.constexpr):
+    """The local expert of each slot, -1 where masked or held by another rank. EARLY: read before
+    the wait, past L1."""
     if EARLY:
-        logits = tl.load(logits_ptr + experts, mask=mask, other=0.0, cache_modifier=".cg")
+        ids = tl.load(ids_ptr + slots, mask=mask, other=-1, cache_modifier=".cg")
     else:
-        logits = tl.load(logits_ptr + experts, mask=mask, other=0.0)
-    weights, ids = top_k_routing(logits[None, :], experts, NUM_EXPERTS, TOP_K, TOP_K_PAD, RENORMALIZE, ROUND_WEIGHTS)
-    weights, ids = tl.reshape(weights, (TOP_K_PAD,)), tl.reshape(ids, (TOP_K_PAD,))
-    real = tl.arange(0, TOP_K_PAD) < TOP_K
+        ids = tl.load(ids_ptr + slots, mask=mask, other=-1)
     if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=real, other=-1)
-    return weights, tl.where(real, ids, -1)
+        ids = tl.load(expert_map_ptr + ids, mask=ids >= 0, other=-1)
+    return ids
 
 
 @triton.jit
 def _expert_gate_up_kernel(
     h_ptr,
     norm_w_ptr,
-    logits_ptr,
+    ids_ptr,
     expert_map_ptr,
     w13_ptr,
     inter_ptr,
@@ -85,72 +70,52 @@ def _expert_gate_up_kernel(
     HIDDEN: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """inter[s, n] = silu(x . w13[e_s, n]) * (x . w13[e_s, I + n]), x = rms_norm(h), for BLOCK_N rows n."""
     slot = tl.program_id(0)
+    ks = tl.arange(0, HIDDEN_PAD)
+    k_ok = ks < HIDDEN
+    norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0)
     if PDL:
-        gdc_wait()  # the logits come from the router just before
-        # Only now: down reads the logits before its own wait (see the module docstring).
+        gdc_wait()  # the ids come from select_experts just before
+        # Only now: down reads the ids before its own wait (see the module docstring).
         gdc_launch_dependents()
-    _, ids = _routed_slots(
-        logits_ptr,
-        expert_map_ptr,
-        NUM_EXPERTS,
-        EXPERTS_PAD,
-        TOP_K,
-        TOP_K_PAD,
-        RENORMALIZE,
-        ROUND_WEIGHTS,
-        HAS_MAP,
-        False,
-    )
-    expert = tl.sum(tl.where(tl.arange(0, TOP_K_PAD) == slot, ids, 0))
+    expert = tl.sum(_local_expert(ids_ptr, expert_map_ptr, slot + tl.arange(0, 1), True, HAS_MAP, False))
     if expert < 0:
         return  # another rank's expert: down skips the slot
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < INTERMEDIATE
-    ks = tl.arange(0, HIDDEN_PAD)
-    k_ok = ks < HIDDEN
     gate_ptrs = (
         w13_ptr
         + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
         + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
+        + ks[None, :]
     )
-    gate_w = tl.load(gate_ptrs + ks[None, :], mask=k_ok[None, :], other=0.0)
-    up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN + ks[None, :], mask=k_ok[None, :], other=0.0)
+    gate_w = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
+    up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=k_ok[None, :], other=0.0)
     h = tl.load(h_ptr + ks, mask=k_ok, other=0.0)
-    x = rms_norm_row(h, tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0), HIDDEN, eps).to(h.dtype).to(tl.float32)
+    x = rms_norm_row(h, norm_w, HIDDEN, eps).to(h.dtype).to(tl.float32)
     dtype = inter_ptr.dtype.element_ty
     gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
     up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-    tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=row_ok)
+    tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
 
 
 @triton.jit
 def _expert_down_kernel(
     inter_ptr,
-    logits_ptr,
+    ids_ptr,
+    topk_weights_ptr,
     expert_map_ptr,
     w2_ptr,
     out_ptr,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
     INTERMEDIATE_PAD: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
@@ -158,44 +123,34 @@ def _expert_down_kernel(
     """out[n] = sum over slots s of weight_s * (inter[s] . w2[e_s, n]) for BLOCK_N columns n."""
     if PDL:
         gdc_launch_dependents()
-    # Before the wait: the router finished before gate/up let this kernel start (EARLY loads).
-    weights, ids = _routed_slots(
-        logits_ptr,
-        expert_map_ptr,
-        NUM_EXPERTS,
-        EXPERTS_PAD,
-        TOP_K,
-        TOP_K_PAD,
-        RENORMALIZE,
-        ROUND_WEIGHTS,
-        HAS_MAP,
-        PDL,
-    )
-    used = ids >= 0
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < HIDDEN
+    # Row r of the tile: slot r // BLOCK_N, column r % BLOCK_N.
+    tile_rows = tl.arange(0, TOP_K_PAD * BLOCK_N)
+    row_slot = tile_rows // BLOCK_N
+    col = tl.minimum(tl.program_id(0) * BLOCK_N + tile_rows % BLOCK_N, HIDDEN - 1)
+    # Before the wait: the routing finished before gate/up let this kernel start (EARLY loads).
+    expert = _local_expert(ids_ptr, expert_map_ptr, row_slot, row_slot < TOP_K, HAS_MAP, PDL)
+    used = expert >= 0
     ks = tl.arange(0, INTERMEDIATE_PAD)
     k_ok = ks < INTERMEDIATE
-    # [TOP_K_PAD, BLOCK_N, I]: each slot's expert's rows for these columns, whole.
     w_ptrs = (
-        w2_ptr
-        + tl.maximum(ids, 0).to(tl.int64)[:, None, None] * (HIDDEN * INTERMEDIATE)
-        + tl.minimum(cols, HIDDEN - 1)[None, :, None] * INTERMEDIATE
-        + ks[None, None, :]
+        w2_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None] * (HIDDEN * INTERMEDIATE) + col[:, None] * INTERMEDIATE
     )
-    w = tl.load(w_ptrs, mask=used[:, None, None] & k_ok[None, None, :], other=0.0)
+    w = tl.load(w_ptrs + ks[None, :], mask=used[:, None] & k_ok[None, :], other=0.0)
     if PDL:
+        weight = tl.load(topk_weights_ptr + row_slot, mask=used, other=0.0, cache_modifier=".cg")
         gdc_wait()  # inter comes from gate/up
-    slots = tl.arange(0, TOP_K_PAD)
+    else:
+        weight = tl.load(topk_weights_ptr + row_slot, mask=used, other=0.0)
     inter = tl.load(
-        inter_ptr + slots[:, None] * INTERMEDIATE + ks[None, :], mask=used[:, None] & k_ok[None, :], other=0.0
+        inter_ptr + row_slot[:, None] * INTERMEDIATE + ks[None, :], mask=used[:, None] & k_ok[None, :], other=0.0
     )
     dtype = out_ptr.dtype.element_ty
     # fused_moe's rounding: the product rounded, times the weight in float32, rounded; k summed in float32.
-    y = tl.sum(w.to(tl.float32) * inter.to(tl.float32)[:, None, :], axis=2).to(dtype)
-    weighted = (y.to(tl.float32) * weights[:, None]).to(dtype).to(tl.float32)
-    total = tl.sum(tl.where(used[:, None], weighted, 0.0), axis=0)
-    tl.store(out_ptr + cols, total.to(dtype), mask=col_ok)
+    y = tl.sum(w.to(tl.float32) * inter.to(tl.float32), axis=1).to(dtype)
+    weighted = tl.where(used, (y.to(tl.float32) * weight).to(dtype).to(tl.float32), 0.0)
+    total = tl.sum(tl.reshape(weighted, (TOP_K_PAD, BLOCK_N)), axis=0)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + cols, total.to(dtype), mask=cols < HIDDEN)
 
 
 def tile_rows(row_elements: int, rows_per_unit: int, element_size: int) -> int:
@@ -240,79 +195,63 @@ def decode_moe(
     assert decode_moe_serves(h, w13, w2, top_k), (tuple(h.shape), tuple(w13.shape), tuple(w2.shape), top_k)
     assert w13.is_contiguous() and tuple(w2.shape) == (num_local, hidden, intermediate)
     assert expert_map is None or (expert_map.dtype == torch.int32 and expert_map.shape == (num_experts,))
-    assert weight_dtype in _ROUND_CODES, weight_dtype
     # A few rows a program: the router's E rows would be a handful of programs at the chain's tile.
     router = DecodeLinearConfig(block_n=max(1, min(16, triton.next_power_of_2(num_experts) // 64)))
     logits, _ = norm_linear(h, gate_weight, None, norm_weight, eps, config=router)
+    weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
     pdl = dependent_launch_supported(h.device)
     gate_up, down = launch_plans(
         hidden=hidden,
         intermediate=intermediate,
-        num_experts=num_experts,
         top_k=top_k,
         element_size=h.element_size(),
-        renormalize=renormalize,
-        weight_dtype=weight_dtype,
         has_map=expert_map is not None,
         pdl=pdl,
     )
-    map_arg = expert_map if expert_map is not None else logits  # never read without HAS_MAP
-    inter = torch.empty(triton.next_power_of_2(top_k), intermediate, dtype=h.dtype, device=h.device)
+    map_arg = expert_map if expert_map is not None else ids  # never read without HAS_MAP
+    inter = torch.empty(top_k, intermediate, dtype=h.dtype, device=h.device)
     out = torch.empty_like(h)
     grid, constexprs, num_warps = gate_up
     _expert_gate_up_kernel[grid](
-        h, norm_weight, logits, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
+        h, norm_weight, ids, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
     )
     grid, constexprs, num_warps = down
-    _expert_down_kernel[grid](inter, logits, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl))
+    _expert_down_kernel[grid](
+        inter, ids, weights, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl)
+    )
     return out
 
 
 def launch_plans(
-    *,
-    hidden: int,
-    intermediate: int,
-    num_experts: int,
-    top_k: int,
-    element_size: int,
-    renormalize: bool,
-    weight_dtype: torch.dtype | None,
-    has_map: bool,
-    pdl: bool,
+    *, hidden: int, intermediate: int, top_k: int, element_size: int, has_map: bool, pdl: bool
 ) -> tuple[tuple, tuple]:
     """(grid, constexprs, warps) of the gate/up and the down launch (also the sm_90 compile test's)."""
-    top_k_pad = triton.next_power_of_2(top_k)
-    routing = dict(
-        NUM_EXPERTS=num_experts,
-        EXPERTS_PAD=triton.next_power_of_2(num_experts),
-        TOP_K=top_k,
-        TOP_K_PAD=top_k_pad,
-        RENORMALIZE=renormalize,
-        ROUND_WEIGHTS=_ROUND_CODES[weight_dtype],
-        HAS_MAP=has_map,
-        PDL=pdl,
-    )
     rows = tile_rows(hidden, 2, element_size)
     gate_up = (
         (top_k, triton.cdiv(intermediate, rows)),
         dict(
-            routing,
             HIDDEN=hidden,
             HIDDEN_PAD=triton.next_power_of_2(hidden),
             INTERMEDIATE=intermediate,
+            HAS_MAP=has_map,
             BLOCK_N=rows,
+            PDL=pdl,
         ),
         _warps(2 * rows, hidden, element_size),
     )
+    top_k_pad = triton.next_power_of_2(top_k)
     cols = tile_rows(intermediate, top_k_pad, element_size)
     down = (
         (triton.cdiv(hidden, cols),),
         dict(
-            routing,
             HIDDEN=hidden,
             INTERMEDIATE=intermediate,
             INTERMEDIATE_PAD=triton.next_power_of_2(intermediate),
+            TOP_K=top_k,
+            TOP_K_PAD=top_k_pad,
+            HAS_MAP=has_map,
             BLOCK_N=cols,
+            PDL=pdl,
         ),
         _warps(top_k_pad * cols, intermediate, element_size),
     )

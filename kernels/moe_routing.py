@@ -42,48 +42,6 @@ _ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 # --- 1. routing ---------------------------------------------------------------------------------
 
 
-@triton.jit
-def top_k_routing(
-    logits,
-    experts,
-    NUM_EXPERTS: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr,
-):
-    """HF's router on logits [rows, EXPERTS_PAD] (experts = tl.arange(0, EXPERTS_PAD)) ->
-    (weights float32, ids int32), [rows, TOP_K_PAD] each, slot s the s-th largest. Also the
-    decode chain's expert GEMVs' prologue (kernels/decode_moe.py)."""
-    expert_ok = experts < NUM_EXPERTS
-    logits = logits.to(tl.float32)
-    logits = tl.where(expert_ok[None, :], logits, -float("inf"))  # rows past T stay finite: no NaN
-    # HF's softmax in float32: exp(x - max) / sum, then probabilities compared and summed.
-    shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    shifted = tl.where(expert_ok[None, :], shifted, 0.0)
-    probs = shifted / tl.sum(shifted, axis=1)[:, None]
-    # Top-k by the logits (the same order as the probabilities, free of exp's rounding), k rounds of
-    # argmax; ties go to the lower expert id. Slot s holds the s-th largest, as torch.topk sorts.
-    slots = tl.arange(0, TOP_K_PAD)
-    chosen_ids = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.int32)
-    chosen = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.float32)
-    remaining = logits
-    for s in tl.static_range(TOP_K):
-        best = tl.argmax(remaining, axis=1, tie_break_left=True).to(tl.int32)
-        hit = experts[None, :] == best[:, None]
-        best_prob = tl.sum(tl.where(hit, probs, 0.0), axis=1)
-        chosen_ids = tl.where(slots[None, :] == s, best[:, None], chosen_ids)
-        chosen = tl.where(slots[None, :] == s, best_prob[:, None], chosen)
-        remaining = tl.where(hit, -float("inf"), remaining)
-    if RENORMALIZE:
-        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
-    if ROUND_WEIGHTS == 1:
-        chosen = chosen.to(tl.bfloat16).to(tl.float32)
-    elif ROUND_WEIGHTS == 2:
-        chosen = chosen.to(tl.float16).to(tl.float32)
-    return chosen, chosen_ids
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _select_experts_kernel(
     logits_ptr,
@@ -108,8 +66,30 @@ def _select_experts_kernel(
         mask=row_ok[:, None] & expert_ok[None, :],
         other=0.0,
     ).to(tl.float32)
-    chosen, chosen_ids = top_k_routing(logits, experts, NUM_EXPERTS, TOP_K, TOP_K_PAD, RENORMALIZE, ROUND_WEIGHTS)
+    logits = tl.where(expert_ok[None, :], logits, -float("inf"))  # rows past T stay finite: no NaN
+    # HF's softmax in float32: exp(x - max) / sum, then probabilities compared and summed.
+    shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    shifted = tl.where(expert_ok[None, :], shifted, 0.0)
+    probs = shifted / tl.sum(shifted, axis=1)[:, None]
+    # Top-k by the logits (the same order as the probabilities, free of exp's rounding), k rounds of
+    # argmax; ties go to the lower expert id. Slot s holds the s-th largest, as torch.topk sorts.
     slots = tl.arange(0, TOP_K_PAD)
+    chosen_ids = tl.zeros((BLOCK_T, TOP_K_PAD), dtype=tl.int32)
+    chosen = tl.zeros((BLOCK_T, TOP_K_PAD), dtype=tl.float32)
+    remaining = logits
+    for s in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, axis=1, tie_break_left=True).to(tl.int32)
+        hit = experts[None, :] == best[:, None]
+        best_prob = tl.sum(tl.where(hit, probs, 0.0), axis=1)
+        chosen_ids = tl.where(slots[None, :] == s, best[:, None], chosen_ids)
+        chosen = tl.where(slots[None, :] == s, best_prob[:, None], chosen)
+        remaining = tl.where(hit, -float("inf"), remaining)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    if ROUND_WEIGHTS == 1:
+        chosen = chosen.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_WEIGHTS == 2:
+        chosen = chosen.to(tl.float16).to(tl.float32)
     out_offsets = rows[:, None] * TOP_K + slots[None, :]
     out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out_offsets, chosen, mask=out_mask)

@@ -32,15 +32,7 @@ def sm90_launches(name: str):
 
     hidden, intermediate, experts, top_k = MODEL_SHAPES[name]
     plans = dm.launch_plans(
-        hidden=hidden,
-        intermediate=intermediate,
-        num_experts=experts,
-        top_k=top_k,
-        element_size=2,
-        renormalize=True,
-        weight_dtype=torch.bfloat16,
-        has_map=False,
-        pdl=True,
+        hidden=hidden, intermediate=intermediate, top_k=top_k, element_size=2, has_map=False, pdl=True
     )
     out = []
     for kernel, (_, constexprs, num_warps) in zip((dm._expert_gate_up_kernel, dm._expert_down_kernel), plans):
@@ -72,8 +64,8 @@ if not can_run_interpreted_here("strata.kernels.decode_moe", "strata.kernels.dec
                 # The k slots' weights stream while gate/up still runs.
                 assert loads_before >= 8, (name, loads_before)
             else:
-                # Nothing may be read before the router's logits are complete.
-                assert loads_before == 0, (name, loads_before)
+                # Nothing but the norm weight may be read before the routing is complete.
+                assert loads_before <= 2, (name, loads_before)
 
     def test_tile_rows():
         from strata.kernels.decode_moe import tile_rows
