@@ -3,7 +3,7 @@
 
     logits, _  = norm_linear(h, gate, norm)           the router, its RMSNorm in the prologue
                                                       (kernels/decode_linear.py)
-    weights, ids = select_experts(logits)             kernels/moe_routing.py, one program
+    weights, ids = select_experts(logits)             kernels/moe_routing.py, one one-warp program
     inter      = expert_gate_up(h, ids)               a program per (slot s, BLOCK_N rows of I)
     out        = expert_down(inter, ids, weights)     a program per BLOCK_N columns of H, all k slots
 
@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from strata.kernels import decode_linear
 from strata.kernels.activation import silu_mul
-from strata.kernels.decode_linear import TILE_BYTES, DecodeLinearConfig, norm_linear, use_decode_linear
+from strata.kernels.decode_linear import DecodeLinearConfig, norm_linear, use_decode_linear
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.moe_routing import select_experts
 from strata.kernels.rmsnorm import rms_norm_row
@@ -156,10 +157,11 @@ def _expert_down_kernel(
 def tile_rows(row_elements: int, rows_per_unit: int, element_size: int) -> int:
     """Rows of W a program holds: as many units of `rows_per_unit` padded rows as fit TILE_BYTES
     (decode_linear's register budget), a power of two, at least 1 (at most 16), 0 if one unit does not fit."""
+    tile_bytes = decode_linear.TILE_BYTES  # read at each launch: bench.decode_chain --tile-kb sweeps it
     unit_bytes = rows_per_unit * triton.next_power_of_2(row_elements) * element_size
-    if unit_bytes > TILE_BYTES:
+    if unit_bytes > tile_bytes:
         return 0
-    return min(16, 1 << (TILE_BYTES // unit_bytes).bit_length() - 1)
+    return min(16, 1 << (tile_bytes // unit_bytes).bit_length() - 1)
 
 
 def decode_moe_serves(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:

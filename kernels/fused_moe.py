@@ -422,7 +422,8 @@ def launch_variants(
 ) -> list[KernelLaunch]:
     """Every kernel variant a model of this shape launches while serving (those of each of
     warm_up_token_counts, routing with the model's options): for compile_check."""
-    variants = [routing_launch(num_experts, top_k, renormalize, weight_dtype), _sum_launch(hidden_size, top_k, False)]
+    routing = [routing_launch(num_experts, top_k, renormalize, weight_dtype, one, True) for one in (False, True)]
+    variants = [*routing, _sum_launch(hidden_size, top_k, False)]
     for tokens in warm_up_token_counts(num_experts, top_k):
         config, chunk, one_program = _variant_key(tokens, num_experts, top_k)
         aligns = align_launches(num_experts, config.block_m, False, chunk)

@@ -17,5 +17,6 @@ class KernelLaunch:
     num_warps: int
     num_stages: int = 1
 
-    def __call__(self, grid, *args) -> None:
-        self.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+    def __call__(self, grid, *args, **options) -> None:
+        """options: launch options only (launch_pdl), never a compile-time value."""
+        self.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages, **options)

@@ -1,6 +1,8 @@
 """Routing for the fused mixture-of-experts layer (kernels/fused_moe.py has the whole layer):
 
-1. select_experts: one program per BLOCK_T tokens: softmax in float32, top-k, renormalise.
+1. select_experts: one program per BLOCK_T tokens: softmax in float32, top-k, renormalise. One
+   token (the decode chain's, kernels/decode_moe.py) takes a one-warp program: its reductions
+   then never cross warps, and the k rounds of argmax are on the step's critical path.
 2. align_pairs_by_expert (vLLM's moe_align_block_size): the (token, slot) pairs sorted by local
    expert id, each expert's segment padded to BLOCK_M, into static buffers sized for the worst
    case, T*k + min(E, T*k) * (BLOCK_M - 1). Per chunk of pairs: a histogram of experts and a sort
@@ -21,8 +23,10 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.kernel_launch import KernelLaunch
 
 # Pairs an align program sorts at once, smallest first: one program takes all the pairs when they
@@ -56,7 +60,11 @@ def _select_experts_kernel(
     BLOCK_T: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND_WEIGHTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the logits come from the router just before
+        gdc_launch_dependents()
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     experts = tl.arange(0, EXPERTS_PAD)
@@ -113,7 +121,8 @@ def select_experts(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
-    launch = routing_launch(num_experts, top_k, renormalize, weight_dtype)
+    pdl = dependent_launch_supported(router_logits.device)
+    launch = routing_launch(num_experts, top_k, renormalize, weight_dtype, num_tokens == 1, pdl)
     launch(
         (triton.cdiv(num_tokens, launch.constexprs["BLOCK_T"]),),
         router_logits,
@@ -121,23 +130,28 @@ def select_experts(
         ids,
         num_tokens,
         router_logits.stride(0),
+        **launch_options(pdl),
     )
     return weights, ids
 
 
 @cache
-def routing_launch(num_experts: int, top_k: int, renormalize: bool, weight_dtype) -> KernelLaunch:
+def routing_launch(
+    num_experts: int, top_k: int, renormalize: bool, weight_dtype, one_token: bool = False, pdl: bool = False
+) -> KernelLaunch:
     experts_pad = triton.next_power_of_2(num_experts)
     constexprs = dict(
         NUM_EXPERTS=num_experts,
         EXPERTS_PAD=experts_pad,
         TOP_K=top_k,
         TOP_K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_T=max(1, min(64, 2048 // experts_pad)),
+        BLOCK_T=1 if one_token else max(1, min(64, 2048 // experts_pad)),
         RENORMALIZE=renormalize,
         ROUND_WEIGHTS=_ROUND_CODES[weight_dtype],
+        PDL=pdl,
     )
-    return KernelLaunch(f"select_experts E={num_experts} k={top_k}", _select_experts_kernel, constexprs, num_warps=4)
+    name = f"select_experts E={num_experts} k={top_k}{' one token' if one_token else ''}"
+    return KernelLaunch(name, _select_experts_kernel, constexprs, num_warps=1 if one_token else 4)
 
 
 def expert_map_for_range(num_experts: int, start: int, end: int, device=None) -> torch.Tensor:
