@@ -22,7 +22,7 @@ its 16-row tensor-core tiles also stream one token's experts well short of the c
   rounding) and the k slots of a column summed in float32: one store per column, no k-sum
   kernel, the same order on every run.
 (Routing inside every program's prologue instead of select_experts' launch was measured: k rounds
-of argmax ahead of each program's weight loads made both GEMVs several times slower.)
+of argmax ahead of each program's weight loads made both GEMVs several times slower; bench/RESULTS.md.)
 
 Expert parallelism: `expert_map` sends a slot whose expert another rank holds to nothing here.
 Tensor parallelism shards I; the caller all-reduces the output. Batch 1 only, and only where a
@@ -165,9 +165,9 @@ def tile_rows(row_elements: int, rows_per_unit: int, element_size: int) -> int:
 
 
 def decode_moe_serves(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
-    """Whether the three GEMVs serve this layer and step: one token the chain takes, and a down
+    """Whether these kernels serve this layer and step: one token the chain takes, and a down
     tile of the k slots' rows (and a gate/up pair of rows) within the register budget."""
-    num_local, _, hidden = w13.shape
+    hidden = w13.shape[2]
     if not use_decode_linear(h, w13[0]) or not (w2.is_contiguous() and w2.dtype == h.dtype):
         return False
     intermediate = w2.shape[2]

@@ -93,7 +93,22 @@ else:
             w2=rand(experts, hidden, intermediate, dtype=dtype, seed=seed + 4, scale=intermediate**-0.5),
         )
 
-    def reference(h, w, eps, top_k, renormalize, weight_dtype, expert_map=None):
+    def gemvs(h, w, eps, top_k, renormalize, weight_dtype=None, expert_map=None):
+        """The kernels on layer w (the same arguments as reference)."""
+        return dm.decode_moe(
+            h,
+            w["norm_weight"],
+            eps,
+            w["gate_weight"],
+            w["w13"],
+            w["w2"],
+            top_k=top_k,
+            renormalize=renormalize,
+            weight_dtype=weight_dtype,
+            expert_map=expert_map,
+        )
+
+    def reference(h, w, eps, top_k, renormalize, weight_dtype=None, expert_map=None):
         """The batched path's layer: norm, router, top-k, the experts (HF's loop), in torch."""
         x = rms_norm_reference(h, w["norm_weight"], eps)
         logits = F.linear(x, w["gate_weight"])
@@ -110,17 +125,7 @@ else:
         w = layer(hidden, intermediate, experts, torch.float32, seed=hidden)
         h = rand(1, hidden, seed=7, scale=3.0)
         weight_dtype = torch.float32 if round_weights else None
-        got = dm.decode_moe(
-            h,
-            w["norm_weight"],
-            1e-6,
-            w["gate_weight"],
-            w["w13"],
-            w["w2"],
-            top_k=top_k,
-            renormalize=renormalize,
-            weight_dtype=weight_dtype,
-        )
+        got = gemvs(h, w, 1e-6, top_k, renormalize, weight_dtype)
         want = reference(h, w, 1e-6, top_k, renormalize, weight_dtype)
         assert got.shape == want.shape == (1, hidden) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -129,17 +134,7 @@ else:
         hidden, intermediate, experts, top_k = 96, 48, 8, 2
         w = layer(hidden, intermediate, experts, torch.float16, seed=3)
         h = rand(1, hidden, dtype=torch.float16, seed=9, scale=2.0)
-        got = dm.decode_moe(
-            h,
-            w["norm_weight"],
-            1e-5,
-            w["gate_weight"],
-            w["w13"],
-            w["w2"],
-            top_k=top_k,
-            renormalize=True,
-            weight_dtype=torch.float16,
-        )
+        got = gemvs(h, w, 1e-5, top_k, True, torch.float16)
         want = reference(h, w, 1e-5, top_k, True, torch.float16)
         assert got.dtype == torch.float16
         # Same roundings, other summation orders: a float16 ulp or two.
@@ -154,17 +149,7 @@ else:
         expert_map = expert_map_for_range(experts, 2, 6)
         local = dict(w, w13=w["w13"][2:6].contiguous(), w2=w["w2"][2:6].contiguous())
         h = rand(1, hidden, seed=11, scale=3.0)
-        got = dm.decode_moe(
-            h,
-            w["norm_weight"],
-            1e-6,
-            w["gate_weight"],
-            local["w13"],
-            local["w2"],
-            top_k=top_k,
-            renormalize=True,
-            expert_map=expert_map,
-        )
+        got = gemvs(h, local, 1e-6, top_k, True, expert_map=expert_map)
         want = reference(h, local, 1e-6, top_k, True, None, expert_map=expert_map)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         everything = reference(h, w, 1e-6, top_k, True, None)

@@ -72,14 +72,8 @@ def three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, he
     ).view(t, -1)
 
 
-@pytest.mark.parametrize("name,num_q_heads,num_kv_heads,head_dim", HEADS, ids=[h[0] for h in HEADS])
-@pytest.mark.parametrize("context_lens", [[575], [0, 17, 300, 4000]], ids=["batch1-576", "ragged"])
-def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_heads, head_dim, context_lens):
-    batch, qkv, positions = decode_batch(context_lens, num_q_heads, num_kv_heads, head_dim)
-    cos, sin = rope_tables(head_dim)
-    old_cache = batch.kv_cache.clone()
-    want = three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, old_cache)
-    got = decode_attention(
+def one_launch(batch, qkv, positions, cos, sin, num_q_heads, head_dim, qk_norm=None):
+    return decode_attention(
         qkv,
         positions,
         cos,
@@ -91,15 +85,23 @@ def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_hea
         num_q_heads=num_q_heads,
         scale=head_dim**-0.5,
         max_seq_len=batch.max_seq_len,
+        qk_norm=qk_norm,
     )
-    # The cache gets the same rotated keys and values, bit for bit (same rounding as kernels/rotary.py).
-    assert torch.equal(kv_by_slot(batch.kv_cache).nan_to_num(7.0), kv_by_slot(old_cache).nan_to_num(7.0))
-    # The output: float32 math on the rotated inputs, and no further from it than the three kernels.
+
+
+def assert_as_close_as_three_kernels(got, want, batch, qkv, positions, cos, sin, heads, old_cache, qk_norm=None):
+    """got (one launch) against float32 math on the (normed and) rotated inputs: within bf16
+    rounding, and no further from it than want (the three kernels). heads: (q, kv, D)."""
+    num_q_heads, num_kv_heads, head_dim = heads
     t = qkv.shape[0]
-    q, k, _ = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q_rot, _ = rotary_embedding_reference(
-        positions, q.view(t, num_q_heads, head_dim), k.view(t, num_kv_heads, head_dim), cos, sin
+    q, k, _ = (
+        x.view(t, -1, head_dim)
+        for x in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     )
+    if qk_norm is not None:
+        q_weight, k_weight, eps, unit_offset = qk_norm
+        q, k = rms_norm_reference(q, q_weight, eps, unit_offset), rms_norm_reference(k, k_weight, eps, unit_offset)
+    q_rot, _ = rotary_embedding_reference(positions, q, k, cos, sin)
     exact = paged_attention_reference(
         q_rot.float(),
         old_cache.float(),
@@ -113,6 +115,20 @@ def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_hea
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
     assert (got.float() - exact).abs().mean() <= 1.5 * (want.float() - exact).abs().mean() + 1e-5
     assert not _arrival_counters(qkv.device, 1).any()
+
+
+@pytest.mark.parametrize("name,num_q_heads,num_kv_heads,head_dim", HEADS, ids=[h[0] for h in HEADS])
+@pytest.mark.parametrize("context_lens", [[575], [0, 17, 300, 4000]], ids=["batch1-576", "ragged"])
+def test_bf16_equals_three_kernels_within_rounding(name, num_q_heads, num_kv_heads, head_dim, context_lens):
+    batch, qkv, positions = decode_batch(context_lens, num_q_heads, num_kv_heads, head_dim)
+    cos, sin = rope_tables(head_dim)
+    old_cache = batch.kv_cache.clone()
+    want = three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, old_cache)
+    got = one_launch(batch, qkv, positions, cos, sin, num_q_heads, head_dim)
+    # The cache gets the same rotated keys and values, bit for bit (same rounding as kernels/rotary.py).
+    assert torch.equal(kv_by_slot(batch.kv_cache).nan_to_num(7.0), kv_by_slot(old_cache).nan_to_num(7.0))
+    heads = (num_q_heads, num_kv_heads, head_dim)
+    assert_as_close_as_three_kernels(got, want, batch, qkv, positions, cos, sin, heads, old_cache)
 
 
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3", "gemma3"])
@@ -132,46 +148,14 @@ def test_bf16_qk_norms_equal_three_kernels_within_rounding(context_lens, unit_of
     norms = (q_weight, k_weight, 1e-6, unit_offset)
     old_cache = batch.kv_cache.clone()
     want = three_kernels(batch, qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim, old_cache, norms)
-    got = decode_attention(
-        qkv,
-        positions,
-        cos,
-        sin,
-        batch.kv_cache,
-        batch.seq_lens,
-        batch.block_tables,
-        batch.slot_mapping,
-        num_q_heads=num_q_heads,
-        scale=head_dim**-0.5,
-        max_seq_len=batch.max_seq_len,
-        qk_norm=norms,
-    )
+    got = one_launch(batch, qkv, positions, cos, sin, num_q_heads, head_dim, norms)
     # The same normed, rotated keys as the rotary kernel's (both sum each head's squares in float32,
     # in their own orders: at most one bf16 step apart, and rarely).
     new_keys, old_keys = (kv_by_slot(cache).nan_to_num(7.0).float() for cache in (batch.kv_cache, old_cache))
     torch.testing.assert_close(new_keys, old_keys, atol=1.6e-2, rtol=8e-3)
     assert (new_keys != old_keys).float().mean() <= 1e-3
-    t = qkv.shape[0]
-    q, k, _ = (
-        x.view(t, -1, head_dim)
-        for x in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    )
-    q_normed = rms_norm_reference(q, q_weight, 1e-6, unit_offset)
-    k_normed = rms_norm_reference(k, k_weight, 1e-6, unit_offset)
-    q_rot, _ = rotary_embedding_reference(positions, q_normed, k_normed, cos, sin)
-    exact = paged_attention_reference(
-        q_rot.float(),
-        old_cache.float(),
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        1,
-        batch.max_seq_len,
-        head_dim**-0.5,
-    ).view(t, -1)
-    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
-    assert (got.float() - exact).abs().mean() <= 1.5 * (want.float() - exact).abs().mean() + 1e-5
-    assert not _arrival_counters(qkv.device, 1).any()
+    heads = (num_q_heads, num_kv_heads, head_dim)
+    assert_as_close_as_three_kernels(got, want, batch, qkv, positions, cos, sin, heads, old_cache, norms)
 
 
 def test_many_splits_race_and_graph_replays_equal_eager():

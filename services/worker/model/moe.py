@@ -69,8 +69,9 @@ class SparseMoE(FusedKernelSwitch, nn.Module):
         return out if self.reduce is None else self.reduce.all_reduce_(out)
 
     def forward_one_token(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """forward(norm(h)) for the decode chain's one token: the norm, router and experts as
-        three GEMVs (kernels/decode_moe.py) where they serve, else the norm and forward."""
+        """forward(norm(h)) for the decode chain's one token: the router GEMV with the norm in its
+        prologue, select_experts and two expert GEMVs (kernels/decode_moe.py) where they serve,
+        else the norm and forward."""
         from strata.kernels import decode_moe  # Triton: imported on first use
 
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
