@@ -4,12 +4,10 @@ each against its floor, in one process on the worker's own ModelRunner (as `stra
     python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1
     python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
 
-Six ways per model and batch, the CUDA graphs recaptured for each:
+Five ways per model and batch, the CUDA graphs recaptured for each:
 - chain + PDL: the default (services/worker/model/decode_chain.py, kernels/dependent_launch.py), with
   rotary, KV write, attention and merge in one launch (kernels/decode_attention.py);
 - chain + PDL (3-kernel attention): those as three kernels (Attention.one_launch_decode off);
-- chain + PDL (no down prefetch): a layer of experts without gate/up's L2 prefetch of down's
-  weights (kernels/decode_moe.py; the same as chain + PDL for dense models);
 - chain: the fused GEMVs and attention, launched plainly (dependent_launch.plain_launches);
 - unfused + PDL: cuBLAS and the separate norm / SiLU kernels (rotary and attention still PDL);
 - unfused: neither, the engine as it was before the chain.
@@ -30,14 +28,13 @@ from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwi
 from strata.flags import DEFAULTS
 from strata.kernels import dependent_launch
 
-# (decode chain, PDL, one-launch decode attention, gate/up prefetches down's experts into L2)
+# (decode chain, PDL, one-launch decode attention)
 WAYS = {
-    "chain + PDL": (True, True, True, True),
-    "chain + PDL (3-kernel attention)": (True, True, False, True),
-    "chain + PDL (no down prefetch)": (True, True, True, False),
-    "chain": (True, False, True, True),
-    "unfused + PDL": (False, True, False, True),
-    "unfused": (False, False, False, True),
+    "chain + PDL": (True, True, True),
+    "chain + PDL (3-kernel attention)": (True, True, False),
+    "chain": (True, False, True),
+    "unfused + PDL": (False, True, False),
+    "unfused": (False, False, False),
 }
 
 
@@ -46,12 +43,9 @@ def roofline_args(model: str, max_batch: int):
     return bench_settings(model=model, device="cuda", max_num_batched_tokens=budget)
 
 
-def set_way(runner, num_blocks: int, chain: bool, fused_attention: bool, moe_prefetch: bool) -> None:
-    """The way's kernels (PDL is the caller's plain_launches block): all are read at every
+def set_way(runner, num_blocks: int, chain: bool, fused_attention: bool) -> None:
+    """The way's kernels (PDL is the caller's plain_launches block): both are read at every
     launch, so the recapture below takes them."""
-    from strata.kernels import decode_moe
-
-    decode_moe.PREFETCH_DOWN = moe_prefetch
     for layer in runner.shard.layers:
         layer.self_attn.one_launch_decode = fused_attention
     runner.shard.decode_chain = chain
@@ -121,12 +115,10 @@ def main() -> None:
         try:
             for way, tile in [(w, default_tile) for w in ways] + [(f"chain + PDL, {t // 1024} KB", t) for t in tiles]:
                 decode_linear.TILE_BYTES = tile
-                chain, pdl, fused_attention, moe_prefetch = WAYS.get(
-                    way, WAYS["chain + PDL"]
-                )  # tile sweeps: the default
+                chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # tile sweeps: the default way
                 launches = contextlib.nullcontext() if pdl else dependent_launch.plain_launches()
                 with launches:
-                    set_way(runner, num_blocks, chain, fused_attention, moe_prefetch)
+                    set_way(runner, num_blocks, chain, fused_attention)
                     rows += time_way(runner, model, way, batches, a, bandwidth, itemsize)
         finally:
             decode_linear.TILE_BYTES = default_tile

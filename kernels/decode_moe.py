@@ -59,28 +59,6 @@ def _local_expert(ids_ptr, expert_map_ptr, slots, mask, HAS_MAP: tl.constexpr, E
     return ids
 
 
-# One L2 prefetch a line of 128 bytes.
-_LINE_BYTES = 128
-# Down's weights are prefetched into L2 by gate/up only while the k experts' down rows fit well
-# inside the L2 (50 MB on an H100/H200) beside gate/up's stream: qwen3-30b-a3b's 25 MB, not
-# Mixtral's 235 MB.
-PREFETCH_DOWN_MAX_BYTES = 32 << 20
-PREFETCH_DOWN = True  # a benchmark's A/B switch; on a GPU with dependent launches only (not the interpreter)
-
-
-@triton.jit
-def _prefetch_down_share(w2_ptr, expert, EXPERT_ELEMENTS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """This gate/up program's share of its expert's down rows (one slice of w2[e] per program along
-    grid axis 1) into L2, one line a thread: down then reads L2 instead of HBM while nothing
-    streams. A prefetch holds no register, so it adds bytes to gate/up's stream, not occupancy."""
-    share = tl.cdiv(EXPERT_ELEMENTS, tl.num_programs(1))
-    offsets = tl.program_id(1) * share + tl.arange(0, LINES) * LINE
-    lines = w2_ptr + expert.to(tl.int64) * EXPERT_ELEMENTS + tl.minimum(offsets, EXPERT_ELEMENTS - 1)
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 @triton.jit
 def _expert_gate_up_kernel(
     h_ptr,
@@ -89,7 +67,6 @@ def _expert_gate_up_kernel(
     expert_map_ptr,
     w13_ptr,
     inter_ptr,
-    w2_ptr,
     eps,
     HIDDEN: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
@@ -97,8 +74,6 @@ def _expert_gate_up_kernel(
     HAS_MAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMENTS: tl.constexpr,
 ):
     """inter[s, n] = silu(x . w13[e_s, n]) * (x . w13[e_s, I + n]), x = rms_norm(h), for BLOCK_N rows n."""
     slot = tl.program_id(0)
@@ -112,8 +87,6 @@ def _expert_gate_up_kernel(
     expert = tl.sum(_local_expert(ids_ptr, expert_map_ptr, slot + tl.arange(0, 1), True, HAS_MAP, False))
     if expert < 0:
         return  # another rank's expert: down skips the slot
-    if PREFETCH_LINES > 0:
-        _prefetch_down_share(w2_ptr, expert, HIDDEN * INTERMEDIATE, PREFETCH_LINES, LINE_ELEMENTS)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_ptrs = (
         w13_ptr
@@ -121,9 +94,8 @@ def _expert_gate_up_kernel(
         + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
         + ks[None, :]
     )
-    # Read once: evict_first keeps them from pushing down's prefetched rows out of L2.
-    gate_w = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-    up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    gate_w = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
+    up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=k_ok[None, :], other=0.0)
     h = tl.load(h_ptr + ks, mask=k_ok, other=0.0)
     x = rms_norm_row(h, norm_w, HIDDEN, eps).to(h.dtype).to(tl.float32)
     dtype = inter_ptr.dtype.element_ty
@@ -243,7 +215,7 @@ def decode_moe(
     out = torch.empty_like(h)
     grid, constexprs, num_warps = gate_up
     _expert_gate_up_kernel[grid](
-        h, norm_weight, ids, map_arg, w13, inter, w2, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
+        h, norm_weight, ids, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
     )
     grid, constexprs, num_warps = down
     _expert_down_kernel[grid](
@@ -257,13 +229,8 @@ def launch_plans(
 ) -> tuple[tuple, tuple]:
     """(grid, constexprs, warps) of the gate/up and the down launch (also the sm_90 compile test's)."""
     rows = tile_rows(hidden, 2, element_size)
-    row_blocks = triton.cdiv(intermediate, rows)
-    down_bytes = top_k * hidden * intermediate * element_size
-    # Only where dependent launches run (a Hopper GPU, not the interpreter): down starts right after.
-    prefetch = PREFETCH_DOWN and pdl and down_bytes <= PREFETCH_DOWN_MAX_BYTES
-    share_bytes = triton.cdiv(hidden * intermediate, row_blocks) * element_size
     gate_up = (
-        (top_k, row_blocks),
+        (top_k, triton.cdiv(intermediate, rows)),
         dict(
             HIDDEN=hidden,
             HIDDEN_PAD=triton.next_power_of_2(hidden),
@@ -271,8 +238,6 @@ def launch_plans(
             HAS_MAP=has_map,
             BLOCK_N=rows,
             PDL=pdl,
-            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(share_bytes, _LINE_BYTES)) if prefetch else 0,
-            LINE_ELEMENTS=_LINE_BYTES // element_size,
         ),
         _warps(2 * rows, hidden, element_size),
     )
