@@ -61,6 +61,16 @@ def response_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
+def _choice(out: generate_pb2.CompletionOutput, logprobs: dict | None) -> dict:
+    """The fields a choice has in a response and in a chunk alike."""
+    return {
+        "index": out.index,
+        "finish_reason": out.finish_reason or None,
+        "stop_reason": _stop_reason(out),
+        "logprobs": logprobs,
+    }
+
+
 def response_body(
     response: generate_pb2.GenerateResponse, chat: bool, model: str, token_text=None, view: PromptView | None = None
 ) -> dict:
@@ -71,12 +81,7 @@ def response_body(
         view.entries = positions(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
-        choice = {
-            "index": out.index,
-            "finish_reason": out.finish_reason or None,
-            "stop_reason": _stop_reason(out),
-            "logprobs": logprobs_body(out, chat, token_text) if token_text else None,
-        }
+        choice = _choice(out, logprobs_body(out, chat, token_text) if token_text else None)
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
@@ -116,12 +121,7 @@ def chunk_body(
         view.entries = positions(response.prompt_logprobs)
     choices = []
     for out in response.outputs:
-        choice = {
-            "index": out.index,
-            "finish_reason": out.finish_reason or None,
-            "stop_reason": _stop_reason(out),
-            "logprobs": logprobs_body(out, chat, token_text),
-        }
+        choice = _choice(out, logprobs_body(out, chat, token_text))
         if chat:
             delta = {"content": out.text}
             if out.index not in started:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -118,6 +119,25 @@ def collect(responses) -> dict[int, list[int]]:
         for o in r.outputs:
             tokens.setdefault(o.index, []).extend(o.token_ids)
     return tokens
+
+
+def greedy_concurrently(client, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Each prompt's greedy tokens (lengths[i] of them, ignore_eos), every request in flight at
+    once through the public gRPC API, streamed as DELTA responses."""
+
+    def one(i):
+        stream = client.generate(
+            prompts[i],
+            max_tokens=lengths[i],
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=generate_pb2.DELTA,
+            timeout=300,
+        )
+        return collect(stream)[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
 
 
 def tiny_llama_dir(tmp_path_factory, seed: int, layers: int = 2, arch: str = "llama", shared: bool = False) -> Path:

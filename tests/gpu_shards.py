@@ -34,6 +34,22 @@ def llama_1b_like(num_layers: int = 3) -> ModelConfig:
     )
 
 
+def small_llama() -> ModelConfig:
+    """Four layers of 1,024 with 16/4 heads of 64 and a 5,000-token vocabulary: the chain's shard tests."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+        vocab_size=5000,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+    )
+
+
 def random_bf16_shard(config: ModelConfig, device: str = "cuda") -> CausalLMShard:
     shard = CausalLMShard(
         config, 0, config.num_hidden_layers, device=device, dtype=torch.bfloat16, attn_backend=TritonAttentionBackend()

@@ -12,14 +12,20 @@ import signal
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from strata.grpc_util import bearer, check_health
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster, tiny_llama_dir
+from tests.cluster import (
+    greedy_concurrently,
+    hf_greedy,
+    mixed_requests,
+    run_all,
+    running_cluster,
+    tiny_llama_dir,
+)
 
 # Long enough that every stream is far from its end when a replica goes (each run decodes them).
 MAX_TOKENS = 150
@@ -62,16 +68,7 @@ def test_greedy_matches_hf_over_two_replicas_of_two_stages(dp, model_dir):
     lengths = [rng.randint(4, 24) for _ in range(16)]
     expected = hf_greedy(model_dir, prompts, lengths)
     before = replica_stats(cluster)
-
-    def one(i):
-        stream = client.generate(
-            prompts[i], max_tokens=lengths[i], temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA
-        )
-        return collect(stream)[0]
-
-    with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(one, range(16)))
-    assert got == expected
+    assert greedy_concurrently(client, prompts, lengths) == expected
     served = finished_per_replica(cluster, before)
     assert sum(served) == 16 and min(served) > 0  # both replicas took a share
     info = client.model_info()

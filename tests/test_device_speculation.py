@@ -23,6 +23,7 @@ from strata.services.scheduler.speculation.config import SpeculativeConfig
 from strata.services.scheduler.speculation.cost_model import CostModel
 from strata.services.scheduler.speculation.request_state import SpecState
 from strata.v1 import engine_pb2
+from tests.tiny_models import cpu_runner
 
 BLOCKS, BLOCK, MAX_LEN = 600, 4, 160
 
@@ -37,23 +38,16 @@ def shard(tmp_path_factory):
 
 
 def _runner(shard, k: int = 0):
-    from strata.services.worker.runner import ModelRunner
-
-    runner = ModelRunner(
+    return cpu_runner(
         *shard,
-        stage_index=0,
-        num_stages=1,
+        num_blocks=BLOCKS,
         block_size=BLOCK,
         max_model_len=MAX_LEN,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
         max_num_seqs=48,
         num_speculative_tokens=k,
         speculative_max_batch=48,
         ngram_on_device=(1, 3) if k else None,
     )
-    runner.init_cache(BLOCKS)
-    return runner
 
 
 def _requests(seed: int, n: int) -> list[Request]:

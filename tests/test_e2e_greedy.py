@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from strata.default_model import build_tiny_tokenizer
-from strata.v1 import generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, scheduler_stats
+from tests.cluster import greedy_concurrently, hf_greedy, running_cluster, scheduler_stats
 from tests.tiny_models import write_tiny_model
 
 NUM_REQUESTS = 16
@@ -30,23 +28,6 @@ def _workload(vocab: int, seed: int = 0):
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(3, 40))] for _ in range(NUM_REQUESTS)]
     lengths = [rng.randint(4, 24) for _ in range(NUM_REQUESTS)]
     return prompts, lengths
-
-
-def _run_concurrently(client, prompts, lengths):
-    def one(i):
-        stream = client.generate(
-            prompts[i],
-            request_id=f"r{i}",
-            max_tokens=lengths[i],
-            temperature=0.0,
-            ignore_eos=True,
-            output_kind=generate_pb2.DELTA,
-            timeout=300,
-        )
-        return collect(stream)[0]
-
-    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        return list(pool.map(one, range(NUM_REQUESTS)))
 
 
 @pytest.mark.parametrize(
@@ -80,7 +61,7 @@ def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     # requests finish (services/scheduler/micro_batches.py).
     micro_batches = ("--max-num-seqs", "4", "--micro-batch-min-seqs", "2") if stages > 1 else ()
     with running_cluster(model_dir, stages, "--max-num-batched-tokens", "64", *micro_batches) as (cluster, client):
-        got = _run_concurrently(client, prompts, lengths)
+        got = greedy_concurrently(client, prompts, lengths)
         stats = scheduler_stats(cluster)
     assert got == expected
     assert stats.steps > 0 and stats.used_kv_blocks == 0
@@ -102,7 +83,7 @@ def test_greedy_matches_hf_under_preemption(tmp_path_factory, tokenizer):
     prompts, lengths = _workload(len(tokenizer), seed=11)
     expected = hf_greedy(model_dir, prompts, lengths)
     with running_cluster(model_dir, 2, "--num-kv-blocks", "24", "--max-model-len", "96") as (cluster, client):
-        got = _run_concurrently(client, prompts, lengths)
+        got = greedy_concurrently(client, prompts, lengths)
         stats = scheduler_stats(cluster)
     assert got == expected
     assert stats.preemptions > 0

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from strata.default_model import build_tiny_tokenizer
 from strata.v1 import generate_pb2
-from tests.cluster import collect, hf_greedy, running_cluster, scheduler_stats
+from tests.cluster import collect, greedy_concurrently, hf_greedy, running_cluster, scheduler_stats
 from tests.test_prefix_groups_e2e import make_groups, run_groups
 from tests.tiny_models import write_tiny_model
 
@@ -61,17 +60,6 @@ def _workload(vocab: int, seed: int):
     return prompts, [rng.randint(4, 24) for _ in range(NUM_REQUESTS)]  # 40 + 24: past every window
 
 
-def _greedy(client, prompts, lengths):
-    def one(i):
-        stream = client.generate(
-            prompts[i], max_tokens=lengths[i], temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA
-        )
-        return collect(stream)[0]
-
-    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        return list(pool.map(one, range(NUM_REQUESTS)))
-
-
 def _sampled(client, prompt):
     """n = 3 children of seed 11, and the single requests of seed 11 + i they must equal."""
     fan = collect(client.generate(prompt, n=3, seed=11, output_kind=generate_pb2.DELTA, **SAMPLED))
@@ -107,7 +95,7 @@ CASES = [
 def test_greedy_matches_hf(clusters, tokenizer, arch, stages, flags):
     model_dir, cluster, client = clusters(arch, stages, flags)
     prompts, lengths = _workload(len(tokenizer), seed=stages)
-    assert _greedy(client, prompts, lengths) == hf_greedy(model_dir, prompts, lengths)
+    assert greedy_concurrently(client, prompts, lengths) == hf_greedy(model_dir, prompts, lengths)
     stats = scheduler_stats(cluster)
     assert stats.used_kv_blocks == 0
     if flags:  # drafts were verified (random prompts rarely give n-gram lookup a hit)

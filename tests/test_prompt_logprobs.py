@@ -18,6 +18,7 @@ from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.worker.step.sequence_table import PlanError
 from strata.v1 import engine_pb2, generate_pb2
+from tests.tiny_models import cpu_runner
 
 TOLERANCE = 1e-4
 
@@ -34,24 +35,6 @@ def tiny(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("m"), seed=3)
     shard, config = load_shard(path, 0, 1, torch.float32, "cpu")
     return shard, config, build_tiny_model(seed=3)
-
-
-def _runner(shard, config):
-    from strata.services.worker.runner import ModelRunner
-
-    runner = ModelRunner(
-        shard,
-        config,
-        stage_index=0,
-        num_stages=1,
-        block_size=4,
-        max_model_len=64,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        max_num_seqs=8,
-    )
-    runner.init_cache(64)
-    return runner
 
 
 def _sampling(prompt_logprobs=None):
@@ -82,7 +65,7 @@ def test_rows_equal_hf_log_softmax_in_one_step_and_in_chunks(tiny):
     third in the same steps asks nothing: each row equals HF's, and nothing is computed for the
     third."""
     shard, config, hf = tiny
-    runner = _runner(shard, config)
+    runner = cpu_runner(shard, config)
     whole, chunked, silent = list(range(5, 19)), list(range(40, 61)), [7, 8, 9, 10, 11, 12]
     k = 3
     plan = engine_pb2.StepPlan(
@@ -159,7 +142,7 @@ def test_the_prompt_token_and_its_top_entry_are_the_same_float(tiny):
     """A client calls a position greedy when the prompt token's logprob equals its position's top
     one (lm-eval's is_greedy): the two must be bit-identical where the token is the top one."""
     shard, config, hf = tiny
-    runner = _runner(shard, config)
+    runner = cpu_runner(shard, config)
     prompt = [5, 6, 7, 8, 9, 10]
     want = _hf_logprobs(hf, prompt)
     greedy = [prompt[0]] + [int(want[p].argmax()) for p in range(len(prompt) - 1)]  # each token the top one
@@ -195,7 +178,7 @@ def test_the_prompt_token_and_its_top_entry_are_the_same_float(tiny):
 )
 def test_a_plan_asking_rows_it_cannot_have_is_refused(tiny, change, message):
     shard, config, _ = tiny
-    runner = _runner(shard, config)
+    runner = cpu_runner(shard, config)
     fields = dict(
         step_id=1,
         new_sequences=[

@@ -264,35 +264,10 @@ def test_token_id_and_several_prompts(cluster, hf):
 def test_streamed_echo_and_prompt_logprobs_come_in_each_choices_first_chunk(cluster):
     c, client = cluster
     prompts = [_prompt(10, 8), _prompt(11, 6)]
-    whole = post(
-        c,
-        "/v1/completions",
-        prompt=prompts,
-        echo=True,
-        logprobs=1,
-        prompt_logprobs=1,
-        max_tokens=3,
-        n=2,
-        seed=3,
-        temperature=1.0,
-    ).json()
+    request = dict(prompt=prompts, echo=True, logprobs=1, prompt_logprobs=1, max_tokens=3, n=2, seed=3, temperature=1.0)
+    whole = post(c, "/v1/completions", **request).json()
     chunks = []
-    with httpx.stream(
-        "POST",
-        c.http_address + "/v1/completions",
-        json=dict(
-            prompt=prompts,
-            echo=True,
-            logprobs=1,
-            prompt_logprobs=1,
-            max_tokens=3,
-            n=2,
-            seed=3,
-            temperature=1.0,
-            stream=True,
-        ),
-        timeout=120,
-    ) as r:
+    with httpx.stream("POST", c.http_address + "/v1/completions", json=dict(request, stream=True), timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))

@@ -20,6 +20,7 @@ from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.scheduler.speculation.config import SpeculativeConfig
 from strata.v1 import engine_pb2, generate_pb2
+from tests.tiny_models import cpu_runner
 from tests.tp_threads import form_groups, run_on_threads
 
 BLOCKS, BLOCK, MAX_LEN = 400, 4, 128
@@ -44,18 +45,14 @@ def groups():
 
 def _runner(model, group=None, k: int = 0):
     from strata.services.worker.model.weights import load_shard
-    from strata.services.worker.runner import ModelRunner
 
     shard, config = load_shard(model, 0, 1, torch.float32, "cpu", tp=group)
-    runner = ModelRunner(
+    return cpu_runner(
         shard,
         config,
-        stage_index=0,
-        num_stages=1,
+        num_blocks=BLOCKS,
         block_size=BLOCK,
         max_model_len=MAX_LEN,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
         max_num_seqs=64,
         num_speculative_tokens=k,
         speculative_max_batch=64,
@@ -63,8 +60,6 @@ def _runner(model, group=None, k: int = 0):
         tokenizer_dir=str(model),
         tp=group,
     )
-    runner.init_cache(BLOCKS)
-    return runner
 
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'

@@ -9,6 +9,7 @@ import torch
 
 from strata.services.worker.sampling.sampler import Sampler, SamplingTensors
 from strata.services.worker.speculation.verification import Verification, accepted_rows
+from tests.tiny_models import cpu_runner
 
 
 def test_drafts_are_accepted_left_to_right_and_the_next_draw_is_emitted():
@@ -78,24 +79,6 @@ def _distribution(logits: torch.Tensor, temperature: float, filters: dict) -> to
     return probs
 
 
-def _cpu_runner(shard, config):
-    from strata.services.worker.runner import ModelRunner
-
-    runner = ModelRunner(
-        shard,
-        config,
-        stage_index=0,
-        num_stages=1,
-        block_size=4,
-        max_model_len=64,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        max_num_seqs=8,
-    )
-    runner.init_cache(64)
-    return runner
-
-
 def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path):
     """Mixed draft counts run on a verification graph of one query length by padding each
     sequence (pad_queries): its real rows must not change. Checked on CPU through the eager path
@@ -106,7 +89,7 @@ def test_a_padded_verification_step_computes_what_the_unpadded_one_does(tmp_path
 
     model = write_tiny_model(tmp_path / "m", seed=3)
     shard, config = load_shard(model, 0, 1, torch.float32, "cpu")
-    plain, padded = _cpu_runner(shard, config), _cpu_runner(shard, config)
+    plain, padded = cpu_runner(shard, config), cpu_runner(shard, config)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
     admit = engine_pb2.StepPlan(
         step_id=1,

@@ -212,3 +212,22 @@ def _tokenizer_ids(tokenizer: Any) -> dict[str, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def cpu_runner(shard, config, *, num_blocks: int = 64, **options: Any):
+    """A float32 ModelRunner on CPU over one whole-model shard, its cache allocated; options
+    override the small defaults (blocks of 4, 64 positions, 8 sequences) or add ModelRunner's."""
+    from strata.services.worker.runner import ModelRunner
+
+    settings = {"block_size": 4, "max_model_len": 64, "max_num_seqs": 8, **options}
+    runner = ModelRunner(
+        shard,
+        config,
+        stage_index=0,
+        num_stages=1,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        **settings,
+    )
+    runner.init_cache(num_blocks)
+    return runner

@@ -11,15 +11,21 @@ from __future__ import annotations
 import random
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 
 from strata.grpc_util import bearer
-from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster, tiny_llama_dir
+from strata.v1 import engine_pb2, engine_pb2_grpc
+from tests.cluster import (
+    greedy_concurrently,
+    hf_greedy,
+    mixed_requests,
+    run_all,
+    running_cluster,
+    tiny_llama_dir,
+)
 from tests.test_data_parallel import MAX_TOKENS
 
 pytestmark = [
@@ -48,16 +54,7 @@ def test_replicas_on_their_own_gpus_match_hf_and_survive_a_lost_scheduler(model_
         rng = random.Random(7)
         prompts = [[rng.randrange(3, 384) for _ in range(rng.randint(3, 40))] for _ in range(16)]
         lengths = [rng.randint(4, 24) for _ in range(16)]
-
-        def one(i):
-            stream = client.generate(
-                prompts[i], max_tokens=lengths[i], temperature=0.0, ignore_eos=True, output_kind=generate_pb2.DELTA
-            )
-            return collect(stream)[0]
-
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(one, range(16)))
-        assert got == hf_greedy(model_dir, prompts, lengths)
+        assert greedy_concurrently(client, prompts, lengths) == hf_greedy(model_dir, prompts, lengths)
 
         work = mixed_requests(MAX_TOKENS)
         threads, plain, errors = run_all(client, work)

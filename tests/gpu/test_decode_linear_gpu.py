@@ -92,23 +92,12 @@ def test_shard_logits_through_the_chain():
     """A 4-layer bf16 Llama shard, a decode step of one token: the chain's logits against
     the unfused kernels' (both bf16: roundings differ only in summation order)."""
     from strata.services.worker.model.attention import allocate_kv_cache
-    from strata.services.worker.model.model_config import ModelConfig
     from strata.services.worker.model.shard import CausalLMShard
     from strata.services.worker.model.triton_backend import TritonAttentionBackend
+    from tests.gpu_shards import small_llama
     from tests.paged_inputs import SequenceChunk, build_step_inputs
 
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=2816,
-        vocab_size=5000,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-    )
+    config = small_llama()
     shard = CausalLMShard(config, 0, 4, device="cuda", dtype=torch.bfloat16, attn_backend=TritonAttentionBackend())
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():

@@ -82,9 +82,8 @@ def test_micro_batches_on_two_stages_give_hf_greedy_tokens(model_dir):
     micro_batches.py) on two stages, a GPU each where there are two: greedy tokens equal HF's in
     float32, and every block comes back."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
-    from tests.cluster import hf_greedy
+    from tests.cluster import greedy_concurrently, hf_greedy
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 90))] for _ in range(16)]
@@ -92,20 +91,7 @@ def test_micro_batches_on_two_stages_give_hf_greedy_tokens(model_dir):
     expected = hf_greedy(model_dir, prompts, lengths)
     argv = ("--device", "cuda", "--dtype", "float32", "--max-num-seqs", "4", "--micro-batch-min-seqs", "2")
     with running_cluster(model_dir, 2, *argv, "--max-num-batched-tokens", "64") as (cluster, client):
-
-        def one(i):
-            stream = client.generate(
-                prompts[i],
-                max_tokens=lengths[i],
-                temperature=0.0,
-                ignore_eos=True,
-                output_kind=generate_pb2.DELTA,
-                timeout=300,
-            )
-            return collect(stream)[0]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(one, range(len(prompts))))
+        got = greedy_concurrently(client, prompts, lengths)
         stats = scheduler_stats(cluster)
     assert got == expected
     assert stats.micro_batch_rounds > 0 and stats.used_kv_blocks == 0 and stats.lookahead_decodes > 0

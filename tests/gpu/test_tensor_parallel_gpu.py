@@ -284,24 +284,13 @@ def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model
 def _chain_and_layers(rank, group):
     """A batch-1 decode through the decode chain and through the layers, at two ranks (bf16)."""
     from strata.services.worker.model.attention import allocate_kv_cache
-    from strata.services.worker.model.model_config import ModelConfig
     from strata.services.worker.model.triton_backend import TritonAttentionBackend
     from strata.services.worker.model.weights import load_shard
     from strata.services.worker.sampling.sharded import ShardedSampler
+    from tests.gpu_shards import small_llama
     from tests.paged_inputs import SequenceChunk, build_step_inputs
 
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=2816,
-        vocab_size=5000,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-    )
+    config = small_llama()
     shard, local = load_shard(
         "dummy",
         0,
