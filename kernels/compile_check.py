@@ -50,6 +50,7 @@ _INT_POINTERS = {
     "block_experts_ptr": "*i32",
     "padded_total_ptr": "*i32",
     "chunk_counts_ptr": "*i32",
+    "counters_ptr": "*i32",  # decode_moe's ticket and arrival counters
 }
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr", "stats_ptr", "stats_out_ptr"}
 _FP32_POINTERS |= {"weights_ptr", "topk_weights_ptr"}

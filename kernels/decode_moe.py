@@ -35,15 +35,25 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels import decode_linear
 from strata.kernels.activation import silu_mul
+from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.decode_linear import DecodeLinearConfig, norm_linear, use_decode_linear
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.moe_routing import select_experts
+from strata.kernels.moe_routing import round_code, route_one_token, select_experts
 from strata.kernels.rmsnorm import rms_norm_row
 
-__all__ = ["decode_moe", "decode_moe_serves", "launch_plans", "tile_rows"]
+__all__ = ["decode_moe", "decode_moe_serves", "launch_plans", "layer_plan", "tile_rows"]
+
+# Which batch-1 design decode_moe launches (an A/B under way: bench/RESULTS.md).
+DESIGNS = ("one launch, routing inside", "one launch", "two GEMVs")
+DESIGN = DESIGNS[0]
+# Programs of the one launch a multiprocessor; 0: as many as fit (an A/B knob).
+PROGRAMS_PER_SM = 0
+# (GATE_ROWS, DOWN_COLS, warps) of the one launch, when set (an A/B knob).
+PLAN = None
 
 
 @triton.jit
@@ -154,6 +164,158 @@ def _expert_down_kernel(
     tl.store(out_ptr + cols, total.to(dtype), mask=cols < HIDDEN)
 
 
+@triton.jit
+def _wait_until_at_least(counter_ptr, target, INTERPRETED: tl.constexpr):
+    """Spin until *counter_ptr >= target, every thread with acquire loads: what the releases before
+    that count stored is then visible to each thread's later loads. (The interpreter runs one
+    program at a time, so there the count is already there.)"""
+    if INTERPRETED:
+        tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred waiting;
+            .reg .b32 seen;
+            SPIN:
+            ld.acquire.gpu.global.b32 seen, [$1];
+            setp.lt.s32 waiting, seen, $2;
+            @waiting bra SPIN;
+            mov.b32 $0, seen;
+            }""",
+            "=r,l,r",
+            [counter_ptr, target],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _after_the_wait(x, INTERPRETED: tl.constexpr):
+    """x, pinned after the wait before it: else the compiler widens a weight tile to float32 ahead
+    of the spin, and the tile holds twice its registers for as long as the spin lasts."""
+    if INTERPRETED:
+        return x
+    else:
+        pack: tl.constexpr = 32 // x.dtype.primitive_bitwidth
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=pack)
+
+
+@triton.jit
+def _expert_layer_kernel(
+    h_ptr,
+    norm_w_ptr,
+    logits_ptr,
+    ids_ptr,
+    topk_weights_ptr,
+    expert_map_ptr,
+    w13_ptr,
+    w2_ptr,
+    inter_ptr,
+    out_ptr,
+    counters_ptr,
+    eps,
+    HIDDEN: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    INTERMEDIATE_PAD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_WEIGHTS: tl.constexpr,
+    ROUTE: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    GATE_ROWS: tl.constexpr,
+    GATE_BLOCKS: tl.constexpr,
+    DOWN_COLS: tl.constexpr,
+    DOWN_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The whole layer of experts in one launch. Items, handed out in order by a ticket counter:
+    first TOP_K * GATE_BLOCKS gate/up items (slot, GATE_ROWS rows of I), then DOWN_BLOCKS down
+    items (DOWN_COLS columns of H, all slots). A down item loads its weights, then waits until
+    every gate/up item has stored its rows of inter. Every gate/up ticket went out before the
+    first down ticket, to a program that is running, so the wait always ends, whatever the grid
+    size and however many programs the GPU holds at once."""
+    if PDL:
+        gdc_wait()  # the router's logits (or select_experts' ids and weights) just before
+        gdc_launch_dependents()
+    slots = tl.arange(0, TOP_K_PAD)
+    if ROUTE:
+        ids, weights = route_one_token(
+            logits_ptr, NUM_EXPERTS, EXPERTS_PAD, TOP_K, TOP_K_PAD, RENORMALIZE, ROUND_WEIGHTS
+        )
+    else:
+        ids = tl.load(ids_ptr + slots, mask=slots < TOP_K, other=-1, cache_modifier=".cg")
+        weights = tl.load(topk_weights_ptr + slots, mask=slots < TOP_K, other=0.0, cache_modifier=".cg")
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=ids >= 0, other=-1)
+    ks = tl.arange(0, HIDDEN_PAD)
+    hidden_ok = ks < HIDDEN
+    h = tl.load(h_ptr + ks, mask=hidden_ok, other=0.0)
+    x = rms_norm_row(h, tl.load(norm_w_ptr + ks, mask=hidden_ok, other=0.0), HIDDEN, eps)
+    x = x.to(h.dtype).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    num_gate: tl.constexpr = TOP_K * GATE_BLOCKS
+    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu")
+    while ticket < num_gate + DOWN_BLOCKS:
+        if ticket < num_gate:
+            slot = ticket // GATE_BLOCKS
+            expert = tl.sum(tl.where(slots == slot, ids, 0))
+            if expert >= 0:  # else another rank's expert: down skips the slot
+                rows = (ticket % GATE_BLOCKS) * GATE_ROWS + tl.arange(0, GATE_ROWS)
+                gate_ptrs = (
+                    w13_ptr
+                    + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
+                    + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
+                    + ks[None, :]
+                )
+                gate_w = tl.load(gate_ptrs, mask=hidden_ok[None, :], other=0.0)
+                up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=hidden_ok[None, :], other=0.0)
+                gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
+                up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
+                tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
+            tl.debug_barrier()  # every thread's rows are stored before the release below
+            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
+        else:
+            # A [column, slot, I] tile: each slot's expert's rows for the item's columns. Columns
+            # outermost: the warps then split slots and I, and no two hold the same inter values.
+            cols = (ticket - num_gate) * DOWN_COLS + tl.arange(0, DOWN_COLS)
+            used = ids >= 0
+            js = tl.arange(0, INTERMEDIATE_PAD)
+            j_ok = js < INTERMEDIATE
+            w_ptrs = (
+                w2_ptr
+                + tl.minimum(cols, HIDDEN - 1)[:, None, None] * INTERMEDIATE
+                + tl.maximum(ids, 0).to(tl.int64)[None, :, None] * (HIDDEN * INTERMEDIATE)
+                + js[None, None, :]
+            )
+            w = tl.load(w_ptrs, mask=used[None, :, None] & j_ok[None, None, :], other=0.0)
+            _wait_until_at_least(counters_ptr + 1, num_gate, INTERPRETED)  # the weights above stream meanwhile
+            w = _after_the_wait(w, INTERPRETED)
+            inter = tl.load(
+                inter_ptr + slots[:, None] * INTERMEDIATE + js[None, :],
+                mask=used[:, None] & j_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",  # stored by other programs: no L1 line may predate it
+            )
+            # fused_moe's rounding: the product rounded, times the weight in float32, rounded; k summed in float32.
+            y = tl.sum(w.to(tl.float32) * inter.to(tl.float32)[None, :, :], axis=2).to(dtype)
+            weighted = tl.where(used[None, :], (y.to(tl.float32) * weights[None, :]).to(dtype).to(tl.float32), 0.0)
+            total = tl.sum(weighted, axis=1)
+            tl.store(out_ptr + cols, total.to(dtype), mask=cols < HIDDEN)
+        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu")
+    # The last program out zeroes the counters for the next launch: no other program reads them now.
+    if tl.atomic_add(counters_ptr + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(counters_ptr + tl.arange(0, 4), tl.zeros((4,), dtype=tl.int32))
+
+
+_INTERPRETED = isinstance(_expert_layer_kernel, InterpretedFunction)
+
+
 def tile_rows(row_elements: int, rows_per_unit: int, element_size: int) -> int:
     """Rows of W a program holds: as many units of `rows_per_unit` padded rows as fit TILE_BYTES
     (decode_linear's register budget), a power of two, at least 1 (at most 16), 0 if one unit does not fit."""
@@ -200,28 +362,126 @@ def decode_moe(
     # A few rows a program: the router's E rows would be a handful of programs at the chain's tile.
     router = DecodeLinearConfig(block_n=max(1, min(16, triton.next_power_of_2(num_experts) // 64)))
     logits, _ = norm_linear(h, gate_weight, None, norm_weight, eps, config=router)
-    weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
     pdl = dependent_launch_supported(h.device)
-    gate_up, down = launch_plans(
+    inter = torch.empty(top_k, intermediate, dtype=h.dtype, device=h.device)
+    out = torch.empty_like(h)
+    if DESIGN == "two GEMVs":
+        weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
+        gate_up, down = launch_plans(
+            hidden=hidden,
+            intermediate=intermediate,
+            top_k=top_k,
+            element_size=h.element_size(),
+            has_map=expert_map is not None,
+            pdl=pdl,
+        )
+        map_arg = expert_map if expert_map is not None else ids  # never read without HAS_MAP
+        grid, constexprs, num_warps = gate_up
+        _expert_gate_up_kernel[grid](
+            h, norm_weight, ids, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
+        )
+        grid, constexprs, num_warps = down
+        _expert_down_kernel[grid](
+            inter, ids, weights, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl)
+        )
+        return out
+    route = DESIGN == "one launch, routing inside"
+    if route:
+        weights = ids = logits  # never read: the kernel routes from the logits
+    else:
+        weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
+    constexprs, num_warps = layer_plan(
         hidden=hidden,
         intermediate=intermediate,
+        num_experts=num_experts,
         top_k=top_k,
+        renormalize=renormalize,
+        weight_dtype=weight_dtype,
+        route=route,
         element_size=h.element_size(),
         has_map=expert_map is not None,
         pdl=pdl,
     )
-    map_arg = expert_map if expert_map is not None else ids  # never read without HAS_MAP
-    inter = torch.empty(top_k, intermediate, dtype=h.dtype, device=h.device)
-    out = torch.empty_like(h)
-    grid, constexprs, num_warps = gate_up
-    _expert_gate_up_kernel[grid](
-        h, norm_weight, ids, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
-    )
-    grid, constexprs, num_warps = down
-    _expert_down_kernel[grid](
-        inter, ids, weights, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl)
+    map_arg = expert_map if expert_map is not None else logits  # never read without HAS_MAP
+    counters = arrival_counters(h.device, 4, "decode_moe")
+    args = (h, norm_weight, logits, ids, weights, map_arg, w13, w2, inter, out, counters, eps)
+    _expert_layer_kernel[(_programs(h.device, args, constexprs, num_warps),)](
+        *args, **constexprs, num_warps=num_warps, **launch_options(pdl)
     )
     return out
+
+
+def _programs(device: torch.device, args: tuple, constexprs: dict, num_warps: int) -> int:
+    """The one launch's grid: as many programs as the GPU holds at once (registers, shared memory
+    and threads of the compiled kernel), so that every one streams from the start. More would only
+    find the tickets gone; fewer would leave HBM idle. 2 under the interpreter."""
+    if _INTERPRETED:
+        return 2
+    key = (device.index, tuple(sorted(constexprs.items())), num_warps)
+    if key not in _GRIDS:
+        compiled = _expert_layer_kernel.warmup(*args, **constexprs, num_warps=num_warps, grid=(1,))
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * num_warps
+        per_sm = min(
+            getattr(props, "regs_per_multiprocessor", 65536) // (compiled.n_regs * threads),
+            props.max_threads_per_multi_processor // threads,
+            props.shared_memory_per_multiprocessor // max(1, compiled.metadata.shared),
+        )
+        _GRIDS[key] = max(1, PROGRAMS_PER_SM or per_sm) * props.multi_processor_count
+    return _GRIDS[key]
+
+
+_GRIDS: dict[tuple, int] = {}
+
+
+def layer_plan(
+    *,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    weight_dtype,
+    route: bool,
+    element_size: int,
+    has_map: bool,
+    pdl: bool,
+) -> tuple[dict, int]:
+    """(constexprs, warps) of the one launch (also the sm_90 compile test's)."""
+    gate_rows = tile_rows(hidden, 2, element_size)
+    top_k_pad = triton.next_power_of_2(top_k)
+    down_cols = tile_rows(intermediate, top_k_pad, element_size)
+    constexprs = dict(
+        HIDDEN=hidden,
+        HIDDEN_PAD=triton.next_power_of_2(hidden),
+        INTERMEDIATE=intermediate,
+        INTERMEDIATE_PAD=triton.next_power_of_2(intermediate),
+        NUM_EXPERTS=num_experts,
+        EXPERTS_PAD=triton.next_power_of_2(num_experts),
+        TOP_K=top_k,
+        TOP_K_PAD=top_k_pad,
+        RENORMALIZE=renormalize,
+        ROUND_WEIGHTS=round_code(weight_dtype),
+        ROUTE=route,
+        HAS_MAP=has_map,
+        GATE_ROWS=gate_rows,
+        GATE_BLOCKS=triton.cdiv(intermediate, gate_rows),
+        DOWN_COLS=down_cols,
+        DOWN_BLOCKS=triton.cdiv(hidden, down_cols),
+        PDL=pdl,
+        INTERPRETED=_INTERPRETED,
+    )
+    warps = max(_warps(2 * gate_rows, hidden, element_size), _warps(top_k_pad * down_cols, intermediate, element_size))
+    if PLAN is not None:
+        gate_rows, down_cols, warps = PLAN
+        constexprs.update(
+            GATE_ROWS=gate_rows,
+            GATE_BLOCKS=triton.cdiv(intermediate, gate_rows),
+            DOWN_COLS=down_cols,
+            DOWN_BLOCKS=triton.cdiv(hidden, down_cols),
+        )
+    return constexprs, warps
 
 
 def launch_plans(

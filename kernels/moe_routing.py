@@ -104,6 +104,51 @@ def _select_experts_kernel(
     tl.store(ids_ptr + out_offsets, chosen_ids, mask=out_mask)
 
 
+@triton.jit
+def route_one_token(
+    logits_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_WEIGHTS: tl.constexpr,
+):
+    """select_experts of one token inside another kernel (kernels/decode_moe.py) -> (ids [TOP_K_PAD]
+    int32, -1 past TOP_K; weights [TOP_K_PAD] float32). The same choice, by ranks instead of k
+    dependent argmax rounds: an expert's rank is the number of experts ahead of it (a larger logit,
+    or an equal one with a lower id), and slot s holds the expert ranked s. The logits are read
+    from L2 (`.cg`): the caller reads them right after its dependent-launch wait."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    expert_ok = experts < NUM_EXPERTS
+    logits = tl.load(logits_ptr + experts, mask=expert_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    logits = tl.where(expert_ok, logits, -float("inf"))
+    shifted = tl.where(expert_ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    probs = shifted / tl.sum(shifted, axis=0)
+    # ahead[j, e]: expert j comes before expert e. Padding (-inf, higher ids) ranks past every real one.
+    ahead = (logits[:, None] > logits[None, :]) | (
+        (logits[:, None] == logits[None, :]) & (experts[:, None] < experts[None, :])
+    )
+    rank = tl.sum(ahead.to(tl.int32), axis=0)
+    slots = tl.arange(0, TOP_K_PAD)
+    hit = (rank[None, :] == slots[:, None]) & (slots[:, None] < TOP_K)
+    ids = tl.where(slots < TOP_K, tl.sum(tl.where(hit, experts[None, :], 0), axis=1), -1)
+    chosen = tl.sum(tl.where(hit, probs[None, :], 0.0), axis=1)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    if ROUND_WEIGHTS == 1:
+        chosen = chosen.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_WEIGHTS == 2:
+        chosen = chosen.to(tl.float16).to(tl.float32)
+    return ids, chosen
+
+
+def round_code(weight_dtype) -> int:
+    """The ROUND_WEIGHTS constexpr of select_experts' weight_dtype."""
+    assert weight_dtype in _ROUND_CODES, weight_dtype
+    return _ROUND_CODES[weight_dtype]
+
+
 def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, *, weight_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
