@@ -48,7 +48,7 @@ from strata.kernels.rmsnorm import rms_norm_row
 __all__ = ["decode_moe", "decode_moe_serves", "launch_plans", "layer_plan", "tile_rows"]
 
 # Which batch-1 design decode_moe launches (an A/B under way: bench/RESULTS.md).
-DESIGNS = ("one launch, routing inside", "one launch", "two GEMVs")
+DESIGNS = ("one launch", "two GEMVs")
 DESIGN = DESIGNS[0]
 # Programs of the one launch a multiprocessor; 0: as many as fit (an A/B knob).
 PROGRAMS_PER_SM = 0
@@ -191,9 +191,11 @@ def _wait_until_at_least(counter_ptr, target, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _after_the_wait(x, INTERPRETED: tl.constexpr):
-    """x, pinned after the wait before it: else the compiler widens a weight tile to float32 ahead
-    of the spin, and the tile holds twice its registers for as long as the spin lasts."""
+def _pinned_here(x, INTERPRETED: tl.constexpr):
+    """x, used no earlier than here: else the compiler widens a loaded weight tile to float32 ahead
+    of the atomics and the spin before this point, and the tile holds twice its registers while
+    they last (200 registers a thread instead of 128 for the one launch, at 4 warps: half as many
+    programs an SM)."""
     if INTERPRETED:
         return x
     else:
@@ -201,17 +203,21 @@ def _after_the_wait(x, INTERPRETED: tl.constexpr):
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=pack)
 
 
+# The one launch's counters, after its ticket: programs gone, gate/up items done of each slot, then
+# down's slots arrived at each block of columns.
+_TICKET, _EXITS, _GATE_DONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
 def _expert_layer_kernel(
     h_ptr,
     norm_w_ptr,
     logits_ptr,
-    ids_ptr,
-    topk_weights_ptr,
     expert_map_ptr,
     w13_ptr,
     w2_ptr,
     inter_ptr,
+    partial_ptr,
     out_ptr,
     counters_ptr,
     eps,
@@ -225,7 +231,6 @@ def _expert_layer_kernel(
     TOP_K_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND_WEIGHTS: tl.constexpr,
-    ROUTE: tl.constexpr,
     HAS_MAP: tl.constexpr,
     GATE_ROWS: tl.constexpr,
     GATE_BLOCKS: tl.constexpr,
@@ -235,22 +240,17 @@ def _expert_layer_kernel(
     INTERPRETED: tl.constexpr,
 ):
     """The whole layer of experts in one launch. Items, handed out in order by a ticket counter:
-    first TOP_K * GATE_BLOCKS gate/up items (slot, GATE_ROWS rows of I), then DOWN_BLOCKS down
-    items (DOWN_COLS columns of H, all slots). A down item loads its weights, then waits until
-    every gate/up item has stored its rows of inter. Every gate/up ticket went out before the
-    first down ticket, to a program that is running, so the wait always ends, whatever the grid
-    size and however many programs the GPU holds at once."""
+    TOP_K * GATE_BLOCKS gate/up items (slot, GATE_ROWS rows of I), then TOP_K * DOWN_BLOCKS down
+    items (slot, DOWN_COLS columns of H). A down item loads its weights, then waits until its
+    slot's gate/up items have stored inter[slot]; the last of a block's TOP_K down items to arrive
+    sums their partials in slot order. Every gate/up ticket went out before the first down ticket,
+    to a program that is running, so the wait always ends, whatever the grid and however many
+    programs the GPU holds at once."""
     if PDL:
-        gdc_wait()  # the router's logits (or select_experts' ids and weights) just before
+        gdc_wait()  # the router's logits just before
         gdc_launch_dependents()
     slots = tl.arange(0, TOP_K_PAD)
-    if ROUTE:
-        ids, weights = route_one_token(
-            logits_ptr, NUM_EXPERTS, EXPERTS_PAD, TOP_K, TOP_K_PAD, RENORMALIZE, ROUND_WEIGHTS
-        )
-    else:
-        ids = tl.load(ids_ptr + slots, mask=slots < TOP_K, other=-1, cache_modifier=".cg")
-        weights = tl.load(topk_weights_ptr + slots, mask=slots < TOP_K, other=0.0, cache_modifier=".cg")
+    ids, weights = route_one_token(logits_ptr, NUM_EXPERTS, EXPERTS_PAD, TOP_K, TOP_K_PAD, RENORMALIZE, ROUND_WEIGHTS)
     if HAS_MAP:
         ids = tl.load(expert_map_ptr + ids, mask=ids >= 0, other=-1)
     ks = tl.arange(0, HIDDEN_PAD)
@@ -258,59 +258,74 @@ def _expert_layer_kernel(
     h = tl.load(h_ptr + ks, mask=hidden_ok, other=0.0)
     x = rms_norm_row(h, tl.load(norm_w_ptr + ks, mask=hidden_ok, other=0.0), HIDDEN, eps)
     x = x.to(h.dtype).to(tl.float32)
+    js = tl.arange(0, INTERMEDIATE_PAD)
+    j_ok = js < INTERMEDIATE
     dtype = out_ptr.dtype.element_ty
     num_gate: tl.constexpr = TOP_K * GATE_BLOCKS
-    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu")
-    while ticket < num_gate + DOWN_BLOCKS:
+    column_counters = counters_ptr + _GATE_DONE + TOP_K_PAD
+    ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
+    while ticket < num_gate + TOP_K * DOWN_BLOCKS:
         if ticket < num_gate:
             slot = ticket // GATE_BLOCKS
             expert = tl.sum(tl.where(slots == slot, ids, 0))
-            if expert >= 0:  # else another rank's expert: down skips the slot
-                rows = (ticket % GATE_BLOCKS) * GATE_ROWS + tl.arange(0, GATE_ROWS)
-                gate_ptrs = (
-                    w13_ptr
-                    + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
-                    + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
-                    + ks[None, :]
-                )
-                gate_w = tl.load(gate_ptrs, mask=hidden_ok[None, :], other=0.0)
-                up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=hidden_ok[None, :], other=0.0)
-                gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-                up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-                tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
+            rows = (ticket % GATE_BLOCKS) * GATE_ROWS + tl.arange(0, GATE_ROWS)
+            gate_ptrs = (
+                w13_ptr
+                + tl.maximum(expert, 0).to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
+                + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
+                + ks[None, :]
+            )
+            mask = (expert >= 0) & hidden_ok[None, :]  # another rank's expert: nothing to load
+            gate_w = tl.load(gate_ptrs, mask=mask, other=0.0)
+            up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=mask, other=0.0)
+            # The next ticket's round trip overlaps these loads.
+            next_ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
+            gate_w = _pinned_here(gate_w, INTERPRETED)
+            up_w = _pinned_here(up_w, INTERPRETED)
+            gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
+            up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
+            tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
             tl.debug_barrier()  # every thread's rows are stored before the release below
-            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
+            tl.atomic_add(counters_ptr + _GATE_DONE + slot, 1, sem="release", scope="gpu")
         else:
-            # A [column, slot, I] tile: each slot's expert's rows for the item's columns. Columns
-            # outermost: the warps then split slots and I, and no two hold the same inter values.
-            cols = (ticket - num_gate) * DOWN_COLS + tl.arange(0, DOWN_COLS)
-            used = ids >= 0
-            js = tl.arange(0, INTERMEDIATE_PAD)
-            j_ok = js < INTERMEDIATE
+            slot = (ticket - num_gate) // DOWN_BLOCKS
+            block = (ticket - num_gate) % DOWN_BLOCKS
+            expert = tl.sum(tl.where(slots == slot, ids, 0))
+            weight = tl.sum(tl.where(slots == slot, weights, 0.0))
+            cols = block * DOWN_COLS + tl.arange(0, DOWN_COLS)
             w_ptrs = (
                 w2_ptr
-                + tl.minimum(cols, HIDDEN - 1)[:, None, None] * INTERMEDIATE
-                + tl.maximum(ids, 0).to(tl.int64)[None, :, None] * (HIDDEN * INTERMEDIATE)
-                + js[None, None, :]
+                + tl.maximum(expert, 0).to(tl.int64) * (HIDDEN * INTERMEDIATE)
+                + tl.minimum(cols, HIDDEN - 1)[:, None] * INTERMEDIATE
+                + js[None, :]
             )
-            w = tl.load(w_ptrs, mask=used[None, :, None] & j_ok[None, None, :], other=0.0)
-            _wait_until_at_least(counters_ptr + 1, num_gate, INTERPRETED)  # the weights above stream meanwhile
-            w = _after_the_wait(w, INTERPRETED)
-            inter = tl.load(
-                inter_ptr + slots[:, None] * INTERMEDIATE + js[None, :],
-                mask=used[:, None] & j_ok[None, :],
-                other=0.0,
-                cache_modifier=".cg",  # stored by other programs: no L1 line may predate it
-            )
-            # fused_moe's rounding: the product rounded, times the weight in float32, rounded; k summed in float32.
-            y = tl.sum(w.to(tl.float32) * inter.to(tl.float32)[None, :, :], axis=2).to(dtype)
-            weighted = tl.where(used[None, :], (y.to(tl.float32) * weights[None, :]).to(dtype).to(tl.float32), 0.0)
-            total = tl.sum(weighted, axis=1)
-            tl.store(out_ptr + cols, total.to(dtype), mask=cols < HIDDEN)
-        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu")
-    # The last program out zeroes the counters for the next launch: no other program reads them now.
-    if tl.atomic_add(counters_ptr + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(counters_ptr + tl.arange(0, 4), tl.zeros((4,), dtype=tl.int32))
+            w = tl.load(w_ptrs, mask=(expert >= 0) & j_ok[None, :], other=0.0)
+            next_ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
+            _wait_until_at_least(counters_ptr + _GATE_DONE + slot, GATE_BLOCKS, INTERPRETED)
+            w = _pinned_here(w, INTERPRETED)
+            # Stored by other programs: from L2, as no L1 line may predate it.
+            inter = tl.load(inter_ptr + slot * INTERMEDIATE + js, mask=j_ok, other=0.0, cache_modifier=".cg")
+            # fused_moe's rounding: the product rounded, times the weight in float32, rounded.
+            y = tl.sum(w.to(tl.float32) * inter.to(tl.float32)[None, :], axis=1).to(dtype)
+            weighted = tl.where(expert >= 0, (y.to(tl.float32) * weight).to(dtype).to(tl.float32), 0.0)
+            tl.store(partial_ptr + slot * HIDDEN + cols, weighted, mask=cols < HIDDEN)
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            if tl.atomic_add(column_counters + block, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+                # The block's last slot: the k partials summed in float32, in slot order.
+                partials = tl.load(
+                    partial_ptr + slots[:, None] * HIDDEN + cols[None, :],
+                    mask=(slots[:, None] < TOP_K) & (cols[None, :] < HIDDEN),
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                tl.store(out_ptr + cols, tl.sum(partials, axis=0).to(dtype), mask=cols < HIDDEN)
+                tl.store(column_counters + block, 0)  # ready for the next launch
+        ticket = next_ticket
+    # The last program out zeroes the rest for the next launch: no other program reads them now.
+    if tl.atomic_add(counters_ptr + _EXITS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(counters_ptr + _TICKET, 0)
+        tl.store(counters_ptr + _EXITS, 0)
+        tl.store(counters_ptr + _GATE_DONE + slots, 0)
 
 
 _INTERPRETED = isinstance(_expert_layer_kernel, InterpretedFunction)
@@ -385,11 +400,6 @@ def decode_moe(
             inter, ids, weights, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl)
         )
         return out
-    route = DESIGN == "one launch, routing inside"
-    if route:
-        weights = ids = logits  # never read: the kernel routes from the logits
-    else:
-        weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
     constexprs, num_warps = layer_plan(
         hidden=hidden,
         intermediate=intermediate,
@@ -397,14 +407,16 @@ def decode_moe(
         top_k=top_k,
         renormalize=renormalize,
         weight_dtype=weight_dtype,
-        route=route,
         element_size=h.element_size(),
         has_map=expert_map is not None,
         pdl=pdl,
     )
     map_arg = expert_map if expert_map is not None else logits  # never read without HAS_MAP
-    counters = arrival_counters(h.device, 4, "decode_moe")
-    args = (h, norm_weight, logits, ids, weights, map_arg, w13, w2, inter, out, counters, eps)
+    partials = torch.empty(top_k, hidden, dtype=torch.float32, device=h.device)
+    counters = arrival_counters(
+        h.device, _GATE_DONE + constexprs["TOP_K_PAD"] + constexprs["DOWN_BLOCKS"], "decode_moe"
+    )
+    args = (h, norm_weight, logits, map_arg, w13, w2, inter, partials, out, counters, eps)
     _expert_layer_kernel[(_programs(h.device, args, constexprs, num_warps),)](
         *args, **constexprs, num_warps=num_warps, **launch_options(pdl)
     )
@@ -443,15 +455,17 @@ def layer_plan(
     top_k: int,
     renormalize: bool,
     weight_dtype,
-    route: bool,
     element_size: int,
     has_map: bool,
     pdl: bool,
 ) -> tuple[dict, int]:
     """(constexprs, warps) of the one launch (also the sm_90 compile test's)."""
-    gate_rows = tile_rows(hidden, 2, element_size)
-    top_k_pad = triton.next_power_of_2(top_k)
-    down_cols = tile_rows(intermediate, top_k_pad, element_size)
+    # Half the chain's tile a program: a few programs an SM, each streaming item after item.
+    gate_rows, down_cols, warps = PLAN or (
+        tile_rows(hidden, 4, element_size),
+        tile_rows(intermediate, 2, element_size),
+        4,
+    )
     constexprs = dict(
         HIDDEN=hidden,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
@@ -460,10 +474,9 @@ def layer_plan(
         NUM_EXPERTS=num_experts,
         EXPERTS_PAD=triton.next_power_of_2(num_experts),
         TOP_K=top_k,
-        TOP_K_PAD=top_k_pad,
+        TOP_K_PAD=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
         ROUND_WEIGHTS=round_code(weight_dtype),
-        ROUTE=route,
         HAS_MAP=has_map,
         GATE_ROWS=gate_rows,
         GATE_BLOCKS=triton.cdiv(intermediate, gate_rows),
@@ -472,15 +485,6 @@ def layer_plan(
         PDL=pdl,
         INTERPRETED=_INTERPRETED,
     )
-    warps = max(_warps(2 * gate_rows, hidden, element_size), _warps(top_k_pad * down_cols, intermediate, element_size))
-    if PLAN is not None:
-        gate_rows, down_cols, warps = PLAN
-        constexprs.update(
-            GATE_ROWS=gate_rows,
-            GATE_BLOCKS=triton.cdiv(intermediate, gate_rows),
-            DOWN_COLS=down_cols,
-            DOWN_BLOCKS=triton.cdiv(hidden, down_cols),
-        )
     return constexprs, warps
 
 
