@@ -1,9 +1,11 @@
 """Arrival counters for kernels whose last program to finish a unit of work merges the others'.
 
-A split kernel (decode attention's KV splits, the sampler's vocabulary splits) stores its
-partials, then bumps its unit's counter with an acq_rel atomic; the program that sees the count
-reach the number of parts reads every partial back, merges them and resets the counter to 0.
-That saves the separate merge launch, and with no spinning no order of programs can deadlock.
+A split kernel (decode attention's KV splits, the sampler's vocabulary splits, decode_moe's k
+slots) stores its partials, then bumps its unit's counter with an acq_rel atomic; the program
+that sees the count reach the number of parts reads every partial back, merges them and resets
+the counter to 0. That saves the separate merge launch, and with no spinning no order of
+programs can deadlock. (decode_moe's one launch also keeps its ticket counter here, and its only
+spin waits for items already handed to running programs.)
 
 The counters are zeroed once and kept across calls (every launch leaves them at 0), one buffer
 per device and owner kernel: launches of one owner run in stream order, never two at once.

@@ -1,32 +1,34 @@
-"""A layer of experts at batch 1 as GEMVs: the decode chain's MoE layer
+"""A layer of experts at batch 1 in two launches: the decode chain's MoE layer
 (services/worker/model/decode_chain.py), for Qwen3-MoE and Mixtral.
 
-    logits, _  = norm_linear(h, gate, norm)           the router, its RMSNorm in the prologue
-                                                      (kernels/decode_linear.py)
-    weights, ids = select_experts(logits)             kernels/moe_routing.py, one one-warp program
-    inter      = expert_gate_up(h, ids)               a program per (slot s, BLOCK_N rows of I)
-    out        = expert_down(inter, ids, weights)     a program per BLOCK_N columns of H, all k slots
+    logits, _ = norm_linear(h, gate, norm)      the router, its RMSNorm in the prologue (kernels/decode_linear.py)
+    out       = expert_layer(h, logits)         everything else, one persistent launch
 
-Why: at one token the batched path (kernels/fused_moe.py) is eight launches around its two GEMMs
-(norm, router GEMM, select_experts, align, gate/up, down, k-sum) and each boundary drains the GPU;
-its 16-row tensor-core tiles also stream one token's experts well short of the copy floor
-(bench/RESULTS.md, issue 53). One token needs no grouping by expert: slot s *is* one expert.
+Why: at one token the batched path (kernels/fused_moe.py) is eight launches around its two GEMMs,
+and each boundary drains the GPU. One token needs no grouping by expert: slot s *is* one expert.
+Two GEMV launches (gate/up, then down) after select_experts were 1.60x the step's floor: down
+could load only the weights of its first wave before gate/up ended, and then streamed 25 MB in
+two waves with HBM idle between them (bench/RESULTS.md, issue 53). In one launch, HBM streams
+the whole layer without a gap:
 
-- gate/up: x = rms_norm(h) in the prologue (decode_linear's rule, the row is whole here), the
-  slot's expert's BLOCK_N gate rows and BLOCK_N up rows whole in registers, silu(gate) * up
-  stored to inter[s] as fused_moe rounds it.
-- down: a [k * BLOCK_N, I] tile, the rows of each slot's expert for the program's columns, loaded
-  *before* the dependent-launch wait: gate/up signals its dependents only after its own wait, so
-  when down starts the routing has completed and its ids can be read early (from L2: `.cg`, as no
-  L1 line may predate them). Then each row's product is rounded, weighted, rounded (fused_moe's
-  rounding) and the k slots of a column summed in float32: one store per column, no k-sum
-  kernel, the same order on every run.
-(Routing inside every program's prologue instead of select_experts' launch was measured: k rounds
-of argmax ahead of each program's weight loads made both GEMVs several times slower; bench/RESULTS.md.)
+- Each program routes (moe_routing.route_one_token: softmax, top-k by ranks, renormalise) and
+  computes x = rms_norm(h) once, then takes items by ticket until none is left:
+  - gate/up (slot s, GATE_ROWS rows of I): silu(x . gate) * (x . up), rounded as fused_moe does,
+    into inter[s]; then it bumps slot s's done count;
+  - down (slot s, DOWN_COLS columns of H): loads the slot's expert's rows, *then* waits until
+    slot s's gate/up items are done (by the time down tickets go out, early slots long are),
+    and stores y * weight, rounded as fused_moe does, as a float32 partial. The last of the k
+    slots to arrive at a block of columns sums the partials in slot order (arrival counters, as
+    decode attention merges its splits): the same order on every run, no k-sum kernel.
+- Tickets go out in order, gate/up before down, so every item a down item waits for belongs to a
+  program that is already running: the wait always ends, whatever the grid and whatever else
+  holds SMs (no program ever waits for one that has not started).
+- The grid is as many programs as the GPU holds at once (4 an SM at 128 registers): more would
+  only find the tickets gone.
 
 Expert parallelism: `expert_map` sends a slot whose expert another rank holds to nothing here.
-Tensor parallelism shards I; the caller all-reduces the output. Batch 1 only, and only where a
-down tile of k rows fits the register budget (decode_moe_serves).
+Tensor parallelism shards I; the caller all-reduces the output. Batch 1 only, up to 128 experts
+(the ranks compare every pair), and where a tile of 2 rows fits (decode_moe_serves).
 """
 
 from __future__ import annotations
@@ -42,126 +44,17 @@ from strata.kernels.activation import silu_mul
 from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.decode_linear import DecodeLinearConfig, norm_linear, use_decode_linear
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.moe_routing import round_code, route_one_token, select_experts
+from strata.kernels.moe_routing import round_code, route_one_token
 from strata.kernels.rmsnorm import rms_norm_row
 
-__all__ = ["decode_moe", "decode_moe_serves", "launch_plans", "layer_plan", "tile_rows"]
+__all__ = ["decode_moe", "decode_moe_serves", "layer_plan", "tile_rows", "MAX_EXPERTS", "WARPS"]
 
-# Which batch-1 design decode_moe launches (an A/B under way: bench/RESULTS.md).
-DESIGNS = ("one launch", "two GEMVs")
-DESIGN = DESIGNS[0]
-# Programs of the one launch a multiprocessor; 0: as many as fit (an A/B knob).
-PROGRAMS_PER_SM = 0
-# (GATE_ROWS, DOWN_COLS, warps) of the one launch, when set (an A/B knob).
-PLAN = None
-
-
-@triton.jit
-def _local_expert(ids_ptr, expert_map_ptr, slots, mask, HAS_MAP: tl.constexpr, EARLY: tl.constexpr):
-    """The local expert of each slot, -1 where masked or held by another rank. EARLY: read before
-    the wait, past L1."""
-    if EARLY:
-        ids = tl.load(ids_ptr + slots, mask=mask, other=-1, cache_modifier=".cg")
-    else:
-        ids = tl.load(ids_ptr + slots, mask=mask, other=-1)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=ids >= 0, other=-1)
-    return ids
-
-
-@triton.jit
-def _expert_gate_up_kernel(
-    h_ptr,
-    norm_w_ptr,
-    ids_ptr,
-    expert_map_ptr,
-    w13_ptr,
-    inter_ptr,
-    eps,
-    HIDDEN: tl.constexpr,
-    HIDDEN_PAD: tl.constexpr,
-    INTERMEDIATE: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """inter[s, n] = silu(x . w13[e_s, n]) * (x . w13[e_s, I + n]), x = rms_norm(h), for BLOCK_N rows n."""
-    slot = tl.program_id(0)
-    ks = tl.arange(0, HIDDEN_PAD)
-    k_ok = ks < HIDDEN
-    norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0)
-    if PDL:
-        gdc_wait()  # the ids come from select_experts just before
-        # Only now: down reads the ids before its own wait (see the module docstring).
-        gdc_launch_dependents()
-    expert = tl.sum(_local_expert(ids_ptr, expert_map_ptr, slot + tl.arange(0, 1), True, HAS_MAP, False))
-    if expert < 0:
-        return  # another rank's expert: down skips the slot
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate_ptrs = (
-        w13_ptr
-        + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
-        + tl.minimum(rows, INTERMEDIATE - 1)[:, None] * HIDDEN
-        + ks[None, :]
-    )
-    gate_w = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
-    up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=k_ok[None, :], other=0.0)
-    h = tl.load(h_ptr + ks, mask=k_ok, other=0.0)
-    x = rms_norm_row(h, norm_w, HIDDEN, eps).to(h.dtype).to(tl.float32)
-    dtype = inter_ptr.dtype.element_ty
-    gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-    up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-    tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
-
-
-@triton.jit
-def _expert_down_kernel(
-    inter_ptr,
-    ids_ptr,
-    topk_weights_ptr,
-    expert_map_ptr,
-    w2_ptr,
-    out_ptr,
-    HIDDEN: tl.constexpr,
-    INTERMEDIATE: tl.constexpr,
-    INTERMEDIATE_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """out[n] = sum over slots s of weight_s * (inter[s] . w2[e_s, n]) for BLOCK_N columns n."""
-    if PDL:
-        gdc_launch_dependents()
-    # Row r of the tile: slot r // BLOCK_N, column r % BLOCK_N.
-    tile_rows = tl.arange(0, TOP_K_PAD * BLOCK_N)
-    row_slot = tile_rows // BLOCK_N
-    col = tl.minimum(tl.program_id(0) * BLOCK_N + tile_rows % BLOCK_N, HIDDEN - 1)
-    # Before the wait: the routing finished before gate/up let this kernel start (EARLY loads).
-    expert = _local_expert(ids_ptr, expert_map_ptr, row_slot, row_slot < TOP_K, HAS_MAP, PDL)
-    used = expert >= 0
-    ks = tl.arange(0, INTERMEDIATE_PAD)
-    k_ok = ks < INTERMEDIATE
-    w_ptrs = (
-        w2_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None] * (HIDDEN * INTERMEDIATE) + col[:, None] * INTERMEDIATE
-    )
-    w = tl.load(w_ptrs + ks[None, :], mask=used[:, None] & k_ok[None, :], other=0.0)
-    if PDL:
-        weight = tl.load(topk_weights_ptr + row_slot, mask=used, other=0.0, cache_modifier=".cg")
-        gdc_wait()  # inter comes from gate/up
-    else:
-        weight = tl.load(topk_weights_ptr + row_slot, mask=used, other=0.0)
-    inter = tl.load(
-        inter_ptr + row_slot[:, None] * INTERMEDIATE + ks[None, :], mask=used[:, None] & k_ok[None, :], other=0.0
-    )
-    dtype = out_ptr.dtype.element_ty
-    # fused_moe's rounding: the product rounded, times the weight in float32, rounded; k summed in float32.
-    y = tl.sum(w.to(tl.float32) * inter.to(tl.float32), axis=1).to(dtype)
-    weighted = tl.where(used, (y.to(tl.float32) * weight).to(dtype).to(tl.float32), 0.0)
-    total = tl.sum(tl.reshape(weighted, (TOP_K_PAD, BLOCK_N)), axis=0)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + cols, total.to(dtype), mask=cols < HIDDEN)
+# Routing compares every pair of experts: 128 (Qwen3-MoE's) is 128 values a thread; more take the
+# batched layer.
+MAX_EXPERTS = 128
+# At half the chain's tile (32 KB of weights a program), 4 warps take 128 registers a thread: 4
+# programs an SM. 8 warps at the same or twice the tile ran 1.7x slower (bench/RESULTS.md).
+WARPS = 4
 
 
 @triton.jit
@@ -257,7 +150,7 @@ def _expert_layer_kernel(
     hidden_ok = ks < HIDDEN
     h = tl.load(h_ptr + ks, mask=hidden_ok, other=0.0)
     x = rms_norm_row(h, tl.load(norm_w_ptr + ks, mask=hidden_ok, other=0.0), HIDDEN, eps)
-    x = x.to(h.dtype).to(tl.float32)
+    x = x.to(h.dtype)  # rounded as the unfused norm rounds it; kept so: half the registers of float32
     js = tl.arange(0, INTERMEDIATE_PAD)
     j_ok = js < INTERMEDIATE
     dtype = out_ptr.dtype.element_ty
@@ -282,8 +175,9 @@ def _expert_layer_kernel(
             next_ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
             gate_w = _pinned_here(gate_w, INTERPRETED)
             up_w = _pinned_here(up_w, INTERPRETED)
-            gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
-            up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1).to(dtype)
+            x32 = x.to(tl.float32)[None, :]
+            gate = tl.sum(gate_w.to(tl.float32) * x32, axis=1).to(dtype)
+            up = tl.sum(up_w.to(tl.float32) * x32, axis=1).to(dtype)
             tl.store(inter_ptr + slot * INTERMEDIATE + rows, silu_mul(gate, up).to(dtype), mask=rows < INTERMEDIATE)
             tl.debug_barrier()  # every thread's rows are stored before the release below
             tl.atomic_add(counters_ptr + _GATE_DONE + slot, 1, sem="release", scope="gpu")
@@ -341,15 +235,12 @@ def tile_rows(row_elements: int, rows_per_unit: int, element_size: int) -> int:
     return min(16, 1 << (tile_bytes // unit_bytes).bit_length() - 1)
 
 
-def decode_moe_serves(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
-    """Whether these kernels serve this layer and step: one token the chain takes, and a down
-    tile of the k slots' rows (and a gate/up pair of rows) within the register budget."""
-    hidden = w13.shape[2]
+def decode_moe_serves(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int) -> bool:
+    """Whether the one launch serves this layer and step: one token the chain takes, up to
+    MAX_EXPERTS experts, and tiles of at least one row (H and I within the register budget)."""
     if not use_decode_linear(h, w13[0]) or not (w2.is_contiguous() and w2.dtype == h.dtype):
         return False
-    intermediate = w2.shape[2]
-    top_k_pad = triton.next_power_of_2(top_k)
-    return tile_rows(hidden, 2, h.element_size()) > 0 and tile_rows(intermediate, top_k_pad, h.element_size()) > 0
+    return num_experts <= MAX_EXPERTS and min(_tiles(w13.shape[2], w2.shape[2], h.element_size())) > 0
 
 
 def decode_moe(
@@ -371,7 +262,7 @@ def decode_moe(
     num_local, two_i, hidden = w13.shape
     intermediate = two_i // 2
     num_experts = gate_weight.shape[0]
-    assert decode_moe_serves(h, w13, w2, top_k), (tuple(h.shape), tuple(w13.shape), tuple(w2.shape), top_k)
+    assert decode_moe_serves(h, w13, w2, top_k, num_experts), (tuple(h.shape), tuple(w13.shape), tuple(w2.shape))
     assert w13.is_contiguous() and tuple(w2.shape) == (num_local, hidden, intermediate)
     assert expert_map is None or (expert_map.dtype == torch.int32 and expert_map.shape == (num_experts,))
     # A few rows a program: the router's E rows would be a handful of programs at the chain's tile.
@@ -380,27 +271,7 @@ def decode_moe(
     pdl = dependent_launch_supported(h.device)
     inter = torch.empty(top_k, intermediate, dtype=h.dtype, device=h.device)
     out = torch.empty_like(h)
-    if DESIGN == "two GEMVs":
-        weights, ids = select_experts(logits, top_k, renormalize, weight_dtype=weight_dtype)
-        gate_up, down = launch_plans(
-            hidden=hidden,
-            intermediate=intermediate,
-            top_k=top_k,
-            element_size=h.element_size(),
-            has_map=expert_map is not None,
-            pdl=pdl,
-        )
-        map_arg = expert_map if expert_map is not None else ids  # never read without HAS_MAP
-        grid, constexprs, num_warps = gate_up
-        _expert_gate_up_kernel[grid](
-            h, norm_weight, ids, map_arg, w13, inter, eps, **constexprs, num_warps=num_warps, **launch_options(pdl)
-        )
-        grid, constexprs, num_warps = down
-        _expert_down_kernel[grid](
-            inter, ids, weights, map_arg, w2, out, **constexprs, num_warps=num_warps, **launch_options(pdl)
-        )
-        return out
-    constexprs, num_warps = layer_plan(
+    constexprs = layer_plan(
         hidden=hidden,
         intermediate=intermediate,
         num_experts=num_experts,
@@ -417,34 +288,39 @@ def decode_moe(
         h.device, _GATE_DONE + constexprs["TOP_K_PAD"] + constexprs["DOWN_BLOCKS"], "decode_moe"
     )
     args = (h, norm_weight, logits, map_arg, w13, w2, inter, partials, out, counters, eps)
-    _expert_layer_kernel[(_programs(h.device, args, constexprs, num_warps),)](
-        *args, **constexprs, num_warps=num_warps, **launch_options(pdl)
-    )
+    grid = (_programs(h.device, args, constexprs),)
+    _expert_layer_kernel[grid](*args, **constexprs, num_warps=WARPS, **launch_options(pdl))
     return out
 
 
-def _programs(device: torch.device, args: tuple, constexprs: dict, num_warps: int) -> int:
-    """The one launch's grid: as many programs as the GPU holds at once (registers, shared memory
-    and threads of the compiled kernel), so that every one streams from the start. More would only
-    find the tickets gone; fewer would leave HBM idle. 2 under the interpreter."""
+def _programs(device: torch.device, args: tuple, constexprs: dict) -> int:
+    """The grid: as many programs as the GPU holds at once (by the compiled kernel's registers,
+    shared memory and threads), all streaming from the start; more would only find the tickets
+    gone. 2 under the interpreter, which runs one program after the other."""
     if _INTERPRETED:
         return 2
-    key = (device.index, tuple(sorted(constexprs.items())), num_warps)
+    key = (device.index, args[0].dtype, tuple(sorted(constexprs.items())))
     if key not in _GRIDS:
-        compiled = _expert_layer_kernel.warmup(*args, **constexprs, num_warps=num_warps, grid=(1,))
-        compiled._init_handles()
+        compiled = _expert_layer_kernel.warmup(*args, **constexprs, num_warps=WARPS, grid=(1,))
+        compiled._init_handles()  # loads it: n_regs is known from here
         props = torch.cuda.get_device_properties(device)
-        threads = 32 * num_warps
+        threads = 32 * WARPS
         per_sm = min(
             getattr(props, "regs_per_multiprocessor", 65536) // (compiled.n_regs * threads),
             props.max_threads_per_multi_processor // threads,
             props.shared_memory_per_multiprocessor // max(1, compiled.metadata.shared),
         )
-        _GRIDS[key] = max(1, PROGRAMS_PER_SM or per_sm) * props.multi_processor_count
+        _GRIDS[key] = max(1, per_sm) * props.multi_processor_count
     return _GRIDS[key]
 
 
 _GRIDS: dict[tuple, int] = {}
+
+
+def _tiles(hidden: int, intermediate: int, element_size: int) -> tuple[int, int]:
+    """(GATE_ROWS, DOWN_COLS): half the chain's tile a program, GATE_ROWS gate rows and as many up
+    rows of H, DOWN_COLS rows of I; 0 where one row does not fit."""
+    return tile_rows(hidden, 4, element_size), tile_rows(intermediate, 2, element_size)
 
 
 def layer_plan(
@@ -458,15 +334,10 @@ def layer_plan(
     element_size: int,
     has_map: bool,
     pdl: bool,
-) -> tuple[dict, int]:
-    """(constexprs, warps) of the one launch (also the sm_90 compile test's)."""
-    # Half the chain's tile a program: a few programs an SM, each streaming item after item.
-    gate_rows, down_cols, warps = PLAN or (
-        tile_rows(hidden, 4, element_size),
-        tile_rows(intermediate, 2, element_size),
-        4,
-    )
-    constexprs = dict(
+) -> dict:
+    """The one launch's constexprs (also the sm_90 compile test's); it runs at WARPS warps."""
+    gate_rows, down_cols = _tiles(hidden, intermediate, element_size)
+    return dict(
         HIDDEN=hidden,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
         INTERMEDIATE=intermediate,
@@ -485,45 +356,3 @@ def layer_plan(
         PDL=pdl,
         INTERPRETED=_INTERPRETED,
     )
-    return constexprs, warps
-
-
-def launch_plans(
-    *, hidden: int, intermediate: int, top_k: int, element_size: int, has_map: bool, pdl: bool
-) -> tuple[tuple, tuple]:
-    """(grid, constexprs, warps) of the gate/up and the down launch (also the sm_90 compile test's)."""
-    rows = tile_rows(hidden, 2, element_size)
-    gate_up = (
-        (top_k, triton.cdiv(intermediate, rows)),
-        dict(
-            HIDDEN=hidden,
-            HIDDEN_PAD=triton.next_power_of_2(hidden),
-            INTERMEDIATE=intermediate,
-            HAS_MAP=has_map,
-            BLOCK_N=rows,
-            PDL=pdl,
-        ),
-        _warps(2 * rows, hidden, element_size),
-    )
-    top_k_pad = triton.next_power_of_2(top_k)
-    cols = tile_rows(intermediate, top_k_pad, element_size)
-    down = (
-        (triton.cdiv(hidden, cols),),
-        dict(
-            HIDDEN=hidden,
-            INTERMEDIATE=intermediate,
-            INTERMEDIATE_PAD=triton.next_power_of_2(intermediate),
-            TOP_K=top_k,
-            TOP_K_PAD=top_k_pad,
-            HAS_MAP=has_map,
-            BLOCK_N=cols,
-            PDL=pdl,
-        ),
-        _warps(top_k_pad * cols, intermediate, element_size),
-    )
-    return gate_up, down
-
-
-def _warps(rows: int, row_elements: int, element_size: int) -> int:
-    """decode_linear's rule: 8 warps for a tile over 8 KB, else 4."""
-    return 8 if rows * triton.next_power_of_2(row_elements) * element_size > 8192 else 4

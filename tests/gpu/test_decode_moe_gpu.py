@@ -1,4 +1,4 @@
-"""The decode chain's expert GEMVs (kernels/decode_moe.py) on a real GPU: bf16 at the Qwen3-30B-A3B
+"""The decode chain's layer of experts in one launch (kernels/decode_moe.py) on a real GPU: bf16 at the Qwen3-30B-A3B
 and Mixtral shapes (and a tensor-parallel shard of I, an expert-parallel rank), against the batched
 layer (RMSNorm, router GEMM, select_experts, fused_moe) on the same inputs, and captured in a CUDA
 graph with its dependent launches, replayed with new inputs.
@@ -91,7 +91,7 @@ def test_gemvs_as_close_as_the_batched_layer(shape):
     compared = 0
     for _ in range(8):
         h = layer.h()
-        assert decode_moe_serves(h, layer.w13, layer.w2, layer.top_k)
+        assert decode_moe_serves(h, layer.w13, layer.w2, layer.top_k, layer.router.shape[0])
         got = layer.gemvs(h)
         batched, exact, ids = layer.batched(h)
         if not torch.equal(ids.sort().values, layer.routed_ids(h).sort().values):
@@ -126,3 +126,22 @@ def test_in_a_cuda_graph_equals_eager_with_new_inputs():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("programs", [1, 7, 5000])
+def test_any_grid_gives_the_same_output(programs, monkeypatch):
+    """Items go by ticket, and a down item only waits for items already handed to running
+    programs: one program alone finishes (every item in turn), a few finish, and thousands (more
+    than the GPU holds at once) find the tickets gone and leave. Same bits every time, and the
+    counters are back at zero for the next launch."""
+    from strata.kernels import decode_moe as dm
+    from strata.kernels.arrival_counters import arrival_counters
+
+    layer = Layer("qwen3-30b-a3b", seed=4)
+    hs = [layer.h() for _ in range(2)]
+    want = [layer.gemvs(h) for h in hs]
+    monkeypatch.setattr(dm, "_programs", lambda *args: programs)
+    for h, expected in zip(hs, want):
+        assert torch.equal(layer.gemvs(h), expected)
+    torch.cuda.synchronize()
+    assert not arrival_counters(hs[0].device, 1, "decode_moe").any()

@@ -70,12 +70,12 @@ class SparseMoE(FusedKernelSwitch, nn.Module):
 
     def forward_one_token(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """forward(norm(h)) for the decode chain's one token: the router GEMV with the norm in its
-        prologue, select_experts and two expert GEMVs (kernels/decode_moe.py) where they serve,
-        else the norm and forward."""
+        prologue and one launch for the rest (kernels/decode_moe.py) where they serve, else the
+        norm and forward."""
         from strata.kernels import decode_moe  # Triton: imported on first use
 
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        if not decode_moe.decode_moe_serves(h, w13, w2, self.top_k):
+        if not decode_moe.decode_moe_serves(h, w13, w2, self.top_k, self.gate.weight.shape[0]):
             return self(norm(h))
         out = decode_moe.decode_moe(
             h,
