@@ -111,13 +111,17 @@ def _ptxas_stats(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
-def _compile(name: str, kernel, data_dtype: str, constexprs: dict, num_warps: int, num_stages: int) -> CompileReport:
+def compile_for_sm90(source: ASTSource, num_warps: int, num_stages: int = 1):
+    """Compile for an H100 without a GPU -> (the compiled kernel, registers, spilled bytes)."""
     compiled = triton.compile(
-        _signature(kernel, data_dtype, constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
     registers, spills = _ptxas_stats(compiled.asm["ptx"])
+    return compiled, registers, spills
+
+
+def _compile(name: str, kernel, data_dtype: str, constexprs: dict, num_warps: int, num_stages: int) -> CompileReport:
+    compiled, registers, spills = compile_for_sm90(_signature(kernel, data_dtype, constexprs), num_warps, num_stages)
     return CompileReport(
         name, registers, spills, compiled.metadata.shared, compiled.asm["ttgir"].count("async_copy_global_to_local")
     )

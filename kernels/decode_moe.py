@@ -1,8 +1,8 @@
 """A layer of experts at batch 1 in two launches: the decode chain's MoE layer
 (services/worker/model/decode_chain.py), for Qwen3-MoE and Mixtral.
 
-    logits, _ = norm_linear(h, gate, norm)      the router, its RMSNorm in the prologue (kernels/decode_linear.py)
-    out       = expert_layer(h, logits)         everything else, one persistent launch
+    logits, _ = norm_linear(h, gate, norm)   the router, its RMSNorm in its prologue (decode_linear.py)
+    out       = expert_layer(h, logits)      everything else, in one persistent launch
 
 Why: at one token the batched path (kernels/fused_moe.py) is eight launches around its two GEMMs,
 and each boundary drains the GPU. One token needs no grouping by expert: slot s *is* one expert.
@@ -16,8 +16,8 @@ the whole layer without a gap:
   - gate/up (slot s, GATE_ROWS rows of I): silu(x . gate) * (x . up), rounded as fused_moe does,
     into inter[s]; then it bumps slot s's done count;
   - down (slot s, DOWN_COLS columns of H): loads the slot's expert's rows, *then* waits until
-    slot s's gate/up items are done (by the time down tickets go out, early slots long are),
-    and stores y * weight, rounded as fused_moe does, as a float32 partial. The last of the k
+    slot s's gate/up items are done (by the time down tickets go out, the early slots' are long
+    done), and stores y * weight, rounded as fused_moe does, as a float32 partial. The last of the k
     slots to arrive at a block of columns sums the partials in slot order (arrival counters, as
     decode attention merges its splits): the same order on every run, no k-sum kernel.
 - Tickets go out in order, gate/up before down, so every item a down item waits for belongs to a

@@ -1,8 +1,9 @@
 """Routing for the fused mixture-of-experts layer (kernels/fused_moe.py has the whole layer):
 
 1. select_experts: one program per BLOCK_T tokens: softmax in float32, top-k, renormalise. One
-   token (the decode chain's, kernels/decode_moe.py) takes a one-warp program: its reductions
-   then never cross warps, and the k rounds of argmax are on the step's critical path.
+   token takes a one-warp program: its reductions then never cross warps. route_one_token makes
+   the same choice inside another kernel (the decode chain's MoE launch, kernels/decode_moe.py),
+   by ranks: two reductions instead of k dependent argmax rounds.
 2. align_pairs_by_expert (vLLM's moe_align_block_size): the (token, slot) pairs sorted by local
    expert id, each expert's segment padded to BLOCK_M, into static buffers sized for the worst
    case, T*k + min(E, T*k) * (BLOCK_M - 1). Per chunk of pairs: a histogram of experts and a sort

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import triton
 
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
@@ -24,7 +23,6 @@ def sm90_ptx(
 ) -> tuple[int, int, str]:
     """(registers, spilled bytes, PTX) of the kernel as the 1B / 8B chains launch it on an H100;
     qk_norm "qwen3" or "gemma3": with those q/k norms."""
-    from triton.backends.compiler import GPUTarget
 
     from strata.kernels import compile_check
     from strata.kernels import decode_attention as da
@@ -41,12 +39,7 @@ def sm90_ptx(
     signature.signature["positions_ptr"] = "*i64"
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
-    compiled = triton.compile(
-        signature,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": da.num_warps(head_dim, splits), "num_stages": 2},
-    )
-    registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
+    compiled, registers, spills = compile_check.compile_for_sm90(signature, da.num_warps(head_dim, splits), 2)
     return registers, spills, compiled.asm["ptx"]
 
 

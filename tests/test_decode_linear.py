@@ -33,7 +33,6 @@ CHAIN_SHAPES = [
 
 def sm90_launches(shapes=CHAIN_SHAPES):
     """(name, registers, spilled bytes, ptx) of what the chain launches for each shape on an H100."""
-    from triton.backends.compiler import GPUTarget
 
     from strata.kernels import compile_check
     from strata.kernels import decode_linear as dl
@@ -51,12 +50,8 @@ def sm90_launches(shapes=CHAIN_SHAPES):
             HAS_BIAS=False,
             PDL=True,
         )
-        compiled = triton.compile(
-            compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": config.num_warps},
-        )
-        registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
+        source = compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs)
+        compiled, registers, spills = compile_check.compile_for_sm90(source, config.num_warps)
         out.append((f"{name} {config}", registers, spills, compiled.asm["ptx"]))
     return out
 

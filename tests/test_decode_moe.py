@@ -24,9 +24,6 @@ MODEL_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 143
 
 def sm90_launch(name: str):
     """(registers, spilled bytes, ptx) of the one launch for a model shape on an H100."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from strata.kernels import compile_check
     from strata.kernels import decode_moe as dm
 
@@ -42,12 +39,8 @@ def sm90_launch(name: str):
         has_map=False,
         pdl=True,
     )
-    compiled = triton.compile(
-        compile_check._signature(dm._expert_layer_kernel, "bf16", constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": dm.WARPS},
-    )
-    registers, spills = compile_check._ptxas_stats(compiled.asm["ptx"])
+    source = compile_check._signature(dm._expert_layer_kernel, "bf16", constexprs)
+    compiled, registers, spills = compile_check.compile_for_sm90(source, dm.WARPS)
     return registers, spills, compiled.asm["ptx"]
 
 

@@ -14,7 +14,6 @@ The interpreter computes bfloat16 wrongly: float32 and float16 here, bf16 in tes
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -143,12 +142,9 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
 
     def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
         """triton.compile for sm_90 with Llama-like constants; returns (registers, spill bytes)."""
-        import re
-        import tempfile
-
-        import triton
-        from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
+
+        from strata.kernels import compile_check
 
         names = kernel.arg_names
         full_signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32") for name in names}
@@ -160,20 +156,8 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
         source = ASTSource(
             kernel, full_signature, attrs=attrs, constexprs={(names.index(k),): v for k, v in constexprs.items()}
         )
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
-            handle.write(compiled.asm["ptx"])
-        try:
-            stats = subprocess.run(
-                [ptxas, "-arch=sm_90a", "-v", handle.name, "-o", os.devnull], capture_output=True, text=True, check=True
-            ).stderr
-        finally:
-            os.unlink(handle.name)
-        return (
-            int(re.search(r"Used (\d+) registers", stats).group(1)),
-            int(re.search(r"(\d+) bytes spill stores", stats).group(1)),
-        )
+        _, registers, spills = compile_check.compile_for_sm90(source, num_warps)
+        return registers, spills
 
     @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
     def test_fused_kernels_compile_for_sm90_without_spills(dtype):
