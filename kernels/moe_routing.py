@@ -193,7 +193,7 @@ def routing_launch(
         TOP_K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=1 if one_token else max(1, min(64, 2048 // experts_pad)),
         RENORMALIZE=renormalize,
-        ROUND_WEIGHTS=_ROUND_CODES[weight_dtype],
+        ROUND_WEIGHTS=round_code(weight_dtype),
         PDL=pdl,
     )
     name = f"select_experts E={num_experts} k={top_k}{' one token' if one_token else ''}"

@@ -14,8 +14,8 @@ Per layer, five launches instead of ten (kernels/decode_linear.py says why that 
 A layer of experts (Qwen3-MoE, Mixtral) runs as kernels/decode_moe.py's two launches: the
 router GEMV with the post-attention RMSNorm in its prologue, then one persistent launch that
 routes and streams every chosen expert's gate/up and down; its output and h go to the next
-layer's qkv prologue as a (hidden, residual) pair, as a stage's first layer takes them. Q/k norms (Qwen3) go into the
-one-launch decode attention, before its rotary.
+layer's qkv prologue as a (hidden, residual) pair, as a stage's first layer takes them. Q/k
+norms (Qwen3) go into the one-launch decode attention, before its rotary.
 
 h is the residual stream after each add (what the unfused path calls `residual` once the add is
 done). The stage's interface stays the unfused one: the first layer takes the (hidden,
