@@ -55,8 +55,6 @@ MAX_EXPERTS = 128
 # At half the chain's tile (32 KB of weights a program), 4 warps take 128 registers a thread: 4
 # programs an SM. 8 warps at the same or twice the tile ran 1.7x slower (bench/RESULTS.md).
 WARPS = 4
-# L2 prefetch of the next item's weights (an A/B under way).
-PREFETCH = True
 
 
 @triton.jit
@@ -98,55 +96,6 @@ def _pinned_here(x, INTERPRETED: tl.constexpr):
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=pack)
 
 
-@triton.jit
-def _prefetch_rows(base_ptr, row_stride, ROWS: tl.constexpr, LINES: tl.constexpr, LINES_PAD: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of ROWS rows from base_ptr, row_stride elements
-    apart, holding no registers for them: the next item's weights stream while this one computes."""
-    lines = tl.arange(0, ROWS * LINES_PAD)
-    element_bytes: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    line = tl.minimum(lines % LINES_PAD, LINES - 1)  # the padding asks for the last line again
-    offsets = (lines // LINES_PAD).to(tl.int64) * row_stride + line * (128 // element_bytes)
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [base_ptr + offsets], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_item(
-    ticket,
-    ids,
-    slots,
-    w13_ptr,
-    w2_ptr,
-    HIDDEN: tl.constexpr,
-    INTERMEDIATE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    GATE_ROWS: tl.constexpr,
-    GATE_BLOCKS: tl.constexpr,
-    DOWN_COLS: tl.constexpr,
-    DOWN_BLOCKS: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
-    INTERMEDIATE_LINES: tl.constexpr,
-):
-    """L2 prefetch of item `ticket`'s weights (nothing past the last item or for another rank's expert)."""
-    num_gate: tl.constexpr = TOP_K * GATE_BLOCKS
-    if ticket < num_gate:
-        expert = tl.sum(tl.where(slots == ticket // GATE_BLOCKS, ids, 0))
-        if expert >= 0:
-            row = tl.minimum((ticket % GATE_BLOCKS) * GATE_ROWS, INTERMEDIATE - GATE_ROWS)
-            gate = w13_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN) + row * HIDDEN
-            pad: tl.constexpr = tl.constexpr(1 << (HIDDEN_LINES - 1).bit_length())
-            _prefetch_rows(gate, HIDDEN, GATE_ROWS, HIDDEN_LINES, pad)
-            _prefetch_rows(gate + INTERMEDIATE * HIDDEN, HIDDEN, GATE_ROWS, HIDDEN_LINES, pad)
-    elif ticket < num_gate + TOP_K * DOWN_BLOCKS:
-        expert = tl.sum(tl.where(slots == (ticket - num_gate) // DOWN_BLOCKS, ids, 0))
-        if expert >= 0:
-            col = tl.minimum(((ticket - num_gate) % DOWN_BLOCKS) * DOWN_COLS, HIDDEN - DOWN_COLS)
-            down = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTERMEDIATE) + col * INTERMEDIATE
-            pad: tl.constexpr = tl.constexpr(1 << (INTERMEDIATE_LINES - 1).bit_length())
-            _prefetch_rows(down, INTERMEDIATE, DOWN_COLS, INTERMEDIATE_LINES, pad)
-
-
 # The one launch's counters, after its ticket: programs gone, gate/up items done of each slot, then
 # down's slots arrived at each block of columns.
 _TICKET, _EXITS, _GATE_DONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -182,9 +131,6 @@ def _expert_layer_kernel(
     DOWN_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
-    INTERMEDIATE_LINES: tl.constexpr,
 ):
     """The whole layer of experts in one launch. Items, handed out in order by a ticket counter:
     TOP_K * GATE_BLOCKS gate/up items (slot, GATE_ROWS rows of I), then TOP_K * DOWN_BLOCKS down
@@ -227,23 +173,6 @@ def _expert_layer_kernel(
             up_w = tl.load(gate_ptrs + INTERMEDIATE * HIDDEN, mask=mask, other=0.0)
             # The next ticket's round trip overlaps these loads.
             next_ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
-            if PREFETCH:
-                _prefetch_item(
-                    next_ticket,
-                    ids,
-                    slots,
-                    w13_ptr,
-                    w2_ptr,
-                    HIDDEN,
-                    INTERMEDIATE,
-                    TOP_K,
-                    GATE_ROWS,
-                    GATE_BLOCKS,
-                    DOWN_COLS,
-                    DOWN_BLOCKS,
-                    HIDDEN_LINES,
-                    INTERMEDIATE_LINES,
-                )
             gate_w = _pinned_here(gate_w, INTERPRETED)
             up_w = _pinned_here(up_w, INTERPRETED)
             x32 = x.to(tl.float32)[None, :]
@@ -266,23 +195,6 @@ def _expert_layer_kernel(
             )
             w = tl.load(w_ptrs, mask=(expert >= 0) & j_ok[None, :], other=0.0)
             next_ticket = tl.atomic_add(counters_ptr + _TICKET, 1, sem="relaxed", scope="gpu")
-            if PREFETCH:
-                _prefetch_item(
-                    next_ticket,
-                    ids,
-                    slots,
-                    w13_ptr,
-                    w2_ptr,
-                    HIDDEN,
-                    INTERMEDIATE,
-                    TOP_K,
-                    GATE_ROWS,
-                    GATE_BLOCKS,
-                    DOWN_COLS,
-                    DOWN_BLOCKS,
-                    HIDDEN_LINES,
-                    INTERMEDIATE_LINES,
-                )
             _wait_until_at_least(counters_ptr + _GATE_DONE + slot, GATE_BLOCKS, INTERPRETED)
             w = _pinned_here(w, INTERPRETED)
             # Stored by other programs: from L2, as no L1 line may predate it.
@@ -443,7 +355,4 @@ def layer_plan(
         DOWN_BLOCKS=triton.cdiv(hidden, down_cols),
         PDL=pdl,
         INTERPRETED=_INTERPRETED,
-        PREFETCH=PREFETCH and not _INTERPRETED,
-        HIDDEN_LINES=triton.cdiv(hidden * element_size, 128),
-        INTERMEDIATE_LINES=triton.cdiv(intermediate * element_size, 128),
     )
