@@ -21,20 +21,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 
 import torch
 
 from strata.bench.graph_timing import graph_time_us
+from strata.launcher import free_port
 
 SIZES_KIB = (8, 128, 2048, 32768)
 CALLS = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, size: int, port: int, args, results) -> None:
@@ -97,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, args, results)) for r in range(size)]
     for proc in procs:
         proc.start()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -21,6 +20,7 @@ import traceback
 import pytest
 import torch
 
+from strata.launcher import free_port
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -62,17 +62,11 @@ def test_slice_draws_combine_to_the_whole_rows_draw_on_one_gpu():
             assert torch.equal(unpack_draw_tokens(torch.stack(keys).amax(dim=0)), whole), (n, size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _on_ranks(fn, size: int = 2, timeout: float = 300.0) -> list:
     """fn(rank, group) in a process per rank (cuda:rank), their results in rank order."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, results)) for rank in range(size)]
     for p in procs:
         p.start()
