@@ -665,3 +665,19 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
     assert two["tok_s"] > 1.2 * one["tok_s"]
     assert all(0.3 < b <= 1.0 for b in two["busy"]) and two["spread"] is not None
     assert one["spread"] is None and one["migrations"] == 0 and two["plans"] > one["plans"]
+
+
+def test_one_rank_alone_runs_its_shard_and_counts_a_steps_collectives():
+    """bench/tensor_parallel_rank.py: rank 0 of 2 builds its shard without a group, and one decode
+    step calls two all-reduces a layer (o_proj, down), one for the vocab-parallel embedding and one
+    max for the greedy draw over the slices."""
+    from strata.bench.tensor_parallel_rank import budgets, time_rank
+
+    model = str(ensure_tiny_model())
+    (whole,) = time_rank(model, "cpu", 1, [2], context_len=24, steps=2)
+    (rank,) = time_rank(model, "cpu", 2, [2], context_len=24, steps=2)
+    assert whole["collectives"] == {} and whole["step_ms"] > 0
+    layers = 4  # the tiny model's
+    assert rank["collectives"] == {"all_reduce_": 2 * layers + 1, "all_reduce_max_": 1}
+    b = budgets(whole_ms=10.0, rank_ms=5.0, collectives=10)
+    assert b["tpot_budget_us"] == pytest.approx(100.0) and b["share_budget_us"] == pytest.approx(0.15 / 0.85 * 500)
