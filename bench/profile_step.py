@@ -15,6 +15,7 @@ import torch
 
 from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_plans, load_runner, prefill_plan
+from strata.bench.tensor_parallel_rank import rank_flags
 from strata.flags import DEFAULTS
 
 
@@ -34,11 +35,18 @@ def main() -> None:
     )
     p.add_argument("--skip-host-profile", action="store_true", help="no cProfile table of the host side")
     p.add_argument("--rows", type=int, default=30, help="rows of the GPU kernel table")
+    p.add_argument(
+        "--tensor-parallel-rank-of",
+        type=int,
+        default=1,
+        metavar="T",
+        help="profile rank 0 of a T-way stage alone, collectives skipped (bench/tensor_parallel_rank.py)",
+    )
     a = p.parse_args()
     budget = max(DEFAULTS["max_num_batched_tokens"], a.batch * a.prefill_len)
     # The benchmarks' flags at their defaults but these: load_runner reads them.
     args = bench_settings(model=a.model, device="cuda", enforce_eager=a.enforce_eager, max_num_batched_tokens=budget)
-    runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len))
+    runner = load_runner(args, a.batch, max(a.context_len, a.prefill_len), rank_flags(a.tensor_parallel_rank_of))
     admit, step = decode_plans(a.batch, a.context_len, runner.block_size, runner.config.vocab_size, a.temperature, 0)
     if a.prefill_len:
         admit = step = prefill_plan(

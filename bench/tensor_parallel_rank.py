@@ -50,8 +50,8 @@ def rank_flags(ranks: int) -> list[str]:
 
 
 def count_collectives(runner, batch: int, context_len: int) -> dict[str, int]:
-    """The collectives one eager decode step of `batch` calls on the rank's group (the graphs are
-    set aside for it: a replay runs no Python)."""
+    """The collectives one eager decode step of `batch` calls on the rank's group (the decode and
+    piecewise graphs are set aside for it: a replay runs no Python)."""
     counts: collections.Counter = collections.Counter()
     tp = runner.tp
     originals = {name: getattr(tp, name) for name in ("all_reduce_", "all_reduce_max_", "all_gather")}
@@ -64,8 +64,8 @@ def count_collectives(runner, batch: int, context_len: int) -> dict[str, int]:
         return call
 
     admit, step = decode_plans(batch, context_len, runner.block_size, runner.config.vocab_size, 0.0, 0)
-    graphs = runner.graphs, runner.cascade_graphs
-    runner.graphs = runner.cascade_graphs = None
+    graphs = runner.graphs, runner.cascade_graphs, runner.piecewise
+    runner.graphs = runner.cascade_graphs = runner.piecewise = None
     try:
         runner.execute(admit).finish()
         for name in originals:
@@ -74,7 +74,7 @@ def count_collectives(runner, batch: int, context_len: int) -> dict[str, int]:
     finally:
         for name in originals:
             setattr(tp, name, originals[name])  # the bound methods, set back as instance attributes
-        runner.graphs, runner.cascade_graphs = graphs
+        runner.graphs, runner.cascade_graphs, runner.piecewise = graphs
     return dict(counts)
 
 
