@@ -457,16 +457,15 @@ def decode_attention_serves(
     """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
     MAX_WARPS_PER_SM), and one it takes (decode_attention_supported)."""
     return decode_attention_supported(head_dim, dtype) and num_seqs * num_kv_heads * num_warps(
-        head_dim, 2
+        head_dim
     ) <= MAX_WARPS_PER_SM * _device_sm_count(device)
 
 
-def num_warps(head_dim: int, splits: int) -> int:
-    """2 warps at D = 64 (as paged decode attention). At D = 128: 8 in split launches (4 spill at 16
-    splits on sm_90), 4 in unsplit ones (116 registers a thread; 2 would take 255)."""
-    if head_dim < 128:
-        return 2
-    return 8 if splits > 1 else 4
+def num_warps(head_dim: int) -> int:
+    """2 warps at D = 64 (as paged decode attention), 4 at D = 128: 8 took 18-45% longer in split
+    launches (bench/RESULTS.md, "A tensor-parallel rank alone on one GPU"), and 2 take 255 registers
+    a thread (spilling) in unsplit ones."""
+    return 2 if head_dim < 128 else 4
 
 
 def decode_attention(
@@ -564,7 +563,7 @@ def decode_attention(
         PDL=pdl,
         QK_NORM=qk_norm is not None,
         NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
-        num_warps=num_warps(head_dim, splits),
+        num_warps=num_warps(head_dim),
         num_stages=2,
         **launch_options(pdl),
     )

@@ -39,7 +39,7 @@ def sm90_ptx(
     signature.signature["positions_ptr"] = "*i64"
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
-    compiled, registers, spills = compile_check.compile_for_sm90(signature, da.num_warps(head_dim, splits), 2)
+    compiled, registers, spills = compile_check.compile_for_sm90(signature, da.num_warps(head_dim), 2)
     return registers, spills, compiled.asm["ptx"]
 
 
