@@ -443,29 +443,38 @@ def kernel_constants(
     )
 
 
-# Warps per SM (counted as split launches take them) up to which the one launch beats rotary +
-# paged attention (+ merge), as `python -m strata.bench.decode_chain --batches 1,...,256` measured
-# it on the 1B and 8B shapes (bench/RESULTS.md). Below this the launches' latency is what the
-# fusion saves; above it the attention is bandwidth-bound and the rotary launch it saves is worth
-# about what it loses.
-MAX_WARPS_PER_SM = 8
+# (Sequence, KV head) pairs per SM up to which the one launch beats rotary + paged attention (+
+# merge), as `python -m strata.bench.decode_chain --batches 1,...,256` measured it on the 1B and 8B
+# shapes (bench/RESULTS.md): the 1B (D = 64) to batch 64, the 8B (D = 128) to batch 16. Below this
+# the launches' latency is what the fusion saves; above it the attention is bandwidth-bound and the
+# rotary launch it saves is worth about what it loses.
+MAX_PAIRS_PER_SM = {64: 4, 128: 1}
+
+# Split launches at D = 128 take 8 warps up to this many pairs, 4 beyond. With few pairs each
+# program streams a tile or two, latency-bound, and 8 warps issue its loads sooner; with more,
+# programs share SMs and 8 warps' registers keep too few resident (the 8B at batch 16: 8 warps
+# 3% slower a step; at batch 1, 4 warps 1% slower; bench/RESULTS.md, "A tensor-parallel rank
+# alone on one GPU").
+WIDE_PROGRAMS_MAX_PAIRS = 8
 
 
 def decode_attention_serves(
     num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
     """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
-    MAX_WARPS_PER_SM), and one it takes (decode_attention_supported)."""
-    return decode_attention_supported(head_dim, dtype) and num_seqs * num_kv_heads * num_warps(
-        head_dim
-    ) <= MAX_WARPS_PER_SM * _device_sm_count(device)
+    MAX_PAIRS_PER_SM), and one it takes (decode_attention_supported)."""
+    if not decode_attention_supported(head_dim, dtype):
+        return False
+    per_sm = MAX_PAIRS_PER_SM[64 if head_dim <= 64 else 128]
+    return num_seqs * num_kv_heads <= per_sm * _device_sm_count(device)
 
 
-def num_warps(head_dim: int) -> int:
-    """2 warps at D = 64 (as paged decode attention), 4 at D = 128: 8 took 18-45% longer in split
-    launches (bench/RESULTS.md, "A tensor-parallel rank alone on one GPU"), and 2 take 255 registers
-    a thread (spilling) in unsplit ones."""
-    return 2 if head_dim < 128 else 4
+def num_warps(head_dim: int, pairs: int) -> int:
+    """2 warps at D <= 64 (as paged decode attention); at D = 128, 8 for a few (sequence, KV head)
+    pairs, 4 beyond (WIDE_PROGRAMS_MAX_PAIRS; 2 would take 255 registers a thread, spilling)."""
+    if head_dim < 128:
+        return 2
+    return 8 if pairs <= WIDE_PROGRAMS_MAX_PAIRS else 4
 
 
 def decode_attention(
@@ -563,7 +572,7 @@ def decode_attention(
         PDL=pdl,
         QK_NORM=qk_norm is not None,
         NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
-        num_warps=num_warps(head_dim),
+        num_warps=num_warps(head_dim, num_tokens * num_kv_heads),
         num_stages=2,
         **launch_options(pdl),
     )

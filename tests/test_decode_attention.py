@@ -19,10 +19,11 @@ from tests.triton_interpreter import can_run_interpreted_here, rerun_under_inter
 
 
 def sm90_ptx(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, qk_norm: str | None = None
+    num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, qk_norm: str | None = None, batch: int = 0
 ) -> tuple[int, int, str]:
     """(registers, spilled bytes, PTX) of the kernel as the 1B / 8B chains launch it on an H100;
-    qk_norm "qwen3" or "gemma3": with those q/k norms."""
+    qk_norm "qwen3" or "gemma3": with those q/k norms. batch (which picks the warps): 1 for split
+    launches, 256 for unsplit ones, unless given."""
 
     from strata.kernels import compile_check
     from strata.kernels import decode_attention as da
@@ -39,7 +40,9 @@ def sm90_ptx(
     signature.signature["positions_ptr"] = "*i64"
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
-    compiled, registers, spills = compile_check.compile_for_sm90(signature, da.num_warps(head_dim), 2)
+    compiled, registers, spills = compile_check.compile_for_sm90(
+        signature, da.num_warps(head_dim, num_kv_heads * (batch or (1 if splits > 1 else 256))), 2
+    )
     return registers, spills, compiled.asm["ptx"]
 
 
@@ -63,6 +66,7 @@ if not can_run_interpreted_here(
             (32, 4, 128, 16, "qwen3"),
             (32, 4, 128, 1, "qwen3"),
             (32, 16, 128, 16, "gemma3"),
+            (32, 8, 128, 4, None, 16),
         ],
         ids=[
             "1b",
@@ -73,12 +77,15 @@ if not can_run_interpreted_here(
             "qwen3-30b-a3b",
             "qwen3-30b-a3b-unsplit",
             "gemma3-27b",
+            "8b-batch16",
         ],
     )
     def test_compiles_for_sm90_with_the_cached_keys_loaded_before_the_wait(shape):
         registers, spills, ptx = sm90_ptx(*shape)
         splits = shape[3]
-        assert spills == 0, (shape, registers, spills)
+        # The 8B's batch-16 launch (4 splits, 4 warps) spills one register, 4 bytes: at 8 warps it
+        # spilled none but ran 3% slower a step (bench/RESULTS.md).
+        assert spills <= (4 if len(shape) > 5 else 0), (shape, registers, spills)
         lines = ptx.splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         launch = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
@@ -93,7 +100,7 @@ if not can_run_interpreted_here(
             assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "the arrival count must release"
         else:
             assert registers <= 128, f"{registers} registers a thread in an unsplit launch"
-        if len(shape) > 4:  # the norms' weights are read before the wait too: more loads there
+        if len(shape) > 4 and shape[4]:  # the norms' weights are read before the wait too: more loads there
             plain = sm90_ptx(*shape[:4])[2].splitlines()
             plain_wait = next(i for i, line in enumerate(plain) if "griddepcontrol.wait" in line)
             plain_loads = sum(bool(re.search(r"\bld\.global", line)) for line in plain[:plain_wait])
@@ -101,7 +108,8 @@ if not can_run_interpreted_here(
 
     def test_serves_the_latency_bound_batches_only():
         """The measured crossover (H200): the one launch for the 1B (D = 64) up to batch 64, the 8B
-        (D = 128) up to 16; the three kernels above. Never for head sizes it does not take."""
+        (D = 128) up to 16 (at 32 it was 3-4% slower a step, with 8 warps and with 4); the three
+        kernels above. Never for head sizes it does not take."""
         from strata.kernels.decode_attention import decode_attention_serves
 
         def serves(batch, head_dim, dtype=torch.bfloat16):
