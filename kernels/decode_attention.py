@@ -1,13 +1,12 @@
 """Decode attention in one launch: rotary, the KV-cache write, split-KV attention and the split merge
 for one new token per sequence: the attention of the batch-1 decode chain (services/worker/model/decode_chain.py)
-and of every decode step small enough to be latency-bound (decode_attention_serves; Attention.attend
-in services/worker/model/shard.py decides).
+and of every decode step small enough to be latency-bound (kernels/decode_attention_launch.py says
+which, and how it is launched; Attention.attend in services/worker/model/layers.py decides).
 
 Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
 merge of the splits), each a few microseconds of latency that waits for the one before it, and
 together they held a large share of the layer's critical path while the projections around them
-stream their weights near the copy floor (`python -m strata.bench.profile_step --batch 1`;
-figures: bench/RESULTS.md, "Figures moved from code comments").
+stream their weights near the copy floor (bench/RESULTS.md, "Figures moved from code comments").
 
 How the work is cut: one program per (sequence, KV head, split of the cached keys).
 - Before the dependent-launch wait (kernels/dependent_launch.py) a program reads only what no
@@ -25,7 +24,7 @@ How the work is cut: one program per (sequence, KV head, split of the cached key
   its softmax directly (one more score per query row). No program reads a slot this launch
   writes, so none waits for another's store.
 - Under CUDA graphs the split count follows max_model_len, not the context: splits past the
-  context's tiles (and the new token's split) leave at once, and only those that took part merge.
+  context's tiles and the new token's leave at once; only those that took part merge.
 - The merge: every split stores its unnormalised partials (acc, max, sum), then (after a CTA
   barrier) bumps an arrival counter of its (sequence, KV head) with an acq_rel atomic. The split
   that arrives last reads every partial back from L2 in a few wide loads, merges them by
@@ -44,6 +43,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels import decode_attention_launch as launch
 from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.paged_attention import (
@@ -55,7 +55,7 @@ from strata.kernels.paged_attention import (
 )
 from strata.kernels.rotary import norm_weight_halves, normed_halves, rotate_halves
 
-__all__ = ["compile_serving_variants", "decode_attention", "decode_attention_serves", "decode_attention_supported"]
+__all__ = ["compile_serving_variants", "decode_attention"]
 
 
 @triton.jit
@@ -410,73 +410,6 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return arrival_counters(device, count, "decode_attention")
 
 
-def decode_attention_supported(head_dim: int, dtype: torch.dtype) -> bool:
-    """Head sizes whose rotary halves feed a tensor-core dot (>= 16 wide), up to the D = 128 its
-    tiles were sized for (Gemma 3's D = 256 takes rotary + paged attention), and the dtypes it takes."""
-    return (
-        32 <= head_dim <= 128
-        and head_dim & (head_dim - 1) == 0
-        and dtype in (torch.bfloat16, torch.float16, torch.float32)
-    )
-
-
-def kernel_constants(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, tile_n: int, splits: int
-) -> dict:
-    """The kernel's shape constexprs (also what tests/test_decode_attention.py compiles for sm_90)."""
-    group = num_q_heads // num_kv_heads
-    group_padded = triton.next_power_of_2(group)
-    return dict(
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        BLOCK_M=max(16, group_padded),
-        HEAD_DIM=head_dim,
-        HALF=head_dim // 2,
-        BLOCK_SIZE=block_size,
-        TILE_N=tile_n,
-        NUM_SPLITS=splits,
-        SPLITS_PADDED=triton.next_power_of_2(splits),
-        GROUP_PADDED=group_padded,
-        # The merge's acc chunk: GROUP_PADDED x SPLIT_CHUNK x D float32, 16 KB of registers.
-        SPLIT_CHUNK=min(triton.next_power_of_2(splits), max(1, 4096 // (group_padded * head_dim))),
-    )
-
-
-# (Sequence, KV head) pairs per SM up to which the one launch beats rotary + paged attention (+
-# merge), as `python -m strata.bench.decode_chain --batches 1,...,256` measured it on the 1B and 8B
-# shapes (bench/RESULTS.md): the 1B (D = 64) to batch 64, the 8B (D = 128) to batch 16. Below this
-# the launches' latency is what the fusion saves; above it the attention is bandwidth-bound and the
-# rotary launch it saves is worth about what it loses.
-MAX_PAIRS_PER_SM = {64: 4, 128: 1}
-
-# Split launches at D = 128 take 8 warps up to this many pairs, 4 beyond. With few pairs each
-# program streams a tile or two, latency-bound, and 8 warps issue its loads sooner; with more,
-# programs share SMs and 8 warps' registers keep too few resident (the 8B at batch 16: 8 warps
-# 3% slower a step; at batch 1, 4 warps 1% slower; bench/RESULTS.md, "A tensor-parallel rank
-# alone on one GPU").
-WIDE_PROGRAMS_MAX_PAIRS = 8
-
-
-def decode_attention_serves(
-    num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> bool:
-    """Whether the one launch is the faster way for a decode step of num_seqs sequences (see
-    MAX_PAIRS_PER_SM), and one it takes (decode_attention_supported)."""
-    if not decode_attention_supported(head_dim, dtype):
-        return False
-    per_sm = MAX_PAIRS_PER_SM[64 if head_dim <= 64 else 128]
-    return num_seqs * num_kv_heads <= per_sm * _device_sm_count(device)
-
-
-def num_warps(head_dim: int, pairs: int) -> int:
-    """2 warps at D <= 64 (as paged decode attention); at D = 128, 8 for a few (sequence, KV head)
-    pairs, 4 beyond (WIDE_PROGRAMS_MAX_PAIRS; 2 would take 255 registers a thread, spilling)."""
-    if head_dim < 128:
-        return 2
-    return 8 if pairs <= WIDE_PROGRAMS_MAX_PAIRS else 4
-
-
 def decode_attention(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -505,7 +438,7 @@ def decode_attention(
     """
     num_tokens = qkv.shape[0]
     num_kv_heads, block_size, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    assert decode_attention_supported(head_dim, qkv.dtype), (head_dim, qkv.dtype)
+    assert launch.decode_attention_supported(head_dim, qkv.dtype), (head_dim, qkv.dtype)
     assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1, qkv.shape
     assert seq_lens.shape == (num_tokens,) and positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
     assert block_tables.shape[0] == num_tokens and block_tables.stride(1) == 1
@@ -566,13 +499,13 @@ def decode_attention(
         key_cache.stride(2),
         key_cache.stride(1),
         block_tables.stride(0),
-        **kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
+        **launch.kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,
         QK_NORM=qk_norm is not None,
         NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
-        num_warps=num_warps(head_dim, num_tokens * num_kv_heads),
+        num_warps=launch.num_warps(head_dim, num_tokens * num_kv_heads),
         num_stages=2,
         **launch_options(pdl),
     )
@@ -583,30 +516,31 @@ def compile_serving_variants(
     kv_cache: torch.Tensor, num_q_heads: int, qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None
 ) -> None:
     """Launches every split count an eager decode step can pick (powers of two up to MAX_KV_SPLITS,
-    see choose_launch_config) on one sequence with no cached keys that writes nothing (slot -1), so
-    none compiles mid-serving. Decode graphs compile theirs when captured. qk_norm: the layers'
-    (decode_attention's argument), whose variant their steps launch."""
+    see choose_launch_config), at both warp counts (num_warps), on sequences with no cached keys
+    that write nothing (slot -1), so none compiles mid-serving. Decode graphs compile theirs when
+    captured. qk_norm: the layers' (decode_attention's argument), whose variant their steps launch."""
     num_kv_heads, head_dim, device = kv_cache.shape[2], kv_cache.shape[4], kv_cache.device
-    if not decode_attention_supported(head_dim, kv_cache.dtype):
+    if not launch.decode_attention_supported(head_dim, kv_cache.dtype):
         return
-    qkv = torch.zeros(1, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=kv_cache.dtype, device=device)
     table = torch.zeros(1, head_dim // 2, dtype=kv_cache.dtype, device=device)
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    splits = 1
-    while splits <= MAX_KV_SPLITS:
-        decode_attention(
-            qkv,
-            zero,
-            table,
-            table,
-            kv_cache,
-            torch.ones(1, dtype=torch.int32, device=device),
-            torch.zeros(1, 1, dtype=torch.int32, device=device),
-            zero - 1,
-            num_q_heads=num_q_heads,
-            scale=1.0,
-            max_seq_len=1,
-            num_kv_splits=splits,
-            qk_norm=qk_norm,
-        )
-        splits *= 2
+    for num_seqs in (1, launch.WIDE_PROGRAMS_MAX_PAIRS // num_kv_heads + 1):
+        qkv = torch.zeros(num_seqs, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=kv_cache.dtype, device=device)
+        zero = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+        splits = 1
+        while splits <= MAX_KV_SPLITS:
+            decode_attention(
+                qkv,
+                zero,
+                table,
+                table,
+                kv_cache,
+                torch.ones(num_seqs, dtype=torch.int32, device=device),
+                torch.zeros(num_seqs, 1, dtype=torch.int32, device=device),
+                zero - 1,
+                num_q_heads=num_q_heads,
+                scale=1.0,
+                max_seq_len=1,
+                num_kv_splits=splits,
+                qk_norm=qk_norm,
+            )
+            splits *= 2
