@@ -27,6 +27,34 @@ pytestmark = compiled_gpu_kernels_only()
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
+def test_one_shot_forms_and_sums_in_place_on_one_rank():
+    """The symmetric-memory one-shot on one GPU (a group of one): it forms with this torch, and sums
+    in place eagerly and in a graph. Its two-rank sums are test_collectives_eager_and_in_a_graph's."""
+    from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
+    from strata.services.worker.transport.distributed_transport import abort_group
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", free_port(), world_size=1, is_master=True, timeout=datetime.timedelta(seconds=60)
+    )
+    backend = torch.distributed.ProcessGroupNCCL(torch.distributed.PrefixStore("tp/", store), 0, 1)
+    shot = SymmetricMemoryAllReduce(backend, store, 0, 1, 7, device, torch.bfloat16)
+    x = torch.randn(3000, device=device, dtype=torch.bfloat16)
+    want = x.clone()
+    assert shot(x) and torch.equal(x, want)
+    assert not shot(x.float()) and not shot(torch.zeros(10**6, device=device, dtype=torch.bfloat16))
+    static = torch.zeros(4096, device=device, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        shot(static)
+    for value in (1.0, 2.5):
+        static.fill_(value)
+        graph.replay()
+        assert static.eq(value).all()
+    abort_group(backend, "test")
+
+
 def test_slice_draws_combine_to_the_whole_rows_draw_on_one_gpu():
     """The compiled kernel on each slice (vocab_offset, packed keys) and their max against the
     whole rows' draw, bf16 logits of a Llama-3 vocabulary, both launch shapes: no second GPU."""
@@ -129,7 +157,27 @@ def _collectives(rank, group):
     assert group.one_shot is not None and group.one_shot(one)
     nccl = data.clone()
     group._run("all-reduce", lambda pg: pg.allreduce([nccl]))
-    return x.sum().item(), keys.tolist(), gathered.tolist(), replays, torch.equal(one, nccl), one.float().sum().item()
+    # The one-shot in place inside a graph, as a decode step replays it: each replay sums what
+    # the input holds then.
+    shot = torch.zeros(4096, device=device, dtype=torch.bfloat16)
+    shot_graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(shot_graph):
+        group.all_reduce_(shot)
+    shot_replays = []
+    for step in range(3):
+        shot.fill_(float(rank + step))
+        shot_graph.replay()
+        shot_replays.append(shot[[0, -1]].tolist())
+    return (
+        x.sum().item(),
+        keys.tolist(),
+        gathered.tolist(),
+        replays,
+        torch.equal(one, nccl),
+        one.float().sum().item(),
+        shot_replays,
+    )
 
 
 @two_gpus
@@ -140,6 +188,7 @@ def test_collectives_eager_and_in_a_graph():
     assert a[2] == b[2] == [[0, 1, 2], [100, 101, 102]]
     assert a[3] == b[3] == [[1.0, 1.0], [3.0, 3.0], [5.0, 5.0]]
     assert a[4] and b[4] and a[5] == b[5]  # the one-shot equals NCCL, and every rank holds the same
+    assert a[6] == b[6] == [[1.0, 1.0], [3.0, 3.0], [5.0, 5.0]]  # the one-shot replayed in a graph
 
 
 def _draws(rank, group):

@@ -1,9 +1,10 @@
 """A one-shot all-reduce for small messages (a decode step's row-parallel outputs) through torch's
 symmetric memory, without NVLink multicast (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set in every
-process Strata starts): each rank copies its partial into a buffer every rank has mapped, and one
-kernel reads every rank's buffer and sums them in rank order, so every rank holds the same bits,
-as with NCCL. One launch and no ring steps, where NCCL's latency dominates a message of a few
-kilobytes. Captured in the CUDA graphs like NCCL's.
+process Strata starts): one kernel copies each rank's partial into a buffer every rank has mapped,
+meets the other ranks at a barrier, and sums every rank's buffer in rank order, so every rank holds
+the same bits, as with NCCL. One launch (torch's copy-in variant: no separate copy, a launch less
+per all-reduce) and no ring steps, where NCCL's latency dominates a message of a few kilobytes.
+Captured in the CUDA graphs like NCCL's.
 
 `--tensor-parallel-all-reduce symm-mem` turns it on; messages past its buffer, and other dtypes,
 take NCCL. python -m strata.bench.all_reduce times both per message size.
@@ -42,26 +43,38 @@ class SymmetricMemoryAllReduce:
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
         self.name = f"strata-tp-{session}"
-        _register_process_group(self.name, pg)
+        store = dist.PrefixStore(f"strata/symm/{session}/", store)  # this session's keys only
+        # The registry keeps only a weak reference: this one keeps the group alive.
+        self.process_group = _as_process_group(pg, store, rank, size, device)
+        _register_process_group(self.name, self.process_group)
         if hasattr(_SymmetricMemory, "set_group_info"):  # torch versions that want it told
             try:
-                _SymmetricMemory.set_group_info(
-                    self.name, rank, size, dist.PrefixStore(f"strata/symm/{session}/", store)
-                )
+                _SymmetricMemory.set_group_info(self.name, rank, size, store)
             except RuntimeError as e:  # (told already)
                 log.debug("symmetric memory: %s", e)
         self.dtype = dtype
         self.capacity = max_bytes // torch.empty((), dtype=dtype).element_size()
         self.buffer = symm_mem.empty(self.capacity, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.name)
-        self.op = torch.ops.symm_mem.one_shot_all_reduce_out
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def __call__(self, x: torch.Tensor) -> bool:
-        """x summed over the ranks in place; False (nothing done) when x is not for it."""
+        """x summed over the ranks in place; False (nothing done) when x is not for it. In place is
+        safe: each thread copies its elements of x into the buffer before the barrier and writes
+        the same elements' sums after it; the others read only the buffer."""
         n = x.numel()
         if x.dtype != self.dtype or n > self.capacity or not x.is_contiguous():
             return False
-        staged = self.buffer[:n]
-        staged.copy_(x.view(-1))
-        self.op(staged, "sum", self.name, x.view(-1))
+        flat = x.view(-1)
+        self.op(self.buffer[:n], flat, "sum", self.name, flat)
         return True
+
+
+def _as_process_group(backend, store, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
+    """The group's backend (NCCL; gloo on CPUs) inside a ProcessGroup, the type symmetric memory's
+    registry takes: torch 2.11 refuses the bare backend, so the one-shot never formed before."""
+    group = dist.ProcessGroup(store, rank, size)
+    kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(kind)
+    group._register_backend(torch.device(device.type), kind, backend)
+    return group

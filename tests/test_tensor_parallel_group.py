@@ -1,0 +1,46 @@
+"""The symmetric-memory one-shot's group registration (services/worker/tensor_parallel/symm_mem.py)
+on this torch, with gloo thread ranks: symmetric memory's registry takes a ProcessGroup, not the
+bare backend a TensorParallelGroup forms (torch 2.11 refused that, so the one-shot never formed on
+GPUs), and keeps only a weak reference to it. The one-shot itself needs CUDA:
+tests/gpu/test_tensor_parallel_gpu.py."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+from strata.services.worker.tensor_parallel.symm_mem import _as_process_group
+from tests.tp_threads import form_groups, run_ranks
+
+
+@pytest.fixture(scope="module")
+def groups():
+    made = form_groups(2)
+    yield made
+    made.clear()
+    gc.collect()  # gloo's groups go before the interpreter's exit, which they would abort
+
+
+def test_a_ranks_backend_wrapped_registers_and_reduces_through_the_registry(groups):
+    store = dist.HashStore()
+
+    def wrap_and_reduce(rank, group):
+        wrapped = _as_process_group(group.pg, dist.PrefixStore("wrap/", store), rank, group.size, group.device)
+        name = f"test-wrap-{rank}"  # (threads of one process share the registry)
+        _register_process_group(name, wrapped)
+        resolved = _resolve_process_group(name)
+        assert (resolved.rank(), resolved.size()) == (rank, 2)
+        x = torch.full((4,), float(rank + 1))
+        resolved.allreduce([x]).wait()
+        return x.tolist(), wrapped
+
+    (a, keep_a), (b, keep_b) = run_ranks(groups, wrap_and_reduce)
+    assert a == b == [3.0] * 4
+    del keep_a, keep_b
+    gc.collect()
+    with pytest.raises(RuntimeError, match="destroyed"):  # why SymmetricMemoryAllReduce holds it
+        _resolve_process_group("test-wrap-0")
