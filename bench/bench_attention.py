@@ -24,7 +24,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention  # noqa: E402
+from strata.kernels.attention_launch import AttentionLaunchConfig, choose_launch_config
+from strata.kernels.paged_attention import paged_attention  # noqa: E402
 from strata.kernels.reference import paged_attention_reference  # noqa: E402
 from strata.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
 

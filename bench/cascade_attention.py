@@ -35,6 +35,7 @@ def measure(
     import triton.testing
 
     from strata.bench.bench_attention import copy_bandwidth_gbps
+    from strata.kernels.attention_launch import AttentionLaunchConfig
     from strata.kernels.cascade_attention import (
         MAX_PREFIX_SPLITS,
         PrefixLaunchConfig,
@@ -43,7 +44,7 @@ def measure(
         choose_prefix_config,
         launch_shared_prefix,
     )
-    from strata.kernels.paged_attention import AttentionLaunchConfig, Partials, launch_paged_attention, paged_attention
+    from strata.kernels.paged_attention import Partials, launch_paged_attention, paged_attention
     from strata.kernels.testing import make_paged_batch, share_prefixes
 
     torch.manual_seed(seed)

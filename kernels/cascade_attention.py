@@ -38,16 +38,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from strata.kernels.attention_launch import AttentionLaunchConfig, choose_launch_config
+from strata.kernels.kernel_launch import device_sm_count
 from strata.kernels.paged_attention import (
     _INTERPRETED,
     _LOG2E,
-    AttentionLaunchConfig,
     Partials,
-    _device_sm_count,
     _find_sequence,
     attend_tiles,
     check_attention_inputs,
-    choose_launch_config,
     launch_paged_attention,
 )
 from strata.kernels.shared_kv_runs import SharedKVRuns
@@ -256,7 +255,7 @@ def cascade_attention(
     assert runs.seq_prefix_lens.shape == (num_seqs,) and runs.token_start.shape == (runs.num_runs + 1,)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    sm_count = _device_sm_count(query.device)
+    sm_count = device_sm_count(query.device)
     if config is None:
         config = choose_own_keys_config(
             num_seqs=num_seqs,

@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import strata.kernels.attention_launch as attention_launch
 import strata.kernels.cascade_attention as cascade_attention
 import strata.kernels.fused_moe as fused_moe
 import strata.kernels.kv_cache_write as kv_cache_write
@@ -141,7 +142,7 @@ def compile_attention(
 ) -> list[CompileReport]:
     """Compile the attention kernel (and the merge kernel when split) as paged_attention would launch it."""
     group = num_q_heads // num_kv_heads
-    config = paged_attention.choose_launch_config(
+    config = attention_launch.choose_launch_config(
         num_seqs=256,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,

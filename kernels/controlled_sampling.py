@@ -37,7 +37,7 @@ if HAVE_TRITON:
         _perturbed_tl,
         _row_keys_tl,
     )
-    from strata.kernels.paged_attention import _device_sm_count
+    from strata.kernels.kernel_launch import device_sm_count
 
 _NEG_INF = float("-inf")
 
@@ -280,7 +280,7 @@ def controlled_draw(
         raise ValueError("controlled_draw needs logits contiguous by row")
     vocab = logits.shape[1]
     device = logits.device
-    chunk, block, num_warps, _ = _launch_shape(n, vocab, _device_sm_count(device))
+    chunk, block, num_warps, _ = _launch_shape(n, vocab, device_sm_count(device))
     num_splits = triton.cdiv(vocab, chunk)
     best_val = torch.empty((n, num_splits), device=device, dtype=torch.float32)
     best_idx = torch.empty((n, num_splits), device=device, dtype=torch.int32)

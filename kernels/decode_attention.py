@@ -1,6 +1,6 @@
 """Decode attention in one launch: rotary, the KV-cache write, split-KV attention and the split merge
 for one new token per sequence: the attention of the batch-1 decode chain (services/worker/model/decode_chain.py)
-and of every decode step small enough to be latency-bound (kernels/decode_attention_launch.py says
+and of every decode step small enough to be latency-bound (kernels/attention_launch.py says
 which, and how it is launched; Attention.attend in services/worker/model/layers.py decides).
 
 Why: at batch 1 a layer's attention ran as three kernels (rotary + KV write, paged attention,
@@ -43,16 +43,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
-from strata.kernels import decode_attention_launch as launch
+from strata.kernels import attention_launch as launch
 from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.paged_attention import (
-    _LOG2E,
-    MAX_KV_SPLITS,
-    _device_sm_count,
-    choose_launch_config,
-    online_softmax_step,
-)
+from strata.kernels.kernel_launch import device_sm_count
+from strata.kernels.paged_attention import _LOG2E, online_softmax_step
 from strata.kernels.rotary import norm_weight_halves, normed_halves, rotate_halves
 
 __all__ = ["compile_serving_variants", "decode_attention"]
@@ -449,14 +444,14 @@ def decode_attention(
     out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return out
-    config = choose_launch_config(
+    config = launch.choose_launch_config(
         num_seqs=num_tokens,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         max_query_len=1,
         max_seq_len=max_seq_len,
-        sm_count=_device_sm_count(qkv.device),
+        sm_count=device_sm_count(qkv.device),
         num_kv_splits=num_kv_splits,
     )
     splits = config.num_kv_splits
@@ -499,13 +494,13 @@ def decode_attention(
         key_cache.stride(2),
         key_cache.stride(1),
         block_tables.stride(0),
-        **launch.kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
+        **launch.decode_kernel_constants(num_q_heads, num_kv_heads, head_dim, block_size, config.tile_n, splits),
         IEEE_DOT=qkv.dtype == torch.float32,
         INTERPRETED=_INTERPRETED,
         PDL=pdl,
         QK_NORM=qk_norm is not None,
         NORM_UNIT_OFFSET=bool(qk_norm and qk_norm[3]),
-        num_warps=launch.num_warps(head_dim, num_tokens * num_kv_heads),
+        num_warps=launch.decode_num_warps(head_dim, num_tokens * num_kv_heads),
         num_stages=2,
         **launch_options(pdl),
     )
@@ -515,8 +510,8 @@ def decode_attention(
 def compile_serving_variants(
     kv_cache: torch.Tensor, num_q_heads: int, qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None
 ) -> None:
-    """Launches every split count an eager decode step can pick (powers of two up to MAX_KV_SPLITS,
-    see choose_launch_config), at both warp counts (num_warps), on sequences with no cached keys
+    """Launches every split count an eager decode step can pick (powers of two up to launch.MAX_KV_SPLITS,
+    see choose_launch_config), at both warp counts (decode_num_warps), on sequences with no cached keys
     that write nothing (slot -1), so none compiles mid-serving. Decode graphs compile theirs when
     captured. qk_norm: the layers' (decode_attention's argument), whose variant their steps launch."""
     num_kv_heads, head_dim, device = kv_cache.shape[2], kv_cache.shape[4], kv_cache.device
@@ -527,7 +522,7 @@ def compile_serving_variants(
         qkv = torch.zeros(num_seqs, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=kv_cache.dtype, device=device)
         zero = torch.zeros(num_seqs, dtype=torch.int64, device=device)
         splits = 1
-        while splits <= MAX_KV_SPLITS:
+        while splits <= launch.MAX_KV_SPLITS:
             decode_attention(
                 qkv,
                 zero,

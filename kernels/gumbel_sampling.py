@@ -19,7 +19,7 @@ try:  # Triton is optional: CPU-only installs sample with the torch reference.
     from triton.runtime.interpreter import InterpretedFunction
 
     from strata.kernels.arrival_counters import arrival_counters
-    from strata.kernels.paged_attention import _device_sm_count
+    from strata.kernels.kernel_launch import device_sm_count
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -424,7 +424,7 @@ def _launch_shape(num_rows: int, vocab: int, sm_count: int) -> tuple[int, int, i
 def batches_per_launch_shape(vocab: int, device: torch.device) -> list[int]:
     """One batch size per launch shape of the draw (each a compiled variant the worker's warm-up
     compiles): the smallest batch, and the first power of two past the small-batch shape."""
-    sm_count, rows = _device_sm_count(device), 2
+    sm_count, rows = device_sm_count(device), 2
     while _launch_shape(rows, vocab, sm_count) == _launch_shape(1, vocab, sm_count):
         rows *= 2
     return [2, rows]
@@ -460,7 +460,7 @@ def gumbel_argmax(
     num_rows, vocab = logits.shape
     device = logits.device
     if launch is None:
-        launch = _launch_shape(num_rows, vocab, _device_sm_count(device))
+        launch = _launch_shape(num_rows, vocab, device_sm_count(device))
     chunk, block, num_warps, prefetch = launch
     num_splits = triton.cdiv(vocab, chunk)
     # Each partial plane starts 16-byte aligned whatever rows x splits is: Triton specialises on

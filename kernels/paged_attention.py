@@ -27,7 +27,6 @@ The new tokens' keys/values must already be in kv_cache (call write_kv_cache fir
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,102 +35,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from strata.kernels.attention_launch import AttentionLaunchConfig, choose_launch_config
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+from strata.kernels.kernel_launch import device_sm_count
 from strata.kernels.reference import paged_attention_reference
 
-__all__ = ["AttentionLaunchConfig", "paged_attention", "paged_attention_reference", "choose_launch_config"]
+__all__ = ["paged_attention", "paged_attention_reference"]
 
 _LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class AttentionLaunchConfig:
-    """Tile shapes and launch knobs; choose_launch_config picks them from python ints only."""
-
-    block_q: int  # query tokens per program
-    tile_n: int  # key positions per inner-loop step (>= 16 for tl.dot)
-    num_kv_splits: int  # 1 = single pass; > 1 = split-KV + reduce
-    num_warps: int = 4
-    num_stages: int = 3
-    unmasked_full_tiles: bool = True  # False: every tile takes the causal masks (benchmarks' baseline)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H100 so heuristics are exercised the same way
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-MAX_KV_SPLITS = 64  # the most splits the heuristic picks (each a compiled variant)
-
-
-def choose_launch_config(
-    *,
-    num_seqs: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_query_len: int,
-    max_seq_len: int,
-    sm_count: int,
-    num_kv_splits: int | None = None,
-    min_query_len: int = 1,
-) -> AttentionLaunchConfig:
-    """Shape heuristics (no autotune: launches must stay capturable and deterministic).
-
-    num_kv_splits: None = automatic, 1 = force the single-pass kernel, n > 1 = force n splits.
-    min_query_len: the shortest query of the launch (a host-side bound, 1 when unknown).
-    """
-    group = num_q_heads // num_kv_heads
-    # Aim for 64 rows (tokens x group heads) in the dot; a decode-only batch uses one token per
-    # program (rows padded to 16). Only these two values: each block_q is a compiled variant, and
-    # one per query length would compile (for a second each) in the middle of serving. Tiles of
-    # 64 keys, 3 stages: the K/V loads (including the block-table gather they depend on) are
-    # software-pipelined; this stays spill-free at D=128.
-    block_q = 1 if max_query_len == 1 else max(1, 64 // group)
-    if num_kv_splits is None:
-        num_kv_splits = 1
-        programs = num_seqs * num_kv_heads
-        if max_query_len == 1 and programs < 2 * sm_count:
-            # Too few programs to keep every SM's loads in flight: cut each context into splits,
-            # aiming at ~4 programs per SM, down to one 64-key tile per split. A program of a few
-            # tiles is latency-bound (each tile waits on a block-table load, then on K/V), so more,
-            # shorter splits win at batch 1, merge included (bench_attention.py --cases small;
-            # figures: bench/RESULTS.md, "Figures moved from code comments").
-            want = triton.cdiv(4 * sm_count, programs)
-            most = triton.next_power_of_2(triton.cdiv(max_seq_len, 64))
-            num_kv_splits = min(want, most, MAX_KV_SPLITS)
-            # Powers of two only: bounds the number of compiled variants.
-            num_kv_splits = 1 << (num_kv_splits.bit_length() - 1)
-    assert num_kv_splits >= 1
-    if head_dim > 128:
-        # D = 256 (Gemma 3): the D <= 128 tiles spill at twice the head width on sm_90. Half the
-        # keys per tile and twice the warps keep each thread's share of K, V and the accumulator
-        # as it was, spill-free (compile_check --strict).
-        if block_q == 1:
-            return AttentionLaunchConfig(block_q=1, tile_n=32, num_kv_splits=num_kv_splits, num_warps=4, num_stages=2)
-        return AttentionLaunchConfig(block_q=block_q, tile_n=32, num_kv_splits=num_kv_splits, num_warps=8, num_stages=3)
-    if block_q == 1:
-        # Decode: a 16-row dot per tile, so the loads are the whole job; 2 warps per program keep
-        # more programs resident per SM, which was faster at every batch swept (bench_attention.py;
-        # figures: bench/RESULTS.md, "Figures moved from code comments").
-        return AttentionLaunchConfig(block_q=1, tile_n=64, num_kv_splits=num_kv_splits, num_warps=2, num_stages=2)
-    if head_dim <= 128 and min_query_len >= 128 // group:
-        # Prefill where every sequence fills a 128-row block: 8 warps, 2 stages, faster than 64
-        # rows, 4 warps, 3 stages on every prefill case measured, D = 128 included
-        # (bench_attention.py --cases prefill --candidates). Not beside short queries: decodes in
-        # the launch (one token in a block of 32) leave most of the 128 rows idle, and the 64-row
-        # launch was faster there (--cases mixed). Figures: bench/RESULTS.md, "Figures moved from
-        # code comments".
-        return AttentionLaunchConfig(
-            block_q=max(1, 128 // group), tile_n=64, num_kv_splits=num_kv_splits, num_warps=8, num_stages=2
-        )
-    return AttentionLaunchConfig(block_q=block_q, tile_n=64, num_kv_splits=num_kv_splits, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -627,7 +538,7 @@ def paged_attention(
             head_dim=query.shape[2],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            sm_count=_device_sm_count(query.device),
+            sm_count=device_sm_count(query.device),
             num_kv_splits=num_kv_splits,
             min_query_len=min_query_len,
         )

@@ -48,8 +48,8 @@ if not can_run_interpreted_here("strata.kernels.paged_attention", "strata.kernel
         assert (choose(head_dim=256).tile_n, choose(head_dim=256).num_warps) == (32, 8)  # Gemma 3: spill-free
 
 else:
+    from strata.kernels.attention_launch import AttentionLaunchConfig
     from strata.kernels.cascade_attention import PrefixLaunchConfig, SharedKVRuns, cascade_attention
-    from strata.kernels.paged_attention import AttentionLaunchConfig
     from strata.kernels.reference import cascade_attention_reference, paged_attention_reference
     from strata.kernels.testing import make_paged_batch, share_prefixes
 

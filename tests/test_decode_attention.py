@@ -25,12 +25,12 @@ def sm90_ptx(
     qk_norm "qwen3" or "gemma3": with those q/k norms. batch (which picks the warps): 1 for split
     launches, 256 for unsplit ones, unless given."""
 
+    from strata.kernels import attention_launch as launch
     from strata.kernels import compile_check
     from strata.kernels import decode_attention as da
-    from strata.kernels import decode_attention_launch as launch
 
     constexprs = dict(
-        launch.kernel_constants(num_q_heads, num_kv_heads, head_dim, 16, 64, splits),
+        launch.decode_kernel_constants(num_q_heads, num_kv_heads, head_dim, 16, 64, splits),
         IEEE_DOT=False,
         INTERPRETED=False,
         PDL=True,
@@ -42,7 +42,7 @@ def sm90_ptx(
     signature.signature["arrivals_ptr"] = "*i32"
     signature.signature["num_positions"] = "i32"
     compiled, registers, spills = compile_check.compile_for_sm90(
-        signature, launch.num_warps(head_dim, num_kv_heads * (batch or (1 if splits > 1 else 256))), 2
+        signature, launch.decode_num_warps(head_dim, num_kv_heads * (batch or (1 if splits > 1 else 256))), 2
     )
     return registers, spills, compiled.asm["ptx"]
 
@@ -111,7 +111,7 @@ if not can_run_interpreted_here(
         """The measured crossover (H200): the one launch for the 1B (D = 64) up to batch 64, the 8B
         (D = 128) up to 16 (at 32 it was 3-4% slower a step, with 8 warps and with 4); the three
         kernels above. Never for head sizes it does not take."""
-        from strata.kernels.decode_attention_launch import decode_attention_serves
+        from strata.kernels.attention_launch import decode_attention_serves
 
         def serves(batch, head_dim, dtype=torch.bfloat16):
             return decode_attention_serves(batch, 8, head_dim, dtype, torch.device("cpu"))  # as 132 SMs

@@ -39,8 +39,9 @@ if not can_run_interpreted_here("strata.kernels.paged_attention"):
         assert "attention bf16 D=128" in stdout
 
 else:
+    from strata.kernels.attention_launch import AttentionLaunchConfig, choose_launch_config
     from strata.kernels.kv_cache_write import write_kv_cache
-    from strata.kernels.paged_attention import AttentionLaunchConfig, choose_launch_config, paged_attention
+    from strata.kernels.paged_attention import paged_attention
     from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference
     from strata.kernels.testing import kv_by_slot, make_paged_batch
 

@@ -22,7 +22,7 @@ pytestmark = compiled_gpu_kernels_only()
 
 from tiny_models import write_tiny_model  # noqa: E402
 
-from strata.kernels.paged_attention import choose_launch_config  # noqa: E402
+from strata.kernels.attention_launch import choose_launch_config  # noqa: E402
 from strata.services.worker.model.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.paged_inputs import SequenceChunk  # noqa: E402
 from tests.shard_pipeline import Pipeline, greedy_decode, hf_greedy, random_prompts, shuffled_block_tables  # noqa: E402

@@ -18,8 +18,9 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
+from strata.kernels.attention_launch import choose_launch_config  # noqa: E402
 from strata.kernels.kv_cache_write import write_kv_cache  # noqa: E402
-from strata.kernels.paged_attention import choose_launch_config, paged_attention  # noqa: E402
+from strata.kernels.paged_attention import paged_attention  # noqa: E402
 from strata.kernels.reference import paged_attention_reference, write_kv_cache_reference  # noqa: E402
 from strata.kernels.testing import kv_by_slot, make_paged_batch  # noqa: E402
 

@@ -373,7 +373,7 @@ class Attention(nn.Module):
             return False
         if self.sliding_window is not None or meta.shared_kv_runs is not None:
             return False
-        from strata.kernels.decode_attention_launch import decode_attention_serves
+        from strata.kernels.attention_launch import decode_attention_serves
 
         return self.one_launch_decode and decode_attention_serves(
             num_seqs, self.num_kv_heads, self.head_dim, qkv.dtype, qkv.device
