@@ -65,6 +65,8 @@ class SymmetricMemoryAllReduce:
         n = x.numel()
         if x.dtype != self.dtype or n > self.capacity or not x.is_contiguous():
             return False
+        if x.data_ptr() % 16:  # torch's kernel wants x aligned as the buffer is (NCCL takes no such view)
+            return False
         flat = x.view(-1)
         self.op(self.buffer[:n], flat, "sum", self.name, flat)
         return True
