@@ -133,15 +133,10 @@ def _rank_main(fn, rank: int, size: int, port: int, results) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _collectives(rank, group):
-    device = group.device
-    x = torch.full((5, 7), float(rank + 1), device=device)
-    group.all_reduce_(x)
-    keys = torch.tensor([rank, -rank, 10 * rank], dtype=torch.int64, device=device)
-    group.all_reduce_max_(keys)
-    gathered = group.all_gather(torch.arange(3, device=device) + 100 * rank)
-    # Captured: the graph's all-reduce sums what its input holds at each replay.
-    static = torch.zeros(4096, device=device)
+def _captured_all_reduce_replays(rank, group, dtype) -> list:
+    """A graph of one all-reduce of 4,096 `dtype` values, replayed three times over new inputs:
+    the first and last sums of each replay."""
+    static = torch.zeros(4096, device=group.device, dtype=dtype)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
@@ -150,7 +145,19 @@ def _collectives(rank, group):
     for step in range(3):
         static.fill_(float(rank + step))
         graph.replay()
-        replays.append(static[:2].tolist())
+        replays.append(static[[0, -1]].tolist())
+    return replays
+
+
+def _collectives(rank, group):
+    device = group.device
+    x = torch.full((5, 7), float(rank + 1), device=device)
+    group.all_reduce_(x)
+    keys = torch.tensor([rank, -rank, 10 * rank], dtype=torch.int64, device=device)
+    group.all_reduce_max_(keys)
+    gathered = group.all_gather(torch.arange(3, device=device) + 100 * rank)
+    # Captured: the graph's all-reduce (NCCL's: float32) sums what its input holds at each replay.
+    replays = _captured_all_reduce_replays(rank, group, torch.float32)
     # The one-shot (bf16, small) and NCCL give the same bits.
     rng = torch.Generator(device="cpu").manual_seed(rank)
     data = torch.randn(3000, generator=rng).to(device=device, dtype=torch.bfloat16)
@@ -158,18 +165,8 @@ def _collectives(rank, group):
     assert group.one_shot is not None and group.one_shot(one)
     nccl = data.clone()
     group._run("all-reduce", lambda pg: pg.allreduce([nccl]))
-    # The one-shot in place inside a graph, as a decode step replays it: each replay sums what
-    # the input holds then.
-    shot = torch.zeros(4096, device=device, dtype=torch.bfloat16)
-    shot_graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(shot_graph):
-        group.all_reduce_(shot)
-    shot_replays = []
-    for step in range(3):
-        shot.fill_(float(rank + step))
-        shot_graph.replay()
-        shot_replays.append(shot[[0, -1]].tolist())
+    # The one-shot (bf16) in place inside a graph, as a decode step replays it.
+    shot_replays = _captured_all_reduce_replays(rank, group, torch.bfloat16)
     return (
         x.sum().item(),
         keys.tolist(),
