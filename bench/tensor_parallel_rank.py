@@ -27,10 +27,8 @@ import json
 from strata.bench import common
 from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_plans, load_runner, time_decode_step
+from strata.bench.tensor_parallel import TARGET_ALL_REDUCE_SHARE, TARGET_TPOT_RATIO
 from strata.flags import DEFAULTS
-
-TARGET_TPOT_RATIO = 0.6  # issue 51: a T = 2 step at most 0.6x one GPU's (batch 1 and 16 streams)
-TARGET_ALL_REDUCE_SHARE = 0.15  # issue 51: the all-reduce at most 15% of a batch-1 step
 
 
 def rank_flags(ranks: int) -> list[str]:
