@@ -192,8 +192,10 @@ FLAGS: dict[str, Flag] = {
         "how a tensor-parallel stage on GPUs sums its ranks' partial outputs: nccl (NCCL's all-reduce, captured "
         "in the CUDA graphs) or symm-mem (a one-shot all-reduce through torch's symmetric memory, without NVLink "
         "multicast, for messages up to 512 KiB: a decode step's; larger ones take NCCL). python -m "
-        "strata.bench.all_reduce times both per message size",
-        choices=("nccl", "symm-mem"),
+        "strata.bench.all_reduce times both per message size. gloo: every collective through the hosts and "
+        "eagerly (no CUDA graphs), so ranks may share one GPU, which NCCL refuses: slow, for checking a "
+        "tensor-parallel stage on one GPU",
+        choices=("nccl", "symm-mem", "gloo"),
     ),
     "tensor_parallel_no_collectives": Flag(
         "STRATA_TENSOR_PARALLEL_NO_COLLECTIVES",

@@ -208,7 +208,8 @@ def _visible_gpus(args) -> int:
 def check_placement(args) -> None:
     """Data-parallel replicas each need GPUs of their own (replicas sharing one would only take
     turns on it), and so does every tensor-parallel rank (NCCL pairs no two ranks on one GPU): a
-    GPU per rank of every stage of every replica, or all on CPUs."""
+    GPU per rank of every stage of every replica, or all on CPUs. Ranks whose collectives go
+    through gloo may share GPUs (one GPU checks a tensor-parallel stage so)."""
     size = _tensor_parallel_size(args)
     replicas, workers = _replicas(args), _replicas(args) * args.pipeline_stages * size
     if replicas < 1 or args.pipeline_stages < 1 or size < 1:
@@ -236,6 +237,8 @@ def check_tensor_parallel_placement(args, workers: int) -> None:
         raise SystemExit("--mps is for stages sharing one GPU; tensor-parallel ranks take a GPU each")
     if args.speculative_method == "draft" or args.draft_model:
         raise SystemExit("a draft model's worker serves a one-rank target: --tensor-parallel-size 1")
+    if _ranks_share_gpus(args):
+        return
     if args.device.startswith("cuda") and ":" in args.device:
         raise SystemExit(f"--device {args.device} names one GPU; --tensor-parallel-size {size} needs a GPU per rank")
     gpus = _visible_gpus(args)
@@ -244,6 +247,10 @@ def check_tensor_parallel_placement(args, workers: int) -> None:
             f"--tensor-parallel-size {size} x --pipeline-stages {args.pipeline_stages} x --data-parallel-size "
             f"{_replicas(args)} needs {workers} GPUs; {gpus} visible"
         )
+
+
+def _ranks_share_gpus(args) -> bool:
+    return getattr(args, "tensor_parallel_all_reduce", "nccl") == "gloo"
 
 
 def _worker_settings(
@@ -255,8 +262,12 @@ def _worker_settings(
     settings.update(tensor_parallel_rank=rank, tensor_parallel_master=master)
     workers = stages * _replicas(args) * size
     if size > 1:
-        if _visible_gpus(args):  # a GPU per rank (check_placement): rank t of stage i of replica r
-            settings["device"] = f"cuda:{gpu_for(replica, stage, rank, stages, size)}"
+        gpus = _visible_gpus(args)
+        if args.device.startswith("cuda") and ":" in args.device:  # (gloo's ranks: all on the GPU named)
+            settings["gpu_memory_utilization"] = args.gpu_memory_utilization / workers
+        elif gpus:  # rank t of stage i of replica r on a GPU of its own, or round-robin with gloo's
+            settings["device"] = f"cuda:{gpu_for(replica, stage, rank, stages, size) % gpus}"
+            settings["gpu_memory_utilization"] = args.gpu_memory_utilization / -(-workers // gpus)
     elif stages > 1 and args.device.startswith("cuda") and ":" in args.device:
         # Every stage on the one GPU named: they split its memory share (each sizes its KV cache
         # from the free memory it measures, and the first would take what the others need).

@@ -58,6 +58,22 @@ def test_ranks_without_a_gpu_each_are_refused(monkeypatch, argv, gpus, message):
         launcher.check_placement(serve_args("--tensor-parallel-size", "2", *argv))
 
 
+@pytest.mark.parametrize("device,gpus", [("cuda", 1), ("cuda:0", 4)])
+def test_gloo_ranks_share_a_gpu_each_with_its_share_of_memory(monkeypatch, device, gpus):
+    """NCCL refuses two ranks on one GPU; gloo's collectives do not, so one GPU can check a stage."""
+    monkeypatch.setattr(launcher, "_visible_gpus", lambda args: gpus)
+    args = serve_args(
+        "--tensor-parallel-size", "2", "--pipeline-stages", "2", "--tensor-parallel-all-reduce", "gloo",
+        "--device", device,
+    )  # fmt: skip
+    launcher.check_placement(args)
+    placed = [launcher._worker_settings(args, stage, 1, "m", 0, rank) for stage in range(2) for rank in range(2)]
+    assert [p["device"] for p in placed] == ["cuda:0"] * 4
+    assert all(p["gpu_memory_utilization"] == args.gpu_memory_utilization / 4 for p in placed)
+    argv = launcher.worker_argv(args, 0, 50061, "m", 0, 1, "127.0.0.1:9000")
+    assert argv[argv.index("--tensor-parallel-all-reduce") + 1] == "gloo"
+
+
 def test_ranks_on_cpus_are_fine():
     launcher.check_placement(serve_args("--tensor-parallel-size", "3", "--pipeline-stages", "2", "--device", "cpu"))
 

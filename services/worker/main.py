@@ -126,6 +126,10 @@ def build(args):
     group = tensor_parallel_group(args, device)
     if draft and group.active:
         raise SystemExit("a draft worker is one process: --tensor-parallel-size 1")
+    if group.active and group.host_collectives and device.type == "cuda" and not args.enforce_eager:
+        # A graph cannot capture gloo's collectives (the host waits on them): every step eager.
+        log.warning("--tensor-parallel-all-reduce gloo: CUDA graphs are off (as with --enforce-eager)")
+        args.enforce_eager = True
     try:
         shard, config = load_shard(
             "dummy" if dummy else model_path,

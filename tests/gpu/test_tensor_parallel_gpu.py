@@ -1,4 +1,5 @@
-"""Tensor parallelism on two GPUs (skipped with fewer): the rank group's NCCL collectives eager
+"""Tensor parallelism on two GPUs (skipped with fewer; the tests marked one-gpu-gloo put both ranks
+on one GPU with gloo's collectives, eagerly): the rank group's NCCL collectives eager
 and captured in a CUDA graph, the symmetric-memory one-shot against NCCL (the same bits), the
 sampler's draw over vocabulary slices in a graph against the whole rows' kernel, and through real
 clusters: greedy tokens equal HF's at T = 2 (float32), every mode's tokens equal T = 1's, and a
@@ -25,6 +26,13 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# Where the two ranks run: a GPU each with NCCL (and CUDA graphs), or both on one GPU with gloo's
+# collectives, eagerly (NCCL refuses two ranks on one GPU): one GPU checks the sharded model, the
+# sampler's slices and a stage's faults on its kernels, the graphs and NCCL need two.
+PLACEMENTS = [
+    pytest.param("nccl", marks=two_gpus, id="two-gpus"),
+    pytest.param("gloo", id="one-gpu-gloo"),
+]
 
 
 def test_one_shot_forms_and_sums_in_place_on_one_rank():
@@ -91,12 +99,13 @@ def test_slice_draws_combine_to_the_whole_rows_draw_on_one_gpu():
             assert torch.equal(unpack_draw_tokens(torch.stack(keys).amax(dim=0)), whole), (n, size)
 
 
-def _on_ranks(fn, size: int = 2, timeout: float = 300.0) -> list:
-    """fn(rank, group) in a process per rank (cuda:rank), their results in rank order."""
+def _on_ranks(fn, size: int = 2, timeout: float = 300.0, all_reduce: str = "symm-mem") -> list:
+    """fn(rank, group) in a process per rank (cuda:rank; every rank on cuda:0 with gloo's
+    collectives), their results in rank order."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, results)) for rank in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, results, all_reduce)) for rank in range(size)]
     for p in procs:
         p.start()
     out = {}
@@ -113,18 +122,18 @@ def _on_ranks(fn, size: int = 2, timeout: float = 300.0) -> list:
     return [out[r] for r in range(size)]
 
 
-def _rank_main(fn, rank: int, size: int, port: int, results) -> None:
+def _rank_main(fn, rank: int, size: int, port: int, results, all_reduce: str) -> None:
     try:
         from strata.services.worker.tensor_parallel.group import TensorParallelGroup
         from strata.stage_links import set_nccl_environment
 
         set_nccl_environment()
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", 0 if all_reduce == "gloo" else rank)
         torch.cuda.set_device(device)
         store = torch.distributed.TCPStore(
             "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
         )
-        group = TensorParallelGroup(rank, size, device, timeout=60.0, all_reduce="symm-mem", dtype=torch.bfloat16)
+        group = TensorParallelGroup(rank, size, device, timeout=60.0, all_reduce=all_reduce, dtype=torch.bfloat16)
         group.form(store, 1)
         value = fn(rank, group)
         torch.cuda.synchronize()
@@ -264,15 +273,18 @@ def model_dir(tmp_path_factory):
 FLAGS = ("--device", "cuda", "--dtype", "float32", "--stage-recovery-timeout", "90", "--step-timeout", "30")
 
 
-@two_gpus
-def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
+@pytest.mark.parametrize("all_reduce", PLACEMENTS)
+def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir, all_reduce):
     from strata.v1 import generate_pb2
     from tests.cluster import collect, hf_greedy, mixed_requests, run_all, running_cluster
 
     prompts = [[5, 17, 42, 99, 100, 7], list(range(30, 90))]
     outs = {}
     for size in ("1", "2"):
-        with running_cluster(model_dir, 1, *FLAGS, "--tensor-parallel-size", size) as (cluster, client):
+        flags = (*FLAGS, "--tensor-parallel-size", size, "--tensor-parallel-all-reduce", all_reduce)
+        if all_reduce == "gloo":  # T = 1 eager too: the same kernels as the ranks run
+            flags += ("--enforce-eager",)
+        with running_cluster(model_dir, 1, *flags) as (cluster, client):
             greedy = [
                 collect(
                     client.generate(
@@ -290,14 +302,22 @@ def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir):
     assert outs["2"] == outs["1"]
 
 
-@two_gpus
+@pytest.mark.parametrize("all_reduce", PLACEMENTS)
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model_dir, stop):
+def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model_dir, stop, all_reduce):
     from tests.cluster import mixed_requests, run_all, running_cluster, scheduler_stats
     from tests.test_recovery import hang_until_noticed, restart, worker
 
     work = mixed_requests(40)[:8]
-    flags = (*FLAGS, "--tensor-parallel-size", "2", "--collective-timeout", "30")
+    flags = (
+        *FLAGS,
+        "--tensor-parallel-size",
+        "2",
+        "--collective-timeout",
+        "30",
+        "--tensor-parallel-all-reduce",
+        all_reduce,
+    )
     with running_cluster(model_dir, 1, *flags) as (cluster, client):
         threads, plain, errors = run_all(client, work)
         for t in threads:
@@ -357,9 +377,9 @@ def _chain_and_layers(rank, group):
     return logits[False], logits[True]
 
 
-@two_gpus
-def test_the_decode_chain_at_two_ranks_adds_the_residual_once():
-    (plain, chain), (plain1, chain1) = _on_ranks(_chain_and_layers)
+@pytest.mark.parametrize("all_reduce", PLACEMENTS)
+def test_the_decode_chain_at_two_ranks_adds_the_residual_once(all_reduce):
+    (plain, chain), (plain1, chain1) = _on_ranks(_chain_and_layers, all_reduce=all_reduce)
     assert torch.equal(plain, plain1) and torch.equal(chain, chain1)  # every rank the same logits
     scale = plain.abs().max().item()
     torch.testing.assert_close(chain, plain, atol=0.03 * scale, rtol=0.0)

@@ -1,5 +1,6 @@
 """The tensor-parallel group of one stage: its T ranks joined by torch.distributed (NCCL on GPUs,
-gloo on CPUs), and the collectives the model and the sampler call on it.
+gloo on CPUs, or on GPUs that ranks share: NCCL refuses two ranks on one GPU), and the collectives
+the model and the sampler call on it.
 
 The group is formed again at every InitCache (the session names its keys in the rank-0 store,
 so a rebuilt group never meets an older one's), on the step thread, where the rendezvous blocks
@@ -53,6 +54,9 @@ class TensorParallelGroup:
         # "symm-mem": small all-reduces of `dtype` take a one-shot through symmetric memory
         # (symm_mem.py), the rest NCCL's.
         self.all_reduce_kind, self.dtype = all_reduce, dtype
+        # gloo's collectives (CPU tensors, or CUDA tensors staged through the host) wait on this
+        # thread and cannot be captured; NCCL's wait on the stream.
+        self.host_collectives = self.device.type != "cuda" or all_reduce == "gloo"
         self.one_shot = None
         self.pg = None
         self.session = 0
@@ -74,7 +78,7 @@ class TensorParallelGroup:
             return
         prefixed = dist.PrefixStore(f"strata/tp/{session}/", store)
         delta = datetime.timedelta(seconds=self.timeout)
-        if self.device.type == "cuda":
+        if not self.host_collectives:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = delta
             pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, opts)
@@ -134,10 +138,10 @@ class TensorParallelGroup:
         pg = self._group()
         try:
             work = post(pg)
-            if self.device.type == "cuda":
-                work.wait()
-            else:
+            if self.host_collectives:
                 self._wait_on_host(work, what)
+            else:
+                work.wait()
         except PeerLost:
             raise
         except Exception as e:
