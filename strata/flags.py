@@ -192,10 +192,12 @@ FLAGS: dict[str, Flag] = {
         "how a tensor-parallel stage on GPUs sums its ranks' partial outputs: nccl (NCCL's all-reduce, captured "
         "in the CUDA graphs) or symm-mem (a one-shot all-reduce through torch's symmetric memory, without NVLink "
         "multicast, for messages up to 512 KiB: a decode step's; larger ones take NCCL). python -m "
-        "strata.bench.all_reduce times both per message size. gloo: every collective through the hosts and "
+        "strata.bench.all_reduce times them per message size. ipc: Strata's own one-shot (a Triton kernel over "
+        "buffers the ranks share by CUDA IPC, up to 512 KiB), launched as a programmatic dependent so that the "
+        "next layer's weights stream while the ranks meet. gloo: every collective through the hosts and "
         "eagerly (no CUDA graphs), so ranks may share one GPU, which NCCL refuses: slow, for checking a "
         "tensor-parallel stage on one GPU",
-        choices=("nccl", "symm-mem", "gloo"),
+        choices=("nccl", "symm-mem", "ipc", "gloo"),
     ),
     "tensor_parallel_no_collectives": Flag(
         "STRATA_TENSOR_PARALLEL_NO_COLLECTIVES",

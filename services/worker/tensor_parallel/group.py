@@ -51,8 +51,8 @@ class TensorParallelGroup:
             raise ValueError(f"tensor-parallel rank {rank} is not in [0, {size})")
         self.rank, self.size, self.device, self.timeout = rank, size, torch.device(device), timeout
         self.master_host = master_host or "127.0.0.1"  # gloo listens on the interface towards it
-        # "symm-mem": small all-reduces of `dtype` take a one-shot through symmetric memory
-        # (symm_mem.py), the rest NCCL's.
+        # "symm-mem" and "ipc": small all-reduces of `dtype` take a one-shot through symmetric
+        # memory (symm_mem.py) or Strata's own over CUDA IPC (ipc_all_reduce.py), the rest NCCL's.
         self.all_reduce_kind, self.dtype = all_reduce, dtype
         # gloo's collectives (CPU tensors, or CUDA tensors staged through the host) wait on this
         # thread and cannot be captured; NCCL's wait on the stream.
@@ -97,14 +97,19 @@ class TensorParallelGroup:
         log.info("tensor parallel: rank %d of %d joined the group of session %d", self.rank, self.size, session)
 
     def _one_shot(self, pg, store, session: int):
-        if self.all_reduce_kind != "symm-mem":
+        """The one-shot all-reduce for small messages, if one was asked for and forms."""
+        if self.all_reduce_kind not in ("symm-mem", "ipc"):
             return None
-        from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
-
         try:
+            if self.all_reduce_kind == "ipc":
+                from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
+
+                return IpcAllReduce(store, self.rank, self.size, session, self.device, self.dtype, timeout=self.timeout)
+            from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
+
             return SymmetricMemoryAllReduce(pg, store, self.rank, self.size, session, self.device, self.dtype)
         except Exception as e:  # (a torch without it, or no peer access): NCCL takes every message
-            log.warning("tensor parallel: no symmetric-memory all-reduce (%s); NCCL takes every one", e)
+            log.warning("tensor parallel: no %s all-reduce (%s); NCCL takes every one", self.all_reduce_kind, e)
             return None
 
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
@@ -113,7 +118,9 @@ class TensorParallelGroup:
         if self.size == 1:
             return
         self.broken = reason
-        self.one_shot = None
+        one_shot, self.one_shot = self.one_shot, None
+        if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
+            one_shot.abort()
         pg, self.pg = self.pg, None
         if pg is not None:
             abort_group(pg, "tensor parallel")

@@ -1,0 +1,184 @@
+"""A one-shot all-reduce of a small message over buffers that every rank has mapped (CUDA IPC),
+in one Triton launch that chains with the kernels around it (programmatic dependent launch).
+
+A decode step of a T-way stage runs two all-reduces a layer, each of a few KB to a few hundred KB.
+NCCL's kernel is not a programmatic dependent: the next layer's GEMV cannot stream its weights
+until NCCL's kernel has ended, so every all-reduce adds its whole latency to the step. This kernel
+calls gdc_launch_dependents as it starts, so the GEMV after it launches and loads its weights while
+the ranks meet (kernels/dependent_launch.py).
+
+Each program owns BLOCK elements of the message. It:
+1. waits for the kernel before it (gdc_wait), reads its elements of x;
+2. writes them into slot RANK of every rank's buffer (its own included: remote stores over
+   NVLink, posted, not read round trips);
+3. signals each rank: flag[RANK][program] = this call's sequence number, a system-scope release
+   after a CTA barrier, so every thread's stores are visible before the flag is;
+4. waits until every rank's flag for this program holds the sequence number (acquire loads), then
+   sums the T slots in rank order in float32 and stores the sum over x: every rank the same bits.
+
+Sequence numbers, not flags reset to zero: each program keeps its own count of calls in this
+rank's memory (programs past a call's grid miss that call on every rank alike, since every rank
+runs the same message sizes), so nothing is cleared between calls. Buffers alternate by the
+parity of the sequence number: a rank can be at most one call ahead of a slower peer (it cannot
+finish call k + 1 before the peer signalled it, which the peer does only after finishing call k),
+so call k + 2, which reuses call k's buffer, never overwrites what the peer still reads.
+
+A wait also gives up when the host sets the abort word (pinned host memory; read every 1,024
+spins): a rank whose peer died must not leave a kernel spinning forever on its GPU. The sum is
+then garbage, and the step that ran it fails (TensorParallelGroup.abort).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+
+MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
+BLOCK = 1024  # elements a program owns: 2 KB of bf16, 8 per thread at 4 warps (16-byte vectors)
+WARPS = 4
+
+
+@triton.jit
+def _wait_for_sequence(flag_ptr, seq, abort_ptr):
+    """Spin until *flag_ptr == seq (acquire, system scope: the signalling rank's stores before its
+    release are visible to this thread's later loads) or the abort word is set. Every thread spins
+    itself, so every thread's later loads are ordered after its own acquire."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred waiting;
+        .reg .b32 seen, spins, low, stop;
+        mov.b32 spins, 0;
+        SPIN:
+        ld.acquire.sys.global.b32 seen, [$1];
+        setp.ne.s32 waiting, seen, $2;
+        @!waiting bra DONE;
+        add.s32 spins, spins, 1;
+        and.b32 low, spins, 1023;
+        setp.ne.s32 waiting, low, 0;
+        @waiting bra SPIN;
+        ld.volatile.global.b32 stop, [$3];
+        setp.eq.s32 waiting, stop, 0;
+        @waiting bra SPIN;
+        DONE:
+        mov.b32 $0, seen;
+        }""",
+        "=r,l,r,l",
+        [flag_ptr, seq, abort_ptr],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _nth(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The r-th of eight pointers (r known when compiling)."""
+    if r == 0:
+        p = p0
+    elif r == 1:
+        p = p1
+    elif r == 2:
+        p = p2
+    elif r == 3:
+        p = p3
+    elif r == 4:
+        p = p4
+    elif r == 5:
+        p = p5
+    elif r == 6:
+        p = p6
+    else:
+        p = p7
+    return p
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(
+    x_ptr,
+    # Each rank's buffer ([2, WORLD, capacity] of x's dtype) and flags ([WORLD, max programs]
+    # int32) as mapped here; ranks past WORLD repeat this rank's. Pointers, not addresses in an
+    # array: Triton then knows their alignment and moves 16 bytes a thread at a time.
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
+    seq_ptr,  # int32 [max programs]: this rank's calls so far, per program
+    abort_address,  # of an int32 in pinned host memory (the same address on the device: UVA)
+    n,
+    capacity,
+    max_programs,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if PDL:
+        # Before the sequence number too: the previous call may still be running until then (it
+        # let its successor launch early, and that one let this one).
+        gdc_wait()
+    seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
+    parity = seq % 2
+    x = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WORLD):
+        buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
+        tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
+    tl.debug_barrier()  # every thread's stores before the one release below
+    for r in tl.static_range(WORLD):
+        flags = _nth(r, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
+        tl.atomic_xchg(flags + RANK * max_programs + pid, seq, sem="release", scope="sys")
+    own_flags = _nth(RANK, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
+    own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
+    abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        _wait_for_sequence(own_flags + r * max_programs + pid, seq, abort_ptr)
+        part = tl.load(own + (parity * WORLD + r) * capacity + offs, mask=mask, volatile=True)
+        total += part.to(tl.float32)
+    tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(seq_ptr + pid, seq)
+
+
+def programs_for(numel: int) -> int:
+    return triton.cdiv(numel, BLOCK)
+
+
+def one_shot_all_reduce(
+    x: torch.Tensor,
+    buffers: list[torch.Tensor],
+    flags: list[torch.Tensor],
+    sequences: torch.Tensor,
+    abort_word: torch.Tensor,
+    capacity: int,
+    rank: int,
+) -> None:
+    """x (contiguous, at most `capacity` elements) summed over the ranks in place; buffers[r] and
+    flags[r] are rank r's (at most MAX_RANKS). Every rank calls it with the same numel, in the same
+    order. Launch shapes depend on python ints only: capturable in CUDA graphs."""
+    world = len(buffers)
+    pad = MAX_RANKS - world
+    pdl = dependent_launch_supported(x.device)
+    _one_shot_all_reduce_kernel[(programs_for(x.numel()),)](
+        x,
+        *buffers,
+        *[buffers[rank]] * pad,
+        *flags,
+        *[flags[rank]] * pad,
+        sequences,
+        abort_word.data_ptr(),
+        x.numel(),
+        capacity,
+        sequences.numel(),
+        RANK=rank,
+        WORLD=world,
+        BLOCK=BLOCK,
+        PDL=pdl,
+        num_warps=WARPS,
+        **launch_options(pdl),
+    )

@@ -1,0 +1,99 @@
+"""Strata's own one-shot all-reduce (kernels/one_shot_all_reduce.py) for a stage's small messages:
+the buffers it writes into, shared between the ranks by CUDA IPC, and the word that releases its
+waits when the group is torn down.
+
+`--tensor-parallel-all-reduce ipc` turns it on. Unlike NCCL's kernel and torch's symmetric-memory
+one-shot it is a programmatic dependent launch: the GEMV after it streams its weights while the
+ranks meet. Messages past its buffer, and other dtypes, take NCCL. Ranks of one GPU can use it too
+(CUDA IPC within a device), which is how one GPU tests it: symmetric memory refuses that.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from strata.services.worker.transport.ring import export_memory, open_memory
+from strata.v1 import engine_pb2
+
+log = logging.getLogger("strata.worker")
+
+# Largest message (bytes): a 16-stream decode step's rows of an 8B model are 128 KiB; past a few
+# hundred KiB every rank writing the whole message to every other moves more than NCCL's ring.
+MAX_BYTES = 512 * 1024
+# Buffers of earlier sessions: a kernel released by their abort word may still be reading them.
+_RETIRED: list[IpcAllReduce] = []
+
+
+class IpcAllReduce:
+    """Rank `rank` of `size`: construct on every rank of the session at once (each waits in
+    `store` for the others' buffers)."""
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        session: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_bytes: int = MAX_BYTES,
+        timeout: float = 60.0,
+    ):
+        from strata.kernels.one_shot_all_reduce import MAX_RANKS, programs_for
+
+        if size > MAX_RANKS:
+            raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
+        self.rank, self.size, self.dtype = rank, size, dtype
+        self.capacity = max_bytes // dtype.itemsize
+        programs = programs_for(self.capacity)
+        # [2 parities, size slots, capacity]: slot r holds rank r's part of the call.
+        self.buffer = torch.zeros(2 * size * self.capacity, dtype=dtype, device=device)
+        self.flags = torch.zeros(size * programs, dtype=torch.int32, device=device)  # [size, programs]
+        self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
+        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        torch.cuda.synchronize(device)  # zeroed before any peer can see them
+        keys = dist.PrefixStore(f"strata/ipc/{session}/", store)
+        keys.set(f"{rank}/buffer", export_memory(self.buffer).SerializeToString())
+        keys.set(f"{rank}/flags", export_memory(self.flags).SerializeToString())
+        keys.wait([f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], _delta(timeout))
+        buffers, flags = [], []
+        for r in range(size):
+            if r == rank:
+                buffers.append(self.buffer)
+                flags.append(self.flags)
+                continue
+            buffers.append(open_memory(_memory(keys.get(f"{r}/buffer")), device, dtype, self.buffer.numel()))
+            flags.append(open_memory(_memory(keys.get(f"{r}/flags")), device, torch.int32, self.flags.numel()))
+        self.buffers, self.rank_flags = buffers, flags  # (the peers' memory stays mapped while these live)
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        """x summed over the ranks in place; False (nothing done) when x is not for it."""
+        from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
+
+        if x.dtype != self.dtype or x.numel() > self.capacity or not x.is_contiguous() or self.abort_word[0]:
+            return False
+        one_shot_all_reduce(
+            x.view(-1), self.buffers, self.rank_flags, self.sequences, self.abort_word, self.capacity, self.rank
+        )
+        return True
+
+    def abort(self) -> None:
+        """Releases every wait of this rank's kernels, now and later (their sums are garbage):
+        the group is being torn down because a peer is gone or late."""
+        self.abort_word[0] = 1
+        _RETIRED.append(self)
+
+
+def _memory(raw: bytes) -> engine_pb2.CudaIpcMemory:
+    m = engine_pb2.CudaIpcMemory()
+    m.ParseFromString(raw)
+    return m
+
+
+def _delta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

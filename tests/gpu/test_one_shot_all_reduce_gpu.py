@@ -1,0 +1,159 @@
+"""Strata's one-shot all-reduce over CUDA IPC (kernels/one_shot_all_reduce.py,
+tensor_parallel/ipc_all_reduce.py) between two processes, on one GPU (CUDA IPC works within a
+device, so this needs no second GPU) or on a GPU each when there are two: exact sums eagerly and in
+CUDA graphs, calls of changing sizes, a chain of dependent launches around it, and the abort word
+releasing a rank whose peer never comes.
+
+    python -m pytest tests/gpu/test_one_shot_all_reduce_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from strata.launcher import free_port
+from tests.triton_interpreter import compiled_gpu_kernels_only
+
+pytestmark = compiled_gpu_kernels_only()
+PLACEMENTS = [
+    pytest.param(False, id="one-gpu"),
+    pytest.param(True, id="two-gpus", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
+]
+
+
+def _on_ranks(fn, spread: bool, size: int = 2, timeout: float = 300.0) -> list:
+    """fn(rank, one_shot) in a process per rank (cuda:rank if spread, else all on cuda:0)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, spread, results)) for rank in range(size)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(size):
+            rank, ok, value = results.get(timeout=timeout)
+            assert ok, f"rank {rank} failed:\n{value}"
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(size)]
+
+
+def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> None:
+    try:
+        from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
+
+        device = torch.device("cuda", rank if spread else 0)
+        torch.cuda.set_device(device)
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
+        )
+        one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024)
+        value = fn(rank, one_shot)
+        torch.cuda.synchronize()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _sums(rank, one_shot):
+    """Integer-valued inputs (exact in bf16): sizes that miss programs, then repeat them, so each
+    program's sequence numbers and both buffer parities are exercised; then a graph."""
+    device = one_shot.buffer.device
+    got = []
+    for n in (1, 1000, 4096, 65536, 4096, 3, 128 * 1024, 4096, 4096, 4096):
+        x = (torch.arange(n, device=device) % 7 + rank * 10).to(torch.bfloat16)
+        assert one_shot(x)
+        want = (torch.arange(n, device=device) % 7) * 2 + 10
+        got.append(bool(torch.equal(x.float(), want.float())))
+    assert not one_shot(torch.zeros(128 * 1024 + 1, device=device, dtype=torch.bfloat16))  # past its buffer
+    assert not one_shot(torch.zeros(8, device=device))  # float32: NCCL's
+    static = torch.zeros(4096, device=device, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(3):  # three in a row: 1 + 2 ranks' inputs, doubled twice
+            one_shot(static)
+    replays = []
+    for step in range(4):
+        static.fill_(float(rank + step))
+        graph.replay()
+        replays.append(static[[0, -1]].tolist())
+    return got, replays
+
+
+@pytest.mark.parametrize("spread", PLACEMENTS)
+def test_sums_are_exact_eagerly_and_in_a_graph(spread):
+    for got, replays in _on_ranks(_sums, spread):
+        assert all(got), got
+        assert replays == [[v * 4.0, v * 4.0] for v in (1, 3, 5, 7)]
+
+
+def _chained(rank, one_shot):
+    """GEMV, all-reduce, GEMV as the decode chain runs them (dependent launches), in a graph."""
+    from strata.kernels.decode_linear import plain_linear
+
+    device = one_shot.buffer.device
+    gen = torch.Generator(device="cpu").manual_seed(rank)
+    w1 = (torch.randn(4096, 2048, generator=gen) / 64).to(device=device, dtype=torch.bfloat16)
+    w2 = (torch.randn(1024, 4096, generator=torch.Generator(device="cpu").manual_seed(9)) / 64).to(
+        device=device, dtype=torch.bfloat16
+    )
+    x = torch.randn(1, 2048, generator=gen).to(device=device, dtype=torch.bfloat16)
+    partial = plain_linear(x, w1, None)
+    reference = partial.clone()
+    one_shot(reference)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = plain_linear(x, w1, None)
+        one_shot(y)
+        z = plain_linear(y, w2, None)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    return y.float().cpu(), z.float().cpu(), torch.equal(y, reference), plain_linear(reference, w2, None).float().cpu()
+
+
+@pytest.mark.parametrize("spread", PLACEMENTS)
+def test_a_chain_of_dependent_launches_around_it(spread):
+    (y0, z0, same0, want0), (y1, z1, same1, want1) = _on_ranks(_chained, spread)
+    assert same0 and same1 and torch.equal(y0, y1)  # every rank the same sum, the eager one's
+    assert torch.equal(z0, z1) and torch.equal(z0, want0)  # the GEMV after it read the finished sum
+
+
+def _abandoned(rank, one_shot):
+    """Rank 1 never calls (but stays up: rank 0 writes into its buffer): rank 0's kernel waits
+    until its abort word is set, from another thread as TensorParallelGroup.abort sets it."""
+    if rank == 1:
+        time.sleep(5.0)
+        return None
+    from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
+
+    x = torch.ones(4096, device=one_shot.buffer.device, dtype=torch.bfloat16)
+    started = time.monotonic()
+    threading.Timer(1.0, one_shot.abort).start()
+
+    one_shot_all_reduce(
+        x, one_shot.buffers, one_shot.rank_flags, one_shot.sequences, one_shot.abort_word, one_shot.capacity, rank
+    )
+    torch.cuda.synchronize()
+    return time.monotonic() - started, one_shot(x)
+
+
+@pytest.mark.parametrize("spread", PLACEMENTS)
+def test_the_abort_word_releases_a_rank_whose_peer_never_comes(spread):
+    (waited, called_after), _ = _on_ranks(_abandoned, spread)
+    assert 0.9 < waited < 30  # released by the abort, not before it
+    assert called_after is False  # an aborted one-shot takes no more messages
