@@ -28,7 +28,7 @@ PLACEMENTS = [
 ]
 
 
-def _on_ranks(fn, spread: bool, size: int = 2, timeout: float = 300.0) -> list:
+def _on_ranks(fn, spread: bool, size: int = 2, timeout: float = 90.0) -> list:
     """fn(rank, one_shot) in a process per rank (cuda:rank if spread, else all on cuda:0)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -52,6 +52,9 @@ def _on_ranks(fn, spread: bool, size: int = 2, timeout: float = 300.0) -> list:
 
 def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> None:
     try:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(60, exit=True)  # a hung rank says where
         from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
 
         device = torch.device("cuda", rank if spread else 0)
