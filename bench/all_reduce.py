@@ -1,14 +1,20 @@
-"""The tensor-parallel all-reduce alone, per message size: NCCL's (a stage's default) against the
-one-shot through torch's symmetric memory without multicast (--tensor-parallel-all-reduce
-symm-mem), both through the TensorParallelGroup a stage uses, on T processes of a GPU each.
+"""The tensor-parallel all-reduce alone, per message size: NCCL's (a stage's default), the one-shot
+through torch's symmetric memory without multicast (--tensor-parallel-all-reduce symm-mem), and
+Strata's own one-shot over CUDA IPC (--tensor-parallel-all-reduce ipc), on T processes of a GPU
+each.
 
 Each size is timed the way a decode step runs it: 64 all-reduces back to back captured in one CUDA
 graph (a step of a 32-layer model has 64 plus the embedding's and the draw's), replayed, timed
 with CUDA events; the figure is microseconds per all-reduce. Each method's result is checked on
 every rank (integer inputs: exact) before it is timed. The sizes: bf16 8 KiB (an 8B model's
 batch-1 decode: 4,096 x 2 bytes), 128 KiB (16 streams), 2 MiB (batch 256), 32 MiB (a prefill
-chunk). The one-shot takes up to 512 KiB in serving (symm_mem.MAX_BYTES); here its buffer holds
-every size, to show where it stops paying.
+chunk). The one-shots take up to 512 KiB in serving; here torch's buffer holds every size, to show
+where it stops paying, and Strata's stays at 512 KiB.
+
+Back to back is not how a batch-1 step meets them: there each sits between two GEMVs, and a
+dependent launch lets the next GEMV stream its weights while the ranks meet. So each method is
+also timed "in a chain": 64 x (the 8B rank's o_proj GEMV, then an all-reduce of its 8 KiB output)
+minus 64 GEMVs alone, what each all-reduce adds to the step (issue 51's budget: 2.4 us).
 
     python -m strata.bench.all_reduce                      # 2 GPUs
     python -m strata.bench.all_reduce --tensor-parallel-size 4 --json out.json
@@ -36,6 +42,7 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
 
     set_nccl_environment()
     from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+    from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
     from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
 
     device = torch.device("cuda", rank)
@@ -53,27 +60,56 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     except Exception as e:  # reported, and the NCCL column still comes
         if rank == 0:
             print(f"symmetric memory unavailable: {type(e).__name__}: {e}", flush=True)
+    # At its serving size: past it, more programs than fit on the GPU at once would each wait for
+    # their peer's, which a GPU that schedules them in another order may never start.
+    ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
     rows = []
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
         n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
         x = torch.empty(n, dtype=dtype, device=device)
         row = {"kib": kib}
-        methods = {"nccl": lambda: group._run("all-reduce", lambda pg: pg.allreduce([x]))}
-        if one_shot is not None:
-            methods["one_shot"] = lambda: one_shot(x)
-        for name, fn in methods.items():
+        methods = _methods(group, one_shot, ipc)
+        for name, reduce in methods.items():
+            fn = lambda reduce=reduce: reduce(x)  # noqa: E731
             x.fill_(rank + 1)
-            fn()
+            if not fn():  # not for it (past its buffer): no column
+                continue
             torch.cuda.synchronize()
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
             row[name] = graph_time_us(lambda _: fn(), CALLS, replays=args.replays) if ok else float("nan")
             row[f"{name}_ok"] = ok
         rows.append(row)
+    chained = _in_a_chain(_methods(group, one_shot, ipc), device, dtype, args.replays)
     if rank == 0:
-        results.put(rows)
+        results.put((rows, chained))
+    ipc.abort()
     group.abort("done")
+
+
+def _methods(group, one_shot, ipc) -> dict:
+    methods = {"nccl": lambda x: group._run("all-reduce", lambda pg: pg.allreduce([x])) or True}
+    if one_shot is not None:
+        methods["one_shot"] = one_shot
+    methods["ipc"] = ipc
+    return methods
+
+
+def _in_a_chain(methods: dict, device, dtype, replays: int) -> dict:
+    """us each all-reduce adds between two GEMVs: 64 x (o_proj of an 8B rank at T = 2, [1, 2048] x
+    [2048, 4096], then the all-reduce of its output) against the 64 GEMVs alone."""
+    from strata.kernels.decode_linear import plain_linear
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weight = (torch.randn(4096, 2048, generator=gen) / 64).to(device=device, dtype=dtype)
+    x = torch.randn(1, 2048, generator=gen).to(device=device, dtype=dtype)
+    alone = graph_time_us(lambda _: plain_linear(x, weight), CALLS, replays=replays)
+    out = {"gemv_us": alone}
+    for name, reduce in methods.items():
+        paired = graph_time_us(lambda _, reduce=reduce: reduce(plain_linear(x, weight)), CALLS, replays=replays)
+        out[name] = paired - alone
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,21 +131,37 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=_rank, args=(r, size, port, args, results)) for r in range(size)]
     for proc in procs:
         proc.start()
-    rows = results.get(timeout=600)
+    rows, chained = results.get(timeout=600)
     for proc in procs:
         proc.join(60)
     name = torch.cuda.get_device_name(0)
+    methods = ("nccl", "one_shot", "ipc")
     print(f"all-reduce of {args.dtype} over {size} x {name}, {CALLS} calls per graph, us per call")
-    print(f"{'size':>10} {'nccl':>10} {'one-shot':>10}  faster")
+    print(f"{'size':>10} {'nccl':>10} {'symm-mem':>10} {'ipc':>10}  fastest")
     for row in rows:
-        one = row.get("one_shot", float("nan"))
-        faster = "one-shot" if one < row["nccl"] else "nccl"
+        times = {m: row.get(m, float("nan")) for m in methods}
+        fastest = min((t, m) for m, t in times.items() if t == t)[1]
         bad = [k.removesuffix("_ok") for k, v in row.items() if k.endswith("_ok") and not v]
         note = f"  WRONG: {', '.join(bad)}" if bad else ""
-        print(f"{row['kib']:>7} KiB {row['nccl']:>10.2f} {one:>10.2f}  {faster}{note}")
+        print(f"{row['kib']:>7} KiB " + " ".join(f"{times[m]:>10.2f}" for m in methods) + f"  {fastest}{note}")
+    print(
+        f"in a chain (8 KiB between GEMVs of {chained['gemv_us']:.2f} us), us each all-reduce adds: "
+        + ", ".join(f"{m} {chained.get(m, float('nan')):.2f}" for m in methods)
+        + "   (issue 51's batch-1 budget: 2.4)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tensor_parallel_size": size, "device": name, "dtype": args.dtype, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "tensor_parallel_size": size,
+                    "device": name,
+                    "dtype": args.dtype,
+                    "rows": rows,
+                    "in_a_chain": chained,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -44,3 +44,24 @@ def test_a_ranks_backend_wrapped_registers_and_reduces_through_the_registry(grou
     gc.collect()
     with pytest.raises(RuntimeError, match="destroyed"):  # why SymmetricMemoryAllReduce holds it
         _resolve_process_group("test-wrap-0")
+
+
+def test_tearing_the_group_down_releases_the_one_shots_waits():
+    """abort() sets the one-shot's abort word (a kernel spinning on a lost peer ends) and drops it:
+    every later all-reduce of the session raises PeerLost instead of launching."""
+    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+    from strata.services.worker.transport.stage_transport import PeerLost
+
+    class OneShot:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    group = TensorParallelGroup(0, 2, torch.device("cpu"))
+    group.broken, group.one_shot = None, OneShot()
+    shot = group.one_shot
+    group.abort("a peer is gone")
+    assert shot.aborted and group.one_shot is None
+    with pytest.raises(PeerLost, match="a peer is gone"):
+        group.all_reduce_(torch.ones(3))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from strata.launcher import free_port
+from strata.mps import MpsDaemon
 from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
@@ -29,24 +31,38 @@ PLACEMENTS = [
 
 
 def _on_ranks(fn, spread: bool, size: int = 2, timeout: float = 90.0) -> list:
-    """fn(rank, one_shot) in a process per rank (cuda:rank if spread, else all on cuda:0)."""
+    """fn(rank, one_shot) in a process per rank: cuda:rank if spread, else all on cuda:0 under an
+    MPS server of their own. Without MPS one GPU time-slices the two processes, and a graph's
+    spinning kernel was never switched out for its peer's (it hung; eager launches were)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    mps = None if spread else MpsDaemon()
     procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, spread, results)) for rank in range(size)]
-    for p in procs:
-        p.start()
-    out = {}
+    saved = dict(os.environ)
     try:
+        if mps is not None:
+            mps.start()
+            os.environ.update(mps.env)  # what the children start with
+        for p in procs:
+            p.start()
+        os.environ.clear()
+        os.environ.update(saved)
+        out = {}
         for _ in range(size):
             rank, ok, value = results.get(timeout=timeout)
             assert ok, f"rank {rank} failed:\n{value}"
             out[rank] = value
     finally:
+        os.environ.clear()
+        os.environ.update(saved)
         for p in procs:
-            p.join(30)
+            if p.pid is not None:
+                p.join(30)
             if p.is_alive():
                 p.kill()
+        if mps is not None:
+            mps.stop()
     return [out[r] for r in range(size)]
 
 
@@ -126,14 +142,16 @@ def _chained(rank, one_shot):
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
-    return y.float().cpu(), z.float().cpu(), torch.equal(y, reference), plain_linear(reference, w2, None).float().cpu()
+    want = plain_linear(reference, w2, None)
+    # (Lists: a tensor would travel as a handle to this process's memory, gone once it exits.)
+    return y.float().tolist(), z.float().tolist(), torch.equal(y, reference), torch.equal(z, want)
 
 
 @pytest.mark.parametrize("spread", PLACEMENTS)
 def test_a_chain_of_dependent_launches_around_it(spread):
-    (y0, z0, same0, want0), (y1, z1, same1, want1) = _on_ranks(_chained, spread)
-    assert same0 and same1 and torch.equal(y0, y1)  # every rank the same sum, the eager one's
-    assert torch.equal(z0, z1) and torch.equal(z0, want0)  # the GEMV after it read the finished sum
+    (y0, z0, same0, after0), (y1, z1, same1, after1) = _on_ranks(_chained, spread)
+    assert same0 and same1 and y0 == y1  # every rank the same sum, the eager one's
+    assert after0 and after1 and z0 == z1  # the GEMV after it read the finished sum
 
 
 def _abandoned(rank, one_shot):
