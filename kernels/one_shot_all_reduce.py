@@ -7,14 +7,15 @@ until NCCL's kernel has ended, so every all-reduce adds its whole latency to the
 calls gdc_launch_dependents as it starts, so the GEMV after it launches and loads its weights while
 the ranks meet (kernels/dependent_launch.py).
 
-Each program owns BLOCK elements of the message. It:
+Each program owns 2 KB of the message (BLOCK elements). It:
 1. waits for the kernel before it (gdc_wait), reads its elements of x;
 2. writes them into slot RANK of every rank's buffer (its own included: remote stores over
    NVLink, posted, not read round trips);
 3. signals each rank: flag[RANK][program] = this call's sequence number, a system-scope release
    after a CTA barrier, so every thread's stores are visible before the flag is;
 4. waits until every rank's flag for this program holds the sequence number (acquire loads), then
-   sums the T slots in rank order in float32 and stores the sum over x: every rank the same bits.
+   sums the T slots in rank order in float32 and stores the sum over x: every rank the same bits
+   (or takes their maximum: the sampler's draw over vocabulary slices, one int64 key a row).
 
 Sequence numbers, not flags reset to zero: each program keeps its own count of calls in this
 rank's memory (programs past a call's grid miss that call on every rank alike, since every rank
@@ -38,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 
 MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
-BLOCK = 1024  # elements a program owns: 2 KB of bf16, 8 per thread at 4 warps (16-byte vectors)
+BLOCK_BYTES = 2048  # what a program owns: 16 bytes a thread at 4 warps (one vector; more spilled int64)
 WARPS = 4
 
 
@@ -112,6 +113,7 @@ def _one_shot_all_reduce_kernel(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
+    MAX: tl.constexpr,  # the elementwise maximum (the sampler's packed draw keys) instead of the sum
     PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -136,17 +138,28 @@ def _one_shot_all_reduce_kernel(
     own_flags = _nth(RANK, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
     own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
     abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
+    _wait_for_sequence(own_flags + pid, seq, abort_ptr)
+    total = tl.load(own + parity * WORLD * capacity + offs, mask=mask, volatile=True)  # rank 0's
+    if not MAX:
+        total = total.to(tl.float32)
+    for r in tl.static_range(1, WORLD):
         _wait_for_sequence(own_flags + r * max_programs + pid, seq, abort_ptr)
         part = tl.load(own + (parity * WORLD + r) * capacity + offs, mask=mask, volatile=True)
-        total += part.to(tl.float32)
+        if MAX:
+            total = tl.maximum(total, part)
+        else:
+            total += part.to(tl.float32)
     tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(seq_ptr + pid, seq)
 
 
-def programs_for(numel: int) -> int:
-    return triton.cdiv(numel, BLOCK)
+def block_for(dtype: torch.dtype) -> int:
+    """Elements a program owns: 1,024 of bf16, 256 int64 keys."""
+    return BLOCK_BYTES // dtype.itemsize
+
+
+def programs_for(numel: int, dtype: torch.dtype) -> int:
+    return triton.cdiv(numel, block_for(dtype))
 
 
 def one_shot_all_reduce(
@@ -157,14 +170,16 @@ def one_shot_all_reduce(
     abort_word: torch.Tensor,
     capacity: int,
     rank: int,
+    maximum: bool = False,
 ) -> None:
-    """x (contiguous, at most `capacity` elements) summed over the ranks in place; buffers[r] and
-    flags[r] are rank r's (at most MAX_RANKS). Every rank calls it with the same numel, in the same
-    order. Launch shapes depend on python ints only: capturable in CUDA graphs."""
+    """x (contiguous, at most `capacity` elements) summed over the ranks in place (or its
+    elementwise maximum); buffers[r] and flags[r] are rank r's (at most MAX_RANKS). Every rank
+    calls it with the same numel, in the same order. Launch shapes depend on python ints only:
+    capturable in CUDA graphs."""
     world = len(buffers)
     pad = MAX_RANKS - world
     pdl = dependent_launch_supported(x.device)
-    _one_shot_all_reduce_kernel[(programs_for(x.numel()),)](
+    _one_shot_all_reduce_kernel[(programs_for(x.numel(), x.dtype),)](
         x,
         *buffers,
         *[buffers[rank]] * pad,
@@ -177,7 +192,8 @@ def one_shot_all_reduce(
         sequences.numel(),
         RANK=rank,
         WORLD=world,
-        BLOCK=BLOCK,
+        BLOCK=block_for(x.dtype),
+        MAX=maximum,
         PDL=pdl,
         num_warps=WARPS,
         **launch_options(pdl),

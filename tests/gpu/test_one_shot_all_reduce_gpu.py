@@ -79,6 +79,7 @@ def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> No
             "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
         )
         one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024)
+        one_shot.keys = IpcAllReduce(store, rank, size, 1, device, torch.int64, max_bytes=16 * 1024, maximum=True)
         value = fn(rank, one_shot)
         torch.cuda.synchronize()
         results.put((rank, True, value))
@@ -145,6 +146,34 @@ def _chained(rank, one_shot):
     want = plain_linear(reference, w2, None)
     # (Lists: a tensor would travel as a handle to this process's memory, gone once it exits.)
     return y.float().tolist(), z.float().tolist(), torch.equal(y, reference), torch.equal(z, want)
+
+
+def _maxima(rank, one_shot):
+    """The draw's maximum over packed int64 keys (negative ones and ones past 2^53 included), eagerly
+    for 1 and 2,048 rows and in a graph for 16."""
+    device, maxima = one_shot.buffer.device, one_shot.keys
+    got = []
+    for n in (1, 2048, 16):
+        keys = torch.arange(n, dtype=torch.int64, device=device) * (1 << 40) * (1 if rank else -1) + rank
+        want = torch.arange(n, dtype=torch.int64, device=device) * (1 << 40) + 1  # rank 1's, always larger
+        want[0] = 1
+        assert maxima(keys)
+        got.append(bool(torch.equal(keys, want)))
+    static = torch.zeros(16, dtype=torch.int64, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        maxima(static)
+    for step in range(3):
+        static.fill_(-(1 << 60) + 7 * step + rank)
+        graph.replay()
+        got.append(bool(static.eq(-(1 << 60) + 7 * step + 1).all()))
+    return got
+
+
+@pytest.mark.parametrize("spread", PLACEMENTS)
+def test_the_draws_maximum_over_int64_keys(spread):
+    for got in _on_ranks(_maxima, spread):
+        assert all(got), got
 
 
 @pytest.mark.parametrize("spread", PLACEMENTS)

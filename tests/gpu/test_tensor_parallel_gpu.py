@@ -31,6 +31,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 # sampler's slices and a stage's faults on its kernels, the graphs and NCCL need two.
 PLACEMENTS = [
     pytest.param("nccl", marks=two_gpus, id="two-gpus"),
+    pytest.param("ipc", marks=two_gpus, id="two-gpus-ipc"),  # Strata's one-shot: no NCCL in a batch-1 step
     pytest.param("gloo", id="one-gpu-gloo"),
 ]
 

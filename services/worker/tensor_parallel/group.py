@@ -58,6 +58,7 @@ class TensorParallelGroup:
         # thread and cannot be captured; NCCL's wait on the stream.
         self.host_collectives = self.device.type != "cuda" or all_reduce == "gloo"
         self.one_shot = None
+        self.one_shot_max = None  # "ipc": the draw's maximum over int64 keys too
         self.pg = None
         self.session = 0
         # Why the group cannot run collectives (None: it can, once formed).
@@ -88,6 +89,7 @@ class TensorParallelGroup:
             pg.allreduce([warm]).wait()
             torch.cuda.current_stream(self.device).synchronize()
             self.one_shot = self._one_shot(pg, store, session)
+            self.one_shot_max = self._one_shot_max(store, session)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -112,15 +114,31 @@ class TensorParallelGroup:
             log.warning("tensor parallel: no %s all-reduce (%s); NCCL takes every one", self.all_reduce_kind, e)
             return None
 
+    def _one_shot_max(self, store, session: int):
+        """With "ipc", the sampler's maximum over the slices' keys takes the one-shot as well: a
+        batch-1 decode step then runs no NCCL kernel at all."""
+        if self.one_shot is None or self.all_reduce_kind != "ipc":
+            return None
+        from strata.services.worker.tensor_parallel.ipc_all_reduce import MAX_KEY_BYTES, IpcAllReduce
+
+        try:
+            return IpcAllReduce(
+                store, self.rank, self.size, session, self.device, torch.int64, MAX_KEY_BYTES, self.timeout, True
+            )
+        except Exception as e:
+            log.warning("tensor parallel: no ipc maximum (%s); NCCL takes it", e)
+            return None
+
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
         """Breaks the group (any thread): NCCL kernels waiting for a lost rank exit, and every
         later collective raises PeerLost until the next form()."""
         if self.size == 1:
             return
         self.broken = reason
-        one_shot, self.one_shot = self.one_shot, None
-        if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
-            one_shot.abort()
+        for one_shot in (self.one_shot, self.one_shot_max):
+            if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
+                one_shot.abort()
+        self.one_shot = self.one_shot_max = None
         pg, self.pg = self.pg, None
         if pg is not None:
             abort_group(pg, "tensor parallel")
@@ -182,6 +200,8 @@ class TensorParallelGroup:
     def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
         """x's elementwise maximum over the ranks, in place."""
         if self.size == 1 or self.skip_collectives:
+            return x
+        if self.one_shot_max is not None and self.broken is None and self.one_shot_max(x):
             return x
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX

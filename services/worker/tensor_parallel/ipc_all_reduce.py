@@ -23,6 +23,8 @@ log = logging.getLogger("strata.worker")
 # Largest message (bytes): a 16-stream decode step's rows of an 8B model are 128 KiB; past a few
 # hundred KiB every rank writing the whole message to every other moves more than NCCL's ring.
 MAX_BYTES = 512 * 1024
+# The draw's maximum: one int64 key a row, for a decode batch of up to 2,048 rows.
+MAX_KEY_BYTES = 16 * 1024
 # Buffers of earlier sessions: a kernel released by their abort word may still be reading them.
 _RETIRED: list[IpcAllReduce] = []
 
@@ -41,21 +43,23 @@ class IpcAllReduce:
         dtype: torch.dtype,
         max_bytes: int = MAX_BYTES,
         timeout: float = 60.0,
+        maximum: bool = False,
     ):
         from strata.kernels.one_shot_all_reduce import MAX_RANKS, programs_for
 
         if size > MAX_RANKS:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
-        self.rank, self.size, self.dtype = rank, size, dtype
+        self.rank, self.size, self.dtype, self.maximum = rank, size, dtype, maximum
+        self.aborted = False
         self.capacity = max_bytes // dtype.itemsize
-        programs = programs_for(self.capacity)
+        programs = programs_for(self.capacity, dtype)
         # [2 parities, size slots, capacity]: slot r holds rank r's part of the call.
         self.buffer = torch.zeros(2 * size * self.capacity, dtype=dtype, device=device)
         self.flags = torch.zeros(size * programs, dtype=torch.int32, device=device)  # [size, programs]
         self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # zeroed before any peer can see them
-        keys = dist.PrefixStore(f"strata/ipc/{session}/", store)
+        keys = dist.PrefixStore(f"strata/ipc/{session}/{'max' if maximum else 'sum'}/", store)
         keys.set(f"{rank}/buffer", export_memory(self.buffer).SerializeToString())
         keys.set(f"{rank}/flags", export_memory(self.flags).SerializeToString())
         keys.wait([f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], _delta(timeout))
@@ -70,19 +74,28 @@ class IpcAllReduce:
         self.buffers, self.rank_flags = buffers, flags  # (the peers' memory stays mapped while these live)
 
     def __call__(self, x: torch.Tensor) -> bool:
-        """x summed over the ranks in place; False (nothing done) when x is not for it."""
+        """x summed over the ranks in place (or its maximum); False (nothing done) when x is not
+        for it."""
         from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
 
-        if x.dtype != self.dtype or x.numel() > self.capacity or not x.is_contiguous() or self.abort_word[0]:
+        if x.dtype != self.dtype or x.numel() > self.capacity or not x.is_contiguous() or self.aborted:
             return False
         one_shot_all_reduce(
-            x.view(-1), self.buffers, self.rank_flags, self.sequences, self.abort_word, self.capacity, self.rank
+            x.view(-1),
+            self.buffers,
+            self.rank_flags,
+            self.sequences,
+            self.abort_word,
+            self.capacity,
+            self.rank,
+            maximum=self.maximum,
         )
         return True
 
     def abort(self) -> None:
         """Releases every wait of this rank's kernels, now and later (their sums are garbage):
         the group is being torn down because a peer is gone or late."""
+        self.aborted = True
         self.abort_word[0] = 1
         _RETIRED.append(self)
 
