@@ -3,9 +3,12 @@ together, each holding a slice of every layer's heads and MLP and of the vocabul
 all-reduce after each row-parallel linear. Rank 0 speaks for the stage: the scheduler sees one
 stage per pipeline position, and rank 0 relays its plans and links to the other ranks.
 
-    group.py       the ranks' process group (NCCL on GPUs, gloo on CPUs) and its collectives
-                   (all_reduce_, all_reduce_max_, all_gather), each with a deadline; no-ops at T = 1
+    group.py       the ranks' process group (NCCL on GPUs, gloo on CPUs and on GPUs ranks share)
+                   and its collectives (all_reduce_, all_reduce_max_, all_gather), each with a
+                   deadline; no-ops at T = 1
     symm_mem.py    the one-shot all-reduce of small messages through symmetric memory (opt-in)
+    ipc_all_reduce.py  Strata's own one-shot (kernels/one_shot_all_reduce.py) over buffers shared
+                   by CUDA IPC, and the abort word that frees its waits (opt-in)
     rendezvous.py  the store rank 0 hosts, where the ranks find each other
     relay.py       rank 0's side: its peers described, InitCache and token links relayed with each
                    rank's own link ends
