@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+from strata.kernels.rmsnorm import rms_norm_row
 
 MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
 BLOCK_BYTES = 2048  # what a program owns: 16 bytes a thread at 4 warps (one vector; more spilled int64)
@@ -98,6 +99,42 @@ def _nth(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _exchange(
+    x, offs, mask, pid, seq_ptr, abort_address, capacity, max_programs,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
+    RANK: tl.constexpr, WORLD: tl.constexpr, MAX: tl.constexpr,
+):  # fmt: skip
+    """Steps 2-4 for this program's elements x (at offs): every rank's, summed in float32 in rank
+    order (or their maximum, in x's dtype). After gdc_wait: the sequence number is read here."""
+    seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
+    parity = seq % 2
+    for r in tl.static_range(WORLD):
+        buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
+        tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
+    tl.debug_barrier()  # every thread's stores before the one release below
+    for r in tl.static_range(WORLD):
+        flags = _nth(r, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
+        tl.atomic_xchg(flags + RANK * max_programs + pid, seq, sem="release", scope="sys")
+    own_flags = _nth(RANK, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
+    own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
+    abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
+    _wait_for_sequence(own_flags + pid, seq, abort_ptr)
+    total = tl.load(own + parity * WORLD * capacity + offs, mask=mask, volatile=True)  # rank 0's
+    if not MAX:
+        total = total.to(tl.float32)
+    for r in tl.static_range(1, WORLD):
+        _wait_for_sequence(own_flags + r * max_programs + pid, seq, abort_ptr)
+        part = tl.load(own + (parity * WORLD + r) * capacity + offs, mask=mask, volatile=True)
+        if MAX:
+            total = tl.maximum(total, part)
+        else:
+            total += part.to(tl.float32)
+    tl.store(seq_ptr + pid, seq)
+    return total
+
+
+@triton.jit
 def _one_shot_all_reduce_kernel(
     x_ptr,
     # Each rank's buffer ([2, WORLD, capacity] of x's dtype) and flags ([WORLD, max programs]
@@ -125,32 +162,65 @@ def _one_shot_all_reduce_kernel(
         # Before the sequence number too: the previous call may still be running until then (it
         # let its successor launch early, and that one let this one).
         gdc_wait()
-    seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
-    parity = seq % 2
     x = tl.load(x_ptr + offs, mask=mask)
-    for r in tl.static_range(WORLD):
-        buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
-        tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
-    tl.debug_barrier()  # every thread's stores before the one release below
-    for r in tl.static_range(WORLD):
-        flags = _nth(r, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
-        tl.atomic_xchg(flags + RANK * max_programs + pid, seq, sem="release", scope="sys")
-    own_flags = _nth(RANK, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
-    own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
-    abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
-    _wait_for_sequence(own_flags + pid, seq, abort_ptr)
-    total = tl.load(own + parity * WORLD * capacity + offs, mask=mask, volatile=True)  # rank 0's
-    if not MAX:
-        total = total.to(tl.float32)
-    for r in tl.static_range(1, WORLD):
-        _wait_for_sequence(own_flags + r * max_programs + pid, seq, abort_ptr)
-        part = tl.load(own + (parity * WORLD + r) * capacity + offs, mask=mask, volatile=True)
-        if MAX:
-            total = tl.maximum(total, part)
-        else:
-            total += part.to(tl.float32)
+    total = _exchange(
+        x, offs, mask, pid, seq_ptr, abort_address, capacity, max_programs,
+        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+        flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
+        RANK, WORLD, MAX,
+    )  # fmt: skip
     tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(seq_ptr + pid, seq)
+
+
+@triton.jit
+def _one_shot_all_reduce_norm_kernel(
+    x_ptr,  # [rows, HIDDEN]: this rank's partial row-parallel output
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
+    seq_ptr,
+    abort_address,
+    capacity,
+    max_programs,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """One row a program: its all-reduce, then kernels/rmsnorm.py's add and norm, rounded at the
+    same points (the sum in the activation dtype, as NCCL returns it; the residual sum; the
+    normalised row): the same bits as the one-shot followed by fused_add_rms_norm."""
+    row = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # constant: before the wait
+    if PDL:
+        gdc_wait()
+    offs = row * HIDDEN + cols
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)  # streams while the ranks meet
+    total = _exchange(
+        x, offs, mask, row, seq_ptr, abort_address, capacity, max_programs,
+        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+        flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
+        RANK, WORLD, False,
+    )  # fmt: skip
+    h = total.to(x_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    tl.store(residual_out_ptr + offs, h, mask=mask)  # the residual stream after this layer's add
+    out = rms_norm_row(h, weight, HIDDEN, eps, UNIT_OFFSET)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def block_for(dtype: torch.dtype) -> int:
@@ -196,5 +266,57 @@ def one_shot_all_reduce(
         MAX=maximum,
         PDL=pdl,
         num_warps=WARPS,
+        **launch_options(pdl),
+    )
+
+
+def one_shot_all_reduce_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    buffers: list[torch.Tensor],
+    flags: list[torch.Tensor],
+    sequences: torch.Tensor,
+    abort_word: torch.Tensor,
+    capacity: int,
+    rank: int,
+) -> None:
+    """out = rms_norm(x summed over the ranks (+ residual)), residual_out = that sum (+ residual),
+    for contiguous x, residual, out and residual_out of [rows, hidden]; rows * hidden at most
+    `capacity`, rows at most sequences.numel(). residual_out may be x or residual (a program reads
+    its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
+    rows, hidden = x.shape
+    world = len(buffers)
+    pad = MAX_RANKS - world
+    pdl = dependent_launch_supported(x.device)
+    block = triton.next_power_of_2(hidden)
+    add = residual is not None
+    _one_shot_all_reduce_norm_kernel[(rows,)](
+        x,
+        residual if add else x,
+        weight,
+        out,
+        residual_out,
+        *buffers,
+        *[buffers[rank]] * pad,
+        *flags,
+        *[flags[rank]] * pad,
+        sequences,
+        abort_word.data_ptr(),
+        capacity,
+        sequences.numel(),
+        eps,
+        HIDDEN=hidden,
+        BLOCK=block,
+        ADD_RESIDUAL=add,
+        UNIT_OFFSET=unit_offset,
+        RANK=rank,
+        WORLD=world,
+        PDL=pdl,
+        num_warps=min(16, max(4, block // 512)),  # rmsnorm.py's ~16 elements a thread
         **launch_options(pdl),
     )

@@ -79,7 +79,11 @@ def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> No
             "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
         )
         one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024)
-        one_shot.keys = IpcAllReduce(store, rank, size, 1, device, torch.int64, max_bytes=16 * 1024, maximum=True)
+        one_shot.keys = IpcAllReduce(
+            store, rank, size, 1, device, torch.int64, max_bytes=16 * 1024, maximum=True, name="max"
+        )
+        one_shot.norm = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024, name="norm")
+        one_shot.store = store
         value = fn(rank, one_shot)
         torch.cuda.synchronize()
         results.put((rank, True, value))
@@ -174,6 +178,110 @@ def _maxima(rank, one_shot):
 def test_the_draws_maximum_over_int64_keys(spread):
     for got in _on_ranks(_maxima, spread):
         assert all(got), got
+
+
+def _normed(rank, one_shot):
+    """The all-reduce fused with the residual add and RMSNorm against the one-shot followed by
+    rmsnorm.py's fused_add_rms_norm: the same bits, for several batches, without a residual, in
+    place, and in a graph."""
+    from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+    device, hidden, eps = one_shot.buffer.device, 4096, 1e-5
+    common = torch.Generator(device="cpu").manual_seed(5)  # the same residual and weight on every rank
+    weight = torch.randn(hidden, generator=common).to(device=device, dtype=torch.bfloat16)
+    own = torch.Generator(device="cpu").manual_seed(rank)
+    same = []
+    for rows in (1, 16, 30):
+        x = torch.randn(rows, hidden, generator=own).to(device=device, dtype=torch.bfloat16)
+        residual = torch.randn(rows, hidden, generator=common).to(device=device, dtype=torch.bfloat16)
+        summed = x.clone()
+        assert one_shot(summed)
+        want_out, want_res = fused_add_rms_norm(summed, residual, weight, eps)
+        out, res = one_shot.norm.add_rms_norm(x.clone(), residual.clone(), weight, eps)
+        same.append(torch.equal(out, want_out) and torch.equal(res, want_res))
+        in_place = residual.clone()
+        out, res = one_shot.norm.add_rms_norm(x.clone(), in_place, weight, eps, residual_out=in_place)
+        same.append(res is in_place and torch.equal(out, want_out) and torch.equal(in_place, want_res))
+        out, res = one_shot.norm.add_rms_norm(x.clone(), None, weight, eps)
+        same.append(torch.equal(out, rms_norm(summed, weight, eps)) and torch.equal(res, summed))
+    assert (
+        one_shot.norm.add_rms_norm(torch.zeros(4, 2048, device=device, dtype=torch.bfloat16), None, weight, eps) is None
+    )
+    x = torch.randn(16, hidden, generator=own).to(device=device, dtype=torch.bfloat16)
+    residual = torch.randn(16, hidden, generator=common).to(device=device, dtype=torch.bfloat16)
+    static_x, static_res = x.clone(), residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out, _ = one_shot.norm.add_rms_norm(static_x, static_res, weight, eps, residual_out=static_res)
+    for _ in range(2):
+        static_x.copy_(x)
+        static_res.copy_(residual)
+        graph.replay()
+    summed = x.clone()
+    one_shot(summed)
+    want_out, want_res = fused_add_rms_norm(summed, residual, weight, eps)
+    same.append(torch.equal(out, want_out) and torch.equal(static_res, want_res))
+    return same, want_out.float().sum().item()
+
+
+@pytest.mark.parametrize("spread", PLACEMENTS)
+def test_the_all_reduce_fused_with_the_add_and_norm_gives_the_unfused_bits(spread):
+    (same0, total0), (same1, total1) = _on_ranks(_normed, spread)
+    assert all(same0) and all(same1), (same0, same1)
+    assert total0 == total1  # every rank the same normalised rows
+
+
+def _layers(rank, one_shot):
+    """A rank of a two-way small Llama (bf16) through its unfused layers, a prefill and a decode
+    batch of three, with gloo's all-reduces and then with the one-shots (o_proj's and down's sums
+    fused into the norms after them): the same logits."""
+    from strata.services.worker.model.attention import allocate_kv_cache
+    from strata.services.worker.model.triton_backend import TritonAttentionBackend
+    from strata.services.worker.model.weights import load_shard
+    from strata.services.worker.sampling.sharded import ShardedSampler
+    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+    from tests.gpu_shards import small_llama
+    from tests.paged_inputs import SequenceChunk, build_step_inputs
+
+    device = one_shot.buffer.device
+    group = TensorParallelGroup(rank, 2, device, timeout=60.0, all_reduce="gloo")
+    group.form(one_shot.store, 3)
+    shard, local = load_shard(
+        "dummy",
+        0,
+        1,
+        torch.bfloat16,
+        device,
+        dummy_config=small_llama(),
+        attn_backend=TritonAttentionBackend(),
+        tp=group,
+    )
+    shard.decode_chain = False
+    steps = [
+        [SequenceChunk(list(range(3, 40)), 0, [0, 1, 2]), SequenceChunk(list(range(50, 70)), 0, [3, 4])],
+        [SequenceChunk([7], 37, [0, 1, 2]), SequenceChunk([9], 20, [3, 4])],
+    ]
+    gather = ShardedSampler(group, shard.vocab).all_gather_rows
+    logits = []
+    for fused in (False, True):
+        group.one_shot, group.one_shot_norm = (one_shot, one_shot.norm) if fused else (None, None)
+        caches = allocate_kv_cache(len(shard.layers), 8, 16, local.num_key_value_heads, 64, torch.bfloat16, device)
+        for chunks in steps:
+            inputs = build_step_inputs(chunks, block_size=16, device=device)
+            hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
+            logits.append(gather(shard.compute_logits(hidden, residual)).float().cpu().tolist())
+    sequences = one_shot.norm.sequences[:4].tolist()  # the fused launches ran
+    group.abort("done")
+    return logits, sequences
+
+
+@pytest.mark.parametrize("spread", [PLACEMENTS[0]])
+def test_the_layers_with_fused_all_reduces_give_gloos_logits(spread):
+    for logits, sequences in _on_ranks(_layers, spread):
+        prefill, decode, fused_prefill, fused_decode = logits
+        assert sequences[0] > 0
+        assert fused_prefill == prefill and fused_decode == decode
 
 
 @pytest.mark.parametrize("spread", PLACEMENTS)

@@ -95,10 +95,15 @@ class PiecewiseGraphs:
         """Piece `index` over tp tokens. The last piece returns the stage's hidden output."""
         shard, layers, residual = self.shard, self.shard.layers, self.residual[:tp]
         if index > 0:
-            hidden, _ = layers[index - 1].after_attention(self.attn_out[:tp].view(tp, -1), residual, in_place=True)
+            before, defer = layers[index - 1], index < len(layers)  # (the stage's output is summed)
+            hidden, _ = before.after_attention(
+                self.attn_out[:tp].view(tp, -1), residual, in_place=True, defer_output=defer
+            )
             if index == len(layers):
                 return hidden
-            qkv, _ = layers[index].before_attention(hidden, residual, in_place=True, qkv_out=self.qkv[:tp])
+            qkv, _ = layers[index].before_attention(
+                hidden, residual, in_place=True, qkv_out=self.qkv[:tp], input_reduce=before.output_reduce(defer)
+            )
         elif shard.is_first:
             residual.copy_(shard.embed_tokens(self.input_ids[:tp], (self.token_rows[:tp], self.last_sampled)))
             qkv, _ = layers[0].before_attention(residual, None, qkv_out=self.qkv[:tp])

@@ -37,6 +37,12 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = rms_norm_for(config, hidden, device, dtype)
         moe = config.is_moe_layer(layer_index)
         self.mlp = SparseMoE(config, device, dtype, reduce=reduce) if moe else MLP(config, device, dtype, reduce=reduce)
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
+        # Row-parallel outputs go unsummed into the norm after them, which sums them in its own
+        # launch where the group's one-shot takes them (RMSNorm.add_and_norm's reduce): o_proj's
+        # always, a dense MLP's into the next layer's input norm (Gemma's norm after the MLP, and
+        # the experts, want the sum).
+        self.defers_output_reduce = self.reduce is not None and not self.sandwich_norms and not moe
 
     def forward(
         self,
@@ -47,10 +53,12 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        input_reduce=None,
+        defer_output: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.before_attention(hidden, residual)
+        qkv, residual = self.before_attention(hidden, residual, input_reduce=input_reduce)
         attn = self.self_attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
-        return self.after_attention(attn, residual)
+        return self.after_attention(attn, residual, defer_output=defer_output)
 
     def before_attention(
         self,
@@ -58,19 +66,30 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         in_place: bool = False,
         qkv_out: torch.Tensor | None = None,
+        input_reduce=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input norm (with the residual add) and the qkv projection: (qkv, residual)."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place)
+        """Input norm (with the residual add) and the qkv projection: (qkv, residual).
+        input_reduce: the group over which hidden, the previous layer's deferred output
+        (output_reduce), is still to be summed."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, in_place, reduce=input_reduce)
         return self.self_attn.qkv_proj(hidden, out=qkv_out), residual
 
     def after_attention(
-        self, attn: torch.Tensor, residual: torch.Tensor, in_place: bool = False
+        self, attn: torch.Tensor, residual: torch.Tensor, in_place: bool = False, defer_output: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, the MLP's input norm (with the residual add) and the MLP: (hidden, residual)."""
-        out = self.self_attn.o_proj(attn)
+        """o_proj, the MLP's input norm (with the residual add) and the MLP: (hidden, residual).
+        defer_output: a dense MLP's output stays this rank's partial; the next layer's
+        before_attention sums it (input_reduce = output_reduce(True))."""
         if not self.sandwich_norms:
-            hidden, residual = self.post_attention_layernorm.add_and_norm(out, residual, in_place)
+            out = self.self_attn.o_proj(attn, reduce=False)
+            hidden, residual = self.post_attention_layernorm.add_and_norm(out, residual, in_place, reduce=self.reduce)
+            if defer_output and self.defers_output_reduce:
+                return self.mlp(hidden, reduce=False), residual
             return self.mlp(hidden), residual
-        out = self.post_attention_layernorm(out)
+        out = self.post_attention_layernorm(self.self_attn.o_proj(attn))
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(out, residual, in_place)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+    def output_reduce(self, defer_output: bool):
+        """The group over which after_attention(defer_output=...)'s hidden is still to be summed."""
+        return self.reduce if defer_output and self.defers_output_reduce else None

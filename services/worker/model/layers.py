@@ -55,15 +55,16 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear)."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
+        """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear).
+        reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce)."""
         if out is None:
             y = F.linear(x, self.weight, self.bias)
         elif self.bias is None:
             y = torch.matmul(x, self.weight.t(), out=out)
         else:
             y = torch.addmm(self.bias, x, self.weight.t(), out=out)
-        return y if self.reduce is None else self.reduce.all_reduce_(y)
+        return y if self.reduce is None or not reduce else self.reduce.all_reduce_(y)
 
 
 @functools.cache
@@ -151,10 +152,20 @@ class RMSNorm(FusedKernelSwitch, nn.Module):
         return rms_norm_reference(x, self.weight, self.eps, self.unit_offset)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor | None, in_place: bool = False, reduce=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual <- x + residual; return (norm(residual), residual). in_place: the sum goes
-        into `residual` itself (the piecewise graphs keep the residual stream in one buffer)."""
+        into `residual` itself (the piecewise graphs keep the residual stream in one buffer).
+        reduce: the tensor-parallel group over which x, a row-parallel linear's partial output, is
+        summed first: in the same launch as the add and norm where its one-shot takes x."""
+        if reduce is not None:
+            if self._use_fused(x):
+                fused = reduce.all_reduce_add_norm(
+                    x, residual, self.weight, self.eps, self.unit_offset, residual if in_place else None
+                )
+                if fused is not None:
+                    return fused
+            x = reduce.all_reduce_(x)
         if residual is None:  # the first layer of the first stage
             return self(x), x
         if self._use_fused(x):
@@ -391,10 +402,11 @@ class MLP(FusedKernelSwitch, nn.Module):
         )
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce False: this rank's partial output (tensor parallelism), summed by the caller."""
         if self._use_fused(x):
             kernels = _fused_kernels()
             act = kernels.gelu_tanh_and_mul if self.gelu_tanh else kernels.silu_and_mul
         else:
             act = gelu_tanh_and_mul_reference if self.gelu_tanh else silu_and_mul_reference
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return self.down_proj(act(self.gate_up_proj(x)), reduce=reduce)

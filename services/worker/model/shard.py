@@ -122,10 +122,14 @@ class CausalLMShard(torch.nn.Module):
         positions = positions.long()
         if self._runs_decode_chain(hidden):
             return decode_chain_forward(self, hidden, residual, positions, kv_caches, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        pending = None  # the group over which hidden is still to be summed (a deferred MLP output)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            defer = i < last  # the stage's output is summed: the next stage or the final norm takes it
             hidden, residual = layer(
-                hidden, residual, positions, self.rotary_for(layer), kv_cache, meta, self.attn_backend
+                hidden, residual, positions, self.rotary_for(layer), kv_cache, meta, self.attn_backend, pending, defer
             )
+            pending = layer.output_reduce(defer)
         return hidden, residual
 
     @torch.no_grad()

@@ -59,6 +59,7 @@ class TensorParallelGroup:
         self.host_collectives = self.device.type != "cuda" or all_reduce == "gloo"
         self.one_shot = None
         self.one_shot_max = None  # "ipc": the draw's maximum over int64 keys too
+        self.one_shot_norm = None  # "ipc": the all-reduce fused with the add and norm after it
         self.pg = None
         self.session = 0
         # Why the group cannot run collectives (None: it can, once formed).
@@ -89,7 +90,7 @@ class TensorParallelGroup:
             pg.allreduce([warm]).wait()
             torch.cuda.current_stream(self.device).synchronize()
             self.one_shot = self._one_shot(pg, store, session)
-            self.one_shot_max = self._one_shot_max(store, session)
+            self.one_shot_max, self.one_shot_norm = self._more_ipc_one_shots(store, session)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -114,20 +115,21 @@ class TensorParallelGroup:
             log.warning("tensor parallel: no %s all-reduce (%s); NCCL takes every one", self.all_reduce_kind, e)
             return None
 
-    def _one_shot_max(self, store, session: int):
-        """With "ipc", the sampler's maximum over the slices' keys takes the one-shot as well: a
-        batch-1 decode step then runs no NCCL kernel at all."""
+    def _more_ipc_one_shots(self, store, session: int):
+        """With "ipc": the sampler's maximum over the slices' keys (a batch-1 decode step then runs
+        no NCCL kernel at all), and the all-reduce fused with the residual add and RMSNorm after it
+        (a launch less after each row-parallel linear of the unfused layers)."""
         if self.one_shot is None or self.all_reduce_kind != "ipc":
-            return None
+            return None, None
         from strata.services.worker.tensor_parallel.ipc_all_reduce import MAX_KEY_BYTES, IpcAllReduce
 
         try:
-            return IpcAllReduce(
-                store, self.rank, self.size, session, self.device, torch.int64, MAX_KEY_BYTES, self.timeout, True
-            )
+            args = (store, self.rank, self.size, session, self.device)
+            maximum = IpcAllReduce(*args, torch.int64, MAX_KEY_BYTES, self.timeout, maximum=True, name="max")
+            return maximum, IpcAllReduce(*args, self.dtype, timeout=self.timeout, name="norm")
         except Exception as e:
-            log.warning("tensor parallel: no ipc maximum (%s); NCCL takes it", e)
-            return None
+            log.warning("tensor parallel: no more ipc one-shots (%s); NCCL takes their messages", e)
+            return None, None
 
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
         """Breaks the group (any thread): NCCL kernels waiting for a lost rank exit, and every
@@ -135,10 +137,10 @@ class TensorParallelGroup:
         if self.size == 1:
             return
         self.broken = reason
-        for one_shot in (self.one_shot, self.one_shot_max):
+        for one_shot in (self.one_shot, self.one_shot_max, self.one_shot_norm):
             if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
                 one_shot.abort()
-        self.one_shot = self.one_shot_max = None
+        self.one_shot = self.one_shot_max = self.one_shot_norm = None
         pg, self.pg = self.pg, None
         if pg is not None:
             abort_group(pg, "tensor parallel")
@@ -196,6 +198,22 @@ class TensorParallelGroup:
             return x
         self._run("all-reduce", lambda pg: pg.allreduce([x]))
         return x
+
+    def all_reduce_add_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool = False,
+        residual_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(x summed over the ranks + residual), that sum + residual) in one launch;
+        None when no fused one-shot takes x (the caller all-reduces, then adds and norms)."""
+        shot = self.one_shot_norm
+        if shot is None or self.size == 1 or self.skip_collectives or self.broken is not None:
+            return None
+        return shot.add_rms_norm(x, residual, weight, eps, unit_offset, residual_out)
 
     def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
         """x's elementwise maximum over the ranks, in place."""

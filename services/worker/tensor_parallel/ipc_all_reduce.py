@@ -44,6 +44,7 @@ class IpcAllReduce:
         max_bytes: int = MAX_BYTES,
         timeout: float = 60.0,
         maximum: bool = False,
+        name: str = "sum",
     ):
         from strata.kernels.one_shot_all_reduce import MAX_RANKS, programs_for
 
@@ -51,6 +52,9 @@ class IpcAllReduce:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
         self.rank, self.size, self.dtype, self.maximum = rank, size, dtype, maximum
         self.aborted = False
+        # add_rms_norm's rows: a program owns one, so each keeps the same place in the buffers
+        # (the parity argument in kernels/one_shot_all_reduce.py holds per place) only at one width.
+        self.row_width: int | None = None
         self.capacity = max_bytes // dtype.itemsize
         programs = programs_for(self.capacity, dtype)
         # [2 parities, size slots, capacity]: slot r holds rank r's part of the call.
@@ -59,7 +63,7 @@ class IpcAllReduce:
         self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # zeroed before any peer can see them
-        keys = dist.PrefixStore(f"strata/ipc/{session}/{'max' if maximum else 'sum'}/", store)
+        keys = dist.PrefixStore(f"strata/ipc/{session}/{name}/", store)
         keys.set(f"{rank}/buffer", export_memory(self.buffer).SerializeToString())
         keys.set(f"{rank}/flags", export_memory(self.flags).SerializeToString())
         keys.wait([f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], _delta(timeout))
@@ -91,6 +95,52 @@ class IpcAllReduce:
             maximum=self.maximum,
         )
         return True
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool = False,
+        residual_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(x summed over the ranks + residual), that sum + residual) in one launch, as
+        RMSNorm.add_and_norm gives them after an all-reduce; None (nothing done) when x is not for it."""
+        from strata.kernels.one_shot_all_reduce import one_shot_all_reduce_add_rms_norm
+
+        if x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
+            return None
+        rows, width = x.shape
+        if rows * width > self.capacity or rows > self.sequences.numel() or self.row_width not in (None, width):
+            return None
+        if residual is not None and not (residual.is_contiguous() and residual.dtype == x.dtype):
+            return None
+        if residual_out is not None and not residual_out.is_contiguous():
+            return None
+        self.row_width = width
+        out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)  # as rmsnorm.py
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        if residual is None:
+            residual_out = x  # the sum alone, in place (a program reads its row first)
+        elif residual_out is None:
+            residual_out = torch.empty_like(x)
+        one_shot_all_reduce_add_rms_norm(
+            x,
+            residual,
+            weight,
+            eps,
+            unit_offset,
+            out,
+            residual_out,
+            self.buffers,
+            self.rank_flags,
+            self.sequences,
+            self.abort_word,
+            self.capacity,
+            self.rank,
+        )
+        return out, residual_out
 
     def abort(self) -> None:
         """Releases every wait of this rank's kernels, now and later (their sums are garbage):
