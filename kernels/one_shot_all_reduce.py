@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.rmsnorm import rms_norm_row
+from strata.kernels.rmsnorm import rms_norm_row, row_warps
 
 MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
 BLOCK_BYTES = 2048  # what a program owns: 16 bytes a thread at 4 warps (one vector; more spilled int64)
@@ -317,6 +317,6 @@ def one_shot_all_reduce_add_rms_norm(
         RANK=rank,
         WORLD=world,
         PDL=pdl,
-        num_warps=min(16, max(4, block // 512)),  # rmsnorm.py's ~16 elements a thread
+        num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),
     )
