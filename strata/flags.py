@@ -189,14 +189,15 @@ FLAGS: dict[str, Flag] = {
     "tensor_parallel_all_reduce": Flag(
         "STRATA_TENSOR_PARALLEL_ALL_REDUCE",
         "nccl",
-        "how a tensor-parallel stage on GPUs sums its ranks' partial outputs: nccl (NCCL's all-reduce, captured "
-        "in the CUDA graphs) or symm-mem (a one-shot all-reduce through torch's symmetric memory, without NVLink "
-        "multicast, for messages up to 512 KiB: a decode step's; larger ones take NCCL). python -m "
-        "strata.bench.all_reduce times them per message size. ipc: Strata's own one-shot (a Triton kernel over "
-        "buffers the ranks share by CUDA IPC, up to 512 KiB), launched as a programmatic dependent so that the "
-        "next layer's weights stream while the ranks meet. gloo: every collective through the hosts and "
-        "eagerly (no CUDA graphs), so ranks may share one GPU, which NCCL refuses: slow, for checking a "
-        "tensor-parallel stage on one GPU",
+        "how a tensor-parallel stage on GPUs sums its ranks' partial outputs. nccl: NCCL's all-reduce, captured "
+        "in the CUDA graphs. symm-mem: a one-shot all-reduce through torch's symmetric memory, without NVLink "
+        "multicast, for messages up to 512 KiB (a decode step's; larger ones take NCCL). ipc: Strata's own "
+        "one-shot, a Triton kernel over buffers the ranks share by CUDA IPC (up to 512 KiB; larger ones take "
+        "NCCL), launched as a programmatic dependent so that the next layer's weights stream while the ranks "
+        "meet; it also takes the draw's maximum, and sums a row-parallel output in the same launch as the "
+        "residual add and RMSNorm after it. gloo: every collective through the hosts, eagerly (no CUDA "
+        "graphs), so that ranks may share one GPU, which NCCL refuses: slow, for checking a tensor-parallel "
+        "stage on one GPU. python -m strata.bench.all_reduce times the GPU ones per message size",
         choices=("nccl", "symm-mem", "ipc", "gloo"),
     ),
     "tensor_parallel_no_collectives": Flag(

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issues 50 and 51 on two GPUs of one host, in the order a session with little GPU time should
+# spend it; each phase fits one call of the device tool (10 minutes) and writes its logs to $OUT.
+#
+# Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
+# SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
+# machine reaches no hub). Carry bench/build. On the GPU machine:
+#
+#   bash bench/two_gpus.sh COMMIT collectives   # all-reduce bench, then the two-GPU tests
+#   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench with the fastest all-reduce
+#   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas
+#   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
+set -uo pipefail
+cd "$(dirname "$0")/.."
+commit=${1:?commit}
+phase=${2:?phase}
+OUT=${OUT:-/tmp/two_gpus}
+mkdir -p "$OUT"
+# Servers started with start_new_session outlive a call and keep their GPU memory.
+for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+echo "$commit" > .commit
+source bench/gpu_env.sh >/dev/null 2>&1 || { echo "bench/gpu_env.sh failed"; exit 1; }
+nvidia-smi --query-gpu=index,name --format=csv,noheader
+TOK=${TOKENIZER:-$PWD/bench/build/tokenizer}
+
+run() {  # tag, seconds, command...: the log in $OUT, its figures here
+  local tag=$1 secs=$2
+  shift 2
+  echo "=== $tag $(date +%T)"
+  timeout "$secs" "$@" > "$OUT/$tag.log" 2>&1
+  echo "rc=$? $(date +%T)"
+  grep -v -i warn "$OUT/$tag.log" | grep -E "x one|arget|tok/s|TPOT|KiB|chain|passed|failed|FAIL|RESULTS|^\|" | tail -40
+}
+
+case $phase in
+  collectives)
+    run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
+    run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
+    run tp_tests 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
+    ;;
+  tp)  # $3: the all-reduce the collectives phase found fastest in a chain (nccl, symm-mem or ipc)
+    run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
+      --ways 1,tp2 --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
+      --tensor-parallel-all-reduce "${3:-nccl}" --output "$OUT/tp8b.json"
+    ;;
+  pipeline)
+    run pipe8b 560 strata bench pipeline --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress --shape mixed \
+      --num-prompts 256,1024 --stages 1,2 --transports ipc --data-parallel 2 --latency-num-prompts 128 \
+      --output "$OUT/pipe8b.json"
+    ;;
+  pipeline-1b)
+    run pipe1b 560 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress --shape mixed \
+      --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 2 --latency-num-prompts 256 \
+      --output "$OUT/pipe1b.json"
+    run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
+    ;;
+  *)
+    echo "unknown phase $phase: collectives, tp ALL_REDUCE, pipeline, pipeline-1b"
+    exit 2
+    ;;
+esac
