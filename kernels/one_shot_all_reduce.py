@@ -17,12 +17,18 @@ Each program owns 2 KB of the message (BLOCK elements). It:
    sums the T slots in rank order in float32 and stores the sum over x: every rank the same bits
    (or takes their maximum: the sampler's draw over vocabulary slices, one int64 key a row).
 
+The norm variant (one_shot_all_reduce_add_rms_norm) gives each program a whole row of a
+row-parallel output and, after step 4, adds the residual and normalises the row as rmsnorm.py
+does: the launch after o_proj or down, and the norm's own launch, become one.
+
 Sequence numbers, not flags reset to zero: each program keeps its own count of calls in this
 rank's memory (programs past a call's grid miss that call on every rank alike, since every rank
 runs the same message sizes), so nothing is cleared between calls. Buffers alternate by the
 parity of the sequence number: a rank can be at most one call ahead of a slower peer (it cannot
 finish call k + 1 before the peer signalled it, which the peer does only after finishing call k),
-so call k + 2, which reuses call k's buffer, never overwrites what the peer still reads.
+so call k + 2, which reuses call k's buffer, never overwrites what the peer still reads. That
+holds per program because a program always owns the same part of the buffers: so one set of
+buffers serves one kind of call (the sum, the maximum, or rows of one width for the norm).
 
 A wait also gives up when the host sets the abort word (pinned host memory; read every 1,024
 spins): a rank whose peer died must not leave a kernel spinning forever on its GPU. The sum is
