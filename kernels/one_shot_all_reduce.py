@@ -229,6 +229,13 @@ def _one_shot_all_reduce_norm_kernel(
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _rank_pointers(buffers: list[torch.Tensor], flags: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """The kernels' 16 pointer arguments: every rank's buffer, then its flags, the slots past the
+    group's size repeating this rank's."""
+    pad = MAX_RANKS - len(buffers)
+    return [*buffers, *[buffers[rank]] * pad, *flags, *[flags[rank]] * pad]
+
+
 def block_for(dtype: torch.dtype) -> int:
     """Elements a program owns: 1,024 of bf16, 256 int64 keys."""
     return BLOCK_BYTES // dtype.itemsize
@@ -252,22 +259,17 @@ def one_shot_all_reduce(
     elementwise maximum); buffers[r] and flags[r] are rank r's (at most MAX_RANKS). Every rank
     calls it with the same numel, in the same order. Launch shapes depend on python ints only:
     capturable in CUDA graphs."""
-    world = len(buffers)
-    pad = MAX_RANKS - world
     pdl = dependent_launch_supported(x.device)
     _one_shot_all_reduce_kernel[(programs_for(x.numel(), x.dtype),)](
         x,
-        *buffers,
-        *[buffers[rank]] * pad,
-        *flags,
-        *[flags[rank]] * pad,
+        *_rank_pointers(buffers, flags, rank),
         sequences,
         abort_word.data_ptr(),
         x.numel(),
         capacity,
         sequences.numel(),
         RANK=rank,
-        WORLD=world,
+        WORLD=len(buffers),
         BLOCK=block_for(x.dtype),
         MAX=maximum,
         PDL=pdl,
@@ -296,8 +298,6 @@ def one_shot_all_reduce_add_rms_norm(
     `capacity`, rows at most sequences.numel(). residual_out may be x or residual (a program reads
     its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
     rows, hidden = x.shape
-    world = len(buffers)
-    pad = MAX_RANKS - world
     pdl = dependent_launch_supported(x.device)
     block = triton.next_power_of_2(hidden)
     add = residual is not None
@@ -307,10 +307,7 @@ def one_shot_all_reduce_add_rms_norm(
         weight,
         out,
         residual_out,
-        *buffers,
-        *[buffers[rank]] * pad,
-        *flags,
-        *[flags[rank]] * pad,
+        *_rank_pointers(buffers, flags, rank),
         sequences,
         abort_word.data_ptr(),
         capacity,
@@ -321,7 +318,7 @@ def one_shot_all_reduce_add_rms_norm(
         ADD_RESIDUAL=add,
         UNIT_OFFSET=unit_offset,
         RANK=rank,
-        WORLD=world,
+        WORLD=len(buffers),
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),
