@@ -37,6 +37,8 @@ then garbage, and the step that ran it fails (TensorParallelGroup.abort).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -229,11 +231,30 @@ def _one_shot_all_reduce_norm_kernel(
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rank_pointers(buffers: list[torch.Tensor], flags: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
-    """The kernels' 16 pointer arguments: every rank's buffer, then its flags, the slots past the
-    group's size repeating this rank's."""
-    pad = MAX_RANKS - len(buffers)
-    return [*buffers, *[buffers[rank]] * pad, *flags, *[flags[rank]] * pad]
+@dataclass(frozen=True)
+class Exchange:
+    """What a rank's launches share (tensor_parallel/ipc_all_reduce.py builds it): every rank's
+    buffer and flags as mapped in this process, this rank's sequence numbers, the abort word."""
+
+    buffers: list[torch.Tensor]  # rank r's [2, ranks, capacity]
+    flags: list[torch.Tensor]  # rank r's int32 [ranks, programs]
+    sequences: torch.Tensor  # int32 [programs]
+    abort_word: torch.Tensor  # int32 [1], pinned host memory
+    capacity: int
+    rank: int
+
+    def kernel_args(self) -> list:
+        """The kernels' arguments from buf0 to max_programs: every rank's buffer, then its flags
+        (the slots past the group's size repeat this rank's), then the rest."""
+        pad = MAX_RANKS - len(self.buffers)
+        return [
+            *self.buffers,
+            *[self.buffers[self.rank]] * pad,
+            *self.flags,
+            *[self.flags[self.rank]] * pad,
+            self.sequences,
+            self.abort_word.data_ptr(),
+        ]
 
 
 def block_for(dtype: torch.dtype) -> int:
@@ -245,31 +266,19 @@ def programs_for(numel: int, dtype: torch.dtype) -> int:
     return triton.cdiv(numel, block_for(dtype))
 
 
-def one_shot_all_reduce(
-    x: torch.Tensor,
-    buffers: list[torch.Tensor],
-    flags: list[torch.Tensor],
-    sequences: torch.Tensor,
-    abort_word: torch.Tensor,
-    capacity: int,
-    rank: int,
-    maximum: bool = False,
-) -> None:
-    """x (contiguous, at most `capacity` elements) summed over the ranks in place (or its
-    elementwise maximum); buffers[r] and flags[r] are rank r's (at most MAX_RANKS). Every rank
-    calls it with the same numel, in the same order. Launch shapes depend on python ints only:
-    capturable in CUDA graphs."""
+def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = False) -> None:
+    """x (contiguous, at most exchange.capacity elements) summed over the ranks in place (or its
+    elementwise maximum). Every rank calls it with the same numel, in the same order. Launch
+    shapes depend on python ints only: capturable in CUDA graphs."""
     pdl = dependent_launch_supported(x.device)
     _one_shot_all_reduce_kernel[(programs_for(x.numel(), x.dtype),)](
         x,
-        *_rank_pointers(buffers, flags, rank),
-        sequences,
-        abort_word.data_ptr(),
+        *exchange.kernel_args(),
         x.numel(),
-        capacity,
-        sequences.numel(),
-        RANK=rank,
-        WORLD=len(buffers),
+        exchange.capacity,
+        exchange.sequences.numel(),
+        RANK=exchange.rank,
+        WORLD=len(exchange.buffers),
         BLOCK=block_for(x.dtype),
         MAX=maximum,
         PDL=pdl,
@@ -286,17 +295,12 @@ def one_shot_all_reduce_add_rms_norm(
     unit_offset: bool,
     out: torch.Tensor,
     residual_out: torch.Tensor,
-    buffers: list[torch.Tensor],
-    flags: list[torch.Tensor],
-    sequences: torch.Tensor,
-    abort_word: torch.Tensor,
-    capacity: int,
-    rank: int,
+    exchange: Exchange,
 ) -> None:
     """out = rms_norm(x summed over the ranks (+ residual)), residual_out = that sum (+ residual),
     for contiguous x, residual, out and residual_out of [rows, hidden]; rows * hidden at most
-    `capacity`, rows at most sequences.numel(). residual_out may be x or residual (a program reads
-    its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
+    exchange.capacity, rows at most its programs. residual_out may be x or residual (a program
+    reads its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
     rows, hidden = x.shape
     pdl = dependent_launch_supported(x.device)
     block = triton.next_power_of_2(hidden)
@@ -307,18 +311,16 @@ def one_shot_all_reduce_add_rms_norm(
         weight,
         out,
         residual_out,
-        *_rank_pointers(buffers, flags, rank),
-        sequences,
-        abort_word.data_ptr(),
-        capacity,
-        sequences.numel(),
+        *exchange.kernel_args(),
+        exchange.capacity,
+        exchange.sequences.numel(),
         eps,
         HIDDEN=hidden,
         BLOCK=block,
         ADD_RESIDUAL=add,
         UNIT_OFFSET=unit_offset,
-        RANK=rank,
-        WORLD=len(buffers),
+        RANK=exchange.rank,
+        WORLD=len(exchange.buffers),
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),

@@ -18,36 +18,37 @@ class _Recorded:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
-def _state(world: int):
+def _exchange(world: int, rank: int, capacity: int) -> one_shot.Exchange:
     buffers = [torch.zeros(8, dtype=torch.bfloat16) for _ in range(world)]
     flags = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
-    return buffers, flags, torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    sequences, abort = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    return one_shot.Exchange(buffers, flags, sequences, abort, capacity, rank)
 
 
 def test_every_ranks_buffers_in_rank_order_the_rest_this_ranks(monkeypatch):
     kernel = _Recorded()
     monkeypatch.setattr(one_shot, "_one_shot_all_reduce_kernel", kernel)
-    buffers, flags, sequences, abort = _state(3)
+    exchange = _exchange(3, rank=1, capacity=4096)
+    buffers, flags = exchange.buffers, exchange.flags
     x = torch.zeros(3000, dtype=torch.bfloat16)
-    one_shot.one_shot_all_reduce(x, buffers, flags, sequences, abort, 4096, rank=1)
+    one_shot.one_shot_all_reduce(x, exchange)
     ((grid, args, kwargs),) = kernel.calls
     assert grid == (3,)  # 1,024 bf16 a program
     pointers = args[1:17]
     assert pointers[:3] == tuple(buffers) and all(p is buffers[1] for p in pointers[3:8])
     assert pointers[8:11] == tuple(flags) and all(p is flags[1] for p in pointers[11:16])
-    assert args[17] is sequences and args[18] == abort.data_ptr()
+    assert args[17] is exchange.sequences and args[18] == exchange.abort_word.data_ptr() and args[19] == 3000
     assert kwargs["RANK"] == 1 and kwargs["WORLD"] == 3 and kwargs["BLOCK"] == 1024 and not kwargs["MAX"]
 
 
 def test_the_norm_variant_runs_a_program_a_row(monkeypatch):
     kernel = _Recorded()
     monkeypatch.setattr(one_shot, "_one_shot_all_reduce_norm_kernel", kernel)
-    buffers, flags, sequences, abort = _state(2)
+    exchange = _exchange(2, rank=0, capacity=8192)
+    buffers, flags = exchange.buffers, exchange.flags
     x, residual = torch.zeros(5, 1000, dtype=torch.bfloat16), torch.zeros(5, 1000, dtype=torch.bfloat16)
     weight, out = torch.ones(1000, dtype=torch.bfloat16), torch.empty(5, 1000, dtype=torch.bfloat16)
-    one_shot.one_shot_all_reduce_add_rms_norm(
-        x, residual, weight, 1e-6, False, out, residual, buffers, flags, sequences, abort, 8192, rank=0
-    )
+    one_shot.one_shot_all_reduce_add_rms_norm(x, residual, weight, 1e-6, False, out, residual, exchange)
     ((grid, args, kwargs),) = kernel.calls
     assert grid == (5,)
     assert args[:5] == (x, residual, weight, out, residual)  # residual_out may be residual: in place

@@ -46,7 +46,7 @@ class IpcAllReduce:
         maximum: bool = False,
         name: str = "sum",
     ):
-        from strata.kernels.one_shot_all_reduce import MAX_RANKS, programs_for
+        from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, programs_for
 
         if size > MAX_RANKS:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
@@ -75,7 +75,8 @@ class IpcAllReduce:
                 continue
             buffers.append(open_memory(_memory(keys.get(f"{r}/buffer")), device, dtype, self.buffer.numel()))
             flags.append(open_memory(_memory(keys.get(f"{r}/flags")), device, torch.int32, self.flags.numel()))
-        self.buffers, self.rank_flags = buffers, flags  # (the peers' memory stays mapped while these live)
+        # (The peers' memory stays mapped while these tensors live.)
+        self.exchange = Exchange(buffers, flags, self.sequences, self.abort_word, self.capacity, rank)
 
     def __call__(self, x: torch.Tensor) -> bool:
         """x summed over the ranks in place (or its maximum); False (nothing done) when x is not
@@ -84,16 +85,7 @@ class IpcAllReduce:
 
         if x.dtype != self.dtype or x.numel() > self.capacity or not x.is_contiguous() or self.aborted:
             return False
-        one_shot_all_reduce(
-            x.view(-1),
-            self.buffers,
-            self.rank_flags,
-            self.sequences,
-            self.abort_word,
-            self.capacity,
-            self.rank,
-            maximum=self.maximum,
-        )
+        one_shot_all_reduce(x.view(-1), self.exchange, maximum=self.maximum)
         return True
 
     def add_rms_norm(
@@ -125,21 +117,7 @@ class IpcAllReduce:
             residual_out = x  # the sum alone, in place (a program reads its row first)
         elif residual_out is None:
             residual_out = torch.empty_like(x)
-        one_shot_all_reduce_add_rms_norm(
-            x,
-            residual,
-            weight,
-            eps,
-            unit_offset,
-            out,
-            residual_out,
-            self.buffers,
-            self.rank_flags,
-            self.sequences,
-            self.abort_word,
-            self.capacity,
-            self.rank,
-        )
+        one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, unit_offset, out, residual_out, self.exchange)
         return out, residual_out
 
     def abort(self) -> None:
