@@ -18,6 +18,7 @@ minus 64 GEMVs alone, what each all-reduce adds to the step (issue 51's budget: 
 
     python -m strata.bench.all_reduce                      # 2 GPUs
     python -m strata.bench.all_reduce --tensor-parallel-size 4 --json out.json
+    python -m strata.bench.all_reduce --tensor-parallel-size 1   # one GPU: each method with no peer, a floor
 """
 
 from __future__ import annotations
