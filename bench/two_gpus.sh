@@ -6,7 +6,8 @@
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
-#   bash bench/two_gpus.sh COMMIT collectives   # all-reduce bench, then the two-GPU tests
+#   bash bench/two_gpus.sh COMMIT collectives   # all-reduce bench, then the one-shot's two-GPU tests
+#   bash bench/two_gpus.sh COMMIT tp-tests      # tensor parallelism's two-GPU tests (NCCL and ipc)
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench with the fastest all-reduce
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
@@ -35,8 +36,10 @@ run() {  # tag, seconds, command...: the log in $OUT, its figures here
 case $phase in
   collectives)
     run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
-    run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
-    run tp_tests 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
+    run one_shot_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
+    ;;
+  tp-tests)
+    run tp_tests 560 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
     ;;
   tp)  # $3: the all-reduce the collectives phase found fastest in a chain (nccl, symm-mem or ipc)
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
@@ -55,7 +58,7 @@ case $phase in
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
   *)
-    echo "unknown phase $phase: collectives, tp ALL_REDUCE, pipeline, pipeline-1b"
+    echo "unknown phase $phase: collectives, tp-tests, tp ALL_REDUCE, pipeline, pipeline-1b"
     exit 2
     ;;
 esac
