@@ -65,3 +65,22 @@ def test_tearing_the_group_down_releases_the_one_shots_waits():
     assert shot.aborted and group.one_shot is None
     with pytest.raises(PeerLost, match="a peer is gone"):
         group.all_reduce_(torch.ones(3))
+
+
+def test_a_one_shot_that_did_not_form_on_every_rank_is_dropped_on_all():
+    """A rank that could not map a peer's buffers sends that message to NCCL: its peers must too,
+    or they would wait in the one-shot for a rank that never comes."""
+    from strata.services.worker.tensor_parallel.group import _formed_on_every_rank
+
+    class Shot:
+        def __init__(self, name):
+            self.name, self.aborted = name, False
+
+        def abort(self):
+            self.aborted = True
+
+    made = [[Shot("sum"), None, Shot("norm")], [Shot("sum"), Shot("max"), None]]
+    kept = run_ranks(form_groups(2), lambda rank, g: _formed_on_every_rank(g.pg, made[rank], g.device))
+    for rank in range(2):
+        assert [s and s.name for s in kept[rank]] == ["sum", None, None]
+    assert made[0][2].aborted and made[1][1].aborted and not made[0][0].aborted

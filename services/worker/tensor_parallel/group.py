@@ -89,8 +89,11 @@ class TensorParallelGroup:
             warm = torch.ones(1, device=self.device)
             pg.allreduce([warm]).wait()
             torch.cuda.current_stream(self.device).synchronize()
-            self.one_shot = self._one_shot(pg, store, session)
-            self.one_shot_max, self.one_shot_norm = self._more_ipc_one_shots(store, session)
+            # Agreed in two rounds: a rank whose sum did not form builds no more, and its peers
+            # must know that before they wait for its buffers.
+            (self.one_shot,) = _formed_on_every_rank(pg, [self._one_shot(pg, store, session)], self.device)
+            more = self._more_ipc_one_shots(store, session, self.one_shot is not None)
+            self.one_shot_max, self.one_shot_norm = _formed_on_every_rank(pg, list(more), self.device)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -115,11 +118,12 @@ class TensorParallelGroup:
             log.warning("tensor parallel: no %s all-reduce (%s); NCCL takes every one", self.all_reduce_kind, e)
             return None
 
-    def _more_ipc_one_shots(self, store, session: int):
-        """With "ipc": the sampler's maximum over the slices' keys (a batch-1 decode step then runs
-        no NCCL kernel at all), and the all-reduce fused with the residual add and RMSNorm after it
-        (a launch less after each row-parallel linear of the unfused layers)."""
-        if self.one_shot is None or self.all_reduce_kind != "ipc":
+    def _more_ipc_one_shots(self, store, session: int, sum_formed: bool):
+        """With "ipc" (and its sum formed): the sampler's maximum over the slices' keys (a batch-1
+        decode step then runs no NCCL kernel at all), and the all-reduce fused with the residual
+        add and RMSNorm after it (a launch less after each row-parallel linear of the unfused
+        layers)."""
+        if not sum_formed or self.all_reduce_kind != "ipc":
             return None, None
         from strata.services.worker.tensor_parallel.ipc_all_reduce import MAX_KEY_BYTES, IpcAllReduce
 
@@ -237,6 +241,22 @@ class TensorParallelGroup:
             return out
         self._run("all-gather", lambda pg: pg._allgather_base(out.view(-1), x.view(-1)))
         return out
+
+
+def _formed_on_every_rank(pg, shots: list, device: torch.device) -> list:
+    """The one-shots that formed on every rank; the others dropped everywhere (a rank that failed
+    to map a peer's buffer would send that message to NCCL while its peers wait in the one-shot)."""
+    formed = torch.tensor([shot is not None for shot in shots], dtype=torch.int32, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    pg.allreduce([formed], opts).wait()
+    everywhere = formed.tolist()
+    for shot, ok in zip(shots, everywhere):
+        if shot is not None and not ok:
+            log.warning("tensor parallel: a peer could not form %s; NCCL takes its messages", type(shot).__name__)
+            if hasattr(shot, "abort"):
+                shot.abort()
+    return [shot if ok else None for shot, ok in zip(shots, everywhere)]
 
 
 def single_rank(device: torch.device) -> TensorParallelGroup:
