@@ -64,8 +64,8 @@ class IpcAllReduce:
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # zeroed before any peer can see them
         keys = dist.PrefixStore(f"strata/ipc/{session}/{name}/", store)
-        keys.set(f"{rank}/buffer", export_memory(self.buffer).SerializeToString())
-        keys.set(f"{rank}/flags", export_memory(self.flags).SerializeToString())
+        keys.set(f"{rank}/buffer", _exported(self.buffer))
+        keys.set(f"{rank}/flags", _exported(self.flags))
         keys.wait([f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], _delta(timeout))
         buffers, flags = [], []
         for r in range(size):
@@ -126,6 +126,15 @@ class IpcAllReduce:
         self.aborted = True
         self.abort_word[0] = 1
         _RETIRED.append(self)
+
+
+def _exported(t: torch.Tensor) -> bytes:
+    """t's CUDA IPC handle, without the event that torch would have a peer wait on before using
+    it: t is zeroed and synchronized already, and a peer on another GPU would have to open an
+    event of this GPU's only to wait on nothing."""
+    m = export_memory(t)
+    m.event_handle, m.event_sync_required = b"", False
+    return m.SerializeToString()
 
 
 def _memory(raw: bytes) -> engine_pb2.CudaIpcMemory:
