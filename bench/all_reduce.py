@@ -64,25 +64,24 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     # At its serving size: past it, more programs than fit on the GPU at once would each wait for
     # their peer's, which a GPU that schedules them in another order may never start.
     ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
+    methods = _methods(group, one_shot, ipc)
     rows = []
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
         n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
         x = torch.empty(n, dtype=dtype, device=device)
         row = {"kib": kib}
-        methods = _methods(group, one_shot, ipc)
         for name, reduce in methods.items():
-            fn = lambda reduce=reduce: reduce(x)  # noqa: E731
             x.fill_(rank + 1)
-            if not fn():  # not for it (past its buffer): no column
+            if not reduce(x):  # not for it (past its buffer): no column
                 continue
             torch.cuda.synchronize()
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
-            row[name] = graph_time_us(lambda _: fn(), CALLS, replays=args.replays) if ok else float("nan")
             row[f"{name}_ok"] = ok
+            row[name] = graph_time_us(lambda _, r=reduce: r(x), CALLS, replays=args.replays) if ok else float("nan")
         rows.append(row)
-    chained = _in_a_chain(_methods(group, one_shot, ipc), device, dtype, args.replays)
+    chained = _in_a_chain(methods, device, dtype, args.replays)
     if rank == 0:
         results.put((rows, chained))
     ipc.abort()

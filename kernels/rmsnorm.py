@@ -80,10 +80,7 @@ def _launch(
     num_rows, hidden = x.shape
     assert weight.shape == (hidden,) and weight.stride(0) == 1, (weight.shape, hidden)
     assert x.stride(-1) == 1, "rows must be contiguous"
-    # weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output); Gemma's
-    # norm returns x's dtype.
-    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=norm_output_dtype(x, weight, unit_offset), device=x.device)
     if residual is None:
         residual_out = None
     else:
@@ -114,6 +111,12 @@ def _launch(
         num_warps=row_warps(block),
     )
     return out, residual_out
+
+
+def norm_output_dtype(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torch.dtype:
+    """weight * normed.to(x.dtype) promotes like torch would (bf16 weights give bf16 output);
+    Gemma's norm returns x's dtype."""
+    return x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
 
 
 def row_warps(block: int) -> int:

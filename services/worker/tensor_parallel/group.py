@@ -129,8 +129,8 @@ class TensorParallelGroup:
 
         try:
             args = (store, self.rank, self.size, session, self.device)
-            maximum = IpcAllReduce(*args, torch.int64, MAX_KEY_BYTES, self.timeout, maximum=True, name="max")
-            return maximum, IpcAllReduce(*args, self.dtype, timeout=self.timeout, name="norm")
+            maximum = IpcAllReduce(*args, torch.int64, MAX_KEY_BYTES, self.timeout, kind="max")
+            return maximum, IpcAllReduce(*args, self.dtype, timeout=self.timeout, kind="norm")
         except Exception as e:
             log.warning("tensor parallel: no more ipc one-shots (%s); NCCL takes their messages", e)
             return None, None

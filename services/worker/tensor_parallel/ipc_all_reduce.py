@@ -10,6 +10,7 @@ ranks meet. Messages past its buffer, and other dtypes, take NCCL. Ranks of one 
 
 from __future__ import annotations
 
+import datetime
 import logging
 
 import torch
@@ -25,6 +26,9 @@ log = logging.getLogger("strata.worker")
 MAX_BYTES = 512 * 1024
 # The draw's maximum: one int64 key a row, for a decode batch of up to 2,048 rows.
 MAX_KEY_BYTES = 16 * 1024
+# What a set of buffers serves: sums (in place), maxima (the draw's int64 keys), or sums fused with
+# the residual add and RMSNorm after them (add_rms_norm).
+KINDS = ("sum", "max", "norm")
 # Buffers of earlier sessions: a kernel released by their abort word may still be reading them.
 _RETIRED: list[IpcAllReduce] = []
 
@@ -43,17 +47,19 @@ class IpcAllReduce:
         dtype: torch.dtype,
         max_bytes: int = MAX_BYTES,
         timeout: float = 60.0,
-        maximum: bool = False,
-        name: str = "sum",
+        kind: str = "sum",
     ):
         from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, programs_for
 
         if size > MAX_RANKS:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
-        self.rank, self.size, self.dtype, self.maximum = rank, size, dtype, maximum
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+        # One kind of call a set of buffers: a program owns the same part of them in every call,
+        # which the parity argument in kernels/one_shot_all_reduce.py needs.
+        self.kind, self.dtype = kind, dtype
         self.aborted = False
-        # add_rms_norm's rows: a program owns one, so each keeps the same place in the buffers
-        # (the parity argument in kernels/one_shot_all_reduce.py holds per place) only at one width.
+        # add_rms_norm's rows: a program owns one, the same place in the buffers only at one width.
         self.row_width: int | None = None
         self.capacity = max_bytes // dtype.itemsize
         programs = programs_for(self.capacity, dtype)
@@ -63,10 +69,12 @@ class IpcAllReduce:
         self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # zeroed before any peer can see them
-        keys = dist.PrefixStore(f"strata/ipc/{session}/{name}/", store)
+        keys = dist.PrefixStore(f"strata/ipc/{session}/{kind}/", store)
         keys.set(f"{rank}/buffer", _exported(self.buffer))
         keys.set(f"{rank}/flags", _exported(self.flags))
-        keys.wait([f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], _delta(timeout))
+        keys.wait(
+            [f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], datetime.timedelta(seconds=timeout)
+        )
         buffers, flags = [], []
         for r in range(size):
             if r == rank:
@@ -83,9 +91,11 @@ class IpcAllReduce:
         for it."""
         from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
 
-        if x.dtype != self.dtype or x.numel() > self.capacity or not x.is_contiguous() or self.aborted:
+        if self.kind == "norm" or self.aborted or x.dtype != self.dtype or x.numel() > self.capacity:
             return False
-        one_shot_all_reduce(x.view(-1), self.exchange, maximum=self.maximum)
+        if not x.is_contiguous():
+            return False
+        one_shot_all_reduce(x.view(-1), self.exchange, maximum=self.kind == "max")
         return True
 
     def add_rms_norm(
@@ -100,8 +110,9 @@ class IpcAllReduce:
         """(rms_norm(x summed over the ranks + residual), that sum + residual) in one launch, as
         RMSNorm.add_and_norm gives them after an all-reduce; None (nothing done) when x is not for it."""
         from strata.kernels.one_shot_all_reduce import one_shot_all_reduce_add_rms_norm
+        from strata.kernels.rmsnorm import norm_output_dtype
 
-        if x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
+        if self.kind != "norm" or x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
             return None
         rows, width = x.shape
         if rows * width > self.capacity or rows > self.sequences.numel() or self.row_width not in (None, width):
@@ -111,8 +122,7 @@ class IpcAllReduce:
         if residual_out is not None and not residual_out.is_contiguous():
             return None
         self.row_width = width
-        out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)  # as rmsnorm.py
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=norm_output_dtype(x, weight, unit_offset), device=x.device)
         if residual is None:
             residual_out = x  # the sum alone, in place (a program reads its row first)
         elif residual_out is None:
@@ -141,9 +151,3 @@ def _memory(raw: bytes) -> engine_pb2.CudaIpcMemory:
     m = engine_pb2.CudaIpcMemory()
     m.ParseFromString(raw)
     return m
-
-
-def _delta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
