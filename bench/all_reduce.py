@@ -54,17 +54,19 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     )
     group = TensorParallelGroup(rank, size, device, timeout=120.0, dtype=dtype)
     group.form(store, 1)
+    # A stage of one forms no group; the floor still wants NCCL's kernel and torch's one-shot.
+    pg = group.pg if size > 1 else _group_of_one(store, device)
     largest = max(args.sizes_kib) * 1024
     one_shot = None
     try:
-        one_shot = SymmetricMemoryAllReduce(group.pg, store, rank, size, 1, device, dtype, max_bytes=largest)
+        one_shot = SymmetricMemoryAllReduce(pg, store, rank, size, 1, device, dtype, max_bytes=largest)
     except Exception as e:  # reported, and the NCCL column still comes
         if rank == 0:
             print(f"symmetric memory unavailable: {type(e).__name__}: {e}", flush=True)
     # At its serving size: past it, more programs than fit on the GPU at once would each wait for
     # their peer's, which a GPU that schedules them in another order may never start.
     ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
-    methods = _methods(group, one_shot, ipc)
+    methods = _methods(pg, one_shot, ipc)
     rows = []
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
@@ -88,8 +90,14 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     group.abort("done")
 
 
-def _methods(group, one_shot, ipc) -> dict:
-    methods = {"nccl": lambda x: group._run("all-reduce", lambda pg: pg.allreduce([x])) or True}
+def _group_of_one(store, device) -> torch.distributed.ProcessGroupNCCL:
+    pg = torch.distributed.ProcessGroupNCCL(torch.distributed.PrefixStore("strata/one/", store), 0, 1)
+    pg.allreduce([torch.ones(1, device=device)]).wait()  # its communicator, outside the capture
+    return pg
+
+
+def _methods(pg, one_shot, ipc) -> dict:
+    methods = {"nccl": lambda x: pg.allreduce([x]).wait() or True}
     if one_shot is not None:
         methods["one_shot"] = one_shot
     methods["ipc"] = ipc

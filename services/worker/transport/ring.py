@@ -77,6 +77,9 @@ def export_memory(t: torch.Tensor) -> engine_pb2.CudaIpcMemory:
 
 def open_memory(m: engine_pb2.CudaIpcMemory, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     torch.cuda._lazy_init()
+    if m.event_sync_required and not m.event_handle:
+        raise TransportError("the shared memory asks for an event to wait on and names none")
+    # torch takes the event's handle as bytes even where it will not wait on it (empty then).
     storage = torch.UntypedStorage._new_shared_cuda(
         device.index,
         m.handle,
@@ -84,7 +87,7 @@ def open_memory(m: engine_pb2.CudaIpcMemory, device: torch.device, dtype: torch.
         m.offset_bytes,
         m.ref_counter_handle,
         m.ref_counter_offset,
-        m.event_handle or None,
+        m.event_handle,
         m.event_sync_required,
     )
     if storage.nbytes() < numel * dtype.itemsize:
