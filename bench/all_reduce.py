@@ -19,6 +19,7 @@ minus 64 GEMVs alone, what each all-reduce adds to the step (issue 51's budget: 
     python -m strata.bench.all_reduce                      # 2 GPUs
     python -m strata.bench.all_reduce --tensor-parallel-size 4 --json out.json
     python -m strata.bench.all_reduce --tensor-parallel-size 1   # one GPU: each method with no peer, a floor
+    python -m strata.bench.all_reduce --one-gpu                  # one GPU, two ranks: ipc's meeting in L2
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from strata.bench.graph_timing import graph_time_us
 from strata.launcher import free_port
+from strata.mps import MpsDaemon
 
 SIZES_KIB = (8, 128, 2048, 32768)
 CALLS = 64
@@ -46,27 +48,28 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
     from strata.services.worker.tensor_parallel.symm_mem import SymmetricMemoryAllReduce
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if args.one_gpu else rank)
     torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     store = torch.distributed.TCPStore(
         "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
     )
-    group = TensorParallelGroup(rank, size, device, timeout=120.0, dtype=dtype)
-    group.form(store, 1)
-    # A stage of one forms no group; the floor still wants NCCL's kernel and torch's one-shot.
-    pg = group.pg if size > 1 else _group_of_one(store, device)
-    largest = max(args.sizes_kib) * 1024
-    one_shot = None
-    try:
-        one_shot = SymmetricMemoryAllReduce(pg, store, rank, size, 1, device, dtype, max_bytes=largest)
-    except Exception as e:  # reported, and the NCCL column still comes
-        if rank == 0:
-            print(f"symmetric memory unavailable: {type(e).__name__}: {e}", flush=True)
+    group, one_shot = None, None
+    if not args.one_gpu:  # (NCCL and symmetric memory refuse two ranks on one GPU)
+        group = TensorParallelGroup(rank, size, device, timeout=120.0, dtype=dtype)
+        group.form(store, 1)
+        # A stage of one forms no group; the floor still wants NCCL's kernel and torch's one-shot.
+        pg = group.pg if size > 1 else _group_of_one(store, device)
+        try:
+            largest = max(args.sizes_kib) * 1024
+            one_shot = SymmetricMemoryAllReduce(pg, store, rank, size, 1, device, dtype, max_bytes=largest)
+        except Exception as e:  # reported, and the NCCL column still comes
+            if rank == 0:
+                print(f"symmetric memory unavailable: {type(e).__name__}: {e}", flush=True)
     # At its serving size: past it, more programs than fit on the GPU at once would each wait for
     # their peer's, which a GPU that schedules them in another order may never start.
     ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
-    methods = _methods(pg, one_shot, ipc)
+    methods = {"ipc": ipc} if group is None else _methods(pg, one_shot, ipc)
     rows = []
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
@@ -87,7 +90,8 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     if rank == 0:
         results.put((rows, chained))
     ipc.abort()
-    group.abort("done")
+    if group is not None:
+        group.abort("done")
 
 
 def _group_of_one(store, device) -> torch.distributed.ProcessGroupNCCL:
@@ -120,35 +124,61 @@ def _in_a_chain(methods: dict, device, dtype, replays: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m strata.bench.all_reduce", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tensor-parallel-size", type=int, default=2, help="ranks, one GPU each (cuda:0 ..)")
-    p.add_argument("--sizes-kib", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES_KIB))
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--replays", type=int, default=50, help="graph replays timed per size")
-    p.add_argument("--json", help="also write the rows here")
-    args = p.parse_args(argv)
-    size = args.tensor_parallel_size
-    if torch.cuda.device_count() < size:
-        print(f"needs {size} GPUs; {torch.cuda.device_count()} visible")
-        return 1
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+def _run_ranks(size: int, args) -> tuple[list, dict]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, args, results)) for r in range(size)]
     for proc in procs:
         proc.start()
-    rows, chained = results.get(timeout=600)
-    for proc in procs:
-        proc.join(60)
+    try:
+        return results.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata.bench.all_reduce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tensor-parallel-size", type=int, default=2, help="ranks, one GPU each (cuda:0 ..)")
+    p.add_argument("--sizes-kib", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES_KIB))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--replays", type=int, default=50, help="graph replays timed per size")
+    p.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="every rank on cuda:0 under an MPS server of its own, ipc only: what the one-shot's "
+        "meeting costs without a link between GPUs (and each rank's GEMVs share the GPU)",
+    )
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    size = args.tensor_parallel_size
+    if torch.cuda.device_count() < (1 if args.one_gpu else size):
+        print(f"needs {size} GPUs; {torch.cuda.device_count()} visible")
+        return 1
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    mps = MpsDaemon() if args.one_gpu else None
+    saved = dict(os.environ)
+    if mps is not None:  # both ranks' kernels at once: a spinning kernel must not hold the GPU
+        mps.start()
+        os.environ.update(mps.env)
+    try:
+        rows, chained = _run_ranks(size, args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if mps is not None:
+            mps.stop()
     name = torch.cuda.get_device_name(0)
     methods = ("nccl", "one_shot", "ipc")
-    print(f"all-reduce of {args.dtype} over {size} x {name}, {CALLS} calls per graph, us per call")
+    where = f"{size} ranks on one {name} (MPS)" if args.one_gpu else f"{size} x {name}"
+    print(f"all-reduce of {args.dtype} over {where}, {CALLS} calls per graph, us per call")
     print(f"{'size':>10} {'nccl':>10} {'symm-mem':>10} {'ipc':>10}  fastest")
     for row in rows:
         times = {m: row.get(m, float("nan")) for m in methods}
-        fastest = min((t, m) for m, t in times.items() if t == t)[1]
+        fastest = min([(t, m) for m, t in times.items() if t == t], default=(0, "-"))[1]
         bad = [k.removesuffix("_ok") for k, v in row.items() if k.endswith("_ok") and not v]
         note = f"  WRONG: {', '.join(bad)}" if bad else ""
         print(f"{row['kib']:>7} KiB " + " ".join(f"{times[m]:>10.2f}" for m in methods) + f"  {fastest}{note}")
@@ -162,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(
                 {
                     "tensor_parallel_size": size,
+                    "one_gpu": args.one_gpu,
                     "device": name,
                     "dtype": args.dtype,
                     "rows": rows,

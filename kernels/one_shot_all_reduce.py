@@ -9,26 +9,33 @@ the ranks meet (kernels/dependent_launch.py).
 
 Each program owns 2 KB of the message (BLOCK elements). It:
 1. waits for the kernel before it (gdc_wait), reads its elements of x;
-2. writes them into slot RANK of every rank's buffer (its own included: remote stores over
-   NVLink, posted, not read round trips);
-3. signals each rank: flag[RANK][program] = this call's sequence number, a system-scope release
-   after a CTA barrier, so every thread's stores are visible before the flag is;
-4. waits until every rank's flag for this program holds the sequence number (acquire loads), then
-   sums the T slots in rank order in float32 and stores the sum over x: every rank the same bits
-   (or takes their maximum: the sampler's draw over vocabulary slices, one int64 key a row).
+2. writes them into slot RANK of every peer's buffer (remote stores over NVLink, posted, not read
+   round trips);
+3. reads the peers' slots of its own buffer until none holds the empty mark, sums every rank's
+   part in rank order in float32 (its own from registers) and stores the sum over x: every rank
+   the same bits (or takes their maximum: the sampler's draw over vocabulary slices, one int64 key
+   a row);
+4. marks the slots it read empty again.
+
+The data is its own signal (as TensorRT-LLM's "Lamport" one-shot does it): an empty slot holds a
+mark no message can hold, -0.0 (a float's -0.0 is sent as +0.0, which sums alike; the draw's keys
+never have all their low 32 bits set, which are a vocabulary index, so -1 marks those). There is
+no flag to raise behind a system-scope fence, which waits for the NVLink stores to be
+acknowledged: a rank's part is ready the moment it lands, one one-way trip. Each element is
+checked, so a 16-byte store that lands in parts is waited for.
 
 The norm variant (one_shot_all_reduce_add_rms_norm) gives each program a whole row of a
-row-parallel output and, after step 4, adds the residual and normalises the row as rmsnorm.py
+row-parallel output and, after step 3, adds the residual and normalises the row as rmsnorm.py
 does: the launch after o_proj or down, and the norm's own launch, become one.
 
-Sequence numbers, not flags reset to zero: each program keeps its own count of calls in this
-rank's memory (programs past a call's grid miss that call on every rank alike, since every rank
-runs the same message sizes), so nothing is cleared between calls. Buffers alternate by the
-parity of the sequence number: a rank can be at most one call ahead of a slower peer (it cannot
-finish call k + 1 before the peer signalled it, which the peer does only after finishing call k),
-so call k + 2, which reuses call k's buffer, never overwrites what the peer still reads. That
-holds per program because a program always owns the same part of the buffers: so one set of
-buffers serves one kind of call (the sum, the maximum, or rows of one width for the norm).
+Two sets of slots, alternating by the parity of a per-program count of calls kept in this rank's
+memory (programs past a call's grid miss that call on every rank alike, since every rank runs the
+same message sizes). A peer can be at most one call ahead: it cannot finish call k + 1 before this
+rank's part of it landed, which this rank sends only in its next launch, after this one, with its
+step 4, has ended. So the peer's call k + 2, which reuses call k's slots, lands after they were
+marked empty, and its call k + 1 never lands on what this rank still reads. That holds per
+program because a program always owns the same part of the buffers: so one set of buffers serves
+one kind of call (the sum, the maximum, or rows of one width for the norm).
 
 A wait also gives up when the host sets the abort word (pinned host memory; read every 1,024
 spins): a rank whose peer died must not leave a kernel spinning forever on its GPU. The sum is
@@ -50,38 +57,6 @@ from strata.kernels.rmsnorm import rms_norm_row, row_warps
 MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
 BLOCK_BYTES = 2048  # what a program owns: 16 bytes a thread at 4 warps (one vector; more spilled int64)
 WARPS = 4
-
-
-@triton.jit
-def _wait_for_sequence(flag_ptr, seq, abort_ptr):
-    """Spin until *flag_ptr == seq (acquire, system scope: the signalling rank's stores before its
-    release are visible to this thread's later loads) or the abort word is set. Every thread spins
-    itself, so every thread's later loads are ordered after its own acquire."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .pred waiting;
-        .reg .b32 seen, spins, low, stop;
-        mov.b32 spins, 0;
-        SPIN:
-        ld.acquire.sys.global.b32 seen, [$1];
-        setp.ne.s32 waiting, seen, $2;
-        @!waiting bra DONE;
-        add.s32 spins, spins, 1;
-        and.b32 low, spins, 1023;
-        setp.ne.s32 waiting, low, 0;
-        @waiting bra SPIN;
-        ld.volatile.global.b32 stop, [$3];
-        setp.eq.s32 waiting, stop, 0;
-        @waiting bra SPIN;
-        DONE:
-        mov.b32 $0, seen;
-        }""",
-        "=r,l,r,l",
-        [flag_ptr, seq, abort_ptr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -108,36 +83,52 @@ def _nth(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 @triton.jit
 def _exchange(
-    x, offs, mask, pid, seq_ptr, abort_address, capacity, max_programs,
+    x, offs, mask, pid, seq_ptr, abort_address, capacity,
     buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
-    RANK: tl.constexpr, WORLD: tl.constexpr, MAX: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, MAX: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
 ):  # fmt: skip
     """Steps 2-4 for this program's elements x (at offs): every rank's, summed in float32 in rank
-    order (or their maximum, in x's dtype). After gdc_wait: the sequence number is read here."""
+    order (or their maximum, in x's dtype). After gdc_wait: the sequence number is read here.
+    BITS is the integer type of x's width and EMPTY the empty mark in it."""
     seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
     parity = seq % 2
+    if not MAX:  # -0.0 is the empty mark: sent as +0.0
+        x = tl.where(x.to(BITS, bitcast=True) == EMPTY, tl.zeros_like(x), x)
     for r in tl.static_range(WORLD):
-        buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
-        tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
-    tl.debug_barrier()  # every thread's stores before the one release below
-    for r in tl.static_range(WORLD):
-        flags = _nth(r, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
-        tl.atomic_xchg(flags + RANK * max_programs + pid, seq, sem="release", scope="sys")
-    own_flags = _nth(RANK, flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7)
+        if r != RANK:
+            buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
+            tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
     own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
     abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
-    _wait_for_sequence(own_flags + pid, seq, abort_ptr)
-    total = tl.load(own + parity * WORLD * capacity + offs, mask=mask, volatile=True)  # rank 0's
-    if not MAX:
-        total = total.to(tl.float32)
-    for r in tl.static_range(1, WORLD):
-        _wait_for_sequence(own_flags + r * max_programs + pid, seq, abort_ptr)
-        part = tl.load(own + (parity * WORLD + r) * capacity + offs, mask=mask, volatile=True)
-        if MAX:
-            total = tl.maximum(total, part)
-        else:
-            total += part.to(tl.float32)
+    if MAX:
+        total = x
+    else:
+        total = x.to(tl.float32)
+    missing = 1
+    spins = 0
+    while missing > 0:
+        empty = tl.zeros_like(offs)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                part = x
+            else:
+                slot = own + (parity * WORLD + r) * capacity + offs
+                part = tl.load(slot, mask=mask, other=0, volatile=True)
+                empty += (part.to(BITS, bitcast=True) == EMPTY).to(offs.dtype)
+            if MAX:
+                total = part if r == 0 else tl.maximum(total, part)
+            else:
+                total = part.to(tl.float32) if r == 0 else total + part.to(tl.float32)
+        missing = tl.sum(empty)
+        spins += 1
+        if missing > 0 and spins % 1024 == 0:
+            if tl.load(abort_ptr, volatile=True) != 0:
+                missing = 0
+    own_bits = own.to(tl.pointer_type(BITS))
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            slot = own_bits + (parity * WORLD + r) * capacity + offs
+            tl.store(slot, tl.full(offs.shape, EMPTY, BITS), mask=mask)
     tl.store(seq_ptr + pid, seq)
     return total
 
@@ -145,20 +136,20 @@ def _exchange(
 @triton.jit
 def _one_shot_all_reduce_kernel(
     x_ptr,
-    # Each rank's buffer ([2, WORLD, capacity] of x's dtype) and flags ([WORLD, max programs]
-    # int32) as mapped here; ranks past WORLD repeat this rank's. Pointers, not addresses in an
-    # array: Triton then knows their alignment and moves 16 bytes a thread at a time.
+    # Each rank's buffer ([2, WORLD, capacity] of x's dtype) as mapped here; ranks past WORLD
+    # repeat this rank's. Pointers, not addresses in an array: Triton then knows their alignment
+    # and moves 16 bytes a thread at a time.
     buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
     seq_ptr,  # int32 [max programs]: this rank's calls so far, per program
     abort_address,  # of an int32 in pinned host memory (the same address on the device: UVA)
     n,
     capacity,
-    max_programs,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     MAX: tl.constexpr,  # the elementwise maximum (the sampler's packed draw keys) instead of the sum
+    BITS: tl.constexpr,
+    EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -172,10 +163,9 @@ def _one_shot_all_reduce_kernel(
         gdc_wait()
     x = tl.load(x_ptr + offs, mask=mask)
     total = _exchange(
-        x, offs, mask, pid, seq_ptr, abort_address, capacity, max_programs,
+        x, offs, mask, pid, seq_ptr, abort_address, capacity,
         buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-        flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
-        RANK, WORLD, MAX,
+        RANK, WORLD, MAX, BITS, EMPTY,
     )  # fmt: skip
     tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -188,11 +178,9 @@ def _one_shot_all_reduce_norm_kernel(
     out_ptr,
     residual_out_ptr,
     buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
     seq_ptr,
     abort_address,
     capacity,
-    max_programs,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -200,6 +188,8 @@ def _one_shot_all_reduce_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    BITS: tl.constexpr,
+    EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One row a program: its all-reduce, then kernels/rmsnorm.py's add and norm, rounded at the
@@ -218,10 +208,9 @@ def _one_shot_all_reduce_norm_kernel(
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)  # streams while the ranks meet
     total = _exchange(
-        x, offs, mask, row, seq_ptr, abort_address, capacity, max_programs,
+        x, offs, mask, row, seq_ptr, abort_address, capacity,
         buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-        flag0, flag1, flag2, flag3, flag4, flag5, flag6, flag7,
-        RANK, WORLD, False,
+        RANK, WORLD, False, BITS, EMPTY,
     )  # fmt: skip
     h = total.to(x_ptr.dtype.element_ty)
     if ADD_RESIDUAL:
@@ -234,27 +223,37 @@ def _one_shot_all_reduce_norm_kernel(
 @dataclass(frozen=True)
 class Exchange:
     """What a rank's launches share (tensor_parallel/ipc_all_reduce.py builds it): every rank's
-    buffer and flags as mapped in this process, this rank's sequence numbers, the abort word."""
+    buffer as mapped in this process, this rank's sequence numbers, the abort word."""
 
-    buffers: list[torch.Tensor]  # rank r's [2, ranks, capacity]
-    flags: list[torch.Tensor]  # rank r's int32 [ranks, programs]
+    buffers: list[torch.Tensor]  # rank r's [2, ranks, capacity], empty (mark_empty) when shared
     sequences: torch.Tensor  # int32 [programs]
     abort_word: torch.Tensor  # int32 [1], pinned host memory
     capacity: int
     rank: int
 
     def kernel_args(self) -> list:
-        """The kernels' arguments from buf0 to max_programs: every rank's buffer, then its flags
-        (the slots past the group's size repeat this rank's), then the rest."""
+        """The kernels' arguments from buf0 to abort_address: every rank's buffer (the slots past
+        the group's size repeat this rank's), then the rest."""
         pad = MAX_RANKS - len(self.buffers)
-        return [
-            *self.buffers,
-            *[self.buffers[self.rank]] * pad,
-            *self.flags,
-            *[self.flags[self.rank]] * pad,
-            self.sequences,
-            self.abort_word.data_ptr(),
-        ]
+        return [*self.buffers, *[self.buffers[self.rank]] * pad, self.sequences, self.abort_word.data_ptr()]
+
+
+# The integer types of an element's width: the empty mark is compared and written in them.
+_BITS = {2: (tl.int16, torch.int16), 4: (tl.int32, torch.int32), 8: (tl.int64, torch.int64)}
+
+
+def empty_mark(dtype: torch.dtype) -> int:
+    """What an empty slot holds, as an integer of dtype's width: -0.0's bits for floats, -1 (all
+    ones) for the draw's int64 keys, whose low 32 bits are a vocabulary index."""
+    return -(1 << (8 * dtype.itemsize - 1)) if dtype.is_floating_point else -1
+
+
+def mark_empty(buffer: torch.Tensor) -> None:
+    buffer.view(_BITS[buffer.dtype.itemsize][1]).fill_(empty_mark(buffer.dtype))
+
+
+def _mark_args(dtype: torch.dtype) -> dict:
+    return {"BITS": _BITS[dtype.itemsize][0], "EMPTY": empty_mark(dtype)}
 
 
 def block_for(dtype: torch.dtype) -> int:
@@ -276,11 +275,11 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
         *exchange.kernel_args(),
         x.numel(),
         exchange.capacity,
-        exchange.sequences.numel(),
         RANK=exchange.rank,
         WORLD=len(exchange.buffers),
         BLOCK=block_for(x.dtype),
         MAX=maximum,
+        **_mark_args(x.dtype),
         PDL=pdl,
         num_warps=WARPS,
         **launch_options(pdl),
@@ -313,7 +312,6 @@ def one_shot_all_reduce_add_rms_norm(
         residual_out,
         *exchange.kernel_args(),
         exchange.capacity,
-        exchange.sequences.numel(),
         eps,
         HIDDEN=hidden,
         BLOCK=block,
@@ -321,6 +319,7 @@ def one_shot_all_reduce_add_rms_norm(
         UNIT_OFFSET=unit_offset,
         RANK=exchange.rank,
         WORLD=len(exchange.buffers),
+        **_mark_args(x.dtype),
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),

@@ -1,57 +1,174 @@
-"""The IPC one-shot's launchers (kernels/one_shot_all_reduce.py) without a GPU: what each kernel is
-given. The kernels themselves need two processes on GPUs: tests/gpu/test_one_shot_all_reduce_gpu.py."""
+"""The IPC one-shot (kernels/one_shot_all_reduce.py) without a GPU: what its launchers give the
+kernels, their sm_90 compile (no fence, 16-byte moves), and, under Triton's interpreter, the
+exchange between two ranks played one launch after the other: each rank's part lands in the other's
+buffer, -0.0 is sent as +0.0 (-0.0 marks an empty slot), what a rank read is marked empty again,
+and calls alternate between the two sets of slots. Two processes on GPUs, waiting on each other:
+tests/gpu/test_one_shot_all_reduce_gpu.py.
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_one_shot_all_reduce.py
+"""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-import strata.kernels.one_shot_all_reduce as one_shot
+from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
 
-class _Recorded:
-    """Stands in for a Triton kernel: kernel[grid](*args, **kwargs) is recorded."""
+def _exchange(world: int, rank: int, capacity: int, dtype=torch.bfloat16, buffers=None):
+    from strata.kernels import one_shot_all_reduce as one_shot
 
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
-
-
-def _exchange(world: int, rank: int, capacity: int) -> one_shot.Exchange:
-    buffers = [torch.zeros(8, dtype=torch.bfloat16) for _ in range(world)]
-    flags = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
-    sequences, abort = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    return one_shot.Exchange(buffers, flags, sequences, abort, capacity, rank)
+    if buffers is None:
+        buffers = [torch.empty(2 * world * capacity, dtype=dtype) for _ in range(world)]
+        for buffer in buffers:
+            one_shot.mark_empty(buffer)
+    programs = one_shot.programs_for(capacity, dtype)
+    sequences, abort = torch.zeros(programs, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    return one_shot.Exchange(buffers, sequences, abort, capacity, rank)
 
 
-def test_every_ranks_buffers_in_rank_order_the_rest_this_ranks(monkeypatch):
-    kernel = _Recorded()
-    monkeypatch.setattr(one_shot, "_one_shot_all_reduce_kernel", kernel)
-    exchange = _exchange(3, rank=1, capacity=4096)
-    buffers, flags = exchange.buffers, exchange.flags
-    x = torch.zeros(3000, dtype=torch.bfloat16)
-    one_shot.one_shot_all_reduce(x, exchange)
-    ((grid, args, kwargs),) = kernel.calls
-    assert grid == (3,)  # 1,024 bf16 a program
-    pointers = args[1:17]
-    assert pointers[:3] == tuple(buffers) and all(p is buffers[1] for p in pointers[3:8])
-    assert pointers[8:11] == tuple(flags) and all(p is flags[1] for p in pointers[11:16])
-    assert args[17] is exchange.sequences and args[18] == exchange.abort_word.data_ptr() and args[19] == 3000
-    assert kwargs["RANK"] == 1 and kwargs["WORLD"] == 3 and kwargs["BLOCK"] == 1024 and not kwargs["MAX"]
+if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
+    class _Recorded:
+        """Stands in for a Triton kernel: kernel[grid](*args, **kwargs) is recorded."""
 
-def test_the_norm_variant_runs_a_program_a_row(monkeypatch):
-    kernel = _Recorded()
-    monkeypatch.setattr(one_shot, "_one_shot_all_reduce_norm_kernel", kernel)
-    exchange = _exchange(2, rank=0, capacity=8192)
-    buffers, flags = exchange.buffers, exchange.flags
-    x, residual = torch.zeros(5, 1000, dtype=torch.bfloat16), torch.zeros(5, 1000, dtype=torch.bfloat16)
-    weight, out = torch.ones(1000, dtype=torch.bfloat16), torch.empty(5, 1000, dtype=torch.bfloat16)
-    one_shot.one_shot_all_reduce_add_rms_norm(x, residual, weight, 1e-6, False, out, residual, exchange)
-    ((grid, args, kwargs),) = kernel.calls
-    assert grid == (5,)
-    assert args[:5] == (x, residual, weight, out, residual)  # residual_out may be residual: in place
-    assert args[5:7] == tuple(buffers) and args[13:15] == tuple(flags)
-    assert kwargs["HIDDEN"] == 1000 and kwargs["BLOCK"] == 1024 and kwargs["ADD_RESIDUAL"]
-    assert kwargs["num_warps"] == 2  # rmsnorm.py's, for the same order of the sum of squares
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+    @pytest.mark.triton_interpreter(seconds=3)  # its tests' time under the interpreter
+    def test_one_shot_all_reduce_under_triton_interpreter():
+        rerun_under_interpreter(__file__, timeout=600)
+
+    def test_every_ranks_buffers_in_rank_order_the_rest_this_ranks(monkeypatch):
+        import strata.kernels.one_shot_all_reduce as one_shot
+
+        kernel = _Recorded()
+        monkeypatch.setattr(one_shot, "_one_shot_all_reduce_kernel", kernel)
+        exchange = _exchange(3, rank=1, capacity=4096)
+        buffers = exchange.buffers
+        x = torch.zeros(3000, dtype=torch.bfloat16)
+        one_shot.one_shot_all_reduce(x, exchange)
+        ((grid, args, kwargs),) = kernel.calls
+        assert grid == (3,)  # 1,024 bf16 a program
+        pointers = args[1:9]
+        assert pointers[:3] == tuple(buffers) and all(p is buffers[1] for p in pointers[3:])
+        assert args[9] is exchange.sequences and args[10] == exchange.abort_word.data_ptr() and args[11] == 3000
+        assert kwargs["RANK"] == 1 and kwargs["WORLD"] == 3 and kwargs["BLOCK"] == 1024 and not kwargs["MAX"]
+        assert kwargs["EMPTY"] == -(2**15)  # -0.0's bits, compared as int16
+
+    def test_the_norm_variant_runs_a_program_a_row(monkeypatch):
+        import strata.kernels.one_shot_all_reduce as one_shot
+
+        kernel = _Recorded()
+        monkeypatch.setattr(one_shot, "_one_shot_all_reduce_norm_kernel", kernel)
+        exchange = _exchange(2, rank=0, capacity=8192)
+        x, residual = torch.zeros(5, 1000, dtype=torch.bfloat16), torch.zeros(5, 1000, dtype=torch.bfloat16)
+        weight, out = torch.ones(1000, dtype=torch.bfloat16), torch.empty(5, 1000, dtype=torch.bfloat16)
+        one_shot.one_shot_all_reduce_add_rms_norm(x, residual, weight, 1e-6, False, out, residual, exchange)
+        ((grid, args, kwargs),) = kernel.calls
+        assert grid == (5,)
+        assert args[:5] == (x, residual, weight, out, residual)  # residual_out may be residual: in place
+        assert args[5:7] == tuple(exchange.buffers)
+        assert kwargs["HIDDEN"] == 1000 and kwargs["BLOCK"] == 1024 and kwargs["ADD_RESIDUAL"]
+        assert kwargs["num_warps"] == 2  # rmsnorm.py's, for the same order of the sum of squares
+
+    def test_the_empty_marks_are_what_no_message_holds():
+        from strata.kernels import one_shot_all_reduce as one_shot
+
+        bf16, keys = torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64)
+        one_shot.mark_empty(bf16)
+        one_shot.mark_empty(keys)
+        assert bf16.view(torch.int16).tolist() == [-(2**15)] * 4 and (bf16 == 0).all()  # -0.0
+        assert keys.tolist() == [-1] * 4  # low 32 bits all set: no vocabulary index
+
+    @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernels")
+    def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread():
+        import triton.language as tl
+        from triton.compiler import ASTSource
+
+        from strata.kernels import compile_check
+        from strata.kernels import one_shot_all_reduce as one_shot
+
+        kernel = one_shot._one_shot_all_reduce_kernel
+        types = {f"buf{i}": "*bf16" for i in range(8)} | {"x_ptr": "*bf16", "seq_ptr": "*i32", "abort_address": "i64"}
+        constexprs = dict(RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), PDL=True)
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constexprs}
+        source = ASTSource(
+            kernel,
+            signature,
+            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+            attrs=aligned,
+        )
+        compiled, registers, spills = compile_check.compile_for_sm90(source, one_shot.WARPS)
+        ptx = compiled.asm["ptx"]
+        assert spills == 0 and registers <= 64, (registers, spills)
+        assert "fence" not in ptx and "membar" not in ptx  # the data is the signal
+        assert "ld.volatile.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+else:
+    from strata.kernels import one_shot_all_reduce as one_shot
+
+    def _slot(exchange, owner: int, parity: int, sender: int, n: int) -> torch.Tensor:
+        world, capacity = len(exchange.buffers), exchange.capacity
+        start = (parity * world + sender) * capacity
+        return exchange.buffers[owner][start : start + n]
+
+    def _empty(t: torch.Tensor) -> bool:
+        bits = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        return bool((bits == one_shot.empty_mark(t.dtype)).all())
+
+    def _two_ranks(dtype=torch.float32, capacity=1024):
+        buffers = [torch.empty(2 * 2 * capacity, dtype=dtype) for _ in range(2)]
+        for buffer in buffers:
+            one_shot.mark_empty(buffer)
+        return [_exchange(2, rank, capacity, dtype, buffers) for rank in range(2)]
+
+    @pytest.mark.parametrize("n", [700, 1024])  # a part-filled program, and two whole ones
+    def test_two_ranks_exchange_one_launch_after_the_other(n):
+        ranks = _two_ranks()
+        parts = [torch.arange(n, dtype=torch.float32) * (r + 1) - 50 for r in range(2)]
+        parts[0][3] = parts[1][3] = -0.0  # sent as +0.0: -0.0 marks an empty slot
+        for call in range(3):
+            parity = (call + 1) % 2
+            # Rank 1's part lands in rank 0's buffer before rank 0 launches (a peer running ahead).
+            _slot(ranks[0], 0, parity, 1, n).copy_(torch.where(parts[1] == 0, 0.0, parts[1]))
+            x0 = parts[0].clone()
+            one_shot.one_shot_all_reduce(x0, ranks[0])
+            assert torch.equal(x0, parts[0] + parts[1])
+            assert not torch.signbit(x0[3])  # -0.0 + -0.0: +0.0, NCCL's -0.0 is the one difference
+            assert _empty(_slot(ranks[0], 0, parity, 1, n))  # read, then marked empty again
+            landed = _slot(ranks[0], 1, parity, 0, n)  # rank 0's part, in rank 1's buffer
+            sent = torch.where(parts[0] == 0, 0.0, parts[0])
+            assert torch.equal(landed.view(torch.int32), sent.view(torch.int32))  # bit for bit: +0.0
+            x1 = parts[1].clone()
+            one_shot.one_shot_all_reduce(x1, ranks[1])
+            assert torch.equal(x1, x0) and not torch.signbit(x1[3])
+            assert _empty(landed) and _empty(_slot(ranks[0], 1, 1 - parity, 0, n))
+            # Rank 1's store into rank 0's slot repeats what landed there by hand above.
+            assert torch.equal(_slot(ranks[0], 0, parity, 1, n), torch.where(parts[1] == 0, 0.0, parts[1]))
+            one_shot.mark_empty(_slot(ranks[0], 0, parity, 1, n))
+            assert ranks[0].sequences[: (n + 511) // 512].tolist() == [call + 1] * ((n + 511) // 512)
+
+    def test_the_draws_maximum_takes_int64_keys_as_they_are():
+        ranks = _two_ranks(torch.int64, capacity=256)
+        keys = [torch.tensor([5, -(2**63), 7, 0]), torch.tensor([9, -(2**63), 2, -5])]  # the lowest key too
+        _slot(ranks[0], 0, 1, 1, 4).copy_(keys[1])
+        x0 = keys[0].clone()
+        one_shot.one_shot_all_reduce(x0, ranks[0], maximum=True)
+        x1 = keys[1].clone()
+        one_shot.one_shot_all_reduce(x1, ranks[1], maximum=True)
+        assert x0.tolist() == x1.tolist() == [9, -(2**63), 7, 0]
+
+    def test_the_abort_word_releases_a_wait_whose_peer_never_comes():
+        (rank0, _) = _two_ranks()
+        rank0.abort_word[0] = 1  # set before: the wait reads it every 1,024 spins
+        x = torch.ones(16)
+        one_shot.one_shot_all_reduce(x, rank0)  # returns (garbage) instead of spinning forever
+        assert rank0.sequences[0].item() == 1

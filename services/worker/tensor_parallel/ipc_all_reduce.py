@@ -49,7 +49,7 @@ class IpcAllReduce:
         timeout: float = 60.0,
         kind: str = "sum",
     ):
-        from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, programs_for
+        from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, mark_empty, programs_for
 
         if size > MAX_RANKS:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
@@ -63,28 +63,22 @@ class IpcAllReduce:
         self.row_width: int | None = None
         self.capacity = max_bytes // dtype.itemsize
         programs = programs_for(self.capacity, dtype)
-        # [2 parities, size slots, capacity]: slot r holds rank r's part of the call.
-        self.buffer = torch.zeros(2 * size * self.capacity, dtype=dtype, device=device)
-        self.flags = torch.zeros(size * programs, dtype=torch.int32, device=device)  # [size, programs]
+        # [2 parities, size slots, capacity]: slot r holds rank r's part of the call, marked
+        # empty until it lands (this rank's own slots stay unused: its part is in registers).
+        self.buffer = torch.empty(2 * size * self.capacity, dtype=dtype, device=device)
+        mark_empty(self.buffer)
         self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        torch.cuda.synchronize(device)  # zeroed before any peer can see them
+        torch.cuda.synchronize(device)  # marked before any peer can see them
         keys = dist.PrefixStore(f"strata/ipc/{session}/{kind}/", store)
-        keys.set(f"{rank}/buffer", _exported(self.buffer))
-        keys.set(f"{rank}/flags", _exported(self.flags))
-        keys.wait(
-            [f"{r}/{part}" for r in range(size) for part in ("buffer", "flags")], datetime.timedelta(seconds=timeout)
-        )
-        buffers, flags = [], []
-        for r in range(size):
-            if r == rank:
-                buffers.append(self.buffer)
-                flags.append(self.flags)
-                continue
-            buffers.append(open_memory(_memory(keys.get(f"{r}/buffer")), device, dtype, self.buffer.numel()))
-            flags.append(open_memory(_memory(keys.get(f"{r}/flags")), device, torch.int32, self.flags.numel()))
+        keys.set(str(rank), _exported(self.buffer))
+        keys.wait([str(r) for r in range(size)], datetime.timedelta(seconds=timeout))
+        buffers = [
+            self.buffer if r == rank else open_memory(_memory(keys.get(str(r))), device, dtype, self.buffer.numel())
+            for r in range(size)
+        ]
         # (The peers' memory stays mapped while these tensors live.)
-        self.exchange = Exchange(buffers, flags, self.sequences, self.abort_word, self.capacity, rank)
+        self.exchange = Exchange(buffers, self.sequences, self.abort_word, self.capacity, rank)
 
     def __call__(self, x: torch.Tensor) -> bool:
         """x summed over the ranks in place (or its maximum); False (nothing done) when x is not
@@ -140,7 +134,7 @@ class IpcAllReduce:
 
 def _exported(t: torch.Tensor) -> bytes:
     """t's CUDA IPC handle, without the event that torch would have a peer wait on before using
-    it: t is zeroed and synchronized already, and a peer on another GPU would have to open an
+    it: t is marked empty and synchronized already, and a peer on another GPU would have to open an
     event of this GPU's only to wait on nothing."""
     m = export_memory(t)
     m.event_handle, m.event_sync_required = b"", False
