@@ -41,6 +41,10 @@ CALLS = 64
 
 
 def _rank(rank: int, size: int, port: int, args, results) -> None:
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a rank waiting on a lost peer says where
     from strata.stage_links import set_nccl_environment
 
     set_nccl_environment()
@@ -85,6 +89,7 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
             row[f"{name}_ok"] = ok
             row[name] = graph_time_us(lambda _, r=reduce: r(x), CALLS, replays=args.replays) if ok else float("nan")
+            print(f"rank {rank}: {kib} KiB {name} {row[name]:.2f} us (exact: {ok})", file=sys.stderr, flush=True)
         rows.append(row)
     chained = _in_a_chain(methods, device, dtype, args.replays)
     if rank == 0:
