@@ -38,6 +38,12 @@ from strata.mps import MpsDaemon
 
 SIZES_KIB = (8, 128, 2048, 32768)
 CALLS = 64
+# --one-gpu: each launch lets its successor start at once (a dependent launch), so the programs of a
+# whole graph may sit on the GPU waiting; 64 launches of 64 programs from each rank filled the GPU
+# the two ranks share, and a rank's running one-shot then waited for a peer that had no room to
+# start (both hung at 128 KiB). Separate GPUs never meet this: a kernel's successors launch only
+# once all of its programs run.
+ONE_GPU_CALLS = 8
 
 
 def _rank(rank: int, size: int, port: int, args, results) -> None:
@@ -75,6 +81,7 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
     methods = {"ipc": ipc} if group is None else _methods(pg, one_shot, ipc)
     rows = []
+    calls = ONE_GPU_CALLS if args.one_gpu else CALLS
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
         n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
@@ -88,10 +95,12 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
             row[f"{name}_ok"] = ok
-            row[name] = graph_time_us(lambda _, r=reduce: r(x), CALLS, replays=args.replays) if ok else float("nan")
+            timed = graph_time_us(lambda _, r=reduce: r(x), calls, replays=args.replays) if ok else float("nan")
+            row[name] = timed
             print(f"rank {rank}: {kib} KiB {name} {row[name]:.2f} us (exact: {ok})", file=sys.stderr, flush=True)
         rows.append(row)
-    chained = _in_a_chain(methods, device, dtype, args.replays)
+    # (On one GPU the ranks' GEMVs would share it, and a chain's waiting programs could fill it.)
+    chained = {} if args.one_gpu else _in_a_chain(methods, device, dtype, args.replays)
     if rank == 0:
         results.put((rows, chained))
     ipc.abort()
@@ -179,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     methods = ("nccl", "one_shot", "ipc")
     where = f"{size} ranks on one {name} (MPS)" if args.one_gpu else f"{size} x {name}"
-    print(f"all-reduce of {args.dtype} over {where}, {CALLS} calls per graph, us per call")
+    calls = ONE_GPU_CALLS if args.one_gpu else CALLS
+    print(f"all-reduce of {args.dtype} over {where}, {calls} calls per graph, us per call")
     print(f"{'size':>10} {'nccl':>10} {'symm-mem':>10} {'ipc':>10}  fastest")
     for row in rows:
         times = {m: row.get(m, float("nan")) for m in methods}
@@ -187,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         bad = [k.removesuffix("_ok") for k, v in row.items() if k.endswith("_ok") and not v]
         note = f"  WRONG: {', '.join(bad)}" if bad else ""
         print(f"{row['kib']:>7} KiB " + " ".join(f"{times[m]:>10.2f}" for m in methods) + f"  {fastest}{note}")
-    print(
-        f"in a chain (8 KiB between GEMVs of {chained['gemv_us']:.2f} us), us each all-reduce adds: "
-        + ", ".join(f"{m} {chained.get(m, float('nan')):.2f}" for m in methods)
-        + "   (issue 51's batch-1 budget: 2.4)"
-    )
+    if chained:
+        print(
+            f"in a chain (8 KiB between GEMVs of {chained['gemv_us']:.2f} us), us each all-reduce adds: "
+            + ", ".join(f"{m} {chained.get(m, float('nan')):.2f}" for m in methods)
+            + "   (issue 51's batch-1 budget: 2.4)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
