@@ -18,8 +18,9 @@ Each program owns 2 KB of the message (BLOCK elements). It:
 4. marks the slots it read empty again.
 
 The data is its own signal (as TensorRT-LLM's "Lamport" one-shot does it): an empty slot holds a
-mark no message can hold, -0.0 (a float's -0.0 is sent as +0.0, which sums alike; the draw's keys
-never have all their low 32 bits set, which are a vocabulary index, so -1 marks those). There is
+mark no message can hold, -0.0 (a float's -0.0 is sent as +0.0, which sums alike). The draw's
+keys take -1, the key of a -0.0 value for token 0, which pack_draw_keys already makes +0.0's
+(kernels/gumbel_sampling.py); a -1 that came anyway is sent as that key. There is
 no flag to raise behind a system-scope fence, which waits for the NVLink stores to be
 acknowledged: a rank's part is ready the moment it lands, one one-way trip. Each element is
 checked, so a 16-byte store that lands in parts is waited for.
@@ -92,7 +93,9 @@ def _exchange(
     BITS is the integer type of x's width and EMPTY the empty mark in it."""
     seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
     parity = seq % 2
-    if not MAX:  # -0.0 is the empty mark: sent as +0.0
+    if MAX:  # a key of -1 (the empty mark) has a -0.0 value: it goes as +0.0's, as argmax takes it
+        x = tl.where(x == EMPTY, 0xFFFFFFFF, x)
+    else:  # -0.0 is the empty mark: sent as +0.0
         x = tl.where(x.to(BITS, bitcast=True) == EMPTY, tl.zeros_like(x), x)
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -243,8 +246,8 @@ _BITS = {2: (tl.int16, torch.int16), 4: (tl.int32, torch.int32), 8: (tl.int64, t
 
 
 def empty_mark(dtype: torch.dtype) -> int:
-    """What an empty slot holds, as an integer of dtype's width: -0.0's bits for floats, -1 (all
-    ones) for the draw's int64 keys, whose low 32 bits are a vocabulary index."""
+    """What an empty slot holds, as an integer of dtype's width: -0.0's bits for floats, -1 for
+    the draw's int64 keys (a key of -1 would carry a -0.0 value, which the keys hold as +0.0)."""
     return -(1 << (8 * dtype.itemsize - 1)) if dtype.is_floating_point else -1
 
 

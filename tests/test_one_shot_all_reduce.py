@@ -85,7 +85,13 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         one_shot.mark_empty(bf16)
         one_shot.mark_empty(keys)
         assert bf16.view(torch.int16).tolist() == [-(2**15)] * 4 and (bf16 == 0).all()  # -0.0
-        assert keys.tolist() == [-1] * 4  # low 32 bits all set: no vocabulary index
+        assert keys.tolist() == [-1] * 4
+        # No draw key is -1: its value word would be -0.0's, and the keys take -0.0 as +0.0.
+        from strata.kernels.gumbel_sampling import pack_draw_keys
+
+        tokens = torch.tensor([0, 0, 5, 0])
+        packed = pack_draw_keys(torch.tensor([-0.0, 0.0, -0.0, float("nan")]), tokens)
+        assert (packed != -1).all() and packed[0] == packed[1]
 
     @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernels")
     def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread():
@@ -158,13 +164,15 @@ else:
 
     def test_the_draws_maximum_takes_int64_keys_as_they_are():
         ranks = _two_ranks(torch.int64, capacity=256)
-        keys = [torch.tensor([5, -(2**63), 7, 0]), torch.tensor([9, -(2**63), 2, -5])]  # the lowest key too
-        _slot(ranks[0], 0, 1, 1, 4).copy_(keys[1])
+        # The lowest key (a slice with no column) too, and -1, the empty mark (a -0.0 value,
+        # token 0): it goes as +0.0's key for token 0.
+        keys = [torch.tensor([5, -(2**63), 7, 0, -1]), torch.tensor([9, -(2**63), 2, -5, -7])]
+        _slot(ranks[0], 0, 1, 1, 5).copy_(keys[1])
         x0 = keys[0].clone()
         one_shot.one_shot_all_reduce(x0, ranks[0], maximum=True)
         x1 = keys[1].clone()
         one_shot.one_shot_all_reduce(x1, ranks[1], maximum=True)
-        assert x0.tolist() == x1.tolist() == [9, -(2**63), 7, 0]
+        assert x0.tolist() == x1.tolist() == [9, -(2**63), 7, 0, 2**32 - 1]
 
     def test_the_abort_word_releases_a_wait_whose_peer_never_comes():
         (rank0, _) = _two_ranks()
