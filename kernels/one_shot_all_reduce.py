@@ -272,6 +272,7 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
     """x (contiguous, at most exchange.capacity elements) summed over the ranks in place (or its
     elementwise maximum). Every rank calls it with the same numel, in the same order. Launch
     shapes depend on python ints only: capturable in CUDA graphs."""
+    assert x.numel() <= exchange.capacity, (x.numel(), exchange.capacity)
     pdl = dependent_launch_supported(x.device)
     _one_shot_all_reduce_kernel[(programs_for(x.numel(), x.dtype),)](
         x,
@@ -304,6 +305,7 @@ def one_shot_all_reduce_add_rms_norm(
     exchange.capacity, rows at most its programs. residual_out may be x or residual (a program
     reads its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
     rows, hidden = x.shape
+    assert rows <= exchange.sequences.numel() and rows * hidden <= exchange.capacity, (x.shape, exchange.capacity)
     pdl = dependent_launch_supported(x.device)
     block = triton.next_power_of_2(hidden)
     add = residual is not None

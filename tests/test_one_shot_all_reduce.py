@@ -130,11 +130,26 @@ else:
         bits = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         return bool((bits == one_shot.empty_mark(t.dtype)).all())
 
-    def _two_ranks(dtype=torch.float32, capacity=1024):
-        buffers = [torch.empty(2 * 2 * capacity, dtype=dtype) for _ in range(2)]
+    def _two_ranks(dtype=torch.float32, capacity=1024, world=2):
+        buffers = [torch.empty(2 * world * capacity, dtype=dtype) for _ in range(world)]
         for buffer in buffers:
             one_shot.mark_empty(buffer)
-        return [_exchange(2, rank, capacity, dtype, buffers) for rank in range(2)]
+        return [_exchange(world, rank, capacity, dtype, buffers) for rank in range(world)]
+
+    def _play(ranks, parts, parity, launch):
+        """One call on every rank, one launch after the other: before rank r launches, the ranks
+        after it (not launched yet) have their parts land in its buffer by hand. Their own
+        launches later store the same parts again; those are marked empty at the end."""
+        n = parts[0].numel()
+        for r, exchange in enumerate(ranks):
+            for q in range(r + 1, len(ranks)):
+                _slot(exchange, r, parity, q, n).copy_(torch.where(parts[q] == 0, 0.0, parts[q]).view(-1))
+            launch(r, exchange)
+        for r, exchange in enumerate(ranks):
+            for q in range(r + 1, len(ranks)):
+                assert torch.equal(_slot(exchange, r, parity, q, n), torch.where(parts[q] == 0, 0.0, parts[q]).view(-1))
+                one_shot.mark_empty(_slot(exchange, r, parity, q, n))
+            assert _empty(exchange.buffers[r])
 
     @pytest.mark.parametrize("n", [700, 1024])  # a part-filled program, and two whole ones
     def test_two_ranks_exchange_one_launch_after_the_other(n):
@@ -180,3 +195,47 @@ else:
         x = torch.ones(16)
         one_shot.one_shot_all_reduce(x, rank0)  # returns (garbage) instead of spinning forever
         assert rank0.sequences[0].item() == 1
+
+    def test_three_ranks_sum_in_rank_order_every_rank_the_same_bits():
+        ranks = _two_ranks(capacity=2048, world=3)
+        gen = torch.Generator().manual_seed(0)
+        parts = [torch.randn(1500, generator=gen) * 10 ** (3 * r) for r in range(3)]  # order matters
+        for call in range(2):
+            sums = {}
+
+            def launch(r, exchange):
+                sums[r] = parts[r].clone()
+                one_shot.one_shot_all_reduce(sums[r], exchange)
+
+            _play(ranks, parts, (call + 1) % 2, launch)
+            want = (parts[0] + parts[1]) + parts[2]
+            assert all(torch.equal(sums[r], want) for r in range(3))
+
+    @pytest.mark.parametrize("with_residual", [True, False])
+    def test_the_norm_variant_sums_adds_and_normalises_each_row(with_residual):
+        from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
+
+        ranks = _two_ranks(capacity=3 * 512)  # a program (and its sequence number) a row
+        gen = torch.Generator().manual_seed(1)
+        parts = [torch.randn(3, 96, generator=gen) for _ in range(2)]
+        residual, weight = torch.randn(3, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
+        got = {}
+
+        def launch(r, exchange):
+            out, residual_out = torch.empty(3, 96), torch.empty(3, 96)
+            add = residual.clone() if with_residual else None
+            one_shot.one_shot_all_reduce_add_rms_norm(
+                parts[r].clone(), add, weight, 1e-6, False, out, residual_out, exchange
+            )
+            got[r] = (out, residual_out)
+
+        _play(ranks, parts, 1, launch)
+        summed = parts[0] + parts[1]
+        if with_residual:
+            want_out, want_residual = fused_add_rms_norm_reference(summed, residual, weight, 1e-6)
+        else:
+            want_out, want_residual = rms_norm_reference(summed, weight, 1e-6), summed
+        for out, residual_out in got.values():
+            torch.testing.assert_close(out, want_out)
+            assert torch.equal(residual_out, want_residual)
+        assert torch.equal(got[0][0], got[1][0])
