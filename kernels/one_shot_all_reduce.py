@@ -33,7 +33,8 @@ Two sets of slots, alternating by the parity of a per-program count of calls kep
 memory (programs past a call's grid miss that call on every rank alike, since every rank runs the
 same message sizes). A peer can be at most one call ahead: it cannot finish call k + 1 before this
 rank's part of it landed, which this rank sends only in its next launch, after this one, with its
-step 4, has ended. So the peer's call k + 2, which reuses call k's slots, lands after they were
+step 4, has ended (every kernel between them waits for its predecessor before it ends:
+kernels/dependent_launch.py). So the peer's call k + 2, which reuses call k's slots, lands after they were
 marked empty, and its call k + 1 never lands on what this rank still reads. That holds per
 program because a program always owns the same part of the buffers: so one set of buffers serves
 one kind of call (the sum, the maximum, or rows of one width for the norm).
