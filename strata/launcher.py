@@ -147,11 +147,14 @@ class Cluster:
         raise TimeoutError(f"not every replica up after {timeout:.0f}s")
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to each child in reverse start order, each once the one before it has exited:
+        a client (the gateway, then the scheduler) ends its streams before the server under it
+        stops. Signalled together, a worker could stop first and abort the scheduler's Steps
+        stream (grpc logs each abort). Past the deadline, SIGKILL."""
+        deadline = time.monotonic() + timeout
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, proc in reversed(self.procs):
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
