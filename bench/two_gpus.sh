@@ -9,6 +9,7 @@
 #   bash bench/two_gpus.sh COMMIT collectives   # all-reduce bench, then the one-shot's two-GPU tests
 #   bash bench/two_gpus.sh COMMIT tp-tests      # tensor parallelism's two-GPU tests (NCCL and ipc)
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench with the fastest all-reduce
+#   bash bench/two_gpus.sh COMMIT tp ipc 1,tp2,pp2,dp2   # every way in one run, if it fits 10 minutes
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
 set -uo pipefail
@@ -41,9 +42,9 @@ case $phase in
   tp-tests)
     run tp_tests 560 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
     ;;
-  tp)  # $3: the all-reduce the collectives phase found fastest in a chain (nccl, symm-mem or ipc)
+  tp)  # $3: the all-reduce the collectives phase found fastest in a chain (nccl, symm-mem or ipc); $4: ways
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
-      --ways 1,tp2 --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
+      --ways "${4:-1,tp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
       --tensor-parallel-all-reduce "${3:-nccl}" --output "$OUT/tp8b.json"
     ;;
   pipeline)
