@@ -41,7 +41,7 @@ def alive(pid: int) -> bool:
     return bool(state) and not state.startswith("Z")
 
 
-def start(model_dir, port):
+def start(model_dir, port, *extra: str):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -56,6 +56,7 @@ def start(model_dir, port):
             str(port),
             "--device",
             "cpu",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -97,6 +98,20 @@ def test_no_process_outlives_serve(model_dir, how):
         # worker's exit skips the finalization where Triton reported leaks: strata/quiet_exit.py).
         foreign = [line for line in proc.stderr.read().splitlines() if line and not LOG_LINE.match(line)]
         assert not foreign, foreign
+    assert not wait_gone(services), "a service outlived strata serve"
+
+
+def test_a_tensor_parallel_stage_stops_cleanly_too(model_dir):
+    """Rank 0 keeps a plan connection open to its peer: the peer's stop ends it without asyncio's
+    ERROR for a cancelled handler (Python 3.11)."""
+    proc = start(model_dir, free_port(), "--tensor-parallel-size", "2")
+    services = children(proc.pid)
+    assert len(services) == 4  # two ranks, scheduler, gateway
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+    foreign = [line for line in proc.stderr.read().splitlines() if line and not LOG_LINE.match(line)]
+    assert not foreign, foreign
     assert not wait_gone(services), "a service outlived strata serve"
 
 

@@ -83,6 +83,11 @@ class PlanListener:
             return
         try:
             await self.serve(session, reader, writer)
+        except asyncio.CancelledError:
+            # Only the worker's stop cancels it (rank 0's plans end the connection otherwise). On
+            # Python 3.11 asyncio's stream callback asks a cancelled handler for its exception
+            # and logs the CancelledError as an ERROR with a traceback: end as a closed connection.
+            pass
         finally:
             writer.close()
 
