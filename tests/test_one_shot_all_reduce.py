@@ -130,7 +130,8 @@ else:
         bits = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         return bool((bits == one_shot.empty_mark(t.dtype)).all())
 
-    def _two_ranks(dtype=torch.float32, capacity=1024, world=2):
+    def _ranks(dtype=torch.float32, capacity=1024, world=2):
+        """`world` ranks' exchanges over buffers marked empty, as IpcAllReduce builds them."""
         buffers = [torch.empty(2 * world * capacity, dtype=dtype) for _ in range(world)]
         for buffer in buffers:
             one_shot.mark_empty(buffer)
@@ -153,7 +154,7 @@ else:
 
     @pytest.mark.parametrize("n", [700, 1024])  # a part-filled program, and two whole ones
     def test_two_ranks_exchange_one_launch_after_the_other(n):
-        ranks = _two_ranks()
+        ranks = _ranks()
         parts = [torch.arange(n, dtype=torch.float32) * (r + 1) - 50 for r in range(2)]
         parts[0][3] = parts[1][3] = -0.0  # sent as +0.0: -0.0 marks an empty slot
         for call in range(3):
@@ -178,7 +179,7 @@ else:
             assert ranks[0].sequences[: (n + 511) // 512].tolist() == [call + 1] * ((n + 511) // 512)
 
     def test_the_draws_maximum_takes_int64_keys_as_they_are():
-        ranks = _two_ranks(torch.int64, capacity=256)
+        ranks = _ranks(torch.int64, capacity=256)
         # The lowest key (a slice with no column) too, and -1, the empty mark (a -0.0 value,
         # token 0): it goes as +0.0's key for token 0.
         keys = [torch.tensor([5, -(2**63), 7, 0, -1]), torch.tensor([9, -(2**63), 2, -5, -7])]
@@ -190,14 +191,14 @@ else:
         assert x0.tolist() == x1.tolist() == [9, -(2**63), 7, 0, 2**32 - 1]
 
     def test_the_abort_word_releases_a_wait_whose_peer_never_comes():
-        (rank0, _) = _two_ranks()
+        (rank0, _) = _ranks()
         rank0.abort_word[0] = 1  # set before: the wait reads it every 1,024 spins
         x = torch.ones(16)
         one_shot.one_shot_all_reduce(x, rank0)  # returns (garbage) instead of spinning forever
         assert rank0.sequences[0].item() == 1
 
     def test_three_ranks_sum_in_rank_order_every_rank_the_same_bits():
-        ranks = _two_ranks(capacity=2048, world=3)
+        ranks = _ranks(capacity=2048, world=3)
         gen = torch.Generator().manual_seed(0)
         parts = [torch.randn(1500, generator=gen) * 10 ** (3 * r) for r in range(3)]  # order matters
         for call in range(2):
@@ -215,7 +216,7 @@ else:
     def test_the_norm_variant_sums_adds_and_normalises_each_row(with_residual):
         from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
 
-        ranks = _two_ranks(capacity=3 * 512)  # a program (and its sequence number) a row
+        ranks = _ranks(capacity=3 * 512)  # a program (and its sequence number) a row
         gen = torch.Generator().manual_seed(1)
         parts = [torch.randn(3, 96, generator=gen) for _ in range(2)]
         residual, weight = torch.randn(3, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
