@@ -121,6 +121,19 @@ async def _run_way(endpoints, args, latency_only: bool) -> dict:
     return out
 
 
+def _way_line(phases: dict) -> str:
+    parts = []
+    if "offline" in phases:
+        parts.append(f"offline {phases['offline']['output_tokens_per_s']:,.0f} tok/s")
+    for key, phase in phases.items():
+        if key.startswith("streams_"):
+            parts.append(
+                f"{key.removeprefix('streams_')} stream(s) TPOT p50 {common.fmt(phase['tpot_ms'].get('p50'), '.2f')} ms"
+            )
+    parts.append(f"{sum(p['failed'] for p in phases.values())} failed")
+    return ", ".join(parts)
+
+
 def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("tensor-parallel", env)
@@ -153,6 +166,9 @@ def run(args) -> int:
                 }
             )
             failed += sum(p["failed"] for p in phases.values())
+            # Each way as it ends, and the JSON so far: a call that runs out of time keeps what ran.
+            print(f"{name}: " + _way_line(phases), flush=True)
+            common.write_json(args.output, {"benchmark": "tensor-parallel", "environment": env, "runs": runs})
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
