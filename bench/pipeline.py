@@ -150,27 +150,28 @@ async def _run_config(endpoints, workers, args, name: str) -> dict:
 
     info = await common.model_info(endpoints.gateway)
     await common.warm_up(endpoints.gateway, args, info.vocab_size, args.input_len, args.seed + 1)
+    # --spy-dir: the services' Python stacks in each phase, a folder per run (bench/spy_summary.py).
+    spy_dir = args.spy_dir and os.path.join(args.spy_dir, name)
     offline = []
     for workload, prompts, params in offline_workloads(args, info.vocab_size):
-        phase = await _phase(
-            endpoints,
-            workers,
-            lambda: common.run_all_at_once(
-                endpoints.gateway,
-                prompts,
-                params,
-                args.request_timeout,
-                desc=f"offline {workload}",
-                progress=not args.no_progress,
-            ),
-        )
+        with common.sampled_stacks(endpoints.service_pids, spy_dir, f"offline-{len(prompts)}", args.spy_native):
+            phase = await _phase(
+                endpoints,
+                workers,
+                lambda: common.run_all_at_once(
+                    endpoints.gateway,
+                    prompts,
+                    params,
+                    args.request_timeout,
+                    desc=f"offline {workload}",
+                    progress=not args.no_progress,
+                ),
+            )
         offline.append({"workload": workload, **phase})
     # 16 requests a stream: at 4 the phase lasted about a second on an H200, and one stage's GPU
     # idle in it swung from 3% to 12% between runs of one machine (bench/RESULTS.md, session 10).
     num = args.latency_num_prompts or 16 * args.concurrency
     stream_prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
-    # --spy-dir: the services' Python stacks in this phase, a folder per run (bench/spy_summary.py).
-    spy_dir = args.spy_dir and os.path.join(args.spy_dir, name)
     with common.sampled_stacks(endpoints.service_pids, spy_dir, "latency", args.spy_native):
         latency = await _phase(
             endpoints,
