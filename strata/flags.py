@@ -111,7 +111,7 @@ FLAGS: dict[str, Flag] = {
         "STRATA_MAX_NUM_SEQS",
         256,
         "most sequences in one step's batch: with one stage, most running at once; with P pipeline stages, "
-        "per micro-batch, so up to P + 1 times this many run at once (--pipeline-micro-batches), their KV "
+        "per micro-batch, so up to P + 2 times this many run at once (--pipeline-micro-batches), their KV "
         "spread over the P GPUs (each stage holds 1/P of the layers)",
         int,
     ),
@@ -251,10 +251,10 @@ FLAGS: dict[str, Flag] = {
         "STRATA_PIPELINE_MICRO_BATCHES",
         0,
         "pipelined decode: the most micro-batches of requests, each up to --max-num-seqs sequences, whose plans "
-        "follow each other through the stages (0: stages + 1, or stages where they all share one GPU). How many "
+        "follow each other through the stages (0: stages + 2, or stages where they all share one GPU). How many "
         "run follows the load: one while stages x --micro-batch-min-seqs would not fill them, as many as the "
         "stages while they seat the load, more only when it needs more seats. Workers hold max(4, stages + 2) x "
-        "--max-num-seqs sequences, so more than stages + 1 needs a smaller --max-num-seqs",
+        "--max-num-seqs sequences, so more than that needs a smaller --max-num-seqs",
         int,
     ),
     "micro_batch_min_seqs": Flag(

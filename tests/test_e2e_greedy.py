@@ -57,7 +57,7 @@ def test_greedy_matches_hf(tmp_path_factory, tokenizer, arch, stages):
     prompts, lengths = _workload(len(tokenizer), seed=stages)
     expected = hf_greedy(model_dir, prompts, lengths)
     # With several stages, micro-batches of 4 that open past 2 sequences each: the 16 requests
-    # run in P + 1 of them, prompts' chunks ride any plan, and they are rebalanced and fewer as
+    # run in P + 2 of them, prompts' chunks ride any plan, and they are rebalanced and fewer as
     # requests finish (services/scheduler/micro_batches.py).
     micro_batches = ("--max-num-seqs", "4", "--micro-batch-min-seqs", "2") if stages > 1 else ()
     with running_cluster(model_dir, stages, "--max-num-batched-tokens", "64", *micro_batches) as (cluster, client):

@@ -367,10 +367,10 @@ def test_a_lone_micro_batch_of_staggered_arrivals_stays_one_cohort_with_six_plan
 
 @pytest.mark.parametrize(
     "uuids,expected",
-    [(("GPU-a", "GPU-a"), 2), (("GPU-a", "GPU-b"), 3), (("", ""), 3)],
+    [(("GPU-a", "GPU-a"), 2), (("GPU-a", "GPU-b"), 4), (("", ""), 4)],
     ids=["one-shared-gpu", "a-gpu-each", "cpu-stages"],
 )
-def test_stages_sharing_one_gpu_run_p_micro_batches_else_p_plus_one(uuids, expected):
+def test_stages_sharing_one_gpu_run_p_micro_batches_else_p_plus_two(uuids, expected):
     from strata.services.scheduler.engine import Engine, SchedulerConfig
     from strata.services.scheduler.pipeline import Pipeline, StageHandle
 

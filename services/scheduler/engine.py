@@ -39,7 +39,7 @@ class SchedulerConfig:
     # 0: 3 with one stage (the extra plans are decode lookaheads), else 2 per micro-batch
     max_plans_in_flight: int = DEFAULTS["max_plans_in_flight"]
     # Pipelined decode over P > 1 stages: the last stage hands its tokens to stage 0, and requests
-    # run in micro-batches (at most pipeline_micro_batches, 0: P + 1; how many follows the load,
+    # run in micro-batches (at most pipeline_micro_batches, 0: P + 2; how many follows the load,
     # services/scheduler/micro_batches.py), each a chain of plans whose decodes are lookaheads of
     # the previous plan's.
     pipelined_decode: bool = not DEFAULTS["no_pipelined_decode"]
@@ -156,11 +156,14 @@ class Engine:
             return 1
         if self.config.pipeline_micro_batches:
             return self.config.pipeline_micro_batches
-        # P + 1 keep P GPUs busy while one micro-batch's tokens travel back. Stages sharing one GPU
-        # take turns on it: P suffice, and fewer, larger micro-batches mean fewer steps, each
-        # costing every stage a whole step's host work (bench/RESULTS.md, "Figures moved from
-        # code comments").
-        return self.pipeline.num_stages + (0 if self.pipeline.stages_share_one_gpu else 1)
+        # P + 2 keep P GPUs busy while a micro-batch's plan crosses the stages, its result reaches
+        # this scheduler and its next plan the first stage: on two H200s (8B, 1,024 requests) that
+        # round took about 40 ms against two 8 ms steps, and with P + 1 each stage waited 6 ms a
+        # step for its input (12,766 output tok/s; P + 2: 20,223, two replicas 20,455 in the same
+        # run: bench/RESULTS.md, issue 50 on two GPUs). Stages sharing one GPU take turns on it:
+        # P suffice, and fewer, larger micro-batches mean fewer steps, each costing every stage a
+        # whole step's host work ("Figures moved from code comments").
+        return self.pipeline.num_stages + (0 if self.pipeline.stages_share_one_gpu else 2)
 
     @property
     def max_in_flight(self) -> int:

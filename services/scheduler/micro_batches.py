@@ -13,8 +13,9 @@ round for few tokens; one that holds more sequences than the others paces the ro
   micro_batch_min_seqs each (a small batch's step costs the weights' read whatever its size, and
   a lone micro-batch's chain of lookaheads keeps the stages as busy); P while P of them seat the
   load (each stage then runs P steps of N/P sequences a round instead of one of N, never slower
-  on P GPUs); more, up to num_micro_batches (P + 1 by default), only when the load needs more
-  seats (the extra one also covers the tokens' trip back to stage 0). More at once; fewer only
+  on P GPUs); more, up to num_micro_batches (P + 2 by default), only when the load needs more
+  seats (the extra ones also cover a plan's round trip: through the stages, its result to the
+  scheduler, the next plan back to stage 0). More at once; fewer only
   once the smaller count has held, with a margin, for SHRINK_AFTER_PLANS plans.
 - Seats: each micro-batch seats an equal share of the load, at most max_num_seqs, so each holds
   as many sequences as one stage would run.
