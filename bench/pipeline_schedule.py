@@ -28,6 +28,7 @@ import heapq
 import random
 
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.scheduler.engine import default_micro_batches, plans_in_flight
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
@@ -52,9 +53,9 @@ def _gpu_seconds(plan, stages: int, args, shape) -> float:
 def simulate(args, stages: int, num_prompts: int) -> dict:
     shape = SHAPES[args.shape]
     rng = random.Random(args.seed)
-    micro_batches = (stages + 1 if stages > 1 else 1) if not args.micro_batches else args.micro_batches
+    micro_batches = args.micro_batches or (default_micro_batches(stages, share_one_gpu=False) if stages > 1 else 1)
     lookahead = stages if stages > 1 else 2
-    max_in_flight = max(2 * micro_batches, stages + 1) if stages > 1 else 3
+    max_in_flight = plans_in_flight(stages, micro_batches)
     max_len = 2 * args.max_len + 16
     sched = Scheduler(
         num_blocks=micro_batches * args.max_num_seqs * -(-max_len // 16) + 1,

@@ -23,10 +23,10 @@ sequence gets K proposals back. Its line says how many timed steps verified.
     python -m strata.bench.scheduler_step                          # 256 and 512 sequences
     python -m strata.bench.scheduler_step --num-seqs 256 --profile # cProfile of the timed steps
     python -m strata.bench.scheduler_step --num-seqs 16 --speculate 8 --accept 0.35
-    python -m strata.bench.scheduler_step --stages 2 --num-seqs 768  # 3 micro-batches of 256
+    python -m strata.bench.scheduler_step --stages 2 --num-seqs 1024  # 4 micro-batches of 256
 
 With --stages P > 1 the scheduler runs pipelined decode as the engine does for P stages on P GPUs:
-up to P + 1 micro-batches of at most N / (P + 1) sequences, decode lookahead P, and two plans per
+up to P + 2 micro-batches of at most N / (P + 2) sequences, decode lookahead P, and two plans per
 micro-batch in flight; a step is then one plan (one micro-batch's), and its line says so.
 """
 
@@ -43,7 +43,7 @@ import time
 
 from strata.flags import DEFAULTS
 from strata.gc_tuning import SERVING_GEN0_THRESHOLD
-from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.engine import Engine, SchedulerConfig, default_micro_batches, plans_in_flight
 from strata.services.scheduler.output_stream import OutputStream
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
@@ -61,8 +61,13 @@ class _NoPipeline:
     num_stages = 1
 
 
+def micro_batches_of(args) -> int:
+    """The engine's micro-batches for P stages on P GPUs (one with one stage)."""
+    return default_micro_batches(args.stages, share_one_gpu=False) if args.stages > 1 else 1
+
+
 def make_engine(args, rng: random.Random) -> Engine:
-    micro_batches = args.stages + 1 if args.stages > 1 else 1
+    micro_batches = micro_batches_of(args)
     per_micro_batch = -(-args.num_seqs // micro_batches)
     engine = Engine(_NoPipeline(), SchedulerConfig(max_num_seqs=per_micro_batch))
     # No sequence ends by length (a verify step emits up to k + 1 tokens).
@@ -124,7 +129,11 @@ def run_steps(
 ) -> None:
     sched, clock = engine.scheduler, time.perf_counter
     # The engine's plans in flight: lookahead + 1 with one stage, two per micro-batch with P.
-    most = 2 * sched.num_micro_batches if sched.num_micro_batches > 1 else sched.decode_lookahead + 1
+    most = (
+        plans_in_flight(args.stages, sched.num_micro_batches)
+        if sched.num_micro_batches > 1
+        else sched.decode_lookahead + 1
+    )
     for _ in range(steps):
         while len(engine.in_flight) < most:
             t0 = clock()
@@ -193,7 +202,7 @@ def main() -> None:
         "--stages",
         type=int,
         default=1,
-        help="P > 1: pipelined decode over P stages (P + 1 micro-batches, lookahead P; --lookahead unused)",
+        help="P > 1: pipelined decode over P stages (P + 2 micro-batches, lookahead P; --lookahead unused)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
@@ -225,9 +234,9 @@ def main() -> None:
         median = statistics.median(totals)
         phases = ", ".join(f"{k} {runs[best][k] * 1e3:.3f}" for k in PHASES)
         verifying = f"; {runs[best]['verifying'] * 100:.0f}% of plans verified" if args.speculate else ""
-        per_plan = -(-n // (args.stages + 1)) if args.stages > 1 else n  # sequences in one step's plan
+        per_plan = -(-n // micro_batches_of(args))  # sequences in one step's plan
         print(
-            f"N={n}{f' over {args.stages + 1} micro-batches' if args.stages > 1 else ''}: "
+            f"N={n}{f' over {micro_batches_of(args)} micro-batches' if args.stages > 1 else ''}: "
             f"{totals[best] * 1e3:.3f} ms per step (median {median * 1e3:.3f}), "
             f"{totals[best] / per_plan * 1e6:.2f} us per sequence of a plan; best run in ms: {phases}{verifying}"
         )

@@ -29,6 +29,28 @@ from strata.v1 import engine_pb2
 log = logging.getLogger("strata.scheduler")
 
 
+def default_micro_batches(stages: int, share_one_gpu: bool) -> int:
+    """The most micro-batches of pipelined decode over `stages` > 1 stages.
+
+    P + 2 keep P GPUs busy while a micro-batch's plan crosses the stages, its result reaches the
+    scheduler and its next plan the first stage: on two H200s (8B, 1,024 requests) that round took
+    about 40 ms against two 8 ms steps, and with P + 1 each stage waited 6 ms a step for its input
+    (12,766 output tok/s; P + 2: 20,223, two replicas 20,455 in the same run: bench/RESULTS.md,
+    issue 50 on two GPUs). Stages sharing one GPU take turns on it: P suffice, and fewer, larger
+    micro-batches mean fewer steps, each costing every stage a whole step's host work
+    ("Figures moved from code comments")."""
+    return stages + (0 if share_one_gpu else 2)
+
+
+def plans_in_flight(stages: int, micro_batches: int) -> int:
+    """The engine's plans in flight by default. One stage: 3, the later two decode lookaheads of
+    the first's requests, so the host has two GPU steps to turn a result into the next plan
+    (bench/RESULTS.md, "Figures moved from code comments", has the A/B against 2 plans). P stages,
+    pipelined decode: two per micro-batch (the one running and its lookahead; a lone micro-batch
+    takes up to P + 1, its lookahead depth)."""
+    return 3 if stages == 1 else max(2 * micro_batches, stages + 1)
+
+
 @dataclass
 class SchedulerConfig:
     """The engine's settings. Each default that a flag has is the flag table's (strata/flags.py):
@@ -156,30 +178,16 @@ class Engine:
             return 1
         if self.config.pipeline_micro_batches:
             return self.config.pipeline_micro_batches
-        # P + 2 keep P GPUs busy while a micro-batch's plan crosses the stages, its result reaches
-        # this scheduler and its next plan the first stage: on two H200s (8B, 1,024 requests) that
-        # round took about 40 ms against two 8 ms steps, and with P + 1 each stage waited 6 ms a
-        # step for its input (12,766 output tok/s; P + 2: 20,223, two replicas 20,455 in the same
-        # run: bench/RESULTS.md, issue 50 on two GPUs). Stages sharing one GPU take turns on it:
-        # P suffice, and fewer, larger micro-batches mean fewer steps, each costing every stage a
-        # whole step's host work ("Figures moved from code comments").
-        return self.pipeline.num_stages + (0 if self.pipeline.stages_share_one_gpu else 2)
+        return default_micro_batches(self.pipeline.num_stages, self.pipeline.stages_share_one_gpu)
 
     @property
     def max_in_flight(self) -> int:
-        # One stage: 3 plans, the later two decode lookaheads of the first's requests, so the
-        # host has two GPU steps to turn a result into the next plan (bench/RESULTS.md, "Figures
-        # moved from code comments", has the A/B against 2 plans). P stages,
-        # pipelined decode: two plans per micro-batch (the one running and its lookahead; a lone
-        # micro-batch takes up to P + 1, its lookahead depth), so none waits for the scheduler;
-        # without it: one plan per stage.
         if self.config.max_plans_in_flight:
             return self.config.max_plans_in_flight
-        if self.pipeline.num_stages == 1:
-            return 3
         if self.pipelined:
-            return max(2 * self.num_micro_batches, self.pipeline.num_stages + 1)
-        return self.pipeline.num_stages
+            return plans_in_flight(self.pipeline.num_stages, self.num_micro_batches)
+        # Without pipelined decode: one plan per stage.
+        return plans_in_flight(1, 1) if self.pipeline.num_stages == 1 else self.pipeline.num_stages
 
     @property
     def ready(self) -> bool:
