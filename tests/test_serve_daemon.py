@@ -101,12 +101,14 @@ def test_no_process_outlives_serve(model_dir, how):
     assert not wait_gone(services), "a service outlived strata serve"
 
 
-def test_a_tensor_parallel_stage_stops_cleanly_too(model_dir):
-    """Rank 0 keeps a plan connection open to its peer: the peer's stop ends it without asyncio's
-    ERROR for a cancelled handler (Python 3.11)."""
-    proc = start(model_dir, free_port(), "--tensor-parallel-size", "2")
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-stages"])
+def test_two_workers_stop_cleanly_too(model_dir, flag):
+    """Workers keep streams open to each other: rank 0 a plan connection to its peer, a stage its
+    Forward and HandTokens calls to the next. A worker's stop ends them without an ERROR for a
+    cancelled handler (asyncio's on Python 3.11; grpc's when its grace cancels a live call)."""
+    proc = start(model_dir, free_port(), flag, "2")
     services = children(proc.pid)
-    assert len(services) == 4  # two ranks, scheduler, gateway
+    assert len(services) == 4  # two workers, scheduler, gateway
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert proc.returncode == 0

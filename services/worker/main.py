@@ -290,6 +290,7 @@ async def serve(args) -> None:
         port,
     )
     await wait_for_termination_signal()
+    servicer.end_peer_calls()
     await server.stop(grace=1.0)
     # A step still waiting for its activations (or tokens) holds the step thread until the
     # transport's deadline, and the interpreter's exit joins that thread: with the streams ended,

@@ -214,6 +214,15 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
                 setattr(out, f"{prefix}_send_seconds", sender.send_seconds)
         return out
 
+    def end_peer_calls(self) -> None:
+        """At shutdown, before the server stops: the calls a peer keeps open here (the previous
+        stage's Forward, stage 0's HandTokens) end. Left open, grpc cancels them once its grace
+        is over and logs each as an exception their handler did not handle."""
+        if self._receiver is not None:
+            self._receiver.acks.put_nowait(None)
+        if self._token_queue is not None:
+            self._token_queue.put_nowait(None)
+
     async def close(self) -> None:
         """At shutdown, after the server stopped: the links close, and steps waiting on them fail."""
         self._session += 1  # plans still queued run nothing
@@ -269,7 +278,9 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"more than {MAX_PENDING_ACTIVATIONS} steps' activations waiting for their plans",
                 )
-            await reader  # a malformed message ends the call with its status
+            if reader.done():  # the sender's stream ended; a malformed message ends the call with its status
+                await reader
+            # else this end closed (a new pipeline, or shutdown: end_peer_calls): the call ends now
         finally:
             reader.cancel()
 
