@@ -30,6 +30,8 @@ from strata.bench import common
 TARGET_TPOT_RATIO = 0.6  # TP2 / one GPU, batch 1 and 16 streams
 TARGET_OFFLINE_RATIO = 1.6  # TP2 / one GPU, output tok/s of the mixed shape
 TARGET_ALL_REDUCE_SHARE = 0.15  # of a batch-1 decode step
+# Requests of the one-stream phase: 8 x 127 token intervals give a steady TPOT p50.
+SINGLE_STREAM_PROMPTS = 8
 
 
 def parse_way(way: str) -> tuple[int, int, int]:
@@ -104,7 +106,10 @@ async def _run_way(endpoints, args, latency_only: bool) -> dict:
             ),
         )
     for streams in ([] if latency_only else [args.concurrency]) + [1]:
-        num = args.latency_num_prompts or 4 * streams
+        # --latency-num-prompts sizes the --concurrency streams; one stream runs SINGLE_STREAM_PROMPTS
+        # (128 requests one after another took 65 s of a way's 150 at 8B on one H200, and the
+        # issue's four ways then did not fit a GPU call's ten minutes).
+        num = SINGLE_STREAM_PROMPTS if streams == 1 else args.latency_num_prompts or 4 * streams
         prompts = common.random_prompts(num, args.input_len, info.vocab_size, args.seed + 2)
         out[f"streams_{streams}"] = await _phase(
             endpoints,

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Issues 50 and 51 on two GPUs of one host, in the order a session with little GPU time should
 # spend it; each phase fits one call of the device tool (10 minutes) and writes its logs to $OUT.
+# Session 8 (bench/RESULTS.md, "Issues 50 and 51 on two H200s at last") ran the benches' first
+# rows; still never run on two GPUs: the one-shot's and tensor parallelism's two-GPU tests, the
+# pipeline at P + 2 micro-batches by default, and every way of the TP bench in one run.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
-#   bash bench/two_gpus.sh COMMIT collectives   # all-reduce bench, then the one-shot's two-GPU tests
-#   bash bench/two_gpus.sh COMMIT tp-tests      # tensor parallelism's two-GPU tests (NCCL and ipc)
-#   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench with the fastest all-reduce
-#   bash bench/two_gpus.sh COMMIT tp ipc 1,tp2,pp2,dp2   # every way in one run, if it fits 10 minutes
-#   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas
+#   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
+#   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
+#   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
+#   bash bench/two_gpus.sh COMMIT collectives   # the all-reduce bench alone (ipc was fastest: 1.87 us at 8 KiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?commit}
@@ -37,14 +39,14 @@ run() {  # tag, seconds, command...: the log in $OUT, its figures here
 case $phase in
   collectives)
     run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
-    run one_shot_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
     ;;
   tp-tests)
-    run tp_tests 560 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
+    run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
+    run tp_tests 420 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
     ;;
-  tp)  # $3: the all-reduce the collectives phase found fastest in a chain (nccl, symm-mem or ipc); $4: ways
+  tp)  # $3: the all-reduce (ipc was fastest in a chain on two H200s); $4: ways
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
-      --ways "${4:-1,tp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
+      --ways "${4:-1,tp2,pp2,dp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
       --tensor-parallel-all-reduce "${3:-nccl}" --output "$OUT/tp8b.json"
     ;;
   pipeline)

@@ -205,7 +205,7 @@ def _parallel_workloads(p, *, shape: str, requests_per_stream: int) -> None:
         "--latency-num-prompts",
         type=int,
         default=0,
-        help=f"requests of the latency workload (0: {requests_per_stream} per stream)",
+        help=f"requests of the --concurrency streams (0: {requests_per_stream} per stream)",
     )
 
 
