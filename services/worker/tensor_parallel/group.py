@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from strata.flags import DEFAULTS
 from strata.services.worker.transport.distributed_transport import abort_group, local_address_towards
 from strata.services.worker.transport.stage_transport import PeerLost
 
@@ -44,7 +45,7 @@ class TensorParallelGroup:
         device: torch.device,
         timeout: float = 60.0,
         master_host: str = "",
-        all_reduce: str = "nccl",
+        all_reduce: str = DEFAULTS["tensor_parallel_all_reduce"],
         dtype: torch.dtype = torch.bfloat16,
     ):
         if not 0 <= rank < size:
