@@ -9,11 +9,12 @@
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
+#   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
+#                                               # the token hand-off at 8B), then the all-reduce bench
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
-#   bash bench/two_gpus.sh COMMIT collectives   # the all-reduce bench alone (ipc was fastest: 1.87 us at 8 KiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?commit}
@@ -37,7 +38,11 @@ run() {  # tag, seconds, command...: the log in $OUT, its figures here
 }
 
 case $phase in
-  collectives)
+  hops)
+    for rows in 16 256; do
+      run "hop_$rows" 120 python -m strata.bench.stage_hop --devices cuda:0,cuda:1 --transports ipc,distributed \
+        --rows "$rows" --hidden 4096 --output "$OUT/hop_$rows.json"
+    done
     run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
     ;;
   tp-tests)
@@ -61,7 +66,7 @@ case $phase in
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
   *)
-    echo "unknown phase $phase: collectives, tp-tests, tp ALL_REDUCE, pipeline, pipeline-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b"
     exit 2
     ;;
 esac
