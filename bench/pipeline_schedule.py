@@ -28,7 +28,7 @@ import heapq
 import random
 
 from strata.protocol import PLACEHOLDER_TOKEN
-from strata.services.scheduler.engine import default_micro_batches, plans_in_flight
+from strata.services.scheduler.engine_config import default_micro_batches, plans_in_flight
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2

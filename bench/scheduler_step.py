@@ -43,7 +43,8 @@ import time
 
 from strata.flags import DEFAULTS
 from strata.gc_tuning import SERVING_GEN0_THRESHOLD
-from strata.services.scheduler.engine import Engine, SchedulerConfig, default_micro_batches, plans_in_flight
+from strata.services.scheduler.engine import Engine
+from strata.services.scheduler.engine_config import SchedulerConfig, default_micro_batches, plans_in_flight
 from strata.services.scheduler.output_stream import OutputStream
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from strata.bench.scheduler_step import fake_result
-from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.engine import Engine
+from strata.services.scheduler.engine_config import SchedulerConfig
 from strata.services.scheduler.output_stream import OutputStream
 from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request

@@ -371,7 +371,8 @@ def test_a_lone_micro_batch_of_staggered_arrivals_stays_one_cohort_with_six_plan
     ids=["one-shared-gpu", "a-gpu-each", "cpu-stages"],
 )
 def test_stages_sharing_one_gpu_run_p_micro_batches_else_p_plus_two(uuids, expected):
-    from strata.services.scheduler.engine import Engine, SchedulerConfig
+    from strata.services.scheduler.engine import Engine
+    from strata.services.scheduler.engine_config import SchedulerConfig
     from strata.services.scheduler.pipeline import Pipeline, StageHandle
 
     pipeline = Pipeline(["s0:1", "s1:1"])

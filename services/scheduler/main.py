@@ -7,7 +7,8 @@ import logging
 
 from strata.gc_tuning import tune_for_serving
 from strata.grpc_util import add_service, bind, new_server, set_serving, wait_for_termination_signal
-from strata.services.scheduler.engine import Engine, SchedulerConfig
+from strata.services.scheduler.engine import Engine
+from strata.services.scheduler.engine_config import SchedulerConfig
 from strata.services.scheduler.metrics import serve_metrics
 from strata.services.scheduler.pipeline import Pipeline
 from strata.services.scheduler.server import SchedulerServicer
