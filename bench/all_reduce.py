@@ -7,9 +7,9 @@ Each size is timed the way a decode step runs it: 64 all-reduces back to back ca
 graph (a step of a 32-layer model has 64 plus the embedding's and the draw's), replayed, timed
 with CUDA events; the figure is microseconds per all-reduce. Each method's result is checked on
 every rank (integer inputs: exact) before it is timed. The sizes: bf16 8 KiB (an 8B model's
-batch-1 decode: 4,096 x 2 bytes), 128 KiB (16 streams), 2 MiB (batch 256), 32 MiB (a prefill
-chunk). The one-shots take up to 512 KiB in serving; here torch's buffer holds every size, to show
-where it stops paying, and Strata's stays at 512 KiB.
+batch-1 decode: 4,096 x 2 bytes), 128 KiB (16 streams), 2 MiB (batch 256), 8 MiB (batch 1,024),
+32 MiB (a prefill chunk). Here torch's buffer holds every size, to show where it stops paying;
+Strata's has its serving size (8 MiB with two ranks, 512 KiB with more), past which NCCL serves.
 
 Back to back is not how a batch-1 step meets them: there each sits between two GEMVs, and a
 dependent launch lets the next GEMV stream its weights while the ranks meet. So each method is
@@ -36,14 +36,15 @@ from strata.bench.graph_timing import graph_time_us
 from strata.launcher import free_port
 from strata.mps import MpsDaemon
 
-SIZES_KIB = (8, 128, 2048, 32768)
+SIZES_KIB = (8, 128, 2048, 8192, 32768)
 CALLS = 64
 # --one-gpu: each launch lets its successor start at once (a dependent launch), so the programs of a
 # whole graph may sit on the GPU waiting; 64 launches of 64 programs from each rank filled the GPU
 # the two ranks share, and a rank's running one-shot then waited for a peer that had no room to
 # start (both hung at 128 KiB). Separate GPUs never meet this: a kernel's successors launch only
-# once all of its programs run.
+# once all of its programs run. So one GPU's graphs hold at most ONE_GPU_PROGRAMS programs a rank.
 ONE_GPU_CALLS = 8
+ONE_GPU_PROGRAMS = 512
 
 
 def _rank(rank: int, size: int, port: int, args, results) -> None:
@@ -81,12 +82,12 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     ipc = IpcAllReduce(store, rank, size, 2, device, dtype)
     methods = {"ipc": ipc} if group is None else _methods(pg, one_shot, ipc)
     rows = []
-    calls = ONE_GPU_CALLS if args.one_gpu else CALLS
     expected = size * (size + 1) / 2
     for kib in args.sizes_kib:
+        calls = _calls(kib, args.one_gpu)
         n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
         x = torch.empty(n, dtype=dtype, device=device)
-        row = {"kib": kib}
+        row = {"kib": kib, "calls": calls}
         for name, reduce in methods.items():
             x.fill_(rank + 1)
             if not reduce(x):  # not for it (past its buffer): no column
@@ -106,6 +107,16 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     ipc.abort()
     if group is not None:
         group.abort("done")
+
+
+def _calls(kib: int, one_gpu: bool) -> int:
+    """Calls a graph holds: CALLS, or on one GPU as many as leave room for both ranks' programs."""
+    if not one_gpu:
+        return CALLS
+    from strata.kernels.one_shot_all_reduce import BLOCK_BYTES, MAX_PROGRAMS
+
+    programs = min(-(-kib * 1024 // BLOCK_BYTES), MAX_PROGRAMS)
+    return max(1, min(ONE_GPU_CALLS, ONE_GPU_PROGRAMS // programs))
 
 
 def _group_of_one(store, device) -> torch.distributed.ProcessGroupNCCL:
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     methods = ("nccl", "one_shot", "ipc")
     where = f"{size} ranks on one {name} (MPS)" if args.one_gpu else f"{size} x {name}"
-    calls = ONE_GPU_CALLS if args.one_gpu else CALLS
+    calls = "up to 8" if args.one_gpu else CALLS
     print(f"all-reduce of {args.dtype} over {where}, {calls} calls per graph, us per call")
     print(f"{'size':>10} {'nccl':>10} {'symm-mem':>10} {'ipc':>10}  fastest")
     for row in rows:

@@ -1,13 +1,14 @@
-"""A one-shot all-reduce of a small message over buffers that every rank has mapped (CUDA IPC),
+"""A one-shot all-reduce of a message of up to a few MiB over buffers that every rank has mapped (CUDA IPC),
 in one Triton launch that chains with the kernels around it (programmatic dependent launch).
 
-A decode step of a T-way stage runs two all-reduces a layer, each of a few KB to a few hundred KB.
+A decode step of a T-way stage runs two all-reduces a layer, each of a few KB to a few MB.
 NCCL's kernel is not a programmatic dependent: the next layer's GEMV cannot stream its weights
 until NCCL's kernel has ended, so every all-reduce adds its whole latency to the step. This kernel
 calls gdc_launch_dependents as it starts, so the GEMV after it launches and loads its weights while
 the ranks meet (kernels/dependent_launch.py).
 
-Each program owns 2 KB of the message (BLOCK elements). It:
+Each program owns a 2 KB block of the message (BLOCK elements); past MAX_PROGRAMS blocks, block b
+is program b % MAX_PROGRAMS's, and a program does step 2 for all of its blocks before step 3. It:
 1. waits for the kernel before it (gdc_wait), reads its elements of x;
 2. writes them into slot RANK of every peer's buffer (remote stores over NVLink, posted, not read
    round trips);
@@ -57,8 +58,12 @@ from strata.kernels.dependent_launch import dependent_launch_supported, launch_o
 from strata.kernels.rmsnorm import rms_norm_row, row_warps
 
 MAX_RANKS = 8  # the kernel takes each rank's buffer as an argument of its own
-BLOCK_BYTES = 2048  # what a program owns: 16 bytes a thread at 4 warps (one vector; more spilled int64)
+BLOCK_BYTES = 2048  # a block of the message: 16 bytes a thread at 4 warps (one vector; more spilled int64)
 WARPS = 4
+# Programs a launch runs at most (512 KiB of bf16 in blocks, or 256 rows): few enough that all of
+# them are on the GPU at once, since each waits for the same program of every peer; a larger
+# message loops, block b (or row b) always program b % MAX_PROGRAMS's.
+MAX_PROGRAMS = 256
 
 
 @triton.jit
@@ -84,24 +89,37 @@ def _nth(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def _exchange(
-    x, offs, mask, pid, seq_ptr, abort_address, capacity,
-    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    RANK: tl.constexpr, WORLD: tl.constexpr, MAX: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
-):  # fmt: skip
-    """Steps 2-4 for this program's elements x (at offs): every rank's, summed in float32 in rank
-    order (or their maximum, in x's dtype). After gdc_wait: the sequence number is read here.
-    BITS is the integer type of x's width and EMPTY the empty mark in it."""
-    seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
-    parity = seq % 2
+def _sendable(x, MAX: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr):
+    """x as it may travel: never the empty mark."""
     if MAX:  # a key of -1 (the empty mark) has a -0.0 value: it goes as +0.0's, as argmax takes it
         x = tl.where(x == EMPTY, 0xFFFFFFFF, x)
     else:  # -0.0 is the empty mark: sent as +0.0
         x = tl.where(x.to(BITS, bitcast=True) == EMPTY, tl.zeros_like(x), x)
+    return x
+
+
+@triton.jit
+def _send(
+    x, offs, mask, parity, capacity,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    RANK: tl.constexpr, WORLD: tl.constexpr,
+):  # fmt: skip
+    """Step 2: this rank's elements x (sendable) into slot RANK of every peer's buffer."""
     for r in tl.static_range(WORLD):
         if r != RANK:
             buffer = _nth(r, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
             tl.store(buffer + (parity * WORLD + RANK) * capacity + offs, x, mask=mask)
+
+
+@triton.jit
+def _gather(
+    x, offs, mask, parity, abort_address, capacity,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    RANK: tl.constexpr, WORLD: tl.constexpr, MAX: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
+):  # fmt: skip
+    """Steps 3-4 for elements at offs whose own part is x (sendable): every rank's, summed in
+    float32 in rank order (or their maximum, in x's dtype), once none is empty; the slots read are
+    marked empty again."""
     own = _nth(RANK, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7)
     abort_ptr = abort_address.to(tl.pointer_type(tl.int32))
     if MAX:
@@ -133,7 +151,6 @@ def _exchange(
         if r != RANK:
             slot = own_bits + (parity * WORLD + r) * capacity + offs
             tl.store(slot, tl.full(offs.shape, EMPTY, BITS), mask=mask)
-    tl.store(seq_ptr + pid, seq)
     return total
 
 
@@ -154,24 +171,75 @@ def _one_shot_all_reduce_kernel(
     MAX: tl.constexpr,  # the elementwise maximum (the sampler's packed draw keys) instead of the sum
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
+    LOOP: tl.constexpr,  # more blocks than programs: each program sends all of its blocks, then gathers them
     PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
     if PDL:
         # Before the sequence number too: the previous call may still be running until then (it
         # let its successor launch early, and that one let this one).
         gdc_wait()
-    x = tl.load(x_ptr + offs, mask=mask)
-    total = _exchange(
-        x, offs, mask, pid, seq_ptr, abort_address, capacity,
-        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-        RANK, WORLD, MAX, BITS, EMPTY,
-    )  # fmt: skip
-    tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
+    seq = tl.load(seq_ptr + pid) + 1  # this program's alone: no other program touches it
+    parity = seq % 2
+    if LOOP:
+        # Block b is always program b % programs's (the grid is MAX_PROGRAMS whenever it loops), so
+        # the parity argument above holds per program for every block it owns.
+        programs = tl.num_programs(0)
+        b = pid  # (while loops: the interpreter's range() takes no program id)
+        while b * BLOCK < n:
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
+            _send(x, offs, offs < n, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+            b += programs
+        b = pid
+        while b * BLOCK < n:
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
+            total = _gather(
+                x, offs, offs < n, parity, abort_address, capacity,
+                buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+                RANK, WORLD, MAX, BITS, EMPTY,
+            )  # fmt: skip
+            tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=offs < n)
+            b += programs
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = _sendable(tl.load(x_ptr + offs, mask=mask), MAX, BITS, EMPTY)
+        _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+        total = _gather(
+            x, offs, mask, parity, abort_address, capacity,
+            buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+            RANK, WORLD, MAX, BITS, EMPTY,
+        )  # fmt: skip
+        tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(seq_ptr + pid, seq)
+
+
+@triton.jit
+def _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL: tl.constexpr):
+    """The row's residual, loaded before the wait: it streams while the ranks meet."""
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+    else:
+        residual = x  # (unused)
+    return residual
+
+
+@triton.jit
+def _norm_row(
+    total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype: tl.constexpr,
+    HIDDEN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """A row's summed parts, rounded as NCCL returns them, plus the residual, then normalised."""
+    h = total.to(dtype)
+    if ADD_RESIDUAL:
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    tl.store(residual_out_ptr + offs, h, mask=mask)  # the residual stream after this layer's add
+    out = rms_norm_row(h, weight, HIDDEN, eps, UNIT_OFFSET)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -184,6 +252,7 @@ def _one_shot_all_reduce_norm_kernel(
     buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
     seq_ptr,
     abort_address,
+    rows,
     capacity,
     eps,
     HIDDEN: tl.constexpr,
@@ -194,12 +263,14 @@ def _one_shot_all_reduce_norm_kernel(
     WORLD: tl.constexpr,
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
+    LOOP: tl.constexpr,  # more rows than programs: each program sends all of its rows, then gathers them
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """One row a program: its all-reduce, then kernels/rmsnorm.py's add and norm, rounded at the
-    same points (the sum in the activation dtype, as NCCL returns it; the residual sum; the
-    normalised row): the same bits as the one-shot followed by fused_add_rms_norm."""
-    row = tl.program_id(0)
+    """One row a program (or, with LOOP, rows pid, pid + programs, ...): its all-reduce, then
+    kernels/rmsnorm.py's add and norm, rounded at the same points (the sum in the activation dtype,
+    as NCCL returns it; the residual sum; the normalised row): the same bits as the one-shot
+    followed by fused_add_rms_norm."""
+    pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
@@ -207,21 +278,47 @@ def _one_shot_all_reduce_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # constant: before the wait
     if PDL:
         gdc_wait()
-    offs = row * HIDDEN + cols
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if ADD_RESIDUAL:
-        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)  # streams while the ranks meet
-    total = _exchange(
-        x, offs, mask, row, seq_ptr, abort_address, capacity,
-        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-        RANK, WORLD, False, BITS, EMPTY,
-    )  # fmt: skip
-    h = total.to(x_ptr.dtype.element_ty)
-    if ADD_RESIDUAL:
-        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    tl.store(residual_out_ptr + offs, h, mask=mask)  # the residual stream after this layer's add
-    out = rms_norm_row(h, weight, HIDDEN, eps, UNIT_OFFSET)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    seq = tl.load(seq_ptr + pid) + 1
+    parity = seq % 2
+    dtype = x_ptr.dtype.element_ty
+    if LOOP:
+        programs = tl.num_programs(0)
+        row = pid
+        while row < rows:
+            offs = row * HIDDEN + cols
+            x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
+            _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+            row += programs
+        row = pid
+        while row < rows:
+            offs = row * HIDDEN + cols
+            x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
+            residual = _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL)
+            total = _gather(
+                x, offs, mask, parity, abort_address, capacity,
+                buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+                RANK, WORLD, False, BITS, EMPTY,
+            )  # fmt: skip
+            _norm_row(
+                total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype,
+                HIDDEN, ADD_RESIDUAL, UNIT_OFFSET,
+            )  # fmt: skip
+            row += programs
+    else:
+        offs = pid * HIDDEN + cols
+        x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
+        residual = _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL)
+        _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+        total = _gather(
+            x, offs, mask, parity, abort_address, capacity,
+            buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+            RANK, WORLD, False, BITS, EMPTY,
+        )  # fmt: skip
+        _norm_row(
+            total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype,
+            HIDDEN, ADD_RESIDUAL, UNIT_OFFSET,
+        )  # fmt: skip
+    tl.store(seq_ptr + pid, seq)
 
 
 @dataclass(frozen=True)
@@ -266,7 +363,13 @@ def block_for(dtype: torch.dtype) -> int:
 
 
 def programs_for(numel: int, dtype: torch.dtype) -> int:
+    """Blocks of a message of numel elements (a program each, up to MAX_PROGRAMS)."""
     return triton.cdiv(numel, block_for(dtype))
+
+
+def sequence_words(capacity: int, dtype: torch.dtype) -> int:
+    """The sequence numbers an exchange of `capacity` elements keeps: one a program."""
+    return min(programs_for(capacity, dtype), MAX_PROGRAMS)
 
 
 def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = False) -> None:
@@ -275,7 +378,8 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
     shapes depend on python ints only: capturable in CUDA graphs."""
     assert x.numel() <= exchange.capacity, (x.numel(), exchange.capacity)
     pdl = dependent_launch_supported(x.device)
-    _one_shot_all_reduce_kernel[(programs_for(x.numel(), x.dtype),)](
+    programs = programs_for(x.numel(), x.dtype)
+    _one_shot_all_reduce_kernel[(min(programs, MAX_PROGRAMS),)](
         x,
         *exchange.kernel_args(),
         x.numel(),
@@ -285,6 +389,7 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
         BLOCK=block_for(x.dtype),
         MAX=maximum,
         **_mark_args(x.dtype),
+        LOOP=programs > MAX_PROGRAMS,
         PDL=pdl,
         num_warps=WARPS,
         **launch_options(pdl),
@@ -303,20 +408,21 @@ def one_shot_all_reduce_add_rms_norm(
 ) -> None:
     """out = rms_norm(x summed over the ranks (+ residual)), residual_out = that sum (+ residual),
     for contiguous x, residual, out and residual_out of [rows, hidden]; rows * hidden at most
-    exchange.capacity, rows at most its programs. residual_out may be x or residual (a program
-    reads its row before it writes it). As one_shot_all_reduce: the same calls on every rank."""
+    exchange.capacity. residual_out may be x or residual (a program reads its row before it writes
+    it). As one_shot_all_reduce: the same calls on every rank."""
     rows, hidden = x.shape
-    assert rows <= exchange.sequences.numel() and rows * hidden <= exchange.capacity, (x.shape, exchange.capacity)
+    assert rows * hidden <= exchange.capacity, (x.shape, exchange.capacity)
     pdl = dependent_launch_supported(x.device)
     block = triton.next_power_of_2(hidden)
     add = residual is not None
-    _one_shot_all_reduce_norm_kernel[(rows,)](
+    _one_shot_all_reduce_norm_kernel[(min(rows, MAX_PROGRAMS),)](
         x,
         residual if add else x,
         weight,
         out,
         residual_out,
         *exchange.kernel_args(),
+        rows,
         exchange.capacity,
         eps,
         HIDDEN=hidden,
@@ -326,6 +432,7 @@ def one_shot_all_reduce_add_rms_norm(
         RANK=exchange.rank,
         WORLD=len(exchange.buffers),
         **_mark_args(x.dtype),
+        LOOP=rows > MAX_PROGRAMS,
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),

@@ -25,7 +25,7 @@ def _exchange(world: int, rank: int, capacity: int, dtype=torch.bfloat16, buffer
         buffers = [torch.empty(2 * world * capacity, dtype=dtype) for _ in range(world)]
         for buffer in buffers:
             one_shot.mark_empty(buffer)
-    programs = one_shot.programs_for(capacity, dtype)
+    programs = one_shot.sequence_words(capacity, dtype)
     sequences, abort = torch.zeros(programs, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     return one_shot.Exchange(buffers, sequences, abort, capacity, rank)
 
@@ -61,6 +61,23 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         assert args[9] is exchange.sequences and args[10] == exchange.abort_word.data_ptr() and args[11] == 3000
         assert kwargs["RANK"] == 1 and kwargs["WORLD"] == 3 and kwargs["BLOCK"] == 1024 and not kwargs["MAX"]
         assert kwargs["EMPTY"] == -(2**15)  # -0.0's bits, compared as int16
+        assert not kwargs["LOOP"]
+
+    def test_past_its_programs_a_launch_loops_over_blocks_it_always_owns(monkeypatch):
+        import strata.kernels.one_shot_all_reduce as one_shot
+
+        kernel, norm = _Recorded(), _Recorded()
+        monkeypatch.setattr(one_shot, "_one_shot_all_reduce_kernel", kernel)
+        monkeypatch.setattr(one_shot, "_one_shot_all_reduce_norm_kernel", norm)
+        exchange = _exchange(2, rank=0, capacity=4 << 20)
+        assert exchange.sequences.numel() == one_shot.MAX_PROGRAMS  # a word a program, not a block
+        one_shot.one_shot_all_reduce(torch.zeros(300 * 1024, dtype=torch.bfloat16), exchange)
+        ((grid, _, kwargs),) = kernel.calls
+        assert grid == (one_shot.MAX_PROGRAMS,) and kwargs["LOOP"]
+        rows = torch.zeros(512, 4096, dtype=torch.bfloat16)  # an 8B's batch-512 decode rows
+        one_shot.one_shot_all_reduce_add_rms_norm(rows, None, torch.ones(4096), 1e-6, False, rows, rows, exchange)
+        ((grid, args, kwargs),) = norm.calls
+        assert grid == (one_shot.MAX_PROGRAMS,) and kwargs["LOOP"] and args[15] == 512  # rows, past the buffers
 
     def test_the_norm_variant_runs_a_program_a_row(monkeypatch):
         import strata.kernels.one_shot_all_reduce as one_shot
@@ -94,7 +111,8 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         assert (packed != -1).all() and packed[0] == packed[1]
 
     @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernels")
-    def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread():
+    @pytest.mark.parametrize("loop", [False, True])
+    def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread(loop):
         import triton.language as tl
         from triton.compiler import ASTSource
 
@@ -103,7 +121,7 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
         kernel = one_shot._one_shot_all_reduce_kernel
         types = {f"buf{i}": "*bf16" for i in range(8)} | {"x_ptr": "*bf16", "seq_ptr": "*i32", "abort_address": "i64"}
-        constexprs = dict(RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), PDL=True)
+        constexprs = dict(RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), LOOP=loop, PDL=True)
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constexprs}
         source = ASTSource(
@@ -212,10 +230,28 @@ else:
             want = (parts[0] + parts[1]) + parts[2]
             assert all(torch.equal(sums[r], want) for r in range(3))
 
-    @pytest.mark.parametrize("with_residual", [True, False])
-    def test_the_norm_variant_sums_adds_and_normalises_each_row(with_residual):
+    def test_past_its_programs_each_sends_all_its_blocks_then_gathers_them(monkeypatch):
+        monkeypatch.setattr(one_shot, "MAX_PROGRAMS", 2)  # 6 blocks of 512 float32: 3 a program
+        ranks = _ranks(capacity=4096)
+        gen = torch.Generator().manual_seed(2)
+        for call, n in enumerate([2600, 700, 2600]):  # looping, then not, then again: one parity a call
+            parts = [torch.randn(n, generator=gen) * 10 ** (3 * r) for r in range(2)]
+            sums = {}
+
+            def launch(r, exchange):
+                sums[r] = parts[r].clone()
+                one_shot.one_shot_all_reduce(sums[r], exchange)
+
+            _play(ranks, parts, (call + 1) % 2, launch)
+            assert torch.equal(sums[0], parts[0] + parts[1]) and torch.equal(sums[1], sums[0])
+        assert ranks[0].sequences[:2].tolist() == [3, 3]
+
+    @pytest.mark.parametrize("with_residual,max_programs", [(True, None), (False, None), (True, 2)])
+    def test_the_norm_variant_sums_adds_and_normalises_each_row(with_residual, max_programs, monkeypatch):
         from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
 
+        if max_programs:  # three rows on two programs: the first loops
+            monkeypatch.setattr(one_shot, "MAX_PROGRAMS", max_programs)
         ranks = _ranks(capacity=3 * 512)  # a program (and its sequence number) a row
         gen = torch.Generator().manual_seed(1)
         parts = [torch.randn(3, 96, generator=gen) for _ in range(2)]

@@ -78,9 +78,10 @@ def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> No
         store = torch.distributed.TCPStore(
             "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
         )
-        one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024)
+        # 2 MiB of bf16: past MAX_PROGRAMS blocks (and rows of 4,096), so the looping launches run too.
+        one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=2 << 20)
         one_shot.keys = IpcAllReduce(store, rank, size, 1, device, torch.int64, max_bytes=16 * 1024, kind="max")
-        one_shot.norm = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=256 * 1024, kind="norm")
+        one_shot.norm = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=2 << 20, kind="norm")
         one_shot.store = store
         value = fn(rank, one_shot)
         torch.cuda.synchronize()
@@ -91,15 +92,16 @@ def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> No
 
 def _sums(rank, one_shot):
     """Integer-valued inputs (exact in bf16): sizes that miss programs, then repeat them, so each
-    program's sequence numbers and both buffer parities are exercised; then a graph."""
+    program's sequence numbers and both buffer parities are exercised, with messages past
+    MAX_PROGRAMS blocks (a launch that loops) between them; then a graph."""
     device = one_shot.buffer.device
     got = []
-    for n in (1, 1000, 4096, 65536, 4096, 3, 128 * 1024, 4096, 4096, 4096):
+    for n in (1, 1000, 4096, 65536, 4096, 3, 1 << 20, 4096, 300 * 1024 + 5, 300 * 1024 + 5, 4096, 4096):
         x = (torch.arange(n, device=device) % 7 + rank * 10).to(torch.bfloat16)
         assert one_shot(x)
         want = (torch.arange(n, device=device) % 7) * 2 + 10
         got.append(bool(torch.equal(x.float(), want.float())))
-    assert not one_shot(torch.zeros(128 * 1024 + 1, device=device, dtype=torch.bfloat16))  # past its buffer
+    assert not one_shot(torch.zeros((1 << 20) + 1, device=device, dtype=torch.bfloat16))  # past its buffer
     assert not one_shot(torch.zeros(8, device=device))  # float32: NCCL's
     static = torch.zeros(4096, device=device, dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
@@ -189,7 +191,7 @@ def _normed(rank, one_shot):
     weight = torch.randn(hidden, generator=common).to(device=device, dtype=torch.bfloat16)
     own = torch.Generator(device="cpu").manual_seed(rank)
     same = []
-    for rows in (1, 16, 30):
+    for rows in (1, 16, 30, 256 + 7, 16):  # 263 rows: a launch that loops
         x = torch.randn(rows, hidden, generator=own).to(device=device, dtype=torch.bfloat16)
         residual = torch.randn(rows, hidden, generator=common).to(device=device, dtype=torch.bfloat16)
         summed = x.clone()

@@ -21,8 +21,12 @@ from strata.v1 import engine_pb2
 
 log = logging.getLogger("strata.worker")
 
-# Largest message (bytes): a 16-stream decode step's rows of an 8B model are 128 KiB; past a few
-# hundred KiB every rank writing the whole message to every other moves more than NCCL's ring.
+# Largest message (bytes). With two ranks each sends the whole message once, as NCCL's ring does
+# (half in its reduce-scatter, half in its all-gather), with one launch and no round trips: 8 MiB
+# holds an 8B model's batch-512 decode rows (NCCL took 44 us at 2 MiB on two H200s, where the
+# one-shot's kernel is a 2 MiB copy over NVLink). With more ranks each sends the message to every
+# peer, T - 1 times what the ring moves: there it stays at the small messages it was measured on.
+MAX_BYTES_TWO_RANKS = 8 * 1024 * 1024
 MAX_BYTES = 512 * 1024
 # The draw's maximum: one int64 key a row, for a decode batch of up to 2,048 rows.
 MAX_KEY_BYTES = 16 * 1024
@@ -45,11 +49,11 @@ class IpcAllReduce:
         session: int,
         device: torch.device,
         dtype: torch.dtype,
-        max_bytes: int = MAX_BYTES,
+        max_bytes: int | None = None,
         timeout: float = 60.0,
         kind: str = "sum",
     ):
-        from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, mark_empty, programs_for
+        from strata.kernels.one_shot_all_reduce import MAX_RANKS, Exchange, mark_empty, sequence_words
 
         if size > MAX_RANKS:
             raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} ranks")
@@ -61,13 +65,14 @@ class IpcAllReduce:
         self.aborted = False
         # add_rms_norm's rows: a program owns one, the same place in the buffers only at one width.
         self.row_width: int | None = None
+        if max_bytes is None:
+            max_bytes = MAX_BYTES_TWO_RANKS if size == 2 else MAX_BYTES
         self.capacity = max_bytes // dtype.itemsize
-        programs = programs_for(self.capacity, dtype)
         # [2 parities, size slots, capacity]: slot r holds rank r's part of the call, marked
         # empty until it lands (this rank's own slots stay unused: its part is in registers).
         self.buffer = torch.empty(2 * size * self.capacity, dtype=dtype, device=device)
         mark_empty(self.buffer)
-        self.sequences = torch.zeros(programs, dtype=torch.int32, device=device)
+        self.sequences = torch.zeros(sequence_words(self.capacity, dtype), dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # marked before any peer can see them
         keys = dist.PrefixStore(f"strata/ipc/{session}/{kind}/", store)
@@ -109,7 +114,7 @@ class IpcAllReduce:
         if self.kind != "norm" or x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
             return None
         rows, width = x.shape
-        if rows * width > self.capacity or rows > self.sequences.numel() or self.row_width not in (None, width):
+        if rows * width > self.capacity or self.row_width not in (None, width):
             return None
         if residual is not None and not (residual.is_contiguous() and residual.dtype == x.dtype):
             return None
