@@ -78,10 +78,10 @@ def _rank_main(fn, rank: int, size: int, port: int, spread: bool, results) -> No
         store = torch.distributed.TCPStore(
             "127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
         )
-        # 2 MiB of bf16: past MAX_PROGRAMS blocks (and rows of 4,096), so the looping launches run too.
-        one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=2 << 20)
+        # 4 MiB of bf16: past MAX_PROGRAMS blocks (and rows of 4,096), so the looping launches run too.
+        one_shot = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=4 << 20)
         one_shot.keys = IpcAllReduce(store, rank, size, 1, device, torch.int64, max_bytes=16 * 1024, kind="max")
-        one_shot.norm = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=2 << 20, kind="norm")
+        one_shot.norm = IpcAllReduce(store, rank, size, 1, device, torch.bfloat16, max_bytes=4 << 20, kind="norm")
         one_shot.store = store
         value = fn(rank, one_shot)
         torch.cuda.synchronize()
@@ -101,7 +101,7 @@ def _sums(rank, one_shot):
         assert one_shot(x)
         want = (torch.arange(n, device=device) % 7) * 2 + 10
         got.append(bool(torch.equal(x.float(), want.float())))
-    assert not one_shot(torch.zeros((1 << 20) + 1, device=device, dtype=torch.bfloat16))  # past its buffer
+    assert not one_shot(torch.zeros((2 << 20) + 1, device=device, dtype=torch.bfloat16))  # past its buffer
     assert not one_shot(torch.zeros(8, device=device))  # float32: NCCL's
     static = torch.zeros(4096, device=device, dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
