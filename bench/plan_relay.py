@@ -5,7 +5,8 @@ docstring weighs). A peer process receives every plan and stamps its arrival; th
 the sender's time in each write (what a coroutine awaits), its process's CPU time per plan (every
 thread's: gRPC's own included), and the one-way latency, plan written to plan parsed on the peer
 (one host: both read CLOCK_MONOTONIC), median and p99, plans sent one at a time as a scheduler's
-come.
+come. "grpc+token" is the Steps stream as serving opens it, carrying the cluster token that
+`strata serve` always sets.
 
     python -m strata.bench.plan_relay
 """
@@ -92,11 +93,13 @@ def _peer(kind: str, port_out, stamps_out, count: int) -> None:
 # ------------------------------------------------------------------ rank 0
 
 
-async def _send_grpc(port: int, plans: list[bytes], gap: float) -> tuple[list[float], list[float]]:
+async def _send_grpc(
+    port: int, plans: list[bytes], gap: float, token: str | None = None
+) -> tuple[list[float], list[float]]:
     from strata.grpc_util import aio_channel
 
     sent, loop_time = [], []
-    async with aio_channel(f"127.0.0.1:{port}") as channel:
+    async with aio_channel(f"127.0.0.1:{port}", token) as channel:
         call = channel.stream_stream("/strata.v1.Worker/Steps", request_serializer=None, response_deserializer=None)()
         for raw in plans:
             start = time.perf_counter()
@@ -127,10 +130,14 @@ async def _send_socket(port: int, plans: list[bytes], gap: float) -> tuple[list[
 def measure(kind: str, plans: list[bytes], gap: float) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ports, stamps = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_peer, args=(kind, ports, stamps, len(plans)))
+    peer = ctx.Process(target=_peer, args=(kind.split("+")[0], ports, stamps, len(plans)))
     peer.start()
     port = ports.get(timeout=60)
-    send = _send_grpc if kind == "grpc" else _send_socket
+    send = {
+        "grpc": _send_grpc,
+        "grpc+token": lambda *args: _send_grpc(*args, token="cluster-token"),
+        "socket": _send_socket,
+    }[kind]
     cpu = time.process_time()
     sent, loop_time = asyncio.run(send(port, plans, gap))
     cpu = (time.process_time() - cpu) / len(plans)
@@ -151,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plans", type=int, default=300, help="plans per size and way")
     p.add_argument("--gap-ms", type=float, default=2.0, help="time between plans (a step's)")
     args = p.parse_args(argv)
-    print(f"{'plan':>24} {'bytes':>8} {'way':>7} {'p50 us':>8} {'p99 us':>8} {'loop us':>8} {'cpu us':>8}")
+    print(f"{'plan':>24} {'bytes':>8} {'way':>10} {'p50 us':>8} {'p99 us':>8} {'loop us':>8} {'cpu us':>8}")
     for name, (seqs, tokens) in SIZES.items():
         plans = [_plan(seqs, tokens, i) for i in range(args.plans)]
-        for kind in ("grpc", "socket"):
+        for kind in ("grpc", "grpc+token", "socket"):
             r = measure(kind, plans, args.gap_ms / 1e3)
             print(
-                f"{name:>24} {len(plans[0]):>8,} {kind:>7} {r['latency_p50_us']:>8.0f} "
+                f"{name:>24} {len(plans[0]):>8,} {kind:>10} {r['latency_p50_us']:>8.0f} "
                 f"{r['latency_p99_us']:>8.0f} {r['sender_loop_us']:>8.1f} {r['sender_cpu_us']:>8.1f}",
                 flush=True,
             )
