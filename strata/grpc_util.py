@@ -79,14 +79,17 @@ class _StreamStreamMetadata(_WithMetadata, grpc.aio.StreamStreamClientIntercepto
     intercept_stream_stream = _WithMetadata._intercept
 
 
-def aio_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
-    """A channel to an internal service; every call carries the cluster token when one is set."""
+def aio_channel(address: str, token: str | None = None, intercept_streams: bool = True) -> grpc.aio.Channel:
+    """A channel to an internal service; every call carries the cluster token when one is set.
+    intercept_streams=False: bidirectional streams do not (their caller passes
+    metadata=bearer(token)): grpc.aio proxies each write of an intercepted stream through a queue
+    and two tasks, which a stream written every step should not pay."""
     interceptors = None
     if token:
-        interceptors = [
-            kind(bearer(token))
-            for kind in (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata, _StreamStreamMetadata)
-        ]
+        kinds = [_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata]
+        if intercept_streams:
+            kinds.append(_StreamStreamMetadata)
+        interceptors = [kind(bearer(token)) for kind in kinds]
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 

@@ -491,8 +491,8 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
 
 
 def test_a_plan_is_serialized_once_for_every_stage():
-    """Pipeline.send writes the same bytes to each stage's Steps stream (the raw-bytes call), not
-    the message for each stream to serialize again."""
+    """Pipeline.post queues the same bytes for each stage's Steps stream (the raw-bytes call), not
+    the message for each stream to serialize again, and each stage's writer writes them in order."""
     from strata.services.scheduler.pipeline import Pipeline, StageHandle
 
     writes = []
@@ -501,9 +501,24 @@ def test_a_plan_is_serialized_once_for_every_stage():
         async def write(self, data):
             writes.append(data)
 
-    pipeline = Pipeline(["s0:1", "s1:1", "s2:1"])
-    pipeline.stages = [StageHandle(f"s{i}:1", None, None, engine_pb2.WorkerDescription(), Call()) for i in range(3)]
+    async def run(plans):
+        pipeline = Pipeline(["s0:1", "s1:1", "s2:1"])
+        pipeline.stages = [
+            StageHandle(f"s{i}:1", None, None, engine_pb2.WorkerDescription(), Call(), asyncio.Queue())
+            for i in range(3)
+        ]
+        writers = [asyncio.create_task(pipeline._write_plans(s)) for s in pipeline.stages]
+        for plan in plans:
+            pipeline.post(plan)
+        assert not writes  # post returns before any write
+        while len(writes) < 3 * len(plans):
+            await asyncio.sleep(0)
+        for w in writers:
+            w.cancel()
+
     plan = engine_pb2.StepPlan(step_id=7, seq_ids=[1, 2], num_computed=[3, 4], num_scheduled=[1, 1])
-    asyncio.run(pipeline.send(plan))
-    assert len(writes) == 3 and all(w is writes[0] for w in writes)
-    assert engine_pb2.StepPlan.FromString(writes[0]) == plan
+    asyncio.run(run([plan, engine_pb2.StepPlan(step_id=8)]))
+    firsts = [w for w in writes if engine_pb2.StepPlan.FromString(w).step_id == 7]
+    assert len(firsts) == 3 and all(w is firsts[0] for w in firsts)
+    assert engine_pb2.StepPlan.FromString(firsts[0]) == plan
+    assert [engine_pb2.StepPlan.FromString(w).step_id for w in writes[::3]] == [7, 8]  # in order

@@ -256,8 +256,17 @@ def test_a_write_to_a_finished_stage_stream_is_a_lost_stage(error):
         raise error
 
     pipeline = Pipeline(["stage0:1"])
-    pipeline.stages = [
-        StageHandle("stage0:1", channel=None, stub=None, description=None, call=SimpleNamespace(write=write))
-    ]
-    with pytest.raises(PipelineError, match="sending step 7 failed"):
-        asyncio.run(pipeline.send(engine_pb2.StepPlan(step_id=7)))
+    woken = []
+
+    async def post_and_write():
+        stage = StageHandle("stage0:1", None, None, None, SimpleNamespace(write=write), asyncio.Queue())
+        pipeline.stages = [stage]
+        pipeline.on_failure = lambda: woken.append(True)  # the engine's wake
+        writer = asyncio.create_task(pipeline._write_plans(stage))
+        pipeline.post(engine_pb2.StepPlan(step_id=7))
+        await writer
+
+    asyncio.run(post_and_write())
+    assert woken
+    with pytest.raises(PipelineError, match="sending step 7 to stage0:1 failed"):
+        pipeline.post(engine_pb2.StepPlan(step_id=8))

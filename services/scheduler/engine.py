@@ -59,6 +59,7 @@ class Engine:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        self.pipeline.on_failure = self._wake.set  # a plan that could not be written
         await self._connect()
         self._task = asyncio.create_task(self._engine_loop(), name="engine-loop")
 
@@ -192,6 +193,7 @@ class Engine:
                     for reader in readers:
                         if reader.done():
                             reader.result()  # re-raises the stage's failure
+                    self.pipeline.raise_if_failed()
                     if not self.in_flight:
                         self._mark_idle()
                     self._wake.clear()
@@ -273,7 +275,7 @@ class Engine:
             self.in_flight.append(plan)
             self._deadlines.append(self._step_deadline(plan.num_tokens))
             self._mark_busy()
-            await self.pipeline.send(msg)
+            self.pipeline.post(msg)
 
     def _step_deadline(self, tokens: int) -> float:
         """Seconds a step of `tokens` tokens may take before its stage counts as hung."""

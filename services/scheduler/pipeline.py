@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from strata.grpc_util import aio_channel
+from strata.grpc_util import aio_channel, bearer
 from strata.stage_links import TransportError, choose_transport, gpus_shared_without_mps, host_of, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
@@ -28,6 +28,8 @@ class StageHandle:
     stub: engine_pb2_grpc.WorkerStub
     description: engine_pb2.WorkerDescription
     call: grpc.aio.StreamStreamCall | None = None
+    outbox: asyncio.Queue | None = None  # (step id, plan bytes) its writer has yet to write
+    writer: asyncio.Task | None = None
 
 
 def _raw_steps(channel: grpc.aio.Channel):
@@ -73,6 +75,9 @@ class Pipeline:
         # One stage with a draft worker: the draft worker hands its proposals straight to the
         # stage over this link (0: none; the engine then fills them into the plans).
         self.draft_transport = 0
+        # A stage's plan that could not be written (post() raises it), and who to tell at once.
+        self.failed: PipelineError | None = None
+        self.on_failure = lambda: None
 
     @property
     def num_stages(self) -> int:
@@ -116,10 +121,15 @@ class Pipeline:
                     self.draft_transport = await self._open_token_link(self.draft, stages[0], session, drafts=True)
                 except PipelineError as e:  # (an older target, or no transport between the two): as before
                     log.warning("%s; the draft worker's proposals go through the scheduler", e)
+        # The token as the calls' own metadata, not through the channel's interceptor: grpc.aio
+        # passes an intercepted stream's every write through a queue and two more tasks.
+        self.failed = None
         for stage in stages:
-            stage.call = _raw_steps(stage.channel)()
+            stage.call = _raw_steps(stage.channel)(metadata=bearer(self.token))
+            stage.outbox = asyncio.Queue()
+            stage.writer = asyncio.create_task(self._write_plans(stage), name=f"plans to {stage.address}")
         if self.draft is not None:
-            self.draft.call = self.draft.stub.Steps()
+            self.draft.call = self.draft.stub.Steps(metadata=bearer(self.token))
         for shared in gpus_shared_without_mps([s.description for s in stages]):
             log.warning(
                 "stages %s share one GPU without MPS: each hand-off between them leaves the GPU idle while it "
@@ -225,7 +235,7 @@ class Pipeline:
             raise PipelineError(f"InitCache on {stage.address} failed: {e.details()}") from e
 
     async def _open(self, address: str, timeout: float) -> StageHandle:
-        channel = aio_channel(address, self.token)
+        channel = aio_channel(address, self.token, intercept_streams=False)
         stub = engine_pb2_grpc.WorkerStub(channel)
         try:
             return StageHandle(address, channel, stub, await self._describe(stub, address, timeout))
@@ -275,15 +285,32 @@ class Pipeline:
         if d.model.max_model_len < target.model.max_model_len:
             raise PipelineError(f"draft worker {draft.address}: max_model_len below the target's")
 
-    async def send(self, plan: engine_pb2.StepPlan) -> None:
-        """Writes the plan to every stage's Steps stream, serialized once for all of them."""
-        raw = plan.SerializeToString()
-        try:
-            await asyncio.gather(*(s.call.write(raw) for s in self.stages))
-        # An intercepted call (the cluster token) reports a write after the stream ended as
-        # InvalidStateError rather than the call's status: either way the stage is gone.
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:
-            raise PipelineError(f"sending step {plan.step_id} failed: {e}") from e
+    def post(self, plan: engine_pb2.StepPlan) -> None:
+        """Queues the plan, serialized once, for every stage's Steps stream and returns at once:
+        each stage's writer writes its plans in order while the engine goes on (an awaited write
+        held the engine loop for a trip through grpc's poller, every plan, ~100 us on a server's
+        cores). A write that fails fails the pipeline: post raises it from then on."""
+        if self.failed is not None:
+            raise self.failed
+        item = (plan.step_id, plan.SerializeToString())
+        for stage in self.stages:
+            stage.outbox.put_nowait(item)
+
+    async def _write_plans(self, stage: StageHandle) -> None:
+        while True:
+            step_id, raw = await stage.outbox.get()
+            try:
+                await stage.call.write(raw)
+            # A write after the stream ended raises InvalidStateError or UsageError rather than the
+            # call's status: either way the stage is gone.
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:
+                self.failed = PipelineError(f"sending step {step_id} to {stage.address} failed: {e}")
+                self.on_failure()
+                return
+
+    def raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
 
     async def receive(self) -> engine_pb2.StepResult:
         try:
@@ -324,6 +351,8 @@ class Pipeline:
 
     async def close(self) -> None:
         for s in self.stages + ([self.draft] if self.draft else []):
+            if s.writer is not None:
+                s.writer.cancel()
             if s.call is not None:
                 s.call.cancel()
             await s.channel.close()
