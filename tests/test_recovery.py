@@ -259,12 +259,11 @@ def test_a_write_to_a_finished_stage_stream_is_a_lost_stage(error):
     woken = []
 
     async def post_and_write():
-        stage = StageHandle("stage0:1", None, None, None, SimpleNamespace(write=write), asyncio.Queue())
+        stage = StageHandle("stage0:1", None, None, None, SimpleNamespace(write=write))
         pipeline.stages = [stage]
         pipeline.on_failure = lambda: woken.append(True)  # the engine's wake
-        writer = asyncio.create_task(pipeline._write_plans(stage))
         pipeline.post(engine_pb2.StepPlan(step_id=7))
-        await writer
+        await stage.writer
 
     asyncio.run(post_and_write())
     assert woken

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -21,6 +23,15 @@ class PipelineError(Exception):
     """A stage is unreachable, misconfigured, or failed mid-stream."""
 
 
+def _start_eagerly(coro, name: str) -> asyncio.Task:
+    """A task that runs up to its first suspension now (a write's submission to grpc), where
+    Python allows it (3.12); else at the loop's next turn."""
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, name=name, eager_start=True)
+    return loop.create_task(coro, name=name)
+
+
 @dataclass
 class StageHandle:
     address: str
@@ -28,7 +39,8 @@ class StageHandle:
     stub: engine_pb2_grpc.WorkerStub
     description: engine_pb2.WorkerDescription
     call: grpc.aio.StreamStreamCall | None = None
-    outbox: asyncio.Queue | None = None  # (step id, plan bytes) its writer has yet to write
+    # (step id, plan bytes) not written yet, and the task writing them (None or done: idle).
+    outbox: collections.deque = field(default_factory=collections.deque)
     writer: asyncio.Task | None = None
 
 
@@ -126,8 +138,6 @@ class Pipeline:
         self.failed = None
         for stage in stages:
             stage.call = _raw_steps(stage.channel)(metadata=bearer(self.token))
-            stage.outbox = asyncio.Queue()
-            stage.writer = asyncio.create_task(self._write_plans(stage), name=f"plans to {stage.address}")
         if self.draft is not None:
             self.draft.call = self.draft.stub.Steps(metadata=bearer(self.token))
         for shared in gpus_shared_without_mps([s.description for s in stages]):
@@ -286,27 +296,32 @@ class Pipeline:
             raise PipelineError(f"draft worker {draft.address}: max_model_len below the target's")
 
     def post(self, plan: engine_pb2.StepPlan) -> None:
-        """Queues the plan, serialized once, for every stage's Steps stream and returns at once:
-        each stage's writer writes its plans in order while the engine goes on (an awaited write
-        held the engine loop for a trip through grpc's poller, every plan, ~100 us on a server's
-        cores). A write that fails fails the pipeline: post raises it from then on."""
+        """Sends the plan, serialized once, on every stage's Steps stream without waiting for the
+        writes to complete: an awaited write held the engine loop for a trip through grpc's poller
+        every plan. A stage's writer writes its plans in order, the first at once where the task
+        can start eagerly (Python 3.12). A write that fails fails the pipeline: post raises it from
+        then on, and on_failure wakes the engine."""
         if self.failed is not None:
             raise self.failed
         item = (plan.step_id, plan.SerializeToString())
         for stage in self.stages:
-            stage.outbox.put_nowait(item)
+            stage.outbox.append(item)
+            if stage.writer is None or stage.writer.done():
+                stage.writer = _start_eagerly(self._write_plans(stage), f"plans to {stage.address}")
 
     async def _write_plans(self, stage: StageHandle) -> None:
-        while True:
-            step_id, raw = await stage.outbox.get()
+        """Writes the stage's queued plans in order, then ends (post starts it again)."""
+        while stage.outbox:
+            step_id, raw = stage.outbox[0]
             try:
                 await stage.call.write(raw)
-            # A write after the stream ended raises InvalidStateError or UsageError rather than the
-            # call's status: either way the stage is gone.
+            # A write after the stream ended raises InvalidStateError or UsageError rather than
+            # the call's status: either way the stage is gone.
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, AttributeError) as e:
                 self.failed = PipelineError(f"sending step {step_id} to {stage.address} failed: {e}")
                 self.on_failure()
                 return
+            stage.outbox.popleft()
 
     def raise_if_failed(self) -> None:
         if self.failed is not None:
