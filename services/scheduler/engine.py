@@ -276,6 +276,9 @@ class Engine:
             self._deadlines.append(self._step_deadline(plan.num_tokens))
             self._mark_busy()
             self.pipeline.post(msg)
+            # One turn of the loop a plan: the tokens just delivered go out to their streams (a
+            # client's next token waits on that, not on this loop's next plan).
+            await asyncio.sleep(0)
 
     def _step_deadline(self, tokens: int) -> float:
         """Seconds a step of `tokens` tokens may take before its stage counts as hung."""
