@@ -3,7 +3,11 @@
 # spend it; each phase fits one call of the device tool (10 minutes) and writes its logs to $OUT.
 # Session 8 (bench/RESULTS.md, "Issues 50 and 51 on two H200s at last") ran the benches' first
 # rows; still never run on two GPUs: the one-shot's and tensor parallelism's two-GPU tests, the
-# pipeline at P + 2 micro-batches by default, and every way of the TP bench in one run.
+# pipeline at P + 2 micro-batches by default, and every way of the TP bench in one run. Since
+# session 9 (435c566) the ipc one-shot takes messages up to 8 MiB with two ranks (a looping launch
+# past 512 KiB): `hops` times it at 2 and 8 MiB against NCCL, and `tp ipc` is the offline row it
+# should move (an 8B rank's batch-256 step is 6.16 ms alone on one H200; at NCCL's 44 us for 2 MiB,
+# its 65 all-reduces of that size would add ~2.9 ms).
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
