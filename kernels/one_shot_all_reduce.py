@@ -229,14 +229,22 @@ def _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _norm_row(
-    total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype: tl.constexpr,
+def _gather_norm_row(
+    x, residual, weight, out_ptr, residual_out_ptr, offs, mask, parity, abort_address, capacity, eps,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
     HIDDEN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
 ):  # fmt: skip
-    """A row's summed parts, rounded as NCCL returns them, plus the residual, then normalised."""
-    h = total.to(dtype)
+    """Steps 3-4 for a row, then its sum rounded as NCCL returns it, plus the residual, stored as
+    the residual stream and normalised."""
+    total = _gather(
+        x, offs, mask, parity, abort_address, capacity,
+        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+        RANK, WORLD, False, BITS, EMPTY,
+    )  # fmt: skip
+    h = total.to(x.dtype)
     if ADD_RESIDUAL:
-        h = (h.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
     tl.store(residual_out_ptr + offs, h, mask=mask)  # the residual stream after this layer's add
     out = rms_norm_row(h, weight, HIDDEN, eps, UNIT_OFFSET)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -280,7 +288,6 @@ def _one_shot_all_reduce_norm_kernel(
         gdc_wait()
     seq = tl.load(seq_ptr + pid) + 1
     parity = seq % 2
-    dtype = x_ptr.dtype.element_ty
     if LOOP:
         programs = tl.num_programs(0)
         row = pid
@@ -294,14 +301,10 @@ def _one_shot_all_reduce_norm_kernel(
             offs = row * HIDDEN + cols
             x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
             residual = _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL)
-            total = _gather(
-                x, offs, mask, parity, abort_address, capacity,
+            _gather_norm_row(
+                x, residual, weight, out_ptr, residual_out_ptr, offs, mask, parity, abort_address, capacity, eps,
                 buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-                RANK, WORLD, False, BITS, EMPTY,
-            )  # fmt: skip
-            _norm_row(
-                total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype,
-                HIDDEN, ADD_RESIDUAL, UNIT_OFFSET,
+                HIDDEN, ADD_RESIDUAL, UNIT_OFFSET, RANK, WORLD, BITS, EMPTY,
             )  # fmt: skip
             row += programs
     else:
@@ -309,14 +312,10 @@ def _one_shot_all_reduce_norm_kernel(
         x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
         residual = _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL)
         _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
-        total = _gather(
-            x, offs, mask, parity, abort_address, capacity,
+        _gather_norm_row(
+            x, residual, weight, out_ptr, residual_out_ptr, offs, mask, parity, abort_address, capacity, eps,
             buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-            RANK, WORLD, False, BITS, EMPTY,
-        )  # fmt: skip
-        _norm_row(
-            total, residual, weight, out_ptr, residual_out_ptr, offs, mask, eps, dtype,
-            HIDDEN, ADD_RESIDUAL, UNIT_OFFSET,
+            HIDDEN, ADD_RESIDUAL, UNIT_OFFSET, RANK, WORLD, BITS, EMPTY,
         )  # fmt: skip
     tl.store(seq_ptr + pid, seq)
 
