@@ -8,7 +8,7 @@ stage per pipeline position, and rank 0 relays its plans and links to the other 
                    deadline; no-ops at T = 1
     symm_mem.py    the one-shot all-reduce of small messages through symmetric memory (opt-in)
     ipc_all_reduce.py  Strata's own one-shot (kernels/one_shot_all_reduce.py) over buffers shared
-                   by CUDA IPC, and the abort word that frees its waits (opt-in)
+                   by CUDA IPC, and the abort word that frees its waits (the default on GPUs)
     rendezvous.py  the store rank 0 hosts, where the ranks find each other
     relay.py       rank 0's side: its peers described, InitCache and token links relayed with each
                    rank's own link ends

@@ -1,8 +1,8 @@
-"""Strata's own one-shot all-reduce (kernels/one_shot_all_reduce.py) for a stage's small messages:
+"""Strata's own one-shot all-reduce (kernels/one_shot_all_reduce.py) for a stage's decode messages:
 the buffers it writes into, shared between the ranks by CUDA IPC, and the word that releases its
 waits when the group is torn down.
 
-`--tensor-parallel-all-reduce ipc` turns it on. Unlike NCCL's kernel and torch's symmetric-memory
+`--tensor-parallel-all-reduce ipc` (the default) turns it on. Unlike NCCL's kernel and torch's symmetric-memory
 one-shot it is a programmatic dependent launch: the GEMV after it streams its weights while the
 ranks meet. Messages past its buffer, and other dtypes, take NCCL. Ranks of one GPU can use it too
 (CUDA IPC within a device), which is how one GPU tests it: symmetric memory refuses that.
