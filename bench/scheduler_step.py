@@ -158,6 +158,8 @@ def run_steps(
 def measure(args, num_seqs: int) -> list[dict[str, float]]:
     """Per-repeat seconds per step, by phase."""
     args = argparse.Namespace(**{**vars(args), "num_seqs": num_seqs})
+    if not args.warmup:  # every prompt's chunks (a plan each, spread over the micro-batches), then decodes
+        args.warmup = -(-num_seqs * args.prompt_len // args.max_num_batched_tokens) * micro_batches_of(args) + 20
     rng = random.Random(args.seed)
     engine = make_engine(args, rng)
     results: collections.deque = collections.deque()
@@ -188,7 +190,12 @@ def main() -> None:
         help="running decode sequences (one measurement per value)",
     )
     p.add_argument("--steps", type=int, default=300, help="timed engine steps per repeat")
-    p.add_argument("--warmup", type=int, default=40, help="untimed steps first (prefill and the first decodes)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="untimed steps first (prefill and the first decodes; 0: enough for every prompt's chunks plus 20)",
+    )
     p.add_argument("--repeat", type=int, default=5, help="timed repeats; the best and the median are printed")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="KV block size in tokens")

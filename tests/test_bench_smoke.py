@@ -329,6 +329,24 @@ def test_host_overhead_with_a_simulated_device():
     assert per_step_ms >= 5.0 * 0.99
 
 
+def test_scheduler_step_sizes_its_warmup_for_micro_batches():
+    """With P stages the bench's own example (P + 2 micro-batches, no --warmup) gets every
+    sequence running before it times (a fixed 40 steps did not cover 1,024 prompts' chunks)."""
+    import subprocess
+    import sys
+
+    args = ["--stages", "2", "--num-seqs", "96", "--prompt-len", "400", "--max-num-batched-tokens", "256"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.bench.scheduler_step", *args, "--steps", "10", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=common.REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "N=96 over 4 micro-batches:" in proc.stdout
+
+
 @pytest.mark.parametrize("speculate", [[], ["--speculate", "8"]], ids=["plain", "speculating"])
 def test_scheduler_step_runs_the_engine_bookkeeping(speculate):
     """The scheduler's per-step host cost benchmark drives Engine._finish_step as the engine does
