@@ -736,30 +736,43 @@ def sample_plan(plan):
     return sampled
 
 
-@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize("lookahead", [0, 2, "2 stages"])
 @pytest.mark.parametrize("num_blocks", [14, 40])
 @pytest.mark.parametrize("seed", [21, 22])
 def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num_blocks, seed):
     """Two schedulers, one with fast_paths off, get the same requests, drafts, aborts and
     results in lockstep: every plan, update and piece of state must be identical. The workload
     mixes decode lookaheads crossing block boundaries, prefix-cache hits, preemptions, n > 1
-    siblings sharing a prompt, speculative drafts, stop tokens and aborts while in flight."""
+    siblings sharing a prompt, speculative drafts, stop tokens and aborts while in flight; "2
+    stages" runs pipelined decode's micro-batches (P + 2 of them, two plans each in flight)."""
     rng = random.Random(seed)
-    pipeline = lookahead + 1 if lookahead else 2
+    stages = 2 if lookahead == "2 stages" else 1
+    lookahead = 2 if stages > 1 else lookahead
+    pipeline = 2 * (stages + 2) if stages > 1 else lookahead + 1 if lookahead else 2
     make = lambda: Scheduler(
         num_blocks=num_blocks,
         block_size=4,
         max_model_len=48,
-        max_num_seqs=6,
+        max_num_seqs=6 if stages == 1 else 2,
         max_num_batched_tokens=24,
         decode_lookahead=lookahead,
+        num_micro_batches=stages + 2 if stages > 1 else 1,
+        pipeline_stages=stages,
     )
     fast, general = make(), make()
     general.fast_paths = False
     fast_decodes = []
     real_fast_path = fast._decode_in_place
     fast._decode_in_place = lambda req, *args: fast_decodes.append(req.request_id) or real_fast_path(req, *args)
-    general._decode_in_place = None  # the general path must never reach it
+    real_run = fast._look_ahead_in_place_run
+
+    def counted_run(running, i, *args):  # the fused lookahead loop: its requests count as fast decodes
+        taken = real_run(running, i, *args)
+        fast_decodes.extend(r.request_id for r in running[i:taken])
+        return taken
+
+    fast._look_ahead_in_place_run = counted_run
+    general._decode_in_place = general._look_ahead_in_place_run = None  # the general path must never reach them
 
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 13))] for _ in range(3)]
     pending = []  # (request_id, kwargs) in arrival order

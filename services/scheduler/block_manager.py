@@ -229,6 +229,11 @@ class KVBlockManager:
         self._note_usage()
         return copy
 
+    def slot_owners(self) -> tuple[list[int], list[bytes | None]]:
+        """Every block's reference count and cache hash, read only: what writes_in_place reads,
+        for a loop that checks a whole micro-batch's slots without a call a sequence."""
+        return self._ref, self._hash
+
     def writes_in_place(self, req: Request) -> bool:
         """True when computing req's next token (at num_computed_tokens) takes no allocation:
         its slot lies in a table block that req alone holds and nobody caches, so that

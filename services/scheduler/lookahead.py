@@ -37,6 +37,61 @@ class DecodeLookahead:
             and num_output + pending < req.max_output_tokens
         )
 
+    def _look_ahead_in_place_run(self, running: list[Request], i: int, most: int, step_id: int, seqs: list) -> int:
+        """The steady decode lookahead, fused: from running[i] on, at most `most` requests that
+        _can_look_ahead admits and whose slot bm.writes_in_place are scheduled as
+        _decode_in_place(req, PLACEHOLDER_TOKEN) schedules them, in one loop without a call a
+        request (pipelined decode runs this for every sequence of every plan). Returns the index
+        of the first request it did not take, for the general loop. The same plans and state as
+        the general path (tests compare the two)."""
+        bm = self.block_manager
+        ref, cached = bm.slot_owners()
+        block_size, lookahead = self.block_size, self.decode_lookahead
+        caching = bm.enable_prefix_caching
+        append = seqs.append
+        end = min(len(running), i + most)
+        first = i
+        while i < end:
+            req = running[i]
+            pending = req.in_flight
+            if not (0 < pending <= lookahead and req.pending_sample):
+                break
+            num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            start = req.num_computed_tokens
+            # _can_look_ahead: every plan in flight samples one token, and this one stays within
+            # max_tokens and max_model_len.
+            if (
+                start != num_known + pending - 1
+                or num_known - len(req.prompt_token_ids) + pending >= req.max_output_tokens
+            ):
+                break
+            blocks = req.blocks
+            table = blocks.block_ids
+            index = start // block_size
+            if index >= len(table) or ref[table[index]] != 1 or cached[table[index]] is not None:
+                break  # (writes_in_place: a new block, or one shared or cached)
+            if caching and num_known // block_size > blocks.num_hashed:
+                bm.register_full_blocks(req, num_known)
+            keep = req.num_synced_blocks
+            append(ScheduledSeq(req, req.seq_id, start, 1, [PLACEHOLDER_TOKEN], keep, table[keep:], True, 0))
+            spec = req.spec
+            if spec.draft_token_ids:
+                spec.draft_token_ids = []
+            spec.max_pending += 1
+            spec.verify_pending = False
+            req.num_synced_blocks = len(table)
+            req.num_computed_at_step_start = start
+            req.num_computed_tokens = start + 1
+            req.in_flight = pending + 1
+            req.last_scheduled_step = step_id
+            i += 1
+        taken = i - first
+        self._num_in_flight += taken
+        counters = self.counters
+        counters.decode_tokens += taken
+        counters.lookahead_decodes += taken
+        return i
+
     def _schedule_lookahead(
         self,
         req: Request,

@@ -221,8 +221,16 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         micro_batches = self.num_micro_batches > 1
         if micro_batches:  # the micro-batch's own requests (the pool's prefill comes after them)
             running = self.micro_batch_members[micro_batch]
+        # No speculation: runs of steady decode lookaheads take the fused loop.
+        steady = self.fast_paths and not speculate and self.decode_lookahead > 0
         i = 0
         while i < len(running) and budget > 0:
+            if steady:
+                taken = self._look_ahead_in_place_run(running, i, budget, step_id, seqs)
+                budget -= taken - i
+                i = taken
+                if i >= len(running) or budget <= 0:
+                    break
             req = running[i]
             out = req.output_token_ids
             on_device = drafts_stay and req.spec.on_device
