@@ -97,7 +97,7 @@ def test_no_process_outlives_serve(model_dir, how):
         # The services stopped cleanly and said so in their own log lines, and nothing else (a
         # worker's exit skips the finalization where Triton reported leaks: strata/quiet_exit.py).
         foreign = [line for line in proc.stderr.read().splitlines() if line and not LOG_LINE.match(line)]
-        assert not foreign, foreign
+        assert not foreign, "\n".join(foreign)  # (whole: pytest cuts a list's repr short)
     assert not wait_gone(services), "a service outlived strata serve"
 
 
@@ -113,7 +113,7 @@ def test_two_workers_stop_cleanly_too(model_dir, flag):
     proc.wait(timeout=30)
     assert proc.returncode == 0
     foreign = [line for line in proc.stderr.read().splitlines() if line and not LOG_LINE.match(line)]
-    assert not foreign, foreign
+    assert not foreign, "\n".join(foreign)  # (whole: pytest cuts a list's repr short)
     assert not wait_gone(services), "a service outlived strata serve"
 
 
