@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     methods = ("nccl", "one_shot", "ipc")
     where = f"{size} ranks on one {name} (MPS)" if args.one_gpu else f"{size} x {name}"
-    calls = "up to 8" if args.one_gpu else CALLS
+    calls = f"up to {ONE_GPU_CALLS}" if args.one_gpu else CALLS
     print(f"all-reduce of {args.dtype} over {where}, {calls} calls per graph, us per call")
     print(f"{'size':>10} {'nccl':>10} {'symm-mem':>10} {'ipc':>10}  fastest")
     for row in rows:

@@ -191,14 +191,15 @@ FLAGS: dict[str, Flag] = {
         "ipc",
         "how a tensor-parallel stage on GPUs sums its ranks' partial outputs (on two H200s, us per 8 KiB call: "
         "ipc 1.87, symm-mem 6.59, nccl 20.66; a stage whose ranks cannot all map each other's buffers falls back "
-        "to nccl). nccl: NCCL's all-reduce, captured in the CUDA graphs. symm-mem: a one-shot all-reduce through torch's symmetric memory, without NVLink "
-        "multicast, for messages up to 512 KiB (a decode step's; larger ones take NCCL). ipc: Strata's own "
-        "one-shot, a Triton kernel over buffers the ranks share by CUDA IPC (up to 8 MiB with two ranks, an 8B "
-        "model's batch-512 decode rows, and 512 KiB with more; larger ones take NCCL), launched as a programmatic dependent so that the next layer's weights stream while the ranks "
-        "meet; it also takes the draw's maximum, and sums a row-parallel output in the same launch as the "
-        "residual add and RMSNorm after it. gloo: every collective through the hosts, eagerly (no CUDA "
-        "graphs), so that ranks may share one GPU, which NCCL refuses: slow, for checking a tensor-parallel "
-        "stage on one GPU. python -m strata.bench.all_reduce times the GPU ones per message size",
+        "to nccl). nccl: NCCL's all-reduce, captured in the CUDA graphs. symm-mem: a one-shot all-reduce through "
+        "torch's symmetric memory, without NVLink multicast, for messages up to 512 KiB (a decode step's; larger "
+        "ones take NCCL). ipc: Strata's own one-shot, a Triton kernel over buffers the ranks share by CUDA IPC "
+        "(up to 8 MiB with two ranks, an 8B model's batch-512 decode rows, and 512 KiB with more; larger ones "
+        "take NCCL), launched as a programmatic dependent so that the next layer's weights stream while the ranks"
+        " meet; it also takes the draw's maximum, and sums a row-parallel output in the same launch as the "
+        "residual add and RMSNorm after it. gloo: every collective through the hosts, eagerly (no CUDA graphs), "
+        "so that ranks may share one GPU, which NCCL refuses: slow, for checking a tensor-parallel stage on one "
+        "GPU. python -m strata.bench.all_reduce times the GPU ones per message size",
         choices=("nccl", "symm-mem", "ipc", "gloo"),
     ),
     "tensor_parallel_no_collectives": Flag(

@@ -248,9 +248,10 @@ def test_requests_fail_with_unavailable_past_the_recovery_timeout(one_stage):
 
 @pytest.mark.parametrize("error", [asyncio.InvalidStateError("RPC already finished."), grpc.aio.UsageError("closed")])
 def test_a_write_to_a_finished_stage_stream_is_a_lost_stage(error):
-    """Through the cluster-token interceptor, writing to a stream the stage already ended raises
-    InvalidStateError instead of the call's status: that is a lost stage (requests pause and
-    resume), never an engine failure (requests fail with INTERNAL)."""
+    """Writing to a stream the stage already ended may raise InvalidStateError or UsageError
+    instead of the call's status: that is a lost stage (requests pause and resume), never an
+    engine failure (requests fail with INTERNAL). The stage's writer records it, wakes the engine,
+    and the next post raises it."""
 
     async def write(plan):
         raise error

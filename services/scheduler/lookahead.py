@@ -56,14 +56,12 @@ class DecodeLookahead:
             pending = req.in_flight
             if not (0 < pending <= lookahead and req.pending_sample):
                 break
-            num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            num_output = len(req.output_token_ids)
+            num_known = len(req.prompt_token_ids) + num_output
             start = req.num_computed_tokens
             # _can_look_ahead: every plan in flight samples one token, and this one stays within
             # max_tokens and max_model_len.
-            if (
-                start != num_known + pending - 1
-                or num_known - len(req.prompt_token_ids) + pending >= req.max_output_tokens
-            ):
+            if start != num_known + pending - 1 or num_output + pending >= req.max_output_tokens:
                 break
             blocks = req.blocks
             table = blocks.block_ids

@@ -301,8 +301,7 @@ class Pipeline:
         every plan. A stage's writer writes its plans in order, the first at once where the task
         can start eagerly (Python 3.12). A write that fails fails the pipeline: post raises it from
         then on, and on_failure wakes the engine."""
-        if self.failed is not None:
-            raise self.failed
+        self.raise_if_failed()
         item = (plan.step_id, plan.SerializeToString())
         for stage in self.stages:
             stage.outbox.append(item)
