@@ -22,7 +22,10 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
     from strata.v1 import generate_pb2
 
     info = await common.model_info(gateway)
-    prompts = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed)
+    if args.shape == "mixed":
+        prompts, lengths = common.mixed_prompts(args.num_prompts, 100, 1024, info.vocab_size, args.seed)
+    else:
+        prompts, lengths = common.random_prompts(args.num_prompts, args.input_len, info.vocab_size, args.seed), None
     before = await common.scheduler_stats(scheduler)
     start = time.perf_counter()
     if args.streams:
@@ -30,6 +33,8 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
         records = await common.run_closed_loop(gateway, prompts, params, args.streams, 600.0, progress=False)
     else:
         params = common.sampling_params(args.output_len, 1.0, generate_pb2.FINAL_ONLY)
+        if lengths:  # one max_tokens a request
+            params = [common.sampling_params(n, 1.0, generate_pb2.FINAL_ONLY) for n in lengths]
         records = await common.run_all_at_once(gateway, prompts, params, 600.0, desc="simulated", progress=False)
     elapsed = time.perf_counter() - start
     after = await common.scheduler_stats(scheduler)
@@ -63,6 +68,13 @@ def main() -> None:
         default=0,
         help="N > 0: N streams in a closed loop with DELTA outputs, reporting inter-token latency "
         "(0: every prompt at once, FINAL_ONLY)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("fixed", "mixed"),
+        default="fixed",
+        help="fixed: --input-len / --output-len each; mixed: prompts and outputs uniform in 100..1,024 tokens "
+        "(the nano-vllm benchmark's shape, as `strata bench pipeline --shape mixed`)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument(
@@ -122,7 +134,8 @@ def main() -> None:
         cluster.stop()
     idle = 1 - r["device_busy_s"] / r["elapsed_s"]
     common.print_section(
-        f"Host overhead, simulated {args.step_ms} ms steps ({args.num_prompts} x {args.input_len}/{args.output_len})",
+        f"Host overhead, simulated {args.step_ms} ms steps ({args.num_prompts} x "
+        f"{'100-1024 mixed' if args.shape == 'mixed' else f'{args.input_len}/{args.output_len}'})",
         [
             (
                 "elapsed",
