@@ -162,6 +162,7 @@ SERVE_FLAGS = (
     "no_pipelined_decode",
     "pipeline_micro_batches",
     "micro_batch_min_seqs",
+    "decode_repeats",
     "mps",
     "model",
     "tokenizer",

@@ -288,6 +288,12 @@ def _pipeline_parser(sub, formatter_class) -> None:
         help="another micro-batch opens only past this many sequences each",
     )
     p.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=DEFAULTS["decode_repeats"],
+        help="plans a steady micro-batch commits to at once (1: every plan built anew; A/B)",
+    )
+    p.add_argument(
         "--mps",
         action="store_true",
         help="every cluster under an NVIDIA MPS daemon of its own (as `strata serve --mps`): stages sharing a GPU "

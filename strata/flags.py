@@ -267,6 +267,15 @@ FLAGS: dict[str, Flag] = {
         "its size, and one micro-batch's chain of lookahead plans keeps the stages as busy)",
         int,
     ),
+    "decode_repeats": Flag(
+        "STRATA_DECODE_REPEATS",
+        4,
+        "pipelined decode: a micro-batch whose every sequence decodes in steady state (nothing waiting or "
+        "prefilling) commits to this many plans at once, each later one sent as a repeat of the first one "
+        "position further, so the scheduler's per-sequence work is paid once for them (1: every plan built "
+        "anew)",
+        int,
+    ),
     "max_kv_blocks": Flag("STRATA_MAX_KV_BLOCKS", 0, "cap on KV blocks used (0: what the workers offer)", int),
     "no_prefix_caching": Flag("STRATA_NO_PREFIX_CACHING", False, "disable the automatic prefix cache", bool),
     "disable_cascade_attn": Flag(
@@ -476,6 +485,7 @@ ENGINE_FLAGS = (
     "no_pipelined_decode",
     "pipeline_micro_batches",
     "micro_batch_min_seqs",
+    "decode_repeats",
     "max_kv_blocks",
     "no_prefix_caching",
     "disable_cascade_attn",

@@ -25,6 +25,7 @@ from strata.protocol import PLACEHOLDER_TOKEN
 from strata.services.scheduler import micro_batches
 from strata.services.scheduler.block_manager import cdiv
 from strata.services.scheduler.micro_batches import MIGRATING, PREFILLING
+from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
@@ -61,9 +62,10 @@ def _request(i: int, prompt_len: int, max_tokens: int, eos: bool = False, parent
 
 
 class FakeStages:
-    """P stages that run plans in step order, as workers do: block tables and contexts kept from
-    the plans' deltas alone, a lookahead's placeholder filled with the sequence's last sampled
-    token (stage 0 gets it from the last stage), a token drawn from the context read."""
+    """P stages that run plans in step order, as workers do, from what goes on the wire
+    (plan_to_proto: repeated plans are only that): block tables and contexts kept from the plans'
+    deltas alone, a lookahead's placeholder filled with the sequence's last sampled token (stage 0
+    gets it from the last stage), a token drawn from the context read."""
 
     def __init__(self, sched: Scheduler):
         self.sched = sched
@@ -72,30 +74,37 @@ class FakeStages:
         self.last_sampled: dict[int, int] = {}
 
     def execute(self, plan) -> dict[int, list[int]]:
-        for seq_id in plan.released_seq_ids:
+        msg = plan_to_proto(plan)
+        for seq_id in msg.released_seq_ids:
             self.tables.pop(seq_id, None)
             self.context.pop(seq_id, None)
-        for req in plan.new_requests:
-            assert req.seq_id not in self.tables
-            self.tables[req.seq_id] = []
+        for new in msg.new_sequences:
+            assert new.seq_id not in self.tables
+            self.tables[new.seq_id] = []
+        requests = {s.seq_id: s.request for s in plan.seqs}
         sampled = {}
-        for s in plan.seqs:
-            req, table = s.request, self.tables[s.seq_id]
-            del table[s.table_keep :]
-            table.extend(s.table_append)
-            assert len(table) == cdiv(s.num_computed + s.num_scheduled, self.sched.block_size)
-            if s.seq_id in self.context:
-                known = self.context[s.seq_id]
-                assert len(known) >= s.num_computed, "a step ran before the tokens it extends"
+        inputs, appended = iter(msg.input_token_ids), iter(msg.table_append_ids)
+        for i, seq_id in enumerate(msg.seq_ids):
+            req, table = requests[seq_id], self.tables[seq_id]
+            num_computed, num_scheduled = msg.num_computed[i], msg.num_scheduled[i]
+            del table[msg.table_keep[i] :]
+            table.extend(next(appended) for _ in range(msg.table_append_counts[i]))
+            # Every slot written has its block; a repeated plan's blocks may come ahead of them.
+            assert len(table) >= cdiv(num_computed + num_scheduled, self.sched.block_size)
+            assert table == req.block_ids[: len(table)], "a table the scheduler does not hold"
+            if seq_id in self.context:
+                known = self.context[seq_id]
+                assert len(known) >= num_computed, "a step ran before the tokens it extends"
             else:  # its first step: a cached prefix (computed for others) holds its own tokens
-                known = (req.prompt_token_ids + req.output_token_ids)[: s.num_computed]
-            inputs = [self.last_sampled[s.seq_id] if t == PLACEHOLDER_TOKEN else t for t in s.input_token_ids]
-            context = known[: s.num_computed] + inputs
-            self.context[s.seq_id] = context
-            if s.sample:
+                known = (req.prompt_token_ids + req.output_token_ids)[:num_computed]
+            step_inputs = [next(inputs) for _ in range(num_scheduled)]
+            step_inputs = [self.last_sampled[seq_id] if t == PLACEHOLDER_TOKEN else t for t in step_inputs]
+            context = known[:num_computed] + step_inputs
+            self.context[seq_id] = context
+            if msg.sample[i]:
                 token = _next_token(req.sampling.seed, context)
-                self.last_sampled[s.seq_id] = token
-                sampled[s.seq_id] = [token]
+                self.last_sampled[seq_id] = token
+                sampled[seq_id] = [token]
         return sampled
 
 
@@ -112,6 +121,12 @@ class PipelineDriver:
         self.rng = random.Random(seed)
         self.active_seen: list[int] = []
         self.plans = []
+        self.entries: dict[int, dict[int, tuple[int, int, bool]]] = {}  # step: seq_id: what the wire says
+
+    def _wire(self, plan) -> dict[int, tuple[int, int, bool]]:
+        if plan.step_id not in self.entries:
+            self.entries[plan.step_id] = _wire_entries(plan)
+        return self.entries[plan.step_id]
 
     def run(self, arrivals: list[Request], arrival_rate: float = 1.0, max_steps: int = 200_000, on_step=None):
         pending = list(arrivals)
@@ -130,6 +145,8 @@ class PipelineDriver:
                 done, sampled = self.in_flight.popleft()
                 for upd in self.sched.update(done, sampled):
                     self.outputs.setdefault(upd.request.request_id, []).extend(upd.new_token_ids)
+            # Every sequence counted in flight is in a plan in flight or a repeat committed to.
+            assert self.sched.num_in_flight == sum(r.in_flight for r in self.sched._requests.values())
             if on_step:
                 on_step(self)
         raise AssertionError("did not finish")
@@ -140,17 +157,19 @@ class PipelineDriver:
         assert plan.micro_batch < sched.active_micro_batches
         assert all(n <= sched.max_num_seqs for n in sched.micro_batch_seqs), "a micro-batch past its seats"
         assert len(sched.running) <= sched.active_micro_batches * sched.max_num_seqs
+        wire = self._wire(plan)
         for s in plan.seqs:
             req = s.request
-            if s.sample:  # a sampling entry rides its home micro-batch's plan
+            num_computed, _, sample = wire[s.seq_id]
+            if sample and not plan.repeat:  # a sampling entry rides its home micro-batch's plan
                 assert req.micro_batch == plan.micro_batch, (req.request_id, req.micro_batch, plan.micro_batch)
             # Nothing twice in flight: this entry starts where the request's latest entry in
             # flight ended, and every decode in flight belongs to one micro-batch.
-            earlier = [(p, e) for p, _ in self.in_flight for e in p.seqs if e.seq_id == s.seq_id]
+            earlier = [(p, self._wire(p)[s.seq_id]) for p, _ in self.in_flight if s.seq_id in self._wire(p)]
             if earlier:
                 last = earlier[-1][1]
-                assert s.num_computed == last.num_computed + last.num_scheduled, "tokens computed twice"
-                homes = {p.micro_batch for p, e in earlier if e.sample} | ({plan.micro_batch} if s.sample else set())
+                assert num_computed == last[0] + last[1], "tokens computed twice"
+                homes = {p.micro_batch for p, e in earlier if e[2]} | ({plan.micro_batch} if sample else set())
                 assert len(homes) <= 1, f"{req.request_id} decodes in two micro-batches at once"
 
     def assert_done(self, requests, max_model_len):
@@ -161,6 +180,12 @@ class PipelineDriver:
         assert bm.num_free_blocks == bm.num_blocks and sched.num_in_flight == 0
         assert sched.micro_batch_seqs == [0] * sched.num_micro_batches
         assert not sched.prefilling and not sched._migrating and not sched.running
+
+
+def _wire_entries(plan) -> dict[int, tuple[int, int, bool]]:
+    """{seq_id: (num_computed, num_scheduled, sample)} of the plan as workers get it."""
+    msg = plan_to_proto(plan)
+    return {i: (c, n, s) for i, c, n, s in zip(msg.seq_ids, msg.num_computed, msg.num_scheduled, msg.sample)}
 
 
 def _scheduler(stages=2, micro_batches_=3, **kw) -> Scheduler:
@@ -219,14 +244,16 @@ def test_the_count_grows_at_once_and_shrinks_only_after_it_held(monkeypatch):
 # ---------------------------------------------------------------------------- correctness
 
 
+@pytest.mark.parametrize("repeats", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("num_blocks", [4000, 120])
-def test_every_request_gets_its_tokens_through_growth_drain_and_shrink(seed, num_blocks):
+def test_every_request_gets_its_tokens_through_growth_drain_and_shrink(seed, num_blocks, repeats):
     """Mixed prompts (chunked past the budget) and outputs, stops, n > 1 siblings sharing their
     prompt's blocks, arrivals over time, aborts while in flight; 120 blocks of 4 tokens also
-    preempt. The count rises to P + 1, falls to P and to one as the load drains."""
+    preempt. The count rises to P + 1, falls to P and to one as the load drains. With repeats,
+    steady micro-batches commit to 4 plans at once (repeats.py)."""
     rng = random.Random(seed)
-    sched = _scheduler(num_blocks=num_blocks, max_model_len=256)
+    sched = _scheduler(num_blocks=num_blocks, max_model_len=256, decode_repeats=repeats)
     requests = []
     for i in range(90):
         first = 1000 * seed + 10 * i
@@ -248,8 +275,56 @@ def test_every_request_gets_its_tokens_through_growth_drain_and_shrink(seed, num
     stats = _stats(sched)
     assert set(driver.active_seen) == {1, 2, 3}
     assert stats.micro_batch_rounds > 0 and stats.prefill_tokens_computed > 0
+    assert (stats.repeated_plans > 0) == (repeats > 1)
     if num_blocks == 120:
         assert stats.preemptions > 0
+
+
+def _steady_workload(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [_request(i, rng.randint(1, 30), rng.randint(5, 80), eos=i % 4 == 0) for i in range(60)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repeats_dropped_unsent_give_back_their_tokens(seed):
+    """A micro-batch that stops being active drops the repeats it has not sent (_cancel_repeats):
+    its members' state moves back, and every request still gets its tokens. Dropped here
+    whenever a micro-batch has two or more repeats left, the hardest case."""
+    sched = _scheduler(decode_repeats=4)
+    driver = PipelineDriver(sched, stages=2, seed=seed)
+    dropped = []
+
+    def drop(d):
+        for mb, rep in enumerate(sched._repeats):
+            if rep is not None and rep.left >= 2:
+                dropped.append(rep.left)
+                sched._cancel_repeats(mb)
+
+    requests = _steady_workload(seed)
+    driver.run(requests, arrival_rate=1.0, on_step=drop)
+    driver.assert_done(requests, 512)
+    assert dropped and _stats(sched).repeated_plans > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_reset_with_repeats_committed_resumes_every_request(seed):
+    """A lost stage while repeats are committed: reset_kv drops them with everything else, fresh
+    stages start empty, and every request resumes by recompute to the tokens it would have had."""
+    sched = _scheduler(decode_repeats=4)
+    driver = PipelineDriver(sched, stages=2, seed=seed)
+    resets = []
+
+    def lose_a_stage(d):
+        if not resets and any(rep is not None and rep.left >= 2 for rep in sched._repeats):
+            resets.append(sched.num_in_flight)
+            d.in_flight.clear()  # the plans in flight are lost with the stage
+            sched.reset_kv(sched.block_manager.num_blocks)
+            d.fake = FakeStages(sched)
+
+    requests = _steady_workload(seed)
+    driver.run(requests, arrival_rate=1.0, on_step=lose_a_stage)
+    driver.assert_done(requests, 512)
+    assert resets and _stats(sched).repeated_plans > 0
 
 
 def test_a_micro_batch_that_drains_early_takes_requests_from_the_others():

@@ -21,6 +21,7 @@ import random
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 from strata.protocol import PLACEHOLDER_TOKEN
+from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.worker.transport.stage_transport import StepFailed
@@ -225,27 +227,35 @@ def _reference(req: Request, max_model_len: int) -> list[int]:
 
 class FakePipeline:
     """Executes each plan when it is sent (stages run plans in step order) as stage 0 and the
-    last stage would: a placeholder is the sequence's last sampled token."""
+    last stage would, from what goes on the wire (plan_to_proto: repeated plans are only that): a
+    placeholder is the sequence's last sampled token."""
 
     def __init__(self):
         self.context: dict[int, list[int]] = {}
         self.last_sampled: dict[int, int] = {}
 
     def execute(self, plan) -> dict[int, list[int]]:
-        for seq_id in plan.released_seq_ids:
+        msg = plan_to_proto(plan)
+        for seq_id in msg.released_seq_ids:
             self.context.pop(seq_id, None)
+        requests = {s.seq_id: s.request for s in plan.seqs}
+        inputs = iter(msg.input_token_ids)
         sampled = {}
-        for s in plan.seqs:
-            req = s.request
-            known = self.context.get(s.seq_id) or (req.prompt_token_ids + req.output_token_ids)
-            assert len(known) >= s.num_computed, "a step ran before the tokens it extends"
-            inputs = [self.last_sampled[s.seq_id] if t == PLACEHOLDER_TOKEN else t for t in s.input_token_ids]
-            ctx = known[: s.num_computed] + inputs
-            self.context[s.seq_id] = ctx
-            if s.sample:
+        for seq_id, num_computed, num_scheduled, sample in zip(
+            msg.seq_ids, msg.num_computed, msg.num_scheduled, msg.sample
+        ):
+            req = requests[seq_id]
+            known = self.context.get(seq_id) or (req.prompt_token_ids + req.output_token_ids)
+            assert len(known) >= num_computed, "a step ran before the tokens it extends"
+            step_inputs = [next(inputs) for _ in range(num_scheduled)]
+            ctx = known[:num_computed] + [
+                self.last_sampled[seq_id] if t == PLACEHOLDER_TOKEN else t for t in step_inputs
+            ]
+            self.context[seq_id] = ctx
+            if sample:
                 token = _next_token(ctx)
-                self.last_sampled[s.seq_id] = token
-                sampled[s.seq_id] = [token]
+                self.last_sampled[seq_id] = token
+                sampled[seq_id] = [token]
         return sampled
 
 
@@ -470,6 +480,25 @@ def _workload(cluster, client):
             timeout=120,
         )
     )
+
+    # Plain sampled requests at once, nothing else running: a steady micro-batch whose plans
+    # go out as repeats on two stages (services/scheduler/repeats.py).
+    def plain(i):
+        return collect(
+            client.generate(
+                list(range(3 + i, 12 + 2 * i)),
+                max_tokens=20 + 3 * i,
+                temperature=0.9,
+                seed=100 + i,
+                ignore_eos=True,
+                output_kind=generate_pb2.DELTA,
+                timeout=120,
+            )
+        )
+
+    with ThreadPoolExecutor(6) as pool:
+        for i, out in enumerate(pool.map(plain, range(6))):
+            outputs[f"plain{i}"] = out
     return outputs
 
 
@@ -486,6 +515,7 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
         timelines = worker_calls(cluster, "GetStats", engine_pb2.WorkerStatsRequest())
     assert piped == alone
     assert stats.pipeline_stages == 2 and stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
+    assert stats.repeated_plans > 0  # the real workers took repeats (a table ahead, placeholders)
     assert stats.host_seconds > 0  # the scheduler's own time on results and plans is counted
     assert all(t.timed_steps > stats.steps and t.idle_seconds < 0.5 for t in timelines), timelines
 

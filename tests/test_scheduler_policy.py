@@ -758,6 +758,7 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
         decode_lookahead=lookahead,
         num_micro_batches=stages + 2 if stages > 1 else 1,
         pipeline_stages=stages,
+        decode_repeats=1,  # (repeated plans reserve blocks earlier: test_micro_batches.py covers them)
     )
     fast, general = make(), make()
     general.fast_paths = False
@@ -791,7 +792,7 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
             pending.append((f"r{i}", dict(kw, seed=7 * i)))
 
     in_flight = deque()  # (fast plan, general plan, the result for both)
-    counts = dict(aborts=0, lookahead_table_growth=0, drafts=0, copies=0, stops=0, decodes=0)
+    counts = dict(aborts=0, lookahead_table_growth=0, drafts=0, copies=0, stops=0, decodes=0, fused_results=0)
     for _ in range(20_000):
         while pending and rng.random() < 0.3:  # arrivals over time
             rid, kw = pending.pop(0)
@@ -827,9 +828,15 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
                 )
         if plan is None and in_flight:
             plan, general_plan, sampled = in_flight.popleft()
+            # The fused result path where the result is one token each, in the plan's order.
+            ids = [s.seq_id for s in plan.seqs if s.seq_id in sampled]
+            fused = None
+            if all(len(sampled[i]) == 1 for i in ids):
+                fused = fast.update_one_token_each(plan, ids, [sampled[i][0] for i in ids])
+            counts["fused_results"] += fused is not None
             updates = [
                 (u.request.request_id, list(u.new_token_ids), u.finished, u.finish_reason, u.stop_token_id)
-                for u in fast.update(plan, sampled)
+                for u in (fused if fused is not None else fast.update(plan, sampled))
             ]
             assert updates == [
                 (u.request.request_id, u.new_token_ids, u.finished, u.finish_reason, u.stop_token_id)
@@ -842,6 +849,7 @@ def test_fast_paths_build_the_plans_and_state_of_the_general_path(lookahead, num
     stats = stats_of(fast)
     assert stats.prefix_cache_hits and counts["copies"] and counts["aborts"] and counts["stops"]
     assert len(fast_decodes) > counts["decodes"] / 2  # the fast path did most decodes
+    assert counts["fused_results"]
     if num_blocks == 14:
         assert stats.preemptions
     if lookahead:

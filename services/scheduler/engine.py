@@ -104,6 +104,7 @@ class Engine:
             speculation=self.config.speculation,
             num_micro_batches=self.num_micro_batches,
             micro_batch_min_seqs=self.config.micro_batch_min_seqs,
+            decode_repeats=self.config.decode_repeats,
             pipeline_stages=self.pipeline.num_stages,
         )
         self._ready.set()
@@ -332,6 +333,11 @@ class Engine:
             if result.error:
                 self.scheduler.retire(plan)
                 raise RuntimeError(result.error)
+            if not result.logprobs and not plan.asks_prompt_logprobs:  # most steps: one token each, fused
+                updates = self.scheduler.update_one_token_each(plan, list(result.seq_ids), list(result.token_ids))
+                if updates is not None:
+                    self._deliver_tokens(updates)
+                    return
             sampled, logprobs = split_result(result)
             if plan.asks_prompt_logprobs:  # before update() ends a request
                 self.scheduler.counters.prompt_logprob_positions += prompt_logprobs.receive(plan, result)
@@ -359,6 +365,26 @@ class Engine:
         seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs} if logprobs else {}
         for upd in updates:
             self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)) if logprobs else None)
+
+    def _deliver_tokens(self, updates) -> None:
+        """_deliver for updates without logprobs, in one loop (every sequence of most steps)."""
+        streams = self.streams
+        for upd in updates:
+            req = upd.request
+            stream = streams.get(req.request_id)
+            if stream is None:
+                continue  # aborted while its step was in flight
+            stream.push(
+                upd.new_token_ids,
+                (),
+                upd.finish_reason,
+                upd.stop_token_id,
+                req.num_cached_prompt_tokens,
+                req.queue_seconds,
+                req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,  # rows of earlier chunks
+            )
+            if upd.finished:
+                del streams[req.request_id]
 
     def _deliver(self, upd, logprob_entries) -> None:
         req = upd.request

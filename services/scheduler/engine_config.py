@@ -47,6 +47,7 @@ class SchedulerConfig:
     pipelined_decode: bool = not DEFAULTS["no_pipelined_decode"]
     pipeline_micro_batches: int = DEFAULTS["pipeline_micro_batches"]
     micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"]
+    decode_repeats: int = DEFAULTS["decode_repeats"]  # a steady micro-batch's plans committed at once (repeats.py)
     enable_prefix_caching: bool = not DEFAULTS["no_prefix_caching"]
     # Send shared-KV runs in the plans (worker: cascade attention).
     cascade_attention: bool = not DEFAULTS["disable_cascade_attn"]

@@ -48,6 +48,7 @@ def config_from_args(args) -> SchedulerConfig:
         pipelined_decode=not args.no_pipelined_decode,
         pipeline_micro_batches=args.pipeline_micro_batches,
         micro_batch_min_seqs=args.micro_batch_min_seqs,
+        decode_repeats=args.decode_repeats,
         enable_prefix_caching=not args.no_prefix_caching,
         cascade_attention=not args.disable_cascade_attn,
         max_kv_blocks=args.max_kv_blocks,

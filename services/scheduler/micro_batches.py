@@ -159,6 +159,8 @@ class MicroBatches:
         micro-batch that holds fewest."""
         self._update_micro_batch_count()
         m = self.active_micro_batches
+        for mb in range(m, self.num_micro_batches):
+            self._cancel_repeats(mb)  # (no turn of its own any more)
         share = self._micro_batch_share()
         slack = max(4, share // 20)
         for mb, members in enumerate(self.micro_batch_members):
@@ -272,12 +274,15 @@ class MicroBatches:
             mb = (self._next_micro_batch + k) % m
             if self.decode_lookahead and self.micro_batch_plans[mb] > self.decode_lookahead:
                 return None
-            plan = self._schedule(mb)
+            plan = self._next_repeat(mb, self._next_step_id) or self._schedule(mb)
             if plan is not None:
                 self._next_micro_batch = (mb + 1) % m
                 plan.micro_batch = mb
                 self.micro_batch_plans[mb] += 1
                 self._count_round(plan.num_tokens)
+                if plan.repeat is not None:  # (_schedule counts its own)
+                    self._next_step_id += 1
+                    self.counters.steps += 1
                 return plan
         return None
 
@@ -302,3 +307,4 @@ class MicroBatches:
         self.micro_batch_plans = [0] * self.num_micro_batches
         self._round_tokens = []
         self._recent_prefill.clear()
+        self._repeats = [None] * self.num_micro_batches

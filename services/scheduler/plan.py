@@ -60,6 +60,10 @@ class StepPlan:
     verify_rounds: int = 1  # the most verify rounds of any sequence (the cost model times a round)
     linked_drafts: bool = False  # its drafts come over the draft link (StepPlan.linked_drafts)
     asks_prompt_logprobs: bool = False  # some sequence has prompt_rows
+    has_drafts: bool = False  # some sequence has drafts (carried, or on the device)
+    # A repeat of a steady micro-batch's plan (repeats.py): its wire columns (seq_ids,
+    # num_computed, table_keep); the rest is one placeholder decode a sequence.
+    repeat: tuple[list[int], list[int], list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from strata.protocol import PLACEHOLDER_TOKEN
 from strata.sampling_rules import history_needed
 from strata.services.scheduler import prompt_logprobs
 from strata.services.scheduler.plan import StepPlan
@@ -30,25 +31,35 @@ def new_sequence(r, prefix_len: int = 0) -> engine_pb2.NewSequence:
 
 
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
+    if plan.repeat is not None:
+        return _repeat_to_proto(plan)
     seqs = plan.seqs
     if plan.send_prefixes and plan.new_requests:
         first = {id(s.request): s.num_computed for s in seqs}
         new_sequences = [new_sequence(r, first.get(id(r), 0)) for r in plan.new_requests]
     else:
         new_sequences = [new_sequence(r) for r in plan.new_requests]
+    if plan.num_tokens == len(seqs) and not plan.has_drafts:
+        # One token a sequence (num_tokens sums their num_scheduled): most decode plans. The
+        # constant columns need no pass over the sequences.
+        num_scheduled, num_draft = [1] * len(seqs), [0] * len(seqs)
+        input_token_ids = [s.input_token_ids[0] for s in seqs]
+    else:
+        num_scheduled, num_draft = [len(s.input_token_ids) for s in seqs], [s.num_draft for s in seqs]
+        input_token_ids = list(itertools.chain.from_iterable(s.input_token_ids for s in seqs))
     msg = engine_pb2.StepPlan(
         step_id=plan.step_id,
         new_sequences=new_sequences,
         released_seq_ids=plan.released_seq_ids,
         seq_ids=[s.seq_id for s in seqs],
         num_computed=[s.num_computed for s in seqs],
-        num_scheduled=[len(s.input_token_ids) for s in seqs],
-        input_token_ids=list(itertools.chain.from_iterable(s.input_token_ids for s in seqs)),
+        num_scheduled=num_scheduled,
+        input_token_ids=input_token_ids,
         table_keep=[s.table_keep for s in seqs],
         table_append_counts=[len(s.table_append) for s in seqs],
         table_append_ids=list(itertools.chain.from_iterable(s.table_append for s in seqs)),
         sample=[s.sample for s in seqs],
-        num_draft_tokens=[s.num_draft for s in seqs],
+        num_draft_tokens=num_draft,
         copy_src_blocks=[src for src, _ in plan.copies],
         copy_dst_blocks=[dst for _, dst in plan.copies],
         # The shared-KV runs keep the wire names they had before they were called runs.
@@ -64,6 +75,24 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         msg.verify_rounds.extend([s.rounds for s in seqs])
     prompt_logprobs.add_to_plan(plan, msg)
     return msg
+
+
+def _repeat_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
+    """A repeated plan (repeats.py): one placeholder decode a sequence, its table already sent."""
+    seq_ids, num_computed, table_keep = plan.repeat
+    n = len(seq_ids)
+    return engine_pb2.StepPlan(
+        step_id=plan.step_id,
+        released_seq_ids=plan.released_seq_ids,
+        seq_ids=seq_ids,
+        num_computed=num_computed,
+        num_scheduled=[1] * n,
+        input_token_ids=[PLACEHOLDER_TOKEN] * n,
+        table_keep=table_keep,
+        table_append_counts=[0] * n,
+        sample=[True] * n,
+        num_draft_tokens=[0] * n,
+    )
 
 
 def split_proposals(result: engine_pb2.StepResult) -> dict[int, list[int]]:

@@ -80,6 +80,43 @@ class ResultUpdates:
             updates.append(self._append_tokens(req, tokens))
         return updates
 
+    def update_one_token_each(
+        self, plan: StepPlan, seq_ids: list[int], tokens: list[int]
+    ) -> list[RequestUpdate] | None:
+        """update() fused for the commonest result: a plan whose every sequence sampled one token
+        (no drafts, no prompt chunk that samples nothing), listed in the plan's order, without
+        speculation. One loop and no {seq_id: tokens} map, since pipelined decode runs this for
+        every sequence of every plan. The same state and updates as update() (tests compare the
+        two). None when the result is not of that kind: the caller then takes update()."""
+        seqs = plan.seqs
+        if not self.fast_paths or self.spec is not None or len(tokens) != len(seqs) or plan.has_drafts:
+            return None
+        if seq_ids != [s.seq_id for s in seqs]:  # (a result lists exactly the sequences that sampled)
+            return None
+        self.retire(plan)
+        updates: list[RequestUpdate] = []
+        append = updates.append
+        live = 0
+        for s, token in zip(seqs, tokens):
+            req = s.request
+            if req.seq_id != s.seq_id or not req.in_flight:
+                continue  # aborted, or finished by a stop, since the plan was built
+            live += 1
+            req.in_flight -= 1
+            req.spec.max_pending -= 1
+            if token in req.stop_check_ids:
+                append(self._append_tokens(req, [token]))
+                continue
+            out = req.output_token_ids
+            out.append(token)
+            if len(out) < req.max_output_tokens:
+                append(RequestUpdate(req, [token], False, _RUNNING, None))
+            else:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                append(RequestUpdate(req, [token], True, RequestStatus.FINISHED_LENGTH.value, req.stop_token_id))
+        self._num_in_flight -= live
+        return updates
+
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
         out = req.output_token_ids
         if self.fast_paths and len(tokens) == 1 and tokens[0] not in req.stop_check_ids:

@@ -39,6 +39,7 @@ from strata.services.scheduler.plan_entries import PlanEntries
 from strata.services.scheduler.preemption import Preemption
 from strata.services.scheduler.prefix_sharing import HOLD, PrefixSharing, SharingState
 from strata.services.scheduler.prompt_logprobs import PromptLogprobState
+from strata.services.scheduler.repeats import SteadyRepeats
 from strata.services.scheduler.request import Request, RequestStatus, arrival_of
 from strata.services.scheduler.results import ResultUpdates
 from strata.services.scheduler.shared_kv_runs import find_shared_kv_runs
@@ -52,7 +53,7 @@ from strata.v1 import engine_pb2
 __all__ = ["Scheduler"]
 
 
-class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemption, ResultUpdates):
+class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, SteadyRepeats, Preemption, ResultUpdates):
     def __init__(
         self,
         num_blocks: int,
@@ -68,6 +69,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         num_micro_batches: int = 1,
         micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"],
         pipeline_stages: int = 1,
+        decode_repeats: int = DEFAULTS["decode_repeats"],
     ) -> None:
         if max_model_len <= 1 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_model_len > 1, max_num_seqs > 0, max_num_batched_tokens > 0")
@@ -84,6 +86,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         # num_micro_batches * max_num_seqs run (each stage holds KV for 1/P of the layers);
         # how many run follows the load (micro_batches.py).
         self._init_micro_batches(num_micro_batches, micro_batch_min_seqs, pipeline_stages)
+        self._init_repeats(decode_repeats)  # (micro-batches only: repeats.py)
         self.max_running = max_num_seqs * num_micro_batches
         self.cascade_attention = cascade_attention  # plans list their shared-KV runs
         # Shortcuts for the steady state (a decode whose blocks need no work, one sampled token
@@ -332,9 +335,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         if self._prompt_logprob_requests:  # (nobody else pays for the look)
             plan.asks_prompt_logprobs = any(s.prompt_rows for s in seqs)
         # (The scans below over every entry run only where some entry can match.)
-        plan.verifies = bool(self._drafts_in_plan) and any(
-            s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs
-        )
+        plan.has_drafts = bool(self._drafts_in_plan)
+        plan.verifies = plan.has_drafts and any(s.num_draft and s.input_token_ids[-1] != DEVICE_DRAFT for s in seqs)
         if spec is not None:
             if rounds > 1:
                 plan.verify_rounds = max(s.rounds for s in seqs)
@@ -353,6 +355,8 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
         self._pending_releases = []
         self._next_step_id += 1
         self.counters.steps += 1
+        if micro_batches and self.decode_repeats > 1:
+            self._commit_repeats(plan, micro_batch)
         return plan
 
     def _tokens_to_compute(self, req: Request, budget: int) -> tuple[int, int]:
@@ -387,6 +391,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, Preemptio
 
     def _release_seq(self, req: Request) -> None:
         self._pending_releases.append(req.seq_id)
+        self._releases += 1  # (the repeats of its micro-batch leave it out)
         if self.spec is not None:
             self.spec.release(req)
         req.seq_id = None

@@ -22,6 +22,7 @@ class Counters:
     micro_batch_token_spread: float = 0.0
     prompt_logprob_positions: int = 0  # prompt logprob rows received
     resumed: int = 0  # requests that arrived with output from a lost replica
+    repeated_plans: int = 0  # plans sent as repeats of a steady micro-batch's plan (repeats.py)
 
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         stats.lookahead_decodes = self.lookahead_decodes
@@ -35,3 +36,4 @@ class Counters:
         stats.micro_batch_token_spread = self.micro_batch_token_spread
         stats.prompt_logprob_positions = self.prompt_logprob_positions
         stats.resumed_requests = self.resumed
+        stats.repeated_plans = self.repeated_plans
