@@ -538,6 +538,7 @@ COUNTERS = (
     "micro_batch_migrations",
     "micro_batch_rounds",
     "micro_batch_token_spread",
+    "repeated_plans",
 )
 
 

@@ -391,6 +391,7 @@ def _report(r: dict, base: dict | None, runs: list[dict], args, env: dict) -> li
                     "lookahead decodes",
                     f"{sched.get('lookahead_decodes', 0):,} of {sched.get('decode_tokens_computed', 0):,}",
                 ),
+                ("repeated plans", f"{sched.get('repeated_plans', 0):,} of {sched.get('steps', 0):,} steps"),
                 ("GPU busy", " / ".join(f"{b:.0%}" for b in _busy_shares(off)) + " of the wall time, by stage"),
                 *_scheduler_rows(off),
                 *_stage_rows(off, r["replicas"]),

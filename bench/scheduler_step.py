@@ -82,6 +82,7 @@ def make_engine(args, rng: random.Random) -> Engine:
         decode_lookahead=args.stages if args.stages > 1 else args.lookahead,
         num_micro_batches=micro_batches,
         pipeline_stages=args.stages,
+        decode_repeats=args.decode_repeats,
         speculation=SpeculativeConfig(
             "ngram", num_speculative_tokens=args.speculate, proposer="device", max_batch=args.num_seqs
         )
@@ -213,6 +214,12 @@ def main() -> None:
         help="P > 1: pipelined decode over P stages (P + 2 micro-batches, lookahead P; --lookahead unused)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    p.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=DEFAULTS["decode_repeats"],
+        help="with --stages P > 1: plans a steady micro-batch commits to at once (1: every plan built anew)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and sampled tokens")
     p.add_argument("--speculate", type=int, default=0, help="k: speculate as with the device's prompt lookup (0: off)")
     p.add_argument("--accept", type=float, default=0.35, help="with --speculate: each draft's chance to be accepted")

@@ -327,6 +327,27 @@ def test_a_reset_with_repeats_committed_resumes_every_request(seed):
     assert resets and _stats(sched).repeated_plans > 0
 
 
+def test_a_request_arriving_during_repeats_is_admitted_at_the_next_turn():
+    """Repeats committed for the lone micro-batch are dropped when a request arrives: the
+    micro-batch's next plan admits it instead of sending a repeat."""
+    sched = _scheduler(decode_repeats=4)
+    driver = PipelineDriver(sched, stages=2)
+    late = _request(99, 6, 10)
+    arrived = []
+
+    def arrive(d):
+        if not arrived and sched._repeats[0] is not None and sched._repeats[0].left >= 2:
+            arrived.append(len(d.plans))
+            sched.add_request(late)
+
+    requests = [_request(i, 5, 40) for i in range(3)]
+    driver.run(requests, on_step=arrive)
+    driver.assert_done(requests + [late], 512)
+    after = driver.plans[arrived[0] :]
+    admitting = next(i for i, p in enumerate(after) if late in p.new_requests)
+    assert not any(p.repeat for p in after[: admitting + 1])
+
+
 def test_a_micro_batch_that_drains_early_takes_requests_from_the_others():
     """Three micro-batches of 16; the first one's requests end after 2 tokens, the others' run
     long: its seats stay empty (nothing waits), so the others' latest arrivals move to it, each

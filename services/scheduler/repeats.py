@@ -18,7 +18,8 @@ would have built, except that a block a repeat crosses into arrives with the fir
 - A sequence released since the commit (a stop, an abort, max_tokens) is left out of the repeats
   that follow; its result in those already sent is ignored, as for any plan in flight.
 - A micro-batch that stops being active drops the repeats it has not sent, and its members'
-  state moves back by as many tokens; so does every repeat on a reset (reset_kv).
+  state moves back by as many tokens; so does one whose turn comes while requests wait to be
+  admitted or prefilled (their first token waits for no repeat); a reset (reset_kv) drops all.
 - Not repeated: plans with speculation, drafts, shared-KV runs (cascade attention) or prompt
   logprobs, and one stage (no micro-batches).
 
@@ -122,6 +123,11 @@ class SteadyRepeats:
         """The micro-batch's next committed plan, or None when it has none."""
         rep = self._repeats[micro_batch]
         if rep is None:
+            return None
+        if self.waiting or self.prefilling:
+            # Work arrived: the micro-batch's turn builds a plan that admits it (a request's first
+            # token waits for no repeat).
+            self._cancel_repeats(micro_batch)
             return None
         rep.left -= 1
         rep.sent += 1
