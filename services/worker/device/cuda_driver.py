@@ -16,7 +16,6 @@ cudaGraphExec_t is CUgraphExec), so torch's streams, events and graphs are used 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -153,14 +152,6 @@ def record(event: torch.cuda.Event, stream: int) -> None:
     call("cuEventRecord", lib().event_record, event.cuda_event, stream)
 
 
-# How a host thread waits for a step's end mark (the results thread, every step). By default the
-# driver spins while a context has fewer threads than the host has CPUs: a core at 100% a worker
-# while its GPU is busy. STRATA_BLOCKING_EVENT_WAIT=1 makes the wait sleep instead (A/B: the
-# scheduler's Python shares the host's cores with those spins).
-CU_EVENT_BLOCKING_SYNC = 0x1
-_EVENT_FLAGS = CU_EVENT_BLOCKING_SYNC if os.environ.get("STRATA_BLOCKING_EVENT_WAIT") == "1" else 0
-
-
 class TimingEvent:
     """A CUDA event with timing, made and recorded through the driver: the steps' start and end
     marks (a torch.cuda.Event's first record went through torch, and gave the GIL away)."""
@@ -170,7 +161,7 @@ class TimingEvent:
     def __init__(self):
         self.handle = None
         handle = ctypes.c_void_p()
-        call("cuEventCreate", lib().event_create, ctypes.byref(handle), _EVENT_FLAGS)  # (timed either way)
+        call("cuEventCreate", lib().event_create, ctypes.byref(handle), 0)  # CU_EVENT_DEFAULT: timed
         self.handle = handle.value
 
     def record(self, stream: int) -> None:
