@@ -45,6 +45,7 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
     return {
         "elapsed_s": elapsed,
         "steps": steps,
+        "host_s": after.host_seconds - before.host_seconds,
         "output_tokens": sum(r.output_tokens for r in records),
         "device_busy_s": steps * args.step_ms / 1e3,
         "itl_ms": common.summarize([x for r in records for x in r.inter_token_latencies()]),
@@ -142,6 +143,7 @@ def main() -> None:
                 f"{r['elapsed_s']:.2f} s for {r['steps']} steps ({r['elapsed_s'] / r['steps'] * 1e3:.2f} ms per step)",
             ),
             ("device busy", f"{r['device_busy_s']:.2f} s; idle {idle:.1%} of the time"),
+            ("scheduler host", f"{r['host_s'] / r['steps'] * 1e3:.3f} ms per step on results and plans"),
             (
                 "output tokens/s",
                 f"{r['output_tokens'] / r['elapsed_s']:,.0f} (with no host overhead: "
