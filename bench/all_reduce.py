@@ -96,7 +96,18 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
             row[f"{name}_ok"] = ok
-            timed = graph_time_us(lambda _, r=reduce: r(x), calls, replays=args.replays) if ok else float("nan")
+            # The ranks meet before timing: else one rank's replays would count its wait for the
+            # other to finish capturing (a skew that put ipc at 10-680 us a call past 256 KiB).
+            meet = (
+                None
+                if group is None
+                else (lambda: pg.allreduce([torch.zeros(1, device=device)]).wait() and torch.cuda.synchronize())
+            )
+            timed = (
+                graph_time_us(lambda _, r=reduce: r(x), calls, replays=args.replays, before_timing=meet)
+                if ok
+                else float("nan")
+            )
             row[name] = timed
             print(f"rank {rank}: {kib} KiB {name} {row[name]:.2f} us (exact: {ok})", file=sys.stderr, flush=True)
         rows.append(row)

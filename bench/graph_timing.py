@@ -7,7 +7,7 @@ import statistics
 import torch
 
 
-def graph_time_us(call, calls: int, *, replays: int, repeats: int = 1) -> float:
+def graph_time_us(call, calls: int, *, replays: int, repeats: int = 1, before_timing=None) -> float:
     """Median over `repeats` of the microseconds per call of a CUDA graph of call(0) ..
     call(calls - 1), replayed `replays` times between two events. The calls run once eagerly
     first, on a side stream (Triton compiles and cuBLAS plans there, outside the capture)."""
@@ -23,6 +23,8 @@ def graph_time_us(call, calls: int, *, replays: int, repeats: int = 1) -> float:
             call(i)
     graph.replay()
     torch.cuda.synchronize()
+    if before_timing is not None:  # (ranks of a collective: start their timed replays together)
+        before_timing()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
