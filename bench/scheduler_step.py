@@ -99,7 +99,9 @@ def make_engine(args, rng: random.Random) -> Engine:
             eos_token_ids={2},
         )
         engine.scheduler.add_request(req)
-        engine.streams[req.request_id] = OutputStream(req.request_id, args.prompt_len, final_only=True)
+        engine.streams[req.request_id] = OutputStream(
+            req.request_id, args.prompt_len, final_only=True, output=req.output_token_ids
+        )
     return engine
 
 
@@ -126,6 +128,23 @@ def fake_result(plan, rng: random.Random, speculate: int = 0, accept: float = 0.
     return result.SerializeToString()
 
 
+def send_plan(engine: Engine, totals: dict[str, float]):
+    """The scheduler's next plan, encoded as the engine sends it and put in flight, its schedule
+    and encode times added to totals; None when it has none."""
+    clock = time.perf_counter
+    t0 = clock()
+    plan = engine.scheduler.schedule()
+    t1 = clock()
+    if plan is None:
+        return None
+    plan_to_proto(plan).SerializeToString()
+    totals["schedule"] += t1 - t0
+    totals["encode"] += clock() - t1
+    engine.in_flight.append(plan)
+    engine._deadlines.append(0.0)  # the engine's bookkeeping of a plan sent (no clock runs here)
+    return plan
+
+
 def run_steps(
     engine: Engine, results: collections.deque, steps: int, rng: random.Random, totals: dict[str, float], args
 ) -> None:
@@ -138,17 +157,9 @@ def run_steps(
     )
     for _ in range(steps):
         while len(engine.in_flight) < most:
-            t0 = clock()
-            plan = sched.schedule()
-            t1 = clock()
+            plan = send_plan(engine, totals)
             if plan is None:
                 break
-            plan_to_proto(plan).SerializeToString()
-            t2 = clock()
-            totals["schedule"] += t1 - t0
-            totals["encode"] += t2 - t1
-            engine.in_flight.append(plan)
-            engine._deadlines.append(0.0)  # the engine's bookkeeping of a plan sent (no clock runs here)
             totals["verifying"] += any(s.num_draft for s in plan.seqs)
             results.append(fake_result(plan, rng, args.speculate, args.accept))
         t0 = clock()

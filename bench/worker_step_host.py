@@ -76,7 +76,7 @@ def scheduler_plans(num_seqs: int, steps: int, speculate: int, accept: float, se
             eos_token_ids={2},
         )
         sched.add_request(req)
-        engine.streams[req.request_id] = OutputStream(req.request_id, 256, final_only=True)
+        engine.streams[req.request_id] = OutputStream(req.request_id, 256, final_only=True, output=req.output_token_ids)
     plans, results = [], collections.deque()
     while len(plans) < steps:
         while len(engine.in_flight) <= sched.decode_lookahead:

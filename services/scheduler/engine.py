@@ -156,7 +156,7 @@ class Engine:
             self.scheduler.add_request(request)
         except ValueError as e:
             raise RequestFailed("INVALID_ARGUMENT", str(e)) from None
-        stream = OutputStream(request.request_id, len(request.prompt_token_ids), final_only)
+        stream = OutputStream(request.request_id, len(request.prompt_token_ids), final_only, request.output_token_ids)
         self.streams[request.request_id] = stream
         self._wake.set()
         return stream
@@ -374,6 +374,8 @@ class Engine:
             stream = streams.get(req.request_id)
             if stream is None:
                 continue  # aborted while its step was in flight
+            if stream.final_only and not upd.finished:
+                continue  # (its message takes the request's tokens when it ends: OutputStream)
             stream.push(
                 upd.new_token_ids,
                 (),

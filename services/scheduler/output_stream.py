@@ -22,12 +22,19 @@ class OutputStream:
 
     Outputs accumulate into one pending message and the sender is woken once: when the sender
     is slower than the steps, several steps' tokens go out as one message, and a final_only
-    request sends a single message when it finishes."""
+    request sends a single message when it finishes.
 
-    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool):
+    output: the request's own list of output tokens. A final_only stream given it copies no token a
+    step: its message takes the tokens appended to that list since the stream began (a resumed
+    request's earlier ones were sent by another replica), so pushes before the last need not
+    carry tokens (Engine._deliver_tokens skips them)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool, output: list[int] | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.final_only = final_only
+        self._output = output if final_only else None
+        self._first_output = len(output) if self._output is not None else 0
         # Accumulated in Python lists (cheaper than growing a message every step); next() builds
         # the message.
         self._token_ids: list[int] = []
@@ -52,7 +59,8 @@ class OutputStream:
     ) -> None:
         if prompt_logprobs is not None:
             self._prompt_logprobs = prompt_logprobs
-        self._token_ids.extend(token_ids)
+        if self._output is None:
+            self._token_ids.extend(token_ids)
         self._logprobs.extend(logprobs)
         self._cached_prompt_tokens = cached_prompt_tokens
         self._queue_seconds = queue_seconds
@@ -74,7 +82,7 @@ class OutputStream:
         out = engine_pb2.EngineOutput(
             request_id=self.request_id,
             prompt_tokens=self.prompt_tokens,
-            token_ids=self._token_ids,
+            token_ids=self._token_ids if self._output is None else self._output[self._first_output :],
             logprobs=self._logprobs,
             cached_prompt_tokens=self._cached_prompt_tokens,
             queue_seconds=self._queue_seconds,
