@@ -2,22 +2,22 @@
 # Issues 50 and 51 on two GPUs of one host, in the order a session with little GPU time should
 # spend it; each phase fits one call of the device tool (10 minutes) and writes its logs to $OUT.
 # Session 8 (bench/RESULTS.md, "Issues 50 and 51 on two H200s at last") ran the benches' first
-# rows; still never run on two GPUs: the one-shot's and tensor parallelism's two-GPU tests, the
-# pipeline at P + 2 micro-batches by default, and every way of the TP bench in one run. Since
-# session 9 (435c566) the ipc one-shot takes messages up to 8 MiB with two ranks (a looping launch
-# past 512 KiB): `hops` times it at 2 and 8 MiB against NCCL, and `tp ipc` is the offline row it
-# should move (an 8B rank's batch-256 step is 6.16 ms alone on one H200; at NCCL's 44 us for 2 MiB,
-# its 65 all-reduces of that size would add ~2.9 ms).
+# rows. Session 10 ("Repeated plans ...") ran the 1B pipeline (1.39x one GPU), the all-reduce past
+# 512 KiB (ipc 10.5 us at 2 MiB against NCCL's 42-47) and the one-shot's two-GPU tests (5 passed).
+# Still never run on two GPUs: tensor parallelism's two-GPU tests, the TP bench's every way in one
+# run, and the 8B pipeline at P + 2 micro-batches by default. So the order now: `tp ipc` (the TP2
+# offline row the 8 MiB one-shot should move: 1.53x one GPU with NCCL's 2 MiB sums), `tp-tests`,
+# `pipeline`, `hops`, then `pipeline-1b` again.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
+#   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
+#   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
+#   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
 #                                               # the token hand-off at 8B), then the all-reduce bench
-#   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
-#   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
-#   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
 set -uo pipefail
 cd "$(dirname "$0")/.."
