@@ -3,9 +3,9 @@
 Pipelined decode sends each micro-batch one plan a token. In the steady state (every member of the
 micro-batch decoding in place, nothing waiting to be admitted or prefilled) each plan is the
 previous one with every position one further. Building it still costs the scheduler's Python
-about a microsecond a sequence (the fused lookahead loop's checks and state, then the encoding),
-as much as a stage's GPU spends on that sequence at the 1B shape on two GPUs, so the scheduler
-bounds the pipeline there (bench/RESULTS.md, issue 50).
+over a microsecond a sequence (the fused lookahead loop's checks and state, then the encoding),
+and at the 1B shape on two GPUs the scheduler's loop takes about as long a plan as each stage's
+GPU, so it bounds the pipeline there (bench/RESULTS.md, issue 50).
 
 So when the fused loop has built the plan of a whole steady micro-batch, the scheduler commits it
 for K - 1 more turns at once (`decode_repeats` = K): each member's slots for those tokens are
