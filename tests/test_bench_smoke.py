@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 from safetensors import safe_open
@@ -345,6 +346,28 @@ def test_scheduler_step_sizes_its_warmup_for_micro_batches():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "N=96 over 4 micro-batches:" in proc.stdout
+
+
+@pytest.mark.parametrize("repeats", ["1", "4"])
+def test_scheduler_offline_runs_every_request_to_its_end(repeats):
+    """The whole-run bench of the scheduler's Python: every request's output tokens counted, at
+    two stages with and without repeated plans (only with them are some plans repeats)."""
+    import subprocess
+    import sys
+
+    args = ["--num-prompts", "64", "--shortest", "8", "--longest", "40", "--repeat", "1", "--decode-repeats", repeats]
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.bench.scheduler_offline", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=common.REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    repeated = int(re.search(r"\((\d+) of them repeats\)", first).group(1))
+    assert (repeated > 0) == (repeats == "4"), first
+    assert "loop's time a plan" in proc.stdout
 
 
 @pytest.mark.parametrize("speculate", [[], ["--speculate", "8"]], ids=["plain", "speculating"])
