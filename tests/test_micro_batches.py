@@ -348,6 +348,23 @@ def test_a_request_arriving_during_repeats_is_admitted_at_the_next_turn():
     assert not any(p.repeat for p in after[: admitting + 1])
 
 
+def test_repeats_run_while_requests_wait_for_seats():
+    """More requests than seats: while every seat is taken, steady micro-batches repeat their plans
+    (the waiting wait for a finish either way); a freed seat drops them and the next plan admits."""
+    sched = _scheduler(decode_repeats=4)  # 3 micro-batches of 16 seats
+    driver = PipelineDriver(sched, stages=2)
+    seen = []
+
+    def watch(d):
+        if sched.waiting and any(rep is not None for rep in sched._repeats):
+            seen.append(len(sched.waiting))
+
+    requests = [_request(i, 4, 30) for i in range(120)]
+    driver.run(requests, on_step=watch)
+    driver.assert_done(requests, 512)
+    assert seen and _stats(sched).repeated_plans > 0
+
+
 def test_a_micro_batch_that_drains_early_takes_requests_from_the_others():
     """Three micro-batches of 16; the first one's requests end after 2 tokens, the others' run
     long: its seats stay empty (nothing waits), so the others' latest arrivals move to it, each

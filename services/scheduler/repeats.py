@@ -18,8 +18,9 @@ would have built, except that a block a repeat crosses into arrives with the fir
 - A sequence released since the commit (a stop, an abort, max_tokens) is left out of the repeats
   that follow; its result in those already sent is ignored, as for any plan in flight.
 - A micro-batch that stops being active drops the repeats it has not sent, and its members'
-  state moves back by as many tokens; so does one whose turn comes while requests wait to be
-  admitted or prefilled (their first token waits for no repeat); a reset (reset_kv) drops all.
+  state moves back by as many tokens; so does one whose turn comes while a request could be
+  admitted (a seat is free) or prefilled (its first token waits for no repeat); a reset
+  (reset_kv) drops all. Requests waiting for a seat, with every seat taken, do not stop repeats.
 - Not repeated: plans with speculation, drafts, shared-KV runs (cascade attention) or prompt
   logprobs, and one stage (no micro-batches).
 
@@ -74,8 +75,7 @@ class SteadyRepeats:
             or plan.shared_kv_run
             or plan.asks_prompt_logprobs
             or plan.num_tokens != len(seqs)  # (one token each: decodes, or a chunk of one token)
-            or self.waiting
-            or self.prefilling
+            or self._admission_pending()
             or len(seqs) != len(self.micro_batch_members[micro_batch])
         ):
             return
@@ -124,9 +124,9 @@ class SteadyRepeats:
         rep = self._repeats[micro_batch]
         if rep is None:
             return None
-        if self.waiting or self.prefilling:
-            # Work arrived: the micro-batch's turn builds a plan that admits it (a request's first
-            # token waits for no repeat).
+        if self._admission_pending():
+            # The micro-batch's turn builds a plan that admits it (a request's first token waits
+            # for no repeat).
             self._cancel_repeats(micro_batch)
             return None
         rep.left -= 1
@@ -147,6 +147,11 @@ class SteadyRepeats:
         counters.lookahead_decodes += n
         counters.repeated_plans += 1
         return plan
+
+    def _admission_pending(self) -> bool:
+        """Whether a plan could take new work now: prompt chunks in the prefill pool, or requests
+        waiting while a seat is free (with every seat taken they wait for a finish either way)."""
+        return bool(self.prefilling) or (bool(self.waiting) and len(self.running) < self._seat_limit())
 
     def _drop_released(self, rep: Repeat) -> None:
         """Leaves out of the repeat about to go the sequences released since they were last
