@@ -63,10 +63,12 @@ case $phase in
       --num-prompts 256,1024 --stages 1,2 --transports ipc --data-parallel 2 --latency-num-prompts 128 \
       --output "$OUT/pipe8b.json"
     ;;
-  pipeline-1b)
+  pipeline-1b)  # with py-spy on every service: how busy the scheduler's main thread is at two stages
     run pipe1b 560 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress --shape mixed \
       --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 2 --latency-num-prompts 256 \
-      --output "$OUT/pipe1b.json"
+      --spy-dir /tmp/spy --output "$OUT/pipe1b.json"
+    for d in /tmp/spy/*/; do python -m strata.bench.spy_summary "$d" > "$OUT/spy_$(basename "$d").txt" 2>&1; done
+    grep -h -A12 "offline-1024-scheduler" "$OUT"/spy_*.txt | grep -E "==|thread|select|_engine_loop" | head -20
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
   *)
