@@ -334,9 +334,10 @@ class Engine:
                 self.scheduler.retire(plan)
                 raise RuntimeError(result.error)
             if not result.logprobs and not plan.asks_prompt_logprobs:  # most steps: one token each, fused
-                updates = self.scheduler.update_one_token_each(plan, list(result.seq_ids), list(result.token_ids))
-                if updates is not None:
-                    self._deliver_tokens(updates)
+                fused = self.scheduler.update_one_token_each(plan, list(result.seq_ids), list(result.token_ids))
+                if fused is not None:
+                    self._deliver_running(*fused[:2])
+                    self._deliver_tokens(fused[2])
                     return
             sampled, logprobs = split_result(result)
             if plan.asks_prompt_logprobs:  # before update() ends a request
@@ -365,6 +366,22 @@ class Engine:
         seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs} if logprobs else {}
         for upd in updates:
             self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)) if logprobs else None)
+
+    def _deliver_running(self, requests, tokens) -> None:
+        """A token each to requests that go on running (update_one_token_each), where their stream
+        sends tokens as they come: a FINAL_ONLY stream takes them when its request ends."""
+        streams = self.streams
+        for req, token in zip(requests, tokens):
+            stream = streams.get(req.request_id)
+            if stream is None or stream.final_only:
+                continue  # (None: aborted while its step was in flight)
+            stream.push(
+                (token,),
+                (),
+                cached_prompt_tokens=req.num_cached_prompt_tokens,
+                queue_seconds=req.queue_seconds,
+                prompt_logprobs=req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,
+            )
 
     def _deliver_tokens(self, updates) -> None:
         """_deliver for updates without logprobs, in one loop (every sequence of most steps)."""

@@ -82,20 +82,23 @@ class ResultUpdates:
 
     def update_one_token_each(
         self, plan: StepPlan, seq_ids: list[int], tokens: list[int]
-    ) -> list[RequestUpdate] | None:
+    ) -> tuple[list[Request], list[int], list[RequestUpdate]] | None:
         """update() fused for the commonest result: a plan whose every sequence sampled one token
         (no drafts, no prompt chunk that samples nothing), listed in the plan's order, without
-        speculation. One loop and no {seq_id: tokens} map, since pipelined decode runs this for
-        every sequence of every plan. The same state and updates as update() (tests compare the
-        two). None when the result is not of that kind: the caller then takes update()."""
+        speculation. One loop, no {seq_id: tokens} map, and no RequestUpdate for a request that
+        goes on running (pipelined decode runs this for every sequence of every plan). Returns
+        (the requests that go on running, their new tokens, the updates of the others: ended, or
+        checked against their stop tokens); the same state and updates as update() (tests compare
+        the two). None when the result is not of that kind: the caller then takes update()."""
         seqs = plan.seqs
         if not self.fast_paths or self.spec is not None or len(tokens) != len(seqs) or plan.has_drafts:
             return None
-        if seq_ids != [s.seq_id for s in seqs]:  # (a result lists exactly the sequences that sampled)
+        if seq_ids != (plan.repeat[0] if plan.repeat else [s.seq_id for s in seqs]):  # (the sampling ones, in order)
             return None
         self.retire(plan)
-        updates: list[RequestUpdate] = []
-        append = updates.append
+        running: list[Request] = []
+        running_tokens: list[int] = []
+        others: list[RequestUpdate] = []
         live = 0
         for s, token in zip(seqs, tokens):
             req = s.request
@@ -105,17 +108,18 @@ class ResultUpdates:
             req.in_flight -= 1
             req.spec.max_pending -= 1
             if token in req.stop_check_ids:
-                append(self._append_tokens(req, [token]))
+                others.append(self._append_tokens(req, [token]))
                 continue
             out = req.output_token_ids
             out.append(token)
             if len(out) < req.max_output_tokens:
-                append(RequestUpdate(req, [token], False, _RUNNING, None))
+                running.append(req)
+                running_tokens.append(token)
             else:
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
-                append(RequestUpdate(req, [token], True, RequestStatus.FINISHED_LENGTH.value, req.stop_token_id))
+                others.append(RequestUpdate(req, [token], True, RequestStatus.FINISHED_LENGTH.value, req.stop_token_id))
         self._num_in_flight -= live
-        return updates
+        return running, running_tokens, others
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestUpdate:
         out = req.output_token_ids
