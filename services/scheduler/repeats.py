@@ -80,27 +80,31 @@ class SteadyRepeats:
         ):
             return
         bm, block_size = self.block_manager, self.block_size
-        ends, needed = [], 0
+        ends, reach, needed = [], [], 0
         for s in seqs:
             req = s.request
             if s.input_token_ids[0] != PLACEHOLDER_TOKEN or not s.sample or s.num_draft:
                 return  # not a decode lookahead (the fused loop's entries all are)
             # As many as its max_tokens leaves (req.in_flight plans each sample one token).
-            end = min(extra, req.max_output_tokens - len(req.output_token_ids) - req.in_flight)
+            left = req.max_output_tokens - len(req.output_token_ids) - req.in_flight
+            end = min(extra, left)
             ends.append(end)
-            last = req.num_computed_tokens + end
-            if (last - 1) // block_size >= len(req.blocks.block_ids):  # (else its table holds them)
-                needed += bm.blocks_needed(req, last)
+            # Slots up to the repeats' last, and the next plan's too where it will have one: its
+            # block then comes now, and that plan's fused loop takes the request in place.
+            slots = req.num_computed_tokens + end + (end < left)
+            reach.append(slots)
+            if (slots - 1) // block_size >= len(req.blocks.block_ids):  # (else its table holds them)
+                needed += bm.blocks_needed(req, slots)
         if needed > bm.num_free_blocks or not any(ends):
             return
         table_keep = []
-        for s, end in zip(seqs, ends):
+        for s, end, slots in zip(seqs, ends, reach):
             req = s.request
+            if (slots - 1) // block_size >= len(req.blocks.block_ids):
+                bm.reserve(req, slots)  # fresh blocks only: the slot before is written in place
+                s.table_append = req.blocks.block_ids[s.table_keep :]  # (the committing plan carries them)
             if end:
                 last = req.num_computed_tokens + end
-                if (last - 1) // block_size >= len(req.blocks.block_ids):
-                    bm.reserve(req, last)  # fresh blocks only: the slot before is written in place
-                    s.table_append = req.blocks.block_ids[s.table_keep :]  # (the committing plan carries them)
                 req.num_computed_at_step_start = last - 1
                 req.num_computed_tokens = last
                 req.in_flight += end
