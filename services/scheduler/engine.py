@@ -16,7 +16,7 @@ import time
 
 from strata.services.scheduler import prompt_logprobs
 from strata.services.scheduler.engine_config import SchedulerConfig, default_micro_batches, plans_in_flight
-from strata.services.scheduler.output_stream import OutputStream, RequestFailed
+from strata.services.scheduler.output_stream import OutputStream, RequestFailed, deliver, deliver_running
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
 from strata.services.scheduler.request import Request
@@ -336,8 +336,10 @@ class Engine:
             if not result.logprobs and not plan.asks_prompt_logprobs:  # most steps: one token each, fused
                 fused = self.scheduler.update_one_token_each(plan, list(result.seq_ids), list(result.token_ids))
                 if fused is not None:
-                    self._deliver_running(*fused[:2])
-                    self._deliver_tokens(fused[2])
+                    running, tokens, others = fused
+                    deliver_running(self.streams, running, tokens)
+                    for upd in others:
+                        deliver(self.streams, upd)
                     return
             sampled, logprobs = split_result(result)
             if plan.asks_prompt_logprobs:  # before update() ends a request
@@ -365,63 +367,7 @@ class Engine:
         # Mapping requests to seq ids only when some request asked for logprobs (rarely).
         seq_of = {seq.request.request_id: seq.seq_id for seq in plan.seqs} if logprobs else {}
         for upd in updates:
-            self._deliver(upd, logprobs.get(seq_of.get(upd.request.request_id)) if logprobs else None)
-
-    def _deliver_running(self, requests, tokens) -> None:
-        """A token each to requests that go on running (update_one_token_each), where their stream
-        sends tokens as they come: a FINAL_ONLY stream takes them when its request ends."""
-        streams = self.streams
-        for req, token in zip(requests, tokens):
-            stream = streams.get(req.request_id)
-            if stream is None or stream.final_only:
-                continue  # (None: aborted while its step was in flight)
-            stream.push(
-                (token,),
-                (),
-                cached_prompt_tokens=req.num_cached_prompt_tokens,
-                queue_seconds=req.queue_seconds,
-                prompt_logprobs=req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,
-            )
-
-    def _deliver_tokens(self, updates) -> None:
-        """_deliver for updates without logprobs, in one loop (every sequence of most steps)."""
-        streams = self.streams
-        for upd in updates:
-            req = upd.request
-            stream = streams.get(req.request_id)
-            if stream is None:
-                continue  # aborted while its step was in flight
-            if stream.final_only and not upd.finished:
-                continue  # (its message takes the request's tokens when it ends: OutputStream)
-            stream.push(
-                upd.new_token_ids,
-                (),
-                upd.finish_reason,
-                upd.stop_token_id,
-                req.num_cached_prompt_tokens,
-                req.queue_seconds,
-                req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,  # rows of earlier chunks
-            )
-            if upd.finished:
-                del streams[req.request_id]
-
-    def _deliver(self, upd, logprob_entries) -> None:
-        req = upd.request
-        stream = self.streams.get(req.request_id)
-        if stream is None:
-            return  # aborted while its step was in flight
-        logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.sampling.logprobs >= 0 else ()
-        stream.push(
-            upd.new_token_ids,
-            logprobs,
-            upd.finish_reason,
-            upd.stop_token_id,
-            req.num_cached_prompt_tokens,
-            req.queue_seconds,
-            req.prompt_logprobs.take() if req.prompt_logprobs is not None else None,
-        )
-        if upd.finished:
-            del self.streams[req.request_id]
+            deliver(self.streams, upd, logprobs.get(seq_of.get(upd.request.request_id)) if logprobs else None)
 
     def _fail(self, request_id: str, code: str, message: str) -> None:
         stream = self.streams.pop(request_id, None)

@@ -27,7 +27,7 @@ class OutputStream:
     output: the request's own list of output tokens. A final_only stream given it copies no token a
     step: its message takes the tokens appended to that list since the stream began (a resumed
     request's earlier ones were sent by another replica), so pushes before the last need not
-    carry tokens (Engine._deliver_tokens skips them)."""
+    carry tokens (deliver and deliver_running skip them)."""
 
     def __init__(self, request_id: str, prompt_tokens: int, final_only: bool, output: list[int] | None = None):
         self.request_id = request_id
@@ -92,3 +92,45 @@ class OutputStream:
         )
         self._token_ids, self._logprobs, self._prompt_logprobs = [], [], None
         return out
+
+
+def deliver(streams: dict[str, OutputStream], upd, logprob_entries=None) -> None:
+    """A RequestUpdate (and its tokens' logprob entries, where asked) into its request's stream;
+    a finished request's stream leaves `streams`. A FINAL_ONLY stream takes its tokens from the
+    request when it ends, so an update before that is pushed only for what else it carries."""
+    req = upd.request
+    stream = streams.get(req.request_id)
+    if stream is None:
+        return  # aborted while its step was in flight
+    logprobs = logprob_entries[: len(upd.new_token_ids)] if logprob_entries and req.sampling.logprobs >= 0 else ()
+    rows = req.prompt_logprobs
+    if stream.final_only and not upd.finished and not logprobs and rows is None:
+        return
+    stream.push(
+        upd.new_token_ids,
+        logprobs,
+        upd.finish_reason,
+        upd.stop_token_id,
+        req.num_cached_prompt_tokens,
+        req.queue_seconds,
+        rows.take() if rows is not None else None,  # (every row once, for the request's first output)
+    )
+    if upd.finished:
+        del streams[req.request_id]
+
+
+def deliver_running(streams: dict[str, OutputStream], requests, tokens) -> None:
+    """A token each to requests that go on running (ResultUpdates.update_one_token_each: most steps),
+    where their stream sends tokens as they come."""
+    for req, token in zip(requests, tokens):
+        stream = streams.get(req.request_id)
+        if stream is None or stream.final_only:
+            continue  # (None: aborted while its step was in flight)
+        rows = req.prompt_logprobs
+        stream.push(
+            (token,),
+            (),
+            cached_prompt_tokens=req.num_cached_prompt_tokens,
+            queue_seconds=req.queue_seconds,
+            prompt_logprobs=rows.take() if rows is not None else None,
+        )

@@ -68,7 +68,6 @@ class SteadyRepeats:
         seqs = plan.seqs
         if (
             extra < 1
-            or self.num_micro_batches == 1
             or self.spec is not None
             or plan.new_requests
             or plan.copies

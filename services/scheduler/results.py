@@ -107,17 +107,13 @@ class ResultUpdates:
             live += 1
             req.in_flight -= 1
             req.spec.max_pending -= 1
-            if token in req.stop_check_ids:
-                others.append(self._append_tokens(req, [token]))
-                continue
             out = req.output_token_ids
+            if token in req.stop_check_ids or len(out) + 1 >= req.max_output_tokens:
+                others.append(self._append_tokens(req, [token]))  # (it may end: the stop and length checks)
+                continue
             out.append(token)
-            if len(out) < req.max_output_tokens:
-                running.append(req)
-                running_tokens.append(token)
-            else:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
-                others.append(RequestUpdate(req, [token], True, RequestStatus.FINISHED_LENGTH.value, req.stop_token_id))
+            running.append(req)
+            running_tokens.append(token)
         self._num_in_flight -= live
         return running, running_tokens, others
 

@@ -355,7 +355,7 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, SteadyRep
         self._pending_releases = []
         self._next_step_id += 1
         self.counters.steps += 1
-        if micro_batches and self.decode_repeats > 1:
+        if micro_batches:
             self._commit_repeats(plan, micro_batch)
         return plan
 
