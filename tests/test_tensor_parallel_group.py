@@ -67,6 +67,48 @@ def test_tearing_the_group_down_releases_the_one_shots_waits():
         group.all_reduce_(torch.ones(3))
 
 
+def test_an_abort_that_blocks_never_holds_the_caller_and_its_steps_return_no_tokens():
+    """NCCL's abort takes seconds, and on the event loop it once never returned: the worker stopped
+    answering the scheduler's InitCache (two H200s). So it runs on its own thread, and a step that
+    ends after the break (its kernels released with partial sums) reaches the scheduler as a lost
+    peer's failure, not as tokens."""
+    import threading
+    import time
+
+    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+    from strata.services.worker.tensor_parallel.ranks import StageRanks
+    from strata.services.worker.transport.stage_transport import PeerLost
+    from strata.v1 import engine_pb2
+
+    released = threading.Event()
+
+    class StuckNcclGroup:
+        aborted = False
+
+        def abort(self):
+            released.wait(30)
+            self.aborted = True
+
+    group = TensorParallelGroup(0, 2, torch.device("cpu"))
+    ranks = StageRanks(group)
+    pg = group.pg = StuckNcclGroup()
+    group.broken = None
+    tokens = engine_pb2.StepResult(step_id=7, token_ids=[5])
+    assert ranks.vouch(tokens) is tokens  # a formed group vouches for its steps
+    began = time.monotonic()
+    ranks.fail("tensor-parallel rank 1 closed its plan connection")
+    assert time.monotonic() - began < 1.0 and group.aborting.is_alive() and not pg.aborted
+    with pytest.raises(PeerLost, match="closed its plan connection"):
+        group.all_reduce_(torch.ones(3))
+    failed = ranks.vouch(tokens)
+    assert failed.step_id == 7 and failed.peer_lost and not failed.token_ids and "plan connection" in failed.error
+    own = engine_pb2.StepResult(step_id=8, error="stage 0: ValueError: x")
+    assert ranks.vouch(own) is own  # a step's own error stays its own
+    released.set()
+    group.aborting.join(5)
+    assert pg.aborted and group.pg is None
+
+
 def test_a_one_shot_that_did_not_form_on_every_rank_is_dropped_on_all():
     """A rank that could not map a peer's buffers sends that message to NCCL: its peers must too,
     or they would wait in the one-shot for a rank that never comes."""

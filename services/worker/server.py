@@ -321,7 +321,7 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
         session = self._session
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
-        out = ResultOut(self.finisher, loop, results, fetch_result)
+        out = ResultOut(self.finisher, loop, results, lambda item: self.ranks.vouch(fetch_result(item)))
         steps = StepThread(self.executor, functools.partial(self._run_one, loop, session, out))
 
         def lost(reason: str) -> None:  # (a relay of an older session has no say in a new group)

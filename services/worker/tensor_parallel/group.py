@@ -9,6 +9,12 @@ gloo's waits are bounded by the group's timeout; NCCL's host never waits (the st
 work is bounded by the communicator's timeout and by the engine's step deadline, after which the
 next InitCache aborts the group (NCCL's abort makes enqueued and graph-replayed kernels exit).
 
+NCCL's abort takes seconds (0.3-6.5 s after a lost rank on two H200s), and on the event loop (a
+peer's plan socket closing) it once did not return in 90 s: the worker stopped answering the
+scheduler, so the stage was never rebuilt. It runs on a thread of its own. The kernels that waited
+for the lost rank exit with partial sums: a step that ends while the group is broken
+returns no tokens (`broken` is set before the abort; server.py's result fetch checks it).
+
 A failed collective means a rank is gone or the ranks diverged: it raises PeerLost, so the step
 fails as a lost stage's does (the scheduler rebuilds the pipeline and the requests resume), and
 the group stays broken until then: a rank that skipped a collective would pair every later one
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 
 import torch
@@ -63,6 +70,7 @@ class TensorParallelGroup:
         self.one_shot_norm = None  # "ipc": the all-reduce fused with the add and norm after it
         self.pg = None
         self.session = 0
+        self.aborting: threading.Thread | None = None  # the last NCCL abort, on its own thread
         # Why the group cannot run collectives (None: it can, once formed).
         self.broken: str | None = None if size == 1 else "the tensor-parallel group is not formed yet (InitCache)"
         # Bench only: collectives return at once, leaving each rank's partial values (wrong
@@ -137,8 +145,8 @@ class TensorParallelGroup:
             return None, None
 
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
-        """Breaks the group (any thread): NCCL kernels waiting for a lost rank exit, and every
-        later collective raises PeerLost until the next form()."""
+        """Breaks the group (any thread, never blocking it): NCCL kernels waiting for a lost rank
+        exit, and every later collective raises PeerLost until the next form()."""
         if self.size == 1:
             return
         self.broken = reason
@@ -148,7 +156,8 @@ class TensorParallelGroup:
         self.one_shot = self.one_shot_max = self.one_shot_norm = None
         pg, self.pg = self.pg, None
         if pg is not None:
-            abort_group(pg, "tensor parallel")
+            self.aborting = threading.Thread(target=_abort, args=(pg, reason), name="tp-abort", daemon=True)
+            self.aborting.start()
 
     def fail(self, reason: str) -> None:
         """A step failed between collectives on this rank: the ranks no longer pair theirs."""
@@ -242,6 +251,12 @@ class TensorParallelGroup:
             return out
         self._run("all-gather", lambda pg: pg._allgather_base(out.view(-1), x.view(-1)))
         return out
+
+
+def _abort(pg, reason: str) -> None:
+    started = time.monotonic()
+    abort_group(pg, "tensor parallel")
+    log.info("tensor parallel: the old group's abort took %.1f s (%s)", time.monotonic() - started, reason)
 
 
 def _formed_on_every_rank(pg, shots: list, device: torch.device) -> list:

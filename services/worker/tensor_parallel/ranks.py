@@ -84,6 +84,15 @@ class StageRanks:
     def fail(self, reason: str) -> None:
         self.group.fail(reason)
 
+    def vouch(self, result):
+        """A fetched step's result, or a lost peer's failure in its place when the group broke
+        before the step ended: the abort releases kernels that waited for the lost rank with
+        partial sums, so their tokens are garbage (the scheduler then rebuilds the stage)."""
+        broken = self.group.broken
+        if broken is None or not isinstance(result, engine_pb2.StepResult) or result.error:
+            return result
+        return engine_pb2.StepResult(step_id=result.step_id, error=f"tensor parallel: {broken}", peer_lost=True)
+
     async def init_peers(self, request: engine_pb2.InitCacheRequest) -> list[engine_pb2.InitCacheReply]:
         return await self.relay.init_cache(request) if self.relay is not None else []
 
