@@ -55,7 +55,7 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
     rng = random.Random(args.seed)
     micro_batches = args.micro_batches or (default_micro_batches(stages, share_one_gpu=False) if stages > 1 else 1)
     lookahead = stages if stages > 1 else 2
-    max_in_flight = plans_in_flight(stages, micro_batches)
+    max_in_flight = args.max_plans_in_flight or plans_in_flight(stages, micro_batches)
     max_len = 2 * args.max_len + 16
     sched = Scheduler(
         num_blocks=micro_batches * args.max_num_seqs * -(-max_len // 16) + 1,
@@ -142,7 +142,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--micro-batch-min-seqs", type=int, default=32)
-    p.add_argument("--micro-batches", type=int, default=0, help="the most micro-batches (0: P + 1)")
+    p.add_argument("--micro-batches", type=int, default=0, help="the most micro-batches (0: P + 2)")
+    p.add_argument("--max-plans-in-flight", type=int, default=0, help="the engine's limit (0: as Engine sets it)")
     p.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s a GPU reads (model)")
     p.add_argument("--flops", type=float, default=6.0e14, help="FLOP/s a GPU computes (model)")
     p.add_argument("--host-ms", type=float, default=0.3, help="a stage's host work a step (model)")

@@ -3,11 +3,12 @@
 # spend it; each phase fits one call of the device tool (10 minutes) and writes its logs to $OUT.
 # Session 8 (bench/RESULTS.md, "Issues 50 and 51 on two H200s at last") ran the benches' first
 # rows. Session 10 ("Repeated plans ...") ran the 1B pipeline (1.39x one GPU), the all-reduce past
-# 512 KiB (ipc 10.5 us at 2 MiB against NCCL's 42-47) and the one-shot's two-GPU tests (5 passed).
-# Still never run on two GPUs: tensor parallelism's two-GPU tests, the TP bench's every way in one
-# run, and the 8B pipeline at P + 2 micro-batches by default. So the order now: `tp ipc` (the TP2
-# offline row the 8 MiB one-shot should move: 1.53x one GPU with NCCL's 2 MiB sums), `tp-tests`,
-# `pipeline`, `hops`, then `pipeline-1b` again.
+# 512 KiB and the one-shot's two-GPU tests. Session 11 ("Tensor parallelism's every way in one
+# run ...") ran `tp ipc` (TP2 1.69x one GPU offline, 0.61x TPOT), tensor parallelism's two-GPU
+# tests (every one passes since 7b01dc1) and the 1B pipeline again (1.43x). Still never run on two
+# GPUs: the 8B pipeline bench at P + 2 micro-batches by default (at 256 requests too). So the order
+# now: `pipeline`, `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does
+# a third plan in flight a micro-batch hide the scheduler's uneven turns?), `hops`.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -19,6 +20,8 @@
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
 #                                               # the token hand-off at 8B), then the all-reduce bench
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
+#   bash bench/two_gpus.sh COMMIT inflight-1b   # the 1B at two stages, 8 plans in flight (P + 2 micro-batches
+#                                               # of two each, the default) against 12 (three each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?commit}
@@ -71,8 +74,15 @@ case $phase in
     grep -h -A12 "offline-1024-scheduler" "$OUT"/spy_*.txt | grep -E "==|thread|select|_engine_loop" | head -20
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
+  inflight-1b)
+    for n in 8 12 8; do  # (8 again: the host's speed drifts within a call)
+      run "inflight_$n" 180 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+        --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
+        --max-plans-in-flight "$n" --output "$OUT/inflight_$n.json"
+    done
+    ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b"
     exit 2
     ;;
 esac
