@@ -75,10 +75,11 @@ case $phase in
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
   inflight-1b)
-    for n in 8 12 8; do  # (8 again: the host's speed drifts within a call)
-      run "inflight_$n" 180 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+    for tag in 8a 12 8b; do  # (8 again: the host's speed drifts within a call)
+      n=${tag%[ab]}
+      run "inflight_$tag" 180 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
         --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
-        --max-plans-in-flight "$n" --output "$OUT/inflight_$n.json"
+        --max-plans-in-flight "$n" --output "$OUT/inflight_$tag.json"
     done
     ;;
   *)
