@@ -539,6 +539,9 @@ COUNTERS = (
     "micro_batch_rounds",
     "micro_batch_token_spread",
     "repeated_plans",
+    "plan_round_trip_seconds",
+    "wait_at_limit_seconds",
+    "wait_below_limit_seconds",
 )
 
 

@@ -243,7 +243,19 @@ def _scheduler_rows(phase: dict) -> list[tuple[str, str]]:
     sched = phase["scheduler"]
     if not sched.get("steps"):
         return []
-    rows = [("scheduler host", f"{sched['host_seconds'] / sched['steps'] * 1e3:.3f} ms per step on results and plans")]
+    steps = sched["steps"]
+    rows = [
+        ("scheduler host", f"{sched['host_seconds'] / steps * 1e3:.3f} ms per step on results and plans"),
+        # At the limit: more plans in flight would have gone out; below it: none could (its work
+        # waited on results: a micro-batch's turn, its lookahead depth).
+        (
+            "plans in flight",
+            f"{sched['plan_round_trip_seconds'] / phase['elapsed_s']:.1f} on average, a round trip of "
+            f"{sched['plan_round_trip_seconds'] / steps * 1e3:.2f} ms; the loop waited for results "
+            f"{sched['wait_at_limit_seconds'] / steps * 1e3:.3f} ms a step at the limit, "
+            f"{sched['wait_below_limit_seconds'] / steps * 1e3:.3f} below it",
+        ),
+    ]
     if sched.get("micro_batch_rounds"):
         rows.append(
             (

@@ -521,6 +521,8 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
     assert first["activation_steps_sent"] == first["steps"] and first["activation_bytes_sent"] > 0
     assert last["token_steps_sent"] > 0 and last["token_bytes_sent"] == 8 * two["output_tokens"]
     assert two["scheduler"]["lookahead_decodes"] > 0
+    sched = two["scheduler"]  # (the "plans in flight" row): waits for results fall within the round trips
+    assert 0 < sched["wait_at_limit_seconds"] + sched["wait_below_limit_seconds"] < sched["plan_round_trip_seconds"]
     assert two["scheduler"]["micro_batches_after"] == 1  # 6 requests: one micro-batch (fewer than 2 x 32)
     ratios = runs[1]["ratios"]
     assert [x["workload"] for x in ratios] == ["6 x 4-12/4-12", "3 x 4-12/4-12"]
@@ -700,12 +702,17 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
         hop_us=100.0,
         result_us=100.0,
         scheduler_us_per_seq=0.0,
+        max_plans_in_flight=0,
         seed=0,
     )
     one, two = (pipeline_schedule.simulate(args, stages, 96) for stages in (1, 2))
     assert two["tok_s"] > 1.2 * one["tok_s"]
     assert all(0.3 < b <= 1.0 for b in two["busy"]) and two["spread"] is not None
     assert one["spread"] is None and one["migrations"] == 0 and two["plans"] > one["plans"]
+    # One plan in flight at two stages: each waits for the last one's result, so the stages take turns.
+    args.max_plans_in_flight = 1
+    lone = pipeline_schedule.simulate(args, 2, 96)
+    assert lone["tok_s"] < 0.75 * two["tok_s"] and max(lone["busy"]) < 0.6
 
 
 def test_one_rank_alone_runs_its_shard_and_counts_a_steps_collectives():

@@ -101,3 +101,39 @@ def test_an_aborted_final_only_stream_gets_the_tokens_so_far():
     out = received["r0"][-1]
     assert out.finish_reason == engine_pb2.FINISH_REASON_ABORT
     assert 0 < len(out.token_ids) < 40 and list(out.token_ids) == requests[0].output_token_ids
+
+
+def test_the_loops_waits_for_results_are_split_by_the_limit_of_plans_in_flight():
+    """SchedulerStats says where plans wait: a wait for a result with the plans in flight at the
+    engine's limit (more in flight would have sent more) counts apart from one below it, and each
+    plan's round trip runs from its send to its result's turn."""
+    import time
+
+    from strata.services.scheduler.plan import StepPlan
+
+    async def waits(in_flight: int) -> list[float]:
+        engine = Engine(_NoPipeline(), SchedulerConfig(max_plans_in_flight=2))
+        for step in range(in_flight):
+            plan = StepPlan(step, [], [], [], [])
+            plan.sent_at = time.monotonic()
+            engine.in_flight.append(plan)
+            engine._deadlines.append(30.0)
+        asyncio.get_running_loop().call_later(0.05, engine._wake.set)  # a result comes
+        await engine._wait_for_results()
+        return engine._result_waits
+
+    at_limit, below = asyncio.run(waits(2)), asyncio.run(waits(1))
+    assert at_limit[0] >= 0.04 and at_limit[1] == 0.0
+    assert below[0] == 0.0 and below[1] >= 0.04
+
+    engine = Engine(_NoPipeline(), SchedulerConfig())
+    engine.scheduler = Scheduler(num_blocks=400, block_size=4, max_model_len=256, decode_lookahead=2)
+    engine.scheduler.add_request(_request(0, max_tokens=4))
+    plan = engine.scheduler.schedule()
+    plan.sent_at = time.monotonic() - 0.2
+    engine.in_flight.append(plan)
+    engine._deadlines.append(30.0)
+    engine._finish_step(_result(plan, random.Random(0)))
+    stats = engine.stats()
+    assert 0.2 <= stats.plan_round_trip_seconds < 5.0
+    assert stats.wait_at_limit_seconds == stats.wait_below_limit_seconds == 0.0

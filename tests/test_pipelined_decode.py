@@ -517,6 +517,9 @@ def test_prefix_groups_and_n_on_two_pipelined_stages_equal_one_stage(model_dir):
     assert stats.pipeline_stages == 2 and stats.lookahead_decodes > 0 and stats.used_kv_blocks == 0
     assert stats.repeated_plans > 0  # the real workers took repeats (a table ahead, placeholders)
     assert stats.host_seconds > 0  # the scheduler's own time on results and plans is counted
+    # The loop waits for results only while plans are in flight: never longer than their round trips.
+    waits = stats.wait_at_limit_seconds + stats.wait_below_limit_seconds
+    assert 0 < waits < stats.plan_round_trip_seconds
     assert all(t.timed_steps > stats.steps and t.idle_seconds < 0.5 for t in timelines), timelines
 
 

@@ -55,6 +55,10 @@ class Engine:
         self._worker_gpu = [0.0, 0.0, 0]
         self._worker_launch_seconds = 0.0
         self._host_seconds = 0.0  # this loop's own work on results and plans (SchedulerStats.host_seconds)
+        # Where plans wait (SchedulerStats): their round trips, and this loop's waits for a result
+        # [at the limit of plans in flight, below it].
+        self._round_trip_seconds = 0.0
+        self._result_waits = [0.0, 0.0]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -218,14 +222,18 @@ class Engine:
             await self._wake.wait()
             return
         # Plans run one after another: the oldest started when the previous result came back.
+        now = time.monotonic()
         started = max(self.in_flight[0].sent_at, self._last_result)
-        timeout = started + self._deadlines[0] - time.monotonic()
+        timeout = started + self._deadlines[0] - now
+        at_limit = len(self.in_flight) >= self.max_in_flight
         try:
             await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0))
         except asyncio.TimeoutError:
             raise PipelineError(
                 f"step {self.in_flight[0].step_id} missed its {self._deadlines[0]:.1f} s deadline (a hung stage)"
             ) from None
+        finally:
+            self._result_waits[0 if at_limit else 1] += time.monotonic() - now
 
     async def _read_draft_results(self) -> None:
         """With the draft link: the draft worker's results (each proposal also went to the stage).
@@ -308,6 +316,7 @@ class Engine:
         self._deadlines.popleft()
         now = time.monotonic()
         step_seconds = now - max(plan.sent_at, self._last_result)
+        self._round_trip_seconds += now - plan.sent_at
         pipelined = plan.sent_at < self._last_result  # sent before the previous result came back
         self._recent_step_seconds.append(step_seconds)
         self._last_result = now
@@ -443,6 +452,8 @@ class Engine:
         stats.worker_gpu_busy_seconds, stats.worker_gpu_idle_seconds, stats.worker_timed_steps = self._worker_gpu
         stats.worker_launch_seconds = self._worker_launch_seconds
         stats.host_seconds = self._host_seconds
+        stats.plan_round_trip_seconds = self._round_trip_seconds
+        stats.wait_at_limit_seconds, stats.wait_below_limit_seconds = self._result_waits
         stats.spec_decode_linked_proposals = self.linked_proposals
         stats.spec_decode_failed_proposals = self.failed_proposals
         return stats

@@ -5,6 +5,7 @@ peers (relay.py). With one rank every part is a no-op and the worker serves as i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -110,6 +111,8 @@ class StageRanks:
 
     async def close(self) -> None:
         self.group.abort("the worker is stopping")
+        if self.group.aborting is not None:  # NCCL's teardown ends before the process does (or 10 s pass)
+            await asyncio.to_thread(self.group.aborting.join, min(self.group.timeout, 10.0))
         if self.relay is not None:
             await self.relay.close()
         if self.rendezvous is not None:
