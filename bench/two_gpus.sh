@@ -7,8 +7,10 @@
 # run ...") ran `tp ipc` (TP2 1.69x one GPU offline, 0.61x TPOT), tensor parallelism's two-GPU
 # tests (every one passes since 7b01dc1) and the 1B pipeline again (1.43x). Still never run on two
 # GPUs: the 8B pipeline bench at P + 2 micro-batches by default (at 256 requests too). So the order
-# now: `pipeline`, `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does
-# a third plan in flight a micro-batch hide the scheduler's uneven turns?), `hops`.
+# now: `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does a third plan
+# in flight a micro-batch hide the scheduler's uneven turns? `strata bench pipeline` now prints
+# whether the engine waited at the limit of plans in flight or below it), `inflight-8b`,
+# `pipeline` (at 256 requests too), `hops`.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -22,6 +24,7 @@
 #   bash bench/two_gpus.sh COMMIT pipeline-1b   # issue 50's 1B target
 #   bash bench/two_gpus.sh COMMIT inflight-1b   # the 1B at two stages, 8 plans in flight (P + 2 micro-batches
 #                                               # of two each, the default) against 12 (three each)
+#   bash bench/two_gpus.sh COMMIT inflight-8b   # the same for the 8B (two stages 1.76x one GPU, GPUs 80% / 87% busy)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?commit}
@@ -74,16 +77,19 @@ case $phase in
     grep -h -A12 "offline-1024-scheduler" "$OUT"/spy_*.txt | grep -E "==|thread|select|_engine_loop" | head -20
     run dp_tests 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_data_parallel_gpu.py
     ;;
-  inflight-1b)
+  inflight-1b|inflight-8b)  # two stages at 8 plans in flight (the default: P + 2 micro-batches of two each) and 12
+    model=dummy:llama-3.2-1b
+    [ "$phase" = inflight-8b ] && model=dummy:llama-3-8b
     for tag in 8a 12 8b; do  # (8 again: the host's speed drifts within a call)
       n=${tag%[ab]}
-      run "inflight_$tag" 180 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+      run "${phase}_$tag" 200 strata bench pipeline --model "$model" --tokenizer "$TOK" --no-progress \
         --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
-        --max-plans-in-flight "$n" --output "$OUT/inflight_$tag.json"
+        --max-plans-in-flight "$n" --output "$OUT/${phase}_$tag.json"
+      grep -h "plans in flight" "$OUT/${phase}_$tag.log" | head -1
     done
     ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b"
     exit 2
     ;;
 esac
