@@ -109,6 +109,31 @@ def test_an_abort_that_blocks_never_holds_the_caller_and_its_steps_return_no_tok
     assert pg.aborted and group.pg is None
 
 
+def test_a_group_forms_only_once_the_old_groups_abort_has_ended():
+    """NCCL's abort makes CUDA calls that fail a graph capture running beside them: a rebuilt
+    stage's InitCache (form, then warm-up and capture) waits for it, and tells the scheduler to
+    retry (UNAVAILABLE) when it outlasts the deadline."""
+    import threading
+
+    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
+    from strata.services.worker.tensor_parallel.ranks import PeersUnavailable, StageRanks
+
+    released = threading.Event()
+    group = TensorParallelGroup(0, 2, torch.device("cpu"), timeout=0.2)
+    group.aborting = threading.Thread(target=released.wait, args=(30,), daemon=True)
+    group.aborting.start()
+
+    class Rendezvous:
+        def group_store(self):
+            return None  # (never reached: the abort still runs)
+
+    with pytest.raises(PeersUnavailable, match="abort has not ended in 0.2 s"):
+        StageRanks(group, Rendezvous()).form(session=3)
+    released.set()
+    group._await_abort()  # ended within the deadline: the group forms
+    assert not group.aborting.is_alive()
+
+
 def test_a_one_shot_that_did_not_form_on_every_rank_is_dropped_on_all():
     """A rank that could not map a peer's buffers sends that message to NCCL: its peers must too,
     or they would wait in the one-shot for a rank that never comes."""

@@ -87,6 +87,7 @@ class TensorParallelGroup:
         graph capture, which run collectives in lockstep."""
         if self.size == 1:
             return
+        self._await_abort()
         prefixed = dist.PrefixStore(f"strata/tp/{session}/", store)
         delta = datetime.timedelta(seconds=self.timeout)
         if not self.host_collectives:
@@ -158,6 +159,18 @@ class TensorParallelGroup:
         if pg is not None:
             self.aborting = threading.Thread(target=_abort, args=(pg, reason), name="tp-abort", daemon=True)
             self.aborting.start()
+
+    def _await_abort(self) -> None:
+        """The last abort's end, at most the deadline (TimeoutError past it): NCCL's abort makes
+        CUDA calls that fail a graph capture running beside them (global capture mode). On two
+        H200s a rebuilt stage's InitCache failed in capture while its old group's abort ran, and
+        each retry's own abort of the half-formed group failed the next one."""
+        aborting = self.aborting
+        if aborting is None:
+            return
+        aborting.join(self.timeout)
+        if aborting.is_alive():
+            raise TimeoutError(f"the old tensor-parallel group's abort has not ended in {self.timeout:g} s")
 
     def fail(self, reason: str) -> None:
         """A step failed between collectives on this rank: the ranks no longer pair theirs."""

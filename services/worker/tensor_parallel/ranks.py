@@ -75,9 +75,13 @@ class StageRanks:
         return out
 
     def form(self, session: int) -> None:
-        """On the step thread, inside InitCache: the group of `session` (every rank joins)."""
+        """On the step thread, inside InitCache: the group of `session` (every rank joins), once
+        the old group's abort has ended; PeersUnavailable (the scheduler retries) if it has not."""
         if self.size > 1:
-            self.group.form(self.rendezvous.group_store(), session)
+            try:
+                self.group.form(self.rendezvous.group_store(), session)
+            except TimeoutError as e:
+                raise PeersUnavailable(str(e)) from None
 
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
