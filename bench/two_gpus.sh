@@ -6,9 +6,11 @@
 # 512 KiB and the one-shot's two-GPU tests. Session 11 ("Tensor parallelism's every way in one
 # run ...") ran `tp ipc` (TP2 1.69x one GPU offline, 0.61x TPOT), tensor parallelism's two-GPU
 # tests (every one passes since 7b01dc1) and the 1B pipeline again (1.43x). Still never run on two
-# GPUs: the 8B pipeline bench at P + 2 micro-batches by default (at 256 requests too). So the order
-# now: `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does a third plan
-# in flight a micro-batch hide the scheduler's uneven turns? `strata bench pipeline` now prints
+# GPUs: the 8B pipeline bench at P + 2 micro-batches by default (at 256 requests too), and 54313d2
+# (a rebuilt stage's group forms only after its old group's abort: the SIGSTOP cases' InitCaches
+# had failed in capture beside it). So the order now: `tp-faults` (about 2.5 minutes),
+# `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does a third plan in
+# flight a micro-batch hide the scheduler's uneven turns? `strata bench pipeline` now prints
 # whether the engine waited at the limit of plans in flight or below it), `inflight-8b`,
 # `pipeline` (at 256 requests too), `hops`.
 #
@@ -18,6 +20,7 @@
 #
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
+#   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
 #                                               # the token hand-off at 8B), then the all-reduce bench
@@ -59,6 +62,11 @@ case $phase in
     run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
     run tp_tests 420 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
     ;;
+  tp-faults)  # kill -9 and SIGSTOP of a rank, NCCL and ipc; the logs show each abort and InitCache
+    run tp_faults 420 python -m pytest -q -rA -p no:cacheprovider --timeout 150 tests/gpu/test_tensor_parallel_gpu.py \
+      -k "lost_rank and two-gpus"
+    grep -hE "abort took|InitCache on .* failed|^(PASSED|FAILED)" "$OUT/tp_faults.log" | head -30
+    ;;
   tp)  # $3: the all-reduce (ipc was fastest in a chain on two H200s); $4: ways
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
       --ways "${4:-1,tp2,pp2,dp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
@@ -89,7 +97,7 @@ case $phase in
     done
     ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults"
     exit 2
     ;;
 esac
