@@ -11,7 +11,8 @@ next InitCache aborts the group (NCCL's abort makes enqueued and graph-replayed 
 
 NCCL's abort takes seconds (0.3-6.5 s after a lost rank on two H200s), and on the event loop (a
 peer's plan socket closing) it once did not return in 90 s: the worker stopped answering the
-scheduler, so the stage was never rebuilt. It runs on a thread of its own. The kernels that waited
+scheduler, so the stage was never rebuilt. It runs on a thread of its own, which the next form()
+waits for (its CUDA calls would fail that InitCache's graph captures). The kernels that waited
 for the lost rank exit with partial sums: a step that ends while the group is broken
 returns no tokens (`broken` is set before the abort; server.py's result fetch checks it).
 
