@@ -95,6 +95,10 @@ case $phase in
         --max-plans-in-flight "$n" --output "$OUT/${phase}_$tag.json"
       grep -h "plans in flight" "$OUT/${phase}_$tag.log" | head -1
     done
+    # Where each stage's stream waited, on the GPUs' clock (slows steps: apart from the A/B)
+    run "${phase}_clock" 200 strata bench pipeline --model "$model" --tokenizer "$TOK" --no-progress \
+      --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
+      --gpu-clock /tmp/clock --output "$OUT/${phase}_clock.json"
     ;;
   *)
     echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults"
