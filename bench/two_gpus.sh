@@ -95,8 +95,9 @@ case $phase in
         --max-plans-in-flight "$n" --output "$OUT/${phase}_$tag.json"
       grep -h "plans in flight" "$OUT/${phase}_$tag.log" | head -1
     done
-    # Where each stage's stream waited, on the GPUs' clock (slows steps: apart from the A/B)
-    run "${phase}_clock" 200 strata bench pipeline --model "$model" --tokenizer "$TOK" --no-progress \
+    # Where each stage's stream waited, on the GPUs' clock (slows steps: apart from the A/B; the
+    # 8B's four runs would not fit a call)
+    [ "$phase" = inflight-1b ] && run "${phase}_clock" 200 strata bench pipeline --model "$model" --tokenizer "$TOK" --no-progress \
       --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
       --gpu-clock /tmp/clock --output "$OUT/${phase}_clock.json"
     ;;
