@@ -3,6 +3,8 @@ each against its floor, in one process on the worker's own ModelRunner (as `stra
 
     python -m strata.bench.decode_chain                                   # 1B and 8B shapes, batch 1
     python -m strata.bench.decode_chain --models dummy:llama-3.2-1b --batches 1,4 --tile-kb 16,64 --json out.json
+    python -m strata.bench.decode_chain --models dummy:llama-3-8b --ways "chain + PDL" --tensor-parallel-rank-of 2 \
+        --wide-max-pairs 0,8        # a TP2 rank's step, its attention at 4 warps against 8
 
 Five ways per model and batch, the CUDA graphs recaptured for each:
 - chain + PDL: the default (services/worker/model/decode_chain.py, kernels/dependent_launch.py), with
@@ -25,8 +27,9 @@ import json
 from strata.bench import common
 from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
+from strata.bench.tensor_parallel_rank import rank_flags
 from strata.flags import DEFAULTS
-from strata.kernels import dependent_launch
+from strata.kernels import attention_launch, dependent_launch
 
 # (decode chain, PDL, one-launch decode attention)
 WAYS = {
@@ -86,6 +89,19 @@ def main() -> None:
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of: " + ", ".join(WAYS))
     p.add_argument("--tile-kb", default="", help="also time the chain with these TILE_BYTES (comma-separated KB)")
     p.add_argument(
+        "--wide-max-pairs",
+        default="",
+        help="also time the chain with decode attention at 8 warps up to these many (sequence, KV head) pairs "
+        f"and 4 beyond (comma-separated; the default is {attention_launch.WIDE_PROGRAMS_MAX_PAIRS})",
+    )
+    p.add_argument(
+        "--tensor-parallel-rank-of",
+        type=int,
+        default=1,
+        help="T > 1: time rank 0 of a T-way stage alone, its collectives skipped (its heads, its share of each "
+        "GEMV, its vocabulary slice: what a rank computes, as python -m strata.bench.tensor_parallel_rank)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=0,
@@ -98,8 +114,13 @@ def main() -> None:
     ways = [w.strip() for w in a.ways.split(",")]
     from strata.kernels import decode_linear
 
-    default_tile = decode_linear.TILE_BYTES
-    tiles = [int(kb) * 1024 for kb in a.tile_kb.split(",") if kb]
+    default_tile, default_wide = decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS
+    # (way, TILE_BYTES, WIDE_PROGRAMS_MAX_PAIRS): the ways asked, then the chain's variants
+    variants = [(w, default_tile, default_wide) for w in ways]
+    variants += [(f"chain + PDL, {int(kb)} KB", int(kb) * 1024, default_wide) for kb in a.tile_kb.split(",") if kb]
+    variants += [
+        (f"chain + PDL, 8 warps to {int(n)} pairs", default_tile, int(n)) for n in a.wide_max_pairs.split(",") if n
+    ]
     bandwidth = measure_copy_bandwidth("cuda")
     print(
         f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; commit {common.environment_info(roofline_args('dummy:llama-3.2-1b', 1))['commit']}"
@@ -107,24 +128,23 @@ def main() -> None:
     rows = []
     for model in a.models.split(","):
         args = roofline_args(model, max(batches))
-        runner = load_runner(
-            args, max(batches), a.context_len, ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []
-        )
+        flags = ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []
+        runner = load_runner(args, max(batches), a.context_len, flags + rank_flags(a.tensor_parallel_rank_of))
         num_blocks = runner.kv_caches[0].shape[1]
         itemsize = runner.kv_caches[0].element_size()
         try:
-            for way, tile in [(w, default_tile) for w in ways] + [(f"chain + PDL, {t // 1024} KB", t) for t in tiles]:
-                decode_linear.TILE_BYTES = tile
-                chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # tile sweeps: the default way
+            for way, tile, wide in variants:
+                decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS = tile, wide
+                chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # sweeps: the default way
                 launches = contextlib.nullcontext() if pdl else dependent_launch.plain_launches()
                 with launches:
                     set_way(runner, num_blocks, chain, fused_attention)
                     rows += time_way(runner, model, way, batches, a, bandwidth, itemsize)
         finally:
-            decode_linear.TILE_BYTES = default_tile
+            decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS = default_tile, default_wide
             del runner
             common.free_accelerator_memory()
-    ways += [f"chain + PDL, {t // 1024} KB" for t in tiles]
+    ways = [way for way, _, _ in variants]
     print("\n| model | batch | " + " | ".join(f"{w} ms (x floor)" for w in ways) + " | floor ms |")
     print("| --- | --- | " + " | ".join("---" for _ in ways) + " | --- |")
     for model in a.models.split(","):

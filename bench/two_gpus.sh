@@ -21,6 +21,7 @@
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
+#   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
 #                                               # the token hand-off at 8B), then the all-reduce bench
@@ -62,6 +63,12 @@ case $phase in
     run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
     run tp_tests 420 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
     ;;
+  rank-attention)  # one GPU is enough: a TP2 rank's decode step with its attention at 8 warps or 4
+    # (batch 1: 4 (sequence, KV head) pairs, 8 warps by default; an isolated sweep put 4 warps
+    # ~1 us a layer faster, but the whole model's shape lost in the chain what it won alone)
+    run rank_attention 400 python -m strata.bench.decode_chain --models dummy:llama-3-8b --ways "chain + PDL" \
+      --batches 1,16 --tensor-parallel-rank-of 2 --wide-max-pairs 0,4,8 --json "$OUT/rank_attention.json"
+    ;;
   tp-faults)  # kill -9 and SIGSTOP of a rank, NCCL and ipc; the logs show each abort and InitCache
     run tp_faults 420 python -m pytest -q -rA -p no:cacheprovider --timeout 150 tests/gpu/test_tensor_parallel_gpu.py \
       -k "lost_rank and two-gpus"
@@ -102,7 +109,7 @@ case $phase in
       --gpu-clock /tmp/clock --output "$OUT/${phase}_clock.json"
     ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention"
     exit 2
     ;;
 esac
