@@ -165,8 +165,11 @@ def run(args) -> int:
     for way in ways:
         with common.cluster_for(common.with_overrides(args, **_cluster_flags(args, way))) as endpoints:
             phases[way] = common.run(_phase(endpoints, args, way))
+    # With replicas the statistics are their sums: wall-time shares are each replica's mean.
+    replicas = max(args.data_parallel_size, 1)
     for way in ways:
         p, s = phases[way], phases[way]["scheduler"]
+        idle = p["elapsed_s"] - s.get("busy_seconds", 0) / replicas
         common.print_section(
             way,
             [
@@ -177,8 +180,11 @@ def run(args) -> int:
                 ("steps", common.fmt(s.get("steps"), ",")),
                 # Where a way loses time: wall with no step in flight (the client's requests not
                 # yet arrived, a group waiting for its members), the host launching, the GPU.
-                ("no step in flight", f"{p['elapsed_s'] - s.get('busy_seconds', 0):.3f} s of the wall time"),
-                *common.gpu_timeline_rows(s, p["elapsed_s"]),
+                (
+                    "no step in flight",
+                    f"{idle:.3f} s of the wall time" + (" (a replica's mean)" if replicas > 1 else ""),
+                ),
+                *common.gpu_timeline_rows(s, p["elapsed_s"] * replicas),
             ],
         )
     rps = {way: phases[way]["requests_per_s"] for way in ways}

@@ -12,7 +12,8 @@
 # `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does a third plan in
 # flight a micro-batch hide the scheduler's uneven turns? `strata bench pipeline` now prints
 # whether the engine waited at the limit of plans in flight or below it), `inflight-8b`,
-# `pipeline` (at 256 requests too), `hops`.
+# `prefix-groups-dp` (never measured: issue 50 asks that prefix groups keep their gain with D
+# replicas), `pipeline` (at 256 requests too), `hops`.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -22,6 +23,7 @@
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
+#   bash bench/two_gpus.sh COMMIT prefix-groups-dp  # prefix groups against the plain cache at one and two replicas
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
 #                                               # the token hand-off at 8B), then the all-reduce bench
@@ -62,6 +64,13 @@ case $phase in
   tp-tests)
     run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus
     run tp_tests 420 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k "not gloo"
+    ;;
+  prefix-groups-dp)  # issue 50: prefix groups' gain over the plain prefix cache, one replica against two
+    for d in 1 2; do
+      run "prefix_groups_dp$d" 280 strata bench prefix-groups --model dummy:llama-3.2-1b --tokenizer "$TOK" \
+        --no-progress --ways groups,cache --data-parallel-size "$d" --output "$OUT/prefix_groups_dp$d.json"
+      grep -hE "groups / prefix cache|prefill tokens computed|req/s" "$OUT/prefix_groups_dp$d.log" | head -6
+    done
     ;;
   rank-attention)  # one GPU is enough: a TP2 rank's decode step with its attention at 8 warps or 4
     # (batch 1: 4 (sequence, KV head) pairs, 8 warps by default; an isolated sweep put 4 warps
@@ -109,7 +118,7 @@ case $phase in
       --gpu-clock /tmp/clock --output "$OUT/${phase}_clock.json"
     ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp"
     exit 2
     ;;
 esac

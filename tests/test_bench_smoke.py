@@ -729,3 +729,23 @@ def test_one_rank_alone_runs_its_shard_and_counts_a_steps_collectives():
     assert rank["collectives"] == {"all_reduce_": 2 * layers + 1, "all_reduce_max_": 1}
     b = budgets(whole_ms=10.0, rank_ms=5.0, collectives=10)
     assert b["tpot_budget_us"] == pytest.approx(100.0) and b["share_budget_us"] == pytest.approx(0.15 / 0.85 * 500)
+
+
+def test_prefix_groups_bench_with_two_replicas_computes_a_prefix_at_most_once_a_replica(tmp_path):
+    """`strata bench prefix-groups --data-parallel-size 2`: a group goes whole to one replica, so
+    each shared prefix is computed once over both replicas. The one-by-one requests follow their
+    prefix to the replica that holds it while its load allows (routing.py's bounded loads: a burst
+    may spread a prefix), so each replica computes it at most once."""
+    r = bench(
+        tmp_path,
+        "prefix-groups",
+        *("--num-groups", "4", "--group-size", "4", "--prefix-len", "64", "--suffix-len", "8"),
+        *("--output-len", "4", "--ways", "groups,cache", "--data-parallel-size", "2"),
+    )
+    computed = {}
+    for way in ("groups", "cache"):
+        phase = r["phases"][way]
+        assert phase["requests"] == 16 and phase["failed"] == 0
+        computed[way] = phase["scheduler"]["prefill_tokens_computed"] - 16 * 8  # the prefixes' part
+    assert computed["groups"] == 4 * 64
+    assert 4 * 64 <= computed["cache"] <= 2 * 4 * 64
