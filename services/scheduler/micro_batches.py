@@ -274,15 +274,12 @@ class MicroBatches:
             mb = (self._next_micro_batch + k) % m
             if self.decode_lookahead and self.micro_batch_plans[mb] > self.decode_lookahead:
                 return None
-            plan = self._next_repeat(mb, self._next_step_id) or self._schedule(mb)
+            plan = self._next_repeat(mb) or self._schedule(mb)
             if plan is not None:
                 self._next_micro_batch = (mb + 1) % m
                 plan.micro_batch = mb
                 self.micro_batch_plans[mb] += 1
                 self._count_round(plan.num_tokens)
-                if plan.repeat is not None:  # (_schedule counts its own)
-                    self._next_step_id += 1
-                    self.counters.steps += 1
                 return plan
         return None
 

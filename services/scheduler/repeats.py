@@ -122,8 +122,9 @@ class SteadyRepeats:
             shortest=min(ends),
         )
 
-    def _next_repeat(self, micro_batch: int, step_id: int) -> StepPlan | None:
-        """The micro-batch's next committed plan, or None when it has none."""
+    def _next_repeat(self, micro_batch: int) -> StepPlan | None:
+        """The micro-batch's next committed plan (the next step id, counted as _schedule counts
+        its plans), or None when it has none."""
         rep = self._repeats[micro_batch]
         if rep is None:
             return None
@@ -141,11 +142,13 @@ class SteadyRepeats:
         if not rep.seqs:
             return None
         n = len(rep.seqs)
-        plan = StepPlan(step_id, [], self._pending_releases, rep.seqs, [])
+        plan = StepPlan(self._next_step_id, [], self._pending_releases, rep.seqs, [])
         plan.num_tokens = n
         plan.repeat = (rep.seq_ids, [c + rep.sent for c in rep.num_computed], rep.table_keep)
         self._pending_releases = []
+        self._next_step_id += 1
         counters = self.counters
+        counters.steps += 1
         counters.decode_tokens += n
         counters.lookahead_decodes += n
         counters.repeated_plans += 1
