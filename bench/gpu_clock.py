@@ -61,6 +61,8 @@ def _stages(paths: list[str]) -> list[dict]:
         for i, name in enumerate(POINTS):
             m = keep & (d["point"] == i)
             stage[name] = (d["step_id"][m], d["t_ns"][m], d["host_ns"][m])
+        if "need" in d and d["need"].size:  # stage 0's token dependencies (dumps since session 12 of issue 50)
+            stage["need"] = d["need"]
         if "ref_rate" in d and d["ref_rate"].size:  # (dumps since session 14 keep their references)
             stage["placement"] = (int(d["ref_rate"].size), float(np.median(d["ref_rate"])))
         stages[int(d["stage"])] = stage
@@ -135,6 +137,36 @@ def analyse(stages: list[dict], max_gap_ns: float) -> dict:
     return {"busy_ns": busy, "idle_ns": idle, "skipped_gaps": skipped, "causes": causes, "segments": segments}
 
 
+def token_waits(stages: list[dict]) -> list[str]:
+    """Stage 0's waits for tokens, by how far back the step it needs lies (its step id minus the
+    sampling step's: about the micro-batches in turn): steps, their GPU wait (queued -> start),
+    and how late the last stage handed those tokens against stage 0's queued (positive: the
+    tokens were the wait) and how soon stage 0 started after that hand-off."""
+    if len(stages) < 2 or "need" not in stages[0] or "points" not in stages[0]:
+        return []
+    first, last = stages[0]["points"], stages[-1]["points"]
+    by_distance = collections.defaultdict(lambda: ([], [], []))
+    for step_id, need in stages[0]["need"]:
+        step_id, need = int(step_id), int(need)
+        if step_id not in first["start"] or step_id not in first["queued"] or need not in last["handed"]:
+            continue
+        start, queued = first["start"][step_id][0], first["queued"][step_id][0]
+        waits, lates, after = by_distance[step_id - need]
+        waits.append(start - queued)
+        lates.append(last["handed"][need][0] - queued)
+        after.append(start - max(last["handed"][need][0], queued))
+    lines = ["  stage 0's token waits, by the steps between a step and the one whose tokens it takes:"]
+    total = sum(len(v[0]) for v in by_distance.values())
+    for distance in sorted(by_distance):
+        waits, lates, after = (np.asarray(v) / 1e3 for v in by_distance[distance])
+        lines.append(
+            f"    {distance:3d} back: {len(waits):6,} steps ({len(waits) / max(total, 1):5.1%}), GPU wait "
+            f"{waits.mean():7.1f} us (p50 {np.median(waits):.1f}); tokens handed {lates.mean():7.1f} us after "
+            f"queued (p50 {np.median(lates):.1f}); started {after.mean():6.1f} us after both"
+        )
+    return lines
+
+
 def report(result: dict, num_steps: int) -> str:
     busy, idle = result["busy_ns"], result["idle_ns"]
     lines = [
@@ -184,7 +216,7 @@ def breakdown(stages: list[dict], max_gap_ms: float = 2.0) -> str:
         if "placement" in s
     ]
     text = report(analyse(stages, max_gap_ms * 1e6), len(_by_step(stages[-1], "handed")))
-    return "\n".join([text.split("\n", 1)[0], *placement, *text.split("\n")[1:]])
+    return "\n".join([text.split("\n", 1)[0], *placement, *text.split("\n")[1:], *token_waits(stages)])
 
 
 if __name__ == "__main__":

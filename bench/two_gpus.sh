@@ -117,8 +117,17 @@ case $phase in
       --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 \
       --gpu-clock /tmp/clock --output "$OUT/${phase}_clock.json"
     ;;
+  clock-1b)  # the 1B at two stages on the GPUs' clock, its stamps kept (clock1b.tgz): stage 0's token
+    # waits by how far back their tokens lie (bench/gpu_clock.py token_waits)
+    rm -rf /tmp/clock
+    run clock_1b 200 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+      --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 --data-parallel 0 \
+      --gpu-clock /tmp/clock --output "$OUT/clock_1b.json"
+    grep -h -A12 "token waits" "$OUT/clock_1b.log" | head -30
+    tar czf "$OUT/clock1b.tgz" -C /tmp clock
+    ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b"
     exit 2
     ;;
 esac

@@ -151,3 +151,31 @@ def test_references_are_placed_through_a_coarse_clock_that_runs_apart_from_the_e
     assert one[0] == readings[0] and rate_one[0] == 1.0
     two, rate_two = place_references(np.array([1_000_000, 1_500_000]), np.array([0.0, 1_000_000.0]))
     assert two.tolist() == [1_000_000, 2_000_000] and rate_two.tolist() == [1.0, 1.0]
+
+
+def test_stage_0s_token_waits_by_how_far_back_their_tokens_lie(tmp_path):
+    # Stage 0, step 2 needs step 0's tokens (2 back): queued at 300, the last stage handed step 0 at
+    # 340, stage 0 started at 350 (a 50 us wait: the tokens 40 us late, started 10 us after them).
+    # Step 3 needs step 1's (2 back), handed long before it was queued: started 5 us after queued.
+    s0 = [
+        (0, "queued", 0, 0),
+        (0, "start", 0, 0),
+        (0, "handed", 100, 0),
+        (1, "queued", 100, 0),
+        (1, "start", 100, 0),
+        (1, "handed", 200, 0),
+        (2, "queued", 300, 0),
+        (2, "start", 350, 0),
+        (2, "handed", 450, 0),
+        (3, "queued", 900, 0),
+        (3, "start", 905, 0),
+        (3, "handed", 1000, 0),
+    ]
+    s1 = [(0, "start", 200, 0), (0, "handed", 340, 0), (1, "start", 340, 0), (1, "handed", 480, 0)]
+    _write(tmp_path / "stage0-11-1.npz", 0, s0, need=np.array([[2, 0], [3, 1]]))
+    _write(tmp_path / "stage1-12-1.npz", 1, s1)
+    (stages,) = gpu_clock.load(str(tmp_path), 1)
+    text = gpu_clock.breakdown(stages)
+    line = next(t for t in text.splitlines() if "2 back" in t)
+    assert "2 steps (100.0%)" in line and "GPU wait    27.5 us" in line
+    assert "tokens handed  -190.0 us after queued" in line and "started    7.5 us after both" in line

@@ -312,6 +312,7 @@ class ModelRunner:
                 self.handoff.before_step(plan.step_id, h, staged_rows)
             if self.clock:
                 self.clock.stamp(plan.step_id, "start")
+                self.clock.note_need(plan.step_id, getattr(self.handoff, "need", 0))
             self.gpu_start = self.timeline.mark() if self.timeline else None
             return taken
 

@@ -106,6 +106,7 @@ class GpuClock:
         # (step_id, point, host ns at the record, event, its reference), in stream order
         self.stamps: list[tuple[int, int, int, torch.cuda.Event, int]] = []
         self._since_reference = REFERENCE_EVERY
+        self.needs: list[tuple[int, int]] = []  # stage 0: (step id, the sampling step its tokens came from)
         self.dumps = 0
 
     @classmethod
@@ -138,10 +139,17 @@ class GpuClock:
         self._since_reference = 0
         return True
 
+    def note_need(self, step_id: int, need: int) -> None:
+        """Stage 0: the sampling step whose tokens step_id's placeholders waited for on the GPU
+        (bench/gpu_clock.py: how far back a step's input lies, and how long the GPU waited)."""
+        if need:
+            self.needs.append((step_id, need))
+
     def dump(self) -> Path:
         """The stamps since the last dump, to a file; waits for the GPU (diagnostic only). A stamp
         the step thread takes meanwhile may be dropped."""
         stamps, self.stamps = self.stamps, []
+        needs, self.needs = self.needs, []
         self._since_reference = REFERENCE_EVERY  # the next stamp takes a fresh reading
         refs = list(self.references)  # (the step thread may add one after the synchronize)
         torch.cuda.synchronize(self.readings.device)
@@ -177,6 +185,7 @@ class GpuClock:
             ref_event_ns=event_ns,
             ref_placed_ns=placed,
             ref_rate=rate,
+            need=np.asarray(needs, dtype=np.int64).reshape(-1, 2),
         )
         self.dumps += 1
         return path

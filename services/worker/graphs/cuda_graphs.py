@@ -33,6 +33,14 @@ from strata.services.worker.sampling.sampler import sample_unfiltered
 from strata.services.worker.step.step_inputs import HostInputs
 
 
+def capturing(graph: torch.cuda.CUDAGraph, pool=None):
+    """torch.cuda.graph in thread-local mode: only the capturing thread's own unsafe CUDA calls
+    fail the capture. In global mode (torch's default) any thread's do, and a tensor-parallel
+    group's NCCL abort on its own thread (tensor_parallel/group.py) failed a rebuilt stage's
+    captures on two H200s."""
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
@@ -276,7 +284,7 @@ class DecodeGraphs:
             self._forward(bs)  # compiles the Triton kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 self.outputs[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()

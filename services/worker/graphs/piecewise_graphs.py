@@ -31,6 +31,7 @@ import bisect
 
 import torch
 
+from strata.services.worker.graphs.cuda_graphs import capturing
 from strata.services.worker.model.attention import AttentionMetadata
 
 
@@ -130,7 +131,7 @@ class PiecewiseGraphs:
             graphs = []
             for index in range(num_pieces):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with capturing(graph, self.pool):
                     out = self._piece(index, tp)
                 self.pool = self.pool or graph.pool()
                 graphs.append(graph)

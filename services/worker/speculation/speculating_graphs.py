@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.spec_decode import advance_round
+from strata.services.worker.graphs.cuda_graphs import capturing
 from strata.services.worker.speculation.device_speculation import DeviceSpeculation
 
 
@@ -84,7 +85,7 @@ def shifting_verify_graphs(spec: DeviceSpeculation):
                 advance()  # on padding rows: every one sits out, nothing moves
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with capturing(graph):
                     advance()
                 self.advance_graphs[bs] = (graph, token_seq, first)  # (the indices must outlive it)
                 executable = cuda_driver.graph_exec(graph)

@@ -9,11 +9,13 @@ gloo's waits are bounded by the group's timeout; NCCL's host never waits (the st
 work is bounded by the communicator's timeout and by the engine's step deadline, after which the
 next InitCache aborts the group (NCCL's abort makes enqueued and graph-replayed kernels exit).
 
-NCCL's abort takes seconds (0.3-6.5 s after a lost rank on two H200s), and on the event loop (a
-peer's plan socket closing) it once did not return in 90 s: the worker stopped answering the
-scheduler, so the stage was never rebuilt. It runs on a thread of its own, which the next form()
-waits for (its CUDA calls would fail that InitCache's graph captures). The kernels that waited
-for the lost rank exit with partial sums: a step that ends while the group is broken
+NCCL's abort takes seconds (0.3-6.5 s after a lost rank on two H200s) or never returns (on two
+H200s, after kill -9 of a peer, none had in 90 s); on the event loop (a peer's plan socket
+closing) that stopped the worker answering the scheduler, so the stage was never rebuilt. It runs
+on a thread of its own. The next form() gives it ABORT_GRACE_SECONDS, then goes on without it:
+the old communicator is left behind (a warning with the thread's stack says so), and graph
+capture runs in thread-local mode (graphs/), so the abort's CUDA calls cannot fail it. The kernels
+that waited for the lost rank exit with partial sums: a step that ends while the group is broken
 returns no tokens (`broken` is set before the abort; server.py's result fetch checks it).
 
 A failed collective means a rank is gone or the ranks diverged: it raises PeerLost, so the step
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,9 @@ from strata.services.worker.transport.distributed_transport import abort_group, 
 from strata.services.worker.transport.stage_transport import PeerLost
 
 log = logging.getLogger("strata.worker")
+# How long a forming group waits for its predecessor's abort: most end within it (0.3-6.5 s on
+# two H200s), and one that has not will most likely never end.
+ABORT_GRACE_SECONDS = 10.0
 
 
 class TensorParallelGroup:
@@ -158,20 +165,26 @@ class TensorParallelGroup:
         self.one_shot = self.one_shot_max = self.one_shot_norm = None
         pg, self.pg = self.pg, None
         if pg is not None:
-            self.aborting = threading.Thread(target=_abort, args=(pg, reason), name="tp-abort", daemon=True)
+            args = (pg, reason, self.device)
+            self.aborting = threading.Thread(target=_abort, args=args, name="tp-abort", daemon=True)
             self.aborting.start()
 
     def _await_abort(self) -> None:
-        """The last abort's end, at most the deadline (TimeoutError past it): NCCL's abort makes
-        CUDA calls that fail a graph capture running beside them (global capture mode). On two
-        H200s a rebuilt stage's InitCache failed in capture while its old group's abort ran, and
-        each retry's own abort of the half-formed group failed the next one."""
-        aborting = self.aborting
+        """The last abort's end, at most ABORT_GRACE_SECONDS (or the deadline, if shorter); past
+        it the group forms without it (module docstring)."""
+        aborting, self.aborting = self.aborting, None
         if aborting is None:
             return
-        aborting.join(self.timeout)
+        aborting.join(min(ABORT_GRACE_SECONDS, self.timeout))
         if aborting.is_alive():
-            raise TimeoutError(f"the old tensor-parallel group's abort has not ended in {self.timeout:g} s")
+            frame = sys._current_frames().get(aborting.ident)
+            where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "(no frame)"
+            log.warning(
+                "tensor parallel: the old group's abort has not ended in %.0f s; forming the new group "
+                "without it (its communicator is left behind). The abort thread is at:\n%s",
+                min(ABORT_GRACE_SECONDS, self.timeout),
+                where,
+            )
 
     def fail(self, reason: str) -> None:
         """A step failed between collectives on this rank: the ranks no longer pair theirs."""
@@ -267,8 +280,11 @@ class TensorParallelGroup:
         return out
 
 
-def _abort(pg, reason: str) -> None:
+def _abort(pg, reason: str, device: torch.device) -> None:
     started = time.monotonic()
+    log.info("tensor parallel: aborting the group (%s)", reason)
+    if device.type == "cuda":  # (a thread starts on GPU 0: a context there would cost another rank's GPU memory)
+        torch.cuda.set_device(device)
     abort_group(pg, "tensor parallel")
     log.info("tensor parallel: the old group's abort took %.1f s (%s)", time.monotonic() - started, reason)
 

@@ -75,13 +75,9 @@ class StageRanks:
         return out
 
     def form(self, session: int) -> None:
-        """On the step thread, inside InitCache: the group of `session` (every rank joins), once
-        the old group's abort has ended; PeersUnavailable (the scheduler retries) if it has not."""
+        """On the step thread, inside InitCache: the group of `session` (every rank joins)."""
         if self.size > 1:
-            try:
-                self.group.form(self.rendezvous.group_store(), session)
-            except TimeoutError as e:
-                raise PeersUnavailable(str(e)) from None
+            self.group.form(self.rendezvous.group_store(), session)
 
     def abort(self, reason: str) -> None:
         self.group.abort(reason)

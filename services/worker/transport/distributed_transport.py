@@ -102,15 +102,21 @@ def _form_group(store, rank: int, backend: str, peer_host: str, timeout: float, 
 
 def abort_group(pg, owner: str = "stage transport") -> None:
     """Tear a process group down without waiting on its peers: abort where the backend has it
-    (NCCL), else shut down; a group already broken may refuse either (logged, not raised)."""
+    (NCCL), else shut down. A group already broken may refuse either (logged, not raised). An NCCL
+    group whose abort failed is left as it is: its shutdown() first waits for the group's work to
+    finish, and work waiting for a lost peer never does (a thread stuck there forever)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
     for name in ("abort", "shutdown"):
         fn = getattr(pg, name, None)
-        if fn is not None:
-            try:
-                fn()
-                return
-            except Exception as e:  # a group already broken
-                log.debug("%s: %s of the old group: %s", owner, name, e)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception as e:  # a group already broken
+            log.warning("%s: %s of the old group failed: %s", owner, name, e)
+        if nccl is not None and isinstance(pg, nccl):
+            return
 
 
 class _Group:

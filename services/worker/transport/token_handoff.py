@@ -94,6 +94,7 @@ class TokenIntake:
         self._closed: str | None = None
         self.wait_seconds = 0.0
         self.waits = 0
+        self.need = 0  # the sampling step the latest step's placeholders waited for (0: none; GPU clock)
         # ipc: the step thread takes the tokens that have arrived itself, pump(need) blocking until
         # step `need`'s are applied (0: only what is there); else a receiving thread applies them.
         self.pump = None
@@ -111,9 +112,10 @@ class TokenIntake:
             waits.pump()  # what has arrived: checked, applied, credited
         elif self.pump is not None:
             self.pump(0)  # what has arrived: frees the ring's slots
+        self.need = 0
         if h.has_placeholders:
             rows = h.token_rows[h.input_ids == PLACEHOLDER_TOKEN]
-            need = int(self.last_step[rows].max())
+            need = self.need = int(self.last_step[rows].max())
             if waits is not None:
                 if waits.queue_through(need):
                     self.waits += 1  # the GPU waits for tokens not yet announced (no host time)
