@@ -126,8 +126,18 @@ case $phase in
     grep -h -A12 "token waits" "$OUT/clock_1b.log" | head -30
     tar czf "$OUT/clock1b.tgz" -C /tmp clock
     ;;
+  spy-1b)  # the 1B at two stages with py-spy on every service (the last stage's GIL is the bound:
+    # its threads' Python by function, for cutting it), the summaries in spy1b.tgz
+    rm -rf /tmp/spy
+    run spy_1b 200 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+      --shape mixed --num-prompts 1024 --stages 2 --transports ipc --latency-num-prompts 64 --data-parallel 0 \
+      --spy-dir /tmp/spy --output "$OUT/spy_1b.json"
+    mkdir -p /tmp/spy_summaries
+    for d in /tmp/spy/*/; do python -m strata.bench.spy_summary "$d" > "/tmp/spy_summaries/$(basename "$d").txt" 2>&1; done
+    tar czf "$OUT/spy1b.tgz" -C /tmp spy_summaries spy
+    ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b, spy-1b"
     exit 2
     ;;
 esac
