@@ -136,8 +136,15 @@ case $phase in
     for d in /tmp/spy/*/; do python -m strata.bench.spy_summary "$d" > "/tmp/spy_summaries/$(basename "$d").txt" 2>&1; done
     tar czf "$OUT/spy1b.tgz" -C /tmp spy_summaries spy
     ;;
+  ratio-1b)  # issue 50's 1B target alone: one GPU and two stages in one run (no replicas, no py-spy),
+    # after a check of what a GEMM shape new to cuBLAS costs the host (the eager head's padded rows)
+    run logits_shapes 60 python -m strata.bench.logits_shapes
+    run ratio_1b 400 strata bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress --shape mixed \
+      --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 0 --latency-num-prompts 256 \
+      --output "$OUT/ratio_1b.json"
+    ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b, spy-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b, spy-1b, ratio-1b"
     exit 2
     ;;
 esac

@@ -373,9 +373,9 @@ class ModelRunner:
                 )
                 prompt = (prompt_tensors, prompt.num_top)
             logits = None
-            if h.sample_seq_ids:
-                idx = d["sample_token_index"]
-                logits = self.compute_logits(hidden[idx], residual[idx])
+            if h.sample_seq_ids:  # (the head on a padded row count: step_inputs.LOGITS_ROWS_MULTIPLE)
+                idx = d["logits_token_index"]
+                logits = self.compute_logits(hidden[idx], residual[idx])[: len(h.sample_token_index)]
             if rounds == 1:
                 return self.sample_result(plan, h, logits, d["sample_rows"], sampling, start, spec, prompt)
             out = self.sampler(logits, sampling)  # (_check_rounds: no logprobs, no controls)

@@ -21,6 +21,17 @@ from strata.services.worker.step.cascade_inputs import SharedKVRunInputs, shared
 from strata.services.worker.step.sequence_table import PlanError, SequenceTable
 from strata.v1 import engine_pb2
 
+# An eager step's head runs on its sampled rows rounded up to a multiple of this (padded_rows):
+# cuBLAS chooses its kernel per GEMM shape, and mixed steps sample a different number of rows
+# each, which put the 1B's last-stage lm_head at 9% of its step thread (bench/RESULTS.md, issue
+# 50, session 12). Padding costs at most this many rows' logits.
+LOGITS_ROWS_MULTIPLE = 32
+
+
+def padded_rows(index: np.ndarray) -> np.ndarray:
+    """index (not empty) repeated at its last entry up to a multiple of LOGITS_ROWS_MULTIPLE."""
+    return np.pad(index, (0, -len(index) % LOGITS_ROWS_MULTIPLE), mode="edge")
+
 
 @dataclass
 class HostInputs:
@@ -142,7 +153,9 @@ class StepInputBuilder:
             sample_rows=rows[sample_idx],
             sample_token_index=last_token[sample_idx],
             sample_positions=seq_lens[sample_idx],
-            sample_seq_ids=[plan.seq_ids[i] for i in sample_idx],
+            sample_seq_ids=np.asarray(plan.seq_ids, dtype=np.int64)[
+                sample_idx
+            ].tolist(),  # (a proto index each: 9x slower)
             verify=None,
         )
         if any(plan.num_draft_tokens):
@@ -241,6 +254,8 @@ class StepInputBuilder:
                 arrays["input_ids"] = h.input_ids
             if h.shared_kv_runs is not None:
                 arrays.update(h.shared_kv_runs.arrays())
+            if self.last_stage and h.sample_seq_ids:
+                arrays["logits_token_index"] = padded_rows(h.sample_token_index)
         flags = None
         if self.last_stage and h.sample_seq_ids:
             t, r = self.table, h.sample_rows
