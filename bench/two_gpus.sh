@@ -5,15 +5,13 @@
 # rows. Session 10 ("Repeated plans ...") ran the 1B pipeline (1.39x one GPU), the all-reduce past
 # 512 KiB and the one-shot's two-GPU tests. Session 11 ("Tensor parallelism's every way in one
 # run ...") ran `tp ipc` (TP2 1.69x one GPU offline, 0.61x TPOT), tensor parallelism's two-GPU
-# tests (every one passes since 7b01dc1) and the 1B pipeline again (1.43x). Still never run on two
-# GPUs: the 8B pipeline bench at P + 2 micro-batches by default (at 256 requests too), and 54313d2
-# (a rebuilt stage's group forms only after its old group's abort: the SIGSTOP cases' InitCaches
-# had failed in capture beside it). So the order now: `tp-faults` (about 2.5 minutes),
-# `inflight-1b` (the 1B's stages and scheduler each idle a third of the run: does a third plan in
-# flight a micro-batch hide the scheduler's uneven turns? `strata bench pipeline` now prints
-# whether the engine waited at the limit of plans in flight or below it), `inflight-8b`,
-# `prefix-groups-dp` (never measured: issue 50 asks that prefix groups keep their gain with D
-# replicas), `pipeline` (at 256 requests too), `hops`.
+# tests (every one passes since 7b01dc1) and the 1B pipeline again (1.43x). Session 12 ("Where the
+# 1B pipeline's time goes ...") ran tp-faults (4 passed once form() stopped waiting for NCCL's abort),
+# inflight-1b, clock-1b and spy-1b (the last stage's Python is the 1B's bound, not the plans in
+# flight), prefix-groups-dp (groups 1.09x the cache at two replicas), rank-attention (no gain),
+# ratio-1b (1.41x) and the 8B at 256 requests (1.40x). Next: ratio-1b after the last stage's
+# host work per step is cut on CPU (bench/worker_step_host.py), inflight-8b (never run), pipeline
+# (the 8B at 1,024 requests again), hops.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -31,6 +29,12 @@
 #   bash bench/two_gpus.sh COMMIT inflight-1b   # the 1B at two stages, 8 plans in flight (P + 2 micro-batches
 #                                               # of two each, the default) against 12 (three each)
 #   bash bench/two_gpus.sh COMMIT inflight-8b   # the same for the 8B (two stages 1.76x one GPU, GPUs 80% / 87% busy)
+#   bash bench/two_gpus.sh COMMIT clock-1b      # the 1B's two stages on the GPUs' clock, the stamps in clock1b.tgz
+#   bash bench/two_gpus.sh COMMIT spy-1b        # the 1B's two stages under py-spy, the stacks in spy1b.tgz
+#   bash bench/two_gpus.sh COMMIT ratio-1b      # a new GEMM shape's host cost, then the 1B at one GPU and two stages
+#
+# COMMIT is the tree's commit as seen here: the device's copy of the repository keeps the git data
+# of the session's first call, so `git log` there names an older commit. $OUT takes 8 files at most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?commit}

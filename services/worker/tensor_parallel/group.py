@@ -9,12 +9,14 @@ gloo's waits are bounded by the group's timeout; NCCL's host never waits (the st
 work is bounded by the communicator's timeout and by the engine's step deadline, after which the
 next InitCache aborts the group (NCCL's abort makes enqueued and graph-replayed kernels exit).
 
-NCCL's abort takes seconds (0.3-6.5 s after a lost rank on two H200s) or never returns (on two
-H200s, after kill -9 of a peer, none had in 90 s); on the event loop (a peer's plan socket
-closing) that stopped the worker answering the scheduler, so the stage was never rebuilt. It runs
-on a thread of its own. The next form() gives it ABORT_GRACE_SECONDS, then goes on without it:
-the old communicator is left behind (a warning with the thread's stack says so), and graph
-capture runs in thread-local mode (graphs/), so the abort's CUDA calls cannot fail it. The kernels
+NCCL's abort takes seconds after a lost rank (on two H200s: 0.1-0.5 s with the ipc one-shot,
+10.5-16.5 s with NCCL alone), and on the event loop (a peer's plan socket closing) it once did not
+return in 90 s: the worker stopped answering the scheduler, so the stage was never rebuilt. It
+runs on a thread of its own. A new group that waited for it waited for ever (NCCL's aborts did
+not end in 90 s while form() waited, eb73a89; they ended once it went on, 0a78cb4), so form()
+gives it ABORT_GRACE_SECONDS, then goes on: the old communicator is left behind meanwhile (a
+warning with the thread's stack says so), and graph capture runs in thread-local mode
+(graphs/cuda_graphs.py `capturing`), so the abort's CUDA calls cannot fail it. The kernels
 that waited for the lost rank exit with partial sums: a step that ends while the group is broken
 returns no tokens (`broken` is set before the abort; server.py's result fetch checks it).
 
@@ -44,8 +46,8 @@ from strata.services.worker.transport.distributed_transport import abort_group, 
 from strata.services.worker.transport.stage_transport import PeerLost
 
 log = logging.getLogger("strata.worker")
-# How long a forming group waits for its predecessor's abort: most end within it (0.3-6.5 s on
-# two H200s), and one that has not will most likely never end.
+# How long a forming group waits for its predecessor's abort: the quick ones end within it; a
+# slower one may need the new group to go on (module docstring).
 ABORT_GRACE_SECONDS = 10.0
 
 
