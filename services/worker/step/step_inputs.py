@@ -137,6 +137,7 @@ class StepInputBuilder:
                 placeholder |= input_ids == DEVICE_DRAFT
             if ((input_ids < 0) & ~placeholder).any() or (input_ids >= self.vocab_size).any():
                 raise PlanError(f"input token ids must be in [0, {self.vocab_size})")
+        # (ids taken in numpy below: one protobuf index per sequence took 9x as long)
         sample_idx = np.nonzero(np.asarray(plan.sample, dtype=bool))[0]
         last_token = qsl[1:] - 1
         h = HostInputs(
@@ -153,9 +154,7 @@ class StepInputBuilder:
             sample_rows=rows[sample_idx],
             sample_token_index=last_token[sample_idx],
             sample_positions=seq_lens[sample_idx],
-            sample_seq_ids=np.asarray(plan.seq_ids, dtype=np.int64)[
-                sample_idx
-            ].tolist(),  # (a proto index each: 9x slower)
+            sample_seq_ids=np.asarray(plan.seq_ids, dtype=np.int64)[sample_idx].tolist(),
             verify=None,
         )
         if any(plan.num_draft_tokens):
