@@ -141,7 +141,9 @@ def token_waits(stages: list[dict]) -> list[str]:
     """Stage 0's waits for tokens, by how far back the step it needs lies (its step id minus the
     sampling step's: about the micro-batches in turn): steps, their GPU wait (queued -> start),
     and how late the last stage handed those tokens against stage 0's queued (positive: the
-    tokens were the wait) and how soon stage 0 started after that hand-off."""
+    tokens were the wait) and how soon stage 0 started after that hand-off. Those two compare two
+    stages' stamps: on separate GPUs, whose global timers are not one clock, they carry the
+    timers' offset (hundreds of us on two H200s); the GPU wait is one stage's own."""
     if len(stages) < 2 or "need" not in stages[0] or "points" not in stages[0]:
         return []
     first, last = stages[0]["points"], stages[-1]["points"]

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from strata.services.worker.tensor_parallel.group import TensorParallelGroup, single_rank
+from strata.services.worker.tensor_parallel.group import ABORT_GRACE_SECONDS, TensorParallelGroup, single_rank
 from strata.services.worker.tensor_parallel.plan_socket import SocketPeerSteps
 from strata.services.worker.tensor_parallel.relay import PeerRelay, PeersUnavailable
 from strata.services.worker.tensor_parallel.rendezvous import Rendezvous
@@ -111,8 +111,8 @@ class StageRanks:
 
     async def close(self) -> None:
         self.group.abort("the worker is stopping")
-        if self.group.aborting is not None:  # NCCL's teardown ends before the process does (or 10 s pass)
-            await asyncio.to_thread(self.group.aborting.join, min(self.group.timeout, 10.0))
+        if self.group.aborting is not None:  # NCCL's teardown ends before the process does (or the grace passes)
+            await asyncio.to_thread(self.group.aborting.join, min(self.group.timeout, ABORT_GRACE_SECONDS))
         if self.relay is not None:
             await self.relay.close()
         if self.rendezvous is not None:
