@@ -32,6 +32,8 @@
 #   bash bench/two_gpus.sh COMMIT clock-1b      # the 1B's two stages on the GPUs' clock, the stamps in clock1b.tgz
 #   bash bench/two_gpus.sh COMMIT spy-1b        # the 1B's two stages under py-spy, the stacks in spy1b.tgz
 #   bash bench/two_gpus.sh COMMIT ratio-1b      # a new GEMM shape's host cost, then the 1B at one GPU and two stages
+#   bash bench/two_gpus.sh COMMIT host-tests    # the GPU tests of the step thread's driver paths
+#   bash bench/two_gpus.sh COMMIT ab-1b OLD     # ratio-1b for this tree, then for OLD's (its files in bench/build/old)
 #
 # COMMIT is the tree's commit as seen here: the device's copy of the repository keeps the git data
 # of the session's first call, so `git log` there names an older commit. $OUT takes 8 files at most.
@@ -147,8 +149,28 @@ case $phase in
       --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 0 --latency-num-prompts 256 \
       --output "$OUT/ratio_1b.json"
     ;;
+  host-tests)  # the step thread's driver paths (timing-event pool, host copies, raw streams, the graph's tokens handed on)
+    run host_tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_driver_gpu.py \
+      tests/gpu/test_stream_memops_gpu.py tests/gpu/test_stage_transport_gpu.py tests/gpu/test_pipelined_decode_gpu.py \
+      tests/gpu/test_runner_gpu.py
+    ;;
+  ab-1b)  # the 1B's ratio-1b with an older tree (OLD_COMMIT's files in bench/build/old: git archive) and this one
+    old_commit=${3:?old commit}
+    old=$PWD/bench/build/old
+    mkdir -p /tmp/oldroot  # (the editable install's finder would import this tree's strata.services)
+    printf '%s\n' 'import sys' \
+      'sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (f if isinstance(f, type) else type(f)).__module__.lower()]' \
+      > /tmp/oldroot/sitecustomize.py
+    for d in services kernels bench; do ln -sfn "../$d" "$old/strata/$d"; done
+    for tree in new old; do
+      if [ $tree = new ]; then cmd=(strata); else cmd=(env -C "$old" PYTHONPATH="/tmp/oldroot:$old:/tmp/site" STRATA_GIT_COMMIT="$old_commit" python3 -m strata.cli); fi
+      run "ratio_1b_$tree" 280 "${cmd[@]}" bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+        --shape mixed --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 0 --latency-num-prompts 256 \
+        --output "$OUT/ratio_1b_$tree.json"
+    done
+    ;;
   *)
-    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b, spy-1b, ratio-1b"
+    echo "unknown phase $phase: hops, tp-tests, tp ALL_REDUCE [WAYS], pipeline, pipeline-1b, inflight-1b, inflight-8b, tp-faults, rank-attention, prefix-groups-dp, clock-1b, spy-1b, ratio-1b, host-tests, ab-1b OLD_COMMIT"
     exit 2
     ;;
 esac

@@ -129,6 +129,31 @@ def test_the_outlet_hands_each_sampling_rows_token_through_a_graphs_staged_rows_
     assert sent == [(1, [104, 109, 102]), (2, [104, 107]), (3, [103, 105])]
 
 
+def test_the_outlet_hands_a_decode_graphs_own_tokens_only_on_its_staged_rows():
+    """A decode graph that drew every token hands those tokens (no gather); where the rows are
+    not the staged ones, or the draw was for another step, the gather from last_sampled stands."""
+    sent = []
+    sender = SimpleNamespace(send=lambda step, tokens: sent.append((step, tokens)))
+    last = torch.arange(100, 116)
+    outlet = TokenOutlet(last)
+    decode = _inputs([1, 1, 1], [4, 9, 2], [4, 9, 2])
+    decode.source_rows = None
+    drawn = torch.tensor([7, 8, 9])
+    outlet.before_step(1, decode, torch.tensor([4, 9, 2]))
+    outlet.drawn(drawn)
+    outlet.hand(1, sender)
+    assert sent[-1][1] is drawn
+    chunk = _inputs([1, 1, 1], [4, 4, 7], [4, 7])  # not every token samples: the rows are uploaded
+    chunk.source_rows = None
+    outlet.before_step(2, chunk, torch.tensor([4, 4, 7]))
+    outlet.drawn(torch.tensor([1, 2, 3]))
+    outlet.hand(2, sender)
+    assert sent[-1][1].tolist() == [104, 107]
+    outlet.before_step(3, decode, torch.tensor([4, 9, 2]))  # a step drawn eagerly: no drawn()
+    outlet.hand(3, sender)
+    assert sent[-1][1].tolist() == [104, 109, 102]
+
+
 # ------------------------------------------------------------------ the link, both ends in one process
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,36 @@ def test_the_calls_keep_the_gil():
         spinner.join()
     assert held == 0
     assert let_go > 0
+
+
+def test_a_freed_timing_event_goes_back_to_its_devices_pool_and_times_again():
+    first = cuda_driver.timing_event(DEV)
+    handle = first.handle
+    del first  # (its record may still be pending: a handle is recorded again all the same)
+    start = cuda_driver.timing_event(DEV)
+    assert start.handle == handle
+    torch.cuda._sleep(20_000_000)
+    end = cuda_driver.timing_event(DEV)
+    end.synchronize()
+    assert start.elapsed_time(end) > 0
+
+
+def test_host_copies_land_behind_the_stream_and_their_buffers_serve_the_next_step():
+    from strata.services.worker.device.device_to_host import HostCopies
+
+    tokens = torch.zeros(300, dtype=torch.int64, device=DEV)
+    torch.cuda._sleep(100_000_000)  # the copy must wait for the work queued before it
+    tokens += torch.arange(300, device=DEV)
+    copies = HostCopies()
+    host = copies.take(tokens)
+    logprobs = copies.take(torch.full((3, 4), -0.5, device=DEV))
+    done = cuda_driver.timing_event(DEV)
+    done.synchronize()
+    assert isinstance(host, np.ndarray) and host.tolist() == list(range(300))
+    assert logprobs.shape == (3, 4) and (logprobs == -0.5).all()
+    address = host.ctypes.data
+    copies.give_back()
+    again = HostCopies().take(torch.ones(400, dtype=torch.int64, device=DEV))  # the same size class
+    cuda_driver.timing_event(DEV).synchronize()
+    assert again.ctypes.data == address and (again == 1).all()
+    assert isinstance(HostCopies().take(torch.ones(2, dtype=torch.bfloat16, device=DEV)), torch.Tensor)

@@ -154,12 +154,24 @@ def record(event: torch.cuda.Event, stream: int) -> None:
 
 class TimingEvent:
     """A CUDA event with timing, made and recorded through the driver: the steps' start and end
-    marks (a torch.cuda.Event's first record went through torch, and gave the GIL away)."""
+    marks (a torch.cuda.Event's first record went through torch, and gave the GIL away).
 
-    __slots__ = ("handle",)
+    A freed event's handle goes back to its pool, not to cuEventDestroy: a step made three of them
+    and the finisher destroyed three, with the GIL held (PyDLL), and py-spy put the destroys at
+    6.8% of the last stage's finisher (bench/RESULTS.md, "Where the 1B pipeline's time goes").
+    Re-recording a handle whose last record is still pending is allowed: nothing waits on it once
+    its TimingEvent is gone."""
 
-    def __init__(self):
-        self.handle = None
+    __slots__ = ("handle", "pool")
+
+    def __init__(self, pool: list[int] | None = None):
+        self.handle, self.pool = None, pool
+        if pool:
+            try:
+                self.handle = pool.pop()
+                return
+            except IndexError:  # (another thread took the last one)
+                pass
         handle = ctypes.c_void_p()
         call("cuEventCreate", lib().event_create, ctypes.byref(handle), 0)  # CU_EVENT_DEFAULT: timed
         self.handle = handle.value
@@ -187,12 +199,21 @@ class TimingEvent:
 
     def __del__(self):
         if self.handle and _driver is not None:
-            _driver.event_destroy(self.handle)  # (a pending event is released once it completes)
+            if self.pool is not None:
+                self.pool.append(self.handle)  # (list.append is atomic: the finisher frees, the step thread takes)
+            else:
+                _driver.event_destroy(self.handle)  # (a pending event is released once it completes)
+
+
+# Each device's freed timing events (a handle belongs to the context it was made in).
+_EVENT_POOLS: dict[int, list[int]] = {}
 
 
 def timing_event(device: torch.device) -> TimingEvent:
-    """A TimingEvent recorded now on the calling thread's current stream of `device`."""
-    event = TimingEvent()
+    """A TimingEvent recorded now on the calling thread's current stream of `device`, from the
+    device's pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    event = TimingEvent(_EVENT_POOLS.setdefault(index, []))
     event.record(current_stream(device))
     return event
 

@@ -13,6 +13,7 @@ import numpy as np
 from strata.services.worker.step.sequence_table import PlanError
 from strata.services.worker.step.step_inputs import HostInputs
 from strata.services.worker.step.step_results import PendingResult
+from strata.services.worker.transport.token_handoff import TokenOutlet
 
 
 @dataclass(slots=True)
@@ -110,6 +111,8 @@ def run_on_graph(runner, graphs, plan, h: HostInputs, bs: int, arrive, start: fl
             # The staged tables hold only the blocks this step reaches: the room left in them.
             room = int((h.block_tables.shape[1] * runner.block_size - h.seq_lens).min())
             runner.decode_graph_step = DecodeReplay(graphs, bs, num_tokens, room)
+        if spec is None and take is None and isinstance(runner.handoff, TokenOutlet):
+            runner.handoff.drawn(outs[1])  # every token drawn, in token order: stage 0's tokens
         return PendingResult(
             plan.step_id,
             start,

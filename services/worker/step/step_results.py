@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from strata.services.worker.device import cuda_driver
+from strata.services.worker.device.device_to_host import HostCopies
 from strata.services.worker.sampling.prompt_logprobs import add_to_result
 from strata.services.worker.speculation.verification import Verification, accepted_rows, emitted_rows, round_tokens
 from strata.v1 import engine_pb2
@@ -72,12 +73,13 @@ class PendingResult:
         self.step_id, self.start, self.seq_ids, self.wanted = step_id, start, seq_ids, wanted_logprobs
         self.verify = verify
         self.take = take  # the sample rows among the tokens drawn (a padded verification graph)
-        self.host = [x.to("cpu", non_blocking=True) for x in tensors]
+        self.copies = HostCopies()
+        self.host = [self.copies.take(x) for x in tensors]
         # Speculation on the device (speculation/device_speculation.py): its packed per-sequence outcome (tokens
         # emitted, drafts proposed, the drafts) and the sampling sequences' rows in it.
         self.speculation = None
         if speculation is not None:
-            self.speculation = (speculation[0].to("cpu", non_blocking=True), speculation[1])
+            self.speculation = (self.copies.take(speculation[0]), speculation[1])
         # Several verification rounds (StepPlan.verify_rounds): each sampling sequence's rounds;
         # the token tensor and the packed outcome then hold a row per round.
         self.rounds = rounds
@@ -86,17 +88,28 @@ class PendingResult:
         if prompt is not None:
             self.prompt = ([x.to("cpu", non_blocking=True) for x in prompt[0]], prompt[1])
         self.timeline, self.gpu_start = timeline, gpu_start
-        self.event = timeline.mark() if gpu_start is not None else None
+        # The copies' completion, which finish() waits for (on a GPU).
+        self.event = timeline.mark() if timeline is not None else None
         self.launch_seconds = time.perf_counter() - start
 
     def finish(self) -> engine_pb2.StepResult:
         result = engine_pb2.StepResult(step_id=self.step_id, launch_seconds=self.launch_seconds)
         if self.event is not None:
             self.event.synchronize()
-            result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
+            if self.gpu_start is not None:
+                result.gpu_seconds, result.gpu_idle_seconds = self.timeline.finished(self.gpu_start, self.event)
+        try:
+            self._fill(result)
+        finally:
+            self.copies.give_back()
+        result.execute_seconds = time.perf_counter() - self.start
+        return result
+
+    def _fill(self, result: engine_pb2.StepResult) -> None:
+        """The step's tokens, logprobs, proposals and prompt logprobs, from the host copies."""
         packed = None
         if self.speculation is not None:
-            packed = self.speculation[0].numpy()[..., self.speculation[1], :]
+            packed = np.asarray(self.speculation[0])[..., self.speculation[1], :]
         if self.seq_ids:
             result.seq_ids.extend(self.seq_ids)
             emitted = None
@@ -107,7 +120,7 @@ class PendingResult:
                 result.num_tokens.extend([1] * len(token_ids))
                 result.token_ids.extend(token_ids)
             else:
-                tokens = self.host[0].numpy()
+                tokens = np.asarray(self.host[0])
                 if self.take is not None:
                     tokens = tokens[self.take]
                 if packed is not None:  # verified on the device (its drafts may be there only)
@@ -126,13 +139,11 @@ class PendingResult:
                 )
         if self.prompt is not None:
             add_to_result(result, *self.prompt)
-        result.execute_seconds = time.perf_counter() - self.start
-        return result
 
     def _add_rounds(self, result: engine_pb2.StepResult, packed: np.ndarray) -> np.ndarray:
         """Every round's emitted tokens, sequence by sequence and round by round; returns each
         sequence's last round's packed row (its proposals for the next step)."""
-        tokens = self.host[0].numpy()  # [rounds, rows]
+        tokens = np.asarray(self.host[0])  # [rounds, rows]
         if self.take is not None:
             tokens = tokens[:, self.take]
         rounds = self.rounds
@@ -147,7 +158,7 @@ class PendingResult:
 
     def _add_logprobs(self, result: engine_pb2.StepResult, emitted: np.ndarray | None) -> None:
         """Logprobs of the emitted rows (all rows without verification); only when asked."""
-        _, logprobs, top_ids, top_lps = (x.numpy() for x in self.host)
+        _, logprobs, top_ids, top_lps = (np.asarray(x) for x in self.host)
         wanted = self.wanted
         if emitted is not None:
             logprobs, top_ids, top_lps, wanted = logprobs[emitted], top_ids[emitted], top_lps[emitted], wanted[emitted]

@@ -196,10 +196,6 @@ class DistributedSender(StepThreadSender):
 
         self.group = _Group(form, self.device, timeout, f"{link.backend} link to {link.rendezvous_address}")
         self._pending: collections.deque = collections.deque()  # (works, tensors) not known complete
-        # A graph's outputs are overwritten by its next replay, which nothing orders after the
-        # sends: they go out of copies (queued on the compute stream, as the step was). The token
-        # link's tensors are fresh gathers (False).
-        self.copy_before_send = True
         # The token link: every step's one tensor goes out padded to this many elements, and a
         # failed step's as zeros, so the receiver can post each receive before its announcement
         # (token_waits.NcclTokenWaits). 0: the tensors' own sizes, errors on the doorbell only.
@@ -218,7 +214,9 @@ class DistributedSender(StepThreadSender):
         if self.fixed_elements:  # (one 1-D tensor: the token link)
             tensors = [torch.nn.functional.pad(t, (0, self.fixed_elements - t.shape[0]))]
         else:
-            copy = self.copy_before_send and tensors[0].device.type == "cuda"
+            # A graph's outputs are overwritten by its next replay, which nothing orders after the
+            # sends: they go out of copies (queued on the compute stream, as the step was).
+            copy = tensors[0].device.type == "cuda"
             tensors = [x.clone() if copy else x.contiguous() for x in tensors]
         self._post(pg, step_id, tensors)
         self.doorbell.announce(step_id, 0, t.shape[0], t.shape[1] if t.dim() > 1 else 0)

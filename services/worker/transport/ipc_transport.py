@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from strata.services.worker.device import cuda_driver
 from strata.services.worker.transport import stream_memops
 from strata.services.worker.transport.doorbell import Announcement, DoorbellClosed, DoorbellReceiver, DoorbellSender
 from strata.services.worker.transport.ring import DTYPE_NAMES, Ring, device_of_uuid
@@ -179,7 +180,7 @@ class IpcReceiver(Receiver):
         if into is None:
             out = tuple(v.clone() for v in views)
         elif self.device.type == "cuda":  # driver copies, which keep the GIL (cuda_driver.py); all contiguous
-            stream = torch.cuda.current_stream(self.device)
+            stream = cuda_driver.current_stream(self.device)
             out = tuple(dst[: a.rows] for dst in into)
             for dst, v in zip(out, views):
                 stream_memops.copy(stream, dst, v)

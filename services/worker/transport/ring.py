@@ -39,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from strata.services.worker.device import cuda_driver
 from strata.services.worker.transport import stream_memops
 from strata.stage_links import TransportError
 from strata.v1 import engine_pb2
@@ -238,11 +239,11 @@ class Ring:
         (torch syncs a peer copy with both devices' current streams).
         count: the announcement's number + 1, for the slot's word."""
         if self.words is not None:
-            stream = torch.cuda.current_stream()
+            stream = cuda_driver.current_stream(tensors[0].device)  # the sender's own
             stream_memops.wait_geq(stream, self.consumed_word(slot), count - self.slots)
             for part, t in enumerate(tensors):  # (a driver call: it keeps the GIL, cuda_driver.py)
                 stream_memops.copy(stream, self.view(slot, part, t.shape), t.contiguous())
-            self.mark(slot, count)
+            stream_memops.write(stream, self.ready_word(slot), count)
         elif self.ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.consumed[slot])
@@ -275,14 +276,14 @@ class Ring:
         """Receiver: the compute stream waits for the sender's copy into the slot (count: the
         announcement's number + 1)."""
         if self.words is not None:
-            stream_memops.wait_geq(torch.cuda.current_stream(self.device), self.ready_word(slot), count)
+            stream_memops.wait_geq(cuda_driver.current_stream(self.device), self.ready_word(slot), count)
         elif self.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
 
     def consumed_record(self, slot: int, count: int) -> None:
         """Receiver: after its reads of the slot are queued (or for a slot it skips)."""
         if self.words is not None:
-            stream_memops.write(torch.cuda.current_stream(self.device), self.consumed_word(slot), count)
+            stream_memops.write(cuda_driver.current_stream(self.device), self.consumed_word(slot), count)
         elif self.consumed is not None:
             self.consumed[slot].record(torch.cuda.current_stream(self.device))
 

@@ -48,19 +48,24 @@ def _lib() -> cuda_driver.Driver:
         raise RuntimeError(f"stream memory operations unavailable: {e}") from None
 
 
-def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
+# A stream: torch's, or its raw handle (cuda_driver.current_stream: no Stream object to build on
+# the step thread, where py-spy put torch.cuda.current_stream at 5% of the 1B's last stage).
+StreamLike = torch.cuda.Stream | int
+
+
+def wait_geq(stream: StreamLike, address: int, value: int) -> None:
     """Work queued on `stream` after this runs once the word at device `address` holds at least
     `value`."""
     _on_stream(_lib().wait_value, stream, address, value, _WAIT_GEQ, "cuStreamWaitValue32")
 
 
-def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
+def write(stream: StreamLike, address: int, value: int) -> None:
     """Writes `value` into the word at device `address` once the work queued on `stream` before
     it is done (and visible: the write follows a memory barrier)."""
     _on_stream(_lib().write_value, stream, address, value, _WRITE_DEFAULT, "cuStreamWriteValue32")
 
 
-def copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy(stream: StreamLike, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copies contiguous `src` into `dst` (same bytes, any devices of this process) on `stream`
     alone. torch's copy_ between two GPUs also orders it with the destination GPU's current
     stream in this process: work in a context of this process on the peer's GPU, which the GPU
@@ -68,23 +73,30 @@ def copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Non
     nbytes = src.numel() * src.element_size()
     if nbytes != dst.numel() * dst.element_size() or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"copy of {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}")
+    handle = _handle(stream)
     lib = _lib()
-    rc = _retry_without_context(stream, lambda: lib.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream))
+    rc = _retry_without_context(stream, lambda: lib.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, handle))
     cuda_driver.check(rc, "cuMemcpyAsync")
 
 
-def _on_stream(call, stream: torch.cuda.Stream, address: int, value: int, flags: int, what: str) -> None:
-    rc = _retry_without_context(stream, lambda: call(stream.cuda_stream, address, value & 0xFFFFFFFF, flags))
+def _handle(stream: StreamLike) -> int:
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
+def _on_stream(call, stream: StreamLike, address: int, value: int, flags: int, what: str) -> None:
+    handle = _handle(stream)
+    rc = _retry_without_context(stream, lambda: call(handle, address, value & 0xFFFFFFFF, flags))
     cuda_driver.check(rc, what)
 
 
-def _retry_without_context(stream: torch.cuda.Stream, call) -> int:
+def _retry_without_context(stream: StreamLike, call) -> int:
     rc = call()
     if rc != 0:
         # A thread that has made no CUDA runtime call yet has no current context, and the driver
         # call fails where the runtime's would have set it (an executor thread taking a step's
-        # activations): one runtime call makes it current, then the call again.
-        stream.query()
+        # activations): one runtime call makes it current, then the call again. (A raw handle is
+        # the current device's: cuda_driver.current_stream.)
+        (torch.cuda.current_stream() if isinstance(stream, int) else stream).query()
         rc = call()
     return rc
 

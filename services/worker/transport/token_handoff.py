@@ -407,11 +407,14 @@ def open_token_receiver(
 
 class TokenOutlet:
     """The last stage's half: the rows of the step's sampling sequences (before_step, from the
-    runner), then their tokens gathered from last_sampled and handed to the link (hand)."""
+    runner), then their tokens handed to the link (hand): the decode graph's own tokens where
+    they are those rows' (drawn), else a gather from last_sampled."""
 
     def __init__(self, last_sampled: torch.Tensor):
         self.last_sampled = last_sampled
         self._pending: tuple[int, torch.Tensor] | None = None
+        self._staged = False  # the pending rows are the graph's staged rows, in token order
+        self._drawn: torch.Tensor | None = None
 
     def plan_started(self, plan) -> None:
         pass
@@ -421,23 +424,34 @@ class TokenOutlet:
         whose every token samples hands exactly those rows' tokens, and gathers through them
         instead of uploading its own (an upload showed in the last stage's step thread:
         bench/RESULTS.md, "Figures moved from code comments")."""
-        self._pending = None
+        self._pending, self._drawn, self._staged = None, None, False
         if h.sample_seq_ids:
             rows = sampler_rows(h)
-            if (
-                staged_rows is None
-                or h.source_rows is not None
-                or len(rows) != len(staged_rows)
-                or not np.array_equal(rows, h.token_rows)
-            ):
+            self._staged = (
+                staged_rows is not None
+                and h.source_rows is None
+                and len(rows) == len(staged_rows)
+                and np.array_equal(rows, h.token_rows)
+            )
+            if not self._staged:
                 staged_rows = upload({"rows": rows.astype(np.int64)}, self.last_sampled.device)["rows"]
             self._pending = (step_id, staged_rows)
+
+    def drawn(self, tokens: torch.Tensor) -> None:
+        """The graph drew every token of the step, in token order (graph_step.py): on staged rows
+        these are the tokens the gather would take, so hand() sends them and launches no gather
+        (its index_select gave the GIL away: bench/RESULTS.md, "Where the 1B pipeline's time
+        goes"). They are the graph's static outputs: the senders copy them on the step's stream
+        before the next replay, or send a copy (token links' send())."""
+        if self._staged and self._pending is not None and len(tokens) == len(self._pending[1]):
+            self._drawn = tokens
 
     def hand(self, step_id: int, sender) -> None:
         """On the step thread, after the step (and its draw) is launched."""
         pending, self._pending = self._pending, None
+        drawn, self._drawn = self._drawn, None
         if pending is not None and pending[0] == step_id:
-            sender.send(step_id, self.last_sampled.index_select(0, pending[1]))
+            sender.send(step_id, drawn if drawn is not None else self.last_sampled.index_select(0, pending[1]))
 
 
 class _Failed:
@@ -451,7 +465,9 @@ class _TokenSending:
     steps). ipc and distributed links send from the step thread, tokens as one more tensor."""
 
     def send(self, step_id: int, tokens: torch.Tensor) -> None:
-        self._jobs.put((step_id, tokens))  # a fresh gather: nothing overwrites it
+        # A copy on the step's stream: tokens may be a graph's outputs, which its next replay
+        # overwrites before the transport thread reads them.
+        self._jobs.put((step_id, tokens.clone()))
 
     def send_error(self, step_id: int, error: str) -> None:
         if threading.current_thread() is self._thread:  # this step's transfer failed: in order
@@ -486,7 +502,8 @@ def open_token_sender(request: engine_pb2.TokenLinkRequest, emit, *, device):
         return IpcSender(request.session, emit, timeout, link=link, device=device)
     if link.transport == DISTRIBUTED:
         sender = DistributedSender(request.session, emit, timeout, link=link, device=device)
-        sender.copy_before_send = False  # TokenOutlet hands a fresh gather each step
-        sender.fixed_elements = link.slot_elements  # stage 0 may post a step's receive before its announcement
+        # stage 0 may post a step's receive before its announcement; the padding copies the tokens
+        # (a graph's outputs, which its next replay overwrites)
+        sender.fixed_elements = link.slot_elements
         return sender
     return GrpcTokenSender(request.session, emit, timeout)

@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from strata.services.worker.device import cuda_driver
 from strata.services.worker.transport.ipc_transport import RingReader
 from strata.services.worker.transport.stage_transport import PeerLost, StepFailed
 from strata.services.worker.transport.stream_memops import wait_geq, write
@@ -88,7 +89,7 @@ class DeviceTokenWaits:
         with self._lock:
             if self._closed:
                 raise PeerLost(f"token link closed: {self._closed}")
-            stream = torch.cuda.current_stream(self.last_sampled.device)
+            stream = cuda_driver.current_stream(self.last_sampled.device)
             for s in self._pending:
                 if s.step_id > step_id:
                     break
