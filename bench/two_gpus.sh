@@ -150,7 +150,7 @@ case $phase in
       --output "$OUT/ratio_1b.json"
     ;;
   host-tests)  # the step thread's driver paths (timing-event pool, host copies, raw streams, the graph's tokens handed on)
-    run host_tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_driver_gpu.py \
+    run host_tests 400 python -m pytest -v --timeout 120 -p no:cacheprovider tests/gpu/test_cuda_driver_gpu.py \
       tests/gpu/test_stream_memops_gpu.py tests/gpu/test_stage_transport_gpu.py tests/gpu/test_pipelined_decode_gpu.py \
       tests/gpu/test_runner_gpu.py
     ;;
@@ -162,11 +162,12 @@ case $phase in
       'sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (f if isinstance(f, type) else type(f)).__module__.lower()]' \
       > /tmp/oldroot/sitecustomize.py
     for d in services kernels bench; do ln -sfn "../$d" "$old/strata/$d"; done
-    for tree in new old; do
+    for tree in ${TREES:-new old}; do  # e.g. TREES="old new old new" STAGES=2
       if [ $tree = new ]; then cmd=(strata); else cmd=(env -C "$old" PYTHONPATH="/tmp/oldroot:$old:/tmp/site" STRATA_GIT_COMMIT="$old_commit" python3 -m strata.cli); fi
-      run "ratio_1b_$tree" 280 "${cmd[@]}" bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
-        --shape mixed --num-prompts 1024 --stages 1,2 --transports ipc --data-parallel 0 --latency-num-prompts 256 \
-        --output "$OUT/ratio_1b_$tree.json"
+      n=$((${n:-0} + 1))
+      run "ab_1b_${n}_$tree" 280 "${cmd[@]}" bench pipeline --model dummy:llama-3.2-1b --tokenizer "$TOK" --no-progress \
+        --shape mixed --num-prompts 1024 --stages "${STAGES:-1,2}" --transports ipc --data-parallel 0 \
+        --latency-num-prompts 256 --output "$OUT/ab_1b_${n}_$tree.json"
     done
     ;;
   *)

@@ -89,7 +89,7 @@ def test_on_the_gpu_path_a_proposal_announced_before_its_plan_started_waits_for_
     queued: list[tuple] = []
     monkeypatch.setattr(token_waits, "wait_geq", lambda stream, word, value: queued.append(("wait", word, value)))
     monkeypatch.setattr(token_waits, "write", lambda stream, word, value: queued.append(("write", word, value)))
-    monkeypatch.setattr(token_waits.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(token_waits.cuda_driver, "current_stream", lambda device: 0)
     reader = FakeReader()
     last = torch.zeros(120, dtype=torch.long)
     intake = DraftIntake(last, timeout=60.0)

@@ -67,7 +67,7 @@ def ops(monkeypatch):
     queued: list[tuple] = []
     monkeypatch.setattr(token_waits, "wait_geq", lambda stream, word, value: queued.append(("wait", word, value)))
     monkeypatch.setattr(token_waits, "write", lambda stream, word, value: queued.append(("write", word, value)))
-    monkeypatch.setattr(token_waits.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(token_waits.cuda_driver, "current_stream", lambda device: 0)
     return queued
 
 

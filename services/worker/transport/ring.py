@@ -44,6 +44,8 @@ from strata.services.worker.transport import stream_memops
 from strata.stage_links import TransportError
 from strata.v1 import engine_pb2
 
+_CURRENT_DEVICE = torch.device("cuda")  # (cuda_driver.current_stream: the thread's current device)
+
 log = logging.getLogger("strata.worker")
 # int64: the token link's ring (token_handoff.py).
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
@@ -239,7 +241,7 @@ class Ring:
         (torch syncs a peer copy with both devices' current streams).
         count: the announcement's number + 1, for the slot's word."""
         if self.words is not None:
-            stream = cuda_driver.current_stream(tensors[0].device)  # the sender's own
+            stream = cuda_driver.current_stream(_CURRENT_DEVICE)  # the sender's own
             stream_memops.wait_geq(stream, self.consumed_word(slot), count - self.slots)
             for part, t in enumerate(tensors):  # (a driver call: it keeps the GIL, cuda_driver.py)
                 stream_memops.copy(stream, self.view(slot, part, t.shape), t.contiguous())
