@@ -56,6 +56,8 @@ WORKER_COUNTERS = (
     "token_steps_sent",
     "token_bytes_sent",
     "token_send_seconds",
+    "step_thread_cpu_seconds",
+    "process_cpu_seconds",
 )
 
 
@@ -211,6 +213,16 @@ def _stage_rows(phase: dict, replicas: int = 1) -> list[tuple[str, str]]:
         if s["token_waits"]:
             line += f"; {s['token_waits']:,} steps waited for tokens, {s['token_wait_seconds'] * 1e3 / s['token_waits']:.3f} ms each"
         rows.append((label, line))
+        if s["steps"] and s["process_cpu_seconds"]:  # which host paces: CPU, not waits
+            n, wall = s["steps"], phase["elapsed_s"]
+            thread, process = s["step_thread_cpu_seconds"], s["process_cpu_seconds"]
+            rows.append(
+                (
+                    f"{label} CPU",
+                    f"step thread {thread / n * 1e3:.2f} ms/step ({thread / wall:.0%} of the wall time), the process "
+                    f"{process / n * 1e3:.2f} ms/step ({process / wall:.0%} of a core)",
+                )
+            )
         if s["activation_steps_sent"]:
             n = s["activation_steps_sent"]
             rows.append(

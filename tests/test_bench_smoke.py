@@ -513,6 +513,8 @@ def test_pipeline_one_and_two_stages_with_each_stages_timeline_and_hops(tmp_path
         assert lat["failed"] == 0 and lat["output_tokens"] == 2 * OUTPUT_LEN
         for stage in [s for o in x["offline"] for s in o["stages"]] + lat["stages"]:
             assert stage["steps"] > 0 and stage["timed_steps"] > 0 and stage["busy_seconds"] > 0
+            # CPU time: the step thread's is part of the whole process's
+            assert 0 < stage["step_thread_cpu_seconds"] <= stage["process_cpu_seconds"]
         assert lat["tpot_ms"]["p50"] > 0
     # The same requests, whatever the stages: the same output lengths.
     assert [o["output_tokens"] for o in runs[0]["offline"]] == [o["output_tokens"] for o in runs[1]["offline"]]

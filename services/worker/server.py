@@ -203,6 +203,8 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
             launch_seconds=s.launch_seconds,
             # Awaited on the event loop (Forward), or taken on the step thread (ipc).
             input_wait_seconds=s.input_wait_seconds + (self._receiver.wait_seconds if self._receiver else 0.0),
+            step_thread_cpu_seconds=s.step_thread_cpu_seconds,
+            process_cpu_seconds=time.process_time(),
         )
         if isinstance(self.runner.handoff, TokenIntake):
             out.token_wait_seconds = self.runner.handoff.wait_seconds

@@ -29,6 +29,8 @@ class StageStats:
         self.timed_steps = 0
         self.launch_seconds = 0.0
         self.input_wait_seconds = 0.0
+        self.step_thread_cpu_seconds = 0.0  # between consecutive launches (waits take none)
+        self._last_cpu: float | None = None
         self._pairs: collections.deque = collections.deque()
         self._last_end = None
 
@@ -37,7 +39,10 @@ class StageStats:
         (None on CPU); host_waited the host time it spent waiting for tokens inside the launch;
         after_idle: the scheduler had nothing to run before it (StepPlan.after_idle), so the
         time since the previous step is no bubble and counts as neither."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
+        if self._last_cpu is not None:
+            self.step_thread_cpu_seconds += cpu - self._last_cpu
+        self._last_cpu = cpu
         self.steps += 1
         self.launch_seconds += now - host_start - host_waited
         if not self.cuda or gpu_start is None:
