@@ -58,6 +58,8 @@ WORKER_COUNTERS = (
     "token_send_seconds",
     "step_thread_cpu_seconds",
     "process_cpu_seconds",
+    "gpu_wait_seconds",
+    "gpu_waits",
 )
 
 
@@ -220,7 +222,8 @@ def _stage_rows(phase: dict, replicas: int = 1) -> list[tuple[str, str]]:
                 (
                     f"{label} CPU",
                     f"step thread {thread / n * 1e3:.2f} ms/step ({thread / wall:.0%} of the wall time), the process "
-                    f"{process / n * 1e3:.2f} ms/step ({process / wall:.0%} of a core)",
+                    f"{process / n * 1e3:.2f} ms/step ({process / wall:.0%} of a core); waited for its GPU "
+                    f"{s['gpu_wait_seconds'] / n * 1e3:.2f} ms/step ({s['gpu_waits']:,} waits)",
                 )
             )
         if s["activation_steps_sent"]:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from strata.gc_tuning import thaw, tune_for_serving
 from strata.grpc_util import aio_channel
+from strata.services.worker.device import host_to_device
 from strata.services.worker.diagnostics.profiling import StepProfiler
 from strata.services.worker.diagnostics.stage_stats import StageStats
 from strata.services.worker.runner import ModelRunner, use_device
@@ -205,6 +206,8 @@ class WorkerServicer(TokenLinkService, engine_pb2_grpc.WorkerServicer):
             input_wait_seconds=s.input_wait_seconds + (self._receiver.wait_seconds if self._receiver else 0.0),
             step_thread_cpu_seconds=s.step_thread_cpu_seconds,
             process_cpu_seconds=time.process_time(),
+            gpu_wait_seconds=host_to_device.gpu_waits.seconds,
+            gpu_waits=host_to_device.gpu_waits.count,
         )
         if isinstance(self.runner.handoff, TokenIntake):
             out.token_wait_seconds = self.runner.handoff.wait_seconds

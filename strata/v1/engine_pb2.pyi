@@ -617,7 +617,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("stage_index", "steps", "busy_seconds", "idle_seconds", "timed_steps", "launch_seconds", "input_wait_seconds", "token_wait_seconds", "token_waits", "activation_steps_sent", "activation_bytes_sent", "activation_send_seconds", "token_steps_sent", "token_bytes_sent", "token_send_seconds", "step_thread_cpu_seconds", "process_cpu_seconds")
+    __slots__ = ("stage_index", "steps", "busy_seconds", "idle_seconds", "timed_steps", "launch_seconds", "input_wait_seconds", "token_wait_seconds", "token_waits", "activation_steps_sent", "activation_bytes_sent", "activation_send_seconds", "token_steps_sent", "token_bytes_sent", "token_send_seconds", "step_thread_cpu_seconds", "process_cpu_seconds", "gpu_wait_seconds", "gpu_waits")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,8 @@ class WorkerStats(_message.Message):
     TOKEN_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_THREAD_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROCESS_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_WAITS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     steps: int
     busy_seconds: float
@@ -652,4 +654,6 @@ class WorkerStats(_message.Message):
     token_send_seconds: float
     step_thread_cpu_seconds: float
     process_cpu_seconds: float
-    def __init__(self, stage_index: _Optional[int] = ..., steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., timed_steps: _Optional[int] = ..., launch_seconds: _Optional[float] = ..., input_wait_seconds: _Optional[float] = ..., token_wait_seconds: _Optional[float] = ..., token_waits: _Optional[int] = ..., activation_steps_sent: _Optional[int] = ..., activation_bytes_sent: _Optional[int] = ..., activation_send_seconds: _Optional[float] = ..., token_steps_sent: _Optional[int] = ..., token_bytes_sent: _Optional[int] = ..., token_send_seconds: _Optional[float] = ..., step_thread_cpu_seconds: _Optional[float] = ..., process_cpu_seconds: _Optional[float] = ...) -> None: ...
+    gpu_wait_seconds: float
+    gpu_waits: int
+    def __init__(self, stage_index: _Optional[int] = ..., steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., timed_steps: _Optional[int] = ..., launch_seconds: _Optional[float] = ..., input_wait_seconds: _Optional[float] = ..., token_wait_seconds: _Optional[float] = ..., token_waits: _Optional[int] = ..., activation_steps_sent: _Optional[int] = ..., activation_bytes_sent: _Optional[int] = ..., activation_send_seconds: _Optional[float] = ..., token_steps_sent: _Optional[int] = ..., token_bytes_sent: _Optional[int] = ..., token_send_seconds: _Optional[float] = ..., step_thread_cpu_seconds: _Optional[float] = ..., process_cpu_seconds: _Optional[float] = ..., gpu_wait_seconds: _Optional[float] = ..., gpu_waits: _Optional[int] = ...) -> None: ...

@@ -9,6 +9,8 @@ allocator keeps the staging block alive until its copy has completed.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -44,13 +46,28 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     return tensors
 
 
+class _GpuWaits:
+    """The host's waits in wait_for: time a step thread spent waiting for its own GPU, which a
+    spinning synchronize counts as CPU time (WorkerStats: the step thread's CPU less this is its
+    own work)."""
+
+    seconds = 0.0
+    count = 0
+
+
+gpu_waits = _GpuWaits()
+
+
 def wait_for(event: torch.cuda.Event) -> None:
     """Until `event` has completed, asking first: a double-buffered staging's previous copy almost
     always has. Event.synchronize gives the GIL away, and the step thread then waits to take it
     back while the worker's event loop and finisher run Python (py-spy found the step thread
     there: bench/RESULTS.md, "Figures moved from code comments"); query keeps the GIL."""
     if not event.query():
+        started = time.perf_counter()
         event.synchronize()
+        gpu_waits.seconds += time.perf_counter() - started
+        gpu_waits.count += 1
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
