@@ -12,7 +12,11 @@ after the previous stage's (plus --hop-us) and, on stage 0, after the tokens its
 need came back from the last stage (plus --hop-us). A stage's step takes its share (1 / P) of the
 weights and KV read at --bandwidth plus 2 x params FLOPs a token at --flops,
 once its host has done its work (--host-ms + --host-us-per-seq x sequences; hosts run ahead of
-their GPUs, one step after another).
+their GPUs, one step after another). With --staging N a host runs at most N steps ahead of its GPU
+(the decode graphs' host staging buffers: the launch of step n waits for the GPU to finish step
+n - N - 1), and a later stage's host does the --host-after-take share of its work only once the
+previous stage's host has launched the step (its take() waits for that announcement); --staging 0
+leaves both out, as the model did before it reproduced a run's host waits.
 The scheduler's own host time is --scheduler-us-per-seq a sequence of each plan built and of each
 result taken (python -m strata.bench.scheduler_step measures it; 0 leaves it out).
 
@@ -78,6 +82,8 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
     hop = args.hop_us / 1e6 if stages > 1 else 0.0
     gpu_free = [0.0] * stages
     host_free = [0.0] * stages
+    ends: list[list[float]] = [[] for _ in range(stages)]  # each stage's GPU end of every step, in order
+    host_waits = [0.0] * stages  # hosts' waits for their own GPU (the staging limit)
     busy = [0.0] * stages
     sampled_at: dict[str, float] = {}  # request -> when its latest token reaches stage 0
     results: list[tuple[float, int, object]] = []  # (time, step, plan)
@@ -96,12 +102,22 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
                     ready = max(ready, sampled_at.get(s.request.request_id, 0.0))
             step = _gpu_seconds(plan, stages, args, shape)
             host = (args.host_ms + args.host_us_per_seq * len(plan.seqs) / 1e3) / 1e3
-            end = now
+            after = host * args.host_after_take if args.staging else 0.0
+            end = launched = now
             for i in range(stages):
-                host_free[i] = max(host_free[i], now) + host  # hosts run ahead of their GPUs
-                start = max(gpu_free[i], host_free[i], ready if i == 0 else end + hop)
+                t = max(host_free[i], now) + host - after  # hosts run ahead of their GPUs
+                n = len(ends[i])
+                if args.staging and n > args.staging:  # wait_for: a staging buffer's last copy
+                    free = ends[i][n - args.staging - 1]
+                    host_waits[i] += max(free - t, 0.0)
+                    t = max(t, free)
+                if args.staging and i > 0:  # take(): the previous stage's announcement
+                    t = max(t, launched + hop)
+                launched = host_free[i] = t + after
+                start = max(gpu_free[i], launched, ready if i == 0 else end + hop)
                 end = start + step
                 gpu_free[i] = end
+                ends[i].append(end)
                 busy[i] += step
             for s in plan.seqs:
                 if s.sample:
@@ -124,6 +140,7 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
         "seconds": now,
         "tok_s": output_tokens / now,
         "busy": [b / now for b in busy],
+        "host_wait_ms": [w / max(plans, 1) * 1e3 for w in host_waits],
         "plans": plans,
         "mean_seqs": sum(counts) / max(len(counts), 1),
         "spread": stats.micro_batch_token_spread / stats.micro_batch_rounds if stats.micro_batch_rounds else None,
@@ -149,6 +166,18 @@ def main() -> None:
     p.add_argument("--host-ms", type=float, default=0.3, help="a stage's host work a step (model)")
     p.add_argument("--host-us-per-seq", type=float, default=2.0, help="and per sequence (model)")
     p.add_argument("--hop-us", type=float, default=100.0, help="activations or tokens between GPUs (model)")
+    p.add_argument(
+        "--staging",
+        type=int,
+        default=0,
+        help="steps a host may run ahead of its GPU (the graphs' host staging buffers; 0: no limit, no take)",
+    )
+    p.add_argument(
+        "--host-after-take",
+        type=float,
+        default=0.5,
+        help="the share of a later stage's host work after its take() (with --staging)",
+    )
     p.add_argument("--result-us", type=float, default=100.0, help="a result's trip to the scheduler (model)")
     p.add_argument(
         "--scheduler-us-per-seq",
@@ -166,7 +195,8 @@ def main() -> None:
             spread = "-" if r["spread"] is None else f"{r['spread']:.1%}"
             print(
                 f"{args.shape} {n:>5} requests, {stages} stage(s): {r['tok_s']:>9,.0f} tok/s ({r['tok_s'] / base:.2f}x), "
-                f"{r['seconds']:.2f} s, busy {' '.join(f'{b:.0%}' for b in r['busy'])}, {r['plans']:,} plans "
+                f"{r['seconds']:.2f} s, busy {' '.join(f'{b:.0%}' for b in r['busy'])}, host waits "
+                f"{' '.join(f'{w:.2f}' for w in r['host_wait_ms'])} ms/step, {r['plans']:,} plans "
                 f"of {r['mean_seqs']:.0f} seqs, plan spread {spread}, {r['migrations']} migrations, "
                 f"{r['preemptions']} preemptions",
                 flush=True,
