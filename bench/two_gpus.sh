@@ -9,9 +9,10 @@
 # 1B pipeline's time goes ...") ran tp-faults (4 passed once form() stopped waiting for NCCL's abort),
 # inflight-1b, clock-1b and spy-1b (the last stage's Python is the 1B's bound, not the plans in
 # flight), prefix-groups-dp (groups 1.09x the cache at two replicas), rank-attention (no gain),
-# ratio-1b (1.41x) and the 8B at 256 requests (1.40x). Next: ratio-1b after the last stage's
-# host work per step is cut on CPU (bench/worker_step_host.py), inflight-8b (never run), pipeline
-# (the 8B at 1,024 requests again), hops.
+# ratio-1b (1.41x) and the 8B at 256 requests (1.40x). Session 13 ("The 1B pipeline's hosts are
+# not its bound") ran host-tests and ab-1b: three GIL cuts gave nothing past the spread, and each
+# stage's host does ~1 ms a step and waits for its GPU the rest. Next: clock-1b at HEAD (which
+# word each GPU's idle gap waits on), inflight-8b (never run), pipeline (the 8B at 1,024 again), hops.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
