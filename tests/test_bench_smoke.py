@@ -705,6 +705,8 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
         result_us=100.0,
         scheduler_us_per_seq=0.0,
         max_plans_in_flight=0,
+        staging=0,
+        host_after_take=0.5,
         seed=0,
     )
     one, two = (pipeline_schedule.simulate(args, stages, 96) for stages in (1, 2))
@@ -715,6 +717,14 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
     args.max_plans_in_flight = 1
     lone = pipeline_schedule.simulate(args, 2, 96)
     assert lone["tok_s"] < 0.75 * two["tok_s"] and max(lone["busy"]) < 0.6
+    # Hosts held to two steps ahead of their GPUs run no faster than free ones; a host slower than
+    # its GPU's step seldom waits for it, a fast one often (what `strata bench pipeline` measured).
+    args.max_plans_in_flight, args.host_ms = 0, 3.0
+    free, slow = (pipeline_schedule.simulate(args, 2, 96) for args.staging in (0, 2))
+    assert slow["tok_s"] <= free["tok_s"] * 1.001 and free["host_wait_ms"] == [0.0, 0.0]
+    args.host_ms, args.host_us_per_seq = 0.01, 0.0
+    fast = pipeline_schedule.simulate(args, 2, 96)
+    assert all(f > 2 * s for f, s in zip(fast["host_wait_ms"], slow["host_wait_ms"]))
 
 
 def test_one_rank_alone_runs_its_shard_and_counts_a_steps_collectives():
