@@ -28,6 +28,7 @@ x one stage, each stage's busy share of the run, plans, and the micro-batch stat
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import random
 
@@ -83,6 +84,7 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
     gpu_free = [0.0] * stages
     host_free = [0.0] * stages
     ends: list[list[float]] = [[] for _ in range(stages)]  # each stage's GPU end of every step, in order
+    last_launched: list[float] = []  # the last stage's host launch of every step (its tokens' announcement)
     host_waits = [0.0] * stages  # hosts' waits for their own GPU (the staging limit)
     busy = [0.0] * stages
     sampled_at: dict[str, float] = {}  # request -> when its latest token reaches stage 0
@@ -114,11 +116,17 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
                 if args.staging and i > 0:  # take(): the previous stage's announcement
                     t = max(t, launched + hop)
                 launched = host_free[i] = t + after
+                if i == 0 and args.eager_token_waits and stages > 1:
+                    # stage 0 queued a wait for every step whose tokens were announced by then
+                    announced = bisect.bisect_right(last_launched, launched)
+                    if announced:
+                        ready = max(ready, ends[-1][announced - 1] + hop)
                 start = max(gpu_free[i], launched, ready if i == 0 else end + hop)
                 end = start + step
                 gpu_free[i] = end
                 ends[i].append(end)
                 busy[i] += step
+            last_launched.append(launched)
             for s in plan.seqs:
                 if s.sample:
                     sampled_at[s.request.request_id] = end + hop
@@ -171,6 +179,11 @@ def main() -> None:
         type=int,
         default=0,
         help="steps a host may run ahead of its GPU (the graphs' host staging buffers; 0: no limit, no take)",
+    )
+    p.add_argument(
+        "--eager-token-waits",
+        action="store_true",
+        help="stage 0 waits for every step whose tokens were announced before its launch, needed or not",
     )
     p.add_argument(
         "--host-after-take",

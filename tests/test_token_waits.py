@@ -95,8 +95,13 @@ def test_a_step_queues_waits_and_scatters_in_order_up_to_the_step_it_needs(ops):
     assert waits.queue_through(12) == 1 and ops[-2] == ("wait", 2, 3)
 
 
-def test_announcements_are_checked_applied_if_no_step_needed_them_and_credited(ops):
+def test_announcements_are_credited_at_once_and_applied_only_when_needed_or_defer_steps_old(ops):
+    """The last stage announces a step as it launches it, before its GPU has drawn the tokens: a
+    wait queued then would hold stage 0's next step for tokens it does not need. So an announced
+    step is applied when a step needs it, or once `defer` (half the ring's slots) sampling steps
+    old, which frees its slot before the ring comes round."""
     reader, last_sampled, waits = make()
+    assert waits.defer == SLOTS // 2
     start(waits, 10, [1])
     start(waits, 11, [2])
     waits.queue_through(10)
@@ -104,8 +109,17 @@ def test_announcements_are_checked_applied_if_no_step_needed_them_and_credited(o
     reader.announce(11, 1)
     waits.pump()
     assert reader.credited == 2
-    assert [op for op in ops if op[0] == "wait"] == [("wait", 0, 1), ("wait", 1, 2)]  # step 11's by the pump
+    assert [op for op in ops if op[0] == "wait"] == [("wait", 0, 1)]  # step 11's: no step needs it yet
+    start(waits, 12, [3])
+    waits.pump()
+    assert len(ops) == 2  # one sampling step old
+    start(waits, 13, [4])
+    waits.pump()  # two old: applied
+    assert ops[2:] == [("wait", 1, 2), ("write", SLOTS + 1, 2)]
     assert last_sampled[2].item() == 1000 + ROWS
+    reader.announce(12, 1)
+    waits.pump()  # announced, one step old: deferred
+    assert waits.queue_through(12) == 1 and ops[-2] == ("wait", 2, 3)  # a step needs it: queued
 
 
 def test_a_failed_step_keeps_the_order_and_a_step_that_failed_here_scatters_nothing(ops):
@@ -115,6 +129,8 @@ def test_a_failed_step_keeps_the_order_and_a_step_that_failed_here_scatters_noth
     reader.announce(10, 0, error="stage 1: boom")
     reader.announce(11, 1)
     waits.pump()
+    assert ops == []  # nothing needed them yet
+    waits.queue_through(11)
     assert ops == [("wait", 0, 1), ("write", SLOTS, 1), ("wait", 1, 2), ("write", SLOTS + 1, 2)]
     assert last_sampled.tolist().count(0) == 15 and last_sampled[4].item() == 1000 + ROWS
 

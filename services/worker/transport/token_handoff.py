@@ -118,7 +118,7 @@ class TokenIntake:
             need = self.need = int(self.last_step[rows].max())
             if waits is not None:
                 if waits.queue_through(need):
-                    self.waits += 1  # the GPU waits for tokens not yet announced (no host time)
+                    self.waits += 1  # the GPU waits for tokens it had no wait for yet (no host time)
             elif need > self.applied:
                 self._wait(need)
         if h.sample_seq_ids:

@@ -14,8 +14,11 @@ starts (expect), before anything that can fail, and knows step s's slot without 
 last stage. Before a step with placeholders it queues, in order, for every sampling step up to
 the one they need: a wait for the ready word, the scatter of the slot into last_sampled, and
 i + 1 into the slot's consumed word (the last stage's stream waits on it before it reuses the slot). Announcements are still taken (pump, non-blocking, before every step): each is
-checked against the expected order, its application queued if no step needed it yet (so slots
-are always read and credited back), and credited.
+checked against the expected order and credited; the application of one that no step has needed
+yet is queued only once it is `defer` sampling steps old, so that its slot is read before the
+ring comes round. Queued at once, it held stage 0's GPU for tokens its step did not need: the last
+stage announces a step as it launches it, up to two steps before its GPU has drawn them, and the
+two GPUs then took turns (bench/RESULTS.md, "Stage 0 waited for tokens it did not need").
 
 Deadlines: a wait no announcement has answered within the link's timeout fails the next step
 (StepFailed). The GPU itself waits until close(), which releases every wait with a store to the
@@ -34,6 +37,7 @@ announcement, longer the more stages: bench/RESULTS.md, issue 29 session 12).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -65,6 +69,7 @@ class DeviceTokenWaits:
         self.last_sampled = last_sampled
         self.timeout = timeout
         self._pending: collections.deque[_Sampling] = collections.deque()  # not yet announced, in order
+        self._deferred: collections.deque[_Sampling] = collections.deque()  # announced, not yet queued
         self._numbered = 0  # sampling plans numbered so far
         self._queued = 0  # sampling plans whose application is queued on the GPU
         self._announced_count = 0  # announcements taken
@@ -82,27 +87,38 @@ class DeviceTokenWaits:
         if s is not None and s.step_id == step_id:
             s.rows = rows
 
+    # Sampling steps an announced step's application waits for a step to need it before pump
+    # queues it anyway (0: at once).
+    defer = 0
+
     def queue_through(self, step_id: int) -> int:
         """The GPU applies every sampling step's tokens up to step_id's before what is queued
         after this. Returns how many it queued now."""
+        return self._queue_while(lambda s: s.step_id <= step_id)
+
+    def _queue_while(self, due) -> int:
+        """Queues, in order, every sampling step not yet queued while due(step) holds."""
         queued = self._queued
         with self._lock:
             if self._closed:
                 raise PeerLost(f"token link closed: {self._closed}")
             stream = cuda_driver.current_stream(self.last_sampled.device)
-            for s in self._pending:
-                if s.step_id > step_id:
+            for s in itertools.chain(self._deferred, self._pending):
+                if not due(s):
                     break
                 if s.number < self._queued:
                     continue
                 self._queue(s, stream)
                 s.queued_at = time.monotonic()
                 self._queued = s.number + 1
+            while self._deferred and self._deferred[0].number < self._queued:
+                self._deferred.popleft()
         return self._queued - queued
 
     def pump(self) -> None:
-        """Step thread, before each step: the announcements that have arrived, checked, applied
-        and credited; raises StepFailed if a queued wait is past the deadline."""
+        """Step thread, before each step: the announcements that have arrived, checked and
+        credited, and those `defer` sampling steps old applied; raises StepFailed if a queued
+        wait is past the deadline."""
         # Only announcements of plans that started: a draft worker may announce a step's drafts
         # before this stage's step thread reaches its plan (token_handoff.DraftIntake).
         while self._announced_count < self._numbered and (got := self._announcement()) is not None:
@@ -116,9 +132,12 @@ class DeviceTokenWaits:
                 s.rows = None  # known failed before anything needed it: nothing to scatter
             if not a.error and s.rows is not None and a.rows != s.rows.shape[0]:
                 log.error("token link: step %d handed %d tokens for %d rows", a.step_id, a.rows, s.rows.shape[0])
-            self.queue_through(a.step_id)
+            if s.number >= self._queued:
+                self._deferred.append(s)
             self._pending.popleft()
             self._credit()
+        newest = self._numbered - 1 - self.defer  # (announced ones only: they precede _pending)
+        self._queue_while(lambda s: s.number <= newest and s.number < self._announced_count)
         s = self._pending[0] if self._pending else None
         if s is not None and s.queued_at is not None and time.monotonic() - s.queued_at > self.timeout:
             raise StepFailed(f"step {s.step_id}'s sampled tokens did not reach stage 0 in {self.timeout:.0f} s")
@@ -150,6 +169,9 @@ class IpcTokenWaits(DeviceTokenWaits):
     def __init__(self, reader: RingReader, last_sampled: torch.Tensor, timeout: float):
         super().__init__(last_sampled, timeout)
         self.reader, self.ring = reader, reader.ring
+        # Half the ring: the last stage refills step i's slot with step i + slots, which starts
+        # here (pump) before the last stage can send it; i is queued by then (defer < slots).
+        self.defer = self.ring.slots // 2
 
     def _queue(self, s: _Sampling, stream) -> None:
         ring = self.ring
@@ -175,6 +197,10 @@ class NcclTokenWaits(DeviceTokenWaits):
     posted when a step needs it, into one of `buffers` buffers. A buffer is received into again
     only after the scatter from it was queued: NCCL's stream waits for the compute stream as
     each receive is posted."""
+
+    # Receives are posted as before, at announcement: one posted late would hold the last stage's
+    # sends behind it (NCCL pairs them in order); not measured on GPUs with a deferral.
+    defer = 0
 
     def __init__(self, receiver, last_sampled: torch.Tensor, timeout: float, buffers: int = 8):
         super().__init__(last_sampled, timeout)
