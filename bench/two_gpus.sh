@@ -11,8 +11,10 @@
 # flight), prefix-groups-dp (groups 1.09x the cache at two replicas), rank-attention (no gain),
 # ratio-1b (1.41x) and the 8B at 256 requests (1.40x). Session 13 ("The 1B pipeline's hosts are
 # not its bound") ran host-tests and ab-1b: three GIL cuts gave nothing past the spread, and each
-# stage's host does ~1 ms a step and waits for its GPU the rest. Next: clock-1b at HEAD (which
-# word each GPU's idle gap waits on), inflight-8b (never run), pipeline (the 8B at 1,024 again), hops.
+# stage's host does ~1 ms a step and waits for its GPU the rest; then 9a18257 stopped stage 0
+# waiting for announced tokens no step needed (RESULTS: "Stage 0 waited for tokens it did not
+# need"), unmeasured. Next: host-tests, then TREES="old new old new" STAGES=2 ab-1b 1fdaea0 (the old
+# tree in bench/build/old); then ratio-1b and pipeline (the 8B at 1,024: 1.76x against 1.8x), clock-1b.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
