@@ -707,6 +707,7 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
         max_plans_in_flight=0,
         staging=0,
         host_after_take=0.5,
+        eager_token_waits=False,
         seed=0,
     )
     one, two = (pipeline_schedule.simulate(args, stages, 96) for stages in (1, 2))
@@ -725,6 +726,10 @@ def test_pipeline_schedule_runs_the_scheduler_over_simulated_gpus():
     args.host_ms, args.host_us_per_seq = 0.01, 0.0
     fast = pipeline_schedule.simulate(args, 2, 96)
     assert all(f > 2 * s for f, s in zip(fast["host_wait_ms"], slow["host_wait_ms"]))
+    # Stage 0 waiting for every announced step's tokens, needed or not, makes the GPUs take turns.
+    args.eager_token_waits = True
+    eager = pipeline_schedule.simulate(args, 2, 96)
+    assert eager["tok_s"] < 0.8 * fast["tok_s"] and max(eager["busy"]) < max(fast["busy"])
 
 
 def test_one_rank_alone_runs_its_shard_and_counts_a_steps_collectives():
