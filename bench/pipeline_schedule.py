@@ -16,7 +16,9 @@ their GPUs, one step after another). With --staging N a host runs at most N step
 (the decode graphs' host staging buffers: the launch of step n waits for the GPU to finish step
 n - N - 1), and a later stage's host does the --host-after-take share of its work only once the
 previous stage's host has launched the step (its take() waits for that announcement); --staging 0
-leaves both out, as the model did before it reproduced a run's host waits.
+leaves both out, as the model did before it reproduced a run's host waits. --eager-token-waits
+models stage 0's token waits before 9a18257: a wait for every step whose tokens were announced by
+its pump, needed or not (bench/RESULTS.md, "Stage 0 waited for tokens it did not need").
 The scheduler's own host time is --scheduler-us-per-seq a sequence of each plan built and of each
 result taken (python -m strata.bench.scheduler_step measures it; 0 leaves it out).
 
@@ -117,8 +119,9 @@ def simulate(args, stages: int, num_prompts: int) -> dict:
                     t = max(t, launched + hop)
                 launched = host_free[i] = t + after
                 if i == 0 and args.eager_token_waits and stages > 1:
-                    # stage 0 queued a wait for every step whose tokens were announced by then
-                    announced = bisect.bisect_right(last_launched, launched)
+                    # stage 0's pump (before its launch's last share) queued a wait for every
+                    # step whose tokens' announcement (the last stage's launch, a hop) was in by then
+                    announced = bisect.bisect_right(last_launched, t - hop)
                     if announced:
                         ready = max(ready, ends[-1][announced - 1] + hop)
                 start = max(gpu_free[i], launched, ready if i == 0 else end + hop)
