@@ -202,6 +202,45 @@ def test_the_intake_queues_what_a_steps_placeholders_need_and_counts_the_gpus_wa
     assert intake.waits == 1 and len(ops) == 2
 
 
+def test_four_micro_batches_wait_on_the_gpu_only_for_the_tokens_they_need(ops):
+    """Two stages, four micro-batches taking turns: step j decodes the rows step j - 4 sampled.
+    The last stage announces each step as it launches it, two steps ahead of stage 0's: stage 0
+    then queues, before step j, waits for steps up to j - 4 only (or `defer` old), never for the
+    steps the last stage's GPU may still be running."""
+    from types import SimpleNamespace
+
+    from strata.protocol import PLACEHOLDER_TOKEN
+    from strata.services.worker.transport.token_handoff import TokenIntake
+
+    reader, last_sampled, waits = make()
+    waits.defer = 16  # a real ring's (32 slots); this fake ring's 4 would recycle at 2 steps old
+    intake = TokenIntake(last_sampled, timeout=60.0)
+    intake.device_waits = waits
+    for j in range(24):
+        rows = np.array([j % 4], dtype=np.int64)  # micro-batch j % 4's one sequence
+        if j >= 2:  # steps up to j - 2 announced by now (step ids from 100)
+            reader.announce(j - 2 + 100, 1)
+        intake.plan_started(SimpleNamespace(step_id=j + 100, sample=[True]))
+        ids = np.array([PLACEHOLDER_TOKEN if j >= 4 else 5], dtype=np.int64)
+        before = len(ops)
+        intake.before_step(
+            j + 100,
+            SimpleNamespace(
+                input_ids=ids,
+                token_rows=rows,
+                has_placeholders=j >= 4,
+                sample_seq_ids=[0],
+                sample_rows=rows,
+                verify=None,
+            ),
+        )
+        waited = [value - 1 for op, _, value in ops[before:] if op == "wait"]  # sampling numbers
+        assert all(n <= j - 4 for n in waited), (j, waited)
+        if j >= 4:
+            assert waits._queued == j - 3  # through step j - 4's: what it needs
+    assert reader.credited == reader.taken  # every announcement credited at once
+
+
 # ------------------------------------------------------------------ a distributed (NCCL) token link
 
 
