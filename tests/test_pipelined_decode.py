@@ -33,12 +33,8 @@ from strata.services.scheduler.plan_codec import plan_to_proto
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.worker.transport.stage_transport import StepFailed
-from strata.services.worker.transport.token_handoff import (
-    TokenIntake,
-    TokenOutlet,
-    open_token_receiver,
-    open_token_sender,
-)
+from strata.services.worker.transport.token_handoff import TokenIntake, TokenOutlet
+from strata.services.worker.transport.token_link_ends import open_token_receiver, open_token_sender
 from strata.stage_links import DISTRIBUTED, GRPC
 from strata.v1 import engine_pb2, generate_pb2
 from tests.cluster import collect, running_cluster, scheduler_stats, tiny_llama_dir, worker_calls

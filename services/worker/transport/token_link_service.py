@@ -16,14 +16,8 @@ import grpc
 
 from strata.grpc_util import aio_channel
 from strata.services.worker.tensor_parallel.ranks import PeersUnavailable
-from strata.services.worker.transport.token_handoff import (
-    TOKEN_RING_SLOTS,
-    DraftIntake,
-    TokenIntake,
-    TokenOutlet,
-    open_token_receiver,
-    open_token_sender,
-)
+from strata.services.worker.transport.token_handoff import DraftIntake, TokenIntake, TokenOutlet
+from strata.services.worker.transport.token_link_ends import TOKEN_RING_SLOTS, open_token_receiver, open_token_sender
 from strata.stage_links import TransportError, name_of
 from strata.v1 import engine_pb2, engine_pb2_grpc
 
