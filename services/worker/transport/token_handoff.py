@@ -6,25 +6,12 @@ per sequence-table row (runner.py, kernels/embedding.py). With P stages the samp
 last stage and the embedding on stage 0; this module closes the loop the same way, so the
 placeholder resolution is one mechanism for 1 and P stages: stage 0 keeps its own `last_sampled`
 per row and the last stage hands it each step's tokens over a link of its own, last -> first,
-on the stage transport the scheduler chose for that pair (strata/stage_links.py):
+on the stage transport the scheduler chose for that pair (strata/stage_links.py): grpc,
+distributed or ipc, whose ends are in token_link_ends.py.
 
-- `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
-  copies them to the host, off the step thread);
-- `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store),
-  each step announced on the link's TCP doorbell from the last stage's step thread to stage 0's.
-  Every sampling step sends the same size (padded), so on GPUs stage 0 posts a step's receive as
-  soon as a step needs its tokens and its GPU waits for it (token_waits.NcclTokenWaits); on CPUs
-  stage 0's step thread takes the announcements and receives before each of its steps
-  (TokenIntake.pump);
-- `ipc`: a ring of int64 token buffers on stage 0's device (ring.py, ipc_transport.py), each step
-  announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
-  what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
-  On GPUs that allow it, stage 0's GPU waits for the tokens instead of its host
-  (token_waits.py).
-
-The link's two ends, per transport, are in token_link_ends.py. The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
-stage gathers `last_sampled` at the sampling rows on its compute stream after the step's draw,
-and stage 0 scatters the tokens into its `last_sampled` on its compute stream.
+The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
+stage hands a decode graph's drawn tokens, or gathers `last_sampled` at the sampling rows, on its
+compute stream after the step's draw, and stage 0 scatters the tokens into its `last_sampled` on its compute stream.
 
 Order (TokenIntake, stage 0): both stages see every plan. When stage 0 launches a step, it notes
 the step id as the latest sampling step of each row that samples in it, and keeps those rows

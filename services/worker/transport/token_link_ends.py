@@ -1,13 +1,20 @@
 """The token link's two ends (token_handoff.py says what the link is for and in which order its
-tokens land): stage 0's receivers, one per stage transport, which hand each step's tokens to its
-TokenIntake, and the last stage's senders, which its TokenOutlet hands them to.
+tokens land): stage 0's receivers, which hand each step's tokens to its TokenIntake, and the last
+stage's senders, which its TokenOutlet hands them to. Per transport:
 
-- `grpc`: HandTokens carries the tokens' bytes (SampledTokens); the last stage's transport thread
-  copies them to the host, off the step thread.
-- `ipc`: a ring of int64 buffers on stage 0's device, each step announced on a doorbell; stage 0's
-  step thread (pump) or, with slot words, its GPU (token_waits.IpcTokenWaits) takes them.
-- `distributed`: a padded send/recv a sampling step, announced on the doorbell; on GPUs stage 0's
-  stream waits for the receive (token_waits.NcclTokenWaits), on CPUs its step thread (pump).
+- `grpc`: the tokens' bytes ride the SampledTokens message (the last stage's transport thread
+  copies them to the host, off the step thread);
+- `distributed`: a torch.distributed send/recv in a group of two (the receiver hosts the store),
+  each step announced on the link's TCP doorbell from the last stage's step thread to stage 0's.
+  Every sampling step sends the same size (padded), so on GPUs stage 0 posts a step's receive as
+  soon as a step needs its tokens and its GPU waits for it (token_waits.NcclTokenWaits); on CPUs
+  stage 0's step thread takes the announcements and receives before each of its steps
+  (TokenIntake.pump);
+- `ipc`: a ring of int64 token buffers on stage 0's device (ring.py, ipc_transport.py), each step
+  announced on a doorbell from the last stage's step thread straight to stage 0's, which takes
+  what has arrived before each of its steps (TokenIntake.pump): no thread, no gRPC message.
+  On GPUs that allow it, stage 0's GPU waits for the tokens instead of its host
+  (token_waits.py).
 """
 
 from __future__ import annotations
