@@ -245,18 +245,31 @@ def test_four_micro_batches_wait_on_the_gpu_only_for_the_tokens_they_need(ops):
 
 
 class FakeNcclReceiver:
-    """The distributed token receiver's side: receives posted (each filled with what the last
-    stage sent for that step: 100 * step + i) and announcements the test makes."""
+    """The distributed token receiver's side: receives posted and waited for, in one log (a
+    receive's buffer holds what the last stage sent for that step, 100 * step + i, only once
+    waited for), and announcements the test makes."""
 
     max_rows = ROWS
 
     def __init__(self):
-        self.posted: list[int] = []
+        self.log: list[tuple[str, int]] = []
         self.arrived: collections.deque[Announcement] = collections.deque()
 
-    def post_receive(self, step_id: int, buf: torch.Tensor) -> None:
-        self.posted.append(step_id)
-        buf.copy_(torch.arange(ROWS) + 100 * step_id)
+    def start_receive(self, step_id: int, buf: torch.Tensor) -> list:
+        self.log.append(("post", step_id))
+        buf.fill_(-1)  # not yet arrived
+        return [(step_id, buf)]
+
+    def finish_receive(self, works: list) -> None:
+        for step_id, buf in works:
+            self.log.append(("wait", step_id))
+            buf.copy_(torch.arange(ROWS) + 100 * step_id)
+
+    def posted(self) -> list[int]:
+        return [step for op, step in self.log if op == "post"]
+
+    def waited(self) -> list[int]:
+        return [step for op, step in self.log if op == "wait"]
 
     def next_announcement(self, block: bool):
         assert not block  # the intake never blocks its step thread
@@ -266,10 +279,10 @@ class FakeNcclReceiver:
         self.arrived.append(Announcement(step_id, 0, rows, 0, error))
 
 
-def make_nccl(timeout: float = 60.0):
+def make_nccl(timeout: float = 60.0, buffers: int = 2):
     receiver = FakeNcclReceiver()
     last_sampled = torch.zeros(16, dtype=torch.int64)
-    return receiver, last_sampled, token_waits.NcclTokenWaits(receiver, last_sampled, timeout, buffers=2)
+    return receiver, last_sampled, token_waits.NcclTokenWaits(receiver, last_sampled, timeout, buffers=buffers)
 
 
 def test_nccl_receives_are_posted_in_order_before_any_announcement_and_scattered(ops):
@@ -278,14 +291,46 @@ def test_nccl_receives_are_posted_in_order_before_any_announcement_and_scattered
     start(waits, 11, [7])
     start(waits, 12, [2])
     assert waits.queue_through(11) == 2  # nothing announced yet: the GPU waits, not the host
-    assert receiver.posted == [10, 11]
+    assert receiver.log == [("post", 10), ("wait", 10), ("post", 11), ("wait", 11)]
     assert last_sampled[[3, 5, 7]].tolist() == [1000, 1001, 1100]
-    assert waits.queue_through(12) == 1 and receiver.posted == [10, 11, 12]  # buffer 0 again
+    assert waits.queue_through(12) == 1 and receiver.posted() == [10, 11, 12]  # buffer 0 again
     assert last_sampled[2].item() == 1200
     receiver.announce(10, 2)
     receiver.announce(11, 1)
     waits.pump()
-    assert receiver.posted == [10, 11, 12]  # announcements of posted receives post nothing more
+    assert receiver.posted() == [10, 11, 12]  # announcements of posted receives post nothing more
+
+
+def test_an_nccl_receive_is_posted_at_its_announcement_and_waited_for_only_when_a_step_needs_it(ops):
+    """Posted at once, the last stage's sends never wait for stage 0's receives; waited for at
+    once, stage 0's GPU would wait for tokens its next step does not need (as the ipc ring's)."""
+    receiver, last_sampled, waits = make_nccl(buffers=4)
+    assert waits.defer == 2
+    start(waits, 10, [1])
+    start(waits, 11, [2])
+    receiver.announce(10, 1)
+    waits.pump()
+    assert receiver.log == [("post", 10)] and last_sampled[1].item() == 0
+    assert waits.queue_through(10) == 1
+    assert receiver.log == [("post", 10), ("wait", 10)] and last_sampled[1].item() == 1000
+    receiver.announce(11, 1)
+    waits.pump()
+    assert receiver.waited() == [10]  # step 11's: posted, not waited for
+    start(waits, 12, [3])
+    start(waits, 13, [4])
+    waits.pump()  # step 11 is two sampling steps old: applied
+    assert receiver.log == [("post", 10), ("wait", 10), ("post", 11), ("wait", 11)]
+    assert last_sampled[2].item() == 1100
+
+
+def test_an_nccl_buffer_is_received_into_again_only_after_its_scatter(ops):
+    receiver, last_sampled, waits = make_nccl(buffers=2)
+    for step in (10, 11, 12):
+        start(waits, step, [step - 10])
+        receiver.announce(step, 1)
+    waits.pump()  # step 12's receive goes to step 10's buffer: step 10's scatter is queued first
+    assert receiver.log[:4] == [("post", 10), ("post", 11), ("wait", 10), ("post", 12)]
+    assert last_sampled[0].item() == 1000
 
 
 def test_an_nccl_step_known_failed_before_any_need_is_received_but_not_scattered(ops):
@@ -295,7 +340,9 @@ def test_an_nccl_step_known_failed_before_any_need_is_received_but_not_scattered
     receiver.announce(10, 0, error="stage 1: boom")  # its filler still comes: the pairs stay in order
     receiver.announce(11, 1)
     waits.pump()
-    assert receiver.posted == [10, 11]
+    assert receiver.posted() == [10, 11]
+    assert waits.queue_through(11) == 1  # step 10's: applied (nothing to scatter) at defer
+    assert receiver.waited() == [11]
     assert last_sampled[4].item() == 0 and last_sampled[6].item() == 1100
 
 

@@ -342,15 +342,28 @@ class DistributedReceiver(Receiver):
     def post_receive(self, step_id: int, *tensors) -> None:
         """Step `step_id`'s receives into `tensors` (each the size of its send); on GPUs the
         current stream waits for them, on CPUs this thread does (with the deadline)."""
+        self.finish_receive(self.start_receive(step_id, *tensors))
+
+    def start_receive(self, step_id: int, *tensors) -> list:
+        """Posts step `step_id`'s receives and returns them unwaited (finish_receive waits). On
+        GPUs NCCL's stream first waits for the current stream's work, as for any of its ops."""
         try:
             pg = self.group.get()
         except TransportError as e:
             raise PeerLost(f"stage transport (distributed): {e}") from None
         try:
-            works = [pg.recv([t], 0, _tag(step_id)) for t in tensors]
+            return [pg.recv([t], 0, _tag(step_id)) for t in tensors]
+        except Exception as e:
+            self.group.fail(e)
+            raise PeerLost(f"stage transport (distributed): {e}") from None
+
+    def finish_receive(self, works: list) -> None:
+        """On GPUs the current stream waits for the receives (no host wait); on CPUs this thread
+        does, with the deadline."""
+        try:
             for w in works:
                 if self.backend == "nccl":
-                    w.wait()  # the current stream waits for NCCL's: no host wait
+                    w.wait()
                 else:
                     w.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as e:

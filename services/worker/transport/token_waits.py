@@ -25,13 +25,14 @@ Deadlines: a wait no announcement has answered within the link's timeout fails t
 words (the scheduler rebuilds the pipeline around a lost stage; the steps behind the wait then
 run on stale tokens, and their results are never delivered).
 
-A distributed link on GPUs (NCCL) does the same with receives posted ahead (NcclTokenWaits): the
-last stage sends one message of max_tokens per sampling step, in step order, its tokens padded or,
-for a failed step, zeros (distributed_transport.py, fixed_elements), so stage 0 knows every
-receive's size and order before the announcement; each is posted into one of a few buffers when a
-step needs its tokens, the compute stream waits for it, and the scatter follows. Close aborts the
-link's group, which ends any receive still waiting (before this, stage 0's host waited for each
-announcement, longer the more stages: bench/RESULTS.md, issue 29 session 12).
+A distributed link on GPUs (NCCL) does the same with receives (NcclTokenWaits): the last stage
+sends one message of max_tokens per sampling step, in step order, its tokens padded or, for a
+failed step, zeros (distributed_transport.py, fixed_elements), so stage 0 knows every receive's
+size and order before the announcement. Each is posted into one of a ring of buffers at its
+announcement (or earlier, when a step needs it first); the compute stream waits for it and the
+scatter follows when a step needs it, as above. Close aborts the link's group, which ends any
+receive still waiting (before this, stage 0's host waited for each announcement, longer the more
+stages: bench/RESULTS.md, issue 29 session 12).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class DeviceTokenWaits:
                 self._deferred.append(s)
             self._pending.popleft()
             self._credit()
+            self._on_announced(s)
         newest = self._numbered - 1 - self.defer  # (announced ones only: they precede _pending)
         self._queue_while(lambda s: s.number <= newest and s.number < self._announced_count)
         s = self._pending[0] if self._pending else None
@@ -157,6 +159,9 @@ class DeviceTokenWaits:
         raise NotImplementedError
 
     def _credit(self) -> None:
+        pass
+
+    def _on_announced(self, s: _Sampling) -> None:
         pass
 
     def _release(self) -> None:
@@ -194,25 +199,59 @@ class IpcTokenWaits(DeviceTokenWaits):
 
 class NcclTokenWaits(DeviceTokenWaits):
     """A distributed token link on GPUs: each sampling step's receive (max_tokens, in step order)
-    posted when a step needs it, into one of `buffers` buffers. A buffer is received into again
-    only after the scatter from it was queued: NCCL's stream waits for the compute stream as
-    each receive is posted."""
+    posted into one of `buffers` buffers as soon as it is announced or a step needs it, whichever
+    comes first; the compute stream waits for it only when a step needs its tokens (or it is
+    `defer` steps old), as the ipc ring's waits. A receive posted late would hold the last
+    stage's sends behind it (NCCL pairs them in order), and a compute-stream wait at once held
+    stage 0's GPU for tokens it did not need (the 1B's two stages at 1.37x one GPU over NCCL
+    against 1.85x over ipc: bench/RESULTS.md, "Stage 0 waited for tokens it did not need")."""
 
-    # Receives are posted as before, at announcement: one posted late would hold the last stage's
-    # sends behind it (NCCL pairs them in order); not measured on GPUs with a deferral.
-    defer = 0
-
-    def __init__(self, receiver, last_sampled: torch.Tensor, timeout: float, buffers: int = 8):
+    def __init__(self, receiver, last_sampled: torch.Tensor, timeout: float, buffers: int = 32):
         super().__init__(last_sampled, timeout)
         self.receiver = receiver
         self.buffers = torch.zeros(buffers, receiver.max_rows, dtype=torch.int64, device=last_sampled.device)
+        self.defer = buffers // 2  # a buffer's scatter is queued before its next receive is due
         self._announced = 0
+        self._posted = 0  # sampling steps whose receive is posted
+        self._receives: dict[int, list] = {}  # number -> its posted, unwaited receives
+        on_gpu = last_sampled.device.type == "cuda"
+        # Receives are posted from a stream of their own: from the compute stream, NCCL's would
+        # first wait for every step already queued there, and the tokens would reach stage 0
+        # only after its GPU had drained. A buffer is received into again only after the event
+        # recorded behind the scatter from it.
+        self._stream = torch.cuda.Stream(last_sampled.device) if on_gpu else None
+        self._scattered = [torch.cuda.Event() if on_gpu else None for _ in range(buffers)]
+
+    def _on_announced(self, s: _Sampling) -> None:
+        self._queue_while(lambda x: x.number <= s.number - self.buffers.shape[0])  # (its buffer's last use)
+        with self._lock:
+            if self._closed:
+                raise PeerLost(f"token link closed: {self._closed}")
+            self._post(s)
+
+    def _post(self, s: _Sampling) -> None:
+        """s's receive, once, in step order (both callers go in order, and whichever comes first
+        for a step has come for every step before it)."""
+        if s.number < self._posted:
+            return
+        b = s.number % self.buffers.shape[0]
+        if self._stream is None:
+            self._receives[s.number] = self.receiver.start_receive(s.step_id, self.buffers[b])
+        else:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(self._scattered[b])
+                self._receives[s.number] = self.receiver.start_receive(s.step_id, self.buffers[b])
+        self._posted = s.number + 1
 
     def _queue(self, s: _Sampling, stream) -> None:
-        buf = self.buffers[s.number % self.buffers.shape[0]]
-        self.receiver.post_receive(s.step_id, buf)  # the current stream waits for it
+        self._post(s)
+        receives = self._receives.pop(s.number)
         if s.rows is not None:
-            self.last_sampled.index_copy_(0, s.rows, buf[: s.rows.shape[0]])
+            b = s.number % self.buffers.shape[0]
+            self.receiver.finish_receive(receives)  # the compute stream waits for it
+            self.last_sampled.index_copy_(0, s.rows, self.buffers[b][: s.rows.shape[0]])
+            if self._scattered[b] is not None:
+                self._scattered[b].record()
 
     def _announcement(self):
         a = self.receiver.next_announcement(block=False)
