@@ -329,6 +329,13 @@ def batch_cli(args) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            shaped = [
+                f for f in ("data_parallel_size", "pipeline_stages", "tensor_parallel_size") if getattr(args, f) != 1
+            ]
+            if shaped:
+                flags = ", ".join("--" + f.replace("_", "-") for f in shaped)
+                print(f"error: {flags} shape a local cluster; with --address the gateway's is used", file=sys.stderr)
+                return 2
             tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
             failed = run_batch(
                 input_path, output_path, args.address, tokenizer, args.api_key, progress, tls_ca=args.tls_ca
@@ -371,6 +378,12 @@ def _with_local_cluster(args, input_path: Path, output_path: Path, tokenizer, pr
         str(args.max_num_batched_tokens),
         "--device",
         args.device,
+        "--data-parallel-size",
+        str(args.data_parallel_size),
+        "--pipeline-stages",
+        str(args.pipeline_stages),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
     ]
     if args.model:
         argv += ["--model", args.model]

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--tls-ca", "STRATA_TLS_CA", None, "PEM CA bundle: connect with TLS and verify the gateway against it")
     # An offline batch: the local cluster takes the offline step budget (strata.flags).
     p.add_argument("--device", default=DEFAULTS["device"], help="the local cluster's device")
+    # The local cluster's shape, as `strata serve`'s (vllm run-batch takes the engine's too): on a
+    # machine of several GPUs an offline batch wants them all; groups are routed whole to a replica.
+    p.add_argument("--data-parallel-size", type=int, default=1, help="the local cluster's replicas (as strata serve's)")
+    p.add_argument("--pipeline-stages", type=int, default=1, help="the local cluster's stages per replica")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the local cluster's GPUs per stage")
     p.add_argument(
         "--max-num-seqs", type=int, default=OFFLINE_MAX_NUM_SEQS, help="the local cluster's most sequences at once"
     )

@@ -328,6 +328,38 @@ def test_with_an_address_a_model_is_not_taken_for_the_gateways(cluster, model_di
     assert done.returncode == 2 and "--model" in done.stderr
 
 
+def test_with_an_address_the_local_clusters_shape_is_refused(cluster, tmp_path):
+    c, _ = cluster
+    write_input(tmp_path / "in.jsonl", lines()[:1])
+    done = run_batch_through_gateway(c, tmp_path, "--data-parallel-size", "2")
+    assert done.returncode == 2 and "--data-parallel-size" in done.stderr
+
+
+def test_a_local_cluster_of_two_replicas_answers_every_line_as_one_does(cluster, model_dir, tmp_path):
+    """`strata batch --model DIR --data-parallel-size 2` starts two replicas behind its gateway
+    (issue 50: an offline batch on several GPUs), and every answer equals the one-replica
+    cluster's. (That a group runs whole on one replica is tests/test_data_parallel.py's.)"""
+    c, _ = cluster
+    write_input(tmp_path / "in.jsonl", lines())
+    assert run_batch(c, model_dir, tmp_path, name="one.jsonl").returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "batch", str(tmp_path / "in.jsonl"), str(tmp_path / "two.jsonl")]
+        + ["--model", str(model_dir), "--device", "cpu", "--data-parallel-size", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+
+    def answers(name):
+        out = read_output(tmp_path / name)
+        assert not [x["error"] for x in out if x["error"]], name
+        choices = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in out}
+        return {i: c["message"]["content"] if "message" in c else c["text"] for i, c in choices.items()}
+
+    assert answers("two.jsonl") == answers("one.jsonl") and len(answers("two.jsonl")) == len(lines())
+
+
 def test_echo_prompt_logprobs_and_token_ids_answer_as_the_http_front_does(cluster, model_dir, tmp_path):
     """Batch lines share the HTTP front's body parsing and shapes (issue 52): lm-eval's echo with
     logprobs over token ids, and prompt_logprobs on a chat; a line of several prompts is refused."""
