@@ -13,8 +13,11 @@
 # not its bound") ran host-tests and ab-1b: three GIL cuts gave nothing past the spread, and each
 # stage's host does ~1 ms a step and waits for its GPU the rest; then 9a18257 stopped stage 0
 # waiting for announced tokens no step needed (RESULTS: "Stage 0 waited for tokens it did not
-# need"), unmeasured. Next: host-tests, then TREES="old new old new" STAGES=2 ab-1b 1fdaea0 (the old
-# tree in bench/build/old); then ratio-1b and pipeline (the 8B at 1,024: 1.76x against 1.8x), clock-1b.
+# need"), unmeasured. Session 14 ("The token waits deferred") measured it: ab-1b 87-90k tok/s
+# against 54-59k for 1fdaea0; ratio-1b 1.75-1.81x one GPU; pipeline 8B 1.95x at 1,024 (two
+# replicas 1.88x); MPS on one GPU 0.99-1.00x; the NCCL link's same fix (848138f) 1.37x -> 1.67x.
+# Next: issue 51's TPOT (tp ipc: 0.606x against 0.6x), then ratio-1b again for the 1B's 16-stream
+# TPOT (1.06x, 0.95x, 1.16x, 1.02x in four runs against 1.1x).
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU

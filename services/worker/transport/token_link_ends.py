@@ -149,10 +149,11 @@ class IpcTokenReceiver(_TokenReceiving):
 
 class DistributedTokenReceiver(_TokenReceiving, DistributedReceiver):
     """Every sampling step sends max_tokens int64s, padded (zeros for a failed step: the sender's
-    fixed_elements). On GPUs stage 0 posts each receive when a step needs it, before the
-    announcement, and its stream waits (token_waits.NcclTokenWaits); on CPUs (gloo) its step
-    thread takes the announcements and receives in their order (pump), as an ipc link without
-    slot words. The HandTokens stream carries nothing but its end (the last stage is gone)."""
+    fixed_elements). On GPUs stage 0 posts each receive at its announcement or when a step needs
+    it, whichever comes first, and its stream waits only when a step needs the tokens
+    (token_waits.NcclTokenWaits); on CPUs (gloo) its step thread takes the announcements and
+    receives in their order (pump), as an ipc link without slot words. The HandTokens stream
+    carries nothing but its end (the last stage is gone)."""
 
     def __init__(self, session: int, device, max_tokens: int, timeout: float, *, peer_host: str):
         super().__init__(session, device, torch.int64, 1, max_tokens, timeout, peer_host=peer_host)
