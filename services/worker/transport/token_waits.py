@@ -13,10 +13,11 @@ after the copy). Both stages see every plan, so stage 0 gives each sampling plan
 starts (expect), before anything that can fail, and knows step s's slot without hearing from the
 last stage. Before a step with placeholders it queues, in order, for every sampling step up to
 the one they need: a wait for the ready word, the scatter of the slot into last_sampled, and
-i + 1 into the slot's consumed word (the last stage's stream waits on it before it reuses the slot). Announcements are still taken (pump, non-blocking, before every step): each is
-checked against the expected order and credited; the application of one that no step has needed
-yet is queued only once it is `defer` sampling steps old, so that its slot is read before the
-ring comes round. Queued at once, it held stage 0's GPU for tokens its step did not need: the last
+i + 1 into the slot's consumed word (the last stage's stream waits on it before it reuses the
+slot). Announcements are still taken (pump, non-blocking, before every step): each is checked
+against the expected order and credited; the application of one that no step has needed yet is
+queued only once it is `defer` sampling steps old, so that its slot is read before the ring comes
+round. Queued at once, it held stage 0's GPU for tokens its step did not need: the last
 stage announces a step as it launches it, up to two steps before its GPU has drawn them, and the
 two GPUs then took turns (bench/RESULTS.md, "Stage 0 waited for tokens it did not need").
 
