@@ -205,14 +205,13 @@ class NcclTokenWaits(DeviceTokenWaits):
     `defer` steps old), as the ipc ring's waits. A receive posted late would hold the last
     stage's sends behind it (NCCL pairs them in order), and a compute-stream wait at once held
     stage 0's GPU for tokens it did not need (the 1B's two stages at 1.37x one GPU over NCCL
-    against 1.85x over ipc: bench/RESULTS.md, "Stage 0 waited for tokens it did not need")."""
+    against 1.85x over ipc: bench/RESULTS.md, "The NCCL token link had the same eager waits")."""
 
     def __init__(self, receiver, last_sampled: torch.Tensor, timeout: float, buffers: int = 32):
         super().__init__(last_sampled, timeout)
         self.receiver = receiver
         self.buffers = torch.zeros(buffers, receiver.max_rows, dtype=torch.int64, device=last_sampled.device)
         self.defer = buffers // 2  # a buffer's scatter is queued before its next receive is due
-        self._announced = 0
         self._posted = 0  # sampling steps whose receive is posted
         self._receives: dict[int, list] = {}  # number -> its posted, unwaited receives
         on_gpu = last_sampled.device.type == "cuda"
@@ -256,7 +255,4 @@ class NcclTokenWaits(DeviceTokenWaits):
 
     def _announcement(self):
         a = self.receiver.next_announcement(block=False)
-        if a is None:
-            return None
-        self._announced += 1
-        return a, self._announced - 1
+        return None if a is None else (a, self._announced_count)  # (pump counts each one taken)
