@@ -112,7 +112,7 @@ def seam_send(
 ):  # fmt: skip
     """A sending program's rows y [BLOCK_N] (rows pid * BLOCK_N on) into slot RANK of every peer's
     words, flagged with this program's count of calls."""
-    seq = tl.load(seq_ptr + offset + pid) + 1
+    seq = tl.load(seq_ptr + offset + pid, volatile=True) + 1  # (from L2, as seam_sum reads it)
     tl.store(seq_ptr + offset + pid, seq)
     PER_WORD: tl.constexpr = 32 // ELEMENT_BITS
     WORDS: tl.constexpr = BLOCK_N // PER_WORD
@@ -134,7 +134,10 @@ def seam_sum(
     """Every rank's row summed in rank order in float32 and rounded to x's dtype (the one-shot's
     arithmetic, so the same bits on every rank): x [K_PADDED] is this rank's, the peers' are read
     from this rank's words once their flags are this call's. After the sending GEMV ended."""
-    seq = tl.load(seq_ptr + offset)  # the sending GEMV's program 0, this call
+    # The sending GEMV's program 0's count, this call's. Volatile (from L2): this SM's L1 may hold
+    # the line from before program 0's store (a sending program here loaded its own count, a word
+    # of the same line), and with the previous call's count the previous call's words would match.
+    seq = tl.load(seq_ptr + offset, volatile=True)
     PER_WORD: tl.constexpr = 32 // ELEMENT_BITS
     WORDS: tl.constexpr = K_PADDED // PER_WORD
     at = tl.arange(0, WORDS)
