@@ -149,7 +149,6 @@ SERVE_FLAGS = (
     "tensor_parallel_size",  # (the tensor-parallel bench's, as below)
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
-    "tensor_parallel_no_seams",
     "device",
     "dtype",
     "block_size",

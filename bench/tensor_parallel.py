@@ -13,9 +13,7 @@ stages of T ranks) the GPUs allow. For each:
 
 Each tensor-parallel way also runs its batch-1 phase on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
-of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them. With --ab-seams it runs
-that phase once more with --tensor-parallel-no-seams (the decode chain's all-reduces in the
-one-shot's own launch, not at the seams between its GEMVs: kernels/seam_all_reduce.py).
+of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them.
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
@@ -148,23 +146,20 @@ def run(args) -> int:
     runs, failed = [], 0
     for way in ways:
         ranks, stages, replicas = parse_way(way)
-        plan = [(False, False, way)]
+        plan = [(False, way)]
         if ranks > 1:
-            plan.append((True, False, f"{way} without collectives"))
-            if args.ab_seams:
-                plan.append((False, True, f"{way} without seams"))
-        for no_collectives, no_seams, name in plan:
+            plan.append((True, f"{way} without collectives"))
+        for no_collectives, name in plan:
             run_args = common.with_overrides(
                 args,
                 tensor_parallel_size=ranks,
                 pipeline_stages=stages,
                 data_parallel_size=replicas,
                 tensor_parallel_no_collectives=no_collectives,
-                tensor_parallel_no_seams=no_seams,
             )
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
-                phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives or no_seams))
+                phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives))
             runs.append(
                 {
                     "way": way,
@@ -172,7 +167,6 @@ def run(args) -> int:
                     "stages": stages,
                     "replicas": replicas,
                     "no_collectives": no_collectives,
-                    "no_seams": no_seams,
                     **phases,
                 }
             )
@@ -183,7 +177,7 @@ def run(args) -> int:
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
-        if r["no_collectives"] or r["no_seams"]:
+        if r["no_collectives"]:
             continue
         title = f"{r['way']} ({r['replicas']} replica(s) of {r['stages']} stage(s) of {r['ranks']} rank(s))"
         lines = []
@@ -206,10 +200,6 @@ def run(args) -> int:
                     f"(TPOT {common.fmt(without, '.2f')} ms without collectives)   (target <= {TARGET_ALL_REDUCE_SHARE:.0%})",
                 )
             )
-        unseamed = next((x for x in runs if x["way"] == r["way"] and x["no_seams"]), None)
-        if unseamed is not None:
-            tpot = unseamed["streams_1"]["tpot_ms"].get("p50")
-            lines.append(("batch-1 TPOT without seams (A/B)", f"p50 {common.fmt(tpot, '.3f')} ms"))
         ratios = {}
         if base is not None and r is not base:
             ratios = {
@@ -227,11 +217,11 @@ def run(args) -> int:
                 ),
                 (
                     f"{args.concurrency}-stream TPOT vs one GPU",
-                    f"{common.fmt(ratios['tpot_streams'], '.3f')}x   (TP2 target <= {TARGET_TPOT_RATIO}x)",
+                    f"{common.fmt(ratios['tpot_streams'], '.2f')}x   (TP2 target <= {TARGET_TPOT_RATIO}x)",
                 ),
                 (
                     "batch-1 TPOT vs one GPU",
-                    f"{common.fmt(ratios['tpot_1'], '.3f')}x   (TP2 target <= {TARGET_TPOT_RATIO}x)",
+                    f"{common.fmt(ratios['tpot_1'], '.2f')}x   (TP2 target <= {TARGET_TPOT_RATIO}x)",
                 ),
             ]
         r["ratios"], r["all_reduce_share"] = ratios, share
@@ -250,9 +240,9 @@ def run(args) -> int:
                     f(r["offline"]["output_tokens_per_s"], ",.0f"),
                     f(ratios.get("offline"), ".2f"),
                     f(r[f"streams_{args.concurrency}"]["tpot_ms"].get("p50"), ".2f"),
-                    f(ratios.get("tpot_streams"), ".3f"),
-                    f(r["streams_1"]["tpot_ms"].get("p50"), ".3f"),
-                    f(ratios.get("tpot_1"), ".3f"),
+                    f(ratios.get("tpot_streams"), ".2f"),
+                    f(r["streams_1"]["tpot_ms"].get("p50"), ".2f"),
+                    f(ratios.get("tpot_1"), ".2f"),
                     f(share and share * 100, ".1f"),
                 ]
             )

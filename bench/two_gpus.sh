@@ -24,8 +24,6 @@
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
-#   bash bench/two_gpus.sh COMMIT seam-tests    # the decode chain's seams: its two-GPU tests (ipc)
-#   bash bench/two_gpus.sh COMMIT tp-seams      # issue 51's TPOT: one GPU, tp2, tp2's batch 1 without seams
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
@@ -96,18 +94,6 @@ case $phase in
     run tp_faults 420 python -m pytest -q -rA -p no:cacheprovider --timeout 150 tests/gpu/test_tensor_parallel_gpu.py \
       -k "lost_rank and two-gpus"
     grep -hE "abort took|InitCache on .* failed|^(PASSED|FAILED)" "$OUT/tp_faults.log" | head -30
-    ;;
-  seam-tests)  # the decode chain's seams (kernels/seam_all_reduce.py) on two GPUs: the chain against the
-    # layers (bf16) and greedy against HF plus every mode against one rank (float32), with ipc; then the
-    # chain's GEMVs on one GPU
-    run seam_tests 420 python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
-      -k "ipc and (decode_chain or greedy_equals)"
-    run chain_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_decode_linear_gpu.py
-    ;;
-  tp-seams)  # issue 51's TPOT: one GPU and TP2 (ipc), TP2's batch-1 phase once more without the seams
-    run tp8b 580 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
-      --ways 1,tp2 --ab-seams --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
-      --tensor-parallel-all-reduce ipc --output "$OUT/tp8b.json"
     ;;
   tp)  # $3: the all-reduce (ipc was fastest in a chain on two H200s); $4: ways
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \

@@ -44,18 +44,15 @@ from strata.kernels.activation import silu_mul
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 from strata.kernels.rmsnorm import rms_norm_row
-from strata.kernels.seam_all_reduce import Seam, seam_args, seam_constexprs, seam_send, seam_sum, sendable
 
 __all__ = [
     "DecodeLinearConfig",
-    "can_send",
     "choose_decode_linear_config",
     "linear_add_residual",
     "linear_add_residual_reference",
     "norm_linear",
     "norm_linear_reference",
     "plain_linear",
-    "row_parallel_send",
     "silu_mul_linear",
     "silu_mul_linear_reference",
     "use_decode_linear",
@@ -100,34 +97,17 @@ def _row_operand(
     ks,
     k_mask,
     eps,
-    seq_ptr,
-    abort_address,
-    seam_offset,
-    seam_capacity,
-    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
     K: tl.constexpr,
-    K_PADDED: tl.constexpr,
     PROLOGUE: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
-    SUM_RANKS: tl.constexpr,
-    ELEMENT_BITS: tl.constexpr,
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
-):  # fmt: skip
+):
     """x's row, whole ([K_PADDED] in registers, from L2), the prologue applied."""
     x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if PROLOGUE == 2:  # silu(gate) * up over a [gate | up] row of 2K
         up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0)
         x = silu_mul(x, up).to(x.dtype)
     elif PROLOGUE == 1:  # rms_norm(x (+ residual)): the whole row is here, so are its statistics
-        if SUM_RANKS:  # x is this rank's part of a row-parallel output; the sum is the residual stream
-            x = seam_sum(
-                x, K, seq_ptr, seam_offset, seam_capacity, abort_address,
-                buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-                K_PADDED, ELEMENT_BITS, RANK, WORLD,
-            )  # fmt: skip
-            tl.store(res_out_ptr + ks, x, mask=k_mask & (pid == 0))
-        elif ADD_RESIDUAL:
+        if ADD_RESIDUAL:
             r = tl.load(res_ptr + ks, mask=k_mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(res_out_ptr + ks, x, mask=k_mask & (pid == 0))
@@ -145,13 +125,6 @@ def _decode_linear_kernel(
     bias_ptr,
     out_ptr,
     res_out_ptr,
-    # Tensor parallelism's seams (kernels/seam_all_reduce.py): every rank's words, this rank's
-    # sequence numbers, the abort word, this site's place in the words.
-    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    seq_ptr,
-    abort_address,
-    seam_offset,
-    seam_capacity,
     N,
     eps,
     K: tl.constexpr,
@@ -161,13 +134,8 @@ def _decode_linear_kernel(
     ADD_RESIDUAL: tl.constexpr,  # prologue 1: x + res, which program 0 stores to res_out
     EPILOGUE_RESIDUAL: tl.constexpr,  # out = round(y) + res
     HAS_BIAS: tl.constexpr,
-    SEND: tl.constexpr,  # a row-parallel part: out, and sent to every peer's seam
-    SUM_RANKS: tl.constexpr,  # prologue 1: x is this rank's part; every rank's summed (res_out)
-    ELEMENT_BITS: tl.constexpr,
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -184,23 +152,12 @@ def _decode_linear_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
-    x = _row_operand(
-        x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps,
-        seq_ptr, abort_address, seam_offset, seam_capacity,
-        buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-        K, K_PADDED, PROLOGUE, ADD_RESIDUAL, SUM_RANKS, ELEMENT_BITS, RANK, WORLD,
-    )  # fmt: skip
+    x = _row_operand(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, pid, ks, k_mask, eps, K, PROLOGUE, ADD_RESIDUAL)
     y = (tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias).to(out_ptr.dtype.element_ty)
     if EPILOGUE_RESIDUAL:
         r = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, y, mask=n_mask)
-    if SEND:
-        seam_send(
-            y, pid, N, seq_ptr, seam_offset, seam_capacity,
-            buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-            BLOCK_N, ELEMENT_BITS, RANK, WORLD,
-        )  # fmt: skip
 
 
 # Decided when the kernel is defined, as triton.jit decides (TRITON_INTERPRET read at decoration).
@@ -228,8 +185,6 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     add_residual_after: bool = False,
-    send: Seam | None = None,
-    sum_ranks: Seam | None = None,
     config: DecodeLinearConfig | None = None,
 ):
     n = weight.shape[0]
@@ -241,13 +196,9 @@ def _launch(
         assert residual.dtype == x.dtype and residual.is_contiguous()
         assert residual.shape == ((m, n) if add_residual_after else (m, k)), (residual.shape, m, n, k)
     config = config or choose_decode_linear_config(n=n, k=k, element_size=x.element_size())
-    assert send is None or sendable(config.block_n, x.dtype), (config, x.dtype)
-    assert sum_ranks is None or (prologue == _NORM and residual is None), "the sum is the residual stream"
-    assert send is None or sum_ranks is None
-    seam = send or sum_ranks
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = None
-    if prologue == _NORM and (residual is not None or sum_ranks is not None):
+    if prologue == _NORM and residual is not None:
         res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_supported(x.device)
     _decode_linear_kernel[(triton.cdiv(n, config.block_n),)](
@@ -258,20 +209,15 @@ def _launch(
         bias if bias is not None else weight,
         out,
         res_out if res_out is not None else out,
-        *seam_args(seam, x),
         n,
         eps,
         K=k,
         K_PADDED=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
         PROLOGUE=prologue,
-        ADD_RESIDUAL=residual is not None and prologue == _NORM,
+        ADD_RESIDUAL=res_out is not None,
         EPILOGUE_RESIDUAL=add_residual_after,
         HAS_BIAS=bias is not None,
-        SEND=send is not None,
-        SUM_RANKS=sum_ranks is not None,
-        ELEMENT_BITS=8 * x.element_size(),
-        **seam_constexprs(seam),
         PDL=pdl,
         num_warps=config.num_warps,
         **launch_options(pdl),
@@ -294,13 +240,10 @@ def norm_linear(
     eps: float,
     *,
     residual: torch.Tensor | None = None,
-    seam: Seam | None = None,
     config: DecodeLinearConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(rms_norm(x + residual), weight, bias), x + residual): a norm fused into the
-    projection after it; x itself stands for the sum when residual is None. With a seam, x is this
-    rank's part of a row-parallel output sent there (row_parallel_send), and every rank's parts
-    summed stand for x."""
+    projection after it; x itself stands for the sum when residual is None."""
     out, res_out = _launch(
         x,
         weight,
@@ -310,7 +253,6 @@ def norm_linear(
         residual=residual,
         norm_weight=norm_weight,
         eps=eps,
-        sum_ranks=seam,
         config=config,
     )
     return out, (x if res_out is None else res_out)
@@ -349,39 +291,6 @@ def linear_add_residual(
         add_residual_after=True,
         config=config,
     )[0]
-
-
-def row_parallel_send(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    seam: Seam,
-    *,
-    residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
-    config: DecodeLinearConfig | None = None,
-) -> torch.Tensor:
-    """This rank's part of a row-parallel projection (F.linear(x, weight, bias), + residual when
-    given, rounded as linear_add_residual rounds), returned and sent to every peer at `seam` in the
-    epilogue: the next norm_linear(seam=seam) sums the ranks' parts. silu_mul: x is [gate | up]."""
-    return _launch(
-        x,
-        weight,
-        bias,
-        k=x.shape[1] // 2 if silu_mul else x.shape[1],
-        prologue=_SILU_MUL if silu_mul else _PLAIN,
-        residual=residual,
-        add_residual_after=residual is not None,
-        send=seam,
-        config=config,
-    )[0]
-
-
-def can_send(weight: torch.Tensor) -> bool:
-    """Whether row_parallel_send can take this projection: each program's rows fill whole words."""
-    n, k = weight.shape
-    block_n = choose_decode_linear_config(n=n, k=k, element_size=weight.element_size()).block_n
-    return sendable(block_n, weight.dtype)
 
 
 # ---- torch references (the tests' oracle) ---------------------------------------------------

@@ -233,12 +233,6 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
         default=DEFAULTS["tensor_parallel_all_reduce"],
         help="the tensor-parallel ways' small all-reduce (strata serve's flag)",
     )
-    p.add_argument(
-        "--ab-seams",
-        action="store_true",
-        help="each tensor-parallel way also runs its batch-1 phase with --tensor-parallel-no-seams: the decode "
-        "chain's all-reduces in the one-shot's own launch instead of at the seams between its GEMVs (an A/B)",
-    )
     add_common_flags(p)
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 

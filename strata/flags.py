@@ -210,14 +210,6 @@ FLAGS: dict[str, Flag] = {
         "(strata bench tensor-parallel times the all-reduce's share of a decode step so)",
         bool,
     ),
-    "tensor_parallel_no_seams": Flag(
-        "STRATA_TENSOR_PARALLEL_NO_SEAMS",
-        False,
-        "benchmarks only (an A/B): with --tensor-parallel-all-reduce ipc, the batch-1 decode chain sums each "
-        "row-parallel output in the one-shot's own launch instead of at the seam between two GEMVs (the GEMV sends "
-        "its rows as it ends, the next one sums them before its norm: kernels/seam_all_reduce.py). Same tokens",
-        bool,
-    ),
     "collective_timeout": Flag(
         "STRATA_COLLECTIVE_TIMEOUT",
         60.0,
@@ -486,7 +478,6 @@ WORKER_FLAGS = (
     "collective_timeout",
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
-    "tensor_parallel_no_seams",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

@@ -48,11 +48,6 @@ def sm90_launches(shapes=CHAIN_SHAPES):
             ADD_RESIDUAL=prologue == 1,
             EPILOGUE_RESIDUAL=epilogue,
             HAS_BIAS=False,
-            SEND=False,
-            SUM_RANKS=False,
-            ELEMENT_BITS=16,
-            RANK=0,
-            WORLD=1,
             PDL=True,
         )
         source = compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs)

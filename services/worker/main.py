@@ -231,7 +231,6 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
         dtype=pick_dtype(args.dtype, device),
     )
     group.skip_collectives = args.tensor_parallel_no_collectives
-    group.use_seams = not args.tensor_parallel_no_seams
     if group.skip_collectives:
         log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
     return group

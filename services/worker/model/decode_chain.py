@@ -26,11 +26,8 @@ normalises. On Hopper every kernel of the chain is a programmatic dependent laun
 
 With tensor parallelism o_proj and down are row-parallel: rank 0 adds the residual in the
 epilogue as above, the other ranks only project, and one all-reduce sums them, so the residual is
-added once (h + the ranks' partial products). With the ipc all-reduce that sum happens at the
-seam (kernels/seam_all_reduce.py): each GEMV program sends its rows to the peers as it ends, and
-the next GEMV's prologue sums every rank's row before its norm, so no launch comes between. The
-last layer's down output (for the next stage or the logits) and a MoE layer's o_proj take the
-one-shot's own launch; NCCL's kernels break the chain's dependent launches there.
+added once (h + the ranks' partial products); the last layer's down output is all-reduced too.
+The prologues read the replicated h. NCCL's kernels break the chain's dependent launches there.
 """
 
 from __future__ import annotations
@@ -66,40 +63,26 @@ def decode_chain_forward(
     """CausalLMShard.forward's layers for a small batch; returns the unfused (hidden, residual) pair."""
     k = _kernels()
     last = len(shard.layers) - 1
-    seam = None  # where the hidden row's parts wait to be summed (the previous down's), if anywhere
     for i, (layer, kv_cache) in enumerate(zip(shard.layers, kv_caches)):
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         # The stage's first layer, and a layer after experts, add the pair; others get h, added already.
         qkv, h = k.norm_linear(
-            hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual, seam=seam
+            hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps, residual=residual
         )
         out = attn.attend(qkv, positions, shard.rotary_for(layer), kv_cache, meta, shard.attn_backend)
+        h = _add_row_parallel(k, shard.tp, out, attn.o_proj, h)
         if isinstance(mlp, SparseMoE):
-            h = _add_row_parallel(k, shard.tp, out, attn.o_proj, h)
-            hidden, residual, seam = mlp.forward_one_token(h, norm2), h, None  # the experts' all-reduce is their own
+            hidden, residual = mlp.forward_one_token(h, norm2), h  # the experts' all-reduce is the layer's own
             if i == last:
                 return hidden, h
             continue
-        part, seam = _row_parallel_part(k, shard.tp, 2 * i, out, attn.o_proj, h)
-        gate_up, h = k.norm_linear(
-            part, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps, seam=seam
-        )
+        gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
         if i == last:
             down = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
             return (down if shard.tp is None else shard.tp.all_reduce_(down)), h
-        (hidden, seam), residual = _row_parallel_part(k, shard.tp, 2 * i + 1, gate_up, mlp.down_proj, h, True), None
+        hidden, residual = _add_row_parallel(k, shard.tp, gate_up, mlp.down_proj, h, silu_mul=True), None
     raise AssertionError("a shard has at least one layer")
-
-
-def _row_parallel_part(k, tp, site: int, x: torch.Tensor, linear, h: torch.Tensor, silu_mul: bool = False):
-    """(linear(x) + h, None), or with a seam at `site` (tensor parallelism, kernels/seam_all_reduce.py)
-    (this rank's part, the seam): the next norm_linear sums the parts there."""
-    seam = tp.seam(site, h) if tp is not None and k.can_send(linear.weight) else None
-    if seam is None:
-        return _add_row_parallel(k, tp, x, linear, h, silu_mul), None
-    residual = h if tp.rank == 0 else None  # added once, by rank 0
-    return k.row_parallel_send(x, linear.weight, linear.bias, seam, residual=residual, silu_mul=silu_mul), seam
 
 
 def _add_row_parallel(k, tp, x: torch.Tensor, linear, h: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:

@@ -78,7 +78,6 @@ class TensorParallelGroup:
         self.one_shot = None
         self.one_shot_max = None  # "ipc": the draw's maximum over int64 keys too
         self.one_shot_norm = None  # "ipc": the all-reduce fused with the add and norm after it
-        self.seams = None  # "ipc": the decode chain's all-reduces at its seams (seam())
         self.pg = None
         self.session = 0
         self.aborting: threading.Thread | None = None  # the last NCCL abort, on its own thread
@@ -87,7 +86,6 @@ class TensorParallelGroup:
         # Bench only: collectives return at once, leaving each rank's partial values (wrong
         # tokens, the step's time without its communication).
         self.skip_collectives = False
-        self.use_seams = True  # (--tensor-parallel-no-seams: the bench's A/B)
 
     @property
     def active(self) -> bool:
@@ -115,7 +113,7 @@ class TensorParallelGroup:
             # must know that before they wait for its buffers.
             (self.one_shot,) = _formed_on_every_rank(pg, [self._one_shot(pg, store, session)], self.device)
             more = self._more_ipc_one_shots(store, session, self.one_shot is not None)
-            self.one_shot_max, self.one_shot_norm, self.seams = _formed_on_every_rank(pg, list(more), self.device)
+            self.one_shot_max, self.one_shot_norm = _formed_on_every_rank(pg, list(more), self.device)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -142,21 +140,20 @@ class TensorParallelGroup:
 
     def _more_ipc_one_shots(self, store, session: int, sum_formed: bool):
         """With "ipc" (and its sum formed): the sampler's maximum over the slices' keys (a batch-1
-        decode step then runs no NCCL kernel at all), the all-reduce fused with the residual
+        decode step then runs no NCCL kernel at all), and the all-reduce fused with the residual
         add and RMSNorm after it (a launch less after each row-parallel linear of the unfused
-        layers), and the decode chain's seams (no launch of its own at all)."""
+        layers)."""
         if not sum_formed or self.all_reduce_kind != "ipc":
-            return None, None, None
+            return None, None
         from strata.services.worker.tensor_parallel.ipc_all_reduce import MAX_KEY_BYTES, IpcAllReduce
 
         try:
             args = (store, self.rank, self.size, session, self.device)
             maximum = IpcAllReduce(*args, torch.int64, MAX_KEY_BYTES, self.timeout, kind="max")
-            norm = IpcAllReduce(*args, self.dtype, timeout=self.timeout, kind="norm")
-            return maximum, norm, IpcAllReduce(*args, self.dtype, timeout=self.timeout, kind="seams")
+            return maximum, IpcAllReduce(*args, self.dtype, timeout=self.timeout, kind="norm")
         except Exception as e:
             log.warning("tensor parallel: no more ipc one-shots (%s); NCCL takes their messages", e)
-            return None, None, None
+            return None, None
 
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
         """Breaks the group (any thread, never blocking it): NCCL kernels waiting for a lost rank
@@ -164,10 +161,10 @@ class TensorParallelGroup:
         if self.size == 1:
             return
         self.broken = reason
-        for one_shot in (self.one_shot, self.one_shot_max, self.one_shot_norm, self.seams):
+        for one_shot in (self.one_shot, self.one_shot_max, self.one_shot_norm):
             if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
                 one_shot.abort()
-        self.one_shot = self.one_shot_max = self.one_shot_norm = self.seams = None
+        self.one_shot = self.one_shot_max = self.one_shot_norm = None
         pg, self.pg = self.pg, None
         if pg is not None:
             args = (pg, reason, self.device)
@@ -260,16 +257,6 @@ class TensorParallelGroup:
         if shot is None or self.size == 1 or self.skip_collectives or self.broken is not None:
             return None
         return shot.add_rms_norm(x, residual, weight, eps, unit_offset, residual_out)
-
-    def seam(self, site: int, x: torch.Tensor):
-        """Where the decode chain's row-parallel GEMV of `site` (layer i's o_proj 2i, its down
-        2i + 1) sends this rank's part of x's row and the next GEMV sums the ranks'
-        (kernels/seam_all_reduce.py); None: it all-reduces with all_reduce_. Every rank decides
-        alike (from the site and x's shape and dtype)."""
-        seams = self.seams
-        if seams is None or not self.use_seams or self.size == 1 or self.skip_collectives or self.broken is not None:
-            return None
-        return seams.seam(site, x)
 
     def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
         """x's elementwise maximum over the ranks, in place."""

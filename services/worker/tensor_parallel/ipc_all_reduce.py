@@ -30,12 +30,9 @@ MAX_BYTES_TWO_RANKS = 8 * 1024 * 1024
 MAX_BYTES = 512 * 1024
 # The draw's maximum: one int64 key a row, for a decode batch of up to 2,048 rows.
 MAX_KEY_BYTES = 16 * 1024
-# The decode chain's seams (kernels/seam_all_reduce.py): 64-bit words for every site of a stage,
-# 16 KB a site of the 8B (128 sites of hidden 8,192 at 4 MiB).
-MAX_SEAM_BYTES = 4 * 1024 * 1024
-# What a set of buffers serves: sums (in place), maxima (the draw's int64 keys), sums fused with
-# the residual add and RMSNorm after them (add_rms_norm), or the decode chain's seams (seam()).
-KINDS = ("sum", "max", "norm", "seams")
+# What a set of buffers serves: sums (in place), maxima (the draw's int64 keys), or sums fused with
+# the residual add and RMSNorm after them (add_rms_norm).
+KINDS = ("sum", "max", "norm")
 # Buffers of earlier sessions: a kernel released by their abort word may still be reading them.
 _RETIRED: list[IpcAllReduce] = []
 
@@ -69,24 +66,20 @@ class IpcAllReduce:
         # add_rms_norm's rows: a program owns one, the same place in the buffers only at one width.
         self.row_width: int | None = None
         if max_bytes is None:
-            max_bytes = MAX_SEAM_BYTES if kind == "seams" else MAX_BYTES_TWO_RANKS if size == 2 else MAX_BYTES
-        # Seams carry `dtype`'s elements in 64-bit words (marked empty: -1, no call's flag).
-        held = torch.int64 if kind == "seams" else dtype
-        self.capacity = max_bytes // held.itemsize
+            max_bytes = MAX_BYTES_TWO_RANKS if size == 2 else MAX_BYTES
+        self.capacity = max_bytes // dtype.itemsize
         # [2 parities, size slots, capacity]: slot r holds rank r's part of the call, marked
         # empty until it lands (this rank's own slots stay unused: its part is in registers).
-        self.buffer = torch.empty(2 * size * self.capacity, dtype=held, device=device)
+        self.buffer = torch.empty(2 * size * self.capacity, dtype=dtype, device=device)
         mark_empty(self.buffer)
-        # Seams: a sending program's count at its site's offset + its index (words_for(rows) >= programs).
-        words = self.capacity if kind == "seams" else sequence_words(self.capacity, dtype)
-        self.sequences = torch.zeros(words, dtype=torch.int32, device=device)
+        self.sequences = torch.zeros(sequence_words(self.capacity, dtype), dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # marked before any peer can see them
         keys = dist.PrefixStore(f"strata/ipc/{session}/{kind}/", store)
         keys.set(str(rank), _exported(self.buffer))
         keys.wait([str(r) for r in range(size)], datetime.timedelta(seconds=timeout))
         buffers = [
-            self.buffer if r == rank else open_memory(_memory(keys.get(str(r))), device, held, self.buffer.numel())
+            self.buffer if r == rank else open_memory(_memory(keys.get(str(r))), device, dtype, self.buffer.numel())
             for r in range(size)
         ]
         # (The peers' memory stays mapped while these tensors live.)
@@ -97,7 +90,7 @@ class IpcAllReduce:
         for it."""
         from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
 
-        if self.kind in ("norm", "seams") or self.aborted or x.dtype != self.dtype or x.numel() > self.capacity:
+        if self.kind == "norm" or self.aborted or x.dtype != self.dtype or x.numel() > self.capacity:
             return False
         if not x.is_contiguous():
             return False
@@ -135,18 +128,6 @@ class IpcAllReduce:
             residual_out = torch.empty_like(x)
         one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, unit_offset, out, residual_out, self.exchange)
         return out, residual_out
-
-    def seam(self, site: int, x: torch.Tensor):
-        """Site `site`'s words for a row x of the chain (kernels/seam_all_reduce.py), or None when the
-        sites before it and this one do not fit (that site all-reduces as before, on every rank alike)."""
-        from strata.kernels.seam_all_reduce import Seam, words_for
-
-        if self.kind != "seams" or self.aborted or x.dtype != self.dtype:
-            return None
-        words = words_for(x.numel(), x.dtype)
-        if (site + 1) * words > self.capacity:
-            return None
-        return Seam(self.exchange, site * words)
 
     def abort(self) -> None:
         """Releases every wait of this rank's kernels, now and later (their sums are garbage):
