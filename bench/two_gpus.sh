@@ -16,8 +16,12 @@
 # need"), unmeasured. Session 14 ("The token waits deferred") measured it: ab-1b 87-90k tok/s
 # against 54-59k for 1fdaea0; ratio-1b 1.75-1.81x one GPU; pipeline 8B 1.95x at 1,024 (two
 # replicas 1.88x); MPS on one GPU 0.99-1.00x; the NCCL link's same fix (848138f) 1.37x -> 1.67x.
-# Next: issue 51's TPOT (tp ipc: 0.606x against 0.6x), then ratio-1b again for the 1B's 16-stream
-# TPOT (1.06x, 0.95x, 1.16x, 1.02x in four runs against 1.1x).
+# Session 15 ("The chain's all-reduce folded into its GEMVs") tried summing each row-parallel
+# output in the next GEMV's prologue: 0.714x one GPU at batch 1 against 0.608x (every program re-read
+# the peer's row), reverted; `tp ipc 1,tp2` again: 16 streams 0.581x and 0.605x, batch 1 0.606x and
+# 0.608x; a rank's step alone at every tile size (64 KB stays). Next: issue 51's batch-1 TPOT (23 us
+# short) needs the collectives' 164 us or the rank's own latency (attention ~7 us a layer) cut; then
+# ratio-1b again for the 1B's 16-stream TPOT (1.06x, 0.95x, 1.16x, 1.02x in four runs against 1.1x).
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
