@@ -11,7 +11,8 @@ distributed or ipc, whose ends are in token_link_ends.py.
 
 The bytes never wait for the scheduler, and no host waits for a GPU on either side: the last
 stage hands a decode graph's drawn tokens, or gathers `last_sampled` at the sampling rows, on its
-compute stream after the step's draw, and stage 0 scatters the tokens into its `last_sampled` on its compute stream.
+compute stream after the step's draw, and stage 0 scatters the tokens into its `last_sampled` on
+its compute stream.
 
 Order (TokenIntake, stage 0): both stages see every plan. When stage 0 launches a step, it notes
 the step id as the latest sampling step of each row that samples in it, and keeps those rows
@@ -19,8 +20,9 @@ the step id as the latest sampling step of each row that samples in it, and keep
 step's are scattered at its rows. A step whose input has placeholders first waits (on its own
 step thread, with a deadline; on ipc by taking announcements from the doorbell itself) until
 the tokens of the latest sampling step of every placeholder's row are applied; nothing later
-can have touched those rows, since any later step that samples them is launched after this one. A released row reused by a new sequence is safe too: the new
-sequence's placeholders need a later step's tokens, which are applied after the old ones.
+can have touched those rows, since any later step that samples them is launched after this one.
+A released row reused by a new sequence is safe too: the new sequence's placeholders need a
+later step's tokens, which are applied after the old ones.
 A step that failed on the last stage hands an error instead: its rows keep their old tokens
 (valid ids), and the scheduler fails that step's requests, so nothing reads them.
 """
