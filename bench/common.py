@@ -149,6 +149,7 @@ SERVE_FLAGS = (
     "tensor_parallel_size",  # (the tensor-parallel bench's, as below)
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
+    "tensor_parallel_no_early_send",
     "device",
     "dtype",
     "block_size",

@@ -13,7 +13,9 @@ stages of T ranks) the GPUs allow. For each:
 
 Each tensor-parallel way also runs its batch-1 phase on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
-of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them.
+of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them. With --ab-early-send
+it runs that phase once more with --tensor-parallel-no-early-send (the decode chain's GEMVs leave
+the sending to the one-shot's own launch: kernels/one_shot_all_reduce.py, "Sent early").
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
@@ -148,20 +150,23 @@ def run(args) -> int:
     runs, failed = [], 0
     for way in ways:
         ranks, stages, replicas = parse_way(way)
-        plan = [(False, way)]
+        plan = [(False, False, way)]
         if ranks > 1:
-            plan.append((True, f"{way} without collectives"))
-        for no_collectives, name in plan:
+            plan.append((True, False, f"{way} without collectives"))
+            if args.ab_early_send:
+                plan.append((False, True, f"{way} without early sends"))
+        for no_collectives, no_early_send, name in plan:
             run_args = common.with_overrides(
                 args,
                 tensor_parallel_size=ranks,
                 pipeline_stages=stages,
                 data_parallel_size=replicas,
                 tensor_parallel_no_collectives=no_collectives,
+                tensor_parallel_no_early_send=no_early_send,
             )
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
-                phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives))
+                phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives or no_early_send))
             runs.append(
                 {
                     "way": way,
@@ -169,6 +174,7 @@ def run(args) -> int:
                     "stages": stages,
                     "replicas": replicas,
                     "no_collectives": no_collectives,
+                    "no_early_send": no_early_send,
                     **phases,
                 }
             )
@@ -179,7 +185,7 @@ def run(args) -> int:
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
-        if r["no_collectives"]:
+        if r["no_collectives"] or r["no_early_send"]:
             continue
         title = f"{r['way']} ({r['replicas']} replica(s) of {r['stages']} stage(s) of {r['ranks']} rank(s))"
         lines = []
@@ -202,6 +208,10 @@ def run(args) -> int:
                     f"(TPOT {common.fmt(without, '.2f')} ms without collectives)   (target <= {TARGET_ALL_REDUCE_SHARE:.0%})",
                 )
             )
+        late = next((x for x in runs if x["way"] == r["way"] and x["no_early_send"]), None)
+        if late is not None:
+            tpot = late["streams_1"]["tpot_ms"].get("p50")
+            lines.append(("batch-1 TPOT without early sends (A/B)", f"p50 {common.fmt(tpot, '.3f')} ms"))
         ratios = {}
         if base is not None and r is not base:
             ratios = {

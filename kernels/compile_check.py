@@ -52,7 +52,10 @@ _INT_POINTERS = {
     "padded_total_ptr": "*i32",
     "chunk_counts_ptr": "*i32",
     "counters_ptr": "*i32",  # decode_moe's ticket and arrival counters
+    "seq_ptr": "*i32",  # the one-shot all-reduce's sequence numbers (decode_linear's early sends)
 }
+# decode_linear's early sends: every rank's one-shot buffer, of the data's dtype.
+_DATA_POINTERS = {f"buf{i}" for i in range(8)}
 _FP32_POINTERS = {"partial_acc_ptr", "partial_max_ptr", "partial_sum_ptr", "stats_ptr", "stats_out_ptr"}
 _FP32_POINTERS |= {"weights_ptr", "topk_weights_ptr"}
 _FLOAT_ARGS = {"qk_scale_log2", "eps", "norm_eps"}
@@ -82,13 +85,13 @@ def _signature(kernel, data_dtype: str, constexprs: dict) -> ASTSource:
             signature[name] = _INT_POINTERS[name]
         elif name in _FP32_POINTERS:
             signature[name] = "*fp32"
-        elif name.endswith("_ptr"):
+        elif name.endswith("_ptr") or name in _DATA_POINTERS:
             signature[name] = "*" + data_dtype
         elif name in _FLOAT_ARGS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-        if name.endswith("_ptr") or name.startswith("stride"):
+        if name.endswith("_ptr") or name.startswith("stride") or name in _DATA_POINTERS:
             attrs[(index,)] = [["tt.divisibility", 16]]
     unknown = set(constexprs) - set(kernel.arg_names)
     assert not unknown, f"not arguments of {kernel.fn.__name__}: {unknown}"

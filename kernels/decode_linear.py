@@ -42,6 +42,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from strata.kernels.activation import silu_mul
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
+from strata.kernels.one_shot_all_reduce import send_part, send_part_args
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 from strata.kernels.rmsnorm import rms_norm_row
 
@@ -127,6 +128,18 @@ def _decode_linear_kernel(
     res_out_ptr,
     N,
     eps,
+    # With SEND, the one-shot all-reduce that sums out over the ranks next (its exchange's
+    # sequence numbers and every rank's buffer): each program sends its part of out as it ends.
+    seq_ptr,
+    capacity,
+    buf0,
+    buf1,
+    buf2,
+    buf3,
+    buf4,
+    buf5,
+    buf6,
+    buf7,
     K: tl.constexpr,
     K_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -134,6 +147,12 @@ def _decode_linear_kernel(
     ADD_RESIDUAL: tl.constexpr,  # prologue 1: x + res, which program 0 stores to res_out
     EPILOGUE_RESIDUAL: tl.constexpr,  # out = round(y) + res
     HAS_BIAS: tl.constexpr,
+    SEND: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    AR_BLOCK: tl.constexpr,  # the one-shot's elements a program (a multiple of BLOCK_N)
+    BITS: tl.constexpr,
+    EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -158,6 +177,12 @@ def _decode_linear_kernel(
         r = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, y, mask=n_mask)
+    if SEND:  # kernels/one_shot_all_reduce.py, "Sent early": the NVLink trip overlaps this grid's tail
+        send_part(
+            y, offs_n, n_mask, pid * BLOCK_N, seq_ptr, capacity,
+            buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+            RANK, WORLD, AR_BLOCK, BITS, EMPTY,
+        )  # fmt: skip
 
 
 # Decided when the kernel is defined, as triton.jit decides (TRITON_INTERPRET read at decoration).
@@ -186,6 +211,7 @@ def _launch(
     eps: float = 0.0,
     add_residual_after: bool = False,
     config: DecodeLinearConfig | None = None,
+    send_to=None,
 ):
     n = weight.shape[0]
     m = x.shape[0]
@@ -200,6 +226,9 @@ def _launch(
     res_out = None
     if prologue == _NORM and residual is not None:
         res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    send_args, send_constexprs = send_part_args(send_to, x.dtype, out)
+    if send_to is not None:  # every program's rows in one block of the one-shot's (send_part)
+        assert send_to.takes_early_sends(m * n, x.dtype) and send_constexprs["AR_BLOCK"] % config.block_n == 0
     pdl = dependent_launch_supported(x.device)
     _decode_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x,
@@ -211,6 +240,7 @@ def _launch(
         res_out if res_out is not None else out,
         n,
         eps,
+        *send_args,
         K=k,
         K_PADDED=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
@@ -218,6 +248,7 @@ def _launch(
         ADD_RESIDUAL=res_out is not None,
         EPILOGUE_RESIDUAL=add_residual_after,
         HAS_BIAS=bias is not None,
+        **send_constexprs,
         PDL=pdl,
         num_warps=config.num_warps,
         **launch_options(pdl),
@@ -226,10 +257,16 @@ def _launch(
 
 
 def plain_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: DecodeLinearConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: DecodeLinearConfig | None = None,
+    send_to=None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias)."""
-    return _launch(x, weight, bias, k=x.shape[1], prologue=_PLAIN, config=config)[0]
+    """F.linear(x, weight, bias). send_to: the one-shot exchange (kernels/one_shot_all_reduce.py)
+    whose sum of the output follows, sent to the peers as each program ends."""
+    return _launch(x, weight, bias, k=x.shape[1], prologue=_PLAIN, config=config, send_to=send_to)[0]
 
 
 def norm_linear(
@@ -264,9 +301,13 @@ def silu_mul_linear(
     bias: torch.Tensor | None = None,
     *,
     config: DecodeLinearConfig | None = None,
+    send_to=None,
 ) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight, bias) for gate_up = [gate | up] rows [M, 2K]."""
-    return _launch(gate_up, weight, bias, k=gate_up.shape[1] // 2, prologue=_SILU_MUL, config=config)[0]
+    """F.linear(silu(gate) * up, weight, bias) for gate_up = [gate | up] rows [M, 2K]; send_to as
+    plain_linear's."""
+    return _launch(gate_up, weight, bias, k=gate_up.shape[1] // 2, prologue=_SILU_MUL, config=config, send_to=send_to)[
+        0
+    ]
 
 
 def linear_add_residual(
@@ -277,9 +318,10 @@ def linear_add_residual(
     *,
     silu_mul: bool = False,
     config: DecodeLinearConfig | None = None,
+    send_to=None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), rounded, + residual, rounded: the residual add in the
-    projection's epilogue. silu_mul: x is [gate | up]."""
+    projection's epilogue. silu_mul: x is [gate | up]; send_to as plain_linear's."""
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
     return _launch(
         x,
@@ -290,6 +332,7 @@ def linear_add_residual(
         residual=residual,
         add_residual_after=True,
         config=config,
+        send_to=send_to,
     )[0]
 
 

@@ -26,6 +26,15 @@ no flag to raise behind a system-scope fence, which waits for the NVLink stores 
 acknowledged: a rank's part is ready the moment it lands, one one-way trip. Each element is
 checked, so a 16-byte store that lands in parts is waited for.
 
+Sent early (the decode chain's o_proj and down: kernels/decode_linear.py): the kernel that
+computes x does step 2 in its epilogue, each of its programs as it ends (send_part), and the
+one-shot launched after it (sent=True) skips it. The NVLink trip then overlaps the tail of that
+kernel instead of following its end. send_part reads the sequence number of the one-shot's program
+that owns its elements and sends with the parity that program's next call will have; the
+ordering argument below holds unchanged, since the sends of call k + 1 still come only after this
+rank's call k ended (the sending kernel waits for its predecessors, transitively the one-shot of
+call k, before it computes anything it sends).
+
 The norm variant (one_shot_all_reduce_add_rms_norm) gives each program a whole row of a
 row-parallel output and, after step 3, adds the residual and normalises the row as rmsnorm.py
 does: the launch after o_proj or down, and the norm's own launch, become one.
@@ -112,6 +121,21 @@ def _send(
 
 
 @triton.jit
+def send_part(
+    x, offs, mask, first, seq_ptr, capacity,
+    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
+):  # fmt: skip
+    """Step 2 ahead of a sum's launch (one_shot_all_reduce(sent=True)), from the kernel that
+    computes the message: its elements x at offs, all in the block of element `first`, into the
+    slots of the call that block's program makes next. Its count is read from L2 (volatile): this
+    SM's L1 may hold the line from before the previous call stored it."""
+    seq = tl.load(seq_ptr + first // BLOCK, volatile=True) + 1
+    x = _sendable(x, False, BITS, EMPTY)
+    _send(x, offs, mask, seq % 2, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+
+
+@triton.jit
 def _gather(
     x, offs, mask, parity, abort_address, capacity,
     buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
@@ -172,6 +196,7 @@ def _one_shot_all_reduce_kernel(
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more blocks than programs: each program sends all of its blocks, then gathers them
+    SENT: tl.constexpr,  # the kernel before it sent this rank's part (send_part): steps 1, 3 and 4 only
     PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -208,7 +233,8 @@ def _one_shot_all_reduce_kernel(
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = _sendable(tl.load(x_ptr + offs, mask=mask), MAX, BITS, EMPTY)
-        _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+        if not SENT:
+            _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
         total = _gather(
             x, offs, mask, parity, abort_address, capacity,
             buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
@@ -334,8 +360,26 @@ class Exchange:
     def kernel_args(self) -> list:
         """The kernels' arguments from buf0 to abort_address: every rank's buffer (the slots past
         the group's size repeat this rank's), then the rest."""
-        pad = MAX_RANKS - len(self.buffers)
-        return [*self.buffers, *[self.buffers[self.rank]] * pad, self.sequences, self.abort_word.data_ptr()]
+        return [*self.padded_buffers(), self.sequences, self.abort_word.data_ptr()]
+
+    def padded_buffers(self) -> list[torch.Tensor]:
+        return [*self.buffers, *[self.buffers[self.rank]] * (MAX_RANKS - len(self.buffers))]
+
+    def takes_early_sends(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether a sum of numel `dtype` elements may be sent early (send_part): one launch that
+        does not loop, over these buffers' dtype."""
+        held = self.buffers[0].dtype
+        return dtype == held and numel <= self.capacity and programs_for(numel, dtype) <= MAX_PROGRAMS
+
+
+def send_part_args(exchange: Exchange | None, dtype: torch.dtype, dummy: torch.Tensor) -> tuple[list, dict]:
+    """send_part's arguments in a sending kernel (seq_ptr, capacity, buf0..buf7) and its
+    constexprs (SEND, RANK, WORLD, AR_BLOCK, BITS, EMPTY); with no exchange, SEND off and `dummy`
+    for the pointers, which are then never read."""
+    if exchange is None:
+        return [dummy, 0, *[dummy] * MAX_RANKS], dict(SEND=False, RANK=0, WORLD=1, AR_BLOCK=1, **_mark_args(dtype))
+    constexprs = dict(SEND=True, RANK=exchange.rank, WORLD=len(exchange.buffers), AR_BLOCK=block_for(dtype))
+    return [exchange.sequences, exchange.capacity, *exchange.padded_buffers()], constexprs | _mark_args(dtype)
 
 
 # The integer types of an element's width: the empty mark is compared and written in them.
@@ -371,11 +415,13 @@ def sequence_words(capacity: int, dtype: torch.dtype) -> int:
     return min(programs_for(capacity, dtype), MAX_PROGRAMS)
 
 
-def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = False) -> None:
+def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = False, sent: bool = False) -> None:
     """x (contiguous, at most exchange.capacity elements) summed over the ranks in place (or its
-    elementwise maximum). Every rank calls it with the same numel, in the same order. Launch
-    shapes depend on python ints only: capturable in CUDA graphs."""
+    elementwise maximum). Every rank calls it with the same numel, in the same order. sent: the
+    kernel that wrote x sent it already (send_part; exchange.takes_early_sends). Launch shapes
+    depend on python ints only: capturable in CUDA graphs."""
     assert x.numel() <= exchange.capacity, (x.numel(), exchange.capacity)
+    assert not sent or (exchange.takes_early_sends(x.numel(), x.dtype) and not maximum), (x.shape, x.dtype)
     pdl = dependent_launch_supported(x.device)
     programs = programs_for(x.numel(), x.dtype)
     _one_shot_all_reduce_kernel[(min(programs, MAX_PROGRAMS),)](
@@ -389,6 +435,7 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
         MAX=maximum,
         **_mark_args(x.dtype),
         LOOP=programs > MAX_PROGRAMS,
+        SENT=sent,
         PDL=pdl,
         num_warps=WARPS,
         **launch_options(pdl),

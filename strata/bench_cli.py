@@ -233,6 +233,12 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
         default=DEFAULTS["tensor_parallel_all_reduce"],
         help="the tensor-parallel ways' small all-reduce (strata serve's flag)",
     )
+    p.add_argument(
+        "--ab-early-send",
+        action="store_true",
+        help="each tensor-parallel way also runs its batch-1 phase with --tensor-parallel-no-early-send: the decode "
+        "chain's row-parallel GEMVs leave the sending to the one-shot's own launch (an A/B)",
+    )
     add_common_flags(p)
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 

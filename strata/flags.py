@@ -210,6 +210,14 @@ FLAGS: dict[str, Flag] = {
         "(strata bench tensor-parallel times the all-reduce's share of a decode step so)",
         bool,
     ),
+    "tensor_parallel_no_early_send": Flag(
+        "STRATA_TENSOR_PARALLEL_NO_EARLY_SEND",
+        False,
+        "benchmarks only (an A/B): with --tensor-parallel-all-reduce ipc, the batch-1 decode chain's o_proj and "
+        "down no longer send their rows to the peers as they end; the one-shot's own launch sends them "
+        '(kernels/one_shot_all_reduce.py, "Sent early"). Same tokens',
+        bool,
+    ),
     "collective_timeout": Flag(
         "STRATA_COLLECTIVE_TIMEOUT",
         60.0,
@@ -478,6 +486,7 @@ WORKER_FLAGS = (
     "collective_timeout",
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
+    "tensor_parallel_no_early_send",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

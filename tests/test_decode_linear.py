@@ -19,15 +19,18 @@ import triton
 
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
-# (name, N, K, prologue, epilogue adds the residual): the chain's launches for Llama-3.2-1B and 8B.
+# (name, N, K, prologue, epilogue adds the residual, sends early): the chain's launches for
+# Llama-3.2-1B and 8B, and a TP2 rank's row-parallel ones, which send their rows to the peer.
 CHAIN_SHAPES = [
-    ("1b.qkv", 3072, 2048, 1, False),
-    ("1b.o_proj", 2048, 2048, 0, True),
-    ("1b.gate_up", 16384, 2048, 1, False),
-    ("1b.down", 2048, 8192, 2, True),
-    ("1b.lm_head", 128256, 2048, 1, False),
-    ("8b.qkv", 6144, 4096, 1, False),
-    ("8b.down", 4096, 14336, 2, True),
+    ("1b.qkv", 3072, 2048, 1, False, False),
+    ("1b.o_proj", 2048, 2048, 0, True, False),
+    ("1b.gate_up", 16384, 2048, 1, False, False),
+    ("1b.down", 2048, 8192, 2, True, False),
+    ("1b.lm_head", 128256, 2048, 1, False, False),
+    ("8b.qkv", 6144, 4096, 1, False, False),
+    ("8b.down", 4096, 14336, 2, True, False),
+    ("8b.tp2.o_proj", 4096, 2048, 0, True, True),
+    ("8b.tp2.down", 4096, 7168, 2, False, True),
 ]
 
 
@@ -36,10 +39,16 @@ def sm90_launches(shapes=CHAIN_SHAPES):
 
     from strata.kernels import compile_check
     from strata.kernels import decode_linear as dl
+    from strata.kernels import one_shot_all_reduce as one_shot
 
     out = []
-    for name, n, k, prologue, epilogue in shapes:
+    for name, n, k, prologue, epilogue, send in shapes:
         config = dl.choose_decode_linear_config(n=n, k=k)
+        exchange = (
+            one_shot.Exchange([torch.empty(0, dtype=torch.bfloat16)] * 2, None, None, 1 << 20, 1) if send else None
+        )
+        dummy = torch.empty(0, dtype=torch.bfloat16)
+        send_constexprs = one_shot.send_part_args(exchange, torch.bfloat16, dummy)[1]
         constexprs = dict(
             K=k,
             K_PADDED=triton.next_power_of_2(k),
@@ -48,6 +57,7 @@ def sm90_launches(shapes=CHAIN_SHAPES):
             ADD_RESIDUAL=prologue == 1,
             EPILOGUE_RESIDUAL=epilogue,
             HAS_BIAS=False,
+            **send_constexprs,
             PDL=True,
         )
         source = compile_check._signature(dl._decode_linear_kernel, "bf16", constexprs)
@@ -72,6 +82,8 @@ if not can_run_interpreted_here("strata.kernels.decode_linear"):
             first_load = next(i for i, line in enumerate(lines) if re.search(r"\bld\.global", line))
             # The successor may start at once, and the weight stream starts before the wait.
             assert launch < first_load < wait, (name, launch, first_load, wait)
+            # The early sends read their call's number from L2 and send without a fence (the data is the signal).
+            assert ("ld.volatile" in ptx) == (".tp2." in name) and "fence" not in ptx and "membar" not in ptx, name
 
 else:
     import torch.nn.functional as F

@@ -111,8 +111,8 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         assert (packed != -1).all() and packed[0] == packed[1]
 
     @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernels")
-    @pytest.mark.parametrize("loop", [False, True])
-    def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread(loop):
+    @pytest.mark.parametrize("loop,sent", [(False, False), (True, False), (False, True)])
+    def test_it_compiles_for_sm90_without_a_fence_and_moves_16_bytes_a_thread(loop, sent):
         import triton.language as tl
         from triton.compiler import ASTSource
 
@@ -121,7 +121,9 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
         kernel = one_shot._one_shot_all_reduce_kernel
         types = {f"buf{i}": "*bf16" for i in range(8)} | {"x_ptr": "*bf16", "seq_ptr": "*i32", "abort_address": "i64"}
-        constexprs = dict(RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), LOOP=loop, PDL=True)
+        constexprs = dict(
+            RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), LOOP=loop, SENT=sent, PDL=True
+        )
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constexprs}
         source = ASTSource(
@@ -276,3 +278,53 @@ else:
             torch.testing.assert_close(out, want_out)
             assert torch.equal(residual_out, want_residual)
         assert torch.equal(got[0][0], got[1][0])
+
+    def test_a_gemv_sends_its_rows_early_and_the_one_shot_only_gathers():
+        """The decode chain's row-parallel GEMVs (kernels/decode_linear.py) send their rows as each
+        program ends; the one-shot after them (sent=True) sends nothing. Between ordinary calls on
+        the same buffers, so the parities of both kinds of call interleave."""
+        from strata.kernels import decode_linear as dl
+
+        ranks = _ranks(capacity=1024)  # 2 programs of 512 float32: the GEMVs' 16-row programs fall in one each
+        gen = torch.Generator().manual_seed(3)
+        n, k = 600, 64
+        xs = [torch.randn(1, k, generator=gen) for _ in range(2)]
+        ws = [torch.randn(n, k, generator=gen) for _ in range(2)]
+        h = torch.randn(1, n, generator=gen)
+        config = dl.DecodeLinearConfig(16)
+        for call in range(3):
+            if call == 1:  # an ordinary call in between: the next early call takes the other parity
+                parts = [torch.randn(n, generator=gen) for _ in range(2)]
+                sums = {}
+
+                def launch(r, exchange):
+                    sums[r] = parts[r].clone()
+                    one_shot.one_shot_all_reduce(sums[r], exchange)
+
+                _play(ranks, parts, 0, launch)
+                assert torch.equal(sums[0], parts[0] + parts[1]) and torch.equal(sums[1], sums[0])
+                continue
+            # Rank 0 adds the residual in its epilogue, rank 1 only projects: each GEMV's rows
+            # land in the other's buffer before either one-shot launches.
+            ys = [
+                dl.linear_add_residual(xs[0], ws[0], None, h, config=config, send_to=ranks[0]),
+                dl.plain_linear(xs[1], ws[1], config=config, send_to=ranks[1]),
+            ]
+            parity = (call + 1) % 2
+            for r in range(2):
+                sent = _slot(ranks[1 - r], 1 - r, parity, r, n)
+                assert torch.equal(sent, torch.where(ys[r] == 0, 0.0, ys[r]).view(-1))
+            want = ys[0] + ys[1]
+            for r in range(2):
+                one_shot.one_shot_all_reduce(ys[r].view(-1), ranks[r], sent=True)
+                assert torch.equal(ys[r], want)
+                assert _empty(ranks[r].buffers[r])  # read, marked empty, and nothing sent twice
+        assert ranks[0].sequences[:2].tolist() == ranks[1].sequences[:2].tolist() == [3, 3]
+
+    def test_early_sends_take_one_launch_that_does_not_loop():
+        (rank0, _) = _ranks(capacity=4096)  # 8 blocks of 512 float32
+        assert rank0.takes_early_sends(4096, torch.float32)
+        assert not rank0.takes_early_sends(4097, torch.float32)  # past the buffer
+        assert not rank0.takes_early_sends(64, torch.bfloat16)  # not the buffers' dtype
+        with pytest.raises(AssertionError):
+            one_shot.one_shot_all_reduce(torch.ones(16), rank0, maximum=True, sent=True)

@@ -231,6 +231,7 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
         dtype=pick_dtype(args.dtype, device),
     )
     group.skip_collectives = args.tensor_parallel_no_collectives
+    group.send_early = not args.tensor_parallel_no_early_send
     if group.skip_collectives:
         log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
     return group

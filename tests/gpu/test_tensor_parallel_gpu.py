@@ -372,6 +372,9 @@ def _chain_and_layers(rank, group):
     prompt = [SequenceChunk(list(range(3, 40)), 0, [0, 1, 2])]
     decode = [SequenceChunk([7], 37, [0, 1, 2])]
     gather = ShardedSampler(group, shard.vocab).all_gather_rows
+    senders = []  # what the chain's row-parallel GEMVs were given to send their rows into
+    early_sender = group.early_sender
+    group.early_sender = lambda *a: senders.append(early_sender(*a)) or senders[-1]
     logits = {}
     for chain in (False, True):
         shard.decode_chain = chain
@@ -380,12 +383,13 @@ def _chain_and_layers(rank, group):
             inputs = build_step_inputs(chunks, block_size=16, device=group.device)
             hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
         logits[chain] = gather(shard.compute_logits(hidden, residual)).float().cpu()
-    return logits[False], logits[True]
+    return logits[False], logits[True], any(s is not None for s in senders)
 
 
 @pytest.mark.parametrize("all_reduce", PLACEMENTS)
 def test_the_decode_chain_at_two_ranks_adds_the_residual_once(all_reduce):
-    (plain, chain), (plain1, chain1) = _on_ranks(_chain_and_layers, all_reduce=all_reduce)
+    (plain, chain, sent), (plain1, chain1, sent1) = _on_ranks(_chain_and_layers, all_reduce=all_reduce)
+    assert sent == sent1 == (all_reduce == "ipc")  # the GEMVs sent their rows early (ipc only)
     assert torch.equal(plain, plain1) and torch.equal(chain, chain1)  # every rank the same logits
     scale = plain.abs().max().item()
     torch.testing.assert_close(chain, plain, atol=0.03 * scale, rtol=0.0)

@@ -27,7 +27,10 @@ normalises. On Hopper every kernel of the chain is a programmatic dependent laun
 With tensor parallelism o_proj and down are row-parallel: rank 0 adds the residual in the
 epilogue as above, the other ranks only project, and one all-reduce sums them, so the residual is
 added once (h + the ranks' partial products); the last layer's down output is all-reduced too.
-The prologues read the replicated h. NCCL's kernels break the chain's dependent launches there.
+The prologues read the replicated h. With the ipc one-shot, o_proj and down send their output
+rows to the peers as each program ends, and the one-shot's launch only waits and adds
+(kernels/one_shot_all_reduce.py, "Sent early"). NCCL's kernels break the chain's dependent
+launches there.
 """
 
 from __future__ import annotations
@@ -78,20 +81,22 @@ def decode_chain_forward(
                 return hidden, h
             continue
         gate_up, _ = k.norm_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm2.weight, norm2.eps)
-        if i == last:
-            down = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
-            return (down if shard.tp is None else shard.tp.all_reduce_(down)), h
+        if i == last:  # down's output and h go out as the unfused pair: no add here
+            return _add_row_parallel(k, shard.tp, gate_up, mlp.down_proj, None, silu_mul=True), h
         hidden, residual = _add_row_parallel(k, shard.tp, gate_up, mlp.down_proj, h, silu_mul=True), None
     raise AssertionError("a shard has at least one layer")
 
 
-def _add_row_parallel(k, tp, x: torch.Tensor, linear, h: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """linear(x) + h: in the epilogue, or with tensor parallelism on rank 0 only, then summed."""
-    if tp is None or tp.rank == 0:
-        y = k.linear_add_residual(x, linear.weight, linear.bias, h, silu_mul=silu_mul)
+def _add_row_parallel(k, tp, x: torch.Tensor, linear, h: torch.Tensor | None, silu_mul: bool = False):
+    """linear(x) + h (h None: linear(x)): in the epilogue, or with tensor parallelism on rank 0
+    only, then summed; the GEMV sends its rows to the peers itself where the one-shot takes them."""
+    sender = None if tp is None else tp.early_sender(linear.weight.shape[0] * x.shape[0], x.dtype)
+    send_to = None if sender is None else sender.exchange
+    if h is not None and (tp is None or tp.rank == 0):
+        y = k.linear_add_residual(x, linear.weight, linear.bias, h, silu_mul=silu_mul, send_to=send_to)
     else:
-        y = (k.silu_mul_linear if silu_mul else k.plain_linear)(x, linear.weight, linear.bias)
-    return y if tp is None else tp.all_reduce_(y)
+        y = (k.silu_mul_linear if silu_mul else k.plain_linear)(x, linear.weight, linear.bias, send_to=send_to)
+    return y if tp is None else tp.all_reduce_(y, sent=sender)
 
 
 def decode_chain_logits(shard, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class TensorParallelGroup:
         # Bench only: collectives return at once, leaving each rank's partial values (wrong
         # tokens, the step's time without its communication).
         self.skip_collectives = False
+        self.send_early = True  # (--tensor-parallel-no-early-send: the bench's A/B)
 
     @property
     def active(self) -> bool:
@@ -233,8 +234,22 @@ class TensorParallelGroup:
             time.sleep(0 if spins < 100 else 0.0002)
         work.wait()  # (its error, if it failed)
 
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (every rank gets the same bits)."""
+    def early_sender(self, numel: int, dtype: torch.dtype):
+        """The ipc one-shot that a kernel computing a sum's numel elements may send its part into as
+        it ends (kernels/one_shot_all_reduce.py, "Sent early"), or None. Pass it to the all_reduce_
+        of that sum, which then only waits and adds. Every rank decides alike."""
+        shot = self.one_shot
+        if shot is None or not self.send_early or self.size == 1 or self.skip_collectives or self.broken is not None:
+            return None
+        return shot if shot.takes_early_sends(numel, dtype) else None
+
+    def all_reduce_(self, x: torch.Tensor, sent=None) -> torch.Tensor:
+        """x summed over the ranks, in place (every rank gets the same bits). sent: the
+        early_sender whose buffers x's kernel sent it into; only that one-shot can finish the sum
+        (if the group broke since, its abort word releases the wait and the step fails)."""
+        if sent is not None:
+            sent.receive(x)
+            return x
         if self.size == 1 or self.skip_collectives:
             return x
         if self.one_shot is not None and self.broken is None and self.one_shot(x):

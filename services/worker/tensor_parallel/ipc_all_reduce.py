@@ -97,6 +97,18 @@ class IpcAllReduce:
         one_shot_all_reduce(x.view(-1), self.exchange, maximum=self.kind == "max")
         return True
 
+    def takes_early_sends(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether the kernel that computes a sum of numel elements may send them itself
+        (kernels/one_shot_all_reduce.py, "Sent early"), to be finished by receive()."""
+        return self.kind == "sum" and not self.aborted and self.exchange.takes_early_sends(numel, dtype)
+
+    def receive(self, x: torch.Tensor) -> None:
+        """The sum of x in place, whose kernel sent this rank's part already: the one-shot's
+        launch only waits for the peers' parts and adds them."""
+        from strata.kernels.one_shot_all_reduce import one_shot_all_reduce
+
+        one_shot_all_reduce(x.view(-1), self.exchange, sent=True)
+
     def add_rms_norm(
         self,
         x: torch.Tensor,
