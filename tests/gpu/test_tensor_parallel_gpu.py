@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import pickle
 import signal
 import threading
 import time
@@ -114,7 +115,7 @@ def _on_ranks(fn, size: int = 2, timeout: float = 300.0, all_reduce: str = "symm
         for _ in range(size):
             rank, ok, value = results.get(timeout=timeout)
             assert ok, f"rank {rank} failed:\n{value}"
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(30)
@@ -138,7 +139,9 @@ def _rank_main(fn, rank: int, size: int, port: int, results, all_reduce: str) ->
         group.form(store, 1)
         value = fn(rank, group)
         torch.cuda.synchronize()
-        results.put((rank, True, value))
+        # By value: a tensor put as it is travels as a file descriptor that the main process can
+        # no longer fetch once this process has exited.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
