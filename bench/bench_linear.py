@@ -49,6 +49,13 @@ MODELS = {
         32,
         dict(qkv=(6144, 4096), o_proj=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096)),
     ),
+    # A rank of two of the 8B (tensor parallelism): column-parallel qkv and gate_up, row-parallel
+    # o_proj and down, half of lm_head's vocabulary.
+    "8b-tp2": Model(
+        "Llama-3.1-8B, TP2 rank",
+        32,
+        dict(qkv=(3072, 4096), o_proj=(4096, 2048), gate_up=(14336, 4096), down=(4096, 7168), lm_head=(64128, 4096)),
+    ),
     "smol": Model(
         "SmolLM2-135M",
         30,
