@@ -22,6 +22,9 @@
 # 0.608x; a rank's step alone at every tile size (64 KB stays). Next: issue 51's batch-1 TPOT (23 us
 # short) needs the collectives' 164 us or the rank's own latency (attention ~7 us a layer) cut; then
 # ratio-1b again for the 1B's 16-stream TPOT (1.06x, 0.95x, 1.16x, 1.02x in four runs against 1.1x).
+# Session 16 ("The row-parallel GEMVs send their own rows") had o_proj and down send their rows from
+# their epilogues: batch 1 0.597x twice (met); 16 streams 0.63x by the mean (the p50 is bimodal),
+# missed; neither cuBLASLt nor a Triton GEMM beats cuBLAS at a rank's 16-row shapes.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU

@@ -305,9 +305,8 @@ def silu_mul_linear(
 ) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight, bias) for gate_up = [gate | up] rows [M, 2K]; send_to as
     plain_linear's."""
-    return _launch(gate_up, weight, bias, k=gate_up.shape[1] // 2, prologue=_SILU_MUL, config=config, send_to=send_to)[
-        0
-    ]
+    k = gate_up.shape[1] // 2
+    return _launch(gate_up, weight, bias, k=k, prologue=_SILU_MUL, config=config, send_to=send_to)[0]
 
 
 def linear_add_residual(
