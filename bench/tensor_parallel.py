@@ -11,9 +11,10 @@ stages of T ranks) the GPUs allow. For each:
 - each GPU's busy share (every rank's WorkerStats, of the first replica: time inside steps over the
   phase's wall time).
 
-Each tensor-parallel way also runs its batch-1 phase on a cluster whose ranks skip every
+Each tensor-parallel way also runs its stream phases on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
-of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them. With --ab-early-send
+of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them (and of the streams'
+mean TPOT likewise). With --ab-early-send
 it runs that phase once more with --tensor-parallel-no-early-send (the decode chain's GEMVs leave
 the sending to the one-shot's own launch: kernels/one_shot_all_reduce.py, "Sent early").
 
@@ -90,13 +91,13 @@ async def _phase(endpoints, run):
     }
 
 
-async def _run_way(endpoints, args, latency_only: bool) -> dict:
+async def _run_way(endpoints, args, offline: bool, stream_counts: list[int]) -> dict:
     from strata.v1 import generate_pb2
 
     info = await common.model_info(endpoints.gateway)
     await common.warm_up(endpoints.gateway, args, info.vocab_size, args.input_len, args.seed + 1)
     out = {}
-    if not latency_only:
+    if offline:
         if args.shape == "mixed":
             prompts, outputs = common.mixed_prompts(args.num_prompts, *args.mixed_lengths, info.vocab_size, args.seed)
             params = [common.sampling_params(n, args.temperature, generate_pb2.FINAL_ONLY) for n in outputs]
@@ -109,7 +110,7 @@ async def _run_way(endpoints, args, latency_only: bool) -> dict:
                 endpoints.gateway, prompts, params, args.request_timeout, desc="offline", progress=not args.no_progress
             ),
         )
-    for streams in ([] if latency_only else [args.concurrency]) + [1]:
+    for streams in stream_counts:
         # --latency-num-prompts sizes the --concurrency streams; one stream runs SINGLE_STREAM_PROMPTS
         # (128 requests one after another took 65 s of a way's 150 at 8B on one H200, and the
         # issue's four ways then did not fit a GPU call's ten minutes).
@@ -166,7 +167,10 @@ def run(args) -> int:
             )
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
-                phases = common.run(_run_way(endpoints, run_args, latency_only=no_collectives or no_early_send))
+                # Without collectives both stream phases (each one's all-reduce share); the A/B at batch 1 only.
+                streams = [1] if no_early_send else [args.concurrency, 1]
+                offline = not (no_collectives or no_early_send)
+                phases = common.run(_run_way(endpoints, run_args, offline, streams))
             runs.append(
                 {
                     "way": way,
@@ -208,6 +212,16 @@ def run(args) -> int:
                     f"(TPOT {common.fmt(without, '.2f')} ms without collectives)   (target <= {TARGET_ALL_REDUCE_SHARE:.0%})",
                 )
             )
+            key = f"streams_{args.concurrency}"
+            with_c, without = r[key]["tpot_ms"].get("mean"), plain.get(key, {}).get("tpot_ms", {}).get("mean")
+            if with_c and without:
+                lines.append(
+                    (
+                        f"all-reduce share, {args.concurrency} streams",
+                        f"{(1 - without / with_c) * 100:.1f}% of the mean TPOT "
+                        f"({without:.2f} ms without collectives, {with_c:.2f} with)",
+                    )
+                )
         late = next((x for x in runs if x["way"] == r["way"] and x["no_early_send"]), None)
         if late is not None:
             tpot = late["streams_1"]["tpot_ms"].get("p50")
