@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import signal
@@ -63,14 +64,36 @@ def free_port() -> int:
     """A port nothing listens on now, never the same one twice in this process. The services
     bind their ports later, and until then the OS may offer a port again: a test cluster's worker
     got the gateway's port, and the gateway's health probe found the worker there (the client then
-    got UNIMPLEMENTED)."""
-    while True:
+    got UNIMPLEMENTED). Below the OS's ephemeral range where it has one: a port from that range can
+    be taken in the meantime as the source port of any outgoing connection (a TP2 rank's rendezvous
+    store on two H200s failed to listen so: EADDRINUSE)."""
+    below = _ephemeral_range_start()
+    for attempt in itertools.count():
+        # (the OS's choice after many misses: a process that has handed out most of the range)
+        low = below > _LOWEST_PORT and attempt < 1000
+        port = secrets.randbelow(below - _LOWEST_PORT) + _LOWEST_PORT if low else 0
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: another
+                continue
             port = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+# Ports handed out start here: above the well-known and the common registered ones.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of the OS's range for outgoing connections' source ports (Linux), or 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass

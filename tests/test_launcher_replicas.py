@@ -114,3 +114,14 @@ def test_the_supervisor_restarts_an_exited_service_within_its_limit():
 def test_the_gateway_exiting_or_no_restarts_stop_the_cluster():
     assert "gateway exited with code 0" in Supervisor(FakeCluster(("gateway", 0)), limit=5).check()
     assert "worker 0 exited with code 1" in Supervisor(FakeCluster(("worker 0", 1)), limit=0).check()
+
+
+def test_ports_handed_out_are_below_the_range_of_outgoing_connections(monkeypatch):
+    ports = [launcher.free_port() for _ in range(200)]
+    assert len(set(ports)) == 200  # never the same one twice
+    start = launcher._ephemeral_range_start()
+    if start > launcher._LOWEST_PORT:  # (Linux) an outgoing connection's source port never takes one
+        assert all(launcher._LOWEST_PORT <= p < start for p in ports)
+    # Without a range to keep below, the OS picks, as before.
+    monkeypatch.setattr(launcher, "_ephemeral_range_start", lambda: 0)
+    assert launcher.free_port() > 0
