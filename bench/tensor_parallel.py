@@ -14,9 +14,9 @@ stages of T ranks) the GPUs allow. For each:
 Each tensor-parallel way also runs its stream phases on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
 of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them (and of the streams'
-mean TPOT likewise). With --ab-early-send
-it runs that phase once more with --tensor-parallel-no-early-send (the decode chain's GEMVs leave
-the sending to the one-shot's own launch: kernels/one_shot_all_reduce.py, "Sent early").
+mean TPOT likewise). With --ab-early-send it runs the batch-1 phase once more with
+--tensor-parallel-no-early-send (the decode chain's GEMVs leave the sending to the one-shot's own
+launch: kernels/one_shot_all_reduce.py, "Sent early").
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
