@@ -58,6 +58,8 @@ def port_in_use(host: str, port: int) -> bool:
 
 GATEWAY_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _HANDED_OUT: set[int] = set()
+# Ports handed out start here: above the well-known and the common registered ones.
+_LOWEST_PORT = 20000
 
 
 def free_port() -> int:
@@ -81,10 +83,6 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
-
-
-# Ports handed out start here: above the well-known and the common registered ones.
-_LOWEST_PORT = 20000
 
 
 def _ephemeral_range_start() -> int:

@@ -357,7 +357,8 @@ def test_a_local_cluster_of_two_replicas_answers_every_line_as_one_does(cluster,
         choices = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in out}
         return {i: c["message"]["content"] if "message" in c else c["text"] for i, c in choices.items()}
 
-    assert answers("two.jsonl") == answers("one.jsonl") and len(answers("two.jsonl")) == len(lines())
+    two = answers("two.jsonl")
+    assert two == answers("one.jsonl") and len(two) == len(lines())
 
 
 def test_echo_prompt_logprobs_and_token_ids_answer_as_the_http_front_does(cluster, model_dir, tmp_path):
