@@ -83,6 +83,13 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     methods = {"ipc": ipc} if group is None else _methods(pg, one_shot, ipc)
     rows = []
     expected = size * (size + 1) / 2
+    # The ranks meet before timing: else one rank's replays would count its wait for the other to
+    # finish capturing (a skew that put ipc at 10-680 us a call past 256 KiB).
+    meet = (
+        None
+        if group is None
+        else (lambda: pg.allreduce([torch.zeros(1, device=device)]).wait() and torch.cuda.synchronize())
+    )
     for kib in args.sizes_kib:
         calls = _calls(kib, args.one_gpu)
         n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
@@ -96,13 +103,6 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
             ok = bool((x == expected).all())
             x.zero_()  # the timed calls sum zeros: no overflow over 64 calls
             row[f"{name}_ok"] = ok
-            # The ranks meet before timing: else one rank's replays would count its wait for the
-            # other to finish capturing (a skew that put ipc at 10-680 us a call past 256 KiB).
-            meet = (
-                None
-                if group is None
-                else (lambda: pg.allreduce([torch.zeros(1, device=device)]).wait() and torch.cuda.synchronize())
-            )
             timed = (
                 graph_time_us(lambda _, r=reduce: r(x), calls, replays=args.replays, before_timing=meet)
                 if ok
@@ -113,8 +113,9 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
         rows.append(row)
     # (On one GPU the ranks' GEMVs would share it, and a chain's waiting programs could fill it.)
     chained = {} if args.one_gpu else _in_a_chain(methods, device, dtype, args.replays)
+    normed = [] if group is None else _with_add_and_norm(store, rank, size, pg, ipc, device, dtype, args, meet)
     if rank == 0:
-        results.put((rows, chained))
+        results.put((rows, chained, normed))
     ipc.abort()
     if group is not None:
         group.abort("done")
@@ -160,7 +161,41 @@ def _in_a_chain(methods: dict, device, dtype, replays: int) -> dict:
     return out
 
 
-def _run_ranks(size: int, args) -> tuple[list, dict]:
+def _with_add_and_norm(store, rank, size, pg, ipc, device, dtype, args, meet) -> list[dict]:
+    """us per call of what follows a row-parallel linear in the unfused layers: the sum over the
+    ranks, the residual add and the RMSNorm, for rows of the 8B's hidden 4,096 (16: the 16-stream
+    decode step; 528: it with a 512-token prefill; 1,024). Three ways: the ipc one-shot fused with
+    the add and norm (what serves), the ipc sum then the fused add-norm kernel, NCCL's then that
+    kernel; and the add-norm kernel alone, the floor without communication."""
+    from strata.kernels.rmsnorm import fused_add_rms_norm
+    from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
+
+    fused = IpcAllReduce(store, rank, size, 3, device, dtype, kind="norm")
+    hidden = 4096
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    out = []
+    for rows in args.norm_rows:
+        x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        residual = torch.zeros_like(x)
+        ways = {
+            "ipc_fused": lambda: fused.add_rms_norm(x, residual, weight, 1e-5, residual_out=residual),
+            "ipc_then_norm": lambda: ipc(x) and fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual),
+            "nccl_then_norm": lambda: (
+                pg.allreduce([x]).wait() or fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual)
+            ),
+            "norm_alone": lambda: fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual),
+        }
+        row = {"rows": rows}
+        for name, way in ways.items():
+            if rows * hidden > ipc.capacity and name.startswith("ipc"):
+                continue
+            row[name] = graph_time_us(lambda _, w=way: w(), CALLS, replays=args.replays, before_timing=meet)
+        out.append(row)
+    fused.abort()
+    return out
+
+
+def _run_ranks(size: int, args) -> tuple[list, dict, list]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -188,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every rank on cuda:0 under an MPS server of its own, ipc only: what the one-shot's "
         "meeting costs without a link between GPUs (and each rank's GEMVs share the GPU)",
     )
+    p.add_argument(
+        "--norm-rows",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[16, 528, 1024],
+        help="rows of hidden 4,096 for the all-reduce followed by the residual add and RMSNorm",
+    )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     size = args.tensor_parallel_size
@@ -201,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         mps.start()
         os.environ.update(mps.env)
     try:
-        rows, chained = _run_ranks(size, args)
+        rows, chained, normed = _run_ranks(size, args)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -225,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{m} {chained.get(m, float('nan')):.2f}" for m in methods)
             + "   (issue 51's batch-1 budget: 2.4)"
         )
+    if normed:
+        print(f"the sum, the residual add and the RMSNorm of rows of 4,096 {args.dtype}, us per call")
+        ways = ("ipc_fused", "ipc_then_norm", "nccl_then_norm", "norm_alone")
+        print(f"{'rows':>6} " + " ".join(f"{w:>15}" for w in ways))
+        for row in normed:
+            print(f"{row['rows']:>6} " + " ".join(f"{row.get(w, float('nan')):>15.2f}" for w in ways))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -235,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     "dtype": args.dtype,
                     "rows": rows,
                     "in_a_chain": chained,
+                    "with_add_and_norm": normed,
                 },
                 f,
                 indent=1,
