@@ -73,6 +73,13 @@ WARPS = 4
 # them are on the GPU at once, since each waits for the same program of every peer; a larger
 # message loops, block b (or row b) always program b % MAX_PROGRAMS's.
 MAX_PROGRAMS = 256
+# Blocks a looping program moves at once (a 4 MiB message, an 8B's 512-token prefill, is 8 a
+# program: two chunks). 8 took 168 registers a thread: 3 programs an SM, too few for two ranks'
+# MAX_PROGRAMS to be resident on one GPU at once, as the one-GPU tests run them.
+MAX_CHUNK = 4
+# Rows the norm variant's looping program sends at once (row_warps gives a row ~16 elements a
+# thread): the 4 rows a program of an 8B's 1,024-row message owns.
+MAX_CHUNK_ROWS = 4
 
 
 @triton.jit
@@ -196,6 +203,7 @@ def _one_shot_all_reduce_kernel(
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more blocks than programs: each program sends all of its blocks, then gathers them
+    CHUNK: tl.constexpr,  # with LOOP: blocks a program moves at once
     SENT: tl.constexpr,  # the kernel before it sent this rank's part (send_part): steps 1, 3 and 4 only
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -210,17 +218,21 @@ def _one_shot_all_reduce_kernel(
     parity = seq % 2
     if LOOP:
         # Block b is always program b % programs's (the grid is MAX_PROGRAMS whenever it loops), so
-        # the parity argument above holds per program for every block it owns.
+        # the parity argument above holds per program for every block it owns. A program takes
+        # CHUNK of its blocks at a time, [CHUNK, BLOCK] in one load, one send, one wait: a block
+        # at a time waited out a load's round trip per block in each phase (bench/RESULTS.md).
         programs = tl.num_programs(0)
-        b = pid  # (while loops: the interpreter's range() takes no program id)
+        chunk_blocks = tl.arange(0, CHUNK)[:, None] * programs
+        elements = tl.arange(0, BLOCK)[None, :]
+        b = pid  # the chunk's first block (while loops: the interpreter's range() takes no program id)
         while b * BLOCK < n:
-            offs = b * BLOCK + tl.arange(0, BLOCK)
+            offs = (b + chunk_blocks) * BLOCK + elements
             x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
             _send(x, offs, offs < n, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
-            b += programs
+            b += CHUNK * programs
         b = pid
         while b * BLOCK < n:
-            offs = b * BLOCK + tl.arange(0, BLOCK)
+            offs = (b + chunk_blocks) * BLOCK + elements
             x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
             total = _gather(
                 x, offs, offs < n, parity, abort_address, capacity,
@@ -228,7 +240,7 @@ def _one_shot_all_reduce_kernel(
                 RANK, WORLD, MAX, BITS, EMPTY,
             )  # fmt: skip
             tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=offs < n)
-            b += programs
+            b += CHUNK * programs
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -298,6 +310,7 @@ def _one_shot_all_reduce_norm_kernel(
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more rows than programs: each program sends all of its rows, then gathers them
+    CHUNK: tl.constexpr,  # with LOOP: rows a program sends at once
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One row a program (or, with LOOP, rows pid, pid + programs, ...): its all-reduce, then
@@ -316,12 +329,16 @@ def _one_shot_all_reduce_norm_kernel(
     parity = seq % 2
     if LOOP:
         programs = tl.num_programs(0)
+        # The sends CHUNK rows at a time, as the sum's blocks (a row at a time waited out a load's
+        # round trip per row); the gathers a row at a time, each row normed as rmsnorm.py does.
+        chunk_rows = tl.arange(0, CHUNK)[:, None] * programs
         row = pid
         while row < rows:
-            offs = row * HIDDEN + cols
-            x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
-            _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
-            row += programs
+            offs = (row + chunk_rows) * HIDDEN + cols[None, :]
+            both = (row + chunk_rows < rows) & mask[None, :]
+            x = _sendable(tl.load(x_ptr + offs, mask=both, other=0.0), False, BITS, EMPTY)
+            _send(x, offs, both, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+            row += CHUNK * programs
         row = pid
         while row < rows:
             offs = row * HIDDEN + cols
@@ -435,6 +452,7 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
         MAX=maximum,
         **_mark_args(x.dtype),
         LOOP=programs > MAX_PROGRAMS,
+        CHUNK=min(triton.next_power_of_2(triton.cdiv(programs, MAX_PROGRAMS)), MAX_CHUNK),
         SENT=sent,
         PDL=pdl,
         num_warps=WARPS,
@@ -479,6 +497,7 @@ def one_shot_all_reduce_add_rms_norm(
         WORLD=len(exchange.buffers),
         **_mark_args(x.dtype),
         LOOP=rows > MAX_PROGRAMS,
+        CHUNK=min(triton.next_power_of_2(triton.cdiv(rows, MAX_PROGRAMS)), MAX_CHUNK_ROWS),
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),
