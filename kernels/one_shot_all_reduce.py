@@ -73,9 +73,8 @@ WARPS = 4
 # them are on the GPU at once, since each waits for the same program of every peer; a larger
 # message loops, block b (or row b) always program b % MAX_PROGRAMS's.
 MAX_PROGRAMS = 256
-# Blocks a looping program moves at once (a 4 MiB message, an 8B's 512-token prefill, is 8 a
-# program: two chunks). 8 took 168 registers a thread: 3 programs an SM, too few for two ranks'
-# MAX_PROGRAMS to be resident on one GPU at once, as the one-GPU tests run them.
+# Blocks a looping program sends at once (a 4 MiB message, an 8B's 512-token prefill, is 8 a
+# program: two chunks). At 4 the kernel keeps the registers of one block (32 a thread on sm_90).
 MAX_CHUNK = 4
 # Rows the norm variant's looping program sends at once (row_warps gives a row ~16 elements a
 # thread): the 4 rows a program of an 8B's 1,024-row message owns.
@@ -203,7 +202,7 @@ def _one_shot_all_reduce_kernel(
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more blocks than programs: each program sends all of its blocks, then gathers them
-    CHUNK: tl.constexpr,  # with LOOP: blocks a program moves at once
+    CHUNK: tl.constexpr,  # with LOOP: blocks a program sends at once
     SENT: tl.constexpr,  # the kernel before it sent this rank's part (send_part): steps 1, 3 and 4 only
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -218,21 +217,22 @@ def _one_shot_all_reduce_kernel(
     parity = seq % 2
     if LOOP:
         # Block b is always program b % programs's (the grid is MAX_PROGRAMS whenever it loops), so
-        # the parity argument above holds per program for every block it owns. A program takes
-        # CHUNK of its blocks at a time, [CHUNK, BLOCK] in one load, one send, one wait: a block
-        # at a time waited out a load's round trip per block in each phase (bench/RESULTS.md).
+        # the parity argument above holds per program for every block it owns. A program sends
+        # CHUNK of its blocks at a time, [CHUNK, BLOCK] in one load and one store (a block at a time
+        # waited out a load's round trip per block), then gathers them a block at a time. Gathering
+        # by chunks as well (94 registers a thread) hung two ranks that share one GPU in two runs of
+        # three, cause not found (bench/RESULTS.md, "The looping one-shot sends by chunks").
         programs = tl.num_programs(0)
         chunk_blocks = tl.arange(0, CHUNK)[:, None] * programs
-        elements = tl.arange(0, BLOCK)[None, :]
         b = pid  # the chunk's first block (while loops: the interpreter's range() takes no program id)
         while b * BLOCK < n:
-            offs = (b + chunk_blocks) * BLOCK + elements
+            offs = (b + chunk_blocks) * BLOCK + tl.arange(0, BLOCK)[None, :]
             x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
             _send(x, offs, offs < n, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
             b += CHUNK * programs
         b = pid
         while b * BLOCK < n:
-            offs = (b + chunk_blocks) * BLOCK + elements
+            offs = b * BLOCK + tl.arange(0, BLOCK)
             x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
             total = _gather(
                 x, offs, offs < n, parity, abort_address, capacity,
@@ -240,7 +240,7 @@ def _one_shot_all_reduce_kernel(
                 RANK, WORLD, MAX, BITS, EMPTY,
             )  # fmt: skip
             tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=offs < n)
-            b += CHUNK * programs
+            b += programs
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n

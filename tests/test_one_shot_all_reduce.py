@@ -137,11 +137,7 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         )
         compiled, registers, spills = compile_check.compile_for_sm90(source, one_shot.WARPS)
         ptx = compiled.asm["ptx"]
-        # A looping launch's MAX_PROGRAMS programs must all be resident at once (each waits for its
-        # peers'), two ranks' of them where the ranks share a GPU: a chunk's registers may not
-        # crowd them out of an H100's 132 SMs.
-        resident = 132 * (65536 // (registers * 32 * one_shot.WARPS))
-        assert spills == 0 and (registers <= 64 or (loop and resident >= 2 * one_shot.MAX_PROGRAMS)), registers
+        assert spills == 0 and registers <= 64, (registers, spills)
         assert "fence" not in ptx and "membar" not in ptx  # the data is the signal
         assert "ld.volatile.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
 
