@@ -73,11 +73,11 @@ WARPS = 4
 # them are on the GPU at once, since each waits for the same program of every peer; a larger
 # message loops, block b (or row b) always program b % MAX_PROGRAMS's.
 MAX_PROGRAMS = 256
-# Blocks a looping program sends at once (a 4 MiB message, an 8B's 512-token prefill, is 8 a
-# program: two chunks). At 4 the kernel keeps the registers of one block (32 a thread on sm_90).
-MAX_CHUNK = 4
-# Rows the norm variant's looping program sends at once (row_warps gives a row ~16 elements a
-# thread): the 4 rows a program of an 8B's 1,024-row message owns.
+# Rows a looping program of the norm variant sends at once (all 4 of an 8B's 1,024-row message; a
+# row at a time waited out a load's round trip per row: 20.7 against 18.4 us at 528 rows on two
+# H200s). Its gathers stay a row at a time. The plain sum gained nothing from sending by chunks,
+# and gathering by chunks as well (94 registers a thread) hung two ranks sharing one GPU
+# (bench/RESULTS.md, "The looping one-shot by chunks").
 MAX_CHUNK_ROWS = 4
 
 
@@ -202,7 +202,6 @@ def _one_shot_all_reduce_kernel(
     BITS: tl.constexpr,
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more blocks than programs: each program sends all of its blocks, then gathers them
-    CHUNK: tl.constexpr,  # with LOOP: blocks a program sends at once
     SENT: tl.constexpr,  # the kernel before it sent this rank's part (send_part): steps 1, 3 and 4 only
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -217,19 +216,14 @@ def _one_shot_all_reduce_kernel(
     parity = seq % 2
     if LOOP:
         # Block b is always program b % programs's (the grid is MAX_PROGRAMS whenever it loops), so
-        # the parity argument above holds per program for every block it owns. A program sends
-        # CHUNK of its blocks at a time, [CHUNK, BLOCK] in one load and one store (a block at a time
-        # waited out a load's round trip per block), then gathers them a block at a time. Gathering
-        # by chunks as well (94 registers a thread) hung two ranks that share one GPU in two runs of
-        # three, cause not found (bench/RESULTS.md, "The looping one-shot sends by chunks").
+        # the parity argument above holds per program for every block it owns.
         programs = tl.num_programs(0)
-        chunk_blocks = tl.arange(0, CHUNK)[:, None] * programs
-        b = pid  # the chunk's first block (while loops: the interpreter's range() takes no program id)
+        b = pid  # (while loops: the interpreter's range() takes no program id)
         while b * BLOCK < n:
-            offs = (b + chunk_blocks) * BLOCK + tl.arange(0, BLOCK)[None, :]
+            offs = b * BLOCK + tl.arange(0, BLOCK)
             x = _sendable(tl.load(x_ptr + offs, mask=offs < n), MAX, BITS, EMPTY)
             _send(x, offs, offs < n, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
-            b += CHUNK * programs
+            b += programs
         b = pid
         while b * BLOCK < n:
             offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -329,8 +323,8 @@ def _one_shot_all_reduce_norm_kernel(
     parity = seq % 2
     if LOOP:
         programs = tl.num_programs(0)
-        # The sends CHUNK rows at a time, as the sum's blocks (a row at a time waited out a load's
-        # round trip per row); the gathers a row at a time, each row normed as rmsnorm.py does.
+        # The sends CHUNK rows at a time (MAX_CHUNK_ROWS); the gathers a row at a time, each row
+        # normed as rmsnorm.py does.
         chunk_rows = tl.arange(0, CHUNK)[:, None] * programs
         row = pid
         while row < rows:
@@ -452,7 +446,6 @@ def one_shot_all_reduce(x: torch.Tensor, exchange: Exchange, maximum: bool = Fal
         MAX=maximum,
         **_mark_args(x.dtype),
         LOOP=programs > MAX_PROGRAMS,
-        CHUNK=min(triton.next_power_of_2(triton.cdiv(programs, MAX_PROGRAMS)), MAX_CHUNK),
         SENT=sent,
         PDL=pdl,
         num_warps=WARPS,

@@ -73,7 +73,7 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
         assert exchange.sequences.numel() == one_shot.MAX_PROGRAMS  # a word a program, not a block
         one_shot.one_shot_all_reduce(torch.zeros(300 * 1024, dtype=torch.bfloat16), exchange)
         ((grid, _, kwargs),) = kernel.calls
-        assert grid == (one_shot.MAX_PROGRAMS,) and kwargs["LOOP"] and kwargs["CHUNK"] == 2  # 300 blocks: 1-2 a program
+        assert grid == (one_shot.MAX_PROGRAMS,) and kwargs["LOOP"]
         rows = torch.zeros(512, 4096, dtype=torch.bfloat16)  # an 8B's batch-512 decode rows
         one_shot.one_shot_all_reduce_add_rms_norm(rows, None, torch.ones(4096), 1e-6, False, rows, rows, exchange)
         ((grid, args, kwargs),) = norm.calls
@@ -122,11 +122,9 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
         kernel = one_shot._one_shot_all_reduce_kernel
         types = {f"buf{i}": "*bf16" for i in range(8)} | {"x_ptr": "*bf16", "seq_ptr": "*i32", "abort_address": "i64"}
-        chunk = one_shot.MAX_CHUNK if loop else 1
         constexprs = dict(
-            RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), LOOP=loop, CHUNK=chunk, SENT=sent
+            RANK=1, WORLD=2, BLOCK=1024, MAX=False, BITS=tl.int16, EMPTY=-(2**15), LOOP=loop, SENT=sent, PDL=True
         )
-        constexprs["PDL"] = True
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constexprs}
         source = ASTSource(
