@@ -16,6 +16,11 @@ dependent launch lets the next GEMV stream its weights while the ranks meet. So 
 also timed "in a chain": 64 x (the 8B rank's o_proj GEMV, then an all-reduce of its 8 KiB output)
 minus 64 GEMVs alone, what each all-reduce adds to the step (issue 51's budget: 2.4 us).
 
+Last, what follows a row-parallel linear in the unfused layers (batches past the decode chain):
+the sum, the residual add and the RMSNorm, per --norm-rows of the 8B's hidden size, as the ipc
+one-shot fused with them (what serves), the ipc sum then the add-norm kernel, NCCL's then that
+kernel, and the add-norm kernel alone (the floor without communication).
+
     python -m strata.bench.all_reduce                      # 2 GPUs
     python -m strata.bench.all_reduce --tensor-parallel-size 4 --json out.json
     python -m strata.bench.all_reduce --tensor-parallel-size 1   # one GPU: each method with no peer, a floor
