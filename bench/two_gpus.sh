@@ -24,7 +24,10 @@
 # ratio-1b again for the 1B's 16-stream TPOT (1.06x, 0.95x, 1.16x, 1.02x in four runs against 1.1x).
 # Session 16 ("The row-parallel GEMVs send their own rows") had o_proj and down send their rows from
 # their epilogues: batch 1 0.597x twice (met); 16 streams 0.63x by the mean (the p50 is bimodal),
-# missed; neither cuBLASLt nor a Triton GEMM beats cuBLAS at a rank's 16-row shapes.
+# missed; neither cuBLASLt nor a Triton GEMM beats cuBLAS at a rank's 16-row shapes. Session 17
+# ("What the 16-stream gap is made of") measured the all-reduce's share of the 16-stream TPOT (4.0%:
+# a rank's compute alone is 0.600x one GPU's), profiled a rank's batch-16 step kernel by kernel,
+# and sped up the norm one-shot past 256 rows (528 rows: 18.4 against 20.7 us).
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
