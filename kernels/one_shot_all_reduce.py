@@ -77,7 +77,7 @@ MAX_PROGRAMS = 256
 # row at a time waited out a load's round trip per row: 20.7 against 18.4 us at 528 rows on two
 # H200s). Its gathers stay a row at a time. The plain sum gained nothing from sending by chunks,
 # and gathering by chunks as well (94 registers a thread) hung two ranks sharing one GPU
-# (bench/RESULTS.md, "The looping one-shot by chunks").
+# (bench/RESULTS.md, session 17: "the norm one-shot's sends by chunks").
 MAX_CHUNK_ROWS = 4
 
 
