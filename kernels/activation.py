@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
+from triton.language.extra.cuda import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import gelu_tanh_and_mul_reference, silu_and_mul_reference
 
 __all__ = ["gelu_tanh_and_mul", "gelu_tanh_and_mul_reference", "silu_and_mul", "silu_and_mul_reference"]
@@ -33,11 +32,7 @@ def _act_and_mul_kernel(
     BLOCK: tl.constexpr,
     GELU_TANH: tl.constexpr = False,
     LIBDEVICE_TANH: tl.constexpr = True,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:  # its successor (the small-batch GEMM of down_proj) may start streaming its weights now
-        gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -98,7 +93,6 @@ def _launch(gate_up: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) ->
     if num_tokens == 0:
         return out
     block = min(_MAX_BLOCK, triton.next_power_of_2(intermediate))
-    pdl = dependent_launch_supported(gate_up.device)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
         gate_up,
         out,
@@ -108,8 +102,6 @@ def _launch(gate_up: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) ->
         BLOCK=block,
         GELU_TANH=gelu_tanh,
         LIBDEVICE_TANH=not isinstance(_act_and_mul_kernel, InterpretedFunction),
-        PDL=pdl,
         num_warps=max(1, min(4, block // 256)),
-        **launch_options(pdl),
     )
     return out

@@ -59,11 +59,7 @@ class Linear(nn.Module):
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear).
         reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce)."""
         if out is None:
-            small = _fused_kernels().small_batch_linear if x.is_cuda else None  # (the module)
-            if small is not None and small.serves(x, self.weight):  # 2-16 rows, switched on
-                y = small.small_batch_linear(x, self.weight, self.bias)
-            else:
-                y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
         elif self.bias is None:
             y = torch.matmul(x, self.weight.t(), out=out)
         else:
@@ -75,7 +71,6 @@ class Linear(nn.Module):
 def _fused_kernels() -> SimpleNamespace:
     # Imported on first use, not with this module: CPU-only installs may lack triton, and
     # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
-    from strata.kernels import small_batch_linear
     from strata.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from strata.kernels.embedding import embed_tokens
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -88,7 +83,6 @@ def _fused_kernels() -> SimpleNamespace:
         silu_and_mul=silu_and_mul,
         gelu_tanh_and_mul=gelu_tanh_and_mul,
         embed_tokens=embed_tokens,
-        small_batch_linear=small_batch_linear,
     )
 
 
