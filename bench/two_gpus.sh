@@ -27,7 +27,8 @@
 # missed; neither cuBLASLt nor a Triton GEMM beats cuBLAS at a rank's 16-row shapes. Session 17
 # ("What the 16-stream gap is made of") measured the all-reduce's share of the 16-stream TPOT (4.0%:
 # a rank's compute alone is 0.600x one GPU's), profiled a rank's batch-16 step kernel by kernel,
-# and sped up the norm one-shot past 256 rows (528 rows: 18.4 against 20.7 us).
+# and sped up the norm one-shot past 256 rows (528 rows: 18.4 against 20.7 us); an L2 prefetch of
+# cuBLAS's weights and a small-batch Triton GEMM with its weights before the wait were both slower.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
