@@ -42,7 +42,16 @@ def main() -> None:
         metavar="T",
         help="profile rank 0 of a T-way stage alone, collectives skipped (bench/tensor_parallel_rank.py)",
     )
+    p.add_argument(
+        "--small-batch-gemm",
+        action="store_true",
+        help="batches of 2-16 rows through kernels/small_batch_linear.py instead of cuBLAS",
+    )
     a = p.parse_args()
+    if a.small_batch_gemm:
+        from strata.kernels import small_batch_linear
+
+        small_batch_linear.enabled = True  # before the runner captures its graphs
     budget = max(DEFAULTS["max_num_batched_tokens"], a.batch * a.prefill_len)
     # The benchmarks' flags at their defaults but these: load_runner reads them.
     args = bench_settings(model=a.model, device="cuda", enforce_eager=a.enforce_eager, max_num_batched_tokens=budget)

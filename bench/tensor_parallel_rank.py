@@ -29,6 +29,7 @@ from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_plans, load_runner, time_decode_step
 from strata.bench.tensor_parallel import TARGET_ALL_REDUCE_SHARE, TARGET_TPOT_RATIO
 from strata.flags import DEFAULTS
+from strata.kernels import small_batch_linear
 
 
 def rank_flags(ranks: int) -> list[str]:
@@ -115,25 +116,13 @@ def budgets(whole_ms: float, rank_ms: float, collectives: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="dummy:llama-3-8b", help="--model value (a dummy preset or an HF directory)")
-    p.add_argument("--ranks", default="2", help="comma-separated T values; each rank 0 of T is timed against T = 1")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: a check that it runs, not a timing)")
-    p.add_argument("--batches", default="1,16", help="comma-separated decode batch sizes")
-    p.add_argument("--context-len", type=int, default=576, help="cached tokens per sequence (roofline's 512 + 64)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per batch")
-    p.add_argument("--json", default=None, help="write every number here")
-    a = p.parse_args()
-    batches = [int(b) for b in a.batches.split(",")]
-    ranks = [int(t) for t in a.ranks.split(",")]
-    env = common.environment_info(bench_settings(model=a.model, device=a.device))
-    print(f"commit {env['commit']}, {env['device_name']}, {env['model']}, context {a.context_len}")
-    rows = [r for t in [1, *ranks] for r in time_rank(a.model, a.device, t, batches, a.context_len, a.steps)]
+def print_budgets(rows: list[dict], gemms: str) -> None:
+    """The table of each rank's step against one GPU's, and what each collective may cost."""
     whole = {r["batch"]: r for r in rows if r["ranks"] == 1}
     print(
-        "\n| ranks | batch | one GPU step ms | rank step ms | rank / one GPU | collectives a step "
-        f"| each collective's budget, us: TPOT <= {TARGET_TPOT_RATIO}x | share <= {TARGET_ALL_REDUCE_SHARE:.0%} |"
+        f"\nlinears of 2-16 rows: {gemms}\n| ranks | batch | one GPU step ms | rank step ms | rank / one GPU "
+        f"| collectives a step | each collective's budget, us: TPOT <= {TARGET_TPOT_RATIO}x "
+        f"| share <= {TARGET_ALL_REDUCE_SHARE:.0%} |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -143,9 +132,40 @@ def main() -> None:
         r.update(budgets(whole[r["batch"]]["step_ms"], r["step_ms"], n))
         print(
             f"| {r['ranks']} | {r['batch']} | {whole[r['batch']]['step_ms']:.3f} | {r['step_ms']:.3f} "
-            f"| {r['step_ms'] / whole[r['batch']]['step_ms']:.2f}x | {n} | {r['tpot_budget_us']:.1f} "
+            f"| {r['step_ms'] / whole[r['batch']]['step_ms']:.3f}x | {n} | {r['tpot_budget_us']:.1f} "
             f"| {r['share_budget_us']:.1f} |"
         )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:llama-3-8b", help="--model value (a dummy preset or an HF directory)")
+    p.add_argument("--ranks", default="2", help="comma-separated T values; each rank 0 of T is timed against T = 1")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: a check that it runs, not a timing)")
+    p.add_argument("--batches", default="1,16", help="comma-separated decode batch sizes")
+    p.add_argument("--context-len", type=int, default=576, help="cached tokens per sequence (roofline's 512 + 64)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per batch")
+    p.add_argument(
+        "--small-batch-gemm",
+        choices=("off", "on", "both"),
+        default="off",
+        help="batches of 2-16 rows through kernels/small_batch_linear.py instead of cuBLAS; both: an A/B, "
+        "each way's table",
+    )
+    p.add_argument("--json", default=None, help="write every number here")
+    a = p.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    ranks = [int(t) for t in a.ranks.split(",")]
+    env = common.environment_info(bench_settings(model=a.model, device=a.device))
+    print(f"commit {env['commit']}, {env['device_name']}, {env['model']}, context {a.context_len}")
+    rows = []
+    for small in {"off": [False], "on": [True], "both": [False, True]}[a.small_batch_gemm]:
+        small_batch_linear.enabled = small  # read when the runner captures its graphs
+        ways = [r for t in [1, *ranks] for r in time_rank(a.model, a.device, t, batches, a.context_len, a.steps)]
+        for r in ways:
+            r["small_batch_gemm"] = small
+        print_budgets(ways, "kernels/small_batch_linear.py" if small else "cuBLAS")
+        rows += ways
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": env, "rows": rows}, f, indent=1)

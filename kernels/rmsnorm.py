@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
 from strata.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -37,14 +39,19 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # its successor (the small-batch GEMM) may start streaming its weights now
+        gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    # Issued before the reduction, not after: a decode row is latency-bound, and the weight's
-    # load then overlaps x's instead of following the sum.
+    # Issued first, not after the reduction: a decode row is latency-bound, and the weight's load
+    # (constant data, before the wait) then overlaps x's instead of following the sum.
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    if PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         # The torch path adds in the activation dtype: round the sum the same way.
@@ -93,6 +100,7 @@ def _launch(
         return out, residual_out
     block = triton.next_power_of_2(hidden)
     add = residual is not None
+    pdl = dependent_launch_supported(x.device)
     _rms_norm_kernel[(num_rows,)](
         x,
         residual if add else x,
@@ -108,7 +116,9 @@ def _launch(
         BLOCK=block,
         ADD_RESIDUAL=add,
         UNIT_OFFSET=unit_offset,
+        PDL=pdl,
         num_warps=row_warps(block),
+        **launch_options(pdl),
     )
     return out, residual_out
 

@@ -59,7 +59,11 @@ class Linear(nn.Module):
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear).
         reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce)."""
         if out is None:
-            y = F.linear(x, self.weight, self.bias)
+            small = _fused_kernels().small_batch_linear if x.is_cuda else None  # (the module)
+            if small is not None and small.serves(x, self.weight):  # 2-16 rows, switched on
+                y = small.small_batch_linear(x, self.weight, self.bias)
+            else:
+                y = F.linear(x, self.weight, self.bias)
         elif self.bias is None:
             y = torch.matmul(x, self.weight.t(), out=out)
         else:
@@ -71,6 +75,7 @@ class Linear(nn.Module):
 def _fused_kernels() -> SimpleNamespace:
     # Imported on first use, not with this module: CPU-only installs may lack triton, and
     # triton.jit reads TRITON_INTERPRET when a kernel is defined (the interpreter tests set it).
+    from strata.kernels import small_batch_linear
     from strata.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from strata.kernels.embedding import embed_tokens
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -83,6 +88,7 @@ def _fused_kernels() -> SimpleNamespace:
         silu_and_mul=silu_and_mul,
         gelu_tanh_and_mul=gelu_tanh_and_mul,
         embed_tokens=embed_tokens,
+        small_batch_linear=small_batch_linear,
     )
 
 
@@ -406,6 +412,12 @@ class MLP(FusedKernelSwitch, nn.Module):
         """reduce False: this rank's partial output (tensor parallelism), summed by the caller."""
         if self._use_fused(x):
             kernels = _fused_kernels()
+            small = kernels.small_batch_linear
+            if not self.gelu_tanh and small.serves(x, self.gate_up_proj.weight):  # SiLU in gate_up's epilogue
+                gate_up = self.gate_up_proj
+                return self.down_proj(
+                    small.small_batch_linear(x, gate_up.weight, gate_up.bias, silu_mul=True), reduce=reduce
+                )
             act = kernels.gelu_tanh_and_mul if self.gelu_tanh else kernels.silu_and_mul
         else:
             act = gelu_tanh_and_mul_reference if self.gelu_tanh else silu_and_mul_reference

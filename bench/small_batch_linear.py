@@ -1,0 +1,163 @@
+"""kernels/small_batch_linear.py against cuBLAS at a decode batch of 16 rows: per shape and config,
+then a layer stack (norm, qkv, o_proj, norm, gate_up + SiLU, down; 32 layers, one CUDA graph).
+
+    python -m strata.bench.small_batch_linear                  # 8B: one GPU's shapes and a TP2 rank's
+    python -m strata.bench.small_batch_linear --shapes rank --jobs 8
+
+Each shape is timed over 32 weight copies (past L2), as bench_linear does. gate_up's cuBLAS row is
+F.linear then the SiLU-and-mul launch, against the kernel's fused epilogue. The configs compile in
+--jobs processes first (they fill Triton's cache), then one process times them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTERMEDIATE, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
+LAYERS, ROWS = 32, 16
+
+
+def shapes(ranks: int) -> dict[str, tuple[int, int, bool]]:
+    """name -> (W rows, K, silu_mul) of one layer at `ranks` ranks."""
+    return {
+        "qkv": ((Q + 2 * KV) // ranks, HIDDEN, False),
+        "o_proj": (HIDDEN, Q // ranks, False),
+        "gate_up": (2 * INTERMEDIATE // ranks, HIDDEN, True),
+        "down": (HIDDEN, INTERMEDIATE // ranks, False),
+    }
+
+
+def configs(rows: int, k: int, silu: bool, stages: list[int]):
+    from strata.kernels.small_batch_linear import SmallBatchConfig
+
+    n = rows // 2 if silu else rows
+    out = []
+    for bn, bk, s in itertools.product((32, 64, 128), (128, 256), stages):
+        steps = k // bk
+        for split in [d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= 2]:
+            programs = -(-n // bn) * split
+            if 100 <= programs <= 800 and (bn * (2 if silu else 1) + ROWS) * bk * 2 * s <= 200 * 1024:
+                out.append(SmallBatchConfig(bn, bk, split, s, 8 if bn * (2 if silu else 1) >= 256 else 4))
+    return out
+
+
+def _compile(job):
+    """Run each config once on the shape (fills Triton's on-disk cache for the timing process)."""
+    from strata.kernels.small_batch_linear import small_batch_linear
+
+    rows, k, silu, cfgs = job
+    w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+    bad = []
+    for c in cfgs:
+        try:
+            small_batch_linear(x, w, silu_mul=silu, config=c)
+        except Exception as e:  # out of shared memory and such: dropped from the timing
+            bad.append((c, type(e).__name__))
+    torch.cuda.synchronize()
+    return bad
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="one,rank", help="one (one GPU's 8B), rank (a TP2 rank's)")
+    p.add_argument("--stages", default="3,4")
+    p.add_argument("--jobs", type=int, default=8, help="processes compiling the configs")
+    p.add_argument("--top", type=int, default=3, help="configs printed per shape")
+    a = p.parse_args()
+    stages = [int(s) for s in a.stages.split(",")]
+    todo = []
+    for which in a.shapes.split(","):
+        for rows, k, silu in shapes(1 if which == "one" else 2).values():
+            cs = configs(rows, k, silu, stages)
+            todo += [(rows, k, silu, cs[i :: a.jobs]) for i in range(a.jobs) if cs[i :: a.jobs]]
+    with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
+        dropped = {c for bad in pool.map(_compile, todo) for c, _ in bad}
+    print(f"compiled; {len(dropped)} configs dropped", flush=True)
+
+    from strata.bench.graph_timing import graph_time_us
+    from strata.kernels import dependent_launch
+    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.rmsnorm import fused_add_rms_norm
+    from strata.kernels.small_batch_linear import choose_config, small_batch_linear
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    for which in a.shapes.split(","):
+        best, weights = {}, {}
+        for name, (rows, k, silu) in shapes(1 if which == "one" else 2).items():
+            ws = [torch.randn(rows, k, device=dev, dtype=dtype) * k**-0.5 for _ in range(LAYERS)]
+            x = torch.randn(ROWS, k, device=dev, dtype=dtype)
+            want = F.linear(x, ws[0])
+            want = silu_and_mul(want) if silu else want
+
+            def cublas(i, ws=ws, x=x, silu=silu):
+                y = F.linear(x, ws[i])
+                return silu_and_mul(y) if silu else y
+
+            base = graph_time_us(cublas, LAYERS, replays=20, repeats=3)
+            mb = rows * k * 2 / 1e6
+            print(
+                f"{which:>4} {name:<8} N={rows:<6} K={k:<6} {mb:6.1f} MB  cuBLAS {base:6.2f} us ({mb / base:4.2f} TB/s)"
+            )
+            timed = []
+            for c in [c for c in configs(rows, k, silu, stages) if c not in dropped]:
+                got = small_batch_linear(x, ws[0], silu_mul=silu, config=c)
+                err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+
+                def call(i, ws=ws, x=x, silu=silu, c=c):
+                    return small_batch_linear(x, ws[i], silu_mul=silu, config=c)
+
+                timed.append((graph_time_us(call, LAYERS, replays=20, repeats=3), c, err))
+            timed.sort(key=lambda r: r[0])
+            for t, c, err in timed[: a.top]:
+                print(f"        {t:6.2f} us ({mb / t:4.2f} TB/s, {base / t:4.2f}x cuBLAS) {c} rel.err {err:.1e}")
+            c0 = choose_config(n=rows // 2 if silu else rows, k=k)
+            t0 = [t for t, c, _ in timed if c == c0]
+            print(f"        default {c0}: {t0[0] if t0 else float('nan'):6.2f} us", flush=True)
+            with dependent_launch.plain_launches():
+                plain = graph_time_us(
+                    lambda i, c=timed[0][1], ws=ws, x=x, silu=silu: small_batch_linear(
+                        x, ws[i], silu_mul=silu, config=c
+                    ),
+                    LAYERS,
+                    replays=20,
+                    repeats=3,
+                )
+            print(f"        best without PDL {plain:6.2f} us")
+            best[name], weights[name] = timed[0][1], ws
+
+        # The layer stack: a decode layer's linears and norms, 32 layers, one graph.
+        h = torch.randn(ROWS, HIDDEN, device=dev, dtype=dtype)
+        norm_w = torch.ones(HIDDEN, device=dev, dtype=dtype)
+
+        def linear(x, name, i, small, silu=False):
+            if small:
+                return small_batch_linear(x, weights[name][i], silu_mul=silu, config=best[name])
+            y = F.linear(x, weights[name][i])
+            return silu_and_mul(y) if silu else y
+
+        def layer(i, small: bool):
+            x, res = fused_add_rms_norm(h, h.clone(), norm_w, 1e-5)
+            qkv = linear(x, "qkv", i, small)
+            o = linear(qkv[:, : Q // (1 if which == "one" else 2)].contiguous(), "o_proj", i, small)
+            x, res = fused_add_rms_norm(o, res, norm_w, 1e-5)
+            return linear(linear(x, "gate_up", i, small, silu=True), "down", i, small)
+
+        t_cublas = graph_time_us(lambda i: layer(i, False), LAYERS, replays=10, repeats=3) * LAYERS
+        t_small = graph_time_us(lambda i: layer(i, True), LAYERS, replays=10, repeats=3) * LAYERS
+        print(
+            f"{which}: 32 layers (norms, linears, SiLU), {ROWS} rows: cuBLAS {t_cublas:7.1f} us, small-batch GEMM "
+            f"{t_small:7.1f} us ({t_small - t_cublas:+.1f} us, {t_cublas / t_small:.3f}x)",
+            flush=True,
+        )
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

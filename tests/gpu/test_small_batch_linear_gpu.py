@@ -1,0 +1,62 @@
+"""The small-batch GEMM (kernels/small_batch_linear.py) on a GPU: bf16 at the 8B's shapes (one
+GPU's and a TP2 rank's) against F.linear, and in a CUDA graph as a programmatic dependent of the
+RMSNorm before it, whose output it must read only after its wait (its weights before).
+
+    python -m pytest tests/gpu/test_small_batch_linear_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_interpreter import compiled_gpu_kernels_only
+
+pytestmark = compiled_gpu_kernels_only()
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096), (4096, 2048), (4096, 7168)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # Both sum in float32 over K, in different orders, then round to bf16: a bf16 ulp or two apart.
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("rows", [2, 7, 16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("split_k", [None, 1, 4])
+def test_it_equals_f_linear_at_the_8b_shapes(rows, n, k, split_k):
+    from strata.kernels.small_batch_linear import SmallBatchConfig, small_batch_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * k**-0.5
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    config = None if split_k is None else SmallBatchConfig(block_n=64, block_k=256, split_k=split_k)
+    _close(small_batch_linear(x, w, config=config), F.linear(x, w))
+    _close(small_batch_linear(x, w, bias, config=config), F.linear(x, w, bias))
+    if n % 2 == 0:  # the same W as [gate | up]: silu(gate) * up in the epilogue
+        want = F.linear(x, w, bias)
+        want = F.silu(want[:, : n // 2]) * want[:, n // 2 :]
+        _close(small_batch_linear(x, w, bias, silu_mul=True, config=config), want)
+
+
+def test_in_a_graph_after_a_norm_it_reads_the_norms_output():
+    from strata.kernels.rmsnorm import rms_norm
+    from strata.kernels.small_batch_linear import small_batch_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 2048, device="cuda", generator=gen).to(torch.bfloat16) * 2048**-0.5
+    norm_weight = torch.rand(2048, device="cuda", generator=gen).to(torch.bfloat16) + 0.5
+    x = torch.zeros(16, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    rms_norm(x, norm_weight, 1e-5)  # (compiled outside the capture)
+    small_batch_linear(x, w)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = small_batch_linear(rms_norm(x, norm_weight, 1e-5), w)
+    for step in range(3):  # new inputs each replay: a read before the norm ended would see the old ones
+        x.copy_(torch.randn(16, 2048, device="cuda", generator=gen).to(torch.bfloat16) * (step + 1))
+        graph.replay()
+        _close(y, F.linear(rms_norm(x, norm_weight, 1e-5), w))
