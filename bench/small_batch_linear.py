@@ -2,7 +2,7 @@
 then a layer stack (norm, qkv, o_proj, norm, gate_up + SiLU, down; 32 layers, one CUDA graph).
 
     python -m strata.bench.small_batch_linear                  # 8B: one GPU's shapes and a TP2 rank's
-    python -m strata.bench.small_batch_linear --shapes rank --jobs 8
+    python -m strata.bench.small_batch_linear --models 1b,qwen3-8b --ranks 1,2,4 --jobs 8
 
 Each shape is timed over 32 weight copies (past L2), as bench_linear does. gate_up's cuBLAS row is
 F.linear then the SiLU-and-mul launch, against the kernel's fused epilogue. The configs compile in
@@ -18,17 +18,24 @@ import multiprocessing
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTERMEDIATE, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
+# hidden, query width, KV width (heads x head size), intermediate
+MODELS = {
+    "8b": (4096, 4096, 1024, 14336),  # Llama-3.1-8B, Mistral-7B
+    "1b": (2048, 2048, 512, 8192),  # Llama-3.2-1B
+    "qwen3-8b": (4096, 4096, 1024, 12288),
+    "qwen2.5-7b": (3584, 3584, 512, 18944),
+}
 LAYERS, ROWS = 32, 16
 
 
-def shapes(ranks: int) -> dict[str, tuple[int, int, bool]]:
-    """name -> (W rows, K, silu_mul) of one layer at `ranks` ranks."""
+def shapes(model: str, ranks: int) -> dict[str, tuple[int, int, bool]]:
+    """name -> (W rows, K, silu_mul) of one layer of `model` at `ranks` ranks."""
+    hidden, q, kv, inter = MODELS[model]
     return {
-        "qkv": ((Q + 2 * KV) // ranks, HIDDEN, False),
-        "o_proj": (HIDDEN, Q // ranks, False),
-        "gate_up": (2 * INTERMEDIATE // ranks, HIDDEN, True),
-        "down": (HIDDEN, INTERMEDIATE // ranks, False),
+        "qkv": ((q + 2 * kv) // ranks, hidden, False),
+        "o_proj": (hidden, q // ranks, False),
+        "gate_up": (2 * inter // ranks, hidden, True),
+        "down": (hidden, inter // ranks, False),
     }
 
 
@@ -65,15 +72,17 @@ def _compile(job):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="one,rank", help="one (one GPU's 8B), rank (a TP2 rank's)")
+    p.add_argument("--models", default="8b", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--ranks", default="1,2", help="comma-separated tensor-parallel widths (a rank's shapes)")
     p.add_argument("--stages", default="3,4")
     p.add_argument("--jobs", type=int, default=8, help="processes compiling the configs")
     p.add_argument("--top", type=int, default=3, help="configs printed per shape")
     a = p.parse_args()
     stages = [int(s) for s in a.stages.split(",")]
     todo = []
-    for which in a.shapes.split(","):
-        for rows, k, silu in shapes(1 if which == "one" else 2).values():
+    ways = [(m, int(r)) for m in a.models.split(",") for r in a.ranks.split(",")]
+    for model, ranks in ways:
+        for rows, k, silu in shapes(model, ranks).values():
             cs = configs(rows, k, silu, stages)
             todo += [(rows, k, silu, cs[i :: a.jobs]) for i in range(a.jobs) if cs[i :: a.jobs]]
     with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
@@ -87,9 +96,12 @@ def main() -> None:
     from strata.kernels.small_batch_linear import choose_config, small_batch_linear
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    for which in a.shapes.split(","):
+    tuned = {}
+    for model, ranks in ways:
+        which = f"{model}/{ranks}"
+        hidden, q = MODELS[model][:2]
         best, weights = {}, {}
-        for name, (rows, k, silu) in shapes(1 if which == "one" else 2).items():
+        for name, (rows, k, silu) in shapes(model, ranks).items():
             ws = [torch.randn(rows, k, device=dev, dtype=dtype) * k**-0.5 for _ in range(LAYERS)]
             x = torch.randn(ROWS, k, device=dev, dtype=dtype)
             want = F.linear(x, ws[0])
@@ -116,9 +128,9 @@ def main() -> None:
             timed.sort(key=lambda r: r[0])
             for t, c, err in timed[: a.top]:
                 print(f"        {t:6.2f} us ({mb / t:4.2f} TB/s, {base / t:4.2f}x cuBLAS) {c} rel.err {err:.1e}")
-            c0 = choose_config(n=rows // 2 if silu else rows, k=k)
+            c0 = choose_config(rows=rows, k=k, silu_mul=silu)
             t0 = [t for t, c, _ in timed if c == c0]
-            print(f"        default {c0}: {t0[0] if t0 else float('nan'):6.2f} us", flush=True)
+            print(f"        tuned {c0}: {t0[0] if t0 else float('nan'):6.2f} us", flush=True)
             with dependent_launch.plain_launches():
                 plain = graph_time_us(
                     lambda i, c=timed[0][1], ws=ws, x=x, silu=silu: small_batch_linear(
@@ -130,10 +142,12 @@ def main() -> None:
                 )
             print(f"        best without PDL {plain:6.2f} us")
             best[name], weights[name] = timed[0][1], ws
+            if timed[0][0] < base:
+                tuned[(rows, k, silu)] = (timed[0][1], base / timed[0][0])
 
         # The layer stack: a decode layer's linears and norms, 32 layers, one graph.
-        h = torch.randn(ROWS, HIDDEN, device=dev, dtype=dtype)
-        norm_w = torch.ones(HIDDEN, device=dev, dtype=dtype)
+        h = torch.randn(ROWS, hidden, device=dev, dtype=dtype)
+        norm_w = torch.ones(hidden, device=dev, dtype=dtype)
 
         def linear(x, name, i, small, silu=False):
             if small:
@@ -144,7 +158,7 @@ def main() -> None:
         def layer(i, small: bool):
             x, res = fused_add_rms_norm(h, h.clone(), norm_w, 1e-5)
             qkv = linear(x, "qkv", i, small)
-            o = linear(qkv[:, : Q // (1 if which == "one" else 2)].contiguous(), "o_proj", i, small)
+            o = linear(qkv[:, : q // ranks].contiguous(), "o_proj", i, small)
             x, res = fused_add_rms_norm(o, res, norm_w, 1e-5)
             return linear(linear(x, "gate_up", i, small, silu=True), "down", i, small)
 
@@ -157,6 +171,11 @@ def main() -> None:
         )
         weights.clear()
         torch.cuda.empty_cache()
+    print("\nFaster than cuBLAS, (W rows, K, silu_mul): config, x cuBLAS")
+    for key, (c, x) in sorted(tuned.items()):
+        print(
+            f"    {key}: SmallBatchConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_stages}, {c.num_warps}),  # {x:.2f}x"
+        )
 
 
 if __name__ == "__main__":

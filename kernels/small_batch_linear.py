@@ -42,7 +42,7 @@ __all__ = ["MAX_ROWS", "SmallBatchConfig", "choose_config", "serves", "small_bat
 
 MAX_ROWS = 16  # one tensor-core tile of rows
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # float32 would take TF32 dots, not F.linear's sums
-enabled = False  # benchmarks' A/B sets it until the served step has measured it
+enabled = True  # benchmarks' A/B turns it off
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,27 @@ class SmallBatchConfig:
     num_warps: int = 4
 
 
-def choose_config(*, n: int, k: int) -> SmallBatchConfig:
-    """64 columns a program and as many splits of K as bring the programs to about two per SM of
-    an H100/H200 (132), each split at least two steps of 256."""
-    blocks = triton.cdiv(n, 64)
-    split = 1
-    while blocks * split * 2 <= 264 and k % (split * 2 * 512) == 0:
-        split *= 2
-    return SmallBatchConfig(block_n=64, block_k=256, split_k=split)
+# The best config of each shape it serves, from `python -m strata.bench.small_batch_linear` at 16
+# rows on one H200 (bench/RESULTS.md, "A small-batch GEMM"), keyed by (W rows, K, silu_mul). Shapes
+# not here take cuBLAS: a config that is not tuned for a shape was up to 1.3x slower than cuBLAS
+# at it, and the best one was never more than 1.03x slower.
+TUNED = {
+    # Llama-3.1-8B (Mistral-7B), one GPU
+    (6144, 4096, False): SmallBatchConfig(64, 128, 4, 4),  # 1.00x cuBLAS
+    (4096, 4096, False): SmallBatchConfig(64, 256, 4, 3),  # 1.22x
+    (28672, 4096, True): SmallBatchConfig(32, 256, 1, 3),  # 1.00x, and no SiLU launch
+    (4096, 14336, False): SmallBatchConfig(64, 256, 2, 4),  # 1.08x
+    # Llama-3.1-8B (Mistral-7B), a rank of two
+    (3072, 4096, False): SmallBatchConfig(32, 256, 4, 4),  # 1.27x
+    (4096, 2048, False): SmallBatchConfig(32, 256, 4, 4),  # 0.97x alone, after a PDL primary in a step
+    (14336, 4096, True): SmallBatchConfig(32, 256, 1, 3),  # 1.04x, and no SiLU launch
+    (4096, 7168, False): SmallBatchConfig(64, 256, 4, 3),  # 1.17x
+}
+
+
+def choose_config(*, rows: int, k: int, silu_mul: bool = False) -> SmallBatchConfig | None:
+    """The tuned config of a W of `rows` x `k`, or None (cuBLAS serves it)."""
+    return TUNED.get((rows, k, silu_mul))
 
 
 @triton.jit
@@ -175,22 +188,17 @@ def _epilogue(
 _INTERPRETED = isinstance(_small_batch_linear_kernel, InterpretedFunction)
 
 
-def _fits(k: int, config: SmallBatchConfig) -> bool:
-    return k % (config.split_k * config.block_k) == 0
-
-
-def serves(x: torch.Tensor, weight: torch.Tensor, config: SmallBatchConfig | None = None) -> bool:
-    """Whether small_batch_linear takes F.linear(x, weight): switched on, 2-16 rows of a supported
-    dtype with unit column stride, a contiguous 2-D weight whose K the config's steps divide (CUDA
-    tensors, or any under the interpreter)."""
+def serves(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    """Whether small_batch_linear takes F.linear(x, weight) (with silu_mul, and the activation
+    after it): switched on, 2-16 rows of a supported dtype with unit column stride, a contiguous
+    W of a tuned shape (CUDA tensors, or any under the interpreter)."""
     if not enabled or x.dim() != 2 or not 2 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         return False
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype or not (x.is_cuda or _INTERPRETED):
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]:
         return False
-    n, k = weight.shape
-    return _fits(k, config or choose_config(n=n, k=k))
+    return choose_config(rows=weight.shape[0], k=weight.shape[1], silu_mul=silu_mul) is not None
 
 
 def small_batch_linear(
@@ -205,12 +213,12 @@ def small_batch_linear(
     silu(gate) * up of that [gate | up] projection, [M, N / 2]."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    config = config or choose_config(n=n, k=k)
+    config = config or choose_config(rows=weight.shape[0], k=k, silu_mul=silu_mul)
+    assert config is not None and k % (config.split_k * config.block_k) == 0, (weight.shape, config)
     assert m <= MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == k, (
         x.shape,
         weight.shape,
     )
-    assert _fits(k, config), (k, config)
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.stride(0) == 1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(n, config.block_n)

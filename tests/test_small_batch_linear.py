@@ -1,6 +1,7 @@
 """The small-batch GEMM (kernels/small_batch_linear.py) against F.linear on CPU under Triton's
-interpreter, which batches it takes, and its sm_90 compile (no spills, the weight prefetch issued
-before the dependent-launch wait, the K loop pipelined) without a GPU.
+interpreter (split-K merged by the last program, SiLU-and-mul in the epilogue, bias, strided
+rows), which batches and shapes it takes, and its sm_90 compile at every tuned shape (no spills,
+the first weight tile loaded before the dependent-launch wait, the K loop pipelined) without a GPU.
 
     TRITON_INTERPRET=1 python -m pytest tests/test_small_batch_linear.py
 """
@@ -15,48 +16,48 @@ import torch
 
 from tests.triton_interpreter import can_run_interpreted_here, rerun_under_interpreter
 
-# (N, K) of the 8B's linears at one GPU and at a TP2 rank: qkv, o_proj, gate_up, down.
-SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-SHAPES_8B_RANK = [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
-
 if not can_run_interpreted_here("strata.kernels.small_batch_linear"):
+    from strata.kernels.small_batch_linear import TUNED
 
-    @pytest.mark.triton_interpreter(seconds=4)  # its tests' time under the interpreter
+    @pytest.mark.triton_interpreter(seconds=6)  # its tests' time under the interpreter
     def test_small_batch_linear_under_triton_interpreter():
         rerun_under_interpreter(__file__, timeout=600)
 
-    def test_it_takes_2_to_16_rows_only_when_switched_on(monkeypatch):
+    def test_it_takes_2_to_16_rows_of_a_tuned_shape_only(monkeypatch):
         from strata.kernels import small_batch_linear as sbl
 
-        w = torch.empty(64, 1024, dtype=torch.bfloat16)
-        x = torch.empty(16, 1024, dtype=torch.bfloat16)
+        w = torch.empty(3072, 4096, dtype=torch.bfloat16)  # a TP2 rank's qkv of the 8B
+        x = torch.empty(16, 4096, dtype=torch.bfloat16)
         monkeypatch.setattr(sbl, "_INTERPRETED", True)  # (CPU tensors stand in for CUDA ones)
-        assert not sbl.serves(x, w)  # off by default
-        monkeypatch.setattr(sbl, "enabled", True)
         assert sbl.serves(x, w) and sbl.serves(x[:2], w)
         assert not sbl.serves(x[:1], w)  # batch 1: the decode chain's GEMVs
-        assert not sbl.serves(torch.empty(17, 1024, dtype=torch.bfloat16), w)
+        assert not sbl.serves(torch.empty(17, 4096, dtype=torch.bfloat16), w)
         assert not sbl.serves(x.float(), w.float())  # float32 would take TF32 dots
+        assert not sbl.serves(x, w, silu_mul=True)  # tuned as a plain projection only
         assert not sbl.serves(torch.empty(4, 576, dtype=torch.bfloat16), torch.empty(64, 576, dtype=torch.bfloat16))
         assert not sbl.serves(x, w.t().contiguous().t())
+        assert sbl.serves(x, torch.empty(14336, 4096, dtype=torch.bfloat16), silu_mul=True)
+        monkeypatch.setattr(sbl, "enabled", False)  # benchmarks' A/B
+        assert not sbl.serves(x, w)
 
     @pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles the real kernels")
-    @pytest.mark.parametrize("n,k", SHAPES_8B + SHAPES_8B_RANK)
-    def test_it_compiles_for_sm90_with_the_weights_loaded_before_the_wait(n, k):
+    @pytest.mark.parametrize("shape", sorted(TUNED))
+    def test_it_compiles_for_sm90_with_the_first_weights_before_the_wait(shape):
         from triton.compiler import ASTSource
 
         from strata.kernels import compile_check
         from strata.kernels import small_batch_linear as sbl
 
+        rows, k, silu = shape
+        c = sbl.TUNED[shape]
         kernel = sbl._small_batch_linear_kernel
-        c = sbl.choose_config(n=n, k=k)
-        constexprs = dict(K=k, BLOCK_M=sbl.MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FIRST_K=c.first_k)
-        constexprs |= dict(HAS_BIAS=False, NUM_STAGES=c.num_stages, PDL=True)
-        ints = {"M": "i32", "N": "i32", "stride_x": "i32"}
-        signature = {a: "constexpr" if a in constexprs else ints.get(a, "*bf16") for a in kernel.arg_names}
+        constexprs = dict(N=rows // 2 if silu else rows, K=k, BLOCK_M=sbl.MAX_ROWS, BLOCK_N=c.block_n)
+        constexprs |= dict(BLOCK_K=c.block_k, SPLIT_K=c.split_k, SILU_MUL=silu, HAS_BIAS=False)
+        constexprs |= dict(NUM_STAGES=c.num_stages, PDL=True)
+        types = {"M": "i32", "stride_x": "i32", "stride_out": "i32", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
+        signature = {a: "constexpr" if a in constexprs else types.get(a, "*bf16") for a in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names) if a not in constexprs}
         aligned.pop((kernel.arg_names.index("M"),))
-        aligned.pop((kernel.arg_names.index("N"),))
         source = ASTSource(
             kernel,
             signature,
@@ -65,40 +66,51 @@ if not can_run_interpreted_here("strata.kernels.small_batch_linear"):
         )
         compiled, registers, spills = compile_check.compile_for_sm90(source, c.num_warps, c.num_stages)
         assert spills == 0, (registers, spills)
-        assert "async_copy_global_to_local" in compiled.asm["ttgir"]  # the K loop's W tiles pipelined
+        if k // c.split_k // c.block_k > 2:  # the K loop's tiles pipelined (a loop of one step is not)
+            assert "async_copy_global_to_local" in compiled.asm["ttgir"]
         lines = compiled.asm["ptx"].splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         launch = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
         loads_before = [i for i, line in enumerate(lines[:wait]) if re.search(r"\bld\.global", line)]
-        # The successor may start at once; the first FIRST_K columns of W (16 bytes a load) stream before the wait.
-        assert launch < loads_before[0] and len(loads_before) == c.block_n * c.first_k * 2 // 16 // (32 * c.num_warps)
+        # The successor may start at once; the first W tile (gate's and up's) streams before the wait.
+        tiles = 2 if silu else 1
+        assert launch < loads_before[0]
+        assert len(loads_before) == tiles * c.block_n * c.block_k * 2 // 16 // (32 * c.num_warps)
 
 else:
     import torch.nn.functional as F
 
     from strata.kernels.small_batch_linear import SmallBatchConfig, small_batch_linear
 
+    def _reference(x, w, b, silu_mul):
+        y = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if not silu_mul:
+            return y
+        n = w.shape[0] // 2
+        return F.silu(y[:, :n].to(x.dtype).float()) * y[:, n:].to(x.dtype).float()
+
     @pytest.mark.parametrize("rows", [2, 5, 16])
-    @pytest.mark.parametrize("first_k", [0, 128])
-    @pytest.mark.parametrize("bias", [False, True])
-    def test_it_equals_f_linear(rows, first_k, bias):
-        # N = 40: a part-filled last program; K = 384: the first 128 columns before the wait, then two steps.
-        gen = torch.Generator().manual_seed(rows + first_k)
+    @pytest.mark.parametrize("split_k", [1, 3])
+    @pytest.mark.parametrize("silu_mul", [False, True])
+    def test_it_equals_f_linear(rows, split_k, silu_mul):
+        # 40 output columns: a part-filled last program; K = 384: three steps of 128, one or three splits.
+        gen = torch.Generator().manual_seed(rows + split_k)
         n, k = 40, 384
-        w = (torch.randn(n, k, generator=gen) / 16).to(torch.float16)
+        w = (torch.randn(2 * n if silu_mul else n, k, generator=gen) / 16).to(torch.float16)
         x = torch.randn(rows, k, generator=gen).to(torch.float16)
-        b = torch.randn(n, generator=gen).to(torch.float16) if bias else None
-        config = SmallBatchConfig(block_n=16, block_k=128, first_k=first_k, num_stages=2)
-        got = small_batch_linear(x, w, b, config=config)
-        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        b = torch.randn(w.shape[0], generator=gen).to(torch.float16)
+        config = SmallBatchConfig(block_n=16, block_k=128, split_k=split_k, num_stages=2)
+        got = small_batch_linear(x, w, b, silu_mul=silu_mul, config=config)
         assert got.shape == (rows, n) and got.dtype == torch.float16
-        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got.float(), _reference(x, w, b, silu_mul), atol=4e-3, rtol=4e-3)
+        # The arrival counters were left at zero: the next launch merges its splits again.
+        again = small_batch_linear(x, w, b, silu_mul=silu_mul, config=config)
+        assert torch.equal(again, got)
 
     def test_strided_rows_are_read_where_they_are():
-        # A view of every other row of a wider buffer (as a batch's rows may be): x.stride(0) > K.
+        # A view of the first K columns of a wider buffer (as a batch's rows may be): x.stride(0) > K.
         gen = torch.Generator().manual_seed(7)
-        w = (torch.randn(16, 256, generator=gen) / 16).to(torch.float16)
-        wide = torch.randn(6, 512, generator=gen).to(torch.float16)
-        x = wide[:, :256]
-        got = small_batch_linear(x, w, config=SmallBatchConfig(block_n=16, block_k=128, first_k=128, num_stages=2))
+        w = (torch.randn(32, 256, generator=gen) / 16).to(torch.float16)
+        x = torch.randn(6, 512, generator=gen).to(torch.float16)[:, :256]
+        got = small_batch_linear(x, w, config=SmallBatchConfig(block_n=16, block_k=128, split_k=2, num_stages=2))
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=2e-3, rtol=2e-3)

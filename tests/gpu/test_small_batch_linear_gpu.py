@@ -15,31 +15,36 @@ from tests.triton_interpreter import compiled_gpu_kernels_only
 
 pytestmark = compiled_gpu_kernels_only()
 
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096), (4096, 2048), (4096, 7168)]
-
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     # Both sum in float32 over K, in different orders, then round to bf16: a bf16 ulp or two apart.
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
 
 
+def _tuned():
+    from strata.kernels.small_batch_linear import TUNED
+
+    return sorted(TUNED)
+
+
 @pytest.mark.parametrize("rows", [2, 7, 16])
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("shape", _tuned())
 @pytest.mark.parametrize("split_k", [None, 1, 4])
-def test_it_equals_f_linear_at_the_8b_shapes(rows, n, k, split_k):
+def test_it_equals_f_linear_at_the_tuned_shapes(rows, shape, split_k):
     from strata.kernels.small_batch_linear import SmallBatchConfig, small_batch_linear
 
+    n, k, silu_mul = shape
     gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
     w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * k**-0.5
     x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     config = None if split_k is None else SmallBatchConfig(block_n=64, block_k=256, split_k=split_k)
-    _close(small_batch_linear(x, w, config=config), F.linear(x, w))
-    _close(small_batch_linear(x, w, bias, config=config), F.linear(x, w, bias))
-    if n % 2 == 0:  # the same W as [gate | up]: silu(gate) * up in the epilogue
-        want = F.linear(x, w, bias)
+    want = F.linear(x, w, bias)
+    if silu_mul:  # [gate | up]: silu(gate) * up in the epilogue
         want = F.silu(want[:, : n // 2]) * want[:, n // 2 :]
-        _close(small_batch_linear(x, w, bias, silu_mul=True, config=config), want)
+    else:
+        _close(small_batch_linear(x, w, config=config), F.linear(x, w))
+    _close(small_batch_linear(x, w, bias, silu_mul=silu_mul, config=config), want)
 
 
 def test_in_a_graph_after_a_norm_it_reads_the_norms_output():

@@ -413,7 +413,9 @@ class MLP(FusedKernelSwitch, nn.Module):
         if self._use_fused(x):
             kernels = _fused_kernels()
             small = kernels.small_batch_linear
-            if not self.gelu_tanh and small.serves(x, self.gate_up_proj.weight):  # SiLU in gate_up's epilogue
+            if not self.gelu_tanh and small.serves(
+                x, self.gate_up_proj.weight, silu_mul=True
+            ):  # SiLU in gate_up's epilogue
                 gate_up = self.gate_up_proj
                 return self.down_proj(
                     small.small_batch_linear(x, gate_up.weight, gate_up.bias, silu_mul=True), reduce=reduce
