@@ -53,6 +53,43 @@ def configs(rows: int, k: int, silu: bool, stages: list[int]):
     return out
 
 
+def neighbours(rows: int, k: int, silu: bool):
+    """The tuned config of the shape and those one step from it in each field (and in block_n and
+    split_k together, at the same program count): a local search around the table."""
+    from dataclasses import replace
+
+    from strata.kernels.small_batch_linear import choose_config
+
+    c = choose_config(rows=rows, k=k, silu_mul=silu)
+    if c is None:
+        return []
+    out = [c]
+    out += [replace(c, block_n=b) for b in (c.block_n // 2, c.block_n * 2)]
+    out += [replace(c, block_k=b) for b in (c.block_k // 2, c.block_k * 2)]
+    out += [replace(c, split_k=s) for s in (c.split_k // 2, c.split_k * 2)]
+    out += [replace(c, num_stages=s) for s in (c.num_stages - 1, c.num_stages + 1, c.num_stages + 2)]
+    out += [replace(c, num_warps=w) for w in (2, 8) if w != c.num_warps]
+    out += [
+        replace(c, block_n=c.block_n * 2, split_k=c.split_k * 2),
+        replace(c, block_n=c.block_n // 2, split_k=c.split_k // 2),
+    ]
+    out += [
+        replace(c, block_k=c.block_k * 2, num_stages=c.num_stages - 1),
+        replace(c, block_k=c.block_k // 2, num_stages=c.num_stages + 2),
+    ]
+    width = 2 if silu else 1
+    return [
+        o
+        for o in dict.fromkeys(out)
+        if o.block_n >= 16
+        and o.block_k >= 64
+        and o.split_k >= 1
+        and 2 <= o.num_stages <= 6
+        and k % (o.split_k * o.block_k) == 0
+        and (o.block_n * width + ROWS) * o.block_k * 2 * o.num_stages <= 220 * 1024
+    ]
+
+
 def _compile(job):
     """Run each config once on the shape (fills Triton's on-disk cache for the timing process)."""
     from strata.kernels.small_batch_linear import small_batch_linear
@@ -77,13 +114,18 @@ def main() -> None:
     p.add_argument("--stages", default="3,4")
     p.add_argument("--jobs", type=int, default=8, help="processes compiling the configs")
     p.add_argument("--top", type=int, default=3, help="configs printed per shape")
+    p.add_argument(
+        "--around-tuned",
+        action="store_true",
+        help="time only the tuned config of each shape and its neighbours (a local search), not the grid",
+    )
     a = p.parse_args()
     stages = [int(s) for s in a.stages.split(",")]
     todo = []
     ways = [(m, int(r)) for m in a.models.split(",") for r in a.ranks.split(",")]
     for model, ranks in ways:
         for rows, k, silu in shapes(model, ranks).values():
-            cs = configs(rows, k, silu, stages)
+            cs = neighbours(rows, k, silu) if a.around_tuned else configs(rows, k, silu, stages)
             todo += [(rows, k, silu, cs[i :: a.jobs]) for i in range(a.jobs) if cs[i :: a.jobs]]
     with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
         dropped = {c for bad in pool.map(_compile, todo) for c, _ in bad}
@@ -117,7 +159,8 @@ def main() -> None:
                 f"{which:>4} {name:<8} N={rows:<6} K={k:<6} {mb:6.1f} MB  cuBLAS {base:6.2f} us ({mb / base:4.2f} TB/s)"
             )
             timed = []
-            for c in [c for c in configs(rows, k, silu, stages) if c not in dropped]:
+            candidates = neighbours(rows, k, silu) if a.around_tuned else configs(rows, k, silu, stages)
+            for c in [c for c in candidates if c not in dropped]:
                 got = small_batch_linear(x, ws[0], silu_mul=silu, config=c)
                 err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
 

@@ -65,3 +65,43 @@ def test_in_a_graph_after_a_norm_it_reads_the_norms_output():
         x.copy_(torch.randn(16, 2048, device="cuda", generator=gen).to(torch.bfloat16) * (step + 1))
         graph.replay()
         _close(y, F.linear(rms_norm(x, norm_weight, 1e-5), w))
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_an_8b_layer_in_a_graph_equals_its_cublas_step(rows, monkeypatch):
+    """A decoder layer of the 8B's shapes at a decode batch, its linears around attention (qkv;
+    o_proj, the norm, gate_up with SiLU in its epilogue, down) captured in a CUDA graph as a decode
+    step is: the small-batch GEMMs as programmatic dependents of the norms and of each other give
+    the cuBLAS step's result within bf16 rounding."""
+    from strata.kernels import small_batch_linear
+    from strata.services.worker.model.decoder_layer import DecoderLayer
+    from strata.services.worker.model.weights import dummy_config
+
+    config = dummy_config("llama-3-8b")
+    layer = DecoderLayer(config, 0, "cuda", torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+    hidden = torch.randn(rows, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    attn = torch.randn(rows, config.num_attention_heads * config.head_dim, device="cuda", generator=gen)
+    attn = attn.to(torch.bfloat16)
+
+    def step():
+        qkv, res = layer.before_attention(hidden, residual)
+        out, res = layer.after_attention(attn, res)
+        return qkv, out, res
+
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(small_batch_linear, "enabled", on)
+        step()  # (compiled outside the capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[on] = [t.clone() for t in outputs]
+    for cublas, small in zip(results[False], results[True]):
+        _close(small, cublas)
