@@ -25,6 +25,7 @@ a batch-1 step) and a RESULTS.md row per way.
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 
@@ -75,6 +76,14 @@ async def _phase(endpoints, run):
     after_w = await rank_stats(endpoints.workers)
     done = [r for r in records if not r.error]
     tpots = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    # A request whose decode (first token to last) saw another's first token met a prefill step:
+    # the two modes of the per-request TPOT (bench/RESULTS.md, session 16).
+    firsts = sorted(r.chunk_times[0] for r in done if r.chunk_times)
+    met = [
+        bisect.bisect_left(firsts, r.chunk_times[-1]) - bisect.bisect_right(firsts, r.chunk_times[0]) > 0
+        for r in done
+        if r.output_tokens > 1
+    ]
     busy = [(a.busy_seconds - b.busy_seconds) / elapsed for b, a in zip(before_w, after_w)]
     steps = [a.steps - b.steps for b, a in zip(before_w, after_w)]
     return {
@@ -84,6 +93,7 @@ async def _phase(endpoints, run):
         "elapsed_s": elapsed,
         "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
         "tpot_ms": common.summarize(tpots),
+        "decodes_meeting_prefills": sum(met) / max(len(met), 1),
         "gpu_busy_share": busy,
         "gpu_seconds_per_step": [
             (a.busy_seconds - b.busy_seconds) / max(n, 1) for b, a, n in zip(before_w, after_w, steps)
@@ -138,7 +148,9 @@ def _way_line(phases: dict) -> str:
     for key, phase in phases.items():
         if key.startswith("streams_"):
             parts.append(
-                f"{key.removeprefix('streams_')} stream(s) TPOT p50 {common.fmt(phase['tpot_ms'].get('p50'), '.2f')} ms"
+                f"{key.removeprefix('streams_')} stream(s) TPOT p50 {common.fmt(phase['tpot_ms'].get('p50'), '.2f')} ms "
+                f"(mean {common.fmt(phase['tpot_ms'].get('mean'), '.2f')}, "
+                f"{phase['decodes_meeting_prefills']:.0%} of decodes met a prefill)"
             )
     parts.append(f"{sum(p['failed'] for p in phases.values())} failed")
     return ", ".join(parts)
