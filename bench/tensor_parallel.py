@@ -94,6 +94,11 @@ async def _phase(endpoints, run):
         "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
         "tpot_ms": common.summarize(tpots),
         "decodes_meeting_prefills": sum(met) / max(len(met), 1),
+        # Each request's TPOT and first-token time (ms from the phase's start), for the modes.
+        "requests_ms": [
+            [round((r.chunk_times[0] - start) * 1e3, 2), round(t * 1e3, 3)]
+            for r, t in zip([r for r in done if r.output_tokens > 1], tpots)
+        ],
         "gpu_busy_share": busy,
         "gpu_seconds_per_step": [
             (a.busy_seconds - b.busy_seconds) / max(n, 1) for b, a, n in zip(before_w, after_w, steps)
