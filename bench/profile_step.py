@@ -43,15 +43,15 @@ def main() -> None:
         help="profile rank 0 of a T-way stage alone, collectives skipped (bench/tensor_parallel_rank.py)",
     )
     p.add_argument(
-        "--small-batch-gemm",
+        "--cublas-small-batches",
         action="store_true",
-        help="batches of 2-16 rows through kernels/small_batch_linear.py instead of cuBLAS",
+        help="batches of 2-16 rows through cuBLAS, not kernels/small_batch_linear.py where it is tuned (an A/B)",
     )
     a = p.parse_args()
-    if a.small_batch_gemm:
+    if a.cublas_small_batches:
         from strata.kernels import small_batch_linear
 
-        small_batch_linear.enabled = True  # before the runner captures its graphs
+        small_batch_linear.enabled = False  # before the runner captures its graphs
     budget = max(DEFAULTS["max_num_batched_tokens"], a.batch * a.prefill_len)
     # The benchmarks' flags at their defaults but these: load_runner reads them.
     args = bench_settings(model=a.model, device="cuda", enforce_eager=a.enforce_eager, max_num_batched_tokens=budget)

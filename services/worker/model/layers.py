@@ -59,8 +59,8 @@ class Linear(nn.Module):
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear).
         reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce)."""
         if out is None:
-            small = _fused_kernels().small_batch_linear if x.is_cuda else None  # (the module)
-            if small is not None and small.serves(x, self.weight):  # 2-16 rows, switched on
+            small = _fused_kernels().small_batch_linear if x.is_cuda else None
+            if small is not None and small.serves(x, self.weight):  # 2-16 rows of a tuned shape
                 y = small.small_batch_linear(x, self.weight, self.bias)
             else:
                 y = F.linear(x, self.weight, self.bias)
@@ -412,14 +412,11 @@ class MLP(FusedKernelSwitch, nn.Module):
         """reduce False: this rank's partial output (tensor parallelism), summed by the caller."""
         if self._use_fused(x):
             kernels = _fused_kernels()
-            small = kernels.small_batch_linear
-            if not self.gelu_tanh and small.serves(
-                x, self.gate_up_proj.weight, silu_mul=True
-            ):  # SiLU in gate_up's epilogue
-                gate_up = self.gate_up_proj
-                return self.down_proj(
-                    small.small_batch_linear(x, gate_up.weight, gate_up.bias, silu_mul=True), reduce=reduce
-                )
+            small, gate_up = kernels.small_batch_linear, self.gate_up_proj
+            if not self.gelu_tanh and small.serves(x, gate_up.weight, silu_mul=True):
+                # SiLU in gate_up's epilogue: no activation launch, and down reads [T, I].
+                act = small.small_batch_linear(x, gate_up.weight, gate_up.bias, silu_mul=True)
+                return self.down_proj(act, reduce=reduce)
             act = kernels.gelu_tanh_and_mul if self.gelu_tanh else kernels.silu_and_mul
         else:
             act = gelu_tanh_and_mul_reference if self.gelu_tanh else silu_and_mul_reference
