@@ -107,10 +107,44 @@ def _compile(job):
     return bad
 
 
+def time_layer_stack(weights: dict, best: dict, hidden: int, q: int) -> tuple[float, float]:
+    """A decode layer's norms and linears (attention left out: o_proj reads qkv's first q
+    columns), 32 layers in one graph, through cuBLAS and through the small-batch GEMM at each
+    linear's best config: us a stack each."""
+    from strata.bench.graph_timing import graph_time_us
+    from strata.kernels.activation import silu_and_mul
+    from strata.kernels.rmsnorm import fused_add_rms_norm
+    from strata.kernels.small_batch_linear import small_batch_linear
+
+    h = torch.randn(ROWS, hidden, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+
+    def linear(x, name, i, small, silu=False):
+        if small:
+            return small_batch_linear(x, weights[name][i], silu_mul=silu, config=best[name])
+        y = F.linear(x, weights[name][i])
+        return silu_and_mul(y) if silu else y
+
+    def layer(i, small: bool):
+        x, res = fused_add_rms_norm(h, h.clone(), norm_w, 1e-5)
+        o = linear(linear(x, "qkv", i, small)[:, :q].contiguous(), "o_proj", i, small)
+        x, res = fused_add_rms_norm(o, res, norm_w, 1e-5)
+        return linear(linear(x, "gate_up", i, small, silu=True), "down", i, small)
+
+    return tuple(
+        graph_time_us(lambda i, s=s: layer(i, s), LAYERS, replays=10, repeats=3) * LAYERS for s in (False, True)
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="8b", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--ranks", default="1,2", help="comma-separated tensor-parallel widths (a rank's shapes)")
+    p.add_argument(
+        "--linears",
+        default="qkv,o_proj,gate_up,down",
+        help="comma-separated, the linears swept (the layer stack needs all four)",
+    )
     p.add_argument("--stages", default="3,4")
     p.add_argument("--jobs", type=int, default=8, help="processes compiling the configs")
     p.add_argument("--top", type=int, default=3, help="configs printed per shape")
@@ -121,10 +155,13 @@ def main() -> None:
     )
     a = p.parse_args()
     stages = [int(s) for s in a.stages.split(",")]
+    linears = a.linears.split(",")
     todo = []
     ways = [(m, int(r)) for m in a.models.split(",") for r in a.ranks.split(",")]
     for model, ranks in ways:
-        for rows, k, silu in shapes(model, ranks).values():
+        for name, (rows, k, silu) in shapes(model, ranks).items():
+            if name not in linears:
+                continue
             cs = neighbours(rows, k, silu) if a.around_tuned else configs(rows, k, silu, stages)
             todo += [(rows, k, silu, cs[i :: a.jobs]) for i in range(a.jobs) if cs[i :: a.jobs]]
     with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
@@ -134,7 +171,6 @@ def main() -> None:
     from strata.bench.graph_timing import graph_time_us
     from strata.kernels import dependent_launch
     from strata.kernels.activation import silu_and_mul
-    from strata.kernels.rmsnorm import fused_add_rms_norm
     from strata.kernels.small_batch_linear import choose_config, small_batch_linear
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -144,6 +180,8 @@ def main() -> None:
         hidden, q = MODELS[model][:2]
         best, weights = {}, {}
         for name, (rows, k, silu) in shapes(model, ranks).items():
+            if name not in linears:
+                continue
             ws = [torch.randn(rows, k, device=dev, dtype=dtype) * k**-0.5 for _ in range(LAYERS)]
             x = torch.randn(ROWS, k, device=dev, dtype=dtype)
             want = F.linear(x, ws[0])
@@ -188,30 +226,13 @@ def main() -> None:
             if timed[0][0] < base:
                 tuned[(rows, k, silu)] = (timed[0][1], base / timed[0][0])
 
-        # The layer stack: a decode layer's linears and norms, 32 layers, one graph.
-        h = torch.randn(ROWS, hidden, device=dev, dtype=dtype)
-        norm_w = torch.ones(hidden, device=dev, dtype=dtype)
-
-        def linear(x, name, i, small, silu=False):
-            if small:
-                return small_batch_linear(x, weights[name][i], silu_mul=silu, config=best[name])
-            y = F.linear(x, weights[name][i])
-            return silu_and_mul(y) if silu else y
-
-        def layer(i, small: bool):
-            x, res = fused_add_rms_norm(h, h.clone(), norm_w, 1e-5)
-            qkv = linear(x, "qkv", i, small)
-            o = linear(qkv[:, : q // ranks].contiguous(), "o_proj", i, small)
-            x, res = fused_add_rms_norm(o, res, norm_w, 1e-5)
-            return linear(linear(x, "gate_up", i, small, silu=True), "down", i, small)
-
-        t_cublas = graph_time_us(lambda i: layer(i, False), LAYERS, replays=10, repeats=3) * LAYERS
-        t_small = graph_time_us(lambda i: layer(i, True), LAYERS, replays=10, repeats=3) * LAYERS
-        print(
-            f"{which}: 32 layers (norms, linears, SiLU), {ROWS} rows: cuBLAS {t_cublas:7.1f} us, small-batch GEMM "
-            f"{t_small:7.1f} us ({t_small - t_cublas:+.1f} us, {t_cublas / t_small:.3f}x)",
-            flush=True,
-        )
+        if len(weights) == 4:
+            t_cublas, t_small = time_layer_stack(weights, best, hidden, q // ranks)
+            print(
+                f"{which}: 32 layers (norms, linears, SiLU), {ROWS} rows: cuBLAS {t_cublas:7.1f} us, small-batch "
+                f"GEMM {t_small:7.1f} us ({t_small - t_cublas:+.1f} us, {t_cublas / t_small:.3f}x)",
+                flush=True,
+            )
         weights.clear()
         torch.cuda.empty_cache()
     print("\nFaster than cuBLAS, (W rows, K, silu_mul): config, x cuBLAS")

@@ -29,6 +29,10 @@
 # a rank's compute alone is 0.600x one GPU's), profiled a rank's batch-16 step kernel by kernel,
 # and sped up the norm one-shot past 256 rows (528 rows: 18.4 against 20.7 us); an L2 prefetch of
 # cuBLAS's weights and a small-batch Triton GEMM with its weights before the wait were both slower.
+# Session 18 ("A small-batch GEMM of our own") served 2-16 rows through a split-K Triton GEMM with
+# per-shape configs (kernels/small_batch_linear.py): `tp ipc 1,tp2` three times, 16 streams 0.57-0.60x
+# by the p50 and 0.61-0.63x by the mean (missed: the waves' prefills and their NCCL all-reduces);
+# NCCL past 8 MiB moves ~250 GB/s.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU

@@ -114,3 +114,29 @@ else:
         x = torch.randn(6, 512, generator=gen).to(torch.float16)[:, :256]
         got = small_batch_linear(x, w, config=SmallBatchConfig(block_n=16, block_k=128, split_k=2, num_stages=2))
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=2e-3, rtol=2e-3)
+
+    def test_an_mlp_of_a_tuned_shape_takes_silu_in_gate_ups_epilogue(monkeypatch):
+        # The MLP's path (services/worker/model/layers.py) with a config tuned for its gate_up: one
+        # launch gives silu(gate) * up, and the output equals the torch path's.
+        from types import SimpleNamespace
+
+        from strata.kernels import small_batch_linear as sbl
+        from strata.services.worker.model.layers import MLP
+
+        hidden, inter = 64, 128
+        config = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=False, hidden_act="silu")
+        mlp = MLP(config, "cpu", torch.float16)
+        gen = torch.Generator().manual_seed(3)
+        for p in mlp.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) / 8).to(torch.float16))
+        x = torch.randn(4, hidden, generator=gen).to(torch.float16)
+        monkeypatch.setitem(sbl.TUNED, (2 * inter, hidden, True), SmallBatchConfig(16, 32, 2, 2))
+        calls = []
+        real = sbl.small_batch_linear
+        monkeypatch.setattr(sbl, "small_batch_linear", lambda *a, **k: calls.append(k) or real(*a, **k))
+        mlp.fused_kernels = True
+        got = mlp(x)
+        mlp.fused_kernels = False
+        want = mlp(x)
+        assert [c.get("silu_mul") for c in calls] == [True]
+        torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=4e-3)
