@@ -3,8 +3,8 @@ program merges the splits in the same launch, SiLU-and-mul in gate_up's epilogue
 weight tile loaded before the dependent-launch wait.
 
 At 16 rows a linear is a stream of its weights, and cuBLAS pays three fixed costs for the small
-ones (bench/RESULTS.md, "What the 16-stream gap is made of"): a split-K reduce launch after
-qkv, o_proj and down (64 launches an 8B step, 116 us), the separate SiLU-and-mul launch (32, 52 us),
+ones (bench/RESULTS.md, "What the 16-stream gap is made of"): a split-K reduce launch after two
+of qkv, o_proj and down (64 launches an 8B step, 116 us), the separate SiLU-and-mul launch (32, 52 us),
 and each GEMM's ramp, which a library kernel cannot overlap with the kernel before it. They do
 not shrink with tensor parallelism, so they hold a rank's step above half of one GPU's.
 

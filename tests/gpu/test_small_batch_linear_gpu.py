@@ -1,6 +1,7 @@
-"""The small-batch GEMM (kernels/small_batch_linear.py) on a GPU: bf16 at the 8B's shapes (one
-GPU's and a TP2 rank's) against F.linear, and in a CUDA graph as a programmatic dependent of the
-RMSNorm before it, whose output it must read only after its wait (its weights before).
+"""The small-batch GEMM (kernels/small_batch_linear.py) on a GPU: bf16 at every tuned shape (split-K,
+bias, SiLU in the epilogue) against F.linear; in a CUDA graph as a programmatic dependent of the
+RMSNorm before it, whose output it must read only after its wait (its weights before); and an 8B
+decoder layer's linears in a graph against the same layer's cuBLAS step.
 
     python -m pytest tests/gpu/test_small_batch_linear_gpu.py -q
 """
