@@ -90,6 +90,18 @@ def neighbours(rows: int, k: int, silu: bool):
     ]
 
 
+def sweep_plan(ways, linears: list[str], around_tuned: bool, stages: list[int]) -> dict:
+    """(model, ranks) -> [(linear, W rows, K, silu_mul, its configs)] of the linears swept."""
+    plan = {}
+    for model, ranks in ways:
+        plan[(model, ranks)] = [
+            (name, rows, k, silu, neighbours(rows, k, silu) if around_tuned else configs(rows, k, silu, stages))
+            for name, (rows, k, silu) in shapes(model, ranks).items()
+            if name in linears
+        ]
+    return plan
+
+
 def _compile(job):
     """Run each config once on the shape (fills Triton's on-disk cache for the timing process)."""
     from strata.kernels.small_batch_linear import small_batch_linear
@@ -156,14 +168,15 @@ def main() -> None:
     a = p.parse_args()
     stages = [int(s) for s in a.stages.split(",")]
     linears = a.linears.split(",")
-    todo = []
     ways = [(m, int(r)) for m in a.models.split(",") for r in a.ranks.split(",")]
-    for model, ranks in ways:
-        for name, (rows, k, silu) in shapes(model, ranks).items():
-            if name not in linears:
-                continue
-            cs = neighbours(rows, k, silu) if a.around_tuned else configs(rows, k, silu, stages)
-            todo += [(rows, k, silu, cs[i :: a.jobs]) for i in range(a.jobs) if cs[i :: a.jobs]]
+    plan = sweep_plan(ways, linears, a.around_tuned, stages)
+    todo = [
+        (rows, k, silu, cs[i :: a.jobs])
+        for swept in plan.values()
+        for _, rows, k, silu, cs in swept
+        for i in range(a.jobs)
+        if cs[i :: a.jobs]
+    ]
     with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
         dropped = {c for bad in pool.map(_compile, todo) for c, _ in bad}
     print(f"compiled; {len(dropped)} configs dropped", flush=True)
@@ -179,9 +192,7 @@ def main() -> None:
         which = f"{model}/{ranks}"
         hidden, q = MODELS[model][:2]
         best, weights = {}, {}
-        for name, (rows, k, silu) in shapes(model, ranks).items():
-            if name not in linears:
-                continue
+        for name, rows, k, silu, candidates in plan[(model, ranks)]:
             ws = [torch.randn(rows, k, device=dev, dtype=dtype) * k**-0.5 for _ in range(LAYERS)]
             x = torch.randn(ROWS, k, device=dev, dtype=dtype)
             want = F.linear(x, ws[0])
@@ -197,7 +208,6 @@ def main() -> None:
                 f"{which:>4} {name:<8} N={rows:<6} K={k:<6} {mb:6.1f} MB  cuBLAS {base:6.2f} us ({mb / base:4.2f} TB/s)"
             )
             timed = []
-            candidates = neighbours(rows, k, silu) if a.around_tuned else configs(rows, k, silu, stages)
             for c in [c for c in candidates if c not in dropped]:
                 got = small_batch_linear(x, ws[0], silu_mul=silu, config=c)
                 err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
