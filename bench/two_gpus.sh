@@ -42,6 +42,7 @@
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
+#   bash bench/two_gpus.sh COMMIT small-gemm    # (one GPU will do) small-batch GEMM configs for Qwen3-8B and the 1B
 #   bash bench/two_gpus.sh COMMIT prefix-groups-dp  # prefix groups against the plain cache at one and two replicas
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
@@ -77,7 +78,7 @@ run() {  # tag, seconds, command...: the log in $OUT, its figures here
   echo "=== $tag $(date +%T)"
   timeout "$secs" "$@" > "$OUT/$tag.log" 2>&1
   echo "rc=$? $(date +%T)"
-  grep -v -i warn "$OUT/$tag.log" | grep -E "x one|arget|tok/s|TPOT|KiB|chain|passed|failed|FAIL|RESULTS|^\|" | tail -40
+  grep -v -i warn "$OUT/$tag.log" | grep -E "x one|arget|tok/s|TPOT|KiB|chain|passed|failed|FAIL|RESULTS|cuBLAS|Config\(|^\|" | tail -40
 }
 
 case $phase in
@@ -104,6 +105,12 @@ case $phase in
     # ~1 us a layer faster, but the whole model's shape lost in the chain what it won alone)
     run rank_attention 400 python -m strata.bench.decode_chain --models dummy:llama-3-8b --ways "chain + PDL" \
       --batches 1,16 --tensor-parallel-rank-of 2 --wide-max-pairs 0,4,8 --json "$OUT/rank_attention.json"
+    ;;
+  small-gemm)  # one GPU is enough: kernels/small_batch_linear.py's configs for shapes it has none for yet
+    # (Qwen3-8B's gate_up and down; its qkv and o_proj are the 8B's), then the 1B's; print the TUNED rows
+    run small_gemm 450 python -m strata.bench.small_batch_linear --models qwen3-8b --linears gate_up,down \
+      --jobs 14 --top 2
+    run small_gemm_1b 120 python -m strata.bench.small_batch_linear --models 1b --stages 3 --jobs 14 --top 2
     ;;
   tp-faults)  # kill -9 and SIGSTOP of a rank, NCCL and ipc; the logs show each abort and InitCache
     run tp_faults 420 python -m pytest -q -rA -p no:cacheprovider --timeout 150 tests/gpu/test_tensor_parallel_gpu.py \
