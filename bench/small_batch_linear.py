@@ -2,7 +2,7 @@
 then a layer stack (norm, qkv, o_proj, norm, gate_up + SiLU, down; 32 layers, one CUDA graph).
 
     python -m strata.bench.small_batch_linear                  # 8B: one GPU's shapes and a TP2 rank's
-    python -m strata.bench.small_batch_linear --models 1b,qwen3-8b --ranks 1,2,4 --jobs 8
+    python -m strata.bench.small_batch_linear --models llama-3.2-1b,qwen3-8b --ranks 1,2,4 --jobs 8
 
 Each shape is timed over 32 weight copies (past L2), as bench_linear does. gate_up's cuBLAS row is
 F.linear then the SiLU-and-mul launch, against the kernel's fused epilogue. The configs compile in
@@ -18,24 +18,21 @@ import multiprocessing
 import torch
 import torch.nn.functional as F
 
-# hidden, query width, KV width (heads x head size), intermediate
-MODELS = {
-    "8b": (4096, 4096, 1024, 14336),  # Llama-3.1-8B, Mistral-7B
-    "1b": (2048, 2048, 512, 8192),  # Llama-3.2-1B
-    "qwen3-8b": (4096, 4096, 1024, 12288),
-    "qwen2.5-7b": (3584, 3584, 512, 18944),
-}
 LAYERS, ROWS = 32, 16
 
 
 def shapes(model: str, ranks: int) -> dict[str, tuple[int, int, bool]]:
-    """name -> (W rows, K, silu_mul) of one layer of `model` at `ranks` ranks."""
-    hidden, q, kv, inter = MODELS[model]
+    """name -> (W rows, K, silu_mul) of one layer of the dummy preset `model` (strata serve --model
+    dummy:NAME) at `ranks` ranks: qkv and gate_up split by columns, o_proj and down by rows."""
+    from strata.services.worker.model.weights import dummy_config
+
+    c = dummy_config(model)
+    hidden, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return {
         "qkv": ((q + 2 * kv) // ranks, hidden, False),
         "o_proj": (hidden, q // ranks, False),
-        "gate_up": (2 * inter // ranks, hidden, True),
-        "down": (hidden, inter // ranks, False),
+        "gate_up": (2 * c.intermediate_size // ranks, hidden, True),
+        "down": (hidden, c.intermediate_size // ranks, False),
     }
 
 
@@ -150,7 +147,9 @@ def time_layer_stack(weights: dict, best: dict, hidden: int, q: int) -> tuple[fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="8b", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument(
+        "--models", default="llama-3-8b", help="comma-separated dummy presets (llama-3-8b, llama-3.2-1b, qwen3-8b, ...)"
+    )
     p.add_argument("--ranks", default="1,2", help="comma-separated tensor-parallel widths (a rank's shapes)")
     p.add_argument(
         "--linears",
@@ -190,7 +189,7 @@ def main() -> None:
     tuned = {}
     for model, ranks in ways:
         which = f"{model}/{ranks}"
-        hidden, q = MODELS[model][:2]
+        hidden, q, _ = shapes(model, 1)["o_proj"]  # (W rows, K) of o_proj at one rank
         best, weights = {}, {}
         for name, rows, k, silu, candidates in plan[(model, ranks)]:
             ws = [torch.randn(rows, k, device=dev, dtype=dtype) * k**-0.5 for _ in range(LAYERS)]

@@ -75,14 +75,13 @@ async def _phase(endpoints, run):
     elapsed = time.perf_counter() - start
     after_w = await rank_stats(endpoints.workers)
     done = [r for r in records if not r.error]
-    tpots = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    decoded = [r for r in done if r.output_tokens > 1]
+    tpots = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in decoded]
     # A request whose decode (first token to last) saw another's first token met a prefill step:
     # the two modes of the per-request TPOT (bench/RESULTS.md, session 16).
     firsts = sorted(r.chunk_times[0] for r in done if r.chunk_times)
     met = [
-        bisect.bisect_left(firsts, r.chunk_times[-1]) - bisect.bisect_right(firsts, r.chunk_times[0]) > 0
-        for r in done
-        if r.output_tokens > 1
+        bisect.bisect_left(firsts, r.chunk_times[-1]) > bisect.bisect_right(firsts, r.chunk_times[0]) for r in decoded
     ]
     busy = [(a.busy_seconds - b.busy_seconds) / elapsed for b, a in zip(before_w, after_w)]
     steps = [a.steps - b.steps for b, a in zip(before_w, after_w)]
@@ -96,8 +95,7 @@ async def _phase(endpoints, run):
         "decodes_meeting_prefills": sum(met) / max(len(met), 1),
         # Each request's TPOT and first-token time (ms from the phase's start), for the modes.
         "requests_ms": [
-            [round((r.chunk_times[0] - start) * 1e3, 2), round(t * 1e3, 3)]
-            for r, t in zip([r for r in done if r.output_tokens > 1], tpots)
+            [round((r.chunk_times[0] - start) * 1e3, 2), round(t * 1e3, 3)] for r, t in zip(decoded, tpots)
         ],
         "gpu_busy_share": busy,
         "gpu_seconds_per_step": [

@@ -110,7 +110,7 @@ case $phase in
     # (Qwen3-8B's gate_up and down; its qkv and o_proj are the 8B's), then the 1B's; print the TUNED rows
     run small_gemm 450 python -m strata.bench.small_batch_linear --models qwen3-8b --linears gate_up,down \
       --jobs 14 --top 2
-    run small_gemm_1b 120 python -m strata.bench.small_batch_linear --models 1b --stages 3 --jobs 14 --top 2
+    run small_gemm_1b 120 python -m strata.bench.small_batch_linear --models llama-3.2-1b --stages 3 --jobs 14 --top 2
     ;;
   tp-faults)  # kill -9 and SIGSTOP of a rank, NCCL and ipc; the logs show each abort and InitCache
     run tp_faults 420 python -m pytest -q -rA -p no:cacheprovider --timeout 150 tests/gpu/test_tensor_parallel_gpu.py \

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import secrets
@@ -85,6 +86,7 @@ def free_port() -> int:
             return port
 
 
+@functools.cache
 def _ephemeral_range_start() -> int:
     """The first port of the OS's range for outgoing connections' source ports (Linux), or 0."""
     try:
