@@ -363,6 +363,19 @@ class RequestRecord:
         return (gaps / np.asarray(self.chunk_tokens[1:])).tolist()
 
 
+def first_token_groups(records: list[RequestRecord], gap_s: float) -> list[int]:
+    """Sizes of the runs of first tokens no more than gap_s apart, in time order: how the requests'
+    arrivals fell into prefill steps."""
+    firsts = sorted(r.chunk_times[0] for r in records if r.chunk_times)
+    groups = []
+    for i, t in enumerate(firsts):
+        if i and t - firsts[i - 1] <= gap_s:
+            groups[-1] += 1
+        else:
+            groups.append(1)
+    return groups
+
+
 def scheduler_channel(address: str):
     """A channel to a scheduler: internal, so its calls carry the cluster token."""
     from strata.grpc_util import aio_channel, cluster_token

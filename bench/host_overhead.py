@@ -47,14 +47,28 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
         "steps": steps,
         "host_s": after.host_seconds - before.host_seconds,
         "output_tokens": sum(r.output_tokens for r in records),
-        "device_busy_s": steps * args.step_ms / 1e3,
+        "device_busy_s": steps * args.step_ms / 1e3
+        + (after.prefill_tokens_computed - before.prefill_tokens_computed) * args.prefill_us_per_token / 1e6,
         "itl_ms": common.summarize([x for r in records for x in r.inter_token_latencies()]),
+        "tpot_ms": common.summarize(
+            [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
+        ),
+        "ttft_ms": common.summarize([r.ttft for r in records if r.chunk_times]),
+        "latency_ms": common.summarize([r.latency for r in records]),
+        "prefill_tokens": after.prefill_tokens_computed - before.prefill_tokens_computed,
+        "first_token_groups": common.first_token_groups(records, args.step_ms / 2e3),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time per step")
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="simulated device time per prefill token, added to the step's (TP2 8B on H200s: about 12)",
+    )
     p.add_argument("--num-prompts", type=int, default=1000, help="requests")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
@@ -90,7 +104,16 @@ def main() -> None:
         worker, sched, gateway = (f"127.0.0.1:{free_port()}" for _ in range(3))
         cluster.start(
             "worker",
-            ["--port", worker.split(":")[1], "--step-ms", str(args.step_ms), "--max-num-seqs", str(args.max_num_seqs)],
+            [
+                "--port",
+                worker.split(":")[1],
+                "--step-ms",
+                str(args.step_ms),
+                "--prefill-us-per-token",
+                str(args.prefill_us_per_token),
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+            ],
             module="strata.bench.simulated_worker",
         )
         cluster.start(
@@ -155,7 +178,11 @@ def main() -> None:
                         "ITL ms",
                         f"p50 {r['itl_ms']['p50']:.3f}  p99 {r['itl_ms']['p99']:.3f}  "
                         f"(p50 {r['itl_ms']['p50'] / args.step_ms:.2f}x the step)",
-                    )
+                    ),
+                    ("TPOT ms", f"p50 {r['tpot_ms']['p50']:.3f}  mean {r['tpot_ms']['mean']:.3f}"),
+                    ("TTFT ms", f"p50 {r['ttft_ms']['p50']:.2f}  mean {r['ttft_ms']['mean']:.2f}"),
+                    ("request latency ms", f"p50 {r['latency_ms']['p50']:.1f}  mean {r['latency_ms']['mean']:.1f}"),
+                    ("first tokens in groups of", " ".join(map(str, r["first_token_groups"]))),
                 ]
                 if args.streams
                 else []

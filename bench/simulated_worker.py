@@ -28,18 +28,20 @@ from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 
 class SimulatedDevice:
-    """Steps queue up and run one after another, each taking step_s (a CUDA stream's order)."""
+    """Steps queue up and run one after another (a CUDA stream's order), each taking step_s plus
+    prefill_token_s for every token past one a sequence (prefill tokens), so that how arrivals fall
+    into prefill steps shapes the streams' TPOT as on a GPU."""
 
-    def __init__(self, step_s: float):
-        self.step_s = step_s
+    def __init__(self, step_s: float, prefill_token_s: float = 0.0):
+        self.step_s, self.prefill_token_s = step_s, prefill_token_s
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def launch(self) -> float:
+    def launch(self, prefill_tokens: int = 0) -> float:
         """Queues a step now; returns when it will have finished."""
         with self._lock:
             start = max(time.perf_counter(), self._free_at)
-            self._free_at = start + self.step_s
+            self._free_at = start + self.step_s + prefill_tokens * self.prefill_token_s
             return self._free_at
 
 
@@ -94,7 +96,11 @@ class SimulatedRunner(ModelRunner):
         # A token that depends on the sequence and position, within the vocabulary.
         tokens = ((h.sample_rows * 7919 + h.sample_positions) % (self.config.vocab_size - 2) + 2).tolist()
         return SimulatedResult(
-            plan.step_id, h.sample_seq_ids, tokens, self.simulated.launch(), time.perf_counter() - start
+            plan.step_id,
+            h.sample_seq_ids,
+            tokens,
+            self.simulated.launch(len(h.positions) - len(h.seq_lens)),
+            time.perf_counter() - start,
         )
 
 
@@ -103,7 +109,7 @@ def build(args) -> tuple[SimulatedRunner, engine_pb2.WorkerDescription]:
     config = ModelConfig.from_dir(model_dir)
     runner = SimulatedRunner(
         config,
-        SimulatedDevice(args.step_ms / 1e3),
+        SimulatedDevice(args.step_ms / 1e3, args.prefill_us_per_token / 1e6),
         args.block_size,
         args.max_model_len,
         max(4 * args.max_num_seqs, 1024),
@@ -147,6 +153,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, required=True, help="port to serve the Worker service on (127.0.0.1)")
     p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time of every step")
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="simulated device time per prefill token (tokens past one a sequence), added to --step-ms",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sizes the sequence table")
