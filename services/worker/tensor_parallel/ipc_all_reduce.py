@@ -76,10 +76,10 @@ class IpcAllReduce:
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)  # marked before any peer can see them
         keys = dist.PrefixStore(f"strata/ipc/{session}/{kind}/", store)
-        keys.set(str(rank), _exported(self.buffer))
+        keys.set(str(rank), exported_handle(self.buffer))
         keys.wait([str(r) for r in range(size)], datetime.timedelta(seconds=timeout))
         buffers = [
-            self.buffer if r == rank else open_memory(_memory(keys.get(str(r))), device, dtype, self.buffer.numel())
+            self.buffer if r == rank else peer_memory(keys.get(str(r)), device, dtype, self.buffer.numel())
             for r in range(size)
         ]
         # (The peers' memory stays mapped while these tensors live.)
@@ -149,16 +149,17 @@ class IpcAllReduce:
         _RETIRED.append(self)
 
 
-def _exported(t: torch.Tensor) -> bytes:
+def exported_handle(t: torch.Tensor) -> bytes:
     """t's CUDA IPC handle, without the event that torch would have a peer wait on before using
-    it: t is marked empty and synchronized already, and a peer on another GPU would have to open an
+    it: t is initialised and synchronized already, and a peer on another GPU would have to open an
     event of this GPU's only to wait on nothing."""
     m = export_memory(t)
     m.event_handle, m.event_sync_required = b"", False
     return m.SerializeToString()
 
 
-def _memory(raw: bytes) -> engine_pb2.CudaIpcMemory:
+def peer_memory(raw: bytes, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A peer's tensor of exported_handle, mapped here."""
     m = engine_pb2.CudaIpcMemory()
     m.ParseFromString(raw)
-    return m
+    return open_memory(m, device, dtype, numel)
