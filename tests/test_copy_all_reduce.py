@@ -24,14 +24,15 @@ from tests.triton_interpreter import can_run_interpreted_here, rerun_under_inter
 def _ranks(capacity: int, dtype=torch.float32, min_numel: int = 0):
     """Two ranks' all-reduces as CopyEngineAllReduce builds them, over CPU tensors: each rank's
     peer_recv and peer_flags are the other's recv and flags (CUDA IPC's mapping)."""
-    from strata.services.worker.tensor_parallel.copy_all_reduce import CopyEngineAllReduce
+    from strata.services.worker.tensor_parallel.copy_all_reduce import PIECES, CopyEngineAllReduce
 
     ranks = []
     for rank in range(2):
         r = object.__new__(CopyEngineAllReduce)
         r.dtype, r.rank, r.capacity, r.min_numel, r.aborted, r.calls = dtype, rank, capacity, min_numel, False, 0
         r.recv = torch.full((2 * capacity,), float("nan"), dtype=dtype)
-        r.flags = torch.zeros(2, dtype=torch.int32)
+        r.flags = torch.zeros(2 * PIECES, dtype=torch.int32)
+        r.copy_stream = None
         r.abort_word = torch.zeros(1, dtype=torch.int32)
         ranks.append(r)
     for r in ranks:
@@ -48,12 +49,14 @@ def _play(ranks, parts: list[torch.Tensor], rows: int = 0) -> torch.Tensor:
     from strata.kernels.copy_all_reduce import wait_add
 
     rank0, rank1 = ranks
-    mine = parts[1].reshape(-1).split(rows * parts[1].shape[-1] if rows else rank1.capacity)
-    sent = [rank1._send(part) for part in mine]
-    assert len(sent) <= 2, "a peer runs at most one call ahead"
+    unit = parts[1].shape[-1] if rows else 1
+    mine = parts[1].reshape(-1).split(rows * unit if rows else rank1.capacity)
+    sent = [rank1._send(message, unit) for message in mine]
+    assert len(sent) <= 2, "a peer runs at most one message ahead"
     done = rank0.add_rms_norm(*parts[0]) if rows else rank0(parts[0])
-    for part, (recv, flag, call) in zip(mine, sent):
-        wait_add(part, recv, flag, call, rank1.abort_word)
+    for message, s in zip(mine, sent):
+        for a, b, recv, flag in rank1._pieces(s):
+            wait_add(message[a:b], recv, flag, s.call, rank1.abort_word)
     return done
 
 
@@ -140,7 +143,11 @@ if not can_run_interpreted_here("strata.kernels.copy_all_reduce"):
 else:
 
     @pytest.mark.parametrize("n", [3000, 8192, 9000])  # a part-filled program; two whole; past the buffer
-    def test_two_ranks_sum_exactly_over_calls_of_both_parities(n):
+    @pytest.mark.parametrize("piece_bytes", [4 << 20, 4096], ids=["whole", "in-pieces"])
+    def test_two_ranks_sum_exactly_over_calls_of_both_parities(n, piece_bytes, monkeypatch):
+        from strata.services.worker.tensor_parallel import copy_all_reduce
+
+        monkeypatch.setattr(copy_all_reduce, "MIN_PIECE_BYTES", piece_bytes)  # 8,192 floats: 4 pieces
         ranks = _ranks(capacity=8192)
         for call in range(3):
             x = [torch.arange(n, dtype=torch.float32) * (r + 1) - 7 + call for r in range(2)]
@@ -161,8 +168,11 @@ else:
         assert not r(torch.zeros(128))
 
     @pytest.mark.parametrize("with_residual", [True, False])
-    def test_the_norm_variant_adds_and_normalises_the_sum(with_residual):
+    def test_the_norm_variant_adds_and_normalises_the_sum(with_residual, monkeypatch):
         from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+        from strata.services.worker.tensor_parallel import copy_all_reduce
+
+        monkeypatch.setattr(copy_all_reduce, "MIN_PIECE_BYTES", 2048)  # 4 rows of 1 KB: two pieces of two rows
 
         hidden, rows, eps = 256, 7, 1e-5
         # float32: the interpreter rounds to bfloat16 otherwise than a GPU (bf16 bits: the GPU tests)
@@ -181,6 +191,16 @@ else:
         out, res = _play(ranks, [args, parts[1].clone()], rows=4)
         torch.testing.assert_close(out, want_out)  # (the sum of squares: numpy's order, not the warps')
         assert torch.equal(res, want_res)
+
+    def test_a_message_goes_in_pieces_of_whole_rows(monkeypatch):
+        from strata.services.worker.tensor_parallel import copy_all_reduce
+
+        r = _ranks(capacity=1 << 20)[0]
+        assert r._bounds(4096, 1) == [(0, 4096)]  # 16 KB of float32: one piece
+        monkeypatch.setattr(copy_all_reduce, "MIN_PIECE_BYTES", 1024)
+        assert r._bounds(4096, 1) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]  # at most 4
+        assert r._bounds(7 * 256, 256) == [(0, 512), (512, 1024), (1024, 1536), (1536, 1792)]  # rows of 256
+        assert r._bounds(2 * 256, 256) == [(0, 256), (256, 512)]  # no more pieces than rows
 
     def test_the_abort_word_releases_a_wait_whose_peer_never_comes():
         rank0, _ = _ranks(capacity=1024)

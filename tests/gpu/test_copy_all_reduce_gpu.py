@@ -28,12 +28,13 @@ def _copy_engine(rank, one_shot, max_bytes: int = 4 << 20):
 
 
 def _sums(rank, one_shot):
-    """Integer-valued inputs (exact in bf16) of 0.5 to 10 MiB through a 4 MiB buffer: one call, or
-    parts of it; repeated, so both parities serve; then a graph capture, which it declines."""
-    engine = _copy_engine(rank, one_shot)
+    """Integer-valued inputs (exact in bf16) of 0.5 to 20 MiB through a 16 MiB buffer: one piece,
+    several (4 MiB each at least), or messages of the buffer's size; repeated, so both parities
+    serve; then a graph capture, which it declines."""
+    engine = _copy_engine(rank, one_shot, max_bytes=16 << 20)
     device = engine.recv.device
     got = []
-    for n in (1 << 18, 3 << 20, 5 << 20 | 77, 1 << 18, 2 << 20):
+    for n in (1 << 18, 3 << 20, 10 << 20 | 77, 1 << 18, 4 << 20):
         x = (torch.arange(n, device=device) % 7 + rank * 10).to(torch.bfloat16)
         assert engine(x)
         want = (torch.arange(n, device=device) % 7) * 2 + 10
@@ -51,22 +52,22 @@ def test_sums_are_exact_over_both_parities_and_in_parts(spread):
     for got, declined, calls in _on_ranks(_sums, spread):
         assert all(got), got
         assert declined
-        assert calls == 1 + 2 + 3 + 1 + 1  # 6 MiB in two parts, 10 MiB in three
+        assert calls == 1 + 1 + 2 + 1 + 1  # 20 MiB in two messages
 
 
 def _normed(rank, one_shot):
     """The copy engine's add and norm against the one-shot's sum followed by rmsnorm.py's
-    fused_add_rms_norm: the same bits, for rows in one call and in parts, without a residual and
-    in place."""
+    fused_add_rms_norm: the same bits, for rows in one piece, in pieces and in messages, without a
+    residual and in place."""
     from strata.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
-    engine = _copy_engine(rank, one_shot)
+    engine = _copy_engine(rank, one_shot, max_bytes=16 << 20)
     device, hidden, eps = engine.recv.device, 4096, 1e-5
     common = torch.Generator(device="cpu").manual_seed(5)  # the same residual and weight on every rank
     weight = torch.randn(hidden, generator=common).to(device=device, dtype=torch.bfloat16)
     own = torch.Generator(device="cpu").manual_seed(rank)
     same = []
-    for rows in (300, 1100):  # one call; three (512 rows fill the 4 MiB buffer)
+    for rows in (300, 1100, 2500):  # one piece; two; a message of four pieces (2,048 rows), then one
         x = torch.randn(rows, hidden, generator=own).to(device=device, dtype=torch.bfloat16)
         residual = torch.randn(rows, hidden, generator=common).to(device=device, dtype=torch.bfloat16)
         summed = x.clone()

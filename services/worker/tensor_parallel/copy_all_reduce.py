@@ -11,17 +11,33 @@ same order (the same plans, the same sizes), so the call numbers agree without a
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from strata.services.worker.tensor_parallel.ipc_all_reduce import exported_handle, peer_memory
 
-# Bytes a call carries at most: 8,192 tokens of an 8B model's 4,096-wide rows in bf16. Two such
-# receive buffers a rank (the parities).
+# Bytes a message carries at most: 8,192 tokens of an 8B model's 4,096-wide rows in bf16. Two such
+# receive buffers a rank (the parities). Longer messages go in parts, a message each.
 MAX_BYTES = 64 * 1024 * 1024
+# A message goes in up to PIECES pieces of at least MIN_PIECE_BYTES: the copy stream copies piece
+# i + 1 while the add of piece i runs, so only the last piece's add follows the copies.
+PIECES = 4
+MIN_PIECE_BYTES = 4 * 1024 * 1024
 # Buffers of earlier sessions: a kernel released by their abort word may still be reading them.
 _RETIRED: list[CopyEngineAllReduce] = []
+
+
+@dataclass
+class Sent:
+    """A message's pieces as this rank sent them: each one's element range, and the event after its
+    copy (None on CPU), to wait for before its add overwrites x."""
+
+    call: int
+    parity: int
+    bounds: list[tuple[int, int]]
+    copied: list
 
 
 class CopyEngineAllReduce:
@@ -45,8 +61,9 @@ class CopyEngineAllReduce:
         self.aborted = False
         self.calls = 0
         self.recv = torch.empty(2 * self.capacity, dtype=dtype, device=device)
-        self.flags = torch.zeros(2, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(2 * PIECES, dtype=torch.int32, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.copy_stream = torch.cuda.Stream(device)
         torch.cuda.synchronize(device)  # the flags are zero before the peer can write them
         keys = dist.PrefixStore(f"strata/copy-engine/{session}/", store)
         keys.set(f"recv{rank}", exported_handle(self.recv))
@@ -55,7 +72,7 @@ class CopyEngineAllReduce:
         keys.wait([f"recv{peer}", f"flags{peer}"], datetime.timedelta(seconds=timeout))
         # (The peer's memory stays mapped while these tensors live.)
         self.peer_recv = peer_memory(keys.get(f"recv{peer}"), device, dtype, self.recv.numel())
-        self.peer_flags = peer_memory(keys.get(f"flags{peer}"), device, torch.int32, 2)
+        self.peer_flags = peer_memory(keys.get(f"flags{peer}"), device, torch.int32, self.flags.numel())
 
     def _takes(self, x: torch.Tensor) -> bool:
         """Every rank decides alike: the same dtype, sizes and captures on each."""
@@ -68,17 +85,40 @@ class CopyEngineAllReduce:
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
         )
 
-    def _send(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Steps 1-2 of a call: part into the peer's receive buffer of the call's parity, then the
-        call's number into its flag. Returns this rank's buffer and flag to wait on, and the number."""
+    def _bounds(self, numel: int, unit: int) -> list[tuple[int, int]]:
+        """A message's pieces: element ranges of whole units (rows, for the norm)."""
+        units = numel // unit
+        pieces = max(1, min(PIECES, numel * self.dtype.itemsize // MIN_PIECE_BYTES, units))
+        per = -(-units // pieces)
+        return [(u * unit, min(u + per, units) * unit) for u in range(0, units, per)]
+
+    def _send(self, message: torch.Tensor, unit: int = 1) -> Sent:
+        """Steps 1-2 of a message (at most the buffer), piece by piece on the copy stream, after
+        what the current stream did so far: each piece into the peer's receive buffer of the
+        message's parity, then the message's number into that piece's flag there."""
         from strata.kernels.copy_all_reduce import signal
 
         self.calls += 1
-        parity = self.calls % 2
-        start = parity * self.capacity
-        self.peer_recv[start : start + part.numel()].copy_(part.view(-1))
-        signal(self.peer_flags[parity : parity + 1], self.calls)
-        return self.recv[start : start + part.numel()], self.flags[parity : parity + 1], self.calls
+        sent = Sent(self.calls, self.calls % 2, self._bounds(message.numel(), unit), [])
+        flat, base = message.view(-1), sent.parity * self.capacity
+        stream = self.copy_stream if message.is_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(message.device))
+        with torch.cuda.stream(stream):
+            for i, (a, b) in enumerate(sent.bounds):
+                self.peer_recv[base + a : base + b].copy_(flat[a:b])
+                signal(self.peer_flags[sent.parity * PIECES + i :][:1], sent.call)
+                sent.copied.append(None if stream is None else stream.record_event())
+        return sent
+
+    def _pieces(self, sent: Sent):
+        """Step 3's arguments, piece by piece, on the current stream once the piece's copy left x:
+        its element range, this rank's receive buffer and flag for it."""
+        base = sent.parity * self.capacity
+        for i, (a, b) in enumerate(sent.bounds):
+            if sent.copied[i] is not None:
+                torch.cuda.current_stream().wait_event(sent.copied[i])
+            yield a, b, self.recv[base + a : base + b], self.flags[sent.parity * PIECES + i :][:1]
 
     def __call__(self, x: torch.Tensor) -> bool:
         """x summed over both ranks in place; False (nothing done) when x is not for it."""
@@ -86,9 +126,10 @@ class CopyEngineAllReduce:
 
         if not self._takes(x):
             return False
-        for part in x.view(-1).split(self.capacity):
-            recv, flag, call = self._send(part)
-            wait_add(part, recv, flag, call, self.abort_word)
+        for message in x.view(-1).split(self.capacity):
+            sent = self._send(message)
+            for a, b, recv, flag in self._pieces(sent):
+                wait_add(message[a:b], recv, flag, sent.call, self.abort_word)
         return True
 
     def add_rms_norm(
@@ -116,23 +157,25 @@ class CopyEngineAllReduce:
             residual_out = x  # the sum alone, in place (a program reads its row first)
         elif residual_out is None:
             residual_out = torch.empty_like(x)
-        rows = self.capacity // x.shape[1]
+        width = x.shape[1]
+        rows = self.capacity // width
         for start in range(0, x.shape[0], rows):
-            part = slice(start, start + rows)
-            recv, flag, call = self._send(x[part])
-            wait_add_rms_norm(
-                x[part],
-                recv,
-                None if residual is None else residual[part],
-                weight,
-                eps,
-                unit_offset,
-                out[part],
-                residual_out[part],
-                flag,
-                call,
-                self.abort_word,
-            )
+            sent = self._send(x[start : start + rows], unit=width)
+            for a, b, recv, flag in self._pieces(sent):
+                part = slice(start + a // width, start + b // width)
+                wait_add_rms_norm(
+                    x[part],
+                    recv,
+                    None if residual is None else residual[part],
+                    weight,
+                    eps,
+                    unit_offset,
+                    out[part],
+                    residual_out[part],
+                    flag,
+                    sent.call,
+                    self.abort_word,
+                )
         return out, residual_out
 
     def abort(self) -> None:
