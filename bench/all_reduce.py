@@ -19,9 +19,7 @@ minus 64 GEMVs alone, what each all-reduce adds to the step (issue 51's budget: 
 Last, what follows a row-parallel linear in the unfused layers (batches past the decode chain):
 the sum, the residual add and the RMSNorm, per --norm-rows of the 8B's hidden size, as the ipc
 one-shot fused with them (what serves), the ipc sum then the add-norm kernel, NCCL's then that
-kernel, and the add-norm kernel alone (the floor without communication). And at two ranks, the
-sizes of prefill chunks (--prefill-rows), past the one-shot's buffer, eagerly: NCCL's sum against
-the copy-engine all-reduce's (tensor_parallel/copy_all_reduce.py), alone and with the add and norm.
+kernel, and the add-norm kernel alone (the floor without communication).
 
     python -m strata.bench.all_reduce                      # 2 GPUs
     python -m strata.bench.all_reduce --tensor-parallel-size 4 --json out.json
@@ -121,9 +119,8 @@ def _rank(rank: int, size: int, port: int, args, results) -> None:
     # (On one GPU the ranks' GEMVs would share it, and a chain's waiting programs could fill it.)
     chained = {} if args.one_gpu else _in_a_chain(methods, device, dtype, args.replays)
     normed = [] if group is None else _with_add_and_norm(store, rank, size, pg, ipc, device, dtype, args, meet)
-    prefill = [] if group is None or size != 2 else _prefill_sizes(store, rank, pg, device, dtype, args, meet)
     if rank == 0:
-        results.put((rows, chained, normed, prefill))
+        results.put((rows, chained, normed))
     ipc.abort()
     if group is not None:
         group.abort("done")
@@ -203,54 +200,7 @@ def _with_add_and_norm(store, rank, size, pg, ipc, device, dtype, args, meet) ->
     return out
 
 
-def _eager_us(call, calls: int = 20) -> float:
-    """us per call of `call` run eagerly, back to back (the copy engine's calls are not captured)."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
-def _prefill_sizes(store, rank, pg, device, dtype, args, meet) -> list[dict]:
-    """us per call at prefill chunks' sizes (--prefill-rows of the 8B's hidden 4,096; 4,096 rows
-    are 32 MiB), past the ipc one-shot's buffer, eagerly as prefill steps run them: NCCL's sum and
-    the two-rank copy-engine all-reduce's, then each followed by (or fused with) the residual add
-    and RMSNorm."""
-    from strata.kernels.rmsnorm import fused_add_rms_norm
-    from strata.services.worker.tensor_parallel.copy_all_reduce import CopyEngineAllReduce
-
-    engine = CopyEngineAllReduce(store, rank, 4, device, dtype)
-    hidden = 4096
-    weight = torch.ones(hidden, dtype=dtype, device=device)
-    out = []
-    for rows in args.prefill_rows:
-        x = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        residual = torch.zeros_like(x)
-        ways = {
-            "nccl": lambda: pg.allreduce([x]).wait(),
-            "copy_engine": lambda: engine(x),
-            "nccl_then_norm": lambda: (
-                pg.allreduce([x]).wait() or fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual)
-            ),
-            "copy_engine_fused": lambda: engine.add_rms_norm(x, residual, weight, 1e-5, residual_out=residual),
-        }
-        row = {"rows": rows, "mib": rows * hidden * x.element_size() / 2**20}
-        for name, way in ways.items():
-            way()  # (its first call compiles: not while the peer times its calls)
-            meet()
-            row[name] = _eager_us(way)
-        out.append(row)
-    engine.abort()
-    return out
-
-
-def _run_ranks(size: int, args) -> tuple[list, dict, list, list]:
+def _run_ranks(size: int, args) -> tuple[list, dict, list]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -284,12 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         default=[16, 528, 1024],
         help="rows of hidden 4,096 for the all-reduce followed by the residual add and RMSNorm",
     )
-    p.add_argument(
-        "--prefill-rows",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1024, 4096, 8192],
-        help="rows of hidden 4,096 timed eagerly at two ranks: NCCL against the copy-engine all-reduce (prefill chunks)",
-    )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     size = args.tensor_parallel_size
@@ -303,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         mps.start()
         os.environ.update(mps.env)
     try:
-        rows, chained, normed, prefill = _run_ranks(size, args)
+        rows, chained, normed = _run_ranks(size, args)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -333,14 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'rows':>6} " + " ".join(f"{w:>15}" for w in ways))
         for row in normed:
             print(f"{row['rows']:>6} " + " ".join(f"{row.get(w, float('nan')):>15.2f}" for w in ways))
-    if prefill:
-        print(
-            f"prefill-sized messages of rows of 4,096 {args.dtype}, eagerly, us per call (sum; then with the add and norm)"
-        )
-        ways = ("nccl", "copy_engine", "nccl_then_norm", "copy_engine_fused")
-        print(f"{'rows':>6} {'MiB':>5} " + " ".join(f"{w:>17}" for w in ways))
-        for row in prefill:
-            print(f"{row['rows']:>6} {row['mib']:>5.0f} " + " ".join(f"{row[w]:>17.1f}" for w in ways))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -352,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": rows,
                     "in_a_chain": chained,
                     "with_add_and_norm": normed,
-                    "prefill_sizes": prefill,
                 },
                 f,
                 indent=1,
