@@ -69,6 +69,22 @@ TUNED = {
     (4096, 2048, False): SmallBatchConfig(32, 256, 4, 3),  # 0.97x alone, after a PDL primary in a step
     (14336, 4096, True): SmallBatchConfig(64, 256, 1, 3),  # 1.06x, and no SiLU launch
     (4096, 7168, False): SmallBatchConfig(64, 256, 4, 3),  # 1.17x
+    # Qwen3-8B's MLP (its qkv and o_proj are the 8B's), one GPU (session 19's sweep)
+    (24576, 4096, True): SmallBatchConfig(32, 128, 1, 4),  # 1.05x
+    (4096, 12288, False): SmallBatchConfig(64, 256, 2, 4),  # 1.07x
+    # Qwen3-8B's MLP, a rank of two (split 1 where split 2 was as fast: no partial sums to merge)
+    (12288, 4096, True): SmallBatchConfig(32, 128, 1, 4),  # 1.08x
+    (4096, 6144, False): SmallBatchConfig(64, 256, 4, 3),  # 1.16x
+    # Llama-3.2-1B, one GPU
+    (3072, 2048, False): SmallBatchConfig(64, 256, 4, 3),  # 1.03x
+    (2048, 2048, False): SmallBatchConfig(32, 256, 4, 3),  # 1.05x
+    (16384, 2048, True): SmallBatchConfig(32, 256, 1, 3),  # 1.15x
+    (2048, 8192, False): SmallBatchConfig(32, 256, 8, 3),  # 1.16x
+    # Llama-3.2-1B, a rank of two
+    (1536, 2048, False): SmallBatchConfig(32, 256, 4, 3),  # 1.08x
+    (2048, 1024, False): SmallBatchConfig(32, 256, 2, 3),  # 1.05x
+    (8192, 2048, True): SmallBatchConfig(32, 256, 2, 3),  # 1.14x
+    (2048, 4096, False): SmallBatchConfig(32, 256, 8, 3),  # 1.23x
 }
 
 
