@@ -1,11 +1,14 @@
-"""Prefill-sized all-reduces of two ranks, eagerly, us a call: NCCL's against the copy-engine
-all-reduce (tensor_parallel/copy_all_reduce.py, `--tensor-parallel-copy-engine`), each alone and
-with the residual add and RMSNorm after it (NCCL's then rmsnorm.py's fused add-norm; the copy
-engine's fused); and the floor under the copy engine's: a plain cudaMemcpy of the message into the
-peer's buffer (CUDA IPC), both ranks at once as the exchange runs them, and one way. Rows of the 8B's
-hidden 4,096 in bf16: 1,024 to 8,192 rows, 8-64 MiB (a 4,096-token chunk is 32 MiB).
+"""What a prefill-sized all-reduce of two ranks could cost through the copy engines: NCCL's
+all-reduce against a plain cudaMemcpy of the message into the peer's buffer (mapped by CUDA IPC),
+both ranks copying at once as a two-rank exchange would, and one way; and the local add that would
+follow. Messages of 8-64 MiB (a 4,096-token chunk of an 8B model is 32 MiB), eagerly, us a call.
 
-NCCL moved 240-270 GB/s there on two H200s, a copy engine 370-380 (bench/RESULTS.md, session 19).
+NCCL moves 240-270 GB/s there on two H200s; a copy engine 370-380 (bench/RESULTS.md, session 19).
+An all-reduce built on the copies has to signal the peer and wait for it cheaply. Three tries, none
+serving (RESULTS, session 19): kernels spinning on a flag (776fe94: 129 us at 32 MiB against NCCL's
+136, once 4.8 ms at 8 MiB), the same in pieces on a second stream (0ad91e7: milliseconds, the
+spinning kernels held the SMs the next signals needed), and cuStreamWaitValue32 on host words
+(5d9b024: exact, about 390 us a call at 16-64 MiB, flat: host-bound at four pieces).
 
     python -m strata.bench.peer_copy           # two GPUs
 """
@@ -33,8 +36,6 @@ def _eager_us(call, calls: int = 20) -> float:
 
 
 def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
-    from strata.kernels.rmsnorm import fused_add_rms_norm
-    from strata.services.worker.tensor_parallel.copy_all_reduce import CopyEngineAllReduce
     from strata.services.worker.tensor_parallel.group import TensorParallelGroup
     from strata.services.worker.tensor_parallel.ipc_all_reduce import exported_handle, peer_memory
     from strata.stage_links import set_nccl_environment
@@ -54,8 +55,6 @@ def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
     store.set(f"recv{rank}", exported_handle(recv))
     store.wait([f"recv{1 - rank}"])
     peer = peer_memory(store.get(f"recv{1 - rank}"), device, torch.bfloat16, largest)
-    engine = CopyEngineAllReduce(store, rank, 1, device, torch.bfloat16)
-    weight = torch.ones(4096, dtype=torch.bfloat16, device=device)
 
     def meet():
         pg.allreduce([torch.zeros(1, device=device)]).wait()
@@ -64,29 +63,22 @@ def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
     rows = []
     for mib in sizes_mib:
         n = mib << 19
-        x = torch.zeros(n // 4096, 4096, dtype=torch.bfloat16, device=device)
-        residual = torch.zeros_like(x)
+        x = torch.ones(n, dtype=torch.bfloat16, device=device)
         row = {"mib": mib}
         for name, call in {
             "nccl": lambda: pg.allreduce([x]).wait(),
-            "copy_engine": lambda: engine(x),
-            "nccl_then_norm": lambda: (
-                pg.allreduce([x]).wait() or fused_add_rms_norm(x, residual, weight, 1e-5, residual_out=residual)
-            ),
-            "copy_engine_fused": lambda: engine.add_rms_norm(x, residual, weight, 1e-5, residual_out=residual),
-            "copy_both": lambda: peer[:n].copy_(x.view(-1)),
+            "copy_both": lambda: peer[:n].copy_(x),
+            "local_add": lambda: x.add_(recv[:n]),
         }.items():
-            call()  # (a first call compiles: not while the peer times its calls)
             meet()
             row[name] = _eager_us(call)
         meet()
-        row["copy_one_way"] = _eager_us(lambda: peer[:n].copy_(x.view(-1))) if rank == 0 else None
+        row["copy_one_way"] = _eager_us(lambda: peer[:n].copy_(x)) if rank == 0 else None
         meet()
         rows.append(row)
     if rank == 0:
         results.put(rows)
     meet()
-    engine.abort()
     group.abort("done")
 
 
@@ -112,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
-    ways = ("nccl", "copy_engine", "nccl_then_norm", "copy_engine_fused", "copy_both", "copy_one_way")
-    name = torch.cuda.get_device_name(0)
-    print(f"two ranks on 2 x {name}, bf16 rows of 4,096, eagerly, us a call (GB/s: the message over the time)")
-    print(f"{'MiB':>5} " + " ".join(f"{w:>19}" for w in ways))
+    print(
+        f"two ranks on 2 x {torch.cuda.get_device_name(0)}, bf16, eagerly, us a call (GB/s: the message over the time)"
+    )
+    print(f"{'MiB':>5} {'nccl':>14} {'copy both':>14} {'copy one way':>14} {'local add':>10}")
     for r in rows:
-        cells = [f"{r[w]:.1f} ({r['mib'] * 2**20 / (r[w] * 1e3):.0f})" for w in ways]
-        print(f"{r['mib']:>5} " + " ".join(f"{c:>19}" for c in cells))
+        gbs = {k: r["mib"] * 2**20 / (r[k] * 1e3) for k in ("nccl", "copy_both", "copy_one_way")}
+        print(
+            f"{r['mib']:>5} {r['nccl']:>7.1f} ({gbs['nccl']:>4.0f}) {r['copy_both']:>7.1f} ({gbs['copy_both']:>4.0f}) "
+            f"{r['copy_one_way']:>7.1f} ({gbs['copy_one_way']:>4.0f}) {r['local_add']:>10.1f}"
+        )
     return 0
 
 

@@ -218,14 +218,6 @@ FLAGS: dict[str, Flag] = {
         '(kernels/one_shot_all_reduce.py, "Sent early"). Same tokens',
         bool,
     ),
-    "tensor_parallel_copy_engine": Flag(
-        "STRATA_TENSOR_PARALLEL_COPY_ENGINE",
-        False,
-        "with --tensor-parallel-all-reduce ipc at two ranks: the all-reduces past the one-shot's 8 MiB (prefill "
-        "chunks) go through the GPUs' copy engines, in pieces whose adds overlap the later pieces' copies, instead "
-        "of NCCL (tensor_parallel/copy_all_reduce.py). Eager steps only. Off until measured end to end",
-        bool,
-    ),
     "collective_timeout": Flag(
         "STRATA_COLLECTIVE_TIMEOUT",
         60.0,
@@ -495,7 +487,6 @@ WORKER_FLAGS = (
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
     "tensor_parallel_no_early_send",
-    "tensor_parallel_copy_engine",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

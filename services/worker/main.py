@@ -102,20 +102,10 @@ def num_kv_blocks_for(
     activations = tokens * (mlp + 8 * config.hidden_size) * itemsize
     logits = args.max_num_seqs * config.vocab_size * 4 * 4
     available = min(args.gpu_memory_utilization * total - own, free)
-    budget = available - activations - logits - GiB // 2 - exchange_buffer_bytes(args)
+    budget = available - activations - logits - GiB // 2
     if budget < per_block:
         raise SystemExit(f"no GPU memory left for the KV cache (free {free / GiB:.1f} GiB)")
     return int(budget // per_block)
-
-
-def exchange_buffer_bytes(args) -> int:
-    """The copy-engine all-reduce's two receive buffers (tensor_parallel/copy_all_reduce.py), which
-    the group allocates after the cache was sized."""
-    if not getattr(args, "tensor_parallel_copy_engine", False) or getattr(args, "tensor_parallel_size", 1) != 2:
-        return 0
-    from strata.services.worker.tensor_parallel.copy_all_reduce import MAX_BYTES
-
-    return 2 * MAX_BYTES
 
 
 def piecewise_max_tokens(args) -> int:
@@ -242,7 +232,6 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
     )
     group.skip_collectives = args.tensor_parallel_no_collectives
     group.send_early = not args.tensor_parallel_no_early_send
-    group.copy_engine_enabled = args.tensor_parallel_copy_engine
     if group.skip_collectives:
         log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
     return group

@@ -311,39 +311,6 @@ def test_greedy_equals_hf_and_every_mode_equals_one_rank(model_dir, all_reduce):
     assert outs["2"] == outs["1"]
 
 
-@two_gpus
-def test_a_long_prompts_prefill_through_the_copy_engine_keeps_one_ranks_tokens(tmp_path_factory):
-    """A 3,000-token prompt of a model 1,024 wide in float32: its prefill's all-reduces are 12 MiB,
-    past the ipc one-shot's 8 MiB, so with --tensor-parallel-copy-engine the copy-engine all-reduce
-    (fused with the add and norm) takes them at T = 2. Greedy and seeded tokens equal T = 1's."""
-    from strata.default_model import build_tiny_tokenizer
-    from strata.v1 import generate_pb2
-    from tests.cluster import collect, running_cluster
-    from tests.tiny_models import write_tiny_model
-
-    tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=384)
-    wide = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4)
-    model = write_tiny_model(
-        tmp_path_factory.mktemp("wide"), seed=3, tokenizer=tok, max_position_embeddings=4096, **wide
-    )
-    prompt = torch.randint(3, 380, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
-    outs = {}
-    for size in ("1", "2"):
-        flags = (*FLAGS, "--tensor-parallel-size", size, "--tensor-parallel-all-reduce", "ipc")
-        flags += ("--tensor-parallel-copy-engine",) if size == "2" else ()
-        with running_cluster(model, 1, *flags, "--max-num-batched-tokens", "4096") as (_, client):
-            outs[size] = [
-                collect(
-                    client.generate(
-                        prompt, max_tokens=12, ignore_eos=True, output_kind=generate_pb2.DELTA, timeout=180, **kw
-                    )
-                )[0]
-                for kw in (dict(temperature=0.0), dict(temperature=0.9, seed=7))
-            ]
-    assert outs["2"] == outs["1"]
-    assert all(len(tokens) == 12 for tokens in outs["2"])
-
-
 @pytest.mark.parametrize("all_reduce", PLACEMENTS)
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_lost_rank_leaves_no_gpu_waiting_and_requests_resume_identically(model_dir, stop, all_reduce):

@@ -78,9 +78,6 @@ class TensorParallelGroup:
         self.one_shot = None
         self.one_shot_max = None  # "ipc": the draw's maximum over int64 keys too
         self.one_shot_norm = None  # "ipc": the all-reduce fused with the add and norm after it
-        # "ipc" at two ranks with --tensor-parallel-copy-engine: messages past the one-shot's.
-        self.copy_engine_enabled = False
-        self.copy_engine = None
         self.pg = None
         self.session = 0
         self.aborting: threading.Thread | None = None  # the last NCCL abort, on its own thread
@@ -118,7 +115,6 @@ class TensorParallelGroup:
             (self.one_shot,) = _formed_on_every_rank(pg, [self._one_shot(pg, store, session)], self.device)
             more = self._more_ipc_one_shots(store, session, self.one_shot is not None)
             self.one_shot_max, self.one_shot_norm = _formed_on_every_rank(pg, list(more), self.device)
-            (self.copy_engine,) = _formed_on_every_rank(pg, [self._copy_engine(store, session)], self.device)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = delta
@@ -160,31 +156,16 @@ class TensorParallelGroup:
             log.warning("tensor parallel: no more ipc one-shots (%s); NCCL takes their messages", e)
             return None, None
 
-    def _copy_engine(self, store, session: int):
-        """With "ipc" at two ranks, when enabled: the all-reduce of prefill-sized messages through
-        the copy engines (copy_all_reduce.py), past the one-shot's buffer."""
-        if not self.copy_engine_enabled or self.all_reduce_kind != "ipc" or self.size != 2 or self.one_shot is None:
-            return None
-        from strata.services.worker.tensor_parallel.copy_all_reduce import CopyEngineAllReduce
-
-        try:
-            smallest = self.one_shot.capacity * self.dtype.itemsize + 1
-            args = (store, self.rank, session, self.device, self.dtype)
-            return CopyEngineAllReduce(*args, timeout=self.timeout, min_bytes=smallest)
-        except Exception as e:
-            log.warning("tensor parallel: no copy-engine all-reduce (%s); NCCL takes the largest messages", e)
-            return None
-
     def abort(self, reason: str = "the tensor-parallel group was rebuilt") -> None:
         """Breaks the group (any thread, never blocking it): NCCL kernels waiting for a lost rank
         exit, and every later collective raises PeerLost until the next form()."""
         if self.size == 1:
             return
         self.broken = reason
-        for one_shot in (self.one_shot, self.one_shot_max, self.one_shot_norm, self.copy_engine):
+        for one_shot in (self.one_shot, self.one_shot_max, self.one_shot_norm):
             if hasattr(one_shot, "abort"):  # its kernels' waits on a lost peer end now
                 one_shot.abort()
-        self.one_shot = self.one_shot_max = self.one_shot_norm = self.copy_engine = None
+        self.one_shot = self.one_shot_max = self.one_shot_norm = None
         pg, self.pg = self.pg, None
         if pg is not None:
             args = (pg, reason, self.device)
@@ -271,7 +252,7 @@ class TensorParallelGroup:
             return x
         if self.size == 1 or self.skip_collectives:
             return x
-        if self.broken is None and any(shot is not None and shot(x) for shot in (self.one_shot, self.copy_engine)):
+        if self.one_shot is not None and self.broken is None and self.one_shot(x):
             return x
         self._run("all-reduce", lambda pg: pg.allreduce([x]))
         return x
@@ -285,16 +266,12 @@ class TensorParallelGroup:
         unit_offset: bool = False,
         residual_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rms_norm(x summed over the ranks + residual), that sum + residual) in one launch after
-        the exchange; None when no fused all-reduce takes x (the caller all-reduces, then adds and
-        norms)."""
-        if self.size == 1 or self.skip_collectives or self.broken is not None:
+        """(rms_norm(x summed over the ranks + residual), that sum + residual) in one launch;
+        None when no fused one-shot takes x (the caller all-reduces, then adds and norms)."""
+        shot = self.one_shot_norm
+        if shot is None or self.size == 1 or self.skip_collectives or self.broken is not None:
             return None
-        for shot in (self.one_shot_norm, self.copy_engine):
-            fused = None if shot is None else shot.add_rms_norm(x, residual, weight, eps, unit_offset, residual_out)
-            if fused is not None:
-                return fused
-        return None
+        return shot.add_rms_norm(x, residual, weight, eps, unit_offset, residual_out)
 
     def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
         """x's elementwise maximum over the ranks, in place."""
