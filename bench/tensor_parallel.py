@@ -36,6 +36,8 @@ from strata.bench import common
 TARGET_TPOT_RATIO = 0.6
 TARGET_OFFLINE_RATIO = 1.6  # TP2 / one GPU, output tok/s of the mixed shape
 TARGET_ALL_REDUCE_SHARE = 0.15  # of a batch-1 decode step
+# First tokens closer than this came from one prefill step (a TP2 8B decode step is ~2.9 ms).
+FIRST_TOKEN_GAP_S = 0.002
 # Requests of the one-stream phase: 8 x 127 token intervals give a steady TPOT p50.
 SINGLE_STREAM_PROMPTS = 8
 
@@ -93,6 +95,10 @@ async def _phase(endpoints, run):
         "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
         "tpot_ms": common.summarize(tpots),
         "decodes_meeting_prefills": sum(met) / max(len(met), 1),
+        # A request's whole latency: what a prefill met moves between its TTFT and its TPOT stays in
+        # it, so its mean holds where the TPOT's mean follows how the arrivals fell into prefill steps.
+        "latency_ms": common.summarize([r.latency for r in done]),
+        "first_token_groups": common.first_token_groups(done, FIRST_TOKEN_GAP_S),
         # Each request's TPOT and first-token time (ms from the phase's start), for the modes.
         "requests_ms": [
             [round((r.chunk_times[0] - start) * 1e3, 2), round(t * 1e3, 3)] for r, t in zip(decoded, tpots)
@@ -215,6 +221,9 @@ def run(args) -> int:
         for key in (f"streams_{args.concurrency}", "streams_1"):
             lat = r[key]
             lines.append((f"{key.replace('_', ' ')} TPOT ms", f"p50 {common.fmt(lat['tpot_ms'].get('p50'), '.2f')}"))
+            if key != "streams_1":  # (one stream: every group is one request)
+                groups = " ".join(map(str, lat["first_token_groups"][:24]))
+                lines.append((f"{key.replace('_', ' ')} first tokens", f"in groups of {groups}"))
         share = None
         plain = next((x for x in runs if x["way"] == r["way"] and x["no_collectives"]), None)
         if plain is not None:
@@ -257,6 +266,10 @@ def run(args) -> int:
                     r[f"streams_{args.concurrency}"]["tpot_ms"].get("mean"),
                     base[f"streams_{args.concurrency}"]["tpot_ms"].get("mean"),
                 ),
+                "latency_streams_mean": common.ratio(
+                    r[f"streams_{args.concurrency}"]["latency_ms"].get("mean"),
+                    base[f"streams_{args.concurrency}"]["latency_ms"].get("mean"),
+                ),
             }
             lines += [
                 (
@@ -267,6 +280,10 @@ def run(args) -> int:
                     f"{args.concurrency}-stream TPOT vs one GPU",
                     f"{common.fmt(ratios['tpot_streams'], '.3f')}x   (TP2 target <= {TARGET_TPOT_RATIO}x; "
                     f"mean TPOT {common.fmt(ratios['tpot_streams_mean'], '.3f')}x)",
+                ),
+                (
+                    f"{args.concurrency}-stream request latency vs one GPU",
+                    f"{common.fmt(ratios['latency_streams_mean'], '.3f')}x by the mean (TTFT and decode together)",
                 ),
                 (
                     "batch-1 TPOT vs one GPU",

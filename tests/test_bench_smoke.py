@@ -299,9 +299,18 @@ def test_peak_block_bound():
     assert peak_block_bound(4, 40, 8, 16) == 2 + 4 * 1  # each child copies the 8-token tail block
 
 
+def test_first_token_groups_are_runs_no_more_than_the_gap_apart():
+    records = [common.RequestRecord(prompt_len=1, chunk_times=[t]) for t in (0.0, 0.5, 1.0, 5.0, 5.2, 9.0)]
+    records.append(common.RequestRecord(prompt_len=1))  # failed: no first token
+    assert common.first_token_groups(records, gap_s=1.0) == [3, 2, 1]
+    assert common.first_token_groups(records[::-1], gap_s=1.0) == [3, 2, 1]  # in time order
+    assert common.first_token_groups(records, gap_s=0.1) == [1, 1, 1, 1, 1, 1]
+
+
 def test_host_overhead_with_a_simulated_device():
-    """The real gateway and scheduler over a worker whose GPU is simulated: every request
-    completes and the step period is at least the simulated step."""
+    """The real gateway and scheduler over a worker whose GPU is simulated, with a cost per
+    prefill token: every request completes, the step period is at least the simulated step, and
+    every request's first token falls in one of the printed groups."""
     import subprocess
     import sys
 
@@ -318,6 +327,10 @@ def test_host_overhead_with_a_simulated_device():
             "8",
             "--step-ms",
             "5",
+            "--prefill-us-per-token",
+            "100",
+            "--streams",
+            "4",
         ],
         capture_output=True,
         text=True,
@@ -325,9 +338,13 @@ def test_host_overhead_with_a_simulated_device():
         cwd=common.REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(line for line in proc.stdout.splitlines() if "ms per step" in line)
-    per_step_ms = float(line.split("(")[1].split(" ms")[0])
+    lines = proc.stdout.splitlines()
+    per_step_ms = float(next(x for x in lines if "ms per step" in x).split("(")[1].split(" ms")[0])
     assert per_step_ms >= 5.0 * 0.99
+    groups = next(x for x in lines if "first tokens in groups of" in x).split("groups of")[1].split()
+    assert sum(map(int, groups)) == 16
+    ttft_p50 = float(next(x for x in lines if "TTFT ms" in x).split("p50")[1].split()[0])
+    assert ttft_p50 >= 5.0 + 8 * 0.1 * 0.99  # a step with at least one 8-token prefill
 
 
 def test_scheduler_step_sizes_its_warmup_for_micro_batches():
@@ -669,6 +686,9 @@ def test_tensor_parallel_one_gpu_and_two_ranks_with_the_all_reduce_share(tmp_pat
                 assert phase["failed"] == 0 and phase["output_tokens_per_s"] > 0
                 assert len(phase["gpu_busy_share"]) == x["ranks"] * x["stages"]
     assert "offline" not in runs[2]  # the run without collectives times batch 1 only
+    streams = runs[1]["streams_2"]
+    assert sum(streams["first_token_groups"]) == 2 and streams["latency_ms"]["mean"] > 0
+    assert runs[1]["ratios"]["latency_streams_mean"] > 0
     assert runs[1]["ratios"]["tpot_1"] > 0 and runs[1]["all_reduce_share"] is not None
     assert "| tp2 |" in r["markdown_row"]
 
