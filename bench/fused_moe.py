@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from strata.bench.graph_timing import graph_time_us
+from strata.bench.graph_timing import eager_time_us, graph_time_us
 from strata.kernels.fused_moe import (
     GemmTile,
     MoELaunchConfig,
@@ -135,22 +135,6 @@ def make_case(shape: MoEShape, tokens: int, dtype: torch.dtype, seed: int = 0) -
         case.weights.append(weights)
         case.ids.append(ids)
     return case
-
-
-def eager_time_us(call, calls: int, repeats: int) -> float:
-    """Median per call of `calls` eager calls between two events (host synchronisation included)."""
-    call(0)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            call(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def layer_call(case: Case, config: MoELaunchConfig | None = None, routed: bool = False):

@@ -1,4 +1,5 @@
-"""Time GPU work as a CUDA graph: a kernel's own time, without the host's launches between calls."""
+"""Time GPU work as a CUDA graph (a kernel's own time, without the host's launches between calls),
+or eagerly (what a call costs where it cannot be captured, host launches included)."""
 
 from __future__ import annotations
 
@@ -35,4 +36,20 @@ def graph_time_us(call, calls: int, *, replays: int, repeats: int = 1, before_ti
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
     del graph
+    return statistics.median(times)
+
+
+def eager_time_us(call, calls: int, repeats: int) -> float:
+    """Median per call of `calls` eager calls between two events (host synchronisation included)."""
+    call(0)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            call(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)

@@ -21,18 +21,10 @@ import multiprocessing
 
 import torch
 
+from strata.bench.graph_timing import eager_time_us
 
-def _eager_us(call, calls: int = 20) -> float:
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+# Calls timed between two events, and the repeats whose median is taken.
+CALLS, REPEATS = 20, 3
 
 
 def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
@@ -66,14 +58,14 @@ def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
         x = torch.ones(n, dtype=torch.bfloat16, device=device)
         row = {"mib": mib}
         for name, call in {
-            "nccl": lambda: pg.allreduce([x]).wait(),
-            "copy_both": lambda: peer[:n].copy_(x),
-            "local_add": lambda: x.add_(recv[:n]),
+            "nccl": lambda _: pg.allreduce([x]).wait(),
+            "copy_both": lambda _: peer[:n].copy_(x),
+            "local_add": lambda _: x.add_(recv[:n]),
         }.items():
             meet()
-            row[name] = _eager_us(call)
+            row[name] = eager_time_us(call, CALLS, REPEATS)
         meet()
-        row["copy_one_way"] = _eager_us(lambda: peer[:n].copy_(x)) if rank == 0 else None
+        row["copy_one_way"] = eager_time_us(lambda _: peer[:n].copy_(x), CALLS, REPEATS) if rank == 0 else None
         meet()
         rows.append(row)
     if rank == 0:

@@ -32,7 +32,9 @@
 # Session 18 ("A small-batch GEMM of our own") served 2-16 rows through a split-K Triton GEMM with
 # per-shape configs (kernels/small_batch_linear.py): `tp ipc 1,tp2` three times, 16 streams 0.57-0.60x
 # by the p50 and 0.61-0.63x by the mean (missed: the waves' prefills and their NCCL all-reduces);
-# NCCL past 8 MiB moves ~250 GB/s.
+# NCCL past 8 MiB moves ~250 GB/s. Session 19 tuned the GEMM for Qwen3-8B and the 1B (small-gemm)
+# and measured copy-engine copies to the peer at 370-380 GB/s (python -m strata.bench.peer_copy);
+# its three all-reduces on them did not beat NCCL and none serves.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -42,7 +44,7 @@
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
-#   bash bench/two_gpus.sh COMMIT small-gemm    # (one GPU will do) small-batch GEMM configs for Qwen3-8B and the 1B
+#   bash bench/two_gpus.sh COMMIT small-gemm    # (one GPU will do) the small-batch GEMM sweep of Qwen3-8B and the 1B
 #   bash bench/two_gpus.sh COMMIT prefix-groups-dp  # prefix groups against the plain cache at one and two replicas
 #   bash bench/two_gpus.sh COMMIT pipeline      # issue 50's bench: one GPU, two stages, two replicas (8B)
 #   bash bench/two_gpus.sh COMMIT hops          # the stage hop on the GPUs' clock (gpu_clock put ~200 us a step on
@@ -106,8 +108,8 @@ case $phase in
     run rank_attention 400 python -m strata.bench.decode_chain --models dummy:llama-3-8b --ways "chain + PDL" \
       --batches 1,16 --tensor-parallel-rank-of 2 --wide-max-pairs 0,4,8 --json "$OUT/rank_attention.json"
     ;;
-  small-gemm)  # one GPU is enough: kernels/small_batch_linear.py's configs for shapes it has none for yet
-    # (Qwen3-8B's gate_up and down; its qkv and o_proj are the 8B's), then the 1B's; print the TUNED rows
+  small-gemm)  # one GPU is enough: kernels/small_batch_linear.py's sweep of Qwen3-8B's gate_up and down (its
+    # qkv and o_proj are the 8B's), then the 1B's; prints TUNED rows (session 19's are in the table)
     run small_gemm 450 python -m strata.bench.small_batch_linear --models qwen3-8b --linears gate_up,down \
       --jobs 14 --top 2
     run small_gemm_1b 120 python -m strata.bench.small_batch_linear --models llama-3.2-1b --stages 3 --jobs 14 --top 2
