@@ -153,13 +153,25 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
                 ("Submit bytes", INVALID, _status(lambda: list(submit_raw(data, timeout=30, metadata=token))))
             )
 
+        # The gateway's path: the same requests on one Session, each refused on its own while a
+        # good one beside them runs to the end.
+        bad = _bad_engine_requests(rng, info)
+        for code in _session_codes(scheduler, [*bad, _good_engine_request("session-good")], token):
+            statuses.append(("Session", INVALID, code))
+        session_raw = sch.stream_stream("/strata.v1.Scheduler/Session")
+        for data in _truncated(engine_pb2.SessionRequest(submit=[_good_engine_request("r3")])):
+            statuses.append(
+                ("Session bytes", INVALID, _status(lambda: list(session_raw(iter([data]), timeout=30, metadata=token))))
+            )
+
         # Every internal method, without the token and with a wrong one.
         worker = engine_pb2_grpc.WorkerStub(wk)
-        good = engine_pb2.EngineRequest(
-            request_id="no-token", prompt_token_ids=[3], stop=engine_pb2.StopCriteria(max_tokens=1)
-        )
+        good = _good_engine_request("no-token")
         internal = {
             "Scheduler/Submit": lambda md: list(scheduler.Submit(good, timeout=30, metadata=md)),
+            "Scheduler/Session": lambda md: list(
+                scheduler.Session(iter([engine_pb2.SessionRequest(submit=[good])]), timeout=30, metadata=md)
+            ),
             "Scheduler/GetModelInfo": lambda md: scheduler.GetModelInfo(
                 generate_pb2.GetModelInfoRequest(), timeout=30, metadata=md
             ),
@@ -191,6 +203,45 @@ def test_hundreds_of_malformed_requests_get_clear_statuses_and_hurt_no_other(clu
     assert bystander == alone
     stats = scheduler_stats(cluster)
     assert stats.used_kv_blocks == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def _good_engine_request(request_id: str) -> engine_pb2.EngineRequest:
+    return engine_pb2.EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=[3],
+        sampling=engine_pb2.SamplingOptions(temperature=0.0, top_p=1.0, logprobs=-1),
+        stop=engine_pb2.StopCriteria(max_tokens=1),
+    )
+
+
+def _session_codes(scheduler, requests: list[engine_pb2.EngineRequest], token) -> list[grpc.StatusCode]:
+    """Submits all but the last of `requests` (bad ones) and then the last (a good one) on one
+    Session, and returns each bad one's status from the failures; asserts the good one finished
+    and nothing else came back."""
+    done = threading.Event()
+
+    def messages():
+        yield engine_pb2.SessionRequest(submit=requests)
+        done.wait(60)  # the stream stays open until every answer came: closing it aborts
+
+    codes, finished = {}, False
+    responses = scheduler.Session(messages(), timeout=60, metadata=token)
+    try:
+        for message in responses:
+            codes.update((f.request_id, _CODES[f.code]) for f in message.failures)
+            finished = finished or any(
+                o.request_id == requests[-1].request_id and o.finish_reason for o in message.outputs
+            )
+            if finished and len(codes) == len(requests) - 1:
+                break
+    finally:
+        done.set()
+        responses.cancel()
+    assert finished and set(codes) == {r.request_id for r in requests[:-1]}
+    return list(codes.values())
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _latency(client, i: int) -> float:

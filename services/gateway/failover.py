@@ -5,7 +5,7 @@ chosen once for all of them (routing.py), so n > 1 siblings and group members sh
 prefix there. Route.Submit(child) stands in for the scheduler stub's Submit (fanout.py calls it
 alike): it returns a ReplicaCall, an async iterable of the child's EngineOutputs with cancel().
 
-When the replica is lost (its Submit fails with UNAVAILABLE: the scheduler is gone or says its
+When the replica is lost (its calls fail with UNAVAILABLE: the scheduler is gone or says its
 pipeline is; or the replica set sees it not serving for longer than --replica-failover-seconds,
 replicas.py), the route moves to another replica that is up, and with it every child of the
 route still running there: each is cancelled there and submitted again with
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from strata.services.gateway.scheduler_session import rpc_error
 from strata.v1 import engine_pb2
 
 if TYPE_CHECKING:
@@ -38,10 +39,6 @@ if TYPE_CHECKING:
 
 # Moves one child may make: a request that loses three replicas in a row meets a bigger problem.
 MAX_RESUMES = 3
-
-
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class Route:
@@ -149,7 +146,7 @@ class ReplicaCall:
                 request = route.request_for(self.child, self.received, self.resumes)
                 self._charge(replica, len(self.child.prompt_token_ids) + len(self.received))
                 self._moved = False
-                self._call = call = replica.stub.Submit(request, timeout=self._timeout())
+                self._call = call = (replica.session or replica.stub).Submit(request, timeout=self._timeout())
                 received = self.received
                 try:
                     async for out in call:  # (one of the gateway's hottest loops: kept lean)
@@ -174,7 +171,9 @@ class ReplicaCall:
                     if not route.move_from(replica):
                         raise
                 if self.resumes >= MAX_RESUMES:
-                    raise _unavailable(f"replicas lost {self.resumes + 1} times under this request")
+                    raise rpc_error(
+                        grpc.StatusCode.UNAVAILABLE, f"replicas lost {self.resumes + 1} times under this request"
+                    )
                 self.resumes += 1
                 route.replicas.resumed(route.replica, self)
         finally:

@@ -10,7 +10,7 @@ replica's model: architecture, vocabulary, context, block size, dtype and EOS to
 request resumed on it draws the same tokens), the load this gateway put there (routing.py), the
 scheduler's own statistics polled every half second, and the counts /metrics and GetModelInfo
 show. It routes each request (route()), and moves the requests of a replica that is lost
-(failover.py): at once when its Submit calls fail with UNAVAILABLE (the scheduler is gone),
+(failover.py): at once when its calls fail with UNAVAILABLE (the scheduler is gone),
 after --replica-failover-seconds when it says NOT_SERVING while it rebuilds a lost stage (its
 requests wait there meanwhile, and resume in place if it is back in time). The gateway serves
 while any replica is up.
@@ -29,9 +29,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from strata.flags import DEFAULTS
-from strata.grpc_util import aio_channel
+from strata.grpc_util import aio_channel, bearer
 from strata.services.gateway.failover import Route
 from strata.services.gateway.routing import GROUP, LOAD, RESUME, Router, effective_load
+from strata.services.gateway.scheduler_session import SchedulerSession
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.gateway")
@@ -49,6 +50,8 @@ class Replica:
     address: str
     stub: engine_pb2_grpc.SchedulerStub
     channel: grpc.aio.Channel | None = None  # None: a stub handed in, always up (no health to follow)
+    # Where requests go: one stream for all of them (scheduler_session.py); None: a Submit call each.
+    session: SchedulerSession | None = None
     up: bool = False
     down_since: float | None = None  # time.monotonic() when it went down (None: up, or never seen)
     refused: str = ""  # why its model was refused, when it was
@@ -91,8 +94,9 @@ class ReplicaSet:
         """Replicas at the schedulers' addresses, over channels carrying the cluster token."""
         replicas = []
         for i, address in enumerate(addresses):
-            channel = aio_channel(address, token)
-            replicas.append(Replica(i, address, engine_pb2_grpc.SchedulerStub(channel), channel))
+            channel = aio_channel(address, token, intercept_streams=False)
+            stub = engine_pb2_grpc.SchedulerStub(channel)
+            replicas.append(Replica(i, address, stub, channel, session=SchedulerSession(stub, bearer(token))))
         return cls(replicas, **kw)
 
     @classmethod
@@ -105,6 +109,8 @@ class ReplicaSet:
 
     async def close(self) -> None:
         for r in self.replicas:
+            if r.session is not None:
+                await r.session.close()
             if r.channel is not None:
                 await r.channel.close()
 

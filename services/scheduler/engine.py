@@ -154,13 +154,20 @@ class Engine:
 
     async def submit(self, request: Request, final_only: bool = False) -> OutputStream:
         await self.wait_ready()
+        return self.add(request, final_only)
+
+    def add(self, request: Request, final_only: bool = False, on_ready=None) -> OutputStream:
+        """Admits a request to the queue (the pipeline ready) and returns its output stream;
+        raises RequestFailed. on_ready: OutputStream's."""
         if request.request_id in self.streams:
             raise RequestFailed("ALREADY_EXISTS", f"request_id {request.request_id!r} is already running")
         try:
             self.scheduler.add_request(request)
         except ValueError as e:
             raise RequestFailed("INVALID_ARGUMENT", str(e)) from None
-        stream = OutputStream(request.request_id, len(request.prompt_token_ids), final_only, request.output_token_ids)
+        stream = OutputStream(
+            request.request_id, len(request.prompt_token_ids), final_only, request.output_token_ids, on_ready
+        )
         self.streams[request.request_id] = stream
         self._wake.set()
         return stream

@@ -4,6 +4,7 @@ request fails (RequestFailed, a gRPC status code's name and a message)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from strata.v1 import engine_pb2
 
@@ -27,9 +28,19 @@ class OutputStream:
     output: the request's own list of output tokens. A final_only stream given it copies no token a
     step: its message takes the tokens appended to that list since the stream began (a resumed
     request's earlier ones were sent by another replica), so pushes before the last need not
-    carry tokens (deliver and deliver_running skip them)."""
+    carry tokens (deliver and deliver_running skip them).
 
-    def __init__(self, request_id: str, prompt_tokens: int, final_only: bool, output: list[int] | None = None):
+    on_ready(stream): called, in place of setting the stream's own event, when it has something
+    to send: a Session (session.py) gathers its requests' outputs into one message a step."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        final_only: bool,
+        output: list[int] | None = None,
+        on_ready: Callable[[OutputStream], None] | None = None,
+    ):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.final_only = final_only
@@ -46,6 +57,7 @@ class OutputStream:
         self._prompt_logprobs: engine_pb2.PromptLogprobRows | None = None  # until the next message takes it
         self.failure: RequestFailed | None = None
         self.ready = asyncio.Event()
+        self._on_ready = on_ready
 
     def push(
         self,
@@ -67,16 +79,27 @@ class OutputStream:
         if finish_reason:
             self._finish_reason, self._stop_token_id = finish_reason, stop_token_id
         if finish_reason or not self.final_only:
-            self.ready.set()
+            self._signal()
 
     def fail(self, failure: RequestFailed) -> None:
         self.failure = failure
-        self.ready.set()
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._on_ready is None:
+            self.ready.set()
+        else:
+            self._on_ready(self)
 
     async def next(self) -> engine_pb2.EngineOutput:
         """The next (merged) output; raises RequestFailed when the request failed."""
         await self.ready.wait()
         self.ready.clear()
+        return self.take()
+
+    def take(self) -> engine_pb2.EngineOutput:
+        """What was pushed since the last take, as one output; raises RequestFailed when the
+        request failed."""
         if self.failure is not None:
             raise self.failure
         out = engine_pb2.EngineOutput(

@@ -1,4 +1,5 @@
-"""Scheduler gRPC service: the gateway submits child requests and streams their tokens back."""
+"""Scheduler gRPC service: the gateway submits child requests and streams their tokens back
+(Submit: a call per request; Session: all of a gateway's requests over one stream, session.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from strata.sampling_rules import check_sampling_options
 from strata.services.scheduler.engine import Engine
 from strata.services.scheduler.output_stream import RequestFailed
 from strata.services.scheduler.request import Request
+from strata.services.scheduler.session import Session
 from strata.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
 
 log = logging.getLogger("strata.scheduler")
@@ -80,6 +82,12 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
             # The client went away (or the gateway cancelled on a stop string): free at once.
             if not finished:
                 self.engine.abort(request.request_id)
+
+    async def Session(self, request_iterator, context):
+        """Every request of one gateway over this stream (session.py)."""
+        session = Session(self.engine, lambda msg: request_from_proto(msg, self.engine.pipeline.model_info.model))
+        async for message in session.run(request_iterator):
+            yield message
 
     async def GetModelInfo(self, request, context):
         if not self.engine.ready:

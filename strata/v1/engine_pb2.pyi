@@ -140,6 +140,32 @@ class EngineOutput(_message.Message):
     prompt_logprobs: PromptLogprobRows
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobRows, _Mapping]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: _containers.RepeatedCompositeFieldContainer[EngineRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, submit: _Optional[_Iterable[_Union[EngineRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionOutputs(_message.Message):
+    __slots__ = ("outputs", "failures")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
+    failures: _containers.RepeatedCompositeFieldContainer[SessionFailure]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ...) -> None: ...
+
+class SessionFailure(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PromptLogprobRows(_message.Message):
     __slots__ = ("num_top", "logprobs", "ranks", "top_token_ids", "top_logprobs")
     NUM_TOP_FIELD_NUMBER: _ClassVar[int]

@@ -42,6 +42,11 @@ class SchedulerStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.EngineOutput.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/strata.v1.Scheduler/Session',
+                request_serializer=strata_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.SessionOutputs.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/strata.v1.Scheduler/GetModelInfo',
                 request_serializer=strata_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
@@ -68,6 +73,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Every request of one gateway over one stream (the gateway's path; Submit stays for simple
+        clients). Submits and cancels go in; each message back carries every request's outputs since
+        the last one, so a step costs each side one message, not one per request, and a request no
+        call of its own (a Submit call costs each side ~0.5 ms of CPU, which spread a burst's
+        arrivals over several steps). A gateway that closes its side still gets its requests'
+        outputs, then the stream ends; the call cancelled or lost aborts them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -87,6 +104,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.EngineRequest.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.EngineOutput.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.SessionRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.SessionOutputs.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -128,6 +150,33 @@ class Scheduler:
             '/strata.v1.Scheduler/Submit',
             strata_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
             strata_dot_v1_dot_engine__pb2.EngineOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Scheduler/Session',
+            strata_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.SessionOutputs.FromString,
             options,
             channel_credentials,
             insecure,
