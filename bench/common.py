@@ -161,6 +161,7 @@ SERVE_FLAGS = (
     # The pipeline's: only `strata bench pipeline` sets them (argv_for skips what args lack).
     "stage_transport",
     "no_pipelined_decode",
+    "no_plan_pacing",
     "pipeline_micro_batches",
     "micro_batch_min_seqs",
     "decode_repeats",

@@ -257,6 +257,14 @@ FLAGS: dict[str, Flag] = {
         "scheduler (A/B runs); by default the last stage hands sampled tokens to stage 0 and decodes run ahead",
         bool,
     ),
+    "no_plan_pacing": Flag(
+        "STRATA_NO_PLAN_PACING",
+        False,
+        "with one stage, build each plan as soon as a slot in flight frees (A/B runs); by default the next plan "
+        "waits while those in flight keep the GPU busy for several decode steps more, so requests that arrive "
+        "meanwhile share one prefill step instead of one step each",
+        bool,
+    ),
     "pipeline_micro_batches": Flag(
         "STRATA_PIPELINE_MICRO_BATCHES",
         0,
@@ -492,6 +500,7 @@ WORKER_FLAGS = (
 ENGINE_FLAGS = (
     "max_plans_in_flight",
     "no_pipelined_decode",
+    "no_plan_pacing",
     "pipeline_micro_batches",
     "micro_batch_min_seqs",
     "decode_repeats",

@@ -48,6 +48,8 @@ class SchedulerConfig:
     pipeline_micro_batches: int = DEFAULTS["pipeline_micro_batches"]
     micro_batch_min_seqs: int = DEFAULTS["micro_batch_min_seqs"]
     decode_repeats: int = DEFAULTS["decode_repeats"]  # a steady micro-batch's plans committed at once (repeats.py)
+    # One stage: hold the next plan while the plans in flight keep the GPU busy (plan_pacing.py).
+    plan_pacing: bool = not DEFAULTS["no_plan_pacing"]
     enable_prefix_caching: bool = not DEFAULTS["no_prefix_caching"]
     # Send shared-KV runs in the plans (worker: cascade attention).
     cascade_attention: bool = not DEFAULTS["disable_cascade_attn"]

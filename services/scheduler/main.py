@@ -46,6 +46,7 @@ def config_from_args(args) -> SchedulerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_plans_in_flight=args.max_plans_in_flight,
         pipelined_decode=not args.no_pipelined_decode,
+        plan_pacing=not args.no_plan_pacing,
         pipeline_micro_batches=args.pipeline_micro_batches,
         micro_batch_min_seqs=args.micro_batch_min_seqs,
         decode_repeats=args.decode_repeats,

@@ -1,0 +1,78 @@
+"""When the engine builds its next plan (one stage): not while the plans in flight will keep the GPU
+busy for long.
+
+With one stage the engine keeps 3 plans in flight, the later two decode lookaheads, so the GPU
+never waits for the host between decode steps. Behind a long prefill step those extra plans are
+built the moment a slot frees, and requests that arrive a millisecond apart then land in separate
+plans: on two H200s a wave of 15 arrivals within 4 ms went out as prefill steps of 7, 3, 3 and 2
+requests (bench/RESULTS.md), each a step of its own that the running requests decoded through.
+Held until the GPU's queued work is nearly done, the next plan takes every request that arrived
+meanwhile: the GPU runs the same requests in the same order, in fewer steps. The margin left
+(3 decode steps, at least a quarter of the queued work) covers the host building and sending the
+plan and the estimate's error, so the GPU still never waits.
+"""
+
+from __future__ import annotations
+
+# Weight of the newest step in the running estimates.
+SMOOTHING = 0.2
+# The next plan goes out while the queued work has at least this many decode steps left...
+MARGIN_DECODE_STEPS = 3.0
+# ... and at least this share of the queued work left (a long step's estimate may be off). A held
+# plan whose step found the GPU idle before it doubles the share (up to all of it: no holding);
+# one that did not brings it back toward the floor.
+MARGIN_SHARE = 0.25
+# GPU idle before a held plan's step that counts as the hold's fault (the host's jitter is less).
+IDLE_TOLERANCE_SECONDS = 0.0005
+
+
+class PlanPacer:
+    """Estimates a plan's GPU time from its tokens (a decode step's time, plus a cost per token
+    past one a sequence) from the steps that came back, and says how long to hold the next plan."""
+
+    def __init__(self):
+        self.decode_seconds: float | None = None
+        self.token_seconds: float | None = None
+        self.margin_share = MARGIN_SHARE
+
+    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
+        extra = tokens - seqs  # prefill (or draft) tokens past the one each sequence decodes
+        if extra <= seqs:
+            self.decode_seconds = _smoothed(self.decode_seconds, seconds)
+        elif self.decode_seconds is not None:
+            self.token_seconds = _smoothed(self.token_seconds, max(0.0, seconds - self.decode_seconds) / extra)
+
+    def held_step_idle(self, gpu_idle_seconds: float) -> None:
+        """A held plan's step came back, with the GPU's idle time before it (GPU workers)."""
+        if gpu_idle_seconds > IDLE_TOLERANCE_SECONDS:
+            self.margin_share = min(1.0, 2 * self.margin_share)
+        else:
+            self.margin_share = max(MARGIN_SHARE, 0.9 * self.margin_share)
+
+    def expected(self, tokens: int, seqs: int) -> float | None:
+        """A plan's expected seconds; None before a decode step and a longer one came back."""
+        if self.decode_seconds is None:
+            return None
+        extra = tokens - seqs
+        if extra <= seqs:
+            return self.decode_seconds
+        if self.token_seconds is None:
+            return None
+        return self.decode_seconds + self.token_seconds * extra
+
+    def hold_seconds(self, queued: list[tuple[int, int]], started: float, now: float) -> float:
+        """How long the next plan should wait: queued holds the (tokens, sequences) of the plans
+        in flight, the oldest running since `started`. 0: build it now."""
+        total = 0.0
+        for tokens, seqs in queued:
+            seconds = self.expected(tokens, seqs)
+            if seconds is None:
+                return 0.0  # no estimate yet: as before, at once
+            total += seconds
+        left = total - (now - started)
+        margin = max(MARGIN_DECODE_STEPS * self.decode_seconds, self.margin_share * total)
+        return max(0.0, left - margin)
+
+
+def _smoothed(current: float | None, sample: float) -> float:
+    return sample if current is None else current + SMOOTHING * (sample - current)

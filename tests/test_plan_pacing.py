@@ -1,0 +1,153 @@
+"""The engine's plan pacing (services/scheduler/plan_pacing.py): when the next plan waits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from strata.services.scheduler.engine import Engine
+from strata.services.scheduler.engine_config import SchedulerConfig
+from strata.services.scheduler.plan_pacing import MARGIN_SHARE, PlanPacer
+from strata.services.scheduler.request import Request
+from strata.services.scheduler.scheduler import Scheduler
+from strata.v1 import engine_pb2
+
+
+def trained(decode=0.003, per_token=12e-6) -> PlanPacer:
+    pacer = PlanPacer()
+    pacer.observe(16, 16, decode)  # a decode step of 16 sequences
+    pacer.observe(16 + 3 * 512, 16, decode + per_token * 3 * 512)  # three prompts of 512 among them
+    return pacer
+
+
+def test_it_learns_a_decode_step_and_a_cost_per_prompt_token():
+    pacer = trained()
+    assert pacer.decode_seconds == pytest.approx(0.003)
+    assert pacer.token_seconds == pytest.approx(12e-6)
+    assert pacer.expected(16 + 1024, 16) == pytest.approx(0.003 + 1024 * 12e-6)
+    assert pacer.expected(20, 16) == pytest.approx(0.003)  # a few drafts or chunk tokens: a decode step
+
+
+def test_nothing_is_held_before_it_knows_both_costs_or_behind_decode_steps():
+    fresh = PlanPacer()
+    assert fresh.hold_seconds([(4096, 8)], started=0.0, now=0.0) == 0.0
+    decode_only = PlanPacer()
+    decode_only.observe(16, 16, 0.003)
+    assert decode_only.hold_seconds([(4096, 8)], started=0.0, now=0.0) == 0.0  # no prefill cost known yet
+    # Two decode lookaheads in flight leave less than the margin: the third plan goes at once.
+    assert trained().hold_seconds([(16, 16), (16, 16)], started=0.0, now=0.0) == 0.0
+
+
+def test_behind_a_long_prefill_the_next_plan_waits_until_the_margin_is_left():
+    pacer = trained()
+    queued = [(8 + 7 * 512, 8)]  # seven prompts: 3 ms + 43 ms
+    total = 0.003 + 7 * 512 * 12e-6
+    margin = max(3 * 0.003, MARGIN_SHARE * total)
+    assert pacer.hold_seconds(queued, started=10.0, now=10.0) == pytest.approx(total - margin)
+    assert pacer.hold_seconds(queued, started=10.0, now=10.0 + total - margin - 0.001) == pytest.approx(0.001)
+    assert pacer.hold_seconds(queued, started=10.0, now=10.0 + total) == 0.0
+
+
+def test_an_idle_gpu_after_a_hold_widens_the_margin_and_steady_holds_narrow_it_again():
+    pacer = trained()
+    queued = [(8 + 7 * 512, 8)]
+    before = pacer.hold_seconds(queued, 0.0, 0.0)
+    pacer.held_step_idle(0.004)
+    assert pacer.margin_share == 2 * MARGIN_SHARE
+    assert pacer.hold_seconds(queued, 0.0, 0.0) < before
+    for _ in range(4):
+        pacer.held_step_idle(0.004)
+    assert pacer.margin_share == 1.0 and pacer.hold_seconds(queued, 0.0, 0.0) == 0.0  # holding off
+    for _ in range(100):
+        pacer.held_step_idle(0.0)
+    assert pacer.margin_share == MARGIN_SHARE
+
+
+# ---------------------------------------------------------------- in the engine, over a timed fake stage
+
+
+class TimedStage:
+    """One stage that runs plans in order, each taking DECODE_S plus PROMPT_TOKEN_S a token past
+    one a sequence, and records each plan's new prompts (admissions)."""
+
+    DECODE_S, PROMPT_TOKEN_S = 0.004, 0.0004
+    num_stages = 1
+    draft = draft_transport = token_transport = None
+
+    def __init__(self):
+        self.plans: asyncio.Queue = asyncio.Queue()
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.admitted: list[int] = []  # per plan: sequences whose first chunk it carries
+        self.runner = asyncio.create_task(self._run())
+
+    def post(self, msg) -> None:
+        plan = self.engine.in_flight[-1]  # (the engine appends a plan there, then posts it)
+        self.plans.put_nowait((msg.step_id, plan))
+
+    async def receive(self):
+        return await self.results.get()
+
+    def raise_if_failed(self) -> None:
+        pass
+
+    async def _run(self):
+        while True:
+            step_id, plan = await self.plans.get()
+            tokens = sum(s.num_scheduled for s in plan.seqs)
+            self.admitted.append(sum(1 for s in plan.seqs if s.num_computed == 0))
+            await asyncio.sleep(self.DECODE_S + self.PROMPT_TOKEN_S * (tokens - len(plan.seqs)))
+            seqs = [s for s in plan.seqs if s.sample]
+            self.results.put_nowait(
+                engine_pb2.StepResult(
+                    step_id=step_id,
+                    seq_ids=[s.seq_id for s in seqs],
+                    num_tokens=[1] * len(seqs),
+                    token_ids=[7] * len(seqs),
+                )
+            )
+
+
+def prompt(i: int, length: int = 40) -> Request:
+    return Request(
+        f"r{i}",
+        list(range(10 + i, 10 + i + length)),
+        engine_pb2.SamplingOptions(seed=i),
+        max_tokens=60,
+        ignore_eos=True,
+    )
+
+
+async def arrivals_behind_a_long_prefill(pacing: bool) -> list[int]:
+    """Two requests decoding; 7 arrive at once (a ~115 ms prefill step), then 8 more, 2 ms apart,
+    while it runs. Returns each plan's admissions from the 7's plan on."""
+    stage = TimedStage()
+    engine = Engine(stage, SchedulerConfig(plan_pacing=pacing))
+    engine.scheduler = Scheduler(num_blocks=2000, block_size=4, max_model_len=256, decode_lookahead=2)
+    stage.engine = engine
+    engine._ready.set()
+    loop = asyncio.create_task(engine._engine_loop())
+    try:
+        first = engine.add(prompt(0))
+        for _ in range(3):  # a few decode steps, then another's prefill: the pacer's estimates
+            await first.next()
+        second = engine.add(prompt(99))
+        await second.next()
+        mark = len(stage.admitted)
+        for i in range(1, 8):
+            engine.add(prompt(i, length=40))
+        await asyncio.sleep(0.005)
+        for i in range(8, 16):
+            engine.add(prompt(i, length=40))
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.5)
+        return [n for n in stage.admitted[mark:] if n]
+    finally:
+        loop.cancel()
+        stage.runner.cancel()
+
+
+def test_arrivals_during_a_long_prefill_step_share_the_next_plan():
+    assert asyncio.run(arrivals_behind_a_long_prefill(pacing=True)) == [7, 8]
+    # Without pacing each arrival takes the next free plan slot: several small prefill steps.
+    assert len(asyncio.run(arrivals_behind_a_long_prefill(pacing=False))) > 2
