@@ -239,6 +239,11 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
         help="each tensor-parallel way also runs its batch-1 phase with --tensor-parallel-no-early-send: the decode "
         "chain's row-parallel GEMVs leave the sending to the one-shot's own launch (an A/B)",
     )
+    p.add_argument(
+        "--no-plan-pacing",
+        action="store_true",
+        help="every way's scheduler builds each plan as soon as a slot frees (strata serve's flag; an A/B)",
+    )
     add_common_flags(p)
     p.set_defaults(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
