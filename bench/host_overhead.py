@@ -6,11 +6,14 @@ the device's idle share is what the host costs.
     python -m strata.bench.host_overhead                      # offline: 1000 x 512/128, all at once
     python -m strata.bench.host_overhead --num-prompts 256 --step-ms 1.4 --profile-dir /tmp/spy
     python -m strata.bench.host_overhead --streams 16 --num-prompts 64 --step-ms 1.34   # streamed ITL
+    python -m strata.bench.host_overhead --bursts 40 --output-len 2 --step-ms 0.3   # CPU per request
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import time
 
 from strata.bench import common
@@ -60,6 +63,41 @@ async def _run(gateway: str, scheduler: str, args) -> dict:
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _bursts(gateway: str, args, pids: dict[str, int]) -> dict:
+    """args.bursts bursts of args.burst_size requests sent at once, each burst after the last
+    finished: every process's CPU time per request (what admitting and finishing one costs)."""
+    from strata.v1 import generate_pb2, generate_pb2_grpc
+
+    info = await common.model_info(gateway)
+    params = common.sampling_params(args.output_len, 1.0, generate_pb2.DELTA)
+    async with common.open_channel(gateway) as channel:
+        stub = generate_pb2_grpc.GatewayStub(channel)
+
+        async def burst(seed: int) -> None:
+            prompts = common.random_prompts(args.burst_size, args.input_len, info.vocab_size, seed)
+            records = await asyncio.gather(*(common.send_request(stub, p, params, 60.0) for p in prompts))
+            if common.failures(records):
+                raise RuntimeError(f"a burst failed: {common.failures(records)[0]}")
+
+        await burst(args.bursts)  # warm-up (a seed the measured bursts do not use)
+        before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        client, start = time.process_time(), time.perf_counter()
+        for seed in range(args.bursts):
+            await burst(seed)
+        requests = args.bursts * args.burst_size
+        per_request = {name: (_cpu_seconds(pid) - before[name]) / requests for name, pid in pids.items()}
+        return {
+            "wall_s": (time.perf_counter() - start) / requests,
+            "cpu_s": {"client": (time.process_time() - client) / requests, **per_request},
+        }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=2.8, help="simulated device time per step")
@@ -92,6 +130,15 @@ def main() -> None:
         "(the nano-vllm benchmark's shape, as `strata bench pipeline --shape mixed`)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument(
+        "--bursts",
+        type=int,
+        default=0,
+        help="N > 0: in place of the workload, N bursts of --burst-size requests sent at once (each after the "
+        "last finished), reporting every process's CPU time per request: admitting and finishing one "
+        "(with --output-len 2, say)",
+    )
+    p.add_argument("--burst-size", type=int, default=16, help="requests in each of --bursts")
     p.add_argument(
         "--profile-dir",
         default=None,
@@ -149,6 +196,15 @@ def main() -> None:
             ],
         )
         cluster.wait_healthy(gateway, "gateway", 120.0)
+        if args.bursts:
+            pids = {name: proc.pid for name, proc in cluster.procs}
+            r = common.run(_bursts(gateway, args, pids))
+            cpu = "  ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in r["cpu_s"].items())
+            common.print_section(
+                f"Bursts of {args.burst_size} ({args.input_len}/{args.output_len} tokens), per request",
+                [("wall ms", f"{r['wall_s'] * 1e3:.2f}"), ("CPU ms", cpu)],
+            )
+            return
         with (
             common.cluster_token_env(cluster.cluster_token),  # the scheduler's stats are internal
             common.sampled_stacks({name: proc.pid for name, proc in cluster.procs}, args.profile_dir, "run"),

@@ -786,3 +786,26 @@ def test_prefix_groups_bench_with_two_replicas_computes_a_prefix_at_most_once_a_
         computed[way] = phase["scheduler"]["prefill_tokens_computed"] - 16 * 8  # the prefixes' part
     assert computed["groups"] == 4 * 64
     assert 4 * 64 <= computed["cache"] <= 2 * 4 * 64
+
+
+def test_host_overhead_bursts_report_each_process_cpu_per_request():
+    """--bursts: every process's CPU per request is reported, the client's and each service's, and
+    none is zero (each did work for every request)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.bench.host_overhead", "--bursts", "3", "--burst-size", "4"]
+        + ["--input-len", "8", "--output-len", "2", "--step-ms", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=common.REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    wall = float(next(x for x in lines if "wall ms" in x).split()[-1])
+    fields = next(x for x in lines if "CPU ms" in x).split("CPU ms")[1].split()
+    cpu = dict(zip(fields[::2], map(float, fields[1::2])))
+    assert set(cpu) == {"client", "worker", "scheduler", "gateway"}
+    assert all(0 < ms for ms in cpu.values()) and wall > 0
