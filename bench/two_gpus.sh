@@ -34,13 +34,16 @@
 # by the p50 and 0.61-0.63x by the mean (missed: the waves' prefills and their NCCL all-reduces);
 # NCCL past 8 MiB moves ~250 GB/s. Session 19 tuned the GEMM for Qwen3-8B and the 1B (small-gemm)
 # and measured copy-engine copies to the peer at 370-380 GB/s (python -m strata.bench.peer_copy);
-# its three all-reduces on them did not beat NCCL and none serves.
+# its three all-reduces on them did not beat NCCL and none serves. Session 20 ran `tp ipc 1,tp2` in three
+# leases (16 streams 0.605-0.630x by the mean: missed) and `waves`: the scheduler's per-step log showed a
+# wave's arrivals split over plans built the moment a slot freed, which plan pacing (f5c2cba) fixed.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
 # machine reaches no hub). Carry bench/build. On the GPU machine:
 #
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
+#   bash bench/two_gpus.sh COMMIT waves         # the 16-stream phase with the scheduler's per-step debug log (waves.log.gz)
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
@@ -123,6 +126,11 @@ case $phase in
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
       --ways "${4:-1,tp2,pp2,dp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
       --tensor-parallel-all-reduce "${3:-nccl}" --output "$OUT/tp8b.json"
+    ;;
+  waves)  # when each wave's requests reach the plans: grep "strata.scheduler DEBUG step" in the log
+    run waves 400 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
+      --ways 1,tp2 --num-prompts 16 --latency-num-prompts 64 --service-log-level DEBUG --output "$OUT/waves.json"
+    gzip -f "$OUT/waves.log"
     ;;
   pipeline)
     run pipe8b 560 strata bench pipeline --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress --shape mixed \
