@@ -307,38 +307,30 @@ def test_first_token_groups_are_runs_no_more_than_the_gap_apart():
     assert common.first_token_groups(records, gap_s=0.1) == [1, 1, 1, 1, 1, 1]
 
 
-def test_host_overhead_with_a_simulated_device():
-    """The real gateway and scheduler over a worker whose GPU is simulated, with a cost per
-    prefill token: every request completes, the step period is at least the simulated step, and
-    every request's first token falls in one of the printed groups."""
+def _host_overhead(*argv: str) -> list[str]:
+    """`python -m strata.bench.host_overhead ARGV`'s printed lines (it must succeed)."""
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "strata.bench.host_overhead",
-            "--num-prompts",
-            "16",
-            "--input-len",
-            "8",
-            "--output-len",
-            "8",
-            "--step-ms",
-            "5",
-            "--prefill-us-per-token",
-            "100",
-            "--streams",
-            "4",
-        ],
+        [sys.executable, "-m", "strata.bench.host_overhead", *argv],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=common.REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+def test_host_overhead_with_a_simulated_device():
+    """The real gateway and scheduler over a worker whose GPU is simulated, with a cost per
+    prefill token: every request completes, the step period is at least the simulated step, and
+    every request's first token falls in one of the printed groups."""
+    lines = _host_overhead(
+        *("--num-prompts", "16", "--input-len", "8", "--output-len", "8", "--step-ms", "5"),
+        *("--prefill-us-per-token", "100", "--streams", "4"),
+    )
     per_step_ms = float(next(x for x in lines if "ms per step" in x).split("(")[1].split(" ms")[0])
     assert per_step_ms >= 5.0 * 0.99
     groups = next(x for x in lines if "first tokens in groups of" in x).split("groups of")[1].split()
@@ -791,19 +783,9 @@ def test_prefix_groups_bench_with_two_replicas_computes_a_prefix_at_most_once_a_
 def test_host_overhead_bursts_report_each_process_cpu_per_request():
     """--bursts: every process's CPU per request is reported, the client's and each service's, and
     none is zero (each did work for every request)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "strata.bench.host_overhead", "--bursts", "3", "--burst-size", "4"]
-        + ["--input-len", "8", "--output-len", "2", "--step-ms", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=common.REPO_ROOT,
+    lines = _host_overhead(
+        *("--bursts", "3", "--burst-size", "4", "--input-len", "8", "--output-len", "2", "--step-ms", "1")
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
     wall = float(next(x for x in lines if "wall ms" in x).split()[-1])
     fields = next(x for x in lines if "CPU ms" in x).split("CPU ms")[1].split()
     cpu = dict(zip(fields[::2], map(float, fields[1::2])))
