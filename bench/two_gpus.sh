@@ -44,6 +44,8 @@
 #
 #   bash bench/two_gpus.sh COMMIT tp ipc        # issue 51's bench, one GPU, tp2, pp2 and dp2 in one run
 #   bash bench/two_gpus.sh COMMIT waves         # the 16-stream phase with the scheduler's per-step debug log (waves.log.gz)
+#   bash bench/two_gpus.sh COMMIT ipc-large     # the ipc one-shot (and fused with the norm) against NCCL at prefill
+#                                               # sizes past its 8 MiB: 12-32 MiB, 1,536-4,096 rows of 4,096
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
@@ -126,6 +128,10 @@ case $phase in
     run tp8b 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
       --ways "${4:-1,tp2,pp2,dp2}" --shape mixed --num-prompts 1024 --latency-num-prompts 128 \
       --tensor-parallel-all-reduce "${3:-nccl}" --output "$OUT/tp8b.json"
+    ;;
+  ipc-large)  # session 20: TP2's 1.5-4k-token prefill steps all-reduce 12-32 MiB through NCCL (RESULTS)
+    run ipc_large 300 python -m strata.bench.all_reduce --sizes-kib 8192,12288,16384,24576,32768 --ipc-max-mib 32 \
+      --norm-rows 1024,1536,2048,3072,4096 --replays 10 --json "$OUT/ipc_large.json"
     ;;
   waves)  # when each wave's requests reach the plans: grep "strata.scheduler DEBUG step" in the log
     run waves 400 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
