@@ -64,6 +64,21 @@ def test_an_idle_gpu_after_a_hold_widens_the_margin_and_steady_holds_narrow_it_a
     assert pacer.margin_share == MARGIN_SHARE
 
 
+def test_a_backlog_that_fills_the_next_plan_is_never_held_for():
+    """Waiting requests that fill the token budget or the free seats: nothing to gather."""
+    by_tokens = Scheduler(num_blocks=400, block_size=4, max_model_len=256, max_num_batched_tokens=100)
+    for i in range(2):
+        by_tokens.add_request(prompt(i))  # 80 tokens: room for more
+    assert not by_tokens.waiting_fill_a_plan()
+    by_tokens.add_request(prompt(2))  # 120
+    assert by_tokens.waiting_fill_a_plan()
+    by_seats = Scheduler(num_blocks=400, block_size=4, max_model_len=256, max_num_seqs=2)
+    by_seats.add_request(prompt(3))
+    assert not by_seats.waiting_fill_a_plan()
+    by_seats.add_request(prompt(4))
+    assert by_seats.waiting_fill_a_plan()
+
+
 # ---------------------------------------------------------------- in the engine, over a timed fake stage
 
 

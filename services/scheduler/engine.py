@@ -307,7 +307,7 @@ class Engine:
     def _hold_next_plan(self) -> bool:
         """True (and a wake-up set for when it may go) while the plans in flight keep one stage's
         GPU busy long enough for the next plan to gather what arrives meanwhile."""
-        if self.pipeline.num_stages != 1 or not self.config.plan_pacing:
+        if self.pipeline.num_stages != 1 or not self.config.plan_pacing or self.scheduler.waiting_fill_a_plan():
             return False
         started = max(self.in_flight[0].sent_at, self._last_result)
         queued = [(plan.num_tokens, len(plan.seqs)) for plan in self.in_flight]

@@ -9,7 +9,8 @@ requests (bench/RESULTS.md), each a step of its own that the running requests de
 Held until the GPU's queued work is nearly done, the next plan takes every request that arrived
 meanwhile: the GPU runs the same requests in the same order, in fewer steps. The margin left
 (3 decode steps, at least a quarter of the queued work) covers the host building and sending the
-plan and the estimate's error, so the GPU still never waits.
+plan and the estimate's error, so the GPU still never waits. Nothing waits when the requests
+already waiting would fill the next plan (an offline backlog): there is nothing to gather.
 """
 
 from __future__ import annotations

@@ -405,6 +405,19 @@ class Scheduler(Admission, PlanEntries, DecodeLookahead, MicroBatches, SteadyRep
         if self.num_micro_batches > 1:
             self._leave_micro_batch(req)
 
+    def waiting_fill_a_plan(self) -> bool:
+        """Whether the waiting requests alone would fill the next plan (its token budget or the
+        free seats): holding it to gather more arrivals (plan_pacing.py) would gain nothing."""
+        seats = self._seat_limit() - len(self.running)
+        if len(self.waiting) >= seats:
+            return True
+        tokens = len(self.running)  # (about a token each for the running ones)
+        for req in self.waiting:
+            tokens += req.num_tokens - req.num_computed_tokens
+            if tokens >= self.max_num_batched_tokens:
+                return True
+        return False
+
     def fill_stats(self, stats: engine_pb2.SchedulerStats) -> None:
         """Writes the scheduler's part of the statistics (declared in engine.proto)."""
         bm = self.block_manager
