@@ -150,10 +150,10 @@ async def arrivals_behind_a_long_prefill(pacing: bool) -> list[int]:
         await second.next()
         mark = len(stage.admitted)
         for i in range(1, 8):
-            engine.add(prompt(i, length=40))
+            engine.add(prompt(i))
         await asyncio.sleep(0.005)
         for i in range(8, 16):
-            engine.add(prompt(i, length=40))
+            engine.add(prompt(i))
             await asyncio.sleep(0.002)
         await asyncio.sleep(0.5)
         return [n for n in stage.admitted[mark:] if n]
