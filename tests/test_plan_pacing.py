@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from strata.services.scheduler.engine import Engine
 from strata.services.scheduler.engine_config import SchedulerConfig
-from strata.services.scheduler.plan_pacing import MARGIN_SHARE, PlanPacer
+from strata.services.scheduler.plan import ScheduledSeq
+from strata.services.scheduler.plan_pacing import MARGIN_SHARE, PlanPacer, prompt_tokens
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
@@ -16,8 +18,8 @@ from strata.v1 import engine_pb2
 
 def trained(decode=0.003, per_token=12e-6) -> PlanPacer:
     pacer = PlanPacer()
-    pacer.observe(16, 16, decode)  # a decode step of 16 sequences
-    pacer.observe(16 + 3 * 512, 16, decode + per_token * 3 * 512)  # three prompts of 512 among them
+    pacer.observe(0, 16, decode)  # a decode step of 16 sequences
+    pacer.observe(3 * 512, 16, decode + per_token * 3 * 512)  # three prompts of 512 among them
     return pacer
 
 
@@ -25,23 +27,31 @@ def test_it_learns_a_decode_step_and_a_cost_per_prompt_token():
     pacer = trained()
     assert pacer.decode_seconds == pytest.approx(0.003)
     assert pacer.token_seconds == pytest.approx(12e-6)
-    assert pacer.expected(16 + 1024, 16) == pytest.approx(0.003 + 1024 * 12e-6)
-    assert pacer.expected(20, 16) == pytest.approx(0.003)  # a few drafts or chunk tokens: a decode step
+    assert pacer.expected(1024, 16) == pytest.approx(0.003 + 1024 * 12e-6)
+    assert pacer.expected(10, 16) == pytest.approx(0.003)  # a small chunk among decodes: a decode step
+
+
+def test_prompt_tokens_are_prefill_chunks_only():
+    def seq(scheduled, drafts=0):
+        return ScheduledSeq(None, 0, 0, scheduled, [], 0, [], True, num_draft=drafts)
+
+    plan = SimpleNamespace(seqs=[seq(512), seq(1), seq(1), seq(5, drafts=4), seq(10, drafts=4), seq(40)])
+    assert prompt_tokens(plan) == 552  # a decode or a verification (drafts, rounds of them) is no prefill
 
 
 def test_nothing_is_held_before_it_knows_both_costs_or_behind_decode_steps():
     fresh = PlanPacer()
     assert fresh.hold_seconds([(4096, 8)], started=0.0, now=0.0) == 0.0
     decode_only = PlanPacer()
-    decode_only.observe(16, 16, 0.003)
+    decode_only.observe(0, 16, 0.003)
     assert decode_only.hold_seconds([(4096, 8)], started=0.0, now=0.0) == 0.0  # no prefill cost known yet
     # Two decode lookaheads in flight leave less than the margin: the third plan goes at once.
-    assert trained().hold_seconds([(16, 16), (16, 16)], started=0.0, now=0.0) == 0.0
+    assert trained().hold_seconds([(0, 16), (0, 16)], started=0.0, now=0.0) == 0.0
 
 
 def test_behind_a_long_prefill_the_next_plan_waits_until_the_margin_is_left():
     pacer = trained()
-    queued = [(8 + 7 * 512, 8)]  # seven prompts: 3 ms + 43 ms
+    queued = [(7 * 512, 8)]  # seven prompts: 3 ms + 43 ms
     total = 0.003 + 7 * 512 * 12e-6
     margin = max(3 * 0.003, MARGIN_SHARE * total)
     assert pacer.hold_seconds(queued, started=10.0, now=10.0) == pytest.approx(total - margin)
@@ -51,7 +61,7 @@ def test_behind_a_long_prefill_the_next_plan_waits_until_the_margin_is_left():
 
 def test_an_idle_gpu_after_a_hold_widens_the_margin_and_steady_holds_narrow_it_again():
     pacer = trained()
-    queued = [(8 + 7 * 512, 8)]
+    queued = [(7 * 512, 8)]
     before = pacer.hold_seconds(queued, 0.0, 0.0)
     pacer.held_step_idle(0.004)
     assert pacer.margin_share == 2 * MARGIN_SHARE

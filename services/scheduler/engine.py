@@ -19,7 +19,7 @@ from strata.services.scheduler.engine_config import SchedulerConfig, default_mic
 from strata.services.scheduler.output_stream import OutputStream, RequestFailed, deliver, deliver_running
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
-from strata.services.scheduler.plan_pacing import PlanPacer
+from strata.services.scheduler.plan_pacing import PlanPacer, prompt_tokens
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.scheduler.speculation.draft_proposer import draft_plan, fill_drafts, link_drafts
@@ -134,6 +134,11 @@ class Engine:
         if self.config.pipeline_micro_batches:
             return self.config.pipeline_micro_batches
         return default_micro_batches(self.pipeline.num_stages, self.pipeline.stages_share_one_gpu)
+
+    @property
+    def paces_plans(self) -> bool:
+        """One stage: the next plan waits while those in flight keep the GPU busy (plan_pacing.py)."""
+        return self.pipeline.num_stages == 1 and self.config.plan_pacing
 
     @property
     def max_in_flight(self) -> int:
@@ -294,6 +299,8 @@ class Engine:
                     len(self.scheduler.waiting),
                 )
             plan.after_hold, self._held = self._held, False
+            if self.paces_plans:
+                plan.prompt_tokens = prompt_tokens(plan)
             plan.sent_at = time.monotonic()
             plan.after_idle = msg.after_idle = self._busy_since is None  # (the engine had nothing to run)
             self.in_flight.append(plan)
@@ -307,10 +314,10 @@ class Engine:
     def _hold_next_plan(self) -> bool:
         """True (and a wake-up set for when it may go) while the plans in flight keep one stage's
         GPU busy long enough for the next plan to gather what arrives meanwhile."""
-        if self.pipeline.num_stages != 1 or not self.config.plan_pacing or self.scheduler.waiting_fill_a_plan():
+        if not self.paces_plans or self.scheduler.waiting_fill_a_plan():
             return False
         started = max(self.in_flight[0].sent_at, self._last_result)
-        queued = [(plan.num_tokens, len(plan.seqs)) for plan in self.in_flight]
+        queued = [(plan.prompt_tokens, len(plan.seqs)) for plan in self.in_flight]
         hold = self._pacer.hold_seconds(queued, started, time.monotonic())
         if hold <= 0:
             return False
@@ -354,7 +361,8 @@ class Engine:
         self._round_trip_seconds += now - plan.sent_at
         pipelined = plan.sent_at < self._last_result  # sent before the previous result came back
         self._recent_step_seconds.append(step_seconds)
-        self._pacer.observe(plan.num_tokens, len(plan.seqs), step_seconds)
+        if self.paces_plans:
+            self._pacer.observe(plan.prompt_tokens, len(plan.seqs), step_seconds)
         self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")

@@ -46,6 +46,7 @@ class StepPlan:
     shared_kv_run_lens: list[int] = field(default_factory=list)
     sent_at: float = 0.0  # when the engine sent it (the hung-stage deadline counts from here)
     after_hold: bool = False  # built after the engine held it (plan_pacing.py): did the GPU wait for it?
+    prompt_tokens: int = 0  # its prefill tokens (plan_pacing.prompt_tokens), where the engine paces plans
     after_idle: bool = False  # nothing ran before it: the GPU's wait for it is no bubble (StepPlan.after_idle)
     verifies: bool = False  # some sequence verifies drafts that the plan carries
     micro_batch: int = 0  # pipelined decode: the micro-batch it runs

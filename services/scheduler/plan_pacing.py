@@ -27,21 +27,28 @@ MARGIN_SHARE = 0.25
 IDLE_TOLERANCE_SECONDS = 0.0005
 
 
+def prompt_tokens(plan) -> int:
+    """A plan's prefill work: the tokens of its prompt (or recompute) chunks. Decodes and draft
+    verifications count as decode steps: pacing is about what prefills keep the GPU busy with."""
+    return sum(s.num_scheduled for s in plan.seqs if s.num_scheduled > 1 and not s.num_draft)
+
+
 class PlanPacer:
-    """Estimates a plan's GPU time from its tokens (a decode step's time, plus a cost per token
-    past one a sequence) from the steps that came back, and says how long to hold the next plan."""
+    """Estimates a plan's GPU time from its prompt tokens and sequences (a decode step's time,
+    plus a cost per prompt token) from the steps that came back, and says how long to hold the
+    next plan."""
 
     def __init__(self):
         self.decode_seconds: float | None = None
         self.token_seconds: float | None = None
         self.margin_share = MARGIN_SHARE
 
-    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
-        extra = tokens - seqs  # prefill (or draft) tokens past the one each sequence decodes
-        if extra <= seqs:
+    def observe(self, prompt: int, seqs: int, seconds: float) -> None:
+        """A step came back: `prompt` prompt tokens (prompt_tokens()) among `seqs` sequences."""
+        if prompt <= seqs:  # a decode step, or one with a small chunk in it
             self.decode_seconds = _smoothed(self.decode_seconds, seconds)
         elif self.decode_seconds is not None:
-            self.token_seconds = _smoothed(self.token_seconds, max(0.0, seconds - self.decode_seconds) / extra)
+            self.token_seconds = _smoothed(self.token_seconds, max(0.0, seconds - self.decode_seconds) / prompt)
 
     def held_step_idle(self, gpu_idle_seconds: float) -> None:
         """A held plan's step came back, with the GPU's idle time before it (GPU workers)."""
@@ -50,23 +57,22 @@ class PlanPacer:
         else:
             self.margin_share = max(MARGIN_SHARE, 0.9 * self.margin_share)
 
-    def expected(self, tokens: int, seqs: int) -> float | None:
+    def expected(self, prompt: int, seqs: int) -> float | None:
         """A plan's expected seconds; None before a decode step and a longer one came back."""
         if self.decode_seconds is None:
             return None
-        extra = tokens - seqs
-        if extra <= seqs:
+        if prompt <= seqs:
             return self.decode_seconds
         if self.token_seconds is None:
             return None
-        return self.decode_seconds + self.token_seconds * extra
+        return self.decode_seconds + self.token_seconds * prompt
 
     def hold_seconds(self, queued: list[tuple[int, int]], started: float, now: float) -> float:
-        """How long the next plan should wait: queued holds the (tokens, sequences) of the plans
-        in flight, the oldest running since `started`. 0: build it now."""
+        """How long the next plan should wait: queued holds the (prompt tokens, sequences) of the
+        plans in flight, the oldest running since `started`. 0: build it now."""
         total = 0.0
-        for tokens, seqs in queued:
-            seconds = self.expected(tokens, seqs)
+        for prompt, seqs in queued:
+            seconds = self.expected(prompt, seqs)
             if seconds is None:
                 return 0.0  # no estimate yet: as before, at once
             total += seconds
