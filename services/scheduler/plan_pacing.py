@@ -20,9 +20,11 @@ SMOOTHING = 0.2
 # The next plan goes out while the queued work has at least this many decode steps left...
 MARGIN_DECODE_STEPS = 3.0
 # ... and at least this share of the queued work left (a long step's estimate may be off). A held
-# plan whose step found the GPU idle before it doubles the share (up to all of it: no holding);
-# one that did not brings it back toward the floor.
+# plan whose step found the GPU idle before it doubles the share, up to MAX_MARGIN_SHARE (a hold
+# of a long step's first quarter still comes, so that the feedback goes on); one that did not
+# brings it back toward the floor.
 MARGIN_SHARE = 0.25
+MAX_MARGIN_SHARE = 0.75
 # GPU idle before a held plan's step that counts as the hold's fault (the host's jitter is less).
 IDLE_TOLERANCE_SECONDS = 0.0005
 
@@ -53,7 +55,7 @@ class PlanPacer:
     def held_step_idle(self, gpu_idle_seconds: float) -> None:
         """A held plan's step came back, with the GPU's idle time before it (GPU workers)."""
         if gpu_idle_seconds > IDLE_TOLERANCE_SECONDS:
-            self.margin_share = min(1.0, 2 * self.margin_share)
+            self.margin_share = min(MAX_MARGIN_SHARE, 2 * self.margin_share)
         else:
             self.margin_share = max(MARGIN_SHARE, 0.9 * self.margin_share)
 
