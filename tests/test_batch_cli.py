@@ -170,7 +170,9 @@ def test_every_line_answered_once_each_prefix_computed_once_and_answers_equal_al
 
 def test_a_rerun_after_an_interruption_answers_every_line_exactly_once(cluster, model_dir, tmp_path):
     c, _ = cluster
-    entries = [dict(e, custom_id=f"{e['custom_id']}-{k}") for k in range(6) for e in lines(max_tokens=60)]
+    # Lengths staggered from 10 to 110 tokens: the first lines are written while the longest still
+    # run (with one length for all, the whole file could land between two polls, nothing to kill).
+    entries = [dict(e, custom_id=f"{e['custom_id']}-{k}") for k in range(6) for e in lines(max_tokens=10 + 20 * k)]
     write_input(tmp_path / "in.jsonl", entries)
     proc = subprocess.Popen(
         [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from strata.services.scheduler.engine import Engine
 from strata.services.scheduler.engine_config import SchedulerConfig
 from strata.services.scheduler.plan import ScheduledSeq
-from strata.services.scheduler.plan_pacing import MARGIN_SHARE, MAX_MARGIN_SHARE, PlanPacer, prompt_tokens
+from strata.services.scheduler.plan_pacing import MARGIN_SHARE, MAX_MARGIN_SHARE, PlanHold, PlanPacer, prompt_tokens
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.v1 import engine_pb2
@@ -74,6 +75,29 @@ def test_an_idle_gpu_after_a_hold_widens_the_margin_and_steady_holds_narrow_it_a
     for _ in range(100):
         pacer.held_step_idle(0.0)
     assert pacer.margin_share == MARGIN_SHARE
+
+
+def test_a_plan_built_after_a_hold_reports_the_gpus_wait_and_no_other_does():
+    async def scenario():
+        woken = asyncio.Event()
+        hold = PlanHold(woken.set)
+        hold.pacer = trained()
+        long_step = SimpleNamespace(seqs=[ScheduledSeq(None, 0, 0, 7 * 512, [], 0, [], True)])
+        hold.sent(long_step)
+        assert not long_step.after_hold and long_step.prompt_tokens == 7 * 512
+        assert hold.hold([long_step], started=time.monotonic() - 0.030)  # 16 of 46 ms left: ~4.5 ms past the margin
+        after = SimpleNamespace(seqs=[])
+        hold.sent(after)
+        assert after.after_hold
+        await asyncio.wait_for(woken.wait(), 1)
+        hold.done(after, 0.003, gpu_idle_seconds=None)  # not timed (or after an idle engine): no verdict
+        assert hold.pacer.margin_share == MARGIN_SHARE
+        hold.done(after, 0.003, gpu_idle_seconds=0.002)
+        assert hold.pacer.margin_share == 2 * MARGIN_SHARE
+        hold.done(long_step, 0.046, gpu_idle_seconds=0.002)  # built without a hold: not its fault
+        assert hold.pacer.margin_share == 2 * MARGIN_SHARE
+
+    asyncio.run(scenario())
 
 
 def test_a_backlog_that_fills_the_next_plan_is_never_held_for():

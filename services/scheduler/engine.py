@@ -19,7 +19,7 @@ from strata.services.scheduler.engine_config import SchedulerConfig, default_mic
 from strata.services.scheduler.output_stream import OutputStream, RequestFailed, deliver, deliver_running
 from strata.services.scheduler.pipeline import Pipeline, PipelineError
 from strata.services.scheduler.plan_codec import plan_to_proto, split_proposals, split_result, split_rounds
-from strata.services.scheduler.plan_pacing import PlanPacer, prompt_tokens
+from strata.services.scheduler.plan_pacing import PlanHold
 from strata.services.scheduler.request import Request
 from strata.services.scheduler.scheduler import Scheduler
 from strata.services.scheduler.speculation.draft_proposer import draft_plan, fill_drafts, link_drafts
@@ -61,9 +61,7 @@ class Engine:
         self._round_trip_seconds = 0.0
         self._result_waits = [0.0, 0.0]
         # One stage: the next plan waits while those in flight keep the GPU busy (plan_pacing.py).
-        self._pacer = PlanPacer()
-        self._hold_timer: asyncio.TimerHandle | None = None
-        self._held = False  # the next plan was held
+        self._pacing = PlanHold(self._wake.set)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -298,9 +296,8 @@ class Engine:
                     len(self.in_flight),
                     len(self.scheduler.waiting),
                 )
-            plan.after_hold, self._held = self._held, False
             if self.paces_plans:
-                plan.prompt_tokens = prompt_tokens(plan)
+                self._pacing.sent(plan)
             plan.sent_at = time.monotonic()
             plan.after_idle = msg.after_idle = self._busy_since is None  # (the engine had nothing to run)
             self.in_flight.append(plan)
@@ -312,24 +309,11 @@ class Engine:
             await asyncio.sleep(0)
 
     def _hold_next_plan(self) -> bool:
-        """True (and a wake-up set for when it may go) while the plans in flight keep one stage's
-        GPU busy long enough for the next plan to gather what arrives meanwhile."""
+        """One stage: whether the next plan waits for the plans in flight (plan_pacing.py); never
+        for a backlog that fills it already."""
         if not self.paces_plans or self.scheduler.waiting_fill_a_plan():
             return False
-        started = max(self.in_flight[0].sent_at, self._last_result)
-        queued = [(plan.prompt_tokens, len(plan.seqs)) for plan in self.in_flight]
-        hold = self._pacer.hold_seconds(queued, started, time.monotonic())
-        if hold <= 0:
-            return False
-        self._held = True
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-        self._hold_timer = asyncio.get_running_loop().call_later(hold, self._wake.set)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "next plan held %.1f ms: %d in flight, %d waiting", hold * 1e3, len(queued), len(self.scheduler.waiting)
-            )
-        return True
+        return self._pacing.hold(self.in_flight, max(self.in_flight[0].sent_at, self._last_result))
 
     def _step_deadline(self, tokens: int) -> float:
         """Seconds a step of `tokens` tokens may take before its stage counts as hung."""
@@ -362,7 +346,8 @@ class Engine:
         pipelined = plan.sent_at < self._last_result  # sent before the previous result came back
         self._recent_step_seconds.append(step_seconds)
         if self.paces_plans:
-            self._pacer.observe(plan.prompt_tokens, len(plan.seqs), step_seconds)
+            timed = result.gpu_seconds > 0 and not plan.after_idle  # (the GPU waiting for clients is no bubble)
+            self._pacing.done(plan, step_seconds, result.gpu_idle_seconds if timed else None)
         self._last_result = now
         if result.step_id != plan.step_id:
             raise PipelineError(f"result for step {result.step_id} while expecting {plan.step_id}")
@@ -378,8 +363,6 @@ class Engine:
             self._worker_gpu[0] += result.gpu_seconds
             if not plan.after_idle:  # the GPU waiting for clients is no bubble
                 self._worker_gpu[1] += result.gpu_idle_seconds
-                if plan.after_hold:
-                    self._pacer.held_step_idle(result.gpu_idle_seconds)
             self._worker_gpu[2] += 1
         self._worker_launch_seconds += result.launch_seconds
         if result.error and result.peer_lost:  # a stage is gone: rebuild, the requests resume

@@ -15,6 +15,13 @@ already waiting would fill the next plan (an offline backlog): there is nothing 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger("strata.scheduler")
+
 # Weight of the newest step in the running estimates.
 SMOOTHING = 0.2
 # The next plan goes out while the queued work has at least this many decode steps left...
@@ -85,3 +92,40 @@ class PlanPacer:
 
 def _smoothed(current: float | None, sample: float) -> float:
     return sample if current is None else current + SMOOTHING * (sample - current)
+
+
+class PlanHold:
+    """The engine's side of pacing: holds its next plan (with a wake-up for when it may go),
+    marks the plans built after a hold, and feeds the estimates the steps that come back."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self.pacer = PlanPacer()
+        self._wake = wake
+        self._timer: asyncio.TimerHandle | None = None
+        self._held = False  # the next plan was held
+
+    def hold(self, in_flight: Sequence, started: float) -> bool:
+        """True (and the wake-up set) while the plans in flight, the oldest running since
+        `started`, keep the GPU busy long enough for the next plan to gather what arrives."""
+        queued = [(plan.prompt_tokens, len(plan.seqs)) for plan in in_flight]
+        seconds = self.pacer.hold_seconds(queued, started, time.monotonic())
+        if seconds <= 0:
+            return False
+        self._held = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._wake)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("next plan held %.1f ms: %d in flight", seconds * 1e3, len(queued))
+        return True
+
+    def sent(self, plan) -> None:
+        plan.after_hold, self._held = self._held, False
+        plan.prompt_tokens = prompt_tokens(plan)
+
+    def done(self, plan, seconds: float, gpu_idle_seconds: float | None) -> None:
+        """Its step came back after `seconds`; gpu_idle_seconds: the GPU's wait before it, where a
+        GPU worker timed it and the engine was not idle (None otherwise)."""
+        self.pacer.observe(plan.prompt_tokens, len(plan.seqs), seconds)
+        if plan.after_hold and gpu_idle_seconds is not None:
+            self.pacer.held_step_idle(gpu_idle_seconds)
