@@ -9,7 +9,8 @@ with CUDA events; the figure is microseconds per all-reduce. Each method's resul
 every rank (integer inputs: exact) before it is timed. The sizes: bf16 8 KiB (an 8B model's
 batch-1 decode: 4,096 x 2 bytes), 128 KiB (16 streams), 2 MiB (batch 256), 8 MiB (batch 1,024),
 32 MiB (a prefill chunk). Here torch's buffer holds every size, to show where it stops paying;
-Strata's has its serving size (8 MiB with two ranks, 512 KiB with more), past which NCCL serves.
+Strata's has its serving size (with two ranks 16 MiB, 32 MiB fused with the norm; 512 KiB with
+more), past which NCCL serves.
 
 Back to back is not how a batch-1 step meets them: there each sits between two GEMVs, and a
 dependent launch lets the next GEMV stream its weights while the ranks meet. So each method is
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ipc-max-mib",
         type=int,
         default=0,
-        help="the ipc one-shot's buffers, MiB (0: its serving size, 8 MiB with two ranks): whether it beats NCCL "
+        help="the ipc one-shot's buffers, MiB (0: its serving sizes, 16 and 32 MiB with two ranks): whether it beats NCCL "
         "on a prefill step's messages past that (its grid stays at most 256 programs, which loop over the rest)",
     )
     p.add_argument("--json", help="also write the rows here")

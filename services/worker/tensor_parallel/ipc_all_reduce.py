@@ -22,11 +22,14 @@ from strata.v1 import engine_pb2
 log = logging.getLogger("strata.worker")
 
 # Largest message (bytes). With two ranks each sends the whole message once, as NCCL's ring does
-# (half in its reduce-scatter, half in its all-gather), with one launch and no round trips: 8 MiB
-# holds an 8B model's batch-512 decode rows (NCCL took 44 us at 2 MiB on two H200s, where the
-# one-shot's kernel is a 2 MiB copy over NVLink). With more ranks each sends the message to every
-# peer, T - 1 times what the ring moves: there it stays at the small messages it was measured on.
-MAX_BYTES_TWO_RANKS = 8 * 1024 * 1024
+# (half in its reduce-scatter, half in its all-gather), with one launch and no round trips. Up to
+# where it beat NCCL on two H200s (bench/RESULTS.md, "Prefill's all-reduces through the one-shot"):
+# the sum alone to 16 MiB (82.9 against 94.4 us; at 24 MiB NCCL's 128 won), the sum fused with the
+# add and norm to 32 MiB, an 8B model's 4,096-token prefill rows (140 against NCCL-then-norm's 161
+# us). With more ranks each sends the message to every peer, T - 1 times what the ring moves: there
+# it stays at the small messages it was measured on.
+MAX_BYTES_TWO_RANKS = 16 * 1024 * 1024
+MAX_NORM_BYTES_TWO_RANKS = 32 * 1024 * 1024
 MAX_BYTES = 512 * 1024
 # The draw's maximum: one int64 key a row, for a decode batch of up to 2,048 rows.
 MAX_KEY_BYTES = 16 * 1024
@@ -66,7 +69,8 @@ class IpcAllReduce:
         # add_rms_norm's rows: a program owns one, the same place in the buffers only at one width.
         self.row_width: int | None = None
         if max_bytes is None:
-            max_bytes = MAX_BYTES_TWO_RANKS if size == 2 else MAX_BYTES
+            two_ranks = MAX_NORM_BYTES_TWO_RANKS if kind == "norm" else MAX_BYTES_TWO_RANKS
+            max_bytes = two_ranks if size == 2 else MAX_BYTES
         self.capacity = max_bytes // dtype.itemsize
         # [2 parities, size slots, capacity]: slot r holds rank r's part of the call, marked
         # empty until it lands (this rank's own slots stay unused: its part is in registers).
