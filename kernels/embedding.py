@@ -9,6 +9,11 @@ and copies that row of the table.
 
 It lets the next kernel launch early (PDL): the decode chain's first GEMV then streams its
 weights while this one runs, and waits for it only where it reads the embedded row.
+
+A tensor-parallel rank holds a slice of the table (vocab_offset, vocab_valid): ids outside it
+give rows of zeros, which the ranks' all-reduce then fills in. In torch that was eight launches
+(the shift, two compares, the clamp, the gather, the mask's cast and product), ~25 us of a TP2
+rank's batch-16 step (bench/RESULTS.md, session 21) where the whole table takes one launch of 2.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ def _embed_tokens_kernel(
     out_ptr,
     stride_weight,
     stride_out,
+    vocab_offset,
+    vocab_valid,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     RESOLVE: tl.constexpr,
+    SLICE: tl.constexpr,  # the table holds ids [vocab_offset, vocab_offset + vocab_valid): zeros elsewhere
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -45,11 +53,19 @@ def _embed_tokens_kernel(
     if RESOLVE:
         if token_id < 0:
             token_id = tl.load(last_sampled_ptr + tl.load(token_rows_ptr + token))
+    if SLICE:
+        token_id -= vocab_offset
+        inside = (token_id >= 0) & (token_id < vocab_valid)
+        token_id = tl.where(inside, token_id, 0)
     row = weight_ptr + token_id.to(tl.int64) * stride_weight
     for start in tl.static_range(0, HIDDEN, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < HIDDEN
-        tl.store(out_ptr + token * stride_out + cols, tl.load(row + cols, mask=mask), mask=mask)
+        if SLICE:
+            values = tl.load(row + cols, mask=mask & inside, other=0.0)
+        else:
+            values = tl.load(row + cols, mask=mask)
+        tl.store(out_ptr + token * stride_out + cols, values, mask=mask)
 
 
 def embed_tokens(
@@ -57,9 +73,13 @@ def embed_tokens(
     weight: torch.Tensor,
     token_rows: torch.Tensor | None = None,
     last_sampled: torch.Tensor | None = None,
+    *,
+    vocab_offset: int = 0,
+    vocab_valid: int | None = None,
 ) -> torch.Tensor:
     """weight[input_ids] as [T, hidden]; with token_rows and last_sampled, an id < 0 is replaced
-    by last_sampled[token_rows] first (embed_tokens_reference)."""
+    by last_sampled[token_rows] first (embed_tokens_reference). vocab_valid: weight's first
+    vocab_valid rows are ids vocab_offset onwards, and an id outside them gives a row of zeros."""
     assert input_ids.dim() == 1 and weight.dim() == 2 and weight.stride(1) == 1, (input_ids.shape, weight.shape)
     resolve = token_rows is not None
     num_tokens, hidden = input_ids.shape[0], weight.shape[1]
@@ -75,9 +95,12 @@ def embed_tokens(
         out,
         weight.stride(0),
         out.stride(0),
+        vocab_offset,
+        vocab_valid or 0,
         HIDDEN=hidden,
         BLOCK=block,
         RESOLVE=resolve,
+        SLICE=vocab_valid is not None,
         PDL=dependent_launch_supported(weight.device),
         num_warps=max(1, min(8, block // 512)),
     )

@@ -13,6 +13,7 @@ The interpreter computes bfloat16 wrongly: float32 and float16 here, bf16 in tes
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -230,11 +231,11 @@ if not can_run_interpreted_here(*KERNEL_MODULES):
                 4,
             )
             assert spills == 0, (regs, spills)
-        for hidden, num_warps in [(2048, 4), (4096, 8)]:
+        for (hidden, num_warps), vocab_slice in itertools.product([(2048, 4), (4096, 8)], [False, True]):
             regs, spills = _compile_sm90(
                 embedding._embed_tokens_kernel,
                 dict(ids_ptr="*i64", token_rows_ptr="*i64", last_sampled_ptr="*i64", weight_ptr=data, out_ptr=data),
-                dict(HIDDEN=hidden, BLOCK=hidden, RESOLVE=True, PDL=True),
+                dict(HIDDEN=hidden, BLOCK=hidden, RESOLVE=True, SLICE=vocab_slice, PDL=True),
                 num_warps,
             )
             assert spills == 0, (hidden, regs, spills)
@@ -343,6 +344,53 @@ else:
         plain = ids.clamp(min=0)
         assert torch.equal(embed_tokens(plain, weight), weight[plain])
         assert embed_tokens(torch.empty(0, dtype=torch.long), weight).shape == (0, hidden)
+
+    @pytest.mark.parametrize("rank", [0, 1, 2])
+    def test_embed_tokens_of_a_vocabulary_slice_gives_zeros_outside_it(rank):
+        # Three ranks of 24 rows over a vocabulary of 60: the last holds 12 real ids and 12 of padding.
+        from strata.services.worker.tensor_parallel.vocab import VocabShard
+
+        gen = torch.Generator().manual_seed(rank)
+        table = torch.randn(72, 96, generator=gen).to(torch.float16)
+        shard = VocabShard(60, rank, 3)
+        weight = table[shard.offset : shard.offset + shard.local].contiguous()
+        ids = torch.tensor([0, 23, 24, -1, 47, 48, 59, 30, -1])
+        token_rows, last_sampled = torch.arange(9), torch.tensor([0, 0, 0, 50, 0, 0, 0, 0, 5])
+        got = embed_tokens(ids, weight, token_rows, last_sampled, vocab_offset=shard.offset, vocab_valid=shard.valid)
+        resolved = torch.where(ids < 0, last_sampled, ids)
+        inside = (resolved >= shard.offset) & (resolved < shard.offset + shard.valid)
+        want = torch.where(inside[:, None], table[resolved], torch.zeros(()).to(torch.float16))
+        assert torch.equal(got, want) and not torch.signbit(got[~inside]).any()  # +0.0: the sum's exact
+        # The ranks' rows sum to the whole table's: each id is one rank's.
+        if rank == 0:
+            total = sum(
+                embed_tokens(resolved, table[s.offset : s.offset + s.local], vocab_offset=s.offset, vocab_valid=s.valid)
+                for s in (VocabShard(60, r, 3) for r in range(3))
+            )
+            assert torch.equal(total, table[resolved])
+
+    def test_a_ranks_embedding_takes_one_launch_with_the_torch_paths_rows():
+        # services/worker/model/layers.py's Embedding of a vocabulary slice, before its all-reduce.
+        from strata.services.worker.model.layers import Embedding
+        from strata.services.worker.tensor_parallel.vocab import VocabShard
+
+        class Unsummed:  # the rank's own rows (the group's sum is tested with the group)
+            size = 2
+
+            def all_reduce_(self, x):
+                return x
+
+        shard = VocabShard(100, 1, 2)  # ids 64-99 real, 100-127 padding
+        embedding = Embedding(shard.local, 32, "cpu", torch.float16, vocab=shard, reduce=Unsummed())
+        embedding.weight.data.copy_(torch.randn(shard.local, 32, generator=torch.Generator().manual_seed(0)))
+        ids = torch.tensor([3, 64, 99, -1, 70])
+        placeholders = (torch.arange(5), torch.tensor([0, 0, 0, 80, 0]))
+        rows = {}
+        for fused in (True, False):
+            embedding.fused_kernels = fused
+            rows[fused] = embedding(ids, placeholders)
+        assert torch.equal(rows[True], rows[False])
+        assert torch.equal(rows[True][3], embedding.weight[80 - 64]) and not rows[True][0].any()
 
     # --- rotary -------------------------------------------------------------------------------
 

@@ -133,6 +133,11 @@ class Embedding(FusedKernelSwitch, nn.Module):
     def _slice_rows(self, ids: torch.Tensor, placeholders) -> torch.Tensor:
         """The rank's rows of the ids in its slice, zeros elsewhere, summed over the ranks (the
         sum adds zeros to one rank's row: exact). Placeholders resolve first, on the device."""
+        if self._use_fused(ids):  # one launch (kernels/embedding.py)
+            rows = _fused_kernels().embed_tokens(
+                ids, self.weight, *(placeholders or ()), vocab_offset=self.vocab.offset, vocab_valid=self.vocab.valid
+            )
+            return self.reduce.all_reduce_(rows)
         if placeholders is not None:
             token_rows, last_sampled = placeholders
             ids = torch.where(ids < 0, last_sampled[token_rows], ids)
