@@ -14,9 +14,10 @@ stages of T ranks) the GPUs allow. For each:
 Each tensor-parallel way also runs its stream phases on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
 of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them (and of the streams'
-mean TPOT likewise). With --ab-early-send it runs the batch-1 phase once more with
---tensor-parallel-no-early-send (the decode chain's GEMVs leave the sending to the one-shot's own
-launch: kernels/one_shot_all_reduce.py, "Sent early").
+mean TPOT likewise). With --ab-early-send it runs both stream phases once more with
+--tensor-parallel-no-early-send (the decode chain's GEMVs at batch 1, and the small-batch GEMMs'
+o_proj and down at 2-16 rows, leave the sending to the one-shot's own launch:
+kernels/one_shot_all_reduce.py, "Sent early").
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
@@ -188,8 +189,7 @@ def run(args) -> int:
             )
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
-                # Without collectives both stream phases (each one's all-reduce share); the A/B at batch 1 only.
-                streams = [1] if no_early_send else [args.concurrency, 1]
+                streams = [args.concurrency, 1]
                 offline = not (no_collectives or no_early_send)
                 phases = common.run(_run_way(endpoints, run_args, offline, streams))
             runs.append(
@@ -250,6 +250,14 @@ def run(args) -> int:
         if late is not None:
             tpot = late["streams_1"]["tpot_ms"].get("p50")
             lines.append(("batch-1 TPOT without early sends (A/B)", f"p50 {common.fmt(tpot, '.3f')} ms"))
+            key = f"streams_{args.concurrency}"
+            tpot, with_sends = late[key]["tpot_ms"].get("mean"), r[key]["tpot_ms"].get("mean")
+            lines.append(
+                (
+                    f"{args.concurrency}-stream TPOT without early sends (A/B)",
+                    f"mean {common.fmt(tpot, '.3f')} ms (with them {common.fmt(with_sends, '.3f')})",
+                )
+            )
         ratios = {}
         if base is not None and r is not base:
             ratios = {

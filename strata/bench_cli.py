@@ -236,8 +236,8 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
     p.add_argument(
         "--ab-early-send",
         action="store_true",
-        help="each tensor-parallel way also runs its batch-1 phase with --tensor-parallel-no-early-send: the decode "
-        "chain's row-parallel GEMVs leave the sending to the one-shot's own launch (an A/B)",
+        help="each tensor-parallel way also runs its stream phases with --tensor-parallel-no-early-send: the row-parallel "
+        "GEMVs (batch 1) and small-batch GEMMs (2-16 rows) leave the sending to the one-shot's own launch (an A/B)",
     )
     p.add_argument(
         "--no-plan-pacing",

@@ -213,8 +213,9 @@ FLAGS: dict[str, Flag] = {
     "tensor_parallel_no_early_send": Flag(
         "STRATA_TENSOR_PARALLEL_NO_EARLY_SEND",
         False,
-        "benchmarks only (an A/B): with --tensor-parallel-all-reduce ipc, the batch-1 decode chain's o_proj and "
-        "down no longer send their rows to the peers as they end; the one-shot's own launch sends them "
+        "benchmarks only (an A/B): with --tensor-parallel-all-reduce ipc, o_proj and down (the batch-1 decode "
+        "chain's GEMVs, the small-batch GEMMs of 2-16 rows) no longer send their rows to the peers as they end; "
+        "the one-shot's own launch sends them "
         '(kernels/one_shot_all_reduce.py, "Sent early"). Same tokens',
         bool,
     ),

@@ -151,7 +151,7 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
         kernel = one_shot._one_shot_all_reduce_norm_kernel
         constexprs = dict(HIDDEN=hidden, BLOCK=hidden, ADD_RESIDUAL=True, UNIT_OFFSET=False, RANK=1, WORLD=2)
-        constexprs |= dict(BITS=tl.int16, EMPTY=-(2**15), LOOP=True, CHUNK=one_shot.MAX_CHUNK_ROWS, PDL=True)
+        constexprs |= dict(BITS=tl.int16, EMPTY=-(2**15), LOOP=True, CHUNK=one_shot.MAX_CHUNK_ROWS, SENT=False, PDL=True)
         pointers = {"seq_ptr": "*i32", "abort_address": "i64", "eps": "fp32", "rows": "i32", "capacity": "i32"}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*bf16") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if signature[n][0] == "*"}
@@ -347,6 +347,53 @@ else:
                 assert _empty(ranks[r].buffers[r])  # read, marked empty, and nothing sent twice
         assert ranks[0].sequences[:2].tolist() == ranks[1].sequences[:2].tolist() == [3, 3]
 
+    def test_a_small_batch_gemm_sends_its_rows_early_and_the_norm_one_shot_only_gathers():
+        """A rank's o_proj or down at 2-16 rows (kernels/small_batch_linear.py, split-K) sends each
+        tile as its last split ends, into the slots of each row's program; the norm one-shot
+        after it (sent=True) only gathers, adds and norms. Between ordinary calls of the norm
+        one-shot on the same buffers, so each row's parity alternates across both kinds."""
+        from strata.kernels.reference import fused_add_rms_norm_reference
+        from strata.kernels.small_batch_linear import SmallBatchConfig, small_batch_linear
+
+        rows, width, k = 3, 96, 128
+        ranks = _ranks(torch.float16, capacity=rows * 1024)  # a sequence word (a program) a row
+        gen = torch.Generator().manual_seed(4)
+        xs = [torch.randn(rows, k, generator=gen).to(torch.float16) for _ in range(2)]
+        ws = [(torch.randn(width, k, generator=gen) / 16).to(torch.float16) for _ in range(2)]
+        residual = torch.randn(rows, width, generator=gen).to(torch.float16)
+        weight = (torch.rand(width, generator=gen) + 0.5).to(torch.float16)
+        config = SmallBatchConfig(block_n=32, block_k=32, split_k=2, num_stages=1)  # 3 column blocks, 2 splits
+        for call in range(3):
+            got = {}
+            if call == 1:  # an ordinary call: the rows' next early sends take the other parity
+                parts = [torch.randn(rows, width, generator=gen).to(torch.float16) for _ in range(2)]
+
+                def launch(r, exchange):
+                    out, residual_out = torch.empty(rows, width, dtype=torch.float16), torch.empty_like(residual)
+                    one_shot.one_shot_all_reduce_add_rms_norm(
+                        parts[r].clone(), residual, weight, 1e-6, False, out, residual_out, exchange
+                    )
+
+                _play(ranks, parts, 0, launch)
+                continue
+            ys = [small_batch_linear(xs[r], ws[r], config=config, send_to=ranks[r]) for r in range(2)]
+            parity = (call + 1) % 2
+            for r in range(2):  # each GEMM's rows landed in the other's buffer before any one-shot launched
+                sent = _slot(ranks[1 - r], 1 - r, parity, r, rows * width)
+                assert torch.equal(sent, torch.where(ys[r] == 0, 0.0, ys[r]).view(-1))
+            want_out, want_residual = fused_add_rms_norm_reference(ys[0] + ys[1], residual, weight, 1e-6)
+            for r in range(2):
+                out, residual_out = torch.empty(rows, width, dtype=torch.float16), torch.empty_like(residual)
+                one_shot.one_shot_all_reduce_add_rms_norm(
+                    ys[r], residual, weight, 1e-6, False, out, residual_out, ranks[r], sent=True
+                )
+                got[r] = out
+                torch.testing.assert_close(out, want_out)
+                assert torch.equal(residual_out, want_residual)
+                assert _empty(ranks[r].buffers[r])  # read, marked empty, and nothing sent twice
+            assert torch.equal(got[0], got[1])
+        assert ranks[0].sequences[:rows].tolist() == ranks[1].sequences[:rows].tolist() == [3] * rows
+
     def test_early_sends_take_one_launch_that_does_not_loop():
         (rank0, _) = _ranks(capacity=4096)  # 8 blocks of 512 float32
         assert rank0.takes_early_sends(4096, torch.float32)
@@ -354,3 +401,7 @@ else:
         assert not rank0.takes_early_sends(64, torch.bfloat16)  # not the buffers' dtype
         with pytest.raises(AssertionError):
             one_shot.one_shot_all_reduce(torch.ones(16), rank0, maximum=True, sent=True)
+        # The norm variant's rows: a program (and sequence word) a row, none looping.
+        assert rank0.takes_early_row_sends(16, 256, torch.float32)
+        assert not rank0.takes_early_row_sends(17, 256, torch.float32)  # past the buffer
+        assert not rank0.takes_early_row_sends(2, 256, torch.bfloat16)

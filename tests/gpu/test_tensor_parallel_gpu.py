@@ -397,3 +397,61 @@ def test_the_decode_chain_at_two_ranks_adds_the_residual_once(all_reduce):
     scale = plain.abs().max().item()
     torch.testing.assert_close(chain, plain, atol=0.03 * scale, rtol=0.0)
     assert torch.equal(chain.argmax(-1), plain.argmax(-1))
+
+
+def _rows_sent_early(rank, group):
+    """Decode steps of 8 rows through a TP2 shard's layers, with o_proj and down on the small-batch
+    GEMM (tuned here for the tiny model's rank shapes), their rows sent early or by the norm
+    one-shot itself: the logits of both, and how many GEMMs sent."""
+    from strata.kernels import small_batch_linear as sbl
+    from strata.services.worker.model.attention import allocate_kv_cache
+    from strata.services.worker.model.triton_backend import TritonAttentionBackend
+    from strata.services.worker.model.weights import load_shard
+    from strata.services.worker.sampling.sharded import ShardedSampler
+    from tests.gpu_shards import small_llama
+    from tests.paged_inputs import SequenceChunk, build_step_inputs
+
+    # A rank of two: o_proj [1,024, 512] in two splits (the last split of a block sends), down
+    # [1,024, 1,408] in one, gate_up [2 x 1,408, 1,024] with SiLU.
+    sbl.TUNED[(1024, 512, False)] = sbl.SmallBatchConfig(32, 128, 2, 3)
+    sbl.TUNED[(1024, 1408, False)] = sbl.SmallBatchConfig(32, 128, 1, 3)
+    sbl.TUNED[(2816, 1024, True)] = sbl.SmallBatchConfig(32, 128, 1, 3)
+    shard, local = load_shard(
+        "dummy",
+        0,
+        1,
+        torch.bfloat16,
+        group.device,
+        dummy_config=small_llama(),
+        attn_backend=TritonAttentionBackend(),
+        tp=group,
+    )
+    shard.decode_chain = False
+    gather = ShardedSampler(group, shard.vocab).all_gather_rows
+    sends = []
+    if group.one_shot_norm is not None:
+        sent_rows = group.one_shot_norm.sent_rows
+        group.one_shot_norm.sent_rows = lambda y: sends.append(y.shape) or sent_rows(y)
+    prompts = [SequenceChunk(list(range(3 + i, 20 + 2 * i)), 0, [2 * i, 2 * i + 1]) for i in range(8)]
+    logits = {}
+    for early in (False, True):
+        group.send_early = early
+        caches = allocate_kv_cache(4, 16, 16, local.num_key_value_heads, 64, torch.bfloat16, group.device)
+        steps = [prompts] + [
+            [SequenceChunk([7 + s + i], len(p.token_ids) + s, p.block_ids) for i, p in enumerate(prompts)]
+            for s in range(3)
+        ]
+        for chunks in steps:
+            inputs = build_step_inputs(chunks, block_size=16, device=group.device)
+            hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
+            logits[early] = gather(shard.compute_logits(hidden, residual)).float().cpu()
+    return logits[False], logits[True], sends
+
+
+@pytest.mark.parametrize("all_reduce", PLACEMENTS[:2])
+def test_small_batch_gemms_send_their_rows_early_with_the_same_bits(all_reduce):
+    (late, early, sends), (late1, early1, sends1) = _on_ranks(_rows_sent_early, all_reduce=all_reduce)
+    # ipc: every layer's o_proj, and down but the last layer's (summed whole for the final norm), at
+    # three decode steps of 8 rows; the prefill's rows (past 16) take cuBLAS, which sends nothing.
+    assert sends == sends1 == ([(8, 1024)] * 7 * 3 if all_reduce == "ipc" else [])
+    assert torch.equal(early, late) and torch.equal(early1, late1) and torch.equal(early, early1)
