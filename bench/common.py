@@ -150,6 +150,7 @@ SERVE_FLAGS = (
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
     "tensor_parallel_no_early_send",
+    "tensor_parallel_early_row_sends",
     "device",
     "dtype",
     "block_size",

@@ -15,9 +15,10 @@ Each tensor-parallel way also runs its stream phases on a cluster whose ranks sk
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
 of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them (and of the streams'
 mean TPOT likewise). With --ab-early-send it runs both stream phases once more with
---tensor-parallel-no-early-send (the decode chain's GEMVs at batch 1, and the small-batch GEMMs'
-o_proj and down at 2-16 rows, leave the sending to the one-shot's own launch:
-kernels/one_shot_all_reduce.py, "Sent early").
+--tensor-parallel-no-early-send (the decode chain's GEMVs at batch 1 leave the sending to the
+one-shot's own launch: kernels/one_shot_all_reduce.py, "Sent early"); with --ab-early-row-sends,
+with --tensor-parallel-early-row-sends (the small-batch GEMMs' o_proj and down at 2-16 rows send
+their rows early too; experimental).
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
@@ -166,6 +167,20 @@ def _way_line(phases: dict) -> str:
     return ", ".join(parts)
 
 
+def _a_b_lines(r: dict, other: dict, what: str, concurrency: int) -> list[tuple[str, str]]:
+    """The stream phases' TPOT of an A/B run of a way beside the way's own."""
+    lines = []
+    for key, stat in ((f"streams_{concurrency}", "mean"), ("streams_1", "p50")):
+        tpot, own = other[key]["tpot_ms"].get(stat), r[key]["tpot_ms"].get(stat)
+        lines.append(
+            (
+                f"{key.replace('_', ' ')} TPOT {what} (A/B)",
+                f"{stat} {common.fmt(tpot, '.3f')} ms (the way's own {common.fmt(own, '.3f')})",
+            )
+        )
+    return lines
+
+
 def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("tensor-parallel", env)
@@ -173,12 +188,15 @@ def run(args) -> int:
     runs, failed = [], 0
     for way in ways:
         ranks, stages, replicas = parse_way(way)
-        plan = [(False, False, way)]
+        # (no collectives, no early sends, early row sends, name): the way, then its A/Bs.
+        plan = [(False, False, args.tensor_parallel_early_row_sends, way)]
         if ranks > 1:
-            plan.append((True, False, f"{way} without collectives"))
+            plan.append((True, False, False, f"{way} without collectives"))
             if args.ab_early_send:
-                plan.append((False, True, f"{way} without early sends"))
-        for no_collectives, no_early_send, name in plan:
+                plan.append((False, True, False, f"{way} without early sends"))
+            if args.ab_early_row_sends:
+                plan.append((False, False, True, f"{way} with early row sends"))
+        for no_collectives, no_early_send, row_sends, name in plan:
             run_args = common.with_overrides(
                 args,
                 tensor_parallel_size=ranks,
@@ -186,12 +204,13 @@ def run(args) -> int:
                 data_parallel_size=replicas,
                 tensor_parallel_no_collectives=no_collectives,
                 tensor_parallel_no_early_send=no_early_send,
+                tensor_parallel_early_row_sends=row_sends,
             )
+            a_b = no_collectives or no_early_send or row_sends != args.tensor_parallel_early_row_sends
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
                 streams = [args.concurrency, 1]
-                offline = not (no_collectives or no_early_send)
-                phases = common.run(_run_way(endpoints, run_args, offline, streams))
+                phases = common.run(_run_way(endpoints, run_args, not a_b, streams))
             runs.append(
                 {
                     "way": way,
@@ -200,6 +219,8 @@ def run(args) -> int:
                     "replicas": replicas,
                     "no_collectives": no_collectives,
                     "no_early_send": no_early_send,
+                    "early_row_sends": row_sends,
+                    "a_b": a_b,
                     **phases,
                 }
             )
@@ -210,7 +231,7 @@ def run(args) -> int:
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
-        if r["no_collectives"] or r["no_early_send"]:
+        if r["a_b"]:
             continue
         title = f"{r['way']} ({r['replicas']} replica(s) of {r['stages']} stage(s) of {r['ranks']} rank(s))"
         lines = []
@@ -246,18 +267,10 @@ def run(args) -> int:
                         f"({without:.2f} ms without collectives, {with_c:.2f} with)",
                     )
                 )
-        late = next((x for x in runs if x["way"] == r["way"] and x["no_early_send"]), None)
-        if late is not None:
-            tpot = late["streams_1"]["tpot_ms"].get("p50")
-            lines.append(("batch-1 TPOT without early sends (A/B)", f"p50 {common.fmt(tpot, '.3f')} ms"))
-            key = f"streams_{args.concurrency}"
-            tpot, with_sends = late[key]["tpot_ms"].get("mean"), r[key]["tpot_ms"].get("mean")
-            lines.append(
-                (
-                    f"{args.concurrency}-stream TPOT without early sends (A/B)",
-                    f"mean {common.fmt(tpot, '.3f')} ms (with them {common.fmt(with_sends, '.3f')})",
-                )
-            )
+        for key, what in (("no_early_send", "without early sends"), ("early_row_sends", "with early row sends")):
+            other = next((x for x in runs if x["way"] == r["way"] and x["a_b"] and x[key]), None)
+            if other is not None:
+                lines += _a_b_lines(r, other, what, args.concurrency)
         ratios = {}
         if base is not None and r is not base:
             ratios = {

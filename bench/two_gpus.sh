@@ -37,6 +37,9 @@
 # its three all-reduces on them did not beat NCCL and none serves. Session 20 ran `tp ipc 1,tp2` in three
 # leases (16 streams 0.605-0.630x by the mean: missed) and `waves`: the scheduler's per-step log showed a
 # wave's arrivals split over plans built the moment a slot freed, which plan pacing (f5c2cba) fixed.
+# Session 21 ran ipc-large (the fused one-shot beat NCCL-then-norm to 32 MiB: e9946d5 serves prefill's
+# sums with it) and `tp ipc 1,tp2` (16 streams 0.607x by the mean, request latency 0.604x: missed), then
+# lost x2. Next: early-rows-tests, then tp-early-rows (the small-batch GEMMs' row sends, experimental).
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -46,6 +49,9 @@
 #   bash bench/two_gpus.sh COMMIT waves         # the 16-stream phase with the scheduler's per-step debug log (waves.log.gz)
 #   bash bench/two_gpus.sh COMMIT ipc-large     # the ipc one-shot (and fused with the norm) against NCCL at prefill
 #                                               # sizes past its 8 MiB: 12-32 MiB, 1,536-4,096 rows of 4,096
+#   bash bench/two_gpus.sh COMMIT early-rows-tests  # --tensor-parallel-early-row-sends' tests, one GPU and two
+#   bash bench/two_gpus.sh COMMIT tp-early-rows # issue 51's bench (1,tp2) with the early row sends' A/B
+#   bash bench/two_gpus.sh COMMIT prefill-overlap  # a TP2 prefill's sums beside its GEMMs (rows in two pieces)
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
 #   bash bench/two_gpus.sh COMMIT rank-attention  # (one GPU will do) a TP2 rank's step at 8 or 4 attention warps
@@ -85,7 +91,7 @@ run() {  # tag, seconds, command...: the log in $OUT, its figures here
   echo "=== $tag $(date +%T)"
   timeout "$secs" "$@" > "$OUT/$tag.log" 2>&1
   echo "rc=$? $(date +%T)"
-  grep -v -i warn "$OUT/$tag.log" | grep -E "x one|arget|tok/s|TPOT|KiB|chain|passed|failed|FAIL|RESULTS|cuBLAS|Config\(|^\|" | tail -40
+  grep -v -i warn "$OUT/$tag.log" | grep -E "x one|arget|tok/s|TPOT|KiB|chain|passed|failed|FAIL|RESULTS|cuBLAS|Config\(|serial|chunked|^\|" | tail -40
 }
 
 case $phase in
@@ -95,6 +101,19 @@ case $phase in
         --rows "$rows" --hidden 4096 --output "$OUT/hop_$rows.json"
     done
     run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
+    ;;
+  early-rows-tests)  # session 21's one-GPU run of the first test hung (RESULTS): its early pass ran first
+    run early_rows_tests 300 python -m pytest -q -x -rA -p no:cacheprovider \
+      tests/gpu/test_one_shot_all_reduce_gpu.py tests/gpu/test_tensor_parallel_gpu.py -k "sending_their_rows or send_their_rows"
+    ;;
+  tp-early-rows)
+    run tp8b_rows 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
+      --ways 1,tp2 --shape mixed --num-prompts 1024 --latency-num-prompts 128 --tensor-parallel-all-reduce ipc \
+      --ab-early-row-sends --output "$OUT/tp8b_rows.json"
+    ;;
+  prefill-overlap)
+    run prefill_overlap 300 python -m strata.bench.prefill_overlap --rows 1536,4096 --chunks 2 --carveout 0,16 \
+      --json "$OUT/prefill_overlap.json"
     ;;
   tp-tests)
     run one_shot_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_one_shot_all_reduce_gpu.py -k two-gpus

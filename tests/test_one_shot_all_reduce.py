@@ -151,7 +151,9 @@ if not can_run_interpreted_here("strata.kernels.one_shot_all_reduce"):
 
         kernel = one_shot._one_shot_all_reduce_norm_kernel
         constexprs = dict(HIDDEN=hidden, BLOCK=hidden, ADD_RESIDUAL=True, UNIT_OFFSET=False, RANK=1, WORLD=2)
-        constexprs |= dict(BITS=tl.int16, EMPTY=-(2**15), LOOP=True, CHUNK=one_shot.MAX_CHUNK_ROWS, SENT=False, PDL=True)
+        constexprs |= dict(
+            BITS=tl.int16, EMPTY=-(2**15), LOOP=True, CHUNK=one_shot.MAX_CHUNK_ROWS, SENT=False, PDL=True
+        )
         pointers = {"seq_ptr": "*i32", "abort_address": "i64", "eps": "fp32", "rows": "i32", "capacity": "i32"}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*bf16") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if signature[n][0] == "*"}

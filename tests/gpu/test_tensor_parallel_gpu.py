@@ -427,6 +427,7 @@ def _rows_sent_early(rank, group):
         tp=group,
     )
     shard.decode_chain = False
+    group.send_rows_early = True  # (--tensor-parallel-early-row-sends)
     gather = ShardedSampler(group, shard.vocab).all_gather_rows
     sends = []
     if group.one_shot_norm is not None:
@@ -434,7 +435,7 @@ def _rows_sent_early(rank, group):
         group.one_shot_norm.sent_rows = lambda y: sends.append(y.shape) or sent_rows(y)
     prompts = [SequenceChunk(list(range(3 + i, 20 + 2 * i)), 0, [2 * i, 2 * i + 1]) for i in range(8)]
     logits = {}
-    for early in (False, True):
+    for early in (False, True):  # the late pass first: every kernel loads before any peer spins early
         group.send_early = early
         caches = allocate_kv_cache(4, 16, 16, local.num_key_value_heads, 64, torch.bfloat16, group.device)
         steps = [prompts] + [
