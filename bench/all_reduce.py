@@ -33,13 +33,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 
 import torch
 
 from strata.bench.graph_timing import graph_time_us
-from strata.launcher import free_port
+from strata.bench.spawn_ranks import run_on_ranks
 from strata.mps import MpsDaemon
 
 SIZES_KIB = (8, 128, 2048, 8192, 32768)
@@ -206,22 +205,6 @@ def _with_add_and_norm(store, rank, size, pg, ipc, device, dtype, args, meet) ->
     return out
 
 
-def _run_ranks(size: int, args) -> tuple[list, dict, list]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, args, results)) for r in range(size)]
-    for proc in procs:
-        proc.start()
-    try:
-        return results.get(timeout=600)
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata.bench.all_reduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--tensor-parallel-size", type=int, default=2, help="ranks, one GPU each (cuda:0 ..)")
@@ -260,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         mps.start()
         os.environ.update(mps.env)
     try:
-        rows, chained, normed = _run_ranks(size, args)
+        rows, chained, normed = run_on_ranks(_rank, size, args)
     finally:
         os.environ.clear()
         os.environ.update(saved)

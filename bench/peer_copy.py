@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
 
 import torch
 
 from strata.bench.graph_timing import eager_time_us
+from strata.bench.spawn_ranks import run_on_ranks
 
 # Calls timed between two events, and the repeats whose median is taken.
 CALLS, REPEATS = 20, 3
 
 
-def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
+def _rank(rank: int, size: int, port: int, sizes_mib: list[int], results) -> None:
     from strata.services.worker.tensor_parallel.group import TensorParallelGroup
     from strata.services.worker.tensor_parallel.ipc_all_reduce import exported_handle, peer_memory
     from strata.stage_links import set_nccl_environment
@@ -75,27 +75,13 @@ def _rank(rank: int, port: int, sizes_mib: list[int], results) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from strata.launcher import free_port
-
     p = argparse.ArgumentParser(prog="python -m strata.bench.peer_copy", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print(f"needs 2 GPUs; {torch.cuda.device_count()} visible")
         return 1
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_mib, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        rows = results.get(timeout=300)
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+    rows = run_on_ranks(_rank, 2, args.sizes_mib, timeout=300)
     print(
         f"two ranks on 2 x {torch.cuda.get_device_name(0)}, bf16, eagerly, us a call (GB/s: the message over the time)"
     )

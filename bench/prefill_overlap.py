@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 
 import torch
 
 from strata.bench.graph_timing import graph_time_us
-from strata.launcher import free_port
+from strata.bench.spawn_ranks import run_on_ranks
 
 # An 8B (Llama-3-8B) rank at T = 2: hidden 4,096; qkv (32 + 2 x 8) x 128 / 2; o_proj's input 2,048;
 # gate_up 2 x 14,336 / 2; down's input 7,168.
@@ -188,19 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        rows = results.get(timeout=900)
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+    rows = run_on_ranks(_rank, 2, args, timeout=900)
     print(f"{'rows':>6} {'carveout':>8} {'sums':>5} {'way':>8} {'us a layer':>11} {'x serial':>9}")
     serial = {(r["rows"], r["carveout"], r["sums"]): r["layer_us"] for r in rows if r["way"] == "serial"}
     for r in rows:

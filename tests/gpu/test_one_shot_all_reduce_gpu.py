@@ -232,21 +232,18 @@ def test_the_all_reduce_fused_with_the_add_and_norm_gives_the_unfused_bits(sprea
     assert total0 == total1  # every rank the same normalised rows
 
 
-def _layers(rank, one_shot):
-    """A rank of a two-way small Llama (bf16) through its unfused layers, a prefill and a decode
-    batch of three, with gloo's all-reduces and then with the one-shots (o_proj's and down's sums
-    fused into the norms after them): the same logits."""
-    from strata.services.worker.model.attention import allocate_kv_cache
+def _gloo_shard(rank, one_shot, session: int):
+    """A rank of a two-way small Llama (bf16, its layers unfused) over a gloo group of this
+    process's ranks (they share the GPU): (group, shard, its local config, the logits' gather)."""
     from strata.services.worker.model.triton_backend import TritonAttentionBackend
     from strata.services.worker.model.weights import load_shard
     from strata.services.worker.sampling.sharded import ShardedSampler
     from strata.services.worker.tensor_parallel.group import TensorParallelGroup
     from tests.gpu_shards import small_llama
-    from tests.paged_inputs import SequenceChunk, build_step_inputs
 
     device = one_shot.buffer.device
     group = TensorParallelGroup(rank, 2, device, timeout=60.0, all_reduce="gloo")
-    group.form(one_shot.store, 3)
+    group.form(one_shot.store, session)
     shard, local = load_shard(
         "dummy",
         0,
@@ -258,11 +255,22 @@ def _layers(rank, one_shot):
         tp=group,
     )
     shard.decode_chain = False
+    return group, shard, local, ShardedSampler(group, shard.vocab).all_gather_rows
+
+
+def _layers(rank, one_shot):
+    """A rank of a two-way small Llama (bf16) through its unfused layers, a prefill and a decode
+    batch of three, with gloo's all-reduces and then with the one-shots (o_proj's and down's sums
+    fused into the norms after them): the same logits."""
+    from strata.services.worker.model.attention import allocate_kv_cache
+    from tests.paged_inputs import SequenceChunk, build_step_inputs
+
+    device = one_shot.buffer.device
+    group, shard, local, gather = _gloo_shard(rank, one_shot, 3)
     steps = [
         [SequenceChunk(list(range(3, 40)), 0, [0, 1, 2]), SequenceChunk(list(range(50, 70)), 0, [3, 4])],
         [SequenceChunk([7], 37, [0, 1, 2]), SequenceChunk([9], 20, [3, 4])],
     ]
-    gather = ShardedSampler(group, shard.vocab).all_gather_rows
     logits = []
     for fused in (False, True):
         group.one_shot, group.one_shot_norm = (one_shot, one_shot.norm) if fused else (None, None)
@@ -289,36 +297,18 @@ def _layers_sending_rows(rank, one_shot):
     sending them itself. The logits of both, and how many GEMMs sent."""
     from strata.kernels import small_batch_linear as sbl
     from strata.services.worker.model.attention import allocate_kv_cache
-    from strata.services.worker.model.triton_backend import TritonAttentionBackend
-    from strata.services.worker.model.weights import load_shard
-    from strata.services.worker.sampling.sharded import ShardedSampler
-    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
-    from tests.gpu_shards import small_llama
     from tests.paged_inputs import SequenceChunk, build_step_inputs
 
     sbl.TUNED[(1024, 512, False)] = sbl.SmallBatchConfig(32, 128, 2, 3)  # o_proj: two splits, the last sends
     sbl.TUNED[(1024, 1408, False)] = sbl.SmallBatchConfig(32, 128, 1, 3)  # down
     sbl.TUNED[(2816, 1024, True)] = sbl.SmallBatchConfig(32, 128, 1, 3)  # gate_up with SiLU
     device = one_shot.buffer.device
-    group = TensorParallelGroup(rank, 2, device, timeout=60.0, all_reduce="gloo")
-    group.form(one_shot.store, 4)
+    group, shard, local, gather = _gloo_shard(rank, one_shot, 4)
     group.one_shot, group.one_shot_norm = one_shot, one_shot.norm
     group.send_rows_early = True  # (--tensor-parallel-early-row-sends)
-    shard, local = load_shard(
-        "dummy",
-        0,
-        1,
-        torch.bfloat16,
-        device,
-        dummy_config=small_llama(),
-        attn_backend=TritonAttentionBackend(),
-        tp=group,
-    )
-    shard.decode_chain = False
     sends = []
     sent_rows = one_shot.norm.sent_rows
     one_shot.norm.sent_rows = lambda y: sends.append(tuple(y.shape)) or sent_rows(y)
-    gather = ShardedSampler(group, shard.vocab).all_gather_rows
     logits = {}
     # The pass without early sends first: every kernel of the steps (cuBLAS's for each row count,
     # the GEMM's variants) loads then, when no peer spins. Loading one while a peer's one-shot spins
