@@ -369,16 +369,20 @@ else:
             )
             assert torch.equal(total, table[resolved])
 
-    def test_a_ranks_embedding_takes_one_launch_with_the_torch_paths_rows():
+    def test_a_ranks_embedding_takes_one_launch_with_the_torch_paths_rows(monkeypatch):
         # services/worker/model/layers.py's Embedding of a vocabulary slice, before its all-reduce.
+        from strata.services.worker.model import layers
         from strata.services.worker.model.layers import Embedding
         from strata.services.worker.tensor_parallel.vocab import VocabShard
 
         class Unsummed:  # the rank's own rows (the group's sum is tested with the group)
-            size = 2
-
             def all_reduce_(self, x):
                 return x
+
+        launches = []
+        kernels = layers._fused_kernels()
+        one_launch = kernels.embed_tokens
+        monkeypatch.setattr(kernels, "embed_tokens", lambda *a, **kw: launches.append(kw) or one_launch(*a, **kw))
 
         shard = VocabShard(100, 1, 2)  # ids 64-99 real, 100-127 padding
         embedding = Embedding(shard.local, 32, "cpu", torch.float16, vocab=shard, reduce=Unsummed())
@@ -389,6 +393,7 @@ else:
         for fused in (True, False):
             embedding.fused_kernels = fused
             rows[fused] = embedding(ids, placeholders)
+        assert launches == [dict(vocab_offset=64, vocab_valid=36)]  # the fused pass's one launch, the torch pass none
         assert torch.equal(rows[True], rows[False])
         assert torch.equal(rows[True][3], embedding.weight[80 - 64]) and not rows[True][0].any()
 
