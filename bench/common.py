@@ -150,7 +150,6 @@ SERVE_FLAGS = (
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
     "tensor_parallel_no_early_send",
-    "tensor_parallel_early_row_sends",
     "device",
     "dtype",
     "block_size",

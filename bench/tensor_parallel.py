@@ -14,11 +14,9 @@ stages of T ranks) the GPUs allow. For each:
 Each tensor-parallel way also runs its stream phases on a cluster whose ranks skip every
 collective (--tensor-parallel-no-collectives: wrong tokens, right timing): the all-reduce's share
 of a batch-1 decode step is 1 - TPOT without collectives / TPOT with them (and of the streams'
-mean TPOT likewise). With --ab-early-send it runs both stream phases once more with
---tensor-parallel-no-early-send (the decode chain's GEMVs at batch 1 leave the sending to the
-one-shot's own launch: kernels/one_shot_all_reduce.py, "Sent early"); with --ab-early-row-sends,
-with --tensor-parallel-early-row-sends (the small-batch GEMMs' o_proj and down at 2-16 rows send
-their rows early too; experimental).
+mean TPOT likewise). With --ab-early-send it runs the batch-1 phase once more with
+--tensor-parallel-no-early-send (the decode chain's GEMVs leave the sending to the one-shot's own
+launch: kernels/one_shot_all_reduce.py, "Sent early").
 
 It prints the targets measured in the same run (two GPUs, 8B shape: TP2's batch-1 and 16-stream
 TPOT at most 0.6x one GPU's, its mixed offline tok/s at least 1.6x, the all-reduce at most 15% of
@@ -167,20 +165,6 @@ def _way_line(phases: dict) -> str:
     return ", ".join(parts)
 
 
-def _a_b_lines(r: dict, other: dict, what: str, concurrency: int) -> list[tuple[str, str]]:
-    """The stream phases' TPOT of an A/B run of a way beside the way's own."""
-    lines = []
-    for key, stat in ((f"streams_{concurrency}", "mean"), ("streams_1", "p50")):
-        tpot, own = other[key]["tpot_ms"].get(stat), r[key]["tpot_ms"].get(stat)
-        lines.append(
-            (
-                f"{key.replace('_', ' ')} TPOT {what} (A/B)",
-                f"{stat} {common.fmt(tpot, '.3f')} ms (the way's own {common.fmt(own, '.3f')})",
-            )
-        )
-    return lines
-
-
 def run(args) -> int:
     env = common.environment_info(args)
     common.print_header("tensor-parallel", env)
@@ -188,15 +172,12 @@ def run(args) -> int:
     runs, failed = [], 0
     for way in ways:
         ranks, stages, replicas = parse_way(way)
-        # (no collectives, no early sends, early row sends, name): the way, then its A/Bs.
-        plan = [(False, False, args.tensor_parallel_early_row_sends, way)]
+        plan = [(False, False, way)]
         if ranks > 1:
-            plan.append((True, False, False, f"{way} without collectives"))
+            plan.append((True, False, f"{way} without collectives"))
             if args.ab_early_send:
-                plan.append((False, True, False, f"{way} without early sends"))
-            if args.ab_early_row_sends:
-                plan.append((False, False, True, f"{way} with early row sends"))
-        for no_collectives, no_early_send, row_sends, name in plan:
+                plan.append((False, True, f"{way} without early sends"))
+        for no_collectives, no_early_send, name in plan:
             run_args = common.with_overrides(
                 args,
                 tensor_parallel_size=ranks,
@@ -204,13 +185,13 @@ def run(args) -> int:
                 data_parallel_size=replicas,
                 tensor_parallel_no_collectives=no_collectives,
                 tensor_parallel_no_early_send=no_early_send,
-                tensor_parallel_early_row_sends=row_sends,
             )
-            a_b = no_collectives or no_early_send or row_sends != args.tensor_parallel_early_row_sends
             print(f"\n--- {name}", flush=True)
             with common.cluster_for(run_args) as endpoints:
-                streams = [args.concurrency, 1]
-                phases = common.run(_run_way(endpoints, run_args, not a_b, streams))
+                # Without collectives both stream phases (each one's all-reduce share); the A/B at batch 1 only.
+                streams = [1] if no_early_send else [args.concurrency, 1]
+                offline = not (no_collectives or no_early_send)
+                phases = common.run(_run_way(endpoints, run_args, offline, streams))
             runs.append(
                 {
                     "way": way,
@@ -219,8 +200,6 @@ def run(args) -> int:
                     "replicas": replicas,
                     "no_collectives": no_collectives,
                     "no_early_send": no_early_send,
-                    "early_row_sends": row_sends,
-                    "a_b": a_b,
                     **phases,
                 }
             )
@@ -231,7 +210,7 @@ def run(args) -> int:
     base = next((r for r in runs if r["way"] == "1"), None)
     rows_md = []
     for r in runs:
-        if r["a_b"]:
+        if r["no_collectives"] or r["no_early_send"]:
             continue
         title = f"{r['way']} ({r['replicas']} replica(s) of {r['stages']} stage(s) of {r['ranks']} rank(s))"
         lines = []
@@ -267,10 +246,10 @@ def run(args) -> int:
                         f"({without:.2f} ms without collectives, {with_c:.2f} with)",
                     )
                 )
-        for key, what in (("no_early_send", "without early sends"), ("early_row_sends", "with early row sends")):
-            other = next((x for x in runs if x["way"] == r["way"] and x["a_b"] and x[key]), None)
-            if other is not None:
-                lines += _a_b_lines(r, other, what, args.concurrency)
+        late = next((x for x in runs if x["way"] == r["way"] and x["no_early_send"]), None)
+        if late is not None:
+            tpot = late["streams_1"]["tpot_ms"].get("p50")
+            lines.append(("batch-1 TPOT without early sends (A/B)", f"p50 {common.fmt(tpot, '.3f')} ms"))
         ratios = {}
         if base is not None and r is not base:
             ratios = {

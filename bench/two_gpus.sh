@@ -39,7 +39,8 @@
 # wave's arrivals split over plans built the moment a slot freed, which plan pacing (f5c2cba) fixed.
 # Session 21 ran ipc-large (the fused one-shot beat NCCL-then-norm to 32 MiB: e9946d5 serves prefill's
 # sums with it) and `tp ipc 1,tp2` (16 streams 0.607x by the mean, request latency 0.604x: missed), then
-# lost x2. Next: early-rows-tests, then tp-early-rows (the small-batch GEMMs' row sends, experimental).
+# lost x2. Session 22 ran the small-batch GEMMs' early row sends on two GPUs: the same bits, no gain
+# (16 streams 3.067 ms by the mean with and without), and two ranks sharing one GPU hung again; removed.
 #
 # Here, first: bench/gpu_wheels.sh (the wheels the GPU image lacks, into bench/build/whl) and
 # SmolLM2's tokenizer in bench/build/tokenizer (strata build-model smollm2-135m writes one; the GPU
@@ -49,8 +50,6 @@
 #   bash bench/two_gpus.sh COMMIT waves         # the 16-stream phase with the scheduler's per-step debug log (waves.log.gz)
 #   bash bench/two_gpus.sh COMMIT ipc-large     # the ipc one-shot (and fused with the norm) against NCCL at prefill
 #                                               # sizes past its 8 MiB: 12-32 MiB, 1,536-4,096 rows of 4,096
-#   bash bench/two_gpus.sh COMMIT early-rows-tests  # --tensor-parallel-early-row-sends' tests, one GPU and two
-#   bash bench/two_gpus.sh COMMIT tp-early-rows # issue 51's bench (1,tp2) with the early row sends' A/B
 #   bash bench/two_gpus.sh COMMIT prefill-overlap  # a TP2 prefill's sums beside its GEMMs (rows in two pieces)
 #   bash bench/two_gpus.sh COMMIT tp-tests      # the one-shot's two-GPU tests, then tensor parallelism's (NCCL, ipc)
 #   bash bench/two_gpus.sh COMMIT tp-faults     # only tensor parallelism's lost-rank tests, with their logs
@@ -101,15 +100,6 @@ case $phase in
         --rows "$rows" --hidden 4096 --output "$OUT/hop_$rows.json"
     done
     run all_reduce 120 python -m strata.bench.all_reduce --json "$OUT/all_reduce.json"
-    ;;
-  early-rows-tests)  # session 21's one-GPU run of the first test hung (RESULTS): its early pass ran first
-    run early_rows_tests 300 python -m pytest -q -x -rA -p no:cacheprovider \
-      tests/gpu/test_one_shot_all_reduce_gpu.py tests/gpu/test_tensor_parallel_gpu.py -k "sending_their_rows or send_their_rows"
-    ;;
-  tp-early-rows)
-    run tp8b_rows 560 strata bench tensor-parallel --model dummy:llama-3-8b --tokenizer "$TOK" --no-progress \
-      --ways 1,tp2 --shape mixed --num-prompts 1024 --latency-num-prompts 128 --tensor-parallel-all-reduce ipc \
-      --ab-early-row-sends --output "$OUT/tp8b_rows.json"
     ;;
   prefill-overlap)
     run prefill_overlap 300 python -m strata.bench.prefill_overlap --rows 1536,4096 --chunks 2 --carveout 0,16 \

@@ -37,10 +37,7 @@ call k, before it computes anything it sends).
 
 The norm variant (one_shot_all_reduce_add_rms_norm) gives each program a whole row of a
 row-parallel output and, after step 3, adds the residual and normalises the row as rmsnorm.py
-does: the launch after o_proj or down, and the norm's own launch, become one. Its rows are sent
-early too, by the small-batch GEMM's o_proj and down (kernels/small_batch_linear.py, 2-16 rows):
-each column block's last program sends its tile of every row (send_rows), with the parity of
-that row's program.
+does: the launch after o_proj or down, and the norm's own launch, become one.
 
 Two sets of slots, alternating by the parity of a per-program count of calls kept in this rank's
 memory (programs past a call's grid miss that call on every rank alike, since every rank runs the
@@ -142,21 +139,6 @@ def send_part(
     seq = tl.load(seq_ptr + first // BLOCK, volatile=True) + 1
     x = _sendable(x, False, BITS, EMPTY)
     _send(x, offs, mask, seq % 2, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
-
-
-@triton.jit
-def send_rows(
-    y, rows, cols, mask, seq_ptr, capacity,
-    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-    WIDTH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr,
-):  # fmt: skip
-    """send_part for the norm variant (one_shot_all_reduce_add_rms_norm(sent=True)), whose program
-    r owns row r: the elements y [R, C] at rows x cols of a row-parallel output WIDTH wide, each
-    row into the slots of the call its program makes next."""
-    seq = tl.load(seq_ptr + rows, volatile=True) + 1
-    y = _sendable(y, False, BITS, EMPTY)
-    offs = rows[:, None] * WIDTH + cols[None, :]
-    _send(y, offs, mask, (seq % 2)[:, None], capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
 
 
 @triton.jit
@@ -323,7 +305,6 @@ def _one_shot_all_reduce_norm_kernel(
     EMPTY: tl.constexpr,
     LOOP: tl.constexpr,  # more rows than programs: each program sends all of its rows, then gathers them
     CHUNK: tl.constexpr,  # with LOOP: rows a program sends at once
-    SENT: tl.constexpr,  # the GEMM before it sent this rank's rows (send_rows): it only gathers
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One row a program (or, with LOOP, rows pid, pid + programs, ...): its all-reduce, then
@@ -367,8 +348,7 @@ def _one_shot_all_reduce_norm_kernel(
         offs = pid * HIDDEN + cols
         x = _sendable(tl.load(x_ptr + offs, mask=mask, other=0.0), False, BITS, EMPTY)
         residual = _residual(residual_ptr, offs, mask, x, ADD_RESIDUAL)
-        if not SENT:
-            _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
+        _send(x, offs, mask, parity, capacity, buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7, RANK, WORLD)
         _gather_norm_row(
             x, residual, weight, out_ptr, residual_out_ptr, offs, mask, parity, abort_address, capacity, eps,
             buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
@@ -402,15 +382,11 @@ class Exchange:
         held = self.buffers[0].dtype
         return dtype == held and numel <= self.capacity and programs_for(numel, dtype) <= MAX_PROGRAMS
 
-    def takes_early_row_sends(self, rows: int, width: int, dtype: torch.dtype) -> bool:
-        """The same for the norm variant's rows (send_rows): a program a row, none looping."""
-        return dtype == self.buffers[0].dtype and rows * width <= self.capacity and rows <= MAX_PROGRAMS
-
 
 def send_part_args(exchange: Exchange | None, dtype: torch.dtype, dummy: torch.Tensor) -> tuple[list, dict]:
     """send_part's arguments in a sending kernel (seq_ptr, capacity, buf0..buf7) and its
     constexprs (SEND, RANK, WORLD, AR_BLOCK, BITS, EMPTY); with no exchange, SEND off and `dummy`
-    for the pointers, which are then never read. send_rows takes the same but AR_BLOCK."""
+    for the pointers, which are then never read."""
     if exchange is None:
         return [dummy, 0, *[dummy] * MAX_RANKS], dict(SEND=False, RANK=0, WORLD=1, AR_BLOCK=1, **_mark_args(dtype))
     constexprs = dict(SEND=True, RANK=exchange.rank, WORLD=len(exchange.buffers), AR_BLOCK=block_for(dtype))
@@ -486,16 +462,13 @@ def one_shot_all_reduce_add_rms_norm(
     out: torch.Tensor,
     residual_out: torch.Tensor,
     exchange: Exchange,
-    sent: bool = False,
 ) -> None:
     """out = rms_norm(x summed over the ranks (+ residual)), residual_out = that sum (+ residual),
     for contiguous x, residual, out and residual_out of [rows, hidden]; rows * hidden at most
     exchange.capacity. residual_out may be x or residual (a program reads its row before it writes
-    it). As one_shot_all_reduce: the same calls on every rank. sent: the GEMM that wrote x sent
-    its rows already (send_rows; exchange.takes_early_row_sends)."""
+    it). As one_shot_all_reduce: the same calls on every rank."""
     rows, hidden = x.shape
     assert rows * hidden <= exchange.capacity, (x.shape, exchange.capacity)
-    assert not sent or exchange.takes_early_row_sends(rows, hidden, x.dtype), (x.shape, x.dtype)
     pdl = dependent_launch_supported(x.device)
     block = triton.next_power_of_2(hidden)
     add = residual is not None
@@ -518,7 +491,6 @@ def one_shot_all_reduce_add_rms_norm(
         **_mark_args(x.dtype),
         LOOP=rows > MAX_PROGRAMS,
         CHUNK=min(triton.next_power_of_2(triton.cdiv(rows, MAX_PROGRAMS)), MAX_CHUNK_ROWS),
-        SENT=sent,
         PDL=pdl,
         num_warps=row_warps(block),  # rmsnorm.py's: the same order of the sum of squares, the same bits
         **launch_options(pdl),

@@ -18,10 +18,6 @@ not shrink with tensor parallelism, so they hold a rank's step above half of one
 - Weights before the wait. With PDL (kernels/dependent_launch.py) each program loads its first W
   tile before gdc_wait, while the kernel ahead of it (the one-shot all-reduce, the attention, the
   norm or gate_up) still runs.
-- Rows sent early. A tensor-parallel rank's o_proj and down (send_to: the norm one-shot's
-  exchange) send each finished tile to the peers as their last split ends, so the one-shot after
-  them only gathers (kernels/one_shot_all_reduce.py, "Sent early"): the NVLink trip overlaps the
-  GEMM's tail rather than following its end.
 
 Rounding follows F.linear then F.silu(gate) * up: the projection is rounded to the activation
 dtype before the activation, the activation before the product. Only summation orders differ.
@@ -41,7 +37,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from strata.kernels.activation import silu_mul
 from strata.kernels.arrival_counters import arrival_counters
 from strata.kernels.dependent_launch import dependent_launch_supported, launch_options
-from strata.kernels.one_shot_all_reduce import send_part_args, send_rows
 
 __all__ = ["MAX_ROWS", "SmallBatchConfig", "choose_config", "serves", "small_batch_linear"]
 
@@ -109,18 +104,6 @@ def _small_batch_linear_kernel(
     M,
     stride_x,
     stride_out,
-    # With SEND, the norm one-shot that sums out over the ranks next (its exchange's sequence
-    # numbers and every rank's buffer): the last split of each column block sends its tile.
-    seq_ptr,
-    capacity,
-    buf0,
-    buf1,
-    buf2,
-    buf3,
-    buf4,
-    buf5,
-    buf6,
-    buf7,
     N: tl.constexpr,  # output columns; with SILU_MUL W has 2N rows, gate's then up's
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -130,11 +113,6 @@ def _small_batch_linear_kernel(
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    SEND: tl.constexpr,
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
-    BITS: tl.constexpr,
-    EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -190,24 +168,10 @@ def _small_batch_linear_kernel(
                     acc_up += tl.load(
                         part + s * BLOCK_M * width + N, mask=n_mask[None, :], other=0.0, cache_modifier=".cg"
                     )
-            y = _epilogue(
-                acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_out, N, SILU_MUL, HAS_BIAS
-            )
+            _epilogue(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_out, N, SILU_MUL, HAS_BIAS)
             tl.store(arrivals_ptr + pid_n, 0)  # ready for the next launch
-            if SEND:
-                send_rows(
-                    y, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], seq_ptr, capacity,
-                    buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-                    N, RANK, WORLD, BITS, EMPTY,
-                )  # fmt: skip
     else:
-        y = _epilogue(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_out, N, SILU_MUL, HAS_BIAS)
-        if SEND:
-            send_rows(
-                y, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], seq_ptr, capacity,
-                buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7,
-                N, RANK, WORLD, BITS, EMPTY,
-            )  # fmt: skip
+        _epilogue(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_out, N, SILU_MUL, HAS_BIAS)
 
 
 @triton.jit
@@ -234,7 +198,6 @@ def _epilogue(
     if SILU_MUL:  # the projection rounded first, as gate_up's output is before F.silu(gate) * up
         y = silu_mul(y, acc_up.to(dtype)).to(dtype)
     tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
-    return y
 
 
 # Decided when the kernel is defined, as triton.jit decides (TRITON_INTERPRET read at decoration).
@@ -261,12 +224,9 @@ def small_batch_linear(
     *,
     silu_mul: bool = False,
     config: SmallBatchConfig | None = None,
-    send_to=None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most MAX_ROWS rows (see serves); with silu_mul,
-    silu(gate) * up of that [gate | up] projection, [M, N / 2]. send_to: the exchange of the norm
-    one-shot (kernels/one_shot_all_reduce.py) that sums the output over the ranks next, with
-    sent=True: its rows go to the peers from here."""
+    silu(gate) * up of that [gate | up] projection, [M, N / 2]."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     config = config or choose_config(rows=weight.shape[0], k=k, silu_mul=silu_mul)
@@ -283,9 +243,6 @@ def small_batch_linear(
         partial = torch.empty(
             (config.split_k, MAX_ROWS, 2 * n if silu_mul else n), dtype=torch.float32, device=x.device
         )
-    send_args, send_constexprs = send_part_args(send_to, x.dtype, out)
-    send_constexprs.pop("AR_BLOCK")  # (send_rows: the rows are the blocks)
-    assert send_to is None or (not silu_mul and send_to.takes_early_row_sends(m, n, x.dtype)), (m, n, x.dtype)
     pdl = dependent_launch_supported(x.device)
     _small_batch_linear_kernel[(blocks, config.split_k)](
         x,
@@ -297,7 +254,6 @@ def small_batch_linear(
         m,
         x.stride(0),
         out.stride(0),
-        *send_args,
         N=n,
         K=k,
         BLOCK_M=MAX_ROWS,
@@ -307,7 +263,6 @@ def small_batch_linear(
         SILU_MUL=silu_mul,
         HAS_BIAS=bias is not None,
         NUM_STAGES=config.num_stages,
-        **send_constexprs,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

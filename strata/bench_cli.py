@@ -236,19 +236,8 @@ def _tensor_parallel_parser(sub, formatter_class) -> None:
     p.add_argument(
         "--ab-early-send",
         action="store_true",
-        help="each tensor-parallel way also runs its stream phases with --tensor-parallel-no-early-send: the decode "
-        "chain's row-parallel GEMVs (batch 1) leave the sending to the one-shot's own launch (an A/B)",
-    )
-    p.add_argument(
-        "--tensor-parallel-early-row-sends",
-        action="store_true",
-        help="every tensor-parallel way with the small-batch GEMMs' early row sends (strata serve's experimental flag)",
-    )
-    p.add_argument(
-        "--ab-early-row-sends",
-        action="store_true",
-        help="each tensor-parallel way also runs its stream phases with --tensor-parallel-early-row-sends: o_proj and "
-        "down at 2-16 rows send their rows as they end, and the norm one-shot after them only gathers (an A/B)",
+        help="each tensor-parallel way also runs its batch-1 phase with --tensor-parallel-no-early-send: the decode "
+        "chain's row-parallel GEMVs leave the sending to the one-shot's own launch (an A/B)",
     )
     p.add_argument(
         "--no-plan-pacing",

@@ -214,17 +214,8 @@ FLAGS: dict[str, Flag] = {
         "STRATA_TENSOR_PARALLEL_NO_EARLY_SEND",
         False,
         "benchmarks only (an A/B): with --tensor-parallel-all-reduce ipc, the batch-1 decode chain's o_proj and "
-        "down (and, with --tensor-parallel-early-row-sends, the small-batch GEMMs of 2-16 rows) no longer send "
-        "their rows to the peers as they end; the one-shot's own launch sends them "
+        "down no longer send their rows to the peers as they end; the one-shot's own launch sends them "
         '(kernels/one_shot_all_reduce.py, "Sent early"). Same tokens',
-        bool,
-    ),
-    "tensor_parallel_early_row_sends": Flag(
-        "STRATA_TENSOR_PARALLEL_EARLY_ROW_SENDS",
-        False,
-        "experimental, off until two GPUs have run its tests (bench/RESULTS.md, session 21): with "
-        "--tensor-parallel-all-reduce ipc, the small-batch GEMMs' o_proj and down at 2-16 rows send their rows "
-        "to the peers as they end and the norm one-shot after them only gathers. Same tokens",
         bool,
     ),
     "collective_timeout": Flag(
@@ -504,7 +495,6 @@ WORKER_FLAGS = (
     "tensor_parallel_all_reduce",
     "tensor_parallel_no_collectives",
     "tensor_parallel_no_early_send",
-    "tensor_parallel_early_row_sends",
 )
 # The scheduler's own flags, which `strata serve` forwards to the scheduler it starts.
 ENGINE_FLAGS = (

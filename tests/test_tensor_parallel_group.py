@@ -68,51 +68,6 @@ def test_tearing_the_group_down_releases_the_one_shots_waits():
         group.all_reduce_(torch.ones(3))
 
 
-def test_gemms_send_rows_early_only_where_switched_on_and_the_group_is_whole():
-    """early_row_sender offers the norm one-shot to a small-batch GEMM only with
-    --tensor-parallel-early-row-sends (experimental), early sends on, collectives run, the group
-    whole, and rows the one-shot takes."""
-    from strata.services.worker.tensor_parallel.group import TensorParallelGroup
-
-    class NormOneShot:
-        def takes_row_sends(self, rows, width, dtype):
-            return rows <= 16
-
-    group = TensorParallelGroup(0, 2, torch.device("cpu"))
-    group.broken, group.one_shot_norm = None, NormOneShot()
-    assert group.early_row_sender(8, 4096, torch.bfloat16) is None  # off by default
-    group.send_rows_early = True
-    assert group.early_row_sender(8, 4096, torch.bfloat16) is group.one_shot_norm
-    assert group.early_row_sender(17, 4096, torch.bfloat16) is None
-    group.send_early = False  # --tensor-parallel-no-early-send
-    assert group.early_row_sender(8, 4096, torch.bfloat16) is None
-    group.send_early, group.skip_collectives = True, True
-    assert group.early_row_sender(8, 4096, torch.bfloat16) is None
-    group.skip_collectives, group.broken = False, "a peer is gone"
-    assert group.early_row_sender(8, 4096, torch.bfloat16) is None
-
-
-def test_rows_sent_early_are_gathered_by_the_next_norm_call_or_it_fails_loudly():
-    """The norm one-shot after a GEMM that sent its rows must be on those rows, and able to take
-    them: any other way would leave the peer's slots with rows nobody gathers, or sum them twice."""
-    from strata.services.worker.tensor_parallel.ipc_all_reduce import IpcAllReduce
-
-    shot = object.__new__(IpcAllReduce)  # (its buffers need CUDA; the bookkeeping does not)
-    shot.kind, shot.dtype, shot.capacity = "norm", torch.bfloat16, 1 << 20
-    shot.aborted, shot.row_width, shot.sent = False, None, None
-    weight = torch.ones(64, dtype=torch.bfloat16)
-    sent = torch.zeros(8, 64, dtype=torch.bfloat16)
-    shot.sent_rows(sent)
-    with pytest.raises(RuntimeError, match="sent early"):  # another message
-        shot.add_rms_norm(torch.zeros(8, 64, dtype=torch.bfloat16), None, weight, 1e-5)
-    assert shot.sent is None
-    shot.sent_rows(sent)
-    residual = torch.zeros(64, 8, dtype=torch.bfloat16).t()  # not contiguous: the one-shot cannot take it
-    with pytest.raises(RuntimeError, match="sent early"):
-        shot.add_rms_norm(sent, residual, weight, 1e-5)
-    assert shot.add_rms_norm(sent, residual, weight, 1e-5) is None  # nothing sent: the caller sums it
-
-
 def test_an_abort_that_blocks_never_holds_the_caller_and_its_steps_return_no_tokens():
     """NCCL's abort takes seconds, and on the event loop it once never returned: the worker stopped
     answering the scheduler's InitCache (two H200s). So it runs on its own thread, and a step that

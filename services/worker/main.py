@@ -232,7 +232,6 @@ def tensor_parallel_group(args, device: torch.device) -> TensorParallelGroup:
     )
     group.skip_collectives = args.tensor_parallel_no_collectives
     group.send_early = not args.tensor_parallel_no_early_send
-    group.send_rows_early = args.tensor_parallel_early_row_sends
     if group.skip_collectives:
         log.warning("--tensor-parallel-no-collectives: this stage's tokens are wrong (benchmarks only)")
     return group

@@ -291,51 +291,6 @@ def test_the_layers_with_fused_all_reduces_give_gloos_logits():
         assert fused_prefill == prefill and fused_decode == decode
 
 
-def _layers_sending_rows(rank, one_shot):
-    """The same shard with o_proj and down on the small-batch GEMM (tuned here for its rank shapes)
-    at decode batches of 2 and 8 rows: with their rows sent early, and with the norm one-shot
-    sending them itself. The logits of both, and how many GEMMs sent."""
-    from strata.kernels import small_batch_linear as sbl
-    from strata.services.worker.model.attention import allocate_kv_cache
-    from tests.paged_inputs import SequenceChunk, build_step_inputs
-
-    sbl.TUNED[(1024, 512, False)] = sbl.SmallBatchConfig(32, 128, 2, 3)  # o_proj: two splits, the last sends
-    sbl.TUNED[(1024, 1408, False)] = sbl.SmallBatchConfig(32, 128, 1, 3)  # down
-    sbl.TUNED[(2816, 1024, True)] = sbl.SmallBatchConfig(32, 128, 1, 3)  # gate_up with SiLU
-    device = one_shot.buffer.device
-    group, shard, local, gather = _gloo_shard(rank, one_shot, 4)
-    group.one_shot, group.one_shot_norm = one_shot, one_shot.norm
-    group.send_rows_early = True  # (--tensor-parallel-early-row-sends)
-    sends = []
-    sent_rows = one_shot.norm.sent_rows
-    one_shot.norm.sent_rows = lambda y: sends.append(tuple(y.shape)) or sent_rows(y)
-    logits = {}
-    # The pass without early sends first: every kernel of the steps (cuBLAS's for each row count,
-    # the GEMM's variants) loads then, when no peer spins. Loading one while a peer's one-shot spins
-    # may wait for the GPU to go idle (CUDA's lazy loading; under MPS both ranks share a context):
-    # the first version of this test ran the early pass first and hung there.
-    for early in (False, True):
-        group.send_early = early
-        caches = allocate_kv_cache(len(shard.layers), 16, 16, local.num_key_value_heads, 64, torch.bfloat16, device)
-        prompts = [SequenceChunk(list(range(3 + i, 20 + 2 * i)), 0, [2 * i, 2 * i + 1]) for i in range(8)]
-        steps = [prompts[:2], [SequenceChunk([7], 17, [0, 1]), SequenceChunk([9], 18, [2, 3])], prompts[2:]]
-        steps.append([SequenceChunk([5 + i], len(p.token_ids) + (i < 2), p.block_ids) for i, p in enumerate(prompts)])
-        for chunks in steps:
-            inputs = build_step_inputs(chunks, block_size=16, device=device)
-            hidden, residual = shard(inputs.input_ids, inputs.positions, None, None, caches, inputs.meta)
-            logits.setdefault(early, []).append(gather(shard.compute_logits(hidden, residual)).float().cpu().tolist())
-    group.abort("done")
-    return logits[True], logits[False], sends  # (sends: the early pass's only)
-
-
-def test_small_batch_gemms_sending_their_rows_early_give_the_same_logits():
-    for early, late, sends in _on_ranks(_layers_sending_rows, spread=False):  # (gloo's ranks share a GPU)
-        # o_proj in each of the 4 layers, down in the first 3 (the last's is summed whole), at the
-        # decodes of 2 and of 8 rows; the prefills (past 16 rows) take cuBLAS, which sends nothing.
-        assert sends == [(2, 1024)] * 7 + [(8, 1024)] * 7
-        assert early == late
-
-
 @pytest.mark.parametrize("spread", PLACEMENTS)
 def test_a_chain_of_dependent_launches_around_it(spread):
     (y0, z0, same0, after0), (y1, z1, same1, after1) = _on_ranks(_chained, spread)

@@ -81,23 +81,14 @@ class DecoderLayer(nn.Module):
         defer_output: a dense MLP's output stays this rank's partial; the next layer's
         before_attention sums it (input_reduce = output_reduce(True))."""
         if not self.sandwich_norms:
-            sender = self._row_sender(attn)
-            out = self.self_attn.o_proj(attn, reduce=False, send_to=sender)
+            out = self.self_attn.o_proj(attn, reduce=False)
             hidden, residual = self.post_attention_layernorm.add_and_norm(out, residual, in_place, reduce=self.reduce)
             if defer_output and self.defers_output_reduce:
-                return self.mlp(hidden, reduce=False, send_to=sender), residual
+                return self.mlp(hidden, reduce=False), residual
             return self.mlp(hidden), residual
         out = self.post_attention_layernorm(self.self_attn.o_proj(attn))
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(out, residual, in_place)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
-
-    def _row_sender(self, attn: torch.Tensor):
-        """The norm one-shot that o_proj's and a deferred down's small-batch GEMMs may send their
-        rows into (TensorParallelGroup.early_row_sender), or None. Only where the norms after
-        them take the fused path, which is the one that gathers what was sent."""
-        if self.reduce is None or not self.post_attention_layernorm._use_fused(attn):
-            return None
-        return self.reduce.early_row_sender(attn.shape[0], self.post_attention_layernorm.weight.shape[0], attn.dtype)
 
     def output_reduce(self, defer_output: bool):
         """The group over which after_attention(defer_output=...)'s hidden is still to be summed."""

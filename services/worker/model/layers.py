@@ -55,20 +55,13 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
-    def forward(
-        self, x: torch.Tensor, out: torch.Tensor | None = None, reduce: bool = True, send_to=None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
         """out: a buffer of [T, out_features] to write y into (the same cuBLAS GEMM as F.linear).
-        reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce).
-        send_to: with reduce False, the norm one-shot that sums y next
-        (TensorParallelGroup.early_row_sender): the small-batch GEMM sends y's rows as it ends."""
+        reduce False: this rank's partial y, which the caller sums (RMSNorm.add_and_norm's reduce)."""
         if out is None:
             small = _fused_kernels().small_batch_linear if x.is_cuda else None
             if small is not None and small.serves(x, self.weight):  # 2-16 rows of a tuned shape
-                exchange = None if send_to is None else send_to.exchange
-                y = small.small_batch_linear(x, self.weight, self.bias, send_to=exchange)
-                if send_to is not None:
-                    send_to.sent_rows(y)
+                y = small.small_batch_linear(x, self.weight, self.bias)
             else:
                 y = F.linear(x, self.weight, self.bias)
         elif self.bias is None:
@@ -420,17 +413,16 @@ class MLP(FusedKernelSwitch, nn.Module):
         )
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, send_to=None) -> torch.Tensor:
-        """reduce False: this rank's partial output (tensor parallelism), summed by the caller;
-        send_to: the norm one-shot that sums it, as Linear's."""
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce False: this rank's partial output (tensor parallelism), summed by the caller."""
         if self._use_fused(x):
             kernels = _fused_kernels()
             small, gate_up = kernels.small_batch_linear, self.gate_up_proj
             if not self.gelu_tanh and small.serves(x, gate_up.weight, silu_mul=True):
                 # SiLU in gate_up's epilogue: no activation launch, and down reads [T, I].
                 act = small.small_batch_linear(x, gate_up.weight, gate_up.bias, silu_mul=True)
-                return self.down_proj(act, reduce=reduce, send_to=send_to)
+                return self.down_proj(act, reduce=reduce)
             act = kernels.gelu_tanh_and_mul if self.gelu_tanh else kernels.silu_and_mul
         else:
             act = gelu_tanh_and_mul_reference if self.gelu_tanh else silu_and_mul_reference
-        return self.down_proj(act(self.gate_up_proj(x)), reduce=reduce, send_to=send_to)
+        return self.down_proj(act(self.gate_up_proj(x)), reduce=reduce)

@@ -87,9 +87,6 @@ class TensorParallelGroup:
         # tokens, the step's time without its communication).
         self.skip_collectives = False
         self.send_early = True  # (--tensor-parallel-no-early-send: the bench's A/B)
-        # The small-batch GEMMs' row sends (early_row_sender): off until proven on two GPUs
-        # (--tensor-parallel-early-row-sends; bench/RESULTS.md, session 21).
-        self.send_rows_early = False
 
     @property
     def active(self) -> bool:
@@ -245,16 +242,6 @@ class TensorParallelGroup:
         if shot is None or not self.send_early or self.size == 1 or self.skip_collectives or self.broken is not None:
             return None
         return shot if shot.takes_early_sends(numel, dtype) else None
-
-    def early_row_sender(self, rows: int, width: int, dtype: torch.dtype):
-        """The same for the sum fused with the add and norm (all_reduce_add_norm): the ipc
-        one-shot whose rows a GEMM of rows x width may send as it ends (Linear's send_to), or None.
-        The GEMM marks what it sent (sent_rows); the next all_reduce_add_norm, which must be on
-        those rows, only gathers them."""
-        shot = self.one_shot_norm
-        if shot is None or not (self.send_early and self.send_rows_early) or self.size == 1 or self.skip_collectives:
-            return None
-        return shot if self.broken is None and shot.takes_row_sends(rows, width, dtype) else None
 
     def all_reduce_(self, x: torch.Tensor, sent=None) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits). sent: the

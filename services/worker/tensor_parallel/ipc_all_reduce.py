@@ -68,8 +68,6 @@ class IpcAllReduce:
         self.aborted = False
         # add_rms_norm's rows: a program owns one, the same place in the buffers only at one width.
         self.row_width: int | None = None
-        # The message a GEMM sent already (sent_rows): the next add_rms_norm must be its, and only gathers.
-        self.sent: torch.Tensor | None = None
         if max_bytes is None:
             two_ranks = MAX_NORM_BYTES_TWO_RANKS if kind == "norm" else MAX_BYTES_TWO_RANKS
             max_bytes = two_ranks if size == 2 else MAX_BYTES
@@ -115,17 +113,6 @@ class IpcAllReduce:
 
         one_shot_all_reduce(x.view(-1), self.exchange, sent=True)
 
-    def takes_row_sends(self, rows: int, width: int, dtype: torch.dtype) -> bool:
-        """Whether a GEMM may send the rows add_rms_norm sums next (kernels/small_batch_linear.py's
-        send_to): this kind, one launch that does not loop, the width its rows have."""
-        if self.kind != "norm" or self.aborted or self.row_width not in (None, width):
-            return False
-        return self.exchange.takes_early_row_sends(rows, width, dtype)
-
-    def sent_rows(self, y: torch.Tensor) -> None:
-        """The GEMM that wrote y sent it (takes_row_sends said it may)."""
-        self.sent = y
-
     def add_rms_norm(
         self,
         x: torch.Tensor,
@@ -140,34 +127,23 @@ class IpcAllReduce:
         from strata.kernels.one_shot_all_reduce import one_shot_all_reduce_add_rms_norm
         from strata.kernels.rmsnorm import norm_output_dtype
 
-        sent_tensor, self.sent = self.sent, None
-        sent = sent_tensor is not None
-        if sent and (sent_tensor.data_ptr() != x.data_ptr() or not self._takes(x, residual, residual_out)):
-            # Rows sent early are gathered by the next call, on them: any other way sums them twice.
-            raise RuntimeError("tensor parallel: rows sent early reached a norm that cannot take them")
-        if not sent and not self._takes(x, residual, residual_out):
+        if self.kind != "norm" or x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
             return None
-        self.row_width = x.shape[1]
+        rows, width = x.shape
+        if rows * width > self.capacity or self.row_width not in (None, width):
+            return None
+        if residual is not None and not (residual.is_contiguous() and residual.dtype == x.dtype):
+            return None
+        if residual_out is not None and not residual_out.is_contiguous():
+            return None
+        self.row_width = width
         out = torch.empty(x.shape, dtype=norm_output_dtype(x, weight, unit_offset), device=x.device)
         if residual is None:
             residual_out = x  # the sum alone, in place (a program reads its row first)
         elif residual_out is None:
             residual_out = torch.empty_like(x)
-        one_shot_all_reduce_add_rms_norm(
-            x, residual, weight, eps, unit_offset, out, residual_out, self.exchange, sent=sent
-        )
+        one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, unit_offset, out, residual_out, self.exchange)
         return out, residual_out
-
-    def _takes(self, x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None) -> bool:
-        """Whether add_rms_norm can take x: this kind, x's dtype, rows that fit, contiguous tensors."""
-        if self.kind != "norm" or x.dim() != 2 or x.dtype != self.dtype or self.aborted or not x.is_contiguous():
-            return False
-        rows, width = x.shape
-        if rows * width > self.capacity or self.row_width not in (None, width):
-            return False
-        if residual is not None and not (residual.is_contiguous() and residual.dtype == x.dtype):
-            return False
-        return residual_out is None or residual_out.is_contiguous()
 
     def abort(self) -> None:
         """Releases every wait of this rank's kernels, now and later (their sums are garbage):
