@@ -80,6 +80,12 @@ def time_way(runner, model: str, way: str, batches: list[int], a, bandwidth: flo
     return rows
 
 
+def _set_knobs(decode_linear, knobs: tuple[int, int, int]) -> None:
+    """The chain's tile bytes, and decode attention's wide-program and split knobs."""
+    decode_linear.TILE_BYTES, wide, per_sm = knobs
+    attention_launch.WIDE_PROGRAMS_MAX_PAIRS, attention_launch.KV_SPLIT_PROGRAMS_PER_SM = wide, per_sm
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="dummy:llama-3.2-1b,dummy:llama-3-8b", help="comma-separated --model values")
@@ -93,6 +99,12 @@ def main() -> None:
         default="",
         help="also time the chain with decode attention at 8 warps up to these many (sequence, KV head) pairs "
         f"and 4 beyond (comma-separated; the default is {attention_launch.WIDE_PROGRAMS_MAX_PAIRS})",
+    )
+    p.add_argument(
+        "--split-programs-per-sm",
+        default="",
+        help="also time the chain with decode attention's KV splits aiming at these many programs per SM "
+        f"(comma-separated; the default is {attention_launch.KV_SPLIT_PROGRAMS_PER_SM})",
     )
     p.add_argument(
         "--tensor-parallel-rank-of",
@@ -114,12 +126,22 @@ def main() -> None:
     ways = [w.strip() for w in a.ways.split(",")]
     from strata.kernels import decode_linear
 
-    default_tile, default_wide = decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS
-    # (way, TILE_BYTES, WIDE_PROGRAMS_MAX_PAIRS): the ways asked, then the chain's variants
-    variants = [(w, default_tile, default_wide) for w in ways]
-    variants += [(f"chain + PDL, {int(kb)} KB", int(kb) * 1024, default_wide) for kb in a.tile_kb.split(",") if kb]
+    defaults = (
+        decode_linear.TILE_BYTES,
+        attention_launch.WIDE_PROGRAMS_MAX_PAIRS,
+        attention_launch.KV_SPLIT_PROGRAMS_PER_SM,
+    )
+    tile, wide, per_sm = defaults
+    # (way, (TILE_BYTES, WIDE_PROGRAMS_MAX_PAIRS, KV_SPLIT_PROGRAMS_PER_SM)): the ways asked, then the chain's variants
+    variants = [(w, defaults) for w in ways]
+    variants += [(f"chain + PDL, {int(kb)} KB", (int(kb) * 1024, wide, per_sm)) for kb in a.tile_kb.split(",") if kb]
     variants += [
-        (f"chain + PDL, 8 warps to {int(n)} pairs", default_tile, int(n)) for n in a.wide_max_pairs.split(",") if n
+        (f"chain + PDL, 8 warps to {int(n)} pairs", (tile, int(n), per_sm)) for n in a.wide_max_pairs.split(",") if n
+    ]
+    variants += [
+        (f"chain + PDL, splits for {int(n)} programs an SM", (tile, wide, int(n)))
+        for n in a.split_programs_per_sm.split(",")
+        if n
     ]
     bandwidth = measure_copy_bandwidth("cuda")
     print(
@@ -133,18 +155,18 @@ def main() -> None:
         num_blocks = runner.kv_caches[0].shape[1]
         itemsize = runner.kv_caches[0].element_size()
         try:
-            for way, tile, wide in variants:
-                decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS = tile, wide
+            for way, knobs in variants:
+                _set_knobs(decode_linear, knobs)
                 chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # sweeps: the default way
                 launches = contextlib.nullcontext() if pdl else dependent_launch.plain_launches()
                 with launches:
                     set_way(runner, num_blocks, chain, fused_attention)
                     rows += time_way(runner, model, way, batches, a, bandwidth, itemsize)
         finally:
-            decode_linear.TILE_BYTES, attention_launch.WIDE_PROGRAMS_MAX_PAIRS = default_tile, default_wide
+            _set_knobs(decode_linear, defaults)
             del runner
             common.free_accelerator_memory()
-    ways = [way for way, _, _ in variants]
+    ways = [way for way, _ in variants]
     print("\n| model | batch | " + " | ".join(f"{w} ms (x floor)" for w in ways) + " | floor ms |")
     print("| --- | --- | " + " | ".join("---" for _ in ways) + " | --- |")
     for model in a.models.split(","):

@@ -27,6 +27,8 @@ class AttentionLaunchConfig:
 
 
 MAX_KV_SPLITS = 64  # the most splits the heuristic picks (each a compiled variant)
+# The programs per SM that a latency-bound decode launch's KV splits aim at (choose_launch_config).
+KV_SPLIT_PROGRAMS_PER_SM = 4
 
 
 def choose_launch_config(
@@ -62,7 +64,7 @@ def choose_launch_config(
             # tiles is latency-bound (each tile waits on a block-table load, then on K/V), so more,
             # shorter splits win at batch 1, merge included (bench_attention.py --cases small;
             # figures: bench/RESULTS.md, "Figures moved from code comments").
-            want = triton.cdiv(4 * sm_count, programs)
+            want = triton.cdiv(KV_SPLIT_PROGRAMS_PER_SM * sm_count, programs)
             most = triton.next_power_of_2(triton.cdiv(max_seq_len, 64))
             num_kv_splits = min(want, most, MAX_KV_SPLITS)
             # Powers of two only: bounds the number of compiled variants.
