@@ -28,6 +28,8 @@ class AttentionLaunchConfig:
 
 MAX_KV_SPLITS = 64  # the most splits the heuristic picks (each a compiled variant)
 # The programs per SM that a latency-bound decode launch's KV splits aim at (choose_launch_config).
+# 4 was the fastest whole 8B step at batches 8 and 16, one GPU and a TP2 rank, against 2, 8 and 16
+# (bench/RESULTS.md, session 22).
 KV_SPLIT_PROGRAMS_PER_SM = 4
 
 
