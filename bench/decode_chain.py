@@ -29,7 +29,7 @@ from strata.bench.cluster_flags import bench_settings
 from strata.bench.roofline import decode_bytes, load_runner, measure_copy_bandwidth, time_decode_step
 from strata.bench.tensor_parallel_rank import rank_flags
 from strata.flags import DEFAULTS
-from strata.kernels import attention_launch, dependent_launch
+from strata.kernels import attention_launch, decode_linear, dependent_launch
 
 # (decode chain, PDL, one-launch decode attention)
 WAYS = {
@@ -80,7 +80,7 @@ def time_way(runner, model: str, way: str, batches: list[int], a, bandwidth: flo
     return rows
 
 
-def _set_knobs(decode_linear, knobs: tuple[int, int, int]) -> None:
+def _set_knobs(knobs: tuple[int, int, int]) -> None:
     """The chain's tile bytes, and decode attention's wide-program and split knobs."""
     decode_linear.TILE_BYTES, wide, per_sm = knobs
     attention_launch.WIDE_PROGRAMS_MAX_PAIRS, attention_launch.KV_SPLIT_PROGRAMS_PER_SM = wide, per_sm
@@ -124,8 +124,6 @@ def main() -> None:
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     ways = [w.strip() for w in a.ways.split(",")]
-    from strata.kernels import decode_linear
-
     defaults = (
         decode_linear.TILE_BYTES,
         attention_launch.WIDE_PROGRAMS_MAX_PAIRS,
@@ -156,14 +154,14 @@ def main() -> None:
         itemsize = runner.kv_caches[0].element_size()
         try:
             for way, knobs in variants:
-                _set_knobs(decode_linear, knobs)
+                _set_knobs(knobs)
                 chain, pdl, fused_attention = WAYS.get(way, WAYS["chain + PDL"])  # sweeps: the default way
                 launches = contextlib.nullcontext() if pdl else dependent_launch.plain_launches()
                 with launches:
                     set_way(runner, num_blocks, chain, fused_attention)
                     rows += time_way(runner, model, way, batches, a, bandwidth, itemsize)
         finally:
-            _set_knobs(decode_linear, defaults)
+            _set_knobs(defaults)
             del runner
             common.free_accelerator_memory()
     ways = [way for way, _ in variants]

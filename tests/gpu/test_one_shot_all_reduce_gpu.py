@@ -232,18 +232,21 @@ def test_the_all_reduce_fused_with_the_add_and_norm_gives_the_unfused_bits(sprea
     assert total0 == total1  # every rank the same normalised rows
 
 
-def _gloo_shard(rank, one_shot, session: int):
-    """A rank of a two-way small Llama (bf16, its layers unfused) over a gloo group of this
-    process's ranks (they share the GPU): (group, shard, its local config, the logits' gather)."""
+def _layers(rank, one_shot):
+    """A rank of a two-way small Llama (bf16) through its unfused layers, a prefill and a decode
+    batch of three, with gloo's all-reduces and then with the one-shots (o_proj's and down's sums
+    fused into the norms after them): the same logits."""
+    from strata.services.worker.model.attention import allocate_kv_cache
     from strata.services.worker.model.triton_backend import TritonAttentionBackend
     from strata.services.worker.model.weights import load_shard
     from strata.services.worker.sampling.sharded import ShardedSampler
     from strata.services.worker.tensor_parallel.group import TensorParallelGroup
     from tests.gpu_shards import small_llama
+    from tests.paged_inputs import SequenceChunk, build_step_inputs
 
     device = one_shot.buffer.device
     group = TensorParallelGroup(rank, 2, device, timeout=60.0, all_reduce="gloo")
-    group.form(one_shot.store, session)
+    group.form(one_shot.store, 3)
     shard, local = load_shard(
         "dummy",
         0,
@@ -255,22 +258,11 @@ def _gloo_shard(rank, one_shot, session: int):
         tp=group,
     )
     shard.decode_chain = False
-    return group, shard, local, ShardedSampler(group, shard.vocab).all_gather_rows
-
-
-def _layers(rank, one_shot):
-    """A rank of a two-way small Llama (bf16) through its unfused layers, a prefill and a decode
-    batch of three, with gloo's all-reduces and then with the one-shots (o_proj's and down's sums
-    fused into the norms after them): the same logits."""
-    from strata.services.worker.model.attention import allocate_kv_cache
-    from tests.paged_inputs import SequenceChunk, build_step_inputs
-
-    device = one_shot.buffer.device
-    group, shard, local, gather = _gloo_shard(rank, one_shot, 3)
     steps = [
         [SequenceChunk(list(range(3, 40)), 0, [0, 1, 2]), SequenceChunk(list(range(50, 70)), 0, [3, 4])],
         [SequenceChunk([7], 37, [0, 1, 2]), SequenceChunk([9], 20, [3, 4])],
     ]
+    gather = ShardedSampler(group, shard.vocab).all_gather_rows
     logits = []
     for fused in (False, True):
         group.one_shot, group.one_shot_norm = (one_shot, one_shot.norm) if fused else (None, None)
